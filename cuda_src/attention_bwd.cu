@@ -1,0 +1,278 @@
+// attention_bwd.cu — attention backward by recomputation: dq, dk, dv from dout, q, k, v, out, lse.
+//
+// Layout: as the forward (block_info.cuh); dq (b, nq, d), dk (b, nk, d), dv (b, nk, dv) contiguous.
+// Nothing of size nq x nk is stored: P is rebuilt tile by tile from the saved lse,
+// P_ij = exp(scale * q_i . k_j - lse_i). Three launches, no atomics, so results are
+// bitwise reproducible:
+//  1. preprocess:  delta_i = rowsum(dout_i * out_i) and lse_log2_i = lse_i * log2(e) (workspace, O(nq)).
+//  2. dK/dV pass:  one CTA per block of 16 * NUM_WARPS keys streams all query blocks:
+//                  S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T * (dP^T - delta),
+//                  dK += dS^T Q; dK is scaled once at the end.
+//  3. dQ pass:     one CTA per block of 16 * NUM_WARPS queries streams all key blocks:
+//                  S = Q K^T, P, dP = dO V^T, dS = P * (dP - delta), dQ += dS K.
+// P^T and dS^T (or P and dS) go from the accumulator registers straight into the next product.
+// Head dims above 128 split the gradient columns into D_CHUNK-wide CTAs (grid x) so the
+// accumulators fit in registers; each chunk recomputes the same S and dP.
+#include "common.cuh"
+#include "block_info.cuh"
+#include "mma.cuh"
+#include "copy.cuh"
+#include "mask.cuh"
+
+template <typename T, int NUM_WARPS>
+__global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
+attention_bwd_preprocess_kernel(const AttnParams p) {
+  const int b = batch_index();
+  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const int row = blockIdx.x * NUM_WARPS + warp;  // one warp per query row
+  if (b >= p.batch || row >= p.nq) return;
+  const T* out = static_cast<const T*>(p.out) + batch_offset(p.out_stride, b, p) + row * p.out_stride[3];
+  const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + row * p.dout_stride[3];
+  float dot = 0.f;
+  for (int c = lane; c < p.d_v; c += WARP_SIZE) dot += Elem<T>::to_float(out[c]) * Elem<T>::to_float(dout[c]);
+  dot = warp_sum(dot);
+  if (lane == 0) {
+    const i64 i = static_cast<i64>(b) * p.nq + row;
+    const float lse = p.lse[i];
+    p.delta[i] = dot;
+    // A row that saw no key has lse = -inf; +inf here makes every recomputed P of it exactly 0.
+    p.lse_log2[i] = lse == neg_inf() ? pos_inf() : lse * LOG2E;
+  }
+}
+
+// P = exp2(scale_log2 * S - lse_log2) for a score tile whose query index runs along the columns
+// (dK/dV pass: S^T) and whose lse_log2 sits in shared memory.
+template <int N_TILES>
+__device__ __forceinline__ void probs_from_scores_cols(float (&s)[N_TILES][4], const float* lse_log2, float scale_log2, int lane) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = fast_exp2(s[j][e] * scale_log2 - lse_log2[j * 8 + 2 * t + (e & 1)]);
+  }
+}
+
+// dS = P * (dP - delta), in place in dp, delta indexed along the columns (dK/dV pass).
+template <int N_TILES>
+__device__ __forceinline__ void dscores_cols(float (&dp)[N_TILES][4], const float (&prob)[N_TILES][4], const float* delta, int lane) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[j][e] = prob[j][e] * (dp[j][e] - delta[j * 8 + 2 * t + (e & 1)]);
+  }
+}
+
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_M, int D_CHUNK, bool IS_CAUSAL>
+__global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
+attention_bwd_dkdv_kernel(const AttnParams p) {
+  constexpr int THREADS = NUM_WARPS * WARP_SIZE;
+  constexpr int BLOCK_N = 16 * NUM_WARPS;  // keys of this CTA, 16 per warp
+  constexpr int STRIDE = SmemTile<T, HEAD_DIM>::STRIDE;
+  constexpr int S_TILES = BLOCK_M / 8;     // S^T tile: 16 keys x BLOCK_M queries per warp
+  constexpr int G_TILES = D_CHUNK / 8;     // gradient columns per CTA
+  constexpr int N_CHUNKS = HEAD_DIM / D_CHUNK;
+  static_assert(HEAD_DIM % D_CHUNK == 0 && D_CHUNK % 16 == 0, "gradient column chunks");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + BLOCK_N * STRIDE;
+  T* sQ = sV + BLOCK_N * STRIDE;        // [2][BLOCK_M][STRIDE], double-buffered stream
+  T* sdO = sQ + 2 * BLOCK_M * STRIDE;   // [2][BLOCK_M][STRIDE]
+  float* sLse = reinterpret_cast<float*>(sdO + 2 * BLOCK_M * STRIDE);  // [2][BLOCK_M]
+  float* sDelta = sLse + 2 * BLOCK_M;                                 // [2][BLOCK_M]
+
+  const int b = batch_index();
+  if (b >= p.batch) return;
+  const int c0 = (blockIdx.x % N_CHUNKS) * D_CHUNK;
+  const int n0 = (blockIdx.x / N_CHUNKS) * BLOCK_N;
+  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const int offset = causal_offset(p);
+
+  const T* q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p);
+  const T* k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p) + n0 * p.k_stride[3];
+  const T* v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p) + n0 * p.v_stride[3];
+  const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p);
+  const float* lse_log2 = p.lse_log2 + static_cast<i64>(b) * p.nq;
+  const float* delta = p.delta + static_cast<i64>(b) * p.nq;
+
+  // Only query rows i with i + nk - nq >= n0 see a key of this block under the causal mask.
+  const int m_first = IS_CAUSAL ? max(0, n0 - offset) / BLOCK_M : 0;
+  const int m_blocks = ceil_div(p.nq, BLOCK_M);
+  const Mask<IS_CAUSAL> mask{p.nk, offset};
+
+  auto load_stream = [&](int m_block, int buf) {
+    const int m0 = m_block * BLOCK_M;
+    load_tile_async<T, BLOCK_M, HEAD_DIM, THREADS>(sQ + buf * BLOCK_M * STRIDE, q + m0 * p.q_stride[3], p.q_stride[3], p.nq - m0, p.d_qk);
+    load_tile_async<T, BLOCK_M, HEAD_DIM, THREADS>(sdO + buf * BLOCK_M * STRIDE, dout + m0 * p.dout_stride[3], p.dout_stride[3], p.nq - m0, p.d_v);
+    for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
+      const bool valid = m0 + i < p.nq;  // rows past nq: P = 0 through lse = +inf
+      sLse[buf * BLOCK_M + i] = valid ? lse_log2[m0 + i] : pos_inf();
+      sDelta[buf * BLOCK_M + i] = valid ? delta[m0 + i] : 0.f;
+    }
+  };
+
+  load_tile_async<T, BLOCK_N, HEAD_DIM, THREADS>(sK, k, p.k_stride[3], p.nk - n0, p.d_qk);
+  load_tile_async<T, BLOCK_N, HEAD_DIM, THREADS>(sV, v, p.v_stride[3], p.nk - n0, p.d_v);
+  if (m_first < m_blocks) load_stream(m_first, 0);
+  cp_async_commit();
+
+  float acc_dk[G_TILES][4], acc_dv[G_TILES][4];
+  zero_acc(acc_dk);
+  zero_acc(acc_dv);
+  for (int m_block = m_first; m_block < m_blocks; ++m_block) {
+    const int buf = (m_block - m_first) & 1;
+    const int m0 = m_block * BLOCK_M;
+    if (m_block + 1 < m_blocks) {
+      load_stream(m_block + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* sQ_i = sQ + buf * BLOCK_M * STRIDE;
+    const T* sdO_i = sdO + buf * BLOCK_M * STRIDE;
+
+    // S^T = K Q_i^T, then P^T = exp(scale * S^T - lse)
+    float acc_s[S_TILES][4];
+    zero_acc(acc_s);
+    gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sK, warp * 16, sQ_i, lane);
+    if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + warp * 16, m0, lane);
+    probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, p.scale_log2, lane);
+
+    // dV += P^T dO_i
+    gemm_acc_b<T, S_TILES, G_TILES, STRIDE>(acc_dv, acc_s, sdO_i, c0, lane);
+
+    // dP^T = V dO_i^T;  dS^T = P^T * (dP^T - delta)
+    float acc_dp[S_TILES][4];
+    zero_acc(acc_dp);
+    gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_dp, sV, warp * 16, sdO_i, lane);
+    dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
+
+    // dK += dS^T Q_i
+    gemm_acc_b<T, S_TILES, G_TILES, STRIDE>(acc_dk, acc_dp, sQ_i, c0, lane);
+    __syncthreads();  // this buffer is refilled two iterations on
+  }
+
+  // dK = scale * dS^T Q; stage both gradients through sK / sV for 16-byte stores.
+  const float dk_scale[2] = {p.scale, p.scale};
+  const float one[2] = {1.f, 1.f};
+  cp_async_wait<0>();  // with no query block to visit, the K/V copies may still be in flight
+  __syncthreads();
+  acc_to_smem<T, G_TILES, STRIDE>(sK, warp * 16, acc_dk, dk_scale, lane);
+  acc_to_smem<T, G_TILES, STRIDE>(sV, warp * 16, acc_dv, one, lane);
+  __syncthreads();
+  T* dk = static_cast<T*>(p.dk) + (static_cast<i64>(b) * p.nk + n0) * p.d_qk + c0;
+  T* dv = static_cast<T*>(p.dv) + (static_cast<i64>(b) * p.nk + n0) * p.d_v + c0;
+  store_tile<T, BLOCK_N, D_CHUNK, STRIDE, THREADS>(dk, p.d_qk, sK, p.nk - n0, p.d_qk - c0);
+  store_tile<T, BLOCK_N, D_CHUNK, STRIDE, THREADS>(dv, p.d_v, sV, p.nk - n0, p.d_v - c0);
+}
+
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL>
+__global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
+attention_bwd_dq_kernel(const AttnParams p) {
+  constexpr int THREADS = NUM_WARPS * WARP_SIZE;
+  constexpr int BLOCK_M = 16 * NUM_WARPS;  // queries of this CTA, 16 per warp
+  constexpr int STRIDE = SmemTile<T, HEAD_DIM>::STRIDE;
+  constexpr int S_TILES = BLOCK_N / 8;
+  constexpr int G_TILES = D_CHUNK / 8;
+  constexpr int N_CHUNKS = HEAD_DIM / D_CHUNK;
+  static_assert(HEAD_DIM % D_CHUNK == 0 && D_CHUNK % 16 == 0, "gradient column chunks");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sdO = sQ + BLOCK_M * STRIDE;
+  T* sK = sdO + BLOCK_M * STRIDE;       // [2][BLOCK_N][STRIDE], double-buffered stream
+  T* sV = sK + 2 * BLOCK_N * STRIDE;    // [2][BLOCK_N][STRIDE]
+
+  const int b = batch_index();
+  if (b >= p.batch) return;
+  const int c0 = (blockIdx.x % N_CHUNKS) * D_CHUNK;
+  const int m0 = (gridDim.x / N_CHUNKS - 1 - blockIdx.x / N_CHUNKS) * BLOCK_M;  // longest rows first
+  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const int offset = causal_offset(p);
+
+  const T* q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p) + m0 * p.q_stride[3];
+  const T* k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p);
+  const T* v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p);
+  const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + m0 * p.dout_stride[3];
+
+  // The two rows this thread holds: their lse (log2 units) and delta.
+  float row_lse[2], row_delta[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = m0 + warp * 16 + (lane >> 2) + 8 * r;
+    const i64 i = static_cast<i64>(b) * p.nq + row;
+    row_lse[r] = row < p.nq ? p.lse_log2[i] : pos_inf();
+    row_delta[r] = row < p.nq ? p.delta[i] : 0.f;
+  }
+
+  const int key_end = IS_CAUSAL ? min(p.nk, m0 + BLOCK_M + offset) : p.nk;
+  const int n_blocks = key_end > 0 ? ceil_div(key_end, BLOCK_N) : 0;
+  int n_unmasked = p.nk / BLOCK_N;
+  if (IS_CAUSAL) n_unmasked = min(n_unmasked, max(0, m0 + offset + 1) / BLOCK_N);
+  const Mask<IS_CAUSAL> mask{p.nk, offset};
+
+  auto load_stream = [&](int n_block, int buf) {
+    const int n0 = n_block * BLOCK_N;
+    load_tile_async<T, BLOCK_N, HEAD_DIM, THREADS>(sK + buf * BLOCK_N * STRIDE, k + n0 * p.k_stride[3], p.k_stride[3], p.nk - n0, p.d_qk);
+    load_tile_async<T, BLOCK_N, HEAD_DIM, THREADS>(sV + buf * BLOCK_N * STRIDE, v + n0 * p.v_stride[3], p.v_stride[3], p.nk - n0, p.d_v);
+  };
+
+  load_tile_async<T, BLOCK_M, HEAD_DIM, THREADS>(sQ, q, p.q_stride[3], p.nq - m0, p.d_qk);
+  load_tile_async<T, BLOCK_M, HEAD_DIM, THREADS>(sdO, dout, p.dout_stride[3], p.nq - m0, p.d_v);
+  if (n_blocks > 0) load_stream(0, 0);
+  cp_async_commit();
+
+  float acc_dq[G_TILES][4];
+  zero_acc(acc_dq);
+  for (int n_block = 0; n_block < n_blocks; ++n_block) {
+    const int buf = n_block & 1;
+    const int n0 = n_block * BLOCK_N;
+    if (n_block + 1 < n_blocks) {
+      load_stream(n_block + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* sK_j = sK + buf * BLOCK_N * STRIDE;
+    const T* sV_j = sV + buf * BLOCK_N * STRIDE;
+
+    // S = Q K_j^T, P = exp(scale * S - lse)
+    float acc_s[S_TILES][4];
+    zero_acc(acc_s);
+    gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sQ, warp * 16, sK_j, lane);
+    if (n_block >= n_unmasked) mask.apply(acc_s, m0 + warp * 16, n0, lane);
+#pragma unroll
+    for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_s[j][e] = fast_exp2(acc_s[j][e] * p.scale_log2 - row_lse[e >> 1]);
+    }
+
+    // dP = dO V_j^T;  dS = P * (dP - delta)
+    float acc_dp[S_TILES][4];
+    zero_acc(acc_dp);
+    gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_dp, sdO, warp * 16, sV_j, lane);
+#pragma unroll
+    for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] - row_delta[e >> 1]);
+    }
+
+    // dQ += dS K_j
+    gemm_acc_b<T, S_TILES, G_TILES, STRIDE>(acc_dq, acc_dp, sK_j, c0, lane);
+    __syncthreads();  // this buffer is refilled two iterations on
+  }
+
+  // dQ = scale * dS K, staged through sQ (free once the loop is done) for 16-byte stores.
+  const float dq_scale[2] = {p.scale, p.scale};
+  cp_async_wait<0>();  // with no key block to visit, the Q/dO copies may still be in flight
+  __syncthreads();
+  acc_to_smem<T, G_TILES, STRIDE>(sQ, warp * 16, acc_dq, dq_scale, lane);
+  __syncthreads();
+  T* dq = static_cast<T*>(p.dq) + (static_cast<i64>(b) * p.nq + m0) * p.d_qk + c0;
+  store_tile<T, BLOCK_M, D_CHUNK, STRIDE, THREADS>(dq, p.d_qk, sQ, p.nq - m0, p.d_qk - c0);
+}

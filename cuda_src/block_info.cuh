@@ -1,0 +1,53 @@
+// block_info.cuh — the flat parameter struct every kernel receives, and where one CTA's
+// batch entry lives in each tensor.
+//
+// Layout: every tensor is (batch..., rows, cols) with a unit stride on cols. The leading
+// ("batch") dims are collapsed on the host into at most three, b = (b0 * batch1 + b1) * batch2 + b2,
+// and each input carries its own strides for them (0 for a broadcast dim: GQA/MQA without copies).
+// Outputs and workspaces the library allocates (out, lse, dq, dk, dv, lse_log2, delta) are
+// contiguous in the flat batch index b. The host mirrors this struct as an aligned NumPy
+// dtype (cupyflash/_kernels.py, PARAMS_DTYPE): keep the two in the same order.
+#pragma once
+#include "common.cuh"
+
+struct AttnParams {
+  void* q;
+  void* k;
+  void* v;
+  void* out;
+  void* dout;
+  void* dq;
+  void* dk;
+  void* dv;
+  float* lse;       // natural-log LSE, (b, nq)
+  float* lse_log2;  // backward workspace: lse * log2(e), +inf for rows that see no key
+  float* delta;     // backward workspace: rowsum(dout * out)
+  i64 q_stride[4];  // [b0, b1, b2, row], in elements
+  i64 k_stride[4];
+  i64 v_stride[4];
+  i64 out_stride[4];
+  i64 dout_stride[4];
+  int batch;   // number of flat batch entries
+  int batch1;  // sizes of the two inner collapsed batch dims
+  int batch2;
+  int nq;
+  int nk;
+  int d_qk;  // head dim of q and k (a multiple of 16 bytes' worth of elements, <= HEAD_DIM)
+  int d_v;   // head dim of v and out (likewise)
+  float scale;       // softmax scale applied to q . k
+  float scale_log2;  // scale * log2(e), folded so the softmax runs on exp2
+};
+
+// Flat batch index of this CTA: blockIdx.y, extended by blockIdx.z past the 65535 limit of y.
+__device__ __forceinline__ int batch_index() { return blockIdx.z * gridDim.y + blockIdx.y; }
+
+__device__ __forceinline__ i64 batch_offset(const i64 (&stride)[4], int b, const AttnParams& p) {
+  const int b2 = b % p.batch2;
+  const int rest = b / p.batch2;
+  const int b1 = rest % p.batch1;
+  const int b0 = rest / p.batch1;
+  return b0 * stride[0] + b1 * stride[1] + b2 * stride[2];
+}
+
+// Bottom-right causal alignment (FlashAttention-2): query row i sees key j iff j <= i + nk - nq.
+__device__ __forceinline__ int causal_offset(const AttnParams& p) { return p.nk - p.nq; }

@@ -1,0 +1,86 @@
+// common.cuh — element types, constants and small helpers shared by every kernel.
+//
+// No system headers: NVRTC compiles this with nothing on its include path, and the
+// Python loader inlines our own headers so CuPy's cache key sees every byte.
+// 16-bit element types are plain bit patterns; conversions go through PTX `cvt`.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+__device__ constexpr float LOG2E = 1.4426950408889634f;  // log2(e): exp(x) == exp2(x * LOG2E)
+__device__ constexpr float LN2 = 0.6931471805599453f;    // ln(2):  log(x) == log2(x) * LN2
+constexpr int WARP_SIZE = 32;
+constexpr int SMEM_PAD_BYTES = 16;  // one 16-byte chunk of padding per shared-memory row (no bank conflicts)
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
+
+// exp2 on the special-function unit; the online softmax only ever feeds it x <= 0 or -inf.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+struct half_t { u16 bits; };
+struct bfloat16_t { u16 bits; };
+
+// Per-element-type conversions. `pack2` rounds two floats into the register layout that
+// mma.sync expects for a pair of consecutive 16-bit elements (low half = first element).
+template <typename T> struct Elem;
+
+template <> struct Elem<half_t> {
+  __device__ __forceinline__ static u32 pack2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  __device__ __forceinline__ static float to_float(half_t x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+  }
+  __device__ __forceinline__ static void store2(half_t* p, float a, float b) {
+    *reinterpret_cast<u32*>(p) = pack2(a, b);
+  }
+};
+
+template <> struct Elem<bfloat16_t> {
+  __device__ __forceinline__ static u32 pack2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  __device__ __forceinline__ static float to_float(bfloat16_t x) {
+    return __int_as_float(static_cast<int>(x.bits) << 16);
+  }
+  __device__ __forceinline__ static void store2(bfloat16_t* p, float a, float b) {
+    *reinterpret_cast<u32*>(p) = pack2(a, b);
+  }
+};
+
+template <> struct Elem<float> {
+  __device__ __forceinline__ static float to_float(float x) { return x; }
+  __device__ __forceinline__ static void store2(float* p, float a, float b) {
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+  }
+};
+
+// Reductions over the 4 threads of an mma "quad": they hold the same accumulator rows.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}

@@ -1,0 +1,67 @@
+// softmax.cuh — the online-softmax state of FlashAttention, for the two query rows (g and g+8)
+// that one thread holds in an m16n8 accumulator tile.
+//
+// For each key tile j:  m_new = max(m_i, rowmax(S_ij));  P_ij = exp2(c * S_ij - c * m_new);
+// l_i = exp2(c * (m_i - m_new)) * l_i + rowsum(P_ij);  O_i is rescaled by the same factor;
+// with c = scale * log2(e) folded in, so every exponential is one ex2 instruction.
+// A row whose scores are all -inf so far keeps m = -inf; it uses 0 as its reference so that
+// -inf - -inf never produces NaN, and ends with l = 0: out = 0, lse = -inf.
+#pragma once
+#include "common.cuh"
+
+template <int N_TILES>
+struct OnlineSoftmax {
+  float row_max[2];  // m_i, in raw score units (q . k, before the scale)
+  float row_sum[2];  // this thread's part of l_i; the quad's parts are added in finalize
+
+  __device__ __forceinline__ void init() {
+    row_max[0] = row_max[1] = neg_inf();
+    row_sum[0] = row_sum[1] = 0.f;
+  }
+
+  // Turns the score tile S into P in place; returns the factor for the output accumulator.
+  __device__ __forceinline__ void update(float (&s)[N_TILES][4], float scale_log2, float (&rescale)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float tile_max = neg_inf();
+#pragma unroll
+      for (int j = 0; j < N_TILES; ++j) tile_max = fmaxf(tile_max, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+      const float new_max = fmaxf(row_max[r], quad_max(tile_max));
+      const float ref = new_max == neg_inf() ? 0.f : new_max * scale_log2;
+      rescale[r] = fast_exp2(row_max[r] * scale_log2 - ref);
+      row_max[r] = new_max;
+      float tile_sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float p = fast_exp2(s[j][2 * r + c] * scale_log2 - ref);
+          s[j][2 * r + c] = p;
+          tile_sum += p;
+        }
+      }
+      row_sum[r] = row_sum[r] * rescale[r] + tile_sum;
+    }
+  }
+
+  // 1 / l_i (0 when the row saw no key) and lse_i = scale * m_i + log(l_i) in natural log.
+  __device__ __forceinline__ void finalize(float scale_log2, float (&inv_sum)[2], float (&lse)[2]) const {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(row_sum[r]);
+      const bool empty = !(l > 0.f);
+      inv_sum[r] = empty ? 0.f : 1.f / l;
+      lse[r] = empty ? neg_inf() : (row_max[r] * scale_log2 + __log2f(l)) * LN2;
+    }
+  }
+};
+
+// Scale every element of an accumulator row pair: rows g by f[0], g+8 by f[1].
+template <int N_TILES>
+__device__ __forceinline__ void scale_rows(float (&acc)[N_TILES][4], const float (&f)[2]) {
+#pragma unroll
+  for (int j = 0; j < N_TILES; ++j) {
+    acc[j][0] *= f[0]; acc[j][1] *= f[0];
+    acc[j][2] *= f[1]; acc[j][3] *= f[1];
+  }
+}

@@ -1,0 +1,91 @@
+"""The one table of kernel variants: tile shapes per (element size, head dim, kernel).
+
+Every kernel is a template over (dtype, HEAD_DIM, tiles, IS_CAUSAL). A problem's head dims D and
+Dv are padded up to the smallest HEAD_DIM in ``HEAD_DIMS`` that holds both (the padding is
+zero-filled inside the kernel, never read from memory). fp16 and bf16 share tiles; float32
+needs twice the shared memory per element and gets smaller ones.
+
+Each entry was chosen so that (a) no variant spills registers (checked for sm_80 and sm_90 by
+tests/test_compile.py) and (b) shared memory stays within the 163 KiB an sm_80 CTA can have.
+Tile names:
+  fwd:  NUM_WARPS (16 query rows each: BLOCK_M = 16 * NUM_WARPS), BLOCK_N keys per streamed tile,
+        D_CHUNK output columns per CTA.
+  dkdv: NUM_WARPS (16 keys each), BLOCK_M queries per streamed tile, D_CHUNK gradient columns per CTA.
+  dq:   NUM_WARPS (16 queries each), BLOCK_N keys per streamed tile, D_CHUNK gradient columns per CTA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREPROCESS_WARPS = 8  # one warp per query row in the backward preprocess
+SMEM_PAD_BYTES = 16  # per shared-memory row; must match cuda_src/common.cuh
+
+
+@dataclass(frozen=True)
+class Tiles:
+    num_warps: int
+    block: int  # the streamed tile: BLOCK_N keys (fwd, dq) or BLOCK_M queries (dkdv)
+    d_chunk: int  # output (fwd) or gradient (dkdv, dq) columns per CTA
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def rows(self) -> int:
+        """Rows owned by the CTA: 16 per warp."""
+        return 16 * self.num_warps
+
+
+# (element bytes, HEAD_DIM): fwd (warps, BLOCK_N, D_CHUNK), dkdv (warps, BLOCK_M, D_CHUNK), dq (warps, BLOCK_N, D_CHUNK)
+_TABLE = {
+    (2, 16): ((4, 128, 16), (4, 64, 16), (4, 64, 16)),
+    (2, 32): ((4, 128, 32), (4, 64, 32), (4, 64, 32)),
+    (2, 64): ((4, 128, 64), (4, 64, 64), (4, 64, 64)),
+    (2, 96): ((4, 64, 96), (4, 32, 96), (4, 32, 96)),
+    (2, 128): ((4, 64, 128), (4, 32, 128), (4, 32, 128)),
+    (2, 160): ((8, 64, 160), (4, 32, 80), (4, 32, 80)),
+    (2, 192): ((8, 64, 192), (4, 32, 96), (4, 32, 96)),
+    (2, 256): ((8, 64, 256), (4, 32, 128), (4, 32, 128)),
+    (4, 16): ((4, 64, 16), (4, 32, 16), (4, 32, 16)),
+    (4, 32): ((4, 64, 32), (4, 32, 32), (4, 32, 32)),
+    (4, 64): ((4, 64, 64), (4, 32, 32), (4, 32, 64)),
+    (4, 96): ((4, 32, 96), (4, 16, 48), (4, 16, 96)),
+    (4, 128): ((4, 32, 128), (4, 16, 64), (4, 16, 128)),
+    (4, 160): ((4, 16, 160), (2, 16, 32), (2, 16, 80)),
+    (4, 192): ((4, 16, 192), (2, 16, 48), (2, 16, 96)),
+    (4, 256): ((4, 16, 128), (2, 16, 32), (2, 16, 128)),
+}
+HEAD_DIMS = tuple(sorted({head_dim for _, head_dim in _TABLE}))
+MAX_HEAD_DIM = HEAD_DIMS[-1]
+_KERNELS = ("fwd", "dkdv", "dq")
+
+
+def tiles(itemsize: int, head_dim: int, kernel: str) -> Tiles:
+    """Tile shape for one kernel ("fwd", "dkdv" or "dq") of one variant."""
+    if (itemsize, head_dim) not in _TABLE:
+        raise ValueError(f"no tiles for {itemsize}-byte elements and head_dim {head_dim}; head dims: {HEAD_DIMS}")
+    if kernel not in _KERNELS:
+        raise ValueError(f"kernel must be one of {_KERNELS}, got {kernel!r}")
+    return Tiles(*_TABLE[itemsize, head_dim][_KERNELS.index(kernel)])
+
+
+def padded_head_dim(d: int) -> int:
+    """The smallest shipped HEAD_DIM that holds a head dim of d elements."""
+    for head_dim in HEAD_DIMS:
+        if d <= head_dim:
+            return head_dim
+    raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {d}")
+
+
+def smem_bytes(itemsize: int, head_dim: int, kernel: str) -> int:
+    """Dynamic shared memory of a kernel; mirrors the carve-up at the top of each kernel."""
+    t = tiles(itemsize, head_dim, kernel)
+    row = (head_dim * itemsize) + SMEM_PAD_BYTES
+    if kernel == "fwd":  # sQ[BLOCK_M] + sK[BLOCK_N] + sV[BLOCK_N]
+        return (t.rows + 2 * t.block) * row
+    if kernel == "dkdv":  # sK, sV[BLOCK_N] + sQ, sdO[2][BLOCK_M] + lse, delta[2][BLOCK_M]
+        return (2 * t.rows + 4 * t.block) * row + 4 * t.block * 4
+    if kernel == "dq":  # sQ, sdO[BLOCK_M] + sK, sV[2][BLOCK_N]
+        return (2 * t.rows + 4 * t.block) * row
+    raise ValueError(f"kernel must be 'fwd', 'dkdv' or 'dq', got {kernel!r}")

@@ -1,0 +1,370 @@
+"""Loading, compiling and launching the CUDA kernels in ``cuda_src/``.
+
+Sources are read as text and their ``#include "..."`` lines replaced by the files themselves, so
+CuPy's compile cache (keyed on the source string) sees every byte. One module is compiled per
+(direction, dtype, HEAD_DIM, causal) with ``name_expressions`` naming its template
+instantiations, memoized per device. Callers (``_api``) validate, broadcast and handle empty
+inputs; this module turns arrays into the kernels' parameter struct and launches on CuPy's
+current stream.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy
+
+from . import _config
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+_OPTIONS = ("-std=c++17",)
+_MIN_CC = 80  # cp.async, bf16 mma.sync
+_CTYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float"}
+_ITEMSIZE = {"half_t": 2, "bfloat16_t": 2, "float": 4}
+_SOURCES = {"fwd": "attention_fwd.cu", "bwd": "attention_bwd.cu"}
+
+# Host mirror of `struct AttnParams` (cuda_src/block_info.cuh), same field order, C alignment.
+PARAMS_DTYPE = numpy.dtype(
+    [(name, numpy.uint64) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta")]
+    + [(name, numpy.int64, (4,)) for name in ("q_stride", "k_stride", "v_stride", "out_stride", "dout_stride")]
+    + [(name, numpy.int32) for name in ("batch", "batch1", "batch2", "nq", "nk", "d_qk", "d_v")]
+    + [("scale", numpy.float32), ("scale_log2", numpy.float32)],
+    align=True,
+)
+_LOG2E = 1.4426950408889634
+_STRIDED = ("q", "k", "v", "out", "dout")  # inputs with their own batch/row strides, in this order
+
+
+# ----------------------------------------------------------------------------- sources
+def _source_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "cuda_src", here.parent / "cuda_src"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"cupyflash: CUDA sources not found next to {here} (looked for cuda_src/)")
+
+
+@functools.lru_cache(maxsize=None)
+def source(filename: str) -> str:
+    """The text of one .cu file with every local #include pasted in (each header once)."""
+    root = _source_dir()
+    seen: set[str] = set()
+
+    def inline(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = (root / name).read_text()
+        text = text.replace("#pragma once\n", "")
+        return _INCLUDE.sub(lambda m: inline(m.group(1)), text)
+
+    return inline(filename)
+
+
+# ----------------------------------------------------------------------------- variants
+@dataclass(frozen=True)
+class Variant:
+    """One compiled module: a direction ("fwd" or "bwd") for one dtype, HEAD_DIM and mask."""
+
+    direction: str
+    ctype: str
+    head_dim: int
+    causal: bool
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.ctype]
+
+    def tiles(self, kernel: str) -> _config.Tiles:
+        return _config.tiles(self.itemsize, self.head_dim, kernel)
+
+    def smem(self, kernel: str) -> int:
+        return 0 if kernel == "preprocess" else _config.smem_bytes(self.itemsize, self.head_dim, kernel)
+
+    def threads(self, kernel: str) -> int:
+        return 32 * _config.PREPROCESS_WARPS if kernel == "preprocess" else self.tiles(kernel).threads
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return ("fwd",) if self.direction == "fwd" else ("preprocess", "dkdv", "dq")
+
+    def name_expression(self, kernel: str) -> str:
+        c, hd, causal = self.ctype, self.head_dim, "true" if self.causal else "false"
+        if kernel == "preprocess":
+            return f"attention_bwd_preprocess_kernel<{c}, {_config.PREPROCESS_WARPS}>"
+        t = self.tiles(kernel)
+        if kernel == "fwd":
+            return f"attention_fwd_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {causal}>"
+        return f"attention_bwd_{kernel}_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {causal}>"
+
+    def code(self) -> str:
+        # The variant's name leads the source so each module has its own cache entry.
+        return f"// cupyflash variant: {self}\n" + source(_SOURCES[self.direction])
+
+
+def shipped_variants() -> list[Variant]:
+    """Every module the library can compile: directions x dtypes x head dims x causal."""
+    return [
+        Variant(direction, ctype, head_dim, causal)
+        for direction in ("fwd", "bwd")
+        for ctype in ("half_t", "bfloat16_t", "float")
+        for head_dim in _config.HEAD_DIMS
+        for causal in (False, True)
+    ]
+
+
+# ----------------------------------------------------------------------------- compiling
+_lock = threading.Lock()
+_modules: dict[tuple[int, Variant], dict[str, object]] = {}
+
+
+def _functions(variant: Variant) -> dict[str, object]:
+    """The variant's kernels on the current device, compiled once per (device, variant)."""
+    import cupy
+
+    device = cupy.cuda.Device()
+    key = (device.id, variant)
+    found = _modules.get(key)
+    if found is not None:
+        return found
+    with _lock:
+        found = _modules.get(key)
+        if found is None:
+            cc = int(device.compute_capability)
+            if cc < _MIN_CC:
+                raise RuntimeError(
+                    f"cupyflash needs a GPU of compute capability >= 8.0 (cp.async, bf16 tensor cores); "
+                    f"device {device.id} has {cc / 10:.1f}"
+                )
+            names = {kernel: variant.name_expression(kernel) for kernel in variant.kernels}
+            module = cupy.RawModule(code=variant.code(), options=_OPTIONS, name_expressions=list(names.values()))
+            optin = cupy.cuda.runtime.getDeviceProperties(device.id)["sharedMemPerBlockOptin"]
+            found = {}
+            for kernel, name in names.items():
+                function = module.get_function(name)
+                smem = variant.smem(kernel)
+                if smem > optin:
+                    raise RuntimeError(
+                        f"cupyflash: {name} needs {smem} bytes of shared memory per block; "
+                        f"device {device.id} allows {optin}"
+                    )
+                if smem > 48 * 1024:
+                    function.max_dynamic_shared_size_bytes = smem
+                found[kernel] = function
+            _modules[key] = found
+    return found
+
+
+def nvrtc_version() -> tuple[int, int]:
+    from cupy.cuda import nvrtc
+
+    return tuple(nvrtc.getVersion())
+
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
+_PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def _parse_ptxas(log: str) -> dict[str, dict[str, int]]:
+    """Per mangled entry: registers, spills, stack frame and static shared memory."""
+    found: dict[str, dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        if m := _PTXAS_ENTRY.search(line):
+            current = found.setdefault(m.group(1), {"registers": -1, "spill_stores": -1, "spill_loads": -1,
+                                                    "stack_frame": -1, "static_smem": 0})
+        elif current is not None and (m := _PTXAS_FRAME.search(line)):
+            current.update(stack_frame=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        elif current is not None and (m := _PTXAS_USED.search(line)):
+            current.update(registers=int(m.group(1)), static_smem=int(m.group(2) or 0))
+    return found
+
+
+def compile_variant(variant: Variant, arch: str) -> list[dict]:
+    """Compile one module through NVRTC for `arch` (no GPU needed) and report each kernel."""
+    from cupy.cuda import nvrtc
+
+    names = {kernel: variant.name_expression(kernel) for kernel in variant.kernels}
+    program = nvrtc.createProgram(variant.code(), f"{variant.direction}.cu", [], [])
+    try:
+        for name in names.values():
+            nvrtc.addNameExpression(program, name)
+        try:
+            nvrtc.compileProgram(program, [*_OPTIONS, f"-arch={arch}", "-Xptxas", "-v"])
+        except nvrtc.NVRTCError as error:
+            raise RuntimeError(f"NVRTC failed on {variant} for {arch}:\n{nvrtc.getProgramLog(program)}") from error
+        stats = _parse_ptxas(nvrtc.getProgramLog(program))
+        rows = []
+        for kernel, name in names.items():
+            lowered = nvrtc.getLoweredName(program, name)
+            if lowered not in stats:
+                raise RuntimeError(f"no ptxas report for {name} ({lowered}) on {arch}")
+            rows.append({"kernel": name, "arch": arch, **stats[lowered],
+                         "dynamic_smem": variant.smem(kernel), "threads": variant.threads(kernel)})
+        return rows
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def compile_report(arch: str, variants: list[Variant] | None = None) -> list[dict]:
+    """Compile every shipped variant for `arch` ("sm_80", "sm_90"), one row per kernel."""
+    from concurrent.futures import ThreadPoolExecutor
+    import os
+
+    variants = shipped_variants() if variants is None else variants
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        results = pool.map(lambda variant: compile_variant(variant, arch), variants)
+        return [row for rows in results for row in rows]
+
+
+# ----------------------------------------------------------------------------- arrays -> params
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _bits(x):
+    """The same memory viewed as unsigned integers, so copies never need dtype support for bf16."""
+    return x.view(numpy.dtype(f"u{x.dtype.itemsize}"))
+
+
+def _kernel_ready(x, width: int):
+    """x (..., N, D) as the kernels read it: unit column stride, 16-byte aligned rows holding
+    `width` >= D columns. Returns x itself when it already qualifies (any batch/row strides,
+    broadcast dims included); otherwise a zero-padded copy that keeps broadcast dims unmaterialized."""
+    import cupy
+
+    itemsize = x.dtype.itemsize
+    sized = [(n, s) for n, s in zip(x.shape[:-1], x.strides[:-1]) if n > 1]
+    if (x.shape[-1] == width and (x.shape[-1] == 1 or x.strides[-1] == itemsize)
+            and x.data.ptr % 16 == 0 and all(s % 16 == 0 for _, s in sized)):
+        return x
+    base = x[tuple(slice(0, 1) if (s == 0 and n > 1) else slice(None)
+                   for n, s in zip(x.shape[:-2], x.strides[:-2]))]
+    padded = cupy.zeros(base.shape[:-1] + (width,), dtype=x.dtype)
+    _bits(padded)[..., : x.shape[-1]] = _bits(base)
+    return cupy.broadcast_to(padded, x.shape[:-1] + (width,))
+
+
+def _collapse_batch(batch: tuple[int, ...], arrays) -> tuple[list[int], list[list[int]]] | None:
+    """Merge the leading dims of several (batch..., N, D) arrays into at most three, as
+    (sizes, per-array strides in elements); None when more than three remain."""
+    dims = []
+    for i, n in enumerate(batch):
+        if n == 1:
+            continue
+        strides = [a.strides[i] // a.dtype.itemsize for a in arrays]
+        if dims and all(prev == s * n for prev, s in zip(dims[-1][1], strides)):
+            dims[-1] = (dims[-1][0] * n, strides)
+        else:
+            dims.append((n, strides))
+    if len(dims) > 3:
+        return None
+    dims = [(1, [0] * len(arrays))] * (3 - len(dims)) + dims
+    return [n for n, _ in dims], [[s[j] for _, s in dims] for j in range(len(arrays))]
+
+
+def _layout(batch, arrays):
+    """Collapsed batch layout; materializes the inputs in the rare case of > 3 leading dims."""
+    import cupy
+
+    layout = _collapse_batch(batch, arrays)
+    if layout is None:
+        arrays = [cupy.ascontiguousarray(_bits(a)).view(a.dtype) for a in arrays]
+        layout = _collapse_batch(batch, arrays)
+    return arrays, layout
+
+
+def _params(tensors: dict, layout, *, batch: int, nq: int, nk: int, d: int, dv: int, scale: float):
+    """Fill the AttnParams struct (a one-element structured array: CuPy passes it by value).
+    `layout` holds the collapsed batch strides of the strided inputs, in _STRIDED order."""
+    sizes, strides = layout
+    p = numpy.zeros(1, dtype=PARAMS_DTYPE)
+    for name, array in tensors.items():
+        p[name] = array.data.ptr
+    for name, batch_strides in zip(_STRIDED, strides):
+        if name in tensors:
+            array = tensors[name]
+            p[f"{name}_stride"] = batch_strides + [array.strides[-2] // array.dtype.itemsize]
+    p["batch"], p["batch1"], p["batch2"] = batch, sizes[1], sizes[2]
+    p["nq"], p["nk"], p["d_qk"], p["d_v"] = nq, nk, d, dv
+    p["scale"], p["scale_log2"] = scale, scale * _LOG2E
+    return p
+
+
+def _grid(blocks: int, batch: int) -> tuple[int, int, int]:
+    y = min(batch, 65535)
+    return blocks, y, -(-batch // y)
+
+
+def _variant(direction: str, dtype, d: int, dv: int, causal: bool) -> Variant:
+    name = numpy.dtype(dtype).name
+    return Variant(direction, _CTYPES[name], _config.padded_head_dim(max(d, dv)), bool(causal))
+
+
+def _launch(functions, variant: Variant, kernel: str, rows: int, batch: int, params) -> None:
+    t = variant.tiles(kernel) if kernel != "preprocess" else None
+    if kernel == "preprocess":
+        blocks = -(-rows // _config.PREPROCESS_WARPS)
+    else:
+        blocks = -(-rows // t.rows) * (variant.head_dim // t.d_chunk)
+    functions[kernel](_grid(blocks, batch), (variant.threads(kernel),), (params,), shared_mem=variant.smem(kernel))
+
+
+# ----------------------------------------------------------------------------- entry points
+def attention_forward(q, k, v, *, scale: float, causal: bool):
+    """out (*batch, Nq, Dv) and lse (*batch, Nq) float32; see CONTRACT in _api for preconditions."""
+    import cupy
+
+    batch_shape, (nq, d), nk, dv = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
+    vec = 16 // q.dtype.itemsize
+    d_w, dv_w = _round_up(d, vec), _round_up(dv, vec)
+    variant = _variant("fwd", q.dtype, d_w, dv_w, causal)
+    q, k, v = _kernel_ready(q, d_w), _kernel_ready(k, d_w), _kernel_ready(v, dv_w)
+    out = cupy.empty(batch_shape + (nq, dv_w), dtype=q.dtype)
+    lse = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
+    (q, k, v, out), layout = _layout(batch_shape, [q, k, v, out])
+    batch = math.prod(batch_shape)
+    params = _params({"q": q, "k": k, "v": v, "out": out, "lse": lse}, layout,
+                     batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale)
+    _launch(_functions(variant), variant, "fwd", nq, batch, params)
+    if dv_w != dv:
+        out = cupy.ascontiguousarray(_bits(out[..., :dv])).view(out.dtype)
+    return out, lse
+
+
+def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool):
+    """dq, dk, dv with the full (broadcast) batch shape, in the input dtype."""
+    import cupy
+
+    batch_shape, (nq, d), nk, dv = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
+    vec = 16 // q.dtype.itemsize
+    d_w, dv_w = _round_up(d, vec), _round_up(dv, vec)
+    variant = _variant("bwd", q.dtype, d_w, dv_w, causal)
+    q, k = _kernel_ready(q, d_w), _kernel_ready(k, d_w)
+    v, out, dout = (_kernel_ready(x, dv_w) for x in (v, out, dout))
+    lse = cupy.ascontiguousarray(cupy.broadcast_to(lse, batch_shape + (nq,)), dtype=numpy.float32)
+    (q, k, v, out, dout), layout = _layout(batch_shape, [q, k, v, out, dout])
+    dq = cupy.empty(batch_shape + (nq, d_w), dtype=q.dtype)
+    dk = cupy.empty(batch_shape + (nk, d_w), dtype=q.dtype)
+    dv_ = cupy.empty(batch_shape + (nk, dv_w), dtype=q.dtype)
+    lse_log2 = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
+    delta = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
+    batch = math.prod(batch_shape)
+    params = _params({"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv_,
+                      "lse": lse, "lse_log2": lse_log2, "delta": delta}, layout,
+                     batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale)
+    functions = _functions(variant)
+    _launch(functions, variant, "preprocess", nq, batch, params)
+    _launch(functions, variant, "dkdv", nk, batch, params)
+    _launch(functions, variant, "dq", nq, batch, params)
+    grads = []
+    for grad, width in ((dq, d), (dk, d), (dv_, dv)):
+        if grad.shape[-1] != width:
+            grad = cupy.ascontiguousarray(_bits(grad[..., :width])).view(grad.dtype)
+        grads.append(grad)
+    return tuple(grads)
