@@ -1,0 +1,302 @@
+"""Public attention functions, their input validation, and the broadcast-gradient reduction.
+
+Every public function validates its inputs here, once, for both back ends; then returns early for empty
+problems (nothing is launched), broadcasts the leading (batch) dims of q, k, v to one shape with stride-0
+views, and hands the arrays to the back end of their array type:
+
+    numpy.ndarray -> cupyflash._cpu      (blocked NumPy, same algorithm as the kernels)
+    cupy.ndarray  -> cupyflash._kernels  (our CUDA kernels, imported only when first needed)
+
+Both back ends take the same arguments and return full-batch-shape results; the gradients are summed back
+to the shapes of q, k, v here.
+"""
+
+import math
+import numbers
+
+import cupy
+import ml_dtypes
+import numpy as np
+
+from cupyflash import _cpu
+
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
+LSE_DTYPE = np.dtype(np.float32)
+
+
+def attention(q, k, v, *, causal=False, scale=None):
+    """Scaled dot-product attention, ``softmax(scale * q @ k^T) @ v``, without materializing the scores.
+
+    Parameters
+    ----------
+    q : numpy.ndarray or cupy.ndarray, shape (..., Nq, D)
+        Queries. dtype float16, bfloat16 (``ml_dtypes.bfloat16``) or float32.
+    k : numpy.ndarray or cupy.ndarray, shape (..., Nk, D)
+        Keys, same dtype as ``q``.
+    v : numpy.ndarray or cupy.ndarray, shape (..., Nk, Dv)
+        Values, same dtype as ``q``. ``1 <= D, Dv <= 256``.
+    causal : bool, optional
+        Mask out keys "in the future". The mask is aligned to the bottom-right corner of the
+        Nq x Nk score matrix, as in FlashAttention-2: query ``i`` sees key ``j`` iff
+        ``j <= i + Nk - Nq``. For Nq = 2, Nk = 5 (1 = keep, 0 = masked out)::
+
+            1 1 1 1 0
+            1 1 1 1 1
+
+        and for Nq = 5, Nk = 2::
+
+            0 0
+            0 0
+            0 0
+            1 0
+            1 1
+
+        A query row that sees no key gives an output row of zeros.
+    scale : float, optional
+        Multiplies the scores ``q @ k^T`` before the softmax. Finite and > 0;
+        defaults to ``1 / sqrt(D)``.
+
+    Returns
+    -------
+    out : array of the inputs' type and dtype, shape (..., Nq, Dv)
+        The leading dims ``...`` are those of q, k, v broadcast together (NumPy rules), so
+        grouped-query attention is ``q`` of shape (B, Hk, G, Nq, D) with ``k[:, :, None]``
+        and ``v[:, :, None]``.
+
+    Notes
+    -----
+    NumPy inputs run on the CPU (blocked, in float32); CuPy inputs run our CUDA kernels on the
+    current device and CuPy's current stream, asynchronously.
+    """
+    out, _ = attention_forward(q, k, v, causal=causal, scale=scale)
+    return out
+
+
+def attention_forward(q, k, v, *, causal=False, scale=None):
+    """Attention forward pass that also returns the row-wise log-sum-exp needed by the backward.
+
+    Parameters
+    ----------
+    q, k, v, causal, scale
+        As in :func:`attention`: q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv), one dtype among
+        float16, bfloat16, float32; ``causal`` is bottom-right aligned; ``scale`` defaults to
+        ``1 / sqrt(D)``.
+
+    Returns
+    -------
+    out : array, shape (..., Nq, Dv), the inputs' dtype
+        ``softmax(scale * q @ k^T) @ v``, with the broadcast leading dims.
+    lse : array, shape (..., Nq), float32
+        ``log(sum_j exp(scale * q_i . k_j))`` over the keys row ``i`` sees (natural log);
+        ``-inf`` for a row that sees no key (whose ``out`` row is 0).
+    """
+    problem = _validate(dict(q=q, k=k, v=v), causal, scale)
+    xp, batch = problem.xp, problem.batch
+    if problem.is_empty:
+        out = xp.zeros(batch + (problem.nq, problem.dv), dtype=problem.dtype)
+        lse = xp.full(batch + (problem.nq,), -np.inf, dtype=LSE_DTYPE)
+        return out, lse
+    q, k, v = (xp.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
+    return problem.backend().attention_forward(q, k, v, scale=problem.scale, causal=problem.causal)
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None):
+    """Gradients of attention with respect to q, k and v.
+
+    Parameters
+    ----------
+    dout : array, shape (..., Nq, Dv)
+        Gradient of the loss with respect to ``out``; the inputs' dtype.
+    q, k, v : arrays, shapes (..., Nq, D), (..., Nk, D), (..., Nk, Dv)
+        The forward inputs (leading dims broadcast as in :func:`attention`).
+    out : array, shape (..., Nq, Dv)
+        The forward output, as returned by :func:`attention_forward`.
+    lse : array, shape (..., Nq), float32
+        The log-sum-exp returned by :func:`attention_forward` with the same arguments.
+    causal, scale
+        Exactly as passed to :func:`attention_forward`.
+
+    Returns
+    -------
+    dq : array, shape of ``q``
+    dk : array, shape of ``k``
+    dv : array, shape of ``v``
+        In the inputs' dtype. Where an input was broadcast (MQA/GQA), its gradient is summed over
+        the broadcast dims (in float32), as autograd would.
+    """
+    arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    problem = _validate(arrays, causal, scale)
+    xp, batch = problem.xp, problem.batch
+    if problem.is_empty:
+        return tuple(xp.zeros(x.shape, dtype=problem.dtype) for x in (q, k, v))
+    qb, kb, vb = (xp.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
+    grads = problem.backend().attention_backward(
+        dout, qb, kb, vb, out, lse, scale=problem.scale, causal=problem.causal
+    )
+    return tuple(sum_to_shape(g, x.shape) for g, x in zip(grads, (q, k, v)))
+
+
+def sum_to_shape(grad, shape, accumulate_dtype=np.float32):
+    """Sum ``grad`` over the dims that broadcasting added to an array of ``shape``.
+
+    Works for NumPy and CuPy arrays alike. The sum runs in ``accumulate_dtype`` and the result is
+    cast back to ``grad.dtype``; when nothing was broadcast, ``grad`` is returned as is.
+    """
+    lead = grad.ndim - len(shape)
+    stretched = tuple(lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1)
+    axes = tuple(range(lead)) + stretched
+    if not axes:
+        return grad
+    total = grad.astype(accumulate_dtype).sum(axis=axes, keepdims=True)
+    return total.reshape(shape).astype(grad.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation: one set of checks for both back ends (and the shape/scale/causal checks for reference.py)
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Problem:
+    """What the validated inputs describe: array module, dtype, shapes, and the resolved options."""
+
+    def __init__(self, xp, dtype, batch, q, k, v, scale, causal):
+        self.xp, self.dtype, self.batch = xp, dtype, batch
+        self.nq, self.nk = q.shape[-2], k.shape[-2]
+        self.d, self.dv = q.shape[-1], v.shape[-1]
+        self.scale, self.causal = scale, causal
+
+    @property
+    def is_empty(self):
+        return math.prod(self.batch) == 0 or self.nq == 0 or self.nk == 0
+
+    def backend(self):
+        if self.xp is np:
+            return _cpu
+        # Imported here so that importing cupyflash never compiles or touches a GPU.
+        from cupyflash import _kernels
+
+        return _kernels
+
+
+def _validate(arrays, causal, scale):
+    """Check the inputs of a public function; ``arrays`` maps names to arrays and holds q, k, v."""
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    xp = check_array_types(arrays)
+    dtype = check_dtypes(arrays)
+    batch = check_shapes(q, k, v)
+    check_head_dims(q, v)
+    if "out" in arrays:
+        check_forward_outputs(arrays, batch)
+    causal = check_causal(causal)
+    scale = resolve_scale(scale, q.shape[-1])
+    return _Problem(xp, dtype, batch, q, k, v, scale, causal)
+
+
+def check_array_types(arrays):
+    """All arrays must be NumPy, or all CuPy on the current device. Returns numpy or cupy."""
+    for name, x in arrays.items():
+        if not isinstance(x, (np.ndarray, cupy.ndarray)):
+            raise TypeError(
+                f"{name} must be a numpy.ndarray or a cupy.ndarray, got {type(x).__module__}."
+                f"{type(x).__qualname__}"
+            )
+    kinds = {name: "cupy" if isinstance(x, cupy.ndarray) else "numpy" for name, x in arrays.items()}
+    if len(set(kinds.values())) > 1:
+        listing = ", ".join(f"{name} is {kind}" for name, kind in kinds.items())
+        raise TypeError(f"cannot mix NumPy and CuPy arrays ({listing}); convert them to one type")
+    if "cupy" not in kinds.values():
+        return np
+    current = cupy.cuda.Device().id
+    for name, x in arrays.items():
+        if x.device.id != current:
+            raise ValueError(
+                f"{name} is on device {x.device.id} but the current device is {current}; "
+                f"move it there or run under `with cupy.cuda.Device({x.device.id}):`"
+            )
+    return cupy
+
+
+def check_dtypes(arrays):
+    """lse must be float32; every other array one shared supported dtype, which is returned."""
+    for name, x in arrays.items():
+        if name == "lse":
+            if x.dtype != LSE_DTYPE:
+                raise TypeError(f"lse must be float32 (as attention_forward returns it), got {x.dtype}")
+        elif x.dtype == np.float64:
+            raise TypeError(
+                f"{name} has dtype float64, which is not supported yet; "
+                "use float16, bfloat16 or float32"
+            )
+        elif x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {x.dtype}; expected float16, bfloat16 (ml_dtypes.bfloat16) or float32"
+            )
+    named = [(name, x.dtype) for name, x in arrays.items() if name != "lse"]
+    first_name, first_dtype = named[0]
+    for name, dtype in named[1:]:
+        if dtype != first_dtype:
+            names = ", ".join(n for n, _ in named)
+            raise TypeError(
+                f"{first_name} has dtype {first_dtype} but {name} has dtype {dtype}; "
+                f"{names} must share one dtype"
+            )
+    return first_dtype
+
+
+def check_shapes(q, k, v):
+    """q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv); returns the broadcast leading shape."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., N, D), got shape {x.shape}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must have the same head dim D (last dim), got q {q.shape} and k {k.shape}"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"k and v must have the same number of keys Nk (dim -2), got k {k.shape} and v {v.shape}"
+        )
+    try:
+        return tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    except ValueError:
+        raise ValueError(
+            f"the leading (batch) dims of q {q.shape}, k {k.shape} and v {v.shape} do not broadcast "
+            "together (NumPy rules, last two dims excluded)"
+        ) from None
+
+
+def check_head_dims(q, v):
+    """The kernels support head dims D (of q and k) and Dv (of v) from 1 to MAX_HEAD_DIM."""
+    for what, dim in (("D (q.shape[-1])", q.shape[-1]), ("Dv (v.shape[-1])", v.shape[-1])):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"head dim {what} is {dim}; supported head dims are 1 to {MAX_HEAD_DIM}")
+
+
+def check_forward_outputs(arrays, batch):
+    """dout and out must be (*batch, Nq, Dv) and lse (*batch, Nq), exactly as the forward returns them."""
+    nq, dv = arrays["q"].shape[-2], arrays["v"].shape[-1]
+    expected = dict(dout=batch + (nq, dv), out=batch + (nq, dv), lse=batch + (nq,))
+    for name, shape in expected.items():
+        if arrays[name].shape != shape:
+            raise ValueError(
+                f"{name} has shape {arrays[name].shape}; expected {shape}, the shape of the "
+                f"{'lse' if name == 'lse' else 'out'} that attention_forward returns for these q, k, v"
+            )
+
+
+def check_causal(causal):
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {causal!r} ({type(causal).__name__})")
+    return bool(causal)
+
+
+def resolve_scale(scale, head_dim):
+    """Default ``1 / sqrt(head_dim)``; otherwise a finite positive real number, returned as a float."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {scale!r} ({type(scale).__name__})")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0, got {scale!r}")
+    return float(scale)
