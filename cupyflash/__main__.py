@@ -1,0 +1,402 @@
+"""``python -m cupyflash``: versions, a self-check against the float64 reference, and a short report.
+
+With a GPU: forward and backward of our kernels on a few awkward shapes in float16, bfloat16 and float32,
+causal and not, against :mod:`cupyflash.reference`; then a short timing table of ``cupyflash.attention``
+against a hand-written CuPy attention (matmul -> softmax -> matmul).
+
+Without a GPU: the CPU path (NumPy inputs) against the reference, and every shipped kernel variant compiled
+through NVRTC for sm_80 and sm_90, with ptxas' registers, shared memory, spills and stack per kernel.
+
+Exits with status 1 if any check fails or any kernel variant spills or uses a stack frame.
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+
+import cupyflash
+from cupyflash import reference
+
+# Relative max-norm error, max|x - x_ref| / max|x_ref|, allowed against the float64 reference. The
+# gradients pass through two more rounded products (P and dS are rounded to the input dtype), so they get
+# GRAD_TOLERANCE_FACTOR times more.
+TOLERANCES = {"float16": 3e-3, "bfloat16": 2e-2, "float32": 1e-5}
+GRAD_TOLERANCE_FACTOR = 2
+DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+          "float32": np.dtype(np.float32)}
+ARCHES = ("sm_80", "sm_90")
+MIB = 1024 * 1024
+
+
+def _identity(x):
+    return x
+
+
+def _bnhd_to_bhnd(x):
+    return x.transpose(0, 2, 1, 3)
+
+
+class Case:
+    """One check: the physical (allocated) shapes of q, k, v and a view that makes them (..., N, D)."""
+
+    def __init__(self, name, q, k, v, view=_identity):
+        self.name, self.shapes, self.view = name, (q, k, v), view
+
+
+# Awkward on purpose: odd lengths, Nq != Nk, rows that see no key (causal with Nq > Nk), D != Dv, a head
+# dim that is not a multiple of 8, GQA by broadcasting, and FlashAttention's (B, N, H, D) layout as a view.
+GPU_CASES = [
+    Case("B2 H3 N128 D64", (2, 3, 128, 64), (2, 3, 128, 64), (2, 3, 128, 64)),
+    Case("Nq77 Nk133 D40", (1, 2, 77, 40), (1, 2, 133, 40), (1, 2, 133, 40)),
+    Case("Nq130 Nk65 D128", (2, 1, 130, 128), (2, 1, 65, 128), (2, 1, 65, 128)),
+    Case("N64 D256", (1, 2, 64, 256), (1, 2, 64, 256), (1, 2, 64, 256)),
+    Case("N50 D20 Dv36", (1, 2, 50, 20), (1, 2, 50, 20), (1, 2, 50, 36)),
+    Case("GQA Hk2 G3 N96 D64", (1, 2, 3, 96, 64), (1, 2, 1, 96, 64), (1, 2, 1, 96, 64)),
+    Case("BNHD view B2 N100 H4 D32", (2, 100, 4, 32), (2, 100, 4, 32), (2, 100, 4, 32), _bnhd_to_bhnd),
+]
+CPU_CASES = [
+    Case("B2 H2 N64 D32", (2, 2, 64, 32), (2, 2, 64, 32), (2, 2, 64, 32)),
+    Case("Nq33 Nk70 D24", (1, 2, 33, 24), (1, 2, 70, 24), (1, 2, 70, 24)),
+    Case("Nq50 Nk20 D16 Dv8", (1, 1, 50, 16), (1, 1, 20, 16), (1, 1, 20, 8)),
+    Case("GQA Hk2 G2 N40 D16", (1, 2, 2, 40, 16), (1, 2, 1, 40, 16), (1, 2, 1, 40, 16)),
+    Case("BNHD view B2 N30 H2 D8", (2, 30, 2, 8), (2, 30, 2, 8), (2, 30, 2, 8), _bnhd_to_bhnd),
+]
+# Timing: FlashAttention's benchmark convention, 16384 tokens in all (batch = 16384 // N), hidden 2048.
+TIMING_CASES = [("float16", 64, 1024, False), ("float16", 128, 2048, False), ("bfloat16", 128, 2048, False),
+                ("bfloat16", 128, 2048, True), ("float16", 128, 4096, True), ("float32", 64, 1024, False)]
+TOTAL_TOKENS, HIDDEN = 16384, 2048
+
+
+def main(argv=None):
+    args = _parse_args(argv)
+    cupy, why_no_gpu = _find_gpu()
+    report = Report()
+    _print_versions(cupy)
+    if cupy is None:
+        print(f"\nNo CUDA GPU ({why_no_gpu}): checking the CPU path (NumPy inputs) instead.")
+    if args.check:
+        _section("self-check against cupyflash.reference (float64)")
+        if cupy is not None:
+            _check_all(report, GPU_CASES, xp=cupy, seed=args.seed)
+        else:
+            _check_all(report, CPU_CASES, xp=np, seed=args.seed)
+    if cupy is not None and args.bench:
+        _section("forward TFLOP/s: cupyflash.attention vs hand-written CuPy (matmul -> softmax -> matmul)")
+        _timing_table(cupy)
+    compile_report = args.compile_report if args.compile_report is not None else cupy is None
+    if compile_report:
+        _section(f"kernel variants compiled by NVRTC for {', '.join(args.arch)} (no GPU needed)")
+        _compile_table(report, args.arch, required=args.compile_report is not None or _in_ci())
+    return report.finish()
+
+
+def _parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m cupyflash",
+        description="Print versions, check cupyflash against its float64 reference (on the GPU, or the "
+                    "CPU path without one) and report kernel timings (GPU) or the compiled kernels' "
+                    "registers, shared memory and spills (without a GPU). Exits 1 if anything fails.",
+    )
+    parser.add_argument("--no-check", dest="check", action="store_false", help="skip the self-check")
+    parser.add_argument("--no-bench", dest="bench", action="store_false",
+                        help="skip the timing table (GPU only)")
+    parser.add_argument("--compile-report", action=argparse.BooleanOptionalAction, default=None,
+                        help="compile every kernel variant with NVRTC and report ptxas' resources "
+                             "(default: only without a GPU)")
+    parser.add_argument("--arch", nargs="+", default=list(ARCHES), metavar="SM",
+                        help="architectures for the compile report (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    return parser.parse_args(argv)
+
+
+class Report:
+    """Counts checks and failures; ``finish`` prints the verdict and returns the exit status."""
+
+    def __init__(self):
+        self.checks, self.failures = 0, []
+
+    def record(self, ok, what):
+        self.checks += 1
+        if not ok:
+            self.failures.append(what)
+
+    def finish(self):
+        _section("verdict")
+        if self.failures:
+            print(f"self-check FAILED: {len(self.failures)} of {self.checks} checks")
+            for what in self.failures:
+                print(f"  - {what}")
+            return 1
+        print(f"self-check OK: all {self.checks} checks" if self.checks else "nothing was checked")
+        return 0
+
+
+def _in_ci():
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def _section(title):
+    print(f"\n== {title}")
+
+
+def _find_gpu():
+    """(cupy, None) when a CUDA device is usable, else (None, the reason)."""
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no CuPy, no driver, or no device
+        return None, f"{type(exc).__name__}: {exc}".strip()
+    if count < 1:
+        return None, "the CUDA driver reports no device"
+    return cupy, None
+
+
+def _cuda_version(v):
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def _print_versions(cupy):
+    print(f"cupyflash  {cupyflash.__version__} ({os.path.dirname(cupyflash.__file__)})")
+    print(f"Python     {platform.python_version()} ({sys.executable})")
+    print(f"NumPy      {np.__version__}")
+    print(f"ml_dtypes  {ml_dtypes.__version__}")
+    try:
+        import cupy as cupy_module
+
+        print(f"CuPy       {cupy_module.__version__}")
+    except Exception as exc:
+        print(f"CuPy       unavailable ({type(exc).__name__}: {exc})")
+    try:
+        from cupyflash import _kernels
+
+        major, minor = _kernels.nvrtc_version()
+        print(f"NVRTC      {major}.{minor}")
+    except Exception as exc:
+        print(f"NVRTC      unavailable ({type(exc).__name__}: {exc})")
+    if cupy is None:
+        return
+    runtime = cupy.cuda.runtime
+    print(f"CUDA       driver {_cuda_version(runtime.driverGetVersion())}, "
+          f"runtime {_cuda_version(runtime.runtimeGetVersion())}")
+    device = cupy.cuda.Device()
+    props = runtime.getDeviceProperties(device.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    print(f"GPU        {device.id}: {name}, compute capability {props['major']}.{props['minor']}, "
+          f"{props['multiProcessorCount']} SMs, {props['totalGlobalMem'] // MIB} MiB")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Self-check
+
+
+def _check_all(report, cases, *, xp, seed):
+    rng = np.random.default_rng(seed)
+    for case in cases:
+        for dtype_name in DTYPES:
+            for causal in (False, True):
+                ok, line = _check_one(case, dtype_name, causal, xp, rng)
+                print(line)
+                report.record(ok, line.strip())
+
+
+def _check_one(case, dtype_name, causal, xp, rng):
+    dtype = DTYPES[dtype_name]
+    label = f"{dtype_name:8} {'causal' if causal else 'full':6} {case.name:26}"
+    physical = [rng.standard_normal(s, dtype=np.float32).astype(dtype) for s in case.shapes]
+    q, k, v = (case.view(x) for x in physical)
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    dout = rng.standard_normal(batch + (q.shape[-2], v.shape[-1]), dtype=np.float32).astype(dtype)
+    try:
+        if xp is np:
+            dev = [q, k, v, dout]
+        else:  # upload the physical arrays, then take the same view on the device
+            dev = [case.view(xp.asarray(x)) for x in physical] + [xp.asarray(dout)]
+        out, lse = cupyflash.attention_forward(*dev[:3], causal=causal)
+        grads = cupyflash.attention_backward(dev[3], *dev[:3], out, lse, causal=causal)
+        out, lse, *grads = (_to_numpy(x) for x in (out, lse, *grads))
+    except Exception as exc:
+        return False, f"FAIL {label} raised {type(exc).__name__}: {exc}"
+
+    ref_out, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    ref_grads = reference.attention_backward(dout, q, k, v, causal=causal)
+    problems = []
+    expected = [(out, ref_out, dtype), (lse, ref_lse, np.dtype(np.float32))]
+    expected += [(g, r, dtype) for g, r in zip(grads, ref_grads)]
+    for name, (x, ref, want_dtype) in zip(("out", "lse", "dq", "dk", "dv"), expected):
+        if x.shape != ref.shape or x.dtype != want_dtype:
+            problems.append(f"{name} is {x.dtype}{list(x.shape)}, expected {want_dtype}{list(ref.shape)}")
+    tol = TOLERANCES[dtype_name]
+    errors = {"out": _rel_err(out, ref_out), "lse": _lse_err(lse, ref_lse)}
+    errors.update({n: _rel_err(g, r) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
+    for name, err in errors.items():
+        limit = tol if name in ("out", "lse") else tol * GRAD_TOLERANCE_FACTOR
+        if not err <= limit:  # also catches NaN
+            problems.append(f"{name} error {err:.1e} > {limit:.0e}")
+    text = " ".join(f"{n} {e:.1e}" for n, e in errors.items())
+    verdict = "ok  " if not problems else "FAIL"
+    return not problems, f"{verdict} {label} {text}" + (f"  <- {'; '.join(problems)}" if problems else "")
+
+
+def _to_numpy(x):
+    return x if isinstance(x, np.ndarray) else x.get()
+
+
+def _rel_err(x, ref):
+    """max|x - ref| / max|ref|, in float64 (0 when both are all zero)."""
+    x, ref = np.asarray(x, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    if x.shape != ref.shape:
+        return float("nan")
+    if x.size == 0:
+        return 0.0
+    scale = np.abs(ref).max()
+    diff = np.abs(x - ref).max()
+    return float(diff / scale) if scale > 0 else float(diff)
+
+
+def _lse_err(lse, ref):
+    """Like _rel_err over the rows that see a key; NaN unless the rows that see none are -inf in both."""
+    lse, ref = np.asarray(lse, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    if lse.shape != ref.shape or not np.array_equal(np.isneginf(lse), np.isneginf(ref)):
+        return float("nan")
+    seen = np.isfinite(ref)
+    return _rel_err(lse[seen], ref[seen])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Timing (GPU)
+
+
+def _timing_table(cupy, warmup=3, repeats=20):
+    header = (f"{'dtype':8} {'D':>4} {'N':>6} {'causal':6} {'B':>3} {'H':>3} | {'ours ms':>8} "
+              f"{'TFLOP/s':>8} | {'naive ms':>8} {'TFLOP/s':>8} | {'speedup':>7}")
+    print(header)
+    print("-" * len(header))
+    for dtype_name, d, n, causal in TIMING_CASES:
+        b, h = TOTAL_TOKENS // n, HIDDEN // d
+        flops = 4 * b * h * n * n * d / (2 if causal else 1)
+        ours, naive = _time_case(cupy, dtype_name, (b, h, n, d), causal, warmup, repeats)
+        ratio = f"{naive / ours:6.1f}x" if isinstance(ours, float) and isinstance(naive, float) else "n/a"
+        print(f"{dtype_name:8} {d:>4} {n:>6} {'yes' if causal else 'no':6} {b:>3} {h:>3} | "
+              f"{_fmt_ms(ours)} {_fmt_tflops(flops, ours)} | {_fmt_ms(naive)} {_fmt_tflops(flops, naive)} "
+              f"| {ratio:>7}")
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+def _time_case(cupy, dtype_name, shape, causal, warmup, repeats):
+    """Median ms of (cupyflash.attention, naive_attention) on random (B, H, N, D) inputs."""
+    rng = np.random.default_rng(0)
+    q, k, v = (cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(DTYPES[dtype_name]))
+               for _ in range(3))
+    scale = shape[-1] ** -0.5
+    ours = _median_ms(cupy, lambda: cupyflash.attention(q, k, v, causal=causal), warmup, repeats)
+    naive = _median_ms(cupy, lambda: naive_attention(cupy, q, k, v, causal, scale), warmup, repeats)
+    return ours, naive
+
+
+def naive_attention(cupy, q, k, v, causal, scale):
+    """matmul -> softmax (float32) -> matmul, materializing the Nq x Nk scores.
+
+    CuPy has no bfloat16 matmul: bfloat16 inputs are widened to float32 (by their bits) first.
+    """
+    if q.dtype == DTYPES["bfloat16"]:
+        q, k, v = ((x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32) for x in (q, k, v))
+    s = cupy.matmul(q, k.swapaxes(-1, -2)).astype(cupy.float32)
+    s *= scale
+    if causal:  # bottom-right aligned: query i sees key j iff j <= i + Nk - Nq
+        nq, nk = s.shape[-2:]
+        s = cupy.where(cupy.tri(nq, nk, k=nk - nq, dtype=bool), s, -cupy.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    p = cupy.exp(s, out=s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return cupy.matmul(p.astype(q.dtype), v)
+
+
+def _median_ms(cupy, fn, warmup, repeats):
+    """Median milliseconds of ``fn`` between CUDA events on the current stream, or an error word."""
+    try:
+        for _ in range(warmup):
+            fn()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        times = []
+        for _ in range(repeats):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end))
+        return statistics.median(times)
+    except cupy.cuda.memory.OutOfMemoryError:
+        return "OOM"
+    except Exception as exc:
+        return f"n/a ({type(exc).__name__})"
+    finally:
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+def _fmt_ms(ms):
+    return f"{ms:8.3f}" if isinstance(ms, float) else f"{ms.split()[0]:>8}"
+
+
+def _fmt_tflops(flops, ms):
+    return f"{flops / ms / 1e9:8.1f}" if isinstance(ms, float) else f"{'':>8}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Compile report (no GPU needed)
+
+
+def _compile_table(report, arches, *, required):
+    try:
+        from cupyflash import _kernels
+
+        _kernels.nvrtc_version()
+    except Exception as exc:
+        message = f"compile report: NVRTC unavailable ({type(exc).__name__}: {exc})"
+        print(message)
+        if required:
+            report.record(False, message + "; install the cuda12 or cuda13 extra")
+        return
+    by_arch = {}
+    for arch in arches:
+        t0 = time.perf_counter()
+        try:
+            by_arch[arch] = {r["kernel"]: r for r in _kernels.compile_report(arch)}
+        except Exception as exc:
+            print(f"{arch}: compile_report raised {type(exc).__name__}:\n{exc}")
+            report.record(False, f"compile_report({arch!r}) raised {type(exc).__name__}")
+            continue
+        print(f"{arch}: {len(by_arch[arch])} distinct kernels compiled in {time.perf_counter() - t0:.1f} s")
+    if not by_arch:
+        return
+    kernels = list(dict.fromkeys(name for rows in by_arch.values() for name in rows))
+    width = max(len("kernel"), *(len(k) for k in kernels))
+    cell = "{:>4} {:>8} {:>6} {:>5}"
+    print(f"\n{'':{width}} | " + " | ".join(f"{arch:^26}" for arch in by_arch))
+    print(f"{'kernel':{width}} | " + " | ".join(cell.format("regs", "smem KiB", "spill", "stack")
+                                                for _ in by_arch))
+    for name in kernels:
+        cells = []
+        for arch, rows in by_arch.items():
+            r = rows.get(name)
+            if r is None:
+                cells.append(cell.format("-", "-", "-", "-"))
+                report.record(False, f"{name}: not compiled for {arch}")
+                continue
+            smem = (r["static_smem"] + r["dynamic_smem"]) / 1024
+            spill = r["spill_stores"] + r["spill_loads"]
+            cells.append(cell.format(r["registers"], f"{smem:.1f}", spill, r["stack_frame"]))
+            report.record(spill == 0 and r["stack_frame"] == 0,
+                          f"{name} on {arch}: spill stores {r['spill_stores']} B, spill loads "
+                          f"{r['spill_loads']} B, stack {r['stack_frame']} B")
+        print(f"{name:{width}} | " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
