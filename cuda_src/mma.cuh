@@ -53,7 +53,7 @@ template <typename T> struct Mma16 {
   static constexpr int KSTEP = 16;      // k elements per mma
   static constexpr int ACC_PER_A = 2;   // accumulator n-tiles that form one A operand (P V, dS K)
   static constexpr bool ROUNDED_CHAIN = false;  // 16-bit inputs: the mma's own fp32 accumulation suffices
-  static constexpr int K_UNROLL = 16;           // k-steps of S = Q K^T in flight: all of them
+  static constexpr int K_UNROLL = 16;           // k-steps per group in S = Q K^T (one group: unrolled)
   struct A { u32 x[4]; };
   struct B { u32 x[2]; };
 
@@ -118,7 +118,7 @@ struct Mma32 {
   static constexpr int KSTEP = 8;
   static constexpr int ACC_PER_A = 1;
   static constexpr bool ROUNDED_CHAIN = true;  // see gemm_acc_b
-  static constexpr int K_UNROLL = 2;           // split operands hold twice the registers: fewer in flight
+  static constexpr int K_UNROLL = 4;           // k-steps per rounded group in S = Q K^T (see gemm_smem_abt)
   struct A { u32 hi[4], lo[4]; };
   struct B { u32 hi[2], lo[2]; };
 
@@ -163,6 +163,12 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], const
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+template <int N_TILES>
+__device__ __forceinline__ void zero_tiles(float (&acc)[N_TILES][4]) {
+#pragma unroll
+  for (int j = 0; j < N_TILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+}
+
 // ---------------------------------------------------------------- dispatch by element type
 template <typename T> struct Mma : Mma16<T> {
   __device__ __forceinline__ static void mma(float (&c)[4], const typename Mma16<T>::A& a, const typename Mma16<T>::B& b) {
@@ -181,21 +187,39 @@ template <> struct Mma<float> : Mma32 {
 
 // C[16 x 8*N_TILES] += A[16 x K] * B^T, with A rows at row0 of `a_tile` and B stored [n][k]
 // (all N_TILES n-tiles from row n0 = 0 of `b_tile`). K a multiple of the type's k-step.
+// For float32 (ROUNDED_CHAIN) every K_UNROLL k-steps go through a fresh register tile that is
+// added to C with rounded adds, so long head dims do not build a truncating tensor-core chain.
 template <typename T, int K, int N_TILES, int A_STRIDE, int B_STRIDE>
 __device__ __forceinline__ void gemm_smem_abt(float (&c)[N_TILES][4], const T* a_tile, int row0,
                                               const T* b_tile, int lane) {
   using M = Mma<T>;
   static_assert(N_TILES % 2 == 0, "n-tiles are loaded in pairs");
-#pragma unroll M::K_UNROLL
-  for (int k0 = 0; k0 < K; k0 += M::KSTEP) {
-    typename M::A a;
-    M::load_a(a, a_tile, A_STRIDE, row0, k0, lane);
+  // k elements per group: all of K in one unrolled group, or K_UNROLL k-steps for rounded chains
+  constexpr int GROUP = M::ROUNDED_CHAIN ? (K < M::KSTEP * M::K_UNROLL ? K : M::KSTEP * M::K_UNROLL) : K;
+  static_assert(K % GROUP == 0, "k-steps group evenly");
+#pragma unroll 1
+  for (int kg = 0; kg < K; kg += GROUP) {
+    float t[N_TILES][4];
+    float (&acc)[N_TILES][4] = M::ROUNDED_CHAIN ? t : c;
+    if constexpr (M::ROUNDED_CHAIN) zero_tiles(t);
 #pragma unroll
-    for (int j = 0; j < N_TILES; j += 2) {
-      typename M::B b0, b1;
-      M::load_b2(b0, b1, b_tile, B_STRIDE, j * 8, k0, lane);
-      M::mma(c[j], a, b0);
-      M::mma(c[j + 1], a, b1);
+    for (int k0 = kg; k0 < kg + GROUP; k0 += M::KSTEP) {
+      typename M::A a;
+      M::load_a(a, a_tile, A_STRIDE, row0, k0, lane);
+#pragma unroll
+      for (int j = 0; j < N_TILES; j += 2) {
+        typename M::B b0, b1;
+        M::load_b2(b0, b1, b_tile, B_STRIDE, j * 8, k0, lane);
+        M::mma(acc[j], a, b0);
+        M::mma(acc[j + 1], a, b1);
+      }
+    }
+    if constexpr (M::ROUNDED_CHAIN) {
+#pragma unroll
+      for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[j][e] += t[j][e];
+      }
     }
   }
 }
