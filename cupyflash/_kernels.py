@@ -102,8 +102,10 @@ class Variant:
         return f"attention_bwd_{kernel}_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {causal}>"
 
     def code(self) -> str:
-        # The variant's name leads the source so each module has its own cache entry.
-        return f"// cupyflash variant: {self}\n" + source(_SOURCES[self.direction])
+        # The instantiated names (tiles included) lead the source, so each module, and each change of
+        # the tile table, gets its own entry in CuPy's compile cache.
+        names = ", ".join(self.name_expression(kernel) for kernel in self.kernels)
+        return f"// cupyflash module: {names}\n" + source(_SOURCES[self.direction])
 
 
 def shipped_variants() -> list[Variant]:
