@@ -9,7 +9,7 @@ FlashAttention benchmark shape (bf16, 16k tokens, hidden 2048, N = 4k, causal an
 Results and the choice made from them are in bench/NOTES.md ("Experiment 01").
 """
 import math
-import statistics
+from types import SimpleNamespace
 
 import cupy
 import ml_dtypes
@@ -17,6 +17,10 @@ import numpy as np
 
 import cupyflash
 from cupyflash import _config, _kernels, reference
+
+from bench_attention import L2Flush, median_ms  # same timing as the benchmark (bench/ is on sys.path)
+
+TIMING = SimpleNamespace(warmup=5, repeats=30)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # (HEAD_DIM, kernel): candidate tiles; the first is the table's entry when this ran
@@ -37,20 +41,6 @@ def set_tiles(head_dim, kernel, tiles):
     row[("fwd", "dkdv", "dq").index(kernel)] = tiles
     _config._TABLE[2, head_dim] = tuple(row)
     _kernels._modules.clear()  # modules are memoized per variant, not per tile shape
-
-
-def median_ms(fn, repeats=30, warmup=5):
-    for _ in range(warmup):
-        fn()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return statistics.median(times)
 
 
 def max_rel_error(got, want):
@@ -81,10 +71,11 @@ def time_direction(head_dim, kernel, causal, n=4096):
     scale = 1 / math.sqrt(head_dim)
     flops = 4 * batch * heads * n * n * head_dim / (2 if causal else 1)
     if kernel == "fwd":
-        ms = median_ms(lambda: _kernels.attention_forward(q, k, v, scale=scale, causal=causal))
+        ms = median_ms(lambda: _kernels.attention_forward(q, k, v, scale=scale, causal=causal), TIMING, L2Flush())
         return flops / ms / 1e9
     out, lse = _kernels.attention_forward(q, k, v, scale=scale, causal=causal)
-    ms = median_ms(lambda: _kernels.attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal))
+    ms = median_ms(lambda: _kernels.attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal),
+                   TIMING, L2Flush())
     return 2.5 * flops / ms / 1e9
 
 
