@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,7 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import cupyflash
 import cupy
-from cupyflash import reference
+from cupyflash import _timing, reference
 
 try:  # torch is optional, and never a dependency of cupyflash itself
     import torch
@@ -321,18 +320,7 @@ class L2Flush:
 
 
 def median_ms(fn, args, flush):
-    for _ in range(args.warmup):
-        fn()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(args.repeats):
-        flush()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return statistics.median(times)
+    return _timing.median_ms(fn, warmup=args.warmup, repeats=args.repeats, before_each=flush)
 
 
 def is_oom(exc):

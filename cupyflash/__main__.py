@@ -13,7 +13,6 @@ Exits with status 1 if any check fails or any kernel variant spills or uses a st
 import argparse
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -22,6 +21,7 @@ import numpy as np
 
 import cupyflash
 from cupyflash import reference
+from cupyflash._timing import median_ms
 
 # Relative max-norm error, max|x - x_ref| / max|x_ref|, allowed against the float64 reference. The
 # gradients pass through two more rounded products (P and dS are rounded to the input dtype), so they get
@@ -321,17 +321,7 @@ def naive_attention(cupy, q, k, v, causal, scale):
 def _median_ms(cupy, fn, warmup, repeats):
     """Median milliseconds of ``fn`` between CUDA events on the current stream, or an error word."""
     try:
-        for _ in range(warmup):
-            fn()
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        times = []
-        for _ in range(repeats):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end))
-        return statistics.median(times)
+        return median_ms(fn, warmup=warmup, repeats=repeats)
     except cupy.cuda.memory.OutOfMemoryError:
         return "OOM"
     except Exception as exc:

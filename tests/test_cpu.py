@@ -1,5 +1,6 @@
 """The NumPy (CPU) path against the float64 reference: dtypes, head dims, masks, sizes, layouts, empties."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import cupyflash
+from _problems import check_bhnd, random_array, random_problem
 from cupyflash import _cpu
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
@@ -18,26 +20,14 @@ SHORT_SIZES = ((1, 1), (1, 300), (113, 203), (203, 113))
 LONG_SIZE_HEAD_DIMS = (40, 128, 256)  # (512, 512) at every head dim would triple this file's runtime
 
 
-def _random(rng, shape, dtype):
-    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
-
-
-def _random_problem(rng, q_shape, k_shape, v_shape, dtype):
-    """q, k, v of the given shapes and a dout of the output's shape."""
-    q, k, v = (_random(rng, shape, dtype) for shape in (q_shape, k_shape, v_shape))
-    batch = np.broadcast_shapes(q_shape[:-2], k_shape[:-2], v_shape[:-2])
-    dout = _random(rng, batch + (q_shape[-2], v_shape[-1]), dtype)
-    return q, k, v, dout
-
-
 def _run(q, k, v, dout, *, causal, scale=None):
     out, lse = cupyflash.attention_forward(q, k, v, causal=causal, scale=scale)
     return (out, lse, *cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale))
 
 
-def _check_bhnd(rng, check, dtype, batch, nq, nk, d, dv, causal, scale=None):
-    q, k, v, dout = _random_problem(rng, batch + (nq, d), batch + (nk, d), batch + (nk, dv), dtype)
-    check(q, k, v, dout, _run(q, k, v, dout, causal=causal, scale=scale), causal=causal, scale=scale)
+_random = functools.partial(random_array, xp=np)
+_random_problem = functools.partial(random_problem, xp=np)
+_check_bhnd = functools.partial(check_bhnd, run=_run, xp=np)
 
 
 @pytest.mark.parametrize("nq, nk", SHORT_SIZES)

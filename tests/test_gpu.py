@@ -9,6 +9,7 @@ so an element the kernels forget to write fails the test.
 """
 
 import contextlib
+import functools
 
 import cupy
 import ml_dtypes
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 import cupyflash
+from _problems import check_bhnd, random_array, random_problem
 from cupyflash import reference
 
 pytestmark = pytest.mark.gpu
@@ -60,18 +62,6 @@ def _nan_filled_allocations():
         cupy.cuda.set_allocator(previous)
 
 
-def _random(rng, shape, dtype):
-    return cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
-
-
-def _random_problem(rng, q_shape, k_shape, v_shape, dtype):
-    """CuPy q, k, v of the given shapes and a dout of the output's shape."""
-    q, k, v = (_random(rng, shape, dtype) for shape in (q_shape, k_shape, v_shape))
-    batch = np.broadcast_shapes(q_shape[:-2], k_shape[:-2], v_shape[:-2])
-    dout = _random(rng, batch + (q_shape[-2], v_shape[-1]), dtype)
-    return q, k, v, dout
-
-
 def _run(q, k, v, dout, *, causal, scale=None):
     """Forward then backward, every output allocated as NaN: (out, lse, dq, dk, dv)."""
     with _nan_filled_allocations():
@@ -80,9 +70,9 @@ def _run(q, k, v, dout, *, causal, scale=None):
     return (out, lse, *grads)
 
 
-def _check_bhnd(rng, check, dtype, batch, nq, nk, d, dv, causal, scale=None):
-    q, k, v, dout = _random_problem(rng, batch + (nq, d), batch + (nk, d), batch + (nk, dv), dtype)
-    check(q, k, v, dout, _run(q, k, v, dout, causal=causal, scale=scale), causal=causal, scale=scale)
+_random = functools.partial(random_array, xp=cupy)
+_random_problem = functools.partial(random_problem, xp=cupy)
+_check_bhnd = functools.partial(check_bhnd, run=_run, xp=cupy)
 
 
 def _bits(x):
