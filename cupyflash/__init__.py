@@ -1,8 +1,18 @@
 """cupyflash: FlashAttention forward and backward as our own CUDA kernels, compiled at run time by CuPy."""
 
 from cupyflash import reference
-from cupyflash._api import attention, attention_backward, attention_forward
+from cupyflash._api import attention, attention_backward, attention_forward, attention_probs
+from cupyflash._modifiers import BLOCK_MASK_TILE, block_mask_from_dense
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_forward", "attention_backward", "reference", "__version__"]
+__all__ = [
+    "attention",
+    "attention_forward",
+    "attention_backward",
+    "attention_probs",
+    "block_mask_from_dense",
+    "BLOCK_MASK_TILE",
+    "reference",
+    "__version__",
+]

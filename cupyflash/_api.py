@@ -18,14 +18,15 @@ import cupy
 import ml_dtypes
 import numpy as np
 
-from cupyflash import _cpu
+from cupyflash import _cpu, _modifiers
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
 LSE_DTYPE = np.dtype(np.float32)
 
 
-def attention(q, k, v, *, causal=False, scale=None):
+def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, bias=None,
+              mask=None, block_mask=None):
     """Scaled dot-product attention, ``softmax(scale * q @ k^T) @ v``, without materializing the scores.
 
     Parameters
@@ -56,6 +57,24 @@ def attention(q, k, v, *, causal=False, scale=None):
     scale : float, optional
         Multiplies the scores ``q @ k^T`` before the softmax. Finite and > 0;
         defaults to ``1 / sqrt(D)``.
+    window : (int, int), optional
+        ``(left, right)``: query ``i`` sees keys ``j`` with
+        ``i + Nk - Nq - left <= j <= i + Nk - Nq + right``; ``-1`` leaves that side unbounded.
+        Key tiles wholly outside the band are skipped. Combines with ``causal``.
+    softcap : float, optional
+        If > 0, the scaled scores ``s`` become ``softcap * tanh(s / softcap)``.
+    alibi_slopes : array, optional
+        Floating-point (used as float32), broadcastable to the leading dims ``...``: adds
+        ``-slope * |i + Nk - Nq - j|`` to the scores (after the softcap).
+    bias : array, optional
+        Broadcastable to ``(..., Nq, Nk)``, the inputs' dtype or float32: added to the scores (after
+        the softcap and ALiBi). Broadcast dims are read with stride 0, never copied. ``-inf`` hides a key.
+    mask : array of bool, optional
+        Broadcastable to ``(..., Nq, Nk)``; True = the key takes part (as in torch's SDPA).
+    block_mask : array of bool, optional
+        Broadcastable to ``(..., ceil(Nq/128), ceil(Nk/128))``: element ``[..., a, b]`` False hides the
+        128 x 128 tile of queries ``128a...`` and keys ``128b...``, which is then never loaded.
+        :func:`block_mask_from_dense` builds one from a dense ``mask``.
 
     Returns
     -------
@@ -67,13 +86,21 @@ def attention(q, k, v, *, causal=False, scale=None):
     Notes
     -----
     NumPy inputs run on the CPU (blocked, in float32); CuPy inputs run our CUDA kernels on the
-    current device and CuPy's current stream, asynchronously.
+    current device and CuPy's current stream, asynchronously. The scores are built in the order
+    ``scale``, ``softcap``, ``alibi_slopes``, ``bias``, then the hidden keys (``causal``, ``window``,
+    ``mask``, ``block_mask``) become ``-inf``; a query row left with no key gives an output row of 0.
+
+    Examples
+    --------
+    >>> out = cupyflash.attention(q, k, v, causal=True, window=(256, 0), softcap=30.0)
     """
-    out, _ = attention_forward(q, k, v, causal=causal, scale=scale)
+    out, _ = attention_forward(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+                               alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask)
     return out
 
 
-def attention_forward(q, k, v, *, causal=False, scale=None):
+def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
+                      bias=None, mask=None, block_mask=None):
     """Attention forward pass that also returns the row-wise log-sum-exp needed by the backward.
 
     Parameters
@@ -82,26 +109,32 @@ def attention_forward(q, k, v, *, causal=False, scale=None):
         As in :func:`attention`: q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv), one dtype among
         float16, bfloat16, float32; ``causal`` is bottom-right aligned; ``scale`` defaults to
         ``1 / sqrt(D)``.
+    window, softcap, alibi_slopes, bias, mask, block_mask
+        The score modifiers, as in :func:`attention`.
 
     Returns
     -------
     out : array, shape (..., Nq, Dv), the inputs' dtype
         ``softmax(scale * q @ k^T) @ v``, with the broadcast leading dims.
     lse : array, shape (..., Nq), float32
-        ``log(sum_j exp(scale * q_i . k_j))`` over the keys row ``i`` sees (natural log);
-        ``-inf`` for a row that sees no key (whose ``out`` row is 0).
+        ``log(sum_j exp(s_ij))`` of the (modified) scores over the keys row ``i`` sees (natural
+        log); ``-inf`` for a row that sees no key (whose ``out`` row is 0).
     """
-    problem = _validate(dict(q=q, k=k, v=v), causal, scale)
+    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
+                   block_mask=block_mask)
+    problem = _validate(dict(q=q, k=k, v=v), causal, scale, options)
     xp, batch = problem.xp, problem.batch
     if problem.is_empty:
         out = xp.zeros(batch + (problem.nq, problem.dv), dtype=problem.dtype)
         lse = xp.full(batch + (problem.nq,), -np.inf, dtype=LSE_DTYPE)
         return out, lse
     q, k, v = (xp.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
-    return problem.backend().attention_forward(q, k, v, scale=problem.scale, causal=problem.causal)
+    return problem.backend().attention_forward(q, k, v, scale=problem.scale, causal=problem.causal,
+                                               mods=problem.mods)
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None):
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None, softcap=0.0,
+                       alibi_slopes=None, bias=None, mask=None, block_mask=None):
     """Gradients of attention with respect to q, k and v.
 
     Parameters
@@ -114,7 +147,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None):
         The forward output, as returned by :func:`attention_forward`.
     lse : array, shape (..., Nq), float32
         The log-sum-exp returned by :func:`attention_forward` with the same arguments.
-    causal, scale
+    causal, scale, window, softcap, alibi_slopes, bias, mask, block_mask
         Exactly as passed to :func:`attention_forward`.
 
     Returns
@@ -124,17 +157,58 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None):
     dv : array, shape of ``v``
         In the inputs' dtype. Where an input was broadcast (MQA/GQA), its gradient is summed over
         the broadcast dims (in float32), as autograd would.
+    dbias : array, shape and dtype of ``bias``
+        Only when ``bias`` is given: the gradient of the scores, ``P * (dP - rowsum(P * dP))``,
+        summed over the dims along which ``bias`` was broadcast (in float32). Where that sum runs
+        over more than one term, its order (atomic float32 adds on the GPU) may vary between runs.
     """
     arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
-    problem = _validate(arrays, causal, scale)
+    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
+                   block_mask=block_mask)
+    problem = _validate(arrays, causal, scale, options)
     xp, batch = problem.xp, problem.batch
     if problem.is_empty:
-        return tuple(xp.zeros(x.shape, dtype=problem.dtype) for x in (q, k, v))
+        grads = tuple(xp.zeros(x.shape, dtype=problem.dtype) for x in (q, k, v))
+        return grads + ((xp.zeros(bias.shape, dtype=bias.dtype),) if bias is not None else ())
     qb, kb, vb = (xp.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
-    grads = problem.backend().attention_backward(
-        dout, qb, kb, vb, out, lse, scale=problem.scale, causal=problem.causal
+    *grads, dbias = problem.backend().attention_backward(
+        dout, qb, kb, vb, out, lse, scale=problem.scale, causal=problem.causal, mods=problem.mods
     )
-    return tuple(sum_to_shape(g, x.shape) for g, x in zip(grads, (q, k, v)))
+    grads = tuple(sum_to_shape(g, x.shape) for g, x in zip(grads, (q, k, v)))
+    return grads + ((dbias,) if bias is not None else ())
+
+
+def attention_probs(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
+                    bias=None, mask=None, block_mask=None):
+    """The softmax probabilities ``P`` of attention, for inspection and debugging.
+
+    Computes the forward's log-sum-exp with the same kernels, then ``P_ij = exp(s_ij - lse_i)`` with
+    the scores ``s`` built exactly as :func:`attention` builds them (same options, same order).
+    Unlike the rest of cupyflash this materializes ``(..., Nq, Nk)``: O(N^2) memory.
+
+    Parameters
+    ----------
+    q, k, v, causal, scale, window, softcap, alibi_slopes, bias, mask, block_mask
+        As in :func:`attention`. ``v`` is needed for the shape checks only.
+
+    Returns
+    -------
+    p : array, shape (..., Nq, Nk), float32
+        Rows sum to 1, except rows that see no key, which are 0; ``p @ v`` is ``attention``'s output.
+
+    Examples
+    --------
+    >>> p = cupyflash.attention_probs(q, k, v, causal=True)   # (B, H, Nq, Nk) float32
+    """
+    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
+                   block_mask=block_mask)
+    problem = _validate(dict(q=q, k=k, v=v), causal, scale, options)
+    xp, batch = problem.xp, problem.batch
+    if problem.is_empty:
+        return xp.zeros(batch + (problem.nq, problem.nk), dtype=np.float32)
+    q, k, v = (xp.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
+    return problem.backend().attention_probs(q, k, v, scale=problem.scale, causal=problem.causal,
+                                             mods=problem.mods)
 
 
 def sum_to_shape(grad, shape, accumulate_dtype=np.float32):
@@ -160,11 +234,12 @@ def sum_to_shape(grad, shape, accumulate_dtype=np.float32):
 class _Problem:
     """What the validated inputs describe: array module, dtype, shapes, and the resolved options."""
 
-    def __init__(self, xp, dtype, batch, q, k, v, scale, causal):
+    def __init__(self, xp, dtype, batch, q, k, v, scale, causal, mods):
         self.xp, self.dtype, self.batch = xp, dtype, batch
         self.nq, self.nk = q.shape[-2], k.shape[-2]
         self.d, self.dv = q.shape[-1], v.shape[-1]
         self.scale, self.causal = scale, causal
+        self.mods = mods  # a _modifiers.Modifiers, or None when every score modifier is off
 
     @property
     def is_empty(self):
@@ -179,8 +254,9 @@ class _Problem:
         return _kernels
 
 
-def _validate(arrays, causal, scale):
-    """Check the inputs of a public function; ``arrays`` maps names to arrays and holds q, k, v."""
+def _validate(arrays, causal, scale, options):
+    """Check the inputs of a public function; ``arrays`` maps names to arrays and holds q, k, v;
+    ``options`` are the score-modifier keywords."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     xp = check_array_types(arrays)
     dtype = check_dtypes(arrays)
@@ -190,7 +266,8 @@ def _validate(arrays, causal, scale):
         check_forward_outputs(arrays, batch)
     causal = check_causal(causal)
     scale = resolve_scale(scale, q.shape[-1])
-    return _Problem(xp, dtype, batch, q, k, v, scale, causal)
+    mods = _modifiers.resolve(xp, dtype, batch, q.shape[-2], k.shape[-2], **options)
+    return _Problem(xp, dtype, batch, q, k, v, scale, causal, mods)
 
 
 def check_array_types(arrays):

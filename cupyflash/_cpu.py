@@ -2,7 +2,8 @@
 
 Same arguments and results as cupyflash._kernels (see the internal contract there): q (*batch, Nq, D),
 k (*batch, Nk, D), v (*batch, Nk, Dv) of one dtype with identical batch shapes (stride-0 views welcome),
-Nq, Nk, prod(batch) >= 1, already validated by cupyflash._api.
+Nq, Nk, prod(batch) >= 1, already validated by cupyflash._api; ``mods`` is the resolved
+cupyflash._modifiers.Modifiers (its arrays broadcast to the full shapes) or None.
 
 Forward: for each block of BLOCK_Q queries, sweep the key blocks it can see keeping the online-softmax
 state per row: running max m_i, running sum l_i of exp(S_ij - m_i), and the unnormalized output
@@ -10,40 +11,47 @@ accumulator acc_i, rescaled by exp(m_old - m_new) whenever the max grows. Only l
 saved for the backward. Backward: delta_i = rowsum(dout_i * out_i), then for each key block the query
 blocks that see it, recomputing P_ij = exp(S_ij - lse_i) and accumulating
 dV_j += P_ij^T dO_i,  dP_ij = dO_i V_j^T,  dS_ij = P_ij * (dP_ij - delta_i),
-dQ_i += scale dS_ij K_j,  dK_j += scale dS_ij^T Q_i.
-At most one (BLOCK_Q x BLOCK_K) score tile per batch element exists at a time: never Nq x Nk.
+dQ_i += scale dS_ij K_j,  dK_j += scale dS_ij^T Q_i,  dbias_ij += dS_ij (summed over its broadcast dims)
+(with softcap, dS_ij is multiplied by 1 - tanh^2 before dQ and dK).
+Key blocks outside the window band (causal included) or whose block_mask tiles are all False are skipped,
+as the kernels skip them. At most one (BLOCK_Q x BLOCK_K) score tile per batch element exists at a time:
+never Nq x Nk (except in attention_probs, whose output is that big).
 """
 
 import numpy as np
 
+from cupyflash._modifiers import BLOCK_MASK_TILE, Modifiers
+
 BLOCK_Q = 64
 BLOCK_K = 64
 COMPUTE_DTYPE = np.float32
+# A tile then never straddles two block_mask tiles: one block_mask element hides it or not, as in the
+# kernels. (The code below also works for other tile sizes, element by element; the tests try some.)
+assert BLOCK_MASK_TILE % BLOCK_Q == 0 and BLOCK_MASK_TILE % BLOCK_K == 0
+_NO_MODIFIERS = Modifiers((-1, -1), 0.0, None, None, None, None, None)
 
 
-def attention_forward(q, k, v, *, scale, causal):
+def attention_forward(q, k, v, *, scale, causal, mods=None):
     """Returns out (*batch, Nq, Dv) in the inputs' dtype and lse (*batch, Nq) float32."""
-    nq = q.shape[-2]
+    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods)
     out = np.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
     lse = np.empty(q.shape[:-1], dtype=COMPUTE_DTYPE)
-    for i0 in range(0, nq, BLOCK_Q):
-        i1 = min(i0 + BLOCK_Q, nq)
-        out[..., i0:i1, :], lse[..., i0:i1] = _forward_query_block(q, k, v, i0, i1, scale, causal)
+    for i0 in range(0, tiles.nq, BLOCK_Q):
+        i1 = min(i0 + BLOCK_Q, tiles.nq)
+        out[..., i0:i1, :], lse[..., i0:i1] = _forward_query_block(q, k, v, i0, i1, tiles)
     return out, lse
 
 
-def _forward_query_block(q, k, v, i0, i1, scale, causal):
+def _forward_query_block(q, k, v, i0, i1, tiles):
     """Online softmax of queries i0:i1 over every key block they see."""
-    nq, nk = q.shape[-2], k.shape[-2]
     q_i = q[..., i0:i1, :].astype(COMPUTE_DTYPE)
     m_i = np.full(q_i.shape[:-1], -np.inf, dtype=COMPUTE_DTYPE)
     l_i = np.zeros(q_i.shape[:-1], dtype=COMPUTE_DTYPE)
     acc_i = np.zeros(q_i.shape[:-1] + v.shape[-1:], dtype=COMPUTE_DTYPE)
-    for j0 in range(0, _keys_seen(i1, nq, nk, causal), BLOCK_K):
-        j1 = min(j0 + BLOCK_K, nk)
-        s_ij = _scores(q_i, k[..., j0:j1, :], scale, i0, i1, j0, j1, nq, nk, causal)
+    for j0, j1 in tiles.key_blocks(i0, i1):
+        s_ij, _ = tiles.scores(q_i, k[..., j0:j1, :], i0, i1, j0, j1)
         m_new = np.maximum(m_i, s_ij.max(axis=-1))
-        # A row that has seen only masked keys keeps m = -inf; shift it by 0 so that no -inf - -inf
+        # A row that has seen only hidden keys keeps m = -inf; shift it by 0 so that no -inf - -inf
         # (NaN) appears: its p_ij are exp(-inf) = 0 and its alpha exp(-inf) = 0.
         m_shift = np.where(np.isneginf(m_new), 0, m_new)
         p_ij = np.exp(s_ij - m_shift[..., None])
@@ -51,74 +59,175 @@ def _forward_query_block(q, k, v, i0, i1, scale, causal):
         l_i = alpha * l_i + p_ij.sum(axis=-1)
         acc_i = alpha[..., None] * acc_i + p_ij @ v[..., j0:j1, :].astype(COMPUTE_DTYPE)
         m_i = m_new
-    seen = l_i > 0  # False only for rows that see no key at all (causal with Nq > Nk)
+    seen = l_i > 0  # False only for rows that see no key at all (every key hidden or skipped)
     out_i = np.where(seen[..., None], acc_i / np.where(seen, l_i, 1)[..., None], 0)
     lse_i = np.where(seen, m_i + np.log(np.where(seen, l_i, 1)), -np.inf)
     return out_i, lse_i
 
 
-def attention_backward(dout, q, k, v, out, lse, *, scale, causal):
-    """Returns dq, dk, dv with the full batch shape, in the inputs' dtype."""
-    nk = k.shape[-2]
+def attention_backward(dout, q, k, v, out, lse, *, scale, causal, mods=None):
+    """Returns dq, dk, dv with the full batch shape, in the inputs' dtype, and dbias or None.
+
+    dbias has the bias's own shape ``mods.bias_shape`` and dtype (summed over its broadcast dims in
+    float32); None when there is no bias.
+    """
+    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods)
     delta = np.sum(dout.astype(COMPUTE_DTYPE) * out.astype(COMPUTE_DTYPE), axis=-1)
     # Rows that see no key have lse = -inf; +inf instead makes their P = exp(S - inf) = 0, never NaN.
     lse = np.where(np.isneginf(lse), np.inf, lse)
     dq = np.zeros(q.shape, dtype=COMPUTE_DTYPE)
     dk = np.empty(k.shape, dtype=q.dtype)
     dv = np.empty(v.shape, dtype=q.dtype)
-    for j0 in range(0, nk, BLOCK_K):
-        j1 = min(j0 + BLOCK_K, nk)
+    dbias = None if tiles.bias is None else np.zeros(tiles.dbias_shape, dtype=COMPUTE_DTYPE)
+    for j0 in range(0, tiles.nk, BLOCK_K):
+        j1 = min(j0 + BLOCK_K, tiles.nk)
         dk[..., j0:j1, :], dv[..., j0:j1, :] = _backward_key_block(
-            dout, q, k, v, lse, delta, dq, j0, j1, scale, causal
+            dout, q, k, v, lse, delta, dq, dbias, j0, j1, tiles
         )
-    return dq.astype(q.dtype), dk, dv
+    dbias = None if dbias is None else dbias.reshape(tiles.bias_shape).astype(tiles.bias.dtype)
+    return dq.astype(q.dtype), dk, dv, dbias
 
 
-def _backward_key_block(dout, q, k, v, lse, delta, dq, j0, j1, scale, causal):
-    """dK_j and dV_j for keys j0:j1; adds this block's share of dQ into dq (float32) in place."""
-    nq, nk = q.shape[-2], k.shape[-2]
+def _backward_key_block(dout, q, k, v, lse, delta, dq, dbias, j0, j1, tiles):
+    """dK_j and dV_j for keys j0:j1; adds this block's share of dQ (and dbias) into dq (dbias) in place."""
     k_j = k[..., j0:j1, :].astype(COMPUTE_DTYPE)
     v_j = v[..., j0:j1, :].astype(COMPUTE_DTYPE)
     dk_j = np.zeros(k_j.shape, dtype=COMPUTE_DTYPE)
     dv_j = np.zeros(v_j.shape, dtype=COMPUTE_DTYPE)
-    for i0 in range(_first_query_seeing(j0, nq, nk, causal), nq, BLOCK_Q):
-        i1 = min(i0 + BLOCK_Q, nq)
+    for i0, i1 in tiles.query_blocks(j0, j1):
         q_i = q[..., i0:i1, :].astype(COMPUTE_DTYPE)
         dout_i = dout[..., i0:i1, :].astype(COMPUTE_DTYPE)
-        s_ij = _scores(q_i, k_j, scale, i0, i1, j0, j1, nq, nk, causal)
+        s_ij, tanh_ij = tiles.scores(q_i, k_j, i0, i1, j0, j1)
         p_ij = np.exp(s_ij - lse[..., i0:i1, None])
         dv_j += _transpose(p_ij) @ dout_i
         dp_ij = dout_i @ _transpose(v_j)
         ds_ij = p_ij * (dp_ij - delta[..., i0:i1, None])
-        dq[..., i0:i1, :] += scale * (ds_ij @ k_j)
-        dk_j += scale * (_transpose(ds_ij) @ q_i)
+        if dbias is not None:
+            tiles.add_to_bias_shape(dbias, ds_ij, i0, i1, j0, j1)
+        if tanh_ij is not None:  # the softcap's derivative: d(c tanh(x / c)) / dx = 1 - tanh^2
+            ds_ij = ds_ij * (1 - tanh_ij * tanh_ij)
+        dq[..., i0:i1, :] += tiles.scale * (ds_ij @ k_j)
+        dk_j += tiles.scale * (_transpose(ds_ij) @ q_i)
     return dk_j, dv_j
 
 
-def _scores(q_i, k_j, scale, i0, i1, j0, j1, nq, nk, causal):
-    """S_ij = scale * Q_i K_j^T, with -inf where the causal mask hides key j from query i."""
-    s_ij = scale * (q_i @ _transpose(k_j.astype(COMPUTE_DTYPE)))
-    # Bottom-right aligned causal mask: query i sees key j iff j <= i + (Nk - Nq). Tiles wholly below
-    # the diagonal need no mask.
-    if causal and j1 - 1 > i0 + nk - nq:
-        rows = np.arange(i0, i1)[:, None]
-        cols = np.arange(j0, j1)[None, :]
-        s_ij = np.where(cols <= rows + (nk - nq), s_ij, -np.inf)
-    return s_ij
+def attention_probs(q, k, v, *, scale, causal, mods=None):
+    """Returns P (*batch, Nq, Nk) float32: exp(s - lse) with the forward's lse; 0 where keys are hidden."""
+    _, lse = attention_forward(q, k, v, scale=scale, causal=causal, mods=mods)
+    lse = np.where(np.isneginf(lse), np.inf, lse)  # rows that see no key: P = 0, as in the backward
+    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods)
+    p = np.zeros(q.shape[:-1] + k.shape[-2:-1], dtype=COMPUTE_DTYPE)
+    for i0 in range(0, tiles.nq, BLOCK_Q):
+        i1 = min(i0 + BLOCK_Q, tiles.nq)
+        q_i = q[..., i0:i1, :].astype(COMPUTE_DTYPE)
+        for j0, j1 in tiles.key_blocks(i0, i1):
+            s_ij, _ = tiles.scores(q_i, k[..., j0:j1, :], i0, i1, j0, j1)
+            p[..., i0:i1, j0:j1] = np.exp(s_ij - lse[..., i0:i1, None])
+    return p
 
 
-def _keys_seen(i1, nq, nk, causal):
-    """End of the key range that queries below i1 see (0 when none sees any)."""
-    if not causal:
-        return nk
-    return max(0, min(nk, i1 + nk - nq))
+class _ScoreTiles:
+    """The scores S_ij of one tile with every modifier applied, and which tiles can be skipped.
+
+    The band of keys a query sees is the window with causal folded in: query i sees keys j with
+    i + off - left <= j <= i + off + right (off = Nk - Nq, -1 = unbounded side), further thinned by
+    mask and block_mask.
+    """
+
+    def __init__(self, nq, nk, scale, causal, mods):
+        self.nq, self.nk, self.scale = nq, nk, scale
+        self.off = nk - nq  # bottom-right alignment
+        mods = _NO_MODIFIERS if mods is None else mods
+        self.window = mods.window_with_causal(causal)
+        self.softcap, self.alibi_slopes = mods.softcap, mods.alibi_slopes
+        self.bias, self.bias_shape = mods.bias, mods.bias_shape
+        self.mask, self.block_mask = mods.mask, mods.block_mask
+        # dbias is accumulated with at least 2 dims: a bias of fewer broadcasts along queries (and keys).
+        if self.bias_shape is not None:
+            self.dbias_shape = (1,) * max(0, 2 - len(self.bias_shape)) + tuple(self.bias_shape)
+
+    def key_blocks(self, i0, i1):
+        """(j0, j1) of the key blocks that queries i0:i1 may see, at multiples of BLOCK_K."""
+        left, right = self.window
+        lo = 0 if left == -1 else max(0, i0 + self.off - left)
+        hi = self.nk if right == -1 else min(self.nk, i1 - 1 + self.off + right + 1)
+        for j0 in range(lo - lo % BLOCK_K, hi, BLOCK_K):
+            j1 = min(j0 + BLOCK_K, self.nk)
+            if not self._block_masked_out(i0, i1, j0, j1):
+                yield j0, j1
+
+    def query_blocks(self, j0, j1):
+        """(i0, i1) of the query blocks that may see keys j0:j1, at multiples of BLOCK_Q."""
+        left, right = self.window
+        lo = 0 if right == -1 else max(0, j0 - self.off - right)
+        hi = self.nq if left == -1 else min(self.nq, j1 - 1 - self.off + left + 1)
+        for i0 in range(lo - lo % BLOCK_Q, hi, BLOCK_Q):
+            i1 = min(i0 + BLOCK_Q, self.nq)
+            if not self._block_masked_out(i0, i1, j0, j1):
+                yield i0, i1
+
+    def _block_masked_out(self, i0, i1, j0, j1):
+        """True when block_mask hides the whole tile for every batch entry (then it is skipped)."""
+        if self.block_mask is None:
+            return False
+        t = BLOCK_MASK_TILE
+        return not self.block_mask[..., i0 // t:(i1 - 1) // t + 1, j0 // t:(j1 - 1) // t + 1].any()
+
+    def scores(self, q_i, k_j, i0, i1, j0, j1):
+        """S_ij (*batch, i1-i0, j1-j0) float32, -inf where hidden; and tanh(x / softcap) or None."""
+        s_ij = self.scale * (q_i @ _transpose(k_j.astype(COMPUTE_DTYPE)))
+        tanh_ij = None
+        if self.softcap > 0:
+            tanh_ij = np.tanh(s_ij / COMPUTE_DTYPE(self.softcap))
+            s_ij = COMPUTE_DTYPE(self.softcap) * tanh_ij
+        rel = np.arange(j0, j1)[None, :] - (np.arange(i0, i1)[:, None] + self.off)  # j - (i + off)
+        if self.alibi_slopes is not None:
+            s_ij = s_ij - self.alibi_slopes[..., None, None] * np.abs(rel).astype(COMPUTE_DTYPE)
+        if self.bias is not None:
+            s_ij = s_ij + self.bias[..., i0:i1, j0:j1].astype(COMPUTE_DTYPE)
+        hidden = self._hidden(rel, i0, i1, j0, j1)
+        # Hidden keys are -inf whatever the bias there holds (even NaN): skipped tiles are never read.
+        if hidden is not None:
+            s_ij = np.where(hidden, -np.inf, s_ij).astype(COMPUTE_DTYPE, copy=False)
+        return s_ij, tanh_ij
+
+    def add_to_bias_shape(self, dbias, ds_ij, i0, i1, j0, j1):
+        """dbias[..., i0:i1, j0:j1] += dS_ij, summed over the dims along which the bias was broadcast.
+
+        dbias has shape ``self.dbias_shape``: the bias's, with at least two dims.
+        """
+        rows = slice(0, 1) if dbias.shape[-2] == 1 else slice(i0, i1)
+        cols = slice(0, 1) if dbias.shape[-1] == 1 else slice(j0, j1)
+        target = dbias[..., rows, cols]
+        target += _sum_to_shape(ds_ij, target.shape)
+
+    def _hidden(self, rel, i0, i1, j0, j1):
+        """Where keys j0:j1 are hidden from queries i0:i1, or None when the tile hides nothing."""
+        left, right = self.window
+        hidden = None
+        if (left != -1 and rel.min() < -left) or (right != -1 and rel.max() > right):
+            hidden = ((left != -1) & (rel < -left)) | ((right != -1) & (rel > right))
+        if self.mask is not None:
+            hidden = _union(hidden, ~self.mask[..., i0:i1, j0:j1])
+        if self.block_mask is not None:
+            t = BLOCK_MASK_TILE
+            rows, cols = np.arange(i0, i1) // t, np.arange(j0, j1) // t
+            tile_mask = self.block_mask[..., rows[0]:rows[-1] + 1, cols[0]:cols[-1] + 1]
+            if not tile_mask.all():
+                hidden = _union(hidden, ~tile_mask[..., rows[:, None] - rows[0], cols[None, :] - cols[0]])
+        return hidden
 
 
-def _first_query_seeing(j0, nq, nk, causal):
-    """First query that sees key j0: the queries before it see no key j >= j0."""
-    if not causal:
-        return 0
-    return max(0, j0 - (nk - nq))
+def _sum_to_shape(x, shape):
+    """Sum x over the dims that broadcasting ``shape`` to x's shape added or stretched."""
+    lead = x.ndim - len(shape)
+    stretched = tuple(lead + a for a, n in enumerate(shape) if n == 1 and x.shape[lead + a] != 1)
+    axes = tuple(range(lead)) + stretched
+    return x.sum(axis=axes, keepdims=True).reshape(shape) if axes else x
+
+
+def _union(a, b):
+    return b if a is None else a | b
 
 
 def _transpose(x):

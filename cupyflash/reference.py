@@ -1,19 +1,26 @@
 """Plain NumPy float64 attention, forward and backward, to check everything else against.
 
-It materializes the whole score matrix S = scale * q @ k^T and applies the textbook formulas; it is meant
-to be obviously right, not fast. Same semantics as cupyflash.attention: leading dims broadcast, the causal
-mask is bottom-right aligned (query i sees key j iff j <= i + Nk - Nq), and a query row that sees no key
-gives out = 0, lse = -inf and zero gradients. Inputs must be NumPy arrays (any dtype NumPy can convert to
-float64, float64 included); results are float64.
+It materializes the whole score matrix and applies the textbook formulas; it is meant to be obviously
+right, not fast. Same semantics as cupyflash.attention: leading dims broadcast, the causal mask is
+bottom-right aligned (query i sees key j iff j <= i + Nk - Nq), the score modifiers (window, softcap,
+alibi_slopes, bias, mask, block_mask) are exactly those of cupyflash._modifiers, and a query row that sees
+no key gives out = 0, lse = -inf and zero gradients. Inputs must be NumPy arrays (any dtype NumPy can
+convert to float64, float64 included; bias any floating-point dtype); results are float64. ALiBi slopes
+are used as float32, as everywhere in cupyflash.
 """
 
 import cupy
+import ml_dtypes
 import numpy as np
 
+from cupyflash import _modifiers
 from cupyflash._api import check_causal, check_shapes, resolve_scale, sum_to_shape
 
+_BIAS_DTYPES_EXTRA = (np.dtype(ml_dtypes.bfloat16),)  # floating point, though NumPy's kind is not "f"
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, window=None, softcap=0.0,
+              alibi_slopes=None, bias=None, mask=None, block_mask=None):
     """Reference attention in float64.
 
     Parameters
@@ -26,7 +33,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
     scale : float, optional
         Defaults to ``1 / sqrt(D)``.
     return_lse : bool, optional
-        Also return the row-wise log-sum-exp of the (masked) scores.
+        Also return the row-wise log-sum-exp of the (modified, masked) scores.
+    window, softcap, alibi_slopes, bias, mask, block_mask : optional
+        The score modifiers, as in :func:`cupyflash.attention` (NumPy arrays).
 
     Returns
     -------
@@ -34,52 +43,133 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
     lse : numpy.ndarray, shape (..., Nq), float64
         Only if ``return_lse``; ``-inf`` for rows that see no key.
     """
+    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
+                   block_mask=block_mask)
     q, k, v = _as_float64(q=q, k=k, v=v)
-    check_shapes(q, k, v)
-    scale = resolve_scale(scale, q.shape[-1])
-    p, lse = _softmax(_masked_scores(q, k, check_causal(causal), scale))
+    s, _ = _scores(q, k, v, causal, scale, options)
+    p, lse = _softmax(s)
     out = p @ v
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, *, causal=False, scale=None):
+def attention_probs(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
+                    bias=None, mask=None, block_mask=None):
+    """Reference attention probabilities ``P = softmax(s)`` in float64.
+
+    Parameters
+    ----------
+    q, k, v, causal, scale, window, softcap, alibi_slopes, bias, mask, block_mask
+        As in :func:`attention`; ``v`` is needed for the shape checks only.
+
+    Returns
+    -------
+    p : numpy.ndarray, shape (..., Nq, Nk), float64
+        Rows sum to 1, except rows that see no key, which are 0.
+    """
+    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
+                   block_mask=block_mask)
+    q, k, v = _as_float64(q=q, k=k, v=v)
+    s, _ = _scores(q, k, v, causal, scale, options)
+    return _softmax(s)[0]
+
+
+def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
+                       alibi_slopes=None, bias=None, mask=None, block_mask=None):
     """Reference gradients of attention in float64.
 
     Parameters
     ----------
     dout : numpy.ndarray, shape (..., Nq, Dv)
         Gradient of the loss with respect to the output (broadcast leading dims).
-    q, k, v, causal, scale
+    q, k, v, causal, scale, window, softcap, alibi_slopes, bias, mask, block_mask
         As in :func:`attention`.
 
     Returns
     -------
     dq, dk, dv : numpy.ndarray, float64, the shapes of q, k, v
         Summed over the dims along which q, k, v were broadcast.
+    dbias : numpy.ndarray, float64, the shape of bias
+        Only when ``bias`` is given: dS summed over the dims along which bias was broadcast.
     """
+    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
+                   block_mask=block_mask)
     dout, q, k, v = _as_float64(dout=dout, q=q, k=k, v=v)
-    batch = check_shapes(q, k, v)
-    out_shape = batch + (q.shape[-2], v.shape[-1])
+    s, tanh = _scores(q, k, v, causal, scale, options)
+    out_shape = s.shape[:-1] + v.shape[-1:]
     if dout.shape != out_shape:
         raise ValueError(f"dout has shape {dout.shape}; the output of these q, k, v has shape {out_shape}")
     scale = resolve_scale(scale, q.shape[-1])
-    p, _ = _softmax(_masked_scores(q, k, check_causal(causal), scale))
+    p, _ = _softmax(s)
     dp = dout @ _transpose(v)
-    ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
-    dq = scale * ds @ k
-    dk = scale * _transpose(ds) @ q
+    ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))  # dS = P o (dP - D): the gradient of s
+    # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2: the gradient of the scaled score x = scale q.k
+    ds_scaled = ds if tanh is None else ds * (1 - tanh**2)
+    dq = scale * ds_scaled @ k
+    dk = scale * _transpose(ds_scaled) @ q
     dv = _transpose(p) @ dout
-    return tuple(sum_to_shape(g, x.shape, np.float64) for g, x in ((dq, q), (dk, k), (dv, v)))
+    grads = tuple(sum_to_shape(g, x.shape, np.float64) for g, x in ((dq, q), (dk, k), (dv, v)))
+    if bias is None:
+        return grads
+    return grads + (sum_to_shape(ds, bias.shape, np.float64),)
 
 
-def _masked_scores(q, k, causal, scale):
-    """S = scale * q @ k^T with -inf where the causal mask hides key j from query i."""
+def _scores(q, k, v, causal, scale, options):
+    """The final scores s (..., Nq, Nk) with -inf where keys are hidden, and tanh(x / softcap) or None."""
+    batch = check_shapes(q, k, v)
+    causal = check_causal(causal)
+    scale = resolve_scale(scale, q.shape[-1])
+    nq, nk = q.shape[-2], k.shape[-2]
+    mods = _resolve(batch, nq, nk, options)
     s = scale * (q @ _transpose(k))
-    if causal:
-        nq, nk = s.shape[-2:]
-        sees = np.arange(nk)[None, :] <= np.arange(nq)[:, None] + (nk - nq)
-        s = np.where(sees, s, -np.inf)
-    return s
+    s = np.broadcast_to(s, batch + (nq, nk))
+    if mods is None:
+        return np.where(_hidden(batch, nq, nk, causal, None), -np.inf, s), None
+    tanh = None
+    if mods.softcap > 0:
+        tanh = np.tanh(s / mods.softcap)
+        s = mods.softcap * tanh
+    if mods.alibi_slopes is not None:
+        slopes = mods.alibi_slopes.astype(np.float64)[..., None, None]
+        s = s - slopes * np.abs(_key_offsets(nq, nk))
+    if mods.bias is not None:
+        s = s + mods.bias.astype(np.float64)
+    # Hidden keys are -inf whatever the bias there holds (even NaN or +inf): they are never read.
+    return np.where(_hidden(batch, nq, nk, causal, mods), -np.inf, s), tanh
+
+
+def _key_offsets(nq, nk):
+    """j - (i + Nk - Nq) for every query i and key j: 0 on the bottom-right aligned diagonal."""
+    return np.arange(nk)[None, :] - (np.arange(nq)[:, None] + (nk - nq))
+
+
+def _hidden(batch, nq, nk, causal, mods):
+    """True where key j is hidden from query i: each rule of cupyflash._modifiers, one by one."""
+    rel = _key_offsets(nq, nk)
+    hidden = np.zeros(batch + (nq, nk), dtype=bool)
+    hidden |= causal & (rel > 0)
+    if mods is None:
+        return hidden
+    left, right = mods.window
+    if left != -1:
+        hidden |= rel < -left
+    if right != -1:
+        hidden |= rel > right
+    if mods.mask is not None:
+        hidden |= ~mods.mask
+    if mods.block_mask is not None:
+        tile = _modifiers.BLOCK_MASK_TILE
+        rows, cols = np.arange(nq) // tile, np.arange(nk) // tile
+        hidden |= ~mods.block_mask[..., rows[:, None], cols[None, :]]
+    return hidden
+
+
+def _resolve(batch, nq, nk, options):
+    """cupyflash._modifiers.resolve, except that the bias may have any floating-point dtype."""
+    bias = options["bias"]
+    dtype = bias.dtype if isinstance(bias, np.ndarray) else np.float64
+    if isinstance(bias, np.ndarray) and bias.dtype.kind != "f" and bias.dtype not in _BIAS_DTYPES_EXTRA:
+        raise TypeError(f"bias must be a floating-point array, got dtype {bias.dtype}")
+    return _modifiers.resolve(np, dtype, batch, nq, nk, **options)
 
 
 def _softmax(s):
