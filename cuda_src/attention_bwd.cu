@@ -13,11 +13,18 @@
 // P^T and dS^T (or P and dS) go from the accumulator registers straight into the next product.
 // Head dims above 128 split the gradient columns into D_CHUNK-wide CTAs (grid x) so the
 // accumulators fit in registers; each chunk recomputes the same S and dP.
+// HAS_MODS instantiations (IS_CAUSAL = false; causality is the window's right edge) rebuild the
+// modified logits (score_mods.cuh), skip the tiles the window band or the block mask hide, and compute
+// dP before S so that each element's P, dS and softcap derivative 1 - tanh^2 come out of one pass.
+// The bias gradient dS is added (float32 atomics) into a zeroed float32 buffer of the bias's own
+// shape by the dQ pass, the first chunk of columns only; broadcast bias dims have stride 0 there, so
+// the adds sum over them. The atomics are the one thing here whose order can vary between runs.
 #include "common.cuh"
 #include "block_info.cuh"
 #include "mma.cuh"
 #include "copy.cuh"
 #include "mask.cuh"
+#include "score_mods.cuh"
 
 template <typename T, int NUM_WARPS>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
@@ -63,7 +70,7 @@ __device__ __forceinline__ void dscores_cols(float (&dp)[N_TILES][4], const floa
   }
 }
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_M, int D_CHUNK, bool IS_CAUSAL>
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_M, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_dkdv_kernel(const AttnParams p) {
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
@@ -73,6 +80,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   constexpr int G_TILES = D_CHUNK / 8;     // gradient columns per CTA
   constexpr int N_CHUNKS = HEAD_DIM / D_CHUNK;
   static_assert(HEAD_DIM % D_CHUNK == 0 && D_CHUNK % 16 == 0, "gradient column chunks");
+  static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
+  static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
@@ -97,9 +106,22 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   const float* delta = p.delta + static_cast<i64>(b) * p.nq;
 
   // Only query rows i with i + nk - nq >= n0 see a key of this block under the causal mask.
-  const int m_first = IS_CAUSAL ? max(0, n0 - offset) / BLOCK_M : 0;
-  const int m_blocks = ceil_div(p.nq, BLOCK_M);
+  int m_first = IS_CAUSAL ? max(0, n0 - offset) / BLOCK_M : 0;
+  int m_blocks = ceil_div(p.nq, BLOCK_M);
   const Mask<IS_CAUSAL> mask{p.nk, offset};
+  // With modifiers: the query blocks of the window band whose block-mask tile is on (next_on).
+  const ScoreMods<T> mods(p, b);
+  if constexpr (HAS_MODS) {
+    const int i_first = mods.first_query(n0), i_last = mods.last_query(min(n0 + BLOCK_N, p.nk) - 1);
+    m_first = i_first / BLOCK_M;
+    m_blocks = i_last >= i_first ? i_last / BLOCK_M + 1 : 0;
+  }
+  auto next_on = [&](int m_block) {
+    if constexpr (HAS_MODS) {
+      while (m_block < m_blocks && !mods.tile_on(m_block * BLOCK_M, n0)) ++m_block;
+    }
+    return m_block;
+  };
 
   auto load_stream = [&](int m_block, int buf) {
     const int m0 = m_block * BLOCK_M;
@@ -114,17 +136,18 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 
   load_tile_async<T, BLOCK_N, HEAD_DIM, THREADS>(sK, k, p.k_stride[3], p.nk - n0, p.d_qk);
   load_tile_async<T, BLOCK_N, HEAD_DIM, THREADS>(sV, v, p.v_stride[3], p.nk - n0, p.d_v);
-  if (m_first < m_blocks) load_stream(m_first, 0);
+  int m_block = next_on(m_first);
+  if (m_block < m_blocks) load_stream(m_block, 0);
   cp_async_commit();
 
   float acc_dk[G_TILES][4], acc_dv[G_TILES][4];
   zero_acc(acc_dk);
   zero_acc(acc_dv);
-  for (int m_block = m_first; m_block < m_blocks; ++m_block) {
-    const int buf = (m_block - m_first) & 1;
+  for (int buf = 0; m_block < m_blocks; buf ^= 1) {
     const int m0 = m_block * BLOCK_M;
-    if (m_block + 1 < m_blocks) {
-      load_stream(m_block + 1, buf ^ 1);
+    const int m_next = next_on(m_block + 1);
+    if (m_next < m_blocks) {
+      load_stream(m_next, buf ^ 1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -134,25 +157,47 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     const T* sQ_i = sQ + buf * BLOCK_M * STRIDE;
     const T* sdO_i = sdO + buf * BLOCK_M * STRIDE;
 
-    // S^T = K Q_i^T, then P^T = exp(scale * S^T - lse)
-    float acc_s[S_TILES][4];
-    zero_acc(acc_s);
-    gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sK, warp * 16, sQ_i, lane);
-    if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + warp * 16, m0, lane);
-    probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, p.scale_log2, lane);
+    float acc_s[S_TILES][4], acc_dp[S_TILES][4];
+    if constexpr (HAS_MODS) {
+      // dP^T = V dO_i^T and S^T = K Q_i^T first; then per element the logit, P^T = exp(logit - lse),
+      // dS^T = P^T * (dP^T - delta) times the softcap derivative.
+      zero_acc(acc_dp);
+      gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_dp, sV, warp * 16, sdO_i, lane);
+      zero_acc(acc_s);
+      gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sK, warp * 16, sQ_i, lane);
+      const bool check = mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1);
+      const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+      for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = j * 8 + 2 * t + (e & 1);  // query m0 + col; key n0 + warp * 16 + g + 8 * (e >> 1)
+          mods.backward(acc_s[j][e], acc_dp[j][e], m0 + col, n0 + warp * 16 + g + 8 * (e >> 1), check,
+                        sLse[buf * BLOCK_M + col], sDelta[buf * BLOCK_M + col], false);
+        }
+      }
+      // dV += P^T dO_i
+      gemm_acc_b<T, S_TILES, G_TILES, STRIDE>(acc_dv, acc_s, sdO_i, c0, lane);
+    } else {
+      // S^T = K Q_i^T, then P^T = exp(scale * S^T - lse)
+      zero_acc(acc_s);
+      gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sK, warp * 16, sQ_i, lane);
+      if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + warp * 16, m0, lane);
+      probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, p.scale_log2, lane);
 
-    // dV += P^T dO_i
-    gemm_acc_b<T, S_TILES, G_TILES, STRIDE>(acc_dv, acc_s, sdO_i, c0, lane);
+      // dV += P^T dO_i
+      gemm_acc_b<T, S_TILES, G_TILES, STRIDE>(acc_dv, acc_s, sdO_i, c0, lane);
 
-    // dP^T = V dO_i^T;  dS^T = P^T * (dP^T - delta)
-    float acc_dp[S_TILES][4];
-    zero_acc(acc_dp);
-    gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_dp, sV, warp * 16, sdO_i, lane);
-    dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
+      // dP^T = V dO_i^T;  dS^T = P^T * (dP^T - delta)
+      zero_acc(acc_dp);
+      gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_dp, sV, warp * 16, sdO_i, lane);
+      dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
+    }
 
     // dK += dS^T Q_i
     gemm_acc_b<T, S_TILES, G_TILES, STRIDE>(acc_dk, acc_dp, sQ_i, c0, lane);
     __syncthreads();  // this buffer is refilled two iterations on
+    m_block = m_next;
   }
 
   // dK = scale * dS^T Q; stage both gradients through sK / sV for 16-byte stores.
@@ -169,7 +214,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   store_tile<T, BLOCK_N, D_CHUNK, STRIDE, THREADS>(dv, p.d_v, sV, p.nk - n0, p.d_v - c0);
 }
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL>
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_dq_kernel(const AttnParams p) {
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
@@ -179,6 +224,8 @@ attention_bwd_dq_kernel(const AttnParams p) {
   constexpr int G_TILES = D_CHUNK / 8;
   constexpr int N_CHUNKS = HEAD_DIM / D_CHUNK;
   static_assert(HEAD_DIM % D_CHUNK == 0 && D_CHUNK % 16 == 0, "gradient column chunks");
+  static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
+  static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -209,10 +256,24 @@ attention_bwd_dq_kernel(const AttnParams p) {
   }
 
   const int key_end = IS_CAUSAL ? min(p.nk, m0 + BLOCK_M + offset) : p.nk;
-  const int n_blocks = key_end > 0 ? ceil_div(key_end, BLOCK_N) : 0;
+  int n_blocks = key_end > 0 ? ceil_div(key_end, BLOCK_N) : 0;
   int n_unmasked = p.nk / BLOCK_N;
   if (IS_CAUSAL) n_unmasked = min(n_unmasked, max(0, m0 + offset + 1) / BLOCK_N);
   const Mask<IS_CAUSAL> mask{p.nk, offset};
+  // With modifiers: the key blocks of the window band whose block-mask tile is on (next_on).
+  const ScoreMods<T> mods(p, b);
+  int n_first = 0;
+  if constexpr (HAS_MODS) {
+    const int k_first = mods.first_key(m0), k_last = mods.last_key(min(m0 + BLOCK_M, p.nq) - 1);
+    n_first = k_first / BLOCK_N;
+    n_blocks = k_last >= k_first ? k_last / BLOCK_N + 1 : 0;
+  }
+  auto next_on = [&](int n_block) {
+    if constexpr (HAS_MODS) {
+      while (n_block < n_blocks && !mods.tile_on(m0, n_block * BLOCK_N)) ++n_block;
+    }
+    return n_block;
+  };
 
   auto load_stream = [&](int n_block, int buf) {
     const int n0 = n_block * BLOCK_N;
@@ -222,16 +283,17 @@ attention_bwd_dq_kernel(const AttnParams p) {
 
   load_tile_async<T, BLOCK_M, HEAD_DIM, THREADS>(sQ, q, p.q_stride[3], p.nq - m0, p.d_qk);
   load_tile_async<T, BLOCK_M, HEAD_DIM, THREADS>(sdO, dout, p.dout_stride[3], p.nq - m0, p.d_v);
-  if (n_blocks > 0) load_stream(0, 0);
+  int n_block = next_on(n_first);
+  if (n_block < n_blocks) load_stream(n_block, 0);
   cp_async_commit();
 
   float acc_dq[G_TILES][4];
   zero_acc(acc_dq);
-  for (int n_block = 0; n_block < n_blocks; ++n_block) {
-    const int buf = n_block & 1;
+  for (int buf = 0; n_block < n_blocks; buf ^= 1) {
     const int n0 = n_block * BLOCK_N;
-    if (n_block + 1 < n_blocks) {
-      load_stream(n_block + 1, buf ^ 1);
+    const int n_next = next_on(n_block + 1);
+    if (n_next < n_blocks) {
+      load_stream(n_next, buf ^ 1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -241,30 +303,49 @@ attention_bwd_dq_kernel(const AttnParams p) {
     const T* sK_j = sK + buf * BLOCK_N * STRIDE;
     const T* sV_j = sV + buf * BLOCK_N * STRIDE;
 
-    // S = Q K_j^T, P = exp(scale * S - lse)
-    float acc_s[S_TILES][4];
-    zero_acc(acc_s);
-    gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sQ, warp * 16, sK_j, lane);
-    if (n_block >= n_unmasked) mask.apply(acc_s, m0 + warp * 16, n0, lane);
+    float acc_s[S_TILES][4], acc_dp[S_TILES][4];
+    if constexpr (HAS_MODS) {
+      // dP = dO V_j^T and S = Q K_j^T first; then per element the logit, P, dS (into dbias) and
+      // dS times the softcap derivative.
+      zero_acc(acc_dp);
+      gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_dp, sdO, warp * 16, sV_j, lane);
+      zero_acc(acc_s);
+      gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sQ, warp * 16, sK_j, lane);
+      const bool check = mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1);
+      const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int j = 0; j < S_TILES; ++j) {
+      for (int j = 0; j < S_TILES; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc_s[j][e] = fast_exp2(acc_s[j][e] * p.scale_log2 - row_lse[e >> 1]);
-    }
+        for (int e = 0; e < 4; ++e) {
+          mods.backward(acc_s[j][e], acc_dp[j][e], m0 + warp * 16 + g + 8 * (e >> 1), n0 + j * 8 + 2 * t + (e & 1),
+                        check, row_lse[e >> 1], row_delta[e >> 1], c0 == 0);
+        }
+      }
+    } else {
+      // S = Q K_j^T, P = exp(scale * S - lse)
+      zero_acc(acc_s);
+      gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sQ, warp * 16, sK_j, lane);
+      if (n_block >= n_unmasked) mask.apply(acc_s, m0 + warp * 16, n0, lane);
+#pragma unroll
+      for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[j][e] = fast_exp2(acc_s[j][e] * p.scale_log2 - row_lse[e >> 1]);
+      }
 
-    // dP = dO V_j^T;  dS = P * (dP - delta)
-    float acc_dp[S_TILES][4];
-    zero_acc(acc_dp);
-    gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_dp, sdO, warp * 16, sV_j, lane);
+      // dP = dO V_j^T;  dS = P * (dP - delta)
+      zero_acc(acc_dp);
+      gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_dp, sdO, warp * 16, sV_j, lane);
 #pragma unroll
-    for (int j = 0; j < S_TILES; ++j) {
+      for (int j = 0; j < S_TILES; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] - row_delta[e >> 1]);
+        for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] - row_delta[e >> 1]);
+      }
     }
 
     // dQ += dS K_j
     gemm_acc_b<T, S_TILES, G_TILES, STRIDE>(acc_dq, acc_dp, sK_j, c0, lane);
     __syncthreads();  // this buffer is refilled two iterations on
+    n_block = n_next;
   }
 
   // dQ = scale * dS K, staged through sQ (free once the loop is done) for 16-byte stores.

@@ -9,6 +9,9 @@
 // into the P V product, and writes out and lse once. Nothing of size nq x nk exists anywhere.
 // Where the output accumulator would not fit in registers (float32 at HEAD_DIM 256), the output
 // columns are split into D_CHUNK-wide CTAs (grid x) that each recompute the same scores.
+// HAS_MODS instantiations apply the score modifiers (score_mods.cuh: window, softcap, ALiBi, bias,
+// mask) to each score tile and skip key tiles outside the window band or off in the block mask;
+// they run with IS_CAUSAL = false, causality arriving as the window's right edge.
 // Saved for the backward: lse only.
 #include "common.cuh"
 #include "block_info.cuh"
@@ -16,8 +19,9 @@
 #include "copy.cuh"
 #include "mask.cuh"
 #include "softmax.cuh"
+#include "score_mods.cuh"
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL>
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_fwd_kernel(const AttnParams p) {
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
@@ -27,6 +31,8 @@ attention_fwd_kernel(const AttnParams p) {
   constexpr int O_TILES = D_CHUNK / 8;   // output accumulator n-tiles per warp
   constexpr int N_CHUNKS = HEAD_DIM / D_CHUNK;
   static_assert(HEAD_DIM % D_CHUNK == 0 && D_CHUNK % 16 == 0, "output column chunks");
+  static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
+  static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -49,26 +55,44 @@ attention_fwd_kernel(const AttnParams p) {
 
   // Keys this row block can see: all of them, or up to the causal limit of its last row.
   const int key_end = IS_CAUSAL ? min(p.nk, m0 + BLOCK_M + offset) : p.nk;
-  const int n_blocks = key_end > 0 ? ceil_div(key_end, BLOCK_N) : 0;
+  int n_blocks = key_end > 0 ? ceil_div(key_end, BLOCK_N) : 0;
   // Key blocks [0, n_unmasked) need no mask: fully inside nk and on or below every row's diagonal.
   int n_unmasked = p.nk / BLOCK_N;
   if (IS_CAUSAL) n_unmasked = min(n_unmasked, max(0, m0 + offset + 1) / BLOCK_N);
   const Mask<IS_CAUSAL> mask{p.nk, offset};
+  // With modifiers: only the key blocks [n_first, n_blocks) of the window band, and of those only the
+  // ones the block mask leaves on (prev_on walks down to the next one).
+  const ScoreMods<T> mods(p, b);
+  int n_first = 0;
+  if constexpr (HAS_MODS) {
+    const int last_row = min(m0 + BLOCK_M, p.nq) - 1;
+    const int k_first = mods.first_key(m0), k_last = mods.last_key(last_row);
+    n_first = k_first / BLOCK_N;
+    n_blocks = k_last >= k_first ? k_last / BLOCK_N + 1 : 0;
+  }
+  auto prev_on = [&](int n_block) {
+    if constexpr (HAS_MODS) {
+      while (n_block >= n_first && !mods.tile_on(m0, n_block * BLOCK_N)) --n_block;
+    }
+    return n_block;
+  };
 
   float acc_o[O_TILES][4];
   zero_acc(acc_o);
   OnlineSoftmax<S_TILES> softmax;
   softmax.init();
 
-  if (n_blocks > 0) {
+  int n_block = prev_on(n_blocks - 1);
+  if (n_block >= n_first) {
     load_tile_async<T, BLOCK_M, HEAD_DIM, THREADS>(sQ, q, p.q_stride[3], p.nq - m0, p.d_qk);
-    const int n_last = (n_blocks - 1) * BLOCK_N;
+    const int n_last = n_block * BLOCK_N;
     load_tile_async<T, BLOCK_N, HEAD_DIM, THREADS>(sK, k + n_last * p.k_stride[3], p.k_stride[3], p.nk - n_last, p.d_qk);
     cp_async_commit();
   }
   // Masked blocks sit at the end of the key range: walk it backwards so they come first.
-  for (int n_block = n_blocks - 1; n_block >= 0; --n_block) {
+  while (n_block >= n_first) {
     const int n0 = n_block * BLOCK_N;
+    const int n_next = prev_on(n_block - 1);
     float acc_s[S_TILES][4];
     zero_acc(acc_s);
 
@@ -79,27 +103,34 @@ attention_fwd_kernel(const AttnParams p) {
 
     // S_ij = Q_i K_j^T (raw scores; the scale is folded into the exponent)
     gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sQ, warp * 16, sK, lane);
-    if (n_block >= n_unmasked) mask.apply(acc_s, m0 + warp * 16, n0, lane);
+    if constexpr (HAS_MODS) {
+      mods.template apply<false>(acc_s, m0 + warp * 16, n0, lane,
+                                 mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1));
+    } else if (n_block >= n_unmasked) {
+      mask.apply(acc_s, m0 + warp * 16, n0, lane);
+    }
 
-    // m_i, l_i and P_ij = exp(scale * S_ij - m_i); O_i *= exp(m_old - m_new)
+    // m_i, l_i and P_ij = exp(scale * S_ij - m_i); O_i *= exp(m_old - m_new). Modified scores are
+    // logits already (scale applied), so only log2(e) is left for the exponent.
     float rescale[2];
-    softmax.update(acc_s, p.scale_log2, rescale);
+    softmax.update(acc_s, HAS_MODS ? LOG2E : p.scale_log2, rescale);
     scale_rows(acc_o, rescale);
 
     cp_async_wait<0>();  // V_j has landed; every warp is done with K_j
     __syncthreads();
-    if (n_block > 0) {
-      const int n_prev = n0 - BLOCK_N;
+    if (n_next >= n_first) {
+      const int n_prev = n_next * BLOCK_N;
       load_tile_async<T, BLOCK_N, HEAD_DIM, THREADS>(sK, k + n_prev * p.k_stride[3], p.k_stride[3], p.nk - n_prev, p.d_qk);
       cp_async_commit();
     }
     // O_i += P_ij V_j, P straight from the score registers
     gemm_acc_b<T, S_TILES, O_TILES, STRIDE>(acc_o, acc_s, sV, c0, lane);
+    n_block = n_next;
   }
 
   // out = O_i / l_i; lse_i = scale * m_i + log(l_i). Stage through sQ for 16-byte stores.
   float inv_sum[2], row_lse[2];
-  softmax.finalize(p.scale_log2, inv_sum, row_lse);
+  softmax.finalize(HAS_MODS ? LOG2E : p.scale_log2, inv_sum, row_lse);
   cp_async_wait<0>();
   __syncthreads();  // sQ is free: the last S = Q K^T is done in every warp
   acc_to_smem<T, O_TILES, STRIDE>(sQ, warp * 16, acc_o, inv_sum, lane);

@@ -1,7 +1,8 @@
 // block_info.cuh — the flat parameter struct every kernel receives, and where one CTA's
 // batch entry lives in each tensor.
 //
-// Layout: every tensor is (batch..., rows, cols) with a unit stride on cols. The leading
+// Layout: every tensor is (batch..., rows, cols) with a unit stride on cols (the score modifiers' arrays
+// carry a column stride too). The leading
 // ("batch") dims are collapsed on the host into at most three, b = (b0 * batch1 + b1) * batch2 + b2,
 // and each input carries its own strides for them (0 for a broadcast dim: GQA/MQA without copies).
 // Outputs and workspaces the library allocates (out, lse, dq, dk, dv, lse_log2, delta) are
@@ -36,12 +37,28 @@ struct AttnParams {
   int d_v;   // head dim of v and out (likewise)
   float scale;       // softmax scale applied to q . k
   float scale_log2;  // scale * log2(e), folded so the softmax runs on exp2
+  // Score modifiers, read by HAS_MODS kernels only (score_mods.cuh); null pointers / zeros = off.
+  const void* bias;                 // (b, nq, nk), T or float32 (bias_f32), any strides
+  float* dbias;                     // float32 accumulator in the bias's own shape (stride 0 = summed)
+  const unsigned char* mask;        // bool (b, nq, nk): true = the key takes part
+  const unsigned char* block_mask;  // bool (b, ceil(nq / 128), ceil(nk / 128))
+  const float* alibi_slopes;        // (b), one slope per flat batch entry
+  i64 bias_stride[5];               // [b0, b1, b2, row, col], in elements
+  i64 dbias_stride[5];
+  i64 mask_stride[5];
+  i64 block_mask_stride[5];
+  int window_left;   // keys j >= i + nk - nq - left are seen; -1 = unbounded
+  int window_right;  // keys j <= i + nk - nq + right are seen; -1 = unbounded; causal = 0
+  int bias_f32;      // bias is float32 (else the inputs' type)
+  float softcap;     // > 0: scores become softcap * tanh(score / softcap)
+  float softcap_inv; // 1 / softcap (0 when off)
 };
 
 // Flat batch index of this CTA: blockIdx.y, extended by blockIdx.z past the 65535 limit of y.
 __device__ __forceinline__ int batch_index() { return blockIdx.z * gridDim.y + blockIdx.y; }
 
-__device__ __forceinline__ i64 batch_offset(const i64 (&stride)[4], int b, const AttnParams& p) {
+template <int N>
+__device__ __forceinline__ i64 batch_offset(const i64 (&stride)[N], int b, const AttnParams& p) {
   const int b2 = b % p.batch2;
   const int rest = b / p.batch2;
   const int b1 = rest % p.batch1;

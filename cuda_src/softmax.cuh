@@ -28,7 +28,9 @@ struct OnlineSoftmax {
       for (int j = 0; j < N_TILES; ++j) tile_max = fmaxf(tile_max, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
       const float new_max = fmaxf(row_max[r], quad_max(tile_max));
       const float ref = new_max == neg_inf() ? 0.f : new_max * scale_log2;
-      rescale[r] = fast_exp2(row_max[r] * scale_log2 - ref);
+      // __fmul_rn keeps the product out of an FMA, so a max that did not grow rescales by exactly 1
+      // (a tile with every key hidden then changes nothing, bit for bit).
+      rescale[r] = fast_exp2(__fmul_rn(row_max[r], scale_log2) - ref);
       row_max[r] = new_max;
       float tile_sum = 0.f;
 #pragma unroll

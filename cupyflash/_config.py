@@ -1,6 +1,7 @@
 """The one table of kernel variants: tile shapes per (element size, head dim, kernel).
 
-Every kernel is a template over (dtype, HEAD_DIM, tiles, IS_CAUSAL). A problem's head dims D and
+Every kernel is a template over (dtype, HEAD_DIM, tiles, IS_CAUSAL, HAS_MODS); the score modifiers'
+kernels use the same tiles as the plain ones. A problem's head dims D and
 Dv are padded up to the smallest HEAD_DIM in ``HEAD_DIMS`` that holds both (the padding is
 zero-filled inside the kernel, never read from memory). fp16 and bf16 share tiles; float32
 needs twice the shared memory per element and gets smaller ones.
@@ -56,17 +57,29 @@ _TABLE = {
     (4, 192): ((4, 16, 192), (2, 16, 48), (2, 16, 96)),
     (4, 256): ((4, 16, 128), (2, 16, 32), (2, 16, 128)),
 }
+# The score modifiers' kernels hold a few more registers per score (bounds, bias, softcap derivative); where
+# the plain tiles would spill there, they get these instead.
+_MODS_TABLE = {
+    (4, 192, "fwd"): (4, 16, 96),
+    (2, 256, "dkdv"): (4, 16, 128),
+}
 HEAD_DIMS = tuple(sorted({head_dim for _, head_dim in _TABLE}))
 MAX_HEAD_DIM = HEAD_DIMS[-1]
 _KERNELS = ("fwd", "dkdv", "dq")
+# attention_probs_kernel reuses the forward's row and key tiles (its D_CHUNK is unused).
+_SHARES_TILES = {"probs": "fwd"}
 
 
-def tiles(itemsize: int, head_dim: int, kernel: str) -> Tiles:
-    """Tile shape for one kernel ("fwd", "dkdv" or "dq") of one variant."""
+def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False) -> Tiles:
+    """Tile shape for one kernel ("fwd", "dkdv", "dq" or "probs") of one variant; ``mods``: the
+    score modifiers' instantiation."""
     if (itemsize, head_dim) not in _TABLE:
         raise ValueError(f"no tiles for {itemsize}-byte elements and head_dim {head_dim}; head dims: {HEAD_DIMS}")
+    kernel = _SHARES_TILES.get(kernel, kernel)
     if kernel not in _KERNELS:
-        raise ValueError(f"kernel must be one of {_KERNELS}, got {kernel!r}")
+        raise ValueError(f"kernel must be one of {_KERNELS + tuple(_SHARES_TILES)}, got {kernel!r}")
+    if mods and (itemsize, head_dim, kernel) in _MODS_TABLE:
+        return Tiles(*_MODS_TABLE[itemsize, head_dim, kernel])
     return Tiles(*_TABLE[itemsize, head_dim][_KERNELS.index(kernel)])
 
 
@@ -78,9 +91,9 @@ def padded_head_dim(d: int) -> int:
     raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {d}")
 
 
-def smem_bytes(itemsize: int, head_dim: int, kernel: str) -> int:
+def smem_bytes(itemsize: int, head_dim: int, kernel: str, mods: bool = False) -> int:
     """Dynamic shared memory of a kernel; mirrors the carve-up at the top of each kernel."""
-    t = tiles(itemsize, head_dim, kernel)
+    t = tiles(itemsize, head_dim, kernel, mods)
     row = (head_dim * itemsize) + SMEM_PAD_BYTES
     if kernel == "fwd":  # sQ[BLOCK_M] + sK[BLOCK_N] + sV[BLOCK_N]
         return (t.rows + 2 * t.block) * row
@@ -88,4 +101,6 @@ def smem_bytes(itemsize: int, head_dim: int, kernel: str) -> int:
         return (2 * t.rows + 4 * t.block) * row + 4 * t.block * 4
     if kernel == "dq":  # sQ, sdO[BLOCK_M] + sK, sV[2][BLOCK_N]
         return (2 * t.rows + 4 * t.block) * row
-    raise ValueError(f"kernel must be 'fwd', 'dkdv' or 'dq', got {kernel!r}")
+    if kernel == "probs":  # sQ[BLOCK_M] + sK[BLOCK_N]
+        return (t.rows + t.block) * row
+    raise ValueError(f"kernel must be 'fwd', 'dkdv', 'dq' or 'probs', got {kernel!r}")

@@ -2,7 +2,7 @@
 
 Sources are read as text and their ``#include "..."`` lines replaced by the files themselves, so
 CuPy's compile cache (keyed on the source string) sees every byte. One module is compiled per
-(direction, dtype, HEAD_DIM, causal) with ``name_expressions`` naming its template
+(direction, dtype, HEAD_DIM, causal, score modifiers) with ``name_expressions`` naming its template
 instantiations, memoized per device. Callers (``_api``) validate, broadcast and handle empty
 inputs; this module turns arrays into the kernels' parameter struct and launches on CuPy's
 current stream.
@@ -25,14 +25,18 @@ _OPTIONS = ("-std=c++17",)
 _MIN_CC = 80  # cp.async, bf16 mma.sync
 _CTYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float"}
 _ITEMSIZE = {"half_t": 2, "bfloat16_t": 2, "float": 4}
-_SOURCES = {"fwd": "attention_fwd.cu", "bwd": "attention_bwd.cu"}
+_SOURCES = {"fwd": "attention_fwd.cu", "bwd": "attention_bwd.cu", "probs": "attention_probs.cu"}
 
 # Host mirror of `struct AttnParams` (cuda_src/block_info.cuh), same field order, C alignment.
 PARAMS_DTYPE = numpy.dtype(
     [(name, numpy.uint64) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta")]
     + [(name, numpy.int64, (4,)) for name in ("q_stride", "k_stride", "v_stride", "out_stride", "dout_stride")]
     + [(name, numpy.int32) for name in ("batch", "batch1", "batch2", "nq", "nk", "d_qk", "d_v")]
-    + [("scale", numpy.float32), ("scale_log2", numpy.float32)],
+    + [("scale", numpy.float32), ("scale_log2", numpy.float32)]
+    + [(name, numpy.uint64) for name in ("bias", "dbias", "mask", "block_mask", "alibi_slopes")]
+    + [(name, numpy.int64, (5,)) for name in ("bias_stride", "dbias_stride", "mask_stride", "block_mask_stride")]
+    + [(name, numpy.int32) for name in ("window_left", "window_right", "bias_f32")]
+    + [("softcap", numpy.float32), ("softcap_inv", numpy.float32)],
     align=True,
 )
 _LOG2E = 1.4426950408889634
@@ -68,38 +72,44 @@ def source(filename: str) -> str:
 # ----------------------------------------------------------------------------- variants
 @dataclass(frozen=True)
 class Variant:
-    """One compiled module: a direction ("fwd" or "bwd") for one dtype, HEAD_DIM and mask."""
+    """One compiled module: a direction ("fwd", "bwd" or "probs") for one dtype, HEAD_DIM and mask.
+    ``mods``: the score modifiers' instantiation (causal then travels as the window, so never both);
+    "probs" always has it."""
 
     direction: str
     ctype: str
     head_dim: int
     causal: bool
+    mods: bool = False
 
     @property
     def itemsize(self) -> int:
         return _ITEMSIZE[self.ctype]
 
     def tiles(self, kernel: str) -> _config.Tiles:
-        return _config.tiles(self.itemsize, self.head_dim, kernel)
+        return _config.tiles(self.itemsize, self.head_dim, kernel, self.mods)
 
     def smem(self, kernel: str) -> int:
-        return 0 if kernel == "preprocess" else _config.smem_bytes(self.itemsize, self.head_dim, kernel)
+        return 0 if kernel == "preprocess" else _config.smem_bytes(self.itemsize, self.head_dim, kernel, self.mods)
 
     def threads(self, kernel: str) -> int:
         return 32 * _config.PREPROCESS_WARPS if kernel == "preprocess" else self.tiles(kernel).threads
 
     @property
     def kernels(self) -> tuple[str, ...]:
-        return ("fwd",) if self.direction == "fwd" else ("preprocess", "dkdv", "dq")
+        return {"fwd": ("fwd",), "probs": ("probs",)}.get(self.direction, ("preprocess", "dkdv", "dq"))
 
     def name_expression(self, kernel: str) -> str:
-        c, hd, causal = self.ctype, self.head_dim, "true" if self.causal else "false"
+        c, hd = self.ctype, self.head_dim
+        flags = f"{'true' if self.causal else 'false'}, {'true' if self.mods else 'false'}"
         if kernel == "preprocess":
             return f"attention_bwd_preprocess_kernel<{c}, {_config.PREPROCESS_WARPS}>"
         t = self.tiles(kernel)
+        if kernel == "probs":
+            return f"attention_probs_kernel<{c}, {hd}, {t.num_warps}, {t.block}>"
         if kernel == "fwd":
-            return f"attention_fwd_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {causal}>"
-        return f"attention_bwd_{kernel}_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {causal}>"
+            return f"attention_fwd_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {flags}>"
+        return f"attention_bwd_{kernel}_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {flags}>"
 
     def code(self) -> str:
         # The instantiated names (tiles included) lead the source, so each module, and each change of
@@ -109,14 +119,16 @@ class Variant:
 
 
 def shipped_variants() -> list[Variant]:
-    """Every module the library can compile: directions x dtypes x head dims x causal."""
+    """Every module the library can compile: (fwd, bwd) x dtypes x head dims x (plain, causal,
+    modifiers), and probs x dtypes x head dims."""
+    ctypes = ("half_t", "bfloat16_t", "float")
     return [
-        Variant(direction, ctype, head_dim, causal)
+        Variant(direction, ctype, head_dim, causal, mods)
         for direction in ("fwd", "bwd")
-        for ctype in ("half_t", "bfloat16_t", "float")
+        for ctype in ctypes
         for head_dim in _config.HEAD_DIMS
-        for causal in (False, True)
-    ]
+        for causal, mods in ((False, False), (True, False), (False, True))
+    ] + [Variant("probs", ctype, head_dim, False, True) for ctype in ctypes for head_dim in _config.HEAD_DIMS]
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -270,32 +282,62 @@ def _collapse_batch(batch: tuple[int, ...], arrays) -> tuple[list[int], list[lis
     return [n for n, _ in dims], [[s[j] for _, s in dims] for j in range(len(arrays))]
 
 
-def _layout(batch, arrays):
-    """Collapsed batch layout; materializes the inputs in the rare case of > 3 leading dims."""
+def _layout(batch, arrays: dict):
+    """Collapse the leading dims of the named arrays together. Returns (arrays, sizes, batch strides
+    per name, copied); in the rare case of > 3 unmergeable leading dims the arrays are materialized
+    first (copied = True: a broadcast dbias accumulator is then a full one, summed afterwards)."""
     import cupy
 
-    layout = _collapse_batch(batch, arrays)
-    if layout is None:
-        arrays = [cupy.ascontiguousarray(_bits(a)).view(a.dtype) for a in arrays]
-        layout = _collapse_batch(batch, arrays)
-    return arrays, layout
-
-
-def _params(tensors: dict, layout, *, batch: int, nq: int, nk: int, d: int, dv: int, scale: float):
-    """Fill the AttnParams struct (a one-element structured array: CuPy passes it by value).
-    `layout` holds the collapsed batch strides of the strided inputs, in _STRIDED order."""
+    names, values = list(arrays), list(arrays.values())
+    layout = _collapse_batch(batch, values)
+    copied = layout is None
+    if copied:
+        values = [cupy.ascontiguousarray(_bits(a)).view(a.dtype) for a in values]
+        layout = _collapse_batch(batch, values)
     sizes, strides = layout
+    return dict(zip(names, values)), sizes, dict(zip(names, strides)), copied
+
+
+def _params(arrays: dict, sizes, batch_strides: dict, *, batch: int, nq: int, nk: int, d: int, dv: int,
+            scale: float, others: dict = None, mods=None, causal: bool = False):
+    """Fill the AttnParams struct (a one-element structured array: CuPy passes it by value).
+    ``arrays`` are the strided tensors (with their collapsed batch strides in ``batch_strides``);
+    ``others`` the contiguous ones (lse and workspaces), by pointer only."""
     p = numpy.zeros(1, dtype=PARAMS_DTYPE)
-    for name, array in tensors.items():
+    for name, array in {**arrays, **(others or {})}.items():
         p[name] = array.data.ptr
-    for name, batch_strides in zip(_STRIDED, strides):
-        if name in tensors:
-            array = tensors[name]
-            p[f"{name}_stride"] = batch_strides + [array.strides[-2] // array.dtype.itemsize]
+    for name, array in arrays.items():
+        row_col = [array.strides[-2] // array.dtype.itemsize]
+        if name not in _STRIDED:  # the modifiers' arrays: any column stride, 0 included
+            row_col.append(array.strides[-1] // array.dtype.itemsize)
+        p[f"{name}_stride"] = batch_strides[name] + row_col
     p["batch"], p["batch1"], p["batch2"] = batch, sizes[1], sizes[2]
     p["nq"], p["nk"], p["d_qk"], p["d_v"] = nq, nk, d, dv
     p["scale"], p["scale_log2"] = scale, scale * _LOG2E
+    # Read only by the modifiers' kernels (and attention_probs_kernel, which always has them).
+    p["window_left"], p["window_right"] = (-1, 0) if causal else (-1, -1)
+    if mods is not None:
+        p["window_left"], p["window_right"] = mods.window_with_causal(causal)
+        p["softcap"] = mods.softcap
+        p["softcap_inv"] = 1.0 / mods.softcap if mods.softcap > 0 else 0.0
+        p["bias_f32"] = mods.bias is not None and mods.bias.dtype == numpy.float32
     return p
+
+
+def _mod_arrays(mods) -> dict:
+    """The modifiers' per-element arrays as the kernels read them: broadcast views, nothing copied."""
+    if mods is None:
+        return {}
+    return {name: getattr(mods, name) for name in ("bias", "mask", "block_mask") if getattr(mods, name) is not None}
+
+
+def _alibi(mods):
+    """One float32 slope per flat batch entry, contiguous (tiny: the batch size), or None."""
+    import cupy
+
+    if mods is None or mods.alibi_slopes is None:
+        return {}
+    return {"alibi_slopes": cupy.ascontiguousarray(mods.alibi_slopes, dtype=numpy.float32).reshape(-1)}
 
 
 def _grid(blocks: int, batch: int) -> tuple[int, int, int]:
@@ -303,70 +345,108 @@ def _grid(blocks: int, batch: int) -> tuple[int, int, int]:
     return blocks, y, -(-batch // y)
 
 
-def _variant(direction: str, dtype, d: int, dv: int, causal: bool) -> Variant:
+def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None) -> Variant:
+    """With modifiers, causal travels in the window: one instantiation serves both."""
     name = numpy.dtype(dtype).name
-    return Variant(direction, _CTYPES[name], _config.padded_head_dim(max(d, dv)), bool(causal))
+    has_mods = mods is not None or direction == "probs"
+    return Variant(direction, _CTYPES[name], _config.padded_head_dim(max(d, dv)), bool(causal) and not has_mods,
+                   has_mods)
 
 
-def _launch(functions, variant: Variant, kernel: str, rows: int, batch: int, params) -> None:
+def _launch(functions, variant: Variant, kernel: str, rows: int, batch: int, params, cols: int = 0) -> None:
     t = variant.tiles(kernel) if kernel != "preprocess" else None
     if kernel == "preprocess":
         blocks = -(-rows // _config.PREPROCESS_WARPS)
+    elif kernel == "probs":  # one CTA per (row block, key tile)
+        blocks = -(-rows // t.rows) * -(-cols // t.block)
     else:
         blocks = -(-rows // t.rows) * (variant.head_dim // t.d_chunk)
     functions[kernel](_grid(blocks, batch), (variant.threads(kernel),), (params,), shared_mem=variant.smem(kernel))
 
 
 # ----------------------------------------------------------------------------- entry points
-def attention_forward(q, k, v, *, scale: float, causal: bool):
+def _unpad(x, width: int):
+    """x[..., :width] as a contiguous array (a copy only when the kernels ran on padded columns)."""
+    import cupy
+
+    return x if x.shape[-1] == width else cupy.ascontiguousarray(_bits(x[..., :width])).view(x.dtype)
+
+
+def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None):
     """out (*batch, Nq, Dv) and lse (*batch, Nq) float32; see CONTRACT in _api for preconditions."""
     import cupy
 
     batch_shape, (nq, d), nk, dv = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
     vec = 16 // q.dtype.itemsize
     d_w, dv_w = _round_up(d, vec), _round_up(dv, vec)
-    variant = _variant("fwd", q.dtype, d_w, dv_w, causal)
+    variant = _variant("fwd", q.dtype, d_w, dv_w, causal, mods)
     q, k, v = _kernel_ready(q, d_w), _kernel_ready(k, d_w), _kernel_ready(v, dv_w)
     out = cupy.empty(batch_shape + (nq, dv_w), dtype=q.dtype)
     lse = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
-    (q, k, v, out), layout = _layout(batch_shape, [q, k, v, out])
+    arrays, sizes, strides, _ = _layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, **_mod_arrays(mods)})
     batch = math.prod(batch_shape)
-    params = _params({"q": q, "k": k, "v": v, "out": out, "lse": lse}, layout,
-                     batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale)
+    params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
+                     others={"lse": lse, **_alibi(mods)}, mods=mods, causal=causal)
     _launch(_functions(variant), variant, "fwd", nq, batch, params)
-    if dv_w != dv:
-        out = cupy.ascontiguousarray(_bits(out[..., :dv])).view(out.dtype)
-    return out, lse
+    return _unpad(arrays["out"], dv), lse
 
 
-def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool):
-    """dq, dk, dv with the full (broadcast) batch shape, in the input dtype."""
+def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, mods=None):
+    """dq, dk, dv with the full (broadcast) batch shape, in the input dtype, and dbias (the bias's
+    shape and dtype) or None."""
     import cupy
 
     batch_shape, (nq, d), nk, dv = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
     vec = 16 // q.dtype.itemsize
     d_w, dv_w = _round_up(d, vec), _round_up(dv, vec)
-    variant = _variant("bwd", q.dtype, d_w, dv_w, causal)
+    variant = _variant("bwd", q.dtype, d_w, dv_w, causal, mods)
     q, k = _kernel_ready(q, d_w), _kernel_ready(k, d_w)
     v, out, dout = (_kernel_ready(x, dv_w) for x in (v, out, dout))
     lse = cupy.ascontiguousarray(cupy.broadcast_to(lse, batch_shape + (nq,)), dtype=numpy.float32)
-    (q, k, v, out, dout), layout = _layout(batch_shape, [q, k, v, out, dout])
+    mod_arrays, accumulator = _mod_arrays(mods), None
+    if mods is not None and mods.bias is not None:
+        own = (1,) * (mods.bias.ndim - len(mods.bias_shape)) + tuple(mods.bias_shape)
+        accumulator = cupy.zeros(own, dtype=numpy.float32)
+        mod_arrays["dbias"] = cupy.broadcast_to(accumulator, mods.bias.shape)
+    arrays, sizes, strides, copied = _layout(
+        batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout, **mod_arrays})
     dq = cupy.empty(batch_shape + (nq, d_w), dtype=q.dtype)
     dk = cupy.empty(batch_shape + (nk, d_w), dtype=q.dtype)
     dv_ = cupy.empty(batch_shape + (nk, dv_w), dtype=q.dtype)
     lse_log2 = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
     delta = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
     batch = math.prod(batch_shape)
-    params = _params({"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv_,
-                      "lse": lse, "lse_log2": lse_log2, "delta": delta}, layout,
-                     batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale)
+    others = {"dq": dq, "dk": dk, "dv": dv_, "lse": lse, "lse_log2": lse_log2, "delta": delta, **_alibi(mods)}
+    params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
+                     others=others, mods=mods, causal=causal)
     functions = _functions(variant)
     _launch(functions, variant, "preprocess", nq, batch, params)
     _launch(functions, variant, "dkdv", nk, batch, params)
     _launch(functions, variant, "dq", nq, batch, params)
-    grads = []
-    for grad, width in ((dq, d), (dk, d), (dv_, dv)):
-        if grad.shape[-1] != width:
-            grad = cupy.ascontiguousarray(_bits(grad[..., :width])).view(grad.dtype)
-        grads.append(grad)
-    return tuple(grads)
+    dbias = None
+    if accumulator is not None:
+        from ._api import sum_to_shape
+
+        # A full-shape accumulator (the > 3 leading dims fallback) still has to be summed over the
+        # bias's broadcast dims; the usual stride-0 one already holds the sums.
+        dbias = sum_to_shape(arrays["dbias"], accumulator.shape) if copied else accumulator
+        dbias = dbias.reshape(mods.bias_shape).astype(mods.bias.dtype)
+    return _unpad(dq, d), _unpad(dk, d), _unpad(dv_, dv), dbias
+
+
+def attention_probs(q, k, v, *, scale: float, causal: bool, mods=None):
+    """P (*batch, Nq, Nk) float32: the forward's lse, then the probs kernel over every tile."""
+    import cupy
+
+    _, lse = attention_forward(q, k, v, scale=scale, causal=causal, mods=mods)
+    batch_shape, (nq, d), nk = q.shape[:-2], q.shape[-2:], k.shape[-2]
+    d_w = _round_up(d, 16 // q.dtype.itemsize)
+    variant = _variant("probs", q.dtype, d_w, d_w, causal, mods)
+    q, k = _kernel_ready(q, d_w), _kernel_ready(k, d_w)
+    probs = cupy.empty(batch_shape + (nq, nk), dtype=numpy.float32)
+    arrays, sizes, strides, _ = _layout(batch_shape, {"q": q, "k": k, **_mod_arrays(mods)})
+    batch = math.prod(batch_shape)
+    params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=d_w, scale=scale,
+                     others={"out": probs, "lse": lse, **_alibi(mods)}, mods=mods, causal=causal)
+    _launch(_functions(variant), variant, "probs", nq, batch, params, cols=nk)
+    return probs

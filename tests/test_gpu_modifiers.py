@@ -1,0 +1,259 @@
+"""The score modifiers (window, softcap, ALiBi, bias with its gradient, mask, block mask, probabilities) in the
+CUDA kernels, against the float64 reference. Needs a GPU:
+
+    PYTHONPATH=. python -m pytest -m gpu tests/test_gpu_modifiers.py
+
+Same rule as test_gpu.py (tests/_modifier_checks.py extends the naive implementation to every option), with
+every allocation poisoned with NaN so that an element the kernels never write fails.
+"""
+
+import functools
+import itertools
+
+import cupy
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cupyflash
+from _modifier_checks import OPTIONS, assert_matches_reference, block_grid, random_options, run
+from _problems import random_array, random_problem
+from cupyflash import reference
+from test_gpu import _nan_filled_allocations
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+_random = functools.partial(random_array, xp=cupy)
+_random_problem = functools.partial(random_problem, xp=cupy)
+
+
+def _run(q, k, v, dout, *, causal, scale=None, **options):
+    with _nan_filled_allocations():
+        return run(q, k, v, dout, causal=causal, scale=scale, **options)
+
+
+def _check(rng, dtype, batch, nq, nk, d, causal, which, *, dv=None, bias_shape=None, scale=None):
+    """Draw a problem and the options named in ``which``; run the kernels; compare with the reference."""
+    dv = d if dv is None else dv
+    q, k, v, dout = _random_problem(rng, batch + (nq, d), batch + (nk, d), batch + (nk, dv), dtype)
+    options = random_options(rng, which, batch, nq, nk, dtype, xp=cupy, bias_shape=bias_shape)
+    results = _run(q, k, v, dout, causal=causal, scale=scale, **options)
+    assert_matches_reference(q, k, v, dout, results, causal=causal, scale=scale, **options)
+    return results
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_each_option_alone(rng, dtype, causal, option):
+    _check(rng, dtype, (2, 3), 203, 290, 64, causal, [option])
+
+
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_all_options_combined(rng, dtype, causal, head_dim):
+    _check(rng, dtype, (2, 2), 300, 457, head_dim, causal, OPTIONS)
+
+
+@pytest.mark.parametrize(
+    "batch, nq, nk", [((1, 2), 1, 1), ((1, 2), 1, 300), ((2, 2), 203, 113), ((2, 2), 113, 203), ((1, 2), 1023, 1024)]
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_awkward_sizes_every_option(rng, causal, batch, nq, nk):
+    _check(rng, ml_dtypes.bfloat16, batch, nq, nk, 64, causal, OPTIONS)
+
+
+@pytest.mark.parametrize("window", [(0, 0), (5, -1), (-1, 3), (130, 0), (0, 200), (1000, 1000)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq, nk", [(300, 300), (150, 420), (420, 150)])
+def test_windows(rng, nq, nk, causal, window):
+    q, k, v, dout = _random_problem(rng, (2, nq, 64), (2, nk, 64), (2, nk, 64), np.float16)
+    results = _run(q, k, v, dout, causal=causal, window=window)
+    assert_matches_reference(q, k, v, dout, results, causal=causal, window=window)
+
+
+@pytest.mark.parametrize("bias_shape", ["1,1,Nq,Nk", "B,1,1,Nk", "Nq,Nk", "B,H,1,Nk", "H,1,Nk"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_broadcast_bias_and_its_gradient(rng, dtype, bias_shape):
+    """dbias has the bias's own shape: summed over every dim it was broadcast along."""
+    batch, nq, nk = (2, 3), 150, 170
+    sizes = dict(B=batch[0], H=batch[1], Nq=nq, Nk=nk)
+    shape = tuple(sizes[name] if name in sizes else int(name) for name in bias_shape.split(","))
+    results = _check(rng, dtype, batch, nq, nk, 64, True, ["bias"], bias_shape=shape)
+    assert results[-1].shape == shape
+
+
+def test_float32_bias_with_half_inputs(rng):
+    q, k, v, dout = _random_problem(rng, (2, 2, 170, 64), (2, 2, 190, 64), (2, 2, 190, 64), np.float16)
+    bias = cupy.asarray(rng.standard_normal((1, 2, 170, 190), dtype=np.float32))
+    results = _run(q, k, v, dout, causal=False, bias=bias)
+    assert results[-1].dtype == np.float32 and results[-1].shape == bias.shape
+    assert_matches_reference(q, k, v, dout, results, causal=False, bias=bias)
+
+
+def test_strided_bias_and_mask_views(rng):
+    """A transposed bias and a sliced mask are read through their strides, giving a copy's bits."""
+    q, k, v, dout = _random_problem(rng, (2, 140, 32), (2, 160, 32), (2, 160, 32), ml_dtypes.bfloat16)
+    bias = _random(rng, (2, 160, 140), ml_dtypes.bfloat16).swapaxes(-1, -2)
+    mask = cupy.asarray(rng.random((2, 140, 320)) < 0.8)[:, :, ::2]
+    strided = _run(q, k, v, dout, causal=False, bias=bias, mask=mask)
+    copied = _run(q, k, v, dout, causal=False, bias=cupy.ascontiguousarray(bias), mask=cupy.ascontiguousarray(mask))
+    for x, y in zip(strided, copied):
+        assert cupy.array_equal(x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32),
+                                y.view(np.uint16 if y.dtype.itemsize == 2 else np.uint32))
+    assert_matches_reference(q, k, v, dout, strided, causal=False, bias=bias, mask=mask)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_grouped_query_attention_with_options(rng, dtype):
+    batch, kv_heads, groups, nq, nk = 2, 2, 3, 177, 190
+    q = _random(rng, (batch, kv_heads, groups, nq, 64), dtype)
+    k, v = (_random(rng, (batch, kv_heads, nk, 64), dtype)[:, :, None] for _ in range(2))
+    dout = _random(rng, (batch, kv_heads, groups, nq, 64), dtype)
+    options = dict(window=(40, 5), softcap=5.0, alibi_slopes=cupy.asarray([0.5, 0.25, 0.125], np.float32),
+                   bias=_random(rng, (kv_heads, 1, nq, nk), dtype))
+    results = _run(q, k, v, dout, causal=True, **options)
+    assert results[3].shape == (batch, kv_heads, 1, nk, 64) and results[-1].shape == (kv_heads, 1, nq, nk)
+    assert_matches_reference(q, k, v, dout, results, causal=True, **options)
+
+
+def test_many_leading_dims_with_broadcast_bias(rng):
+    """Five leading dims that do not merge into three: the launch copies, dbias is summed after."""
+    q_shape, kv_shape = (2, 2, 3, 2, 2, 40, 32), (2, 1, 3, 1, 2, 50, 32)
+    q, k, v, dout = _random_problem(rng, q_shape, kv_shape, kv_shape, np.float32)
+    bias = _random(rng, (2, 1, 3, 1, 1, 40, 50), np.float32)
+    mask = cupy.asarray(rng.random((1, 2, 1, 2, 1, 40, 50)) < 0.9)
+    results = _run(q, k, v, dout, causal=False, bias=bias, mask=mask)
+    assert_matches_reference(q, k, v, dout, results, causal=False, bias=bias, mask=mask)
+
+
+def test_fully_masked_rows(rng):
+    """Rows whose mask hides every key: out 0, lse -inf, zero dq and dbias, nothing NaN."""
+    nq, nk = 200, 150
+    q, k, v, dout = _random_problem(rng, (2, nq, 64), (2, nk, 64), (2, nk, 64), ml_dtypes.bfloat16)
+    mask = cupy.asarray(rng.random((2, nq, nk)) < 0.5)
+    blind = [0, 7, 64, 65, 199]
+    mask[:, blind] = False
+    bias = _random(rng, (2, nq, nk), ml_dtypes.bfloat16)
+    out, lse, dq, dk, dv, dbias = results = _run(q, k, v, dout, causal=False, mask=mask, bias=bias)
+    assert not out[:, blind].any() and cupy.isneginf(lse[:, blind]).all()
+    assert not dq[:, blind].any() and not dbias[:, blind].any()
+    for x in (out, dq, dk, dv, dbias):
+        assert not cupy.isnan(x.astype(np.float32)).any()
+    assert_matches_reference(q, k, v, dout, results, causal=False, mask=mask, bias=bias)
+
+
+def test_block_mask_that_skips_every_tile_of_some_rows(rng):
+    nq, nk = 400, 300
+    q, k, v, dout = _random_problem(rng, (2, nq, 64), (2, nk, 64), (2, nk, 64), np.float16)
+    block_mask = cupy.asarray(rng.random((2,) + block_grid(nq, nk)) < 0.6)
+    block_mask[0, 1] = False  # queries 128..255 of batch 0 see nothing
+    block_mask[1, 3] = False  # queries 384..399 of batch 1
+    out, lse, dq, dk, dv = results = _run(q, k, v, dout, causal=False, block_mask=block_mask)
+    assert not out[0, 128:256].any() and cupy.isneginf(lse[0, 128:256]).all() and not dq[0, 128:256].any()
+    assert not out[1, 384:].any() and cupy.isneginf(lse[1, 384:]).all()
+    assert_matches_reference(q, k, v, dout, results, causal=False, block_mask=block_mask)
+
+
+def test_skipped_tiles_are_never_read(rng):
+    """Keys in tiles the band and the block mask hide are NaN: the results stay finite and correct."""
+    nq, nk = 512, 512
+    q, k, v, dout = _random_problem(rng, (1, nq, 64), (1, nk, 64), (1, nk, 64), ml_dtypes.bfloat16)
+    block_mask = cupy.ones((1, 4, 4), dtype=bool)
+    block_mask[:, :, 1] = False  # key tile 1 hidden from every query tile
+    poisoned_k, poisoned_v = k.copy(), v.copy()
+    for x in (poisoned_k, poisoned_v):
+        x[:, 128:256] = np.nan
+    options = dict(window=(100, 0), block_mask=block_mask)
+    # The window keeps queries >= 356 from keys < 256, and the block mask hides keys 128..255 from all.
+    out, lse, dq, dk, dv = _run(q, poisoned_k, poisoned_v, dout, causal=True, **options)
+    clean = _run(q, k, v, dout, causal=True, **options)
+    for name, x, y in zip(("out", "lse", "dq"), (out, lse, dq), clean[:3]):
+        assert cupy.array_equal(x.view(np.uint8), y.view(np.uint8)), f"{name}: a skipped tile was read"
+
+
+def test_block_mask_from_dense_skips_without_changing_results(rng):
+    nq, nk = 300, 400
+    q, k, v, dout = _random_problem(rng, (2, nq, 64), (2, nk, 64), (2, nk, 64), np.float16)
+    rows, cols = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    mask = cupy.asarray(np.broadcast_to(np.abs(rows - cols) < 60, (2, nq, nk)))  # a band: most tiles empty
+    block_mask = cupyflash.block_mask_from_dense(mask)
+    assert isinstance(block_mask, cupy.ndarray) and block_mask.shape == (2,) + block_grid(nq, nk)
+    dense = _run(q, k, v, dout, causal=False, mask=mask)
+    sparse = _run(q, k, v, dout, causal=False, mask=mask, block_mask=block_mask)
+    for x, y in zip(dense, sparse):
+        assert cupy.array_equal(x.view(np.uint8), y.view(np.uint8))
+
+
+@pytest.mark.parametrize("which", [(), ("window",), OPTIONS])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_attention_probs(rng, dtype, causal, which):
+    """P against the reference's; rows sum to 1 (0 where nothing is seen); P v is attention's output."""
+    batch, nq, nk, d = (2, 2), 190, 300, 64
+    q, k, v, _ = _random_problem(rng, batch + (nq, d), batch + (nk, d), batch + (nk, d), dtype)
+    options = random_options(rng, which, batch, nq, nk, dtype, xp=cupy)
+    with _nan_filled_allocations():
+        p = cupyflash.attention_probs(q, k, v, causal=causal, **options)
+    assert isinstance(p, cupy.ndarray) and (p.shape, p.dtype) == (batch + (nq, nk), np.float32)
+    host = {name: x.get() if isinstance(x, cupy.ndarray) else x for name, x in options.items()}
+    qh, kh, vh = (np.asarray(x.get(), dtype=np.float64) for x in (q, k, v))
+    ref = reference.attention_probs(qh, kh, vh, causal=causal, **host)
+    tolerance = 1e-5 if dtype == np.float32 else 2e-3  # scores from rounded inputs are exact; exp in fp32
+    assert float(np.max(np.abs(p.get() - ref))) <= tolerance
+    sums = p.sum(axis=-1).get()
+    seen = ref.sum(axis=-1) > 0
+    assert np.allclose(sums[seen], 1, atol=1e-4) and not sums[~seen].any()
+    out = cupyflash.attention(q, k, v, causal=causal, **options)
+    via_p = (p @ v.astype(np.float32)).get()
+    assert np.allclose(via_p, out.get().astype(np.float32), atol=2e-2 if dtype != np.float32 else 1e-4)
+
+
+def test_options_that_are_off_run_the_plain_kernels(rng):
+    """window None / (-1, -1), softcap 0 and no arrays are the plain path: the very same bits."""
+    q, k, v, dout = _random_problem(rng, (2, 3, 200, 64), (2, 3, 250, 64), (2, 3, 250, 64), np.float16)
+    plain = _run(q, k, v, dout, causal=True)
+    off = _run(q, k, v, dout, causal=True, window=(-1, -1), softcap=0.0)
+    for x, y in zip(plain, off):
+        assert cupy.array_equal(x.view(np.uint8), y.view(np.uint8))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_modifier_kernels_without_modification_match_plain(rng, causal):
+    """A mask of all True goes through the modifier kernels: same results as the plain kernels, within
+    rounding (the scale is applied before the exponent instead of inside it)."""
+    q, k, v, dout = _random_problem(rng, (2, 300, 128), (2, 333, 128), (2, 333, 128), np.float32)
+    plain = _run(q, k, v, dout, causal=causal)
+    through_mods = _run(q, k, v, dout, causal=causal, mask=cupy.ones((300, 333), dtype=bool))
+    for x, y in zip(plain, through_mods):
+        x, y = x.get(), y.get()
+        finite = np.isfinite(x)
+        assert np.array_equal(finite, np.isfinite(y))
+        assert np.allclose(x[finite], y[finite], rtol=0, atol=2e-5 * np.abs(x[finite]).max())
+
+
+def test_bias_of_minus_infinity_is_a_mask(rng):
+    q, k, v, dout = _random_problem(rng, (2, 150, 64), (2, 170, 64), (2, 170, 64), np.float32)
+    mask = cupy.asarray(rng.random((2, 150, 170)) < 0.7)
+    bias = cupy.where(mask, 0, -np.inf).astype(np.float32)
+    by_bias = _run(q, k, v, dout, causal=False, bias=bias)
+    by_mask = _run(q, k, v, dout, causal=False, mask=mask)
+    for x, y in zip(by_bias[:5], by_mask):
+        assert np.allclose(x.get(), y.get(), rtol=0, atol=1e-6)
+    assert not cupy.isnan(by_bias[-1]).any()
+
+
+@pytest.mark.parametrize("option, value, error, match", [
+    ("mask", lambda: cupy.ones((5, 6), dtype=np.float32), TypeError, "mask must be a boolean array"),
+    ("bias", lambda: cupy.ones((3, 6), dtype=np.float16), ValueError, "bias has shape"),
+    ("bias", lambda: np.ones((5, 6), dtype=np.float16), TypeError, "bias must be a cupy.ndarray"),
+    ("window", lambda: (-2, 0), ValueError, "window left must be >= -1"),
+    ("softcap", lambda: -1.0, ValueError, "softcap must be finite and >= 0"),
+    ("block_mask", lambda: cupy.ones((2, 2), dtype=bool), ValueError, "block_mask has shape"),
+])
+def test_bad_options_on_the_gpu(rng, option, value, error, match):
+    q, k, v, _ = _random_problem(rng, (2, 5, 8), (2, 6, 8), (2, 6, 8), np.float16)
+    with pytest.raises(error, match=match):
+        cupyflash.attention(q, k, v, **{option: value()})
