@@ -116,10 +116,13 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     m_first = i_first / BLOCK_M;
     m_blocks = i_last >= i_first ? i_last / BLOCK_M + 1 : 0;
   }
+  TileBitmap tile_bitmap;
+  if constexpr (HAS_MODS) {
+    __shared__ u32 bitmap_words[TILE_BITMAP_WORDS];
+    mods.template load_tile_bitmap<NUM_WARPS, false>(tile_bitmap, bitmap_words, n0);
+  }
   auto next_on = [&](int m_block) {
-    if constexpr (HAS_MODS) {
-      while (m_block < m_blocks && !mods.tile_on(m_block * BLOCK_M, n0)) ++m_block;
-    }
+    if constexpr (HAS_MODS) m_block = mods.template next_on<BLOCK_M>(tile_bitmap, m_block, m_blocks);
     return m_block;
   };
 
@@ -165,17 +168,14 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
       gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_dp, sV, warp * 16, sdO_i, lane);
       zero_acc(acc_s);
       gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sK, warp * 16, sQ_i, lane);
-      const bool check = mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1);
-      const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-      for (int j = 0; j < S_TILES; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = j * 8 + 2 * t + (e & 1);  // query m0 + col; key n0 + warp * 16 + g + 8 * (e >> 1)
-          mods.backward(acc_s[j][e], acc_dp[j][e], m0 + col, n0 + warp * 16 + g + 8 * (e >> 1), check,
-                        sLse[buf * BLOCK_M + col], sDelta[buf * BLOCK_M + col], false);
-        }
-      }
+      // The tile is S^T: queries along the columns, their lse and delta in shared memory.
+      const float* lse_i = sLse + buf * BLOCK_M;
+      const float* delta_i = sDelta + buf * BLOCK_M;
+      const int t = lane & 3;
+      mods.template backward<true>(acc_s, acc_dp, n0 + warp * 16, m0, lane,
+                                   mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1),
+                                   [&](int j, int e) { return lse_i[j * 8 + 2 * t + (e & 1)]; },
+                                   [&](int j, int e) { return delta_i[j * 8 + 2 * t + (e & 1)]; }, false);
       // dV += P^T dO_i
       gemm_acc_b<T, S_TILES, G_TILES, STRIDE>(acc_dv, acc_s, sdO_i, c0, lane);
     } else {
@@ -268,10 +268,13 @@ attention_bwd_dq_kernel(const AttnParams p) {
     n_first = k_first / BLOCK_N;
     n_blocks = k_last >= k_first ? k_last / BLOCK_N + 1 : 0;
   }
+  TileBitmap tile_bitmap;
+  if constexpr (HAS_MODS) {
+    __shared__ u32 bitmap_words[TILE_BITMAP_WORDS];
+    mods.template load_tile_bitmap<NUM_WARPS, true>(tile_bitmap, bitmap_words, m0);
+  }
   auto next_on = [&](int n_block) {
-    if constexpr (HAS_MODS) {
-      while (n_block < n_blocks && !mods.tile_on(m0, n_block * BLOCK_N)) ++n_block;
-    }
+    if constexpr (HAS_MODS) n_block = mods.template next_on<BLOCK_N>(tile_bitmap, n_block, n_blocks);
     return n_block;
   };
 
@@ -311,16 +314,10 @@ attention_bwd_dq_kernel(const AttnParams p) {
       gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_dp, sdO, warp * 16, sV_j, lane);
       zero_acc(acc_s);
       gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sQ, warp * 16, sK_j, lane);
-      const bool check = mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1);
-      const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-      for (int j = 0; j < S_TILES; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          mods.backward(acc_s[j][e], acc_dp[j][e], m0 + warp * 16 + g + 8 * (e >> 1), n0 + j * 8 + 2 * t + (e & 1),
-                        check, row_lse[e >> 1], row_delta[e >> 1], c0 == 0);
-        }
-      }
+      mods.template backward<false>(acc_s, acc_dp, m0 + warp * 16, n0, lane,
+                                    mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1),
+                                    [&](int, int e) { return row_lse[e >> 1]; },
+                                    [&](int, int e) { return row_delta[e >> 1]; }, c0 == 0);
     } else {
       // S = Q K_j^T, P = exp(scale * S - lse)
       zero_acc(acc_s);

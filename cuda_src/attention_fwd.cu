@@ -70,10 +70,13 @@ attention_fwd_kernel(const AttnParams p) {
     n_first = k_first / BLOCK_N;
     n_blocks = k_last >= k_first ? k_last / BLOCK_N + 1 : 0;
   }
+  TileBitmap tile_bitmap;
+  if constexpr (HAS_MODS) {
+    __shared__ u32 bitmap_words[TILE_BITMAP_WORDS];
+    mods.template load_tile_bitmap<NUM_WARPS, true>(tile_bitmap, bitmap_words, m0);
+  }
   auto prev_on = [&](int n_block) {
-    if constexpr (HAS_MODS) {
-      while (n_block >= n_first && !mods.tile_on(m0, n_block * BLOCK_N)) --n_block;
-    }
+    if constexpr (HAS_MODS) n_block = mods.template prev_on<BLOCK_N>(tile_bitmap, n_block, n_first);
     return n_block;
   };
 
@@ -110,10 +113,10 @@ attention_fwd_kernel(const AttnParams p) {
       mask.apply(acc_s, m0 + warp * 16, n0, lane);
     }
 
-    // m_i, l_i and P_ij = exp(scale * S_ij - m_i); O_i *= exp(m_old - m_new). Modified scores are
-    // logits already (scale applied), so only log2(e) is left for the exponent.
+    // m_i, l_i and P_ij = exp(scale * S_ij - m_i); O_i *= exp(m_old - m_new). Scores that softcap,
+    // ALiBi or bias made logits have the scale applied already: only log2(e) is left for the exponent.
     float rescale[2];
-    softmax.update(acc_s, HAS_MODS ? LOG2E : p.scale_log2, rescale);
+    softmax.update(acc_s, HAS_MODS ? mods.exp_scale() : p.scale_log2, rescale);
     scale_rows(acc_o, rescale);
 
     cp_async_wait<0>();  // V_j has landed; every warp is done with K_j
@@ -130,7 +133,7 @@ attention_fwd_kernel(const AttnParams p) {
 
   // out = O_i / l_i; lse_i = scale * m_i + log(l_i). Stage through sQ for 16-byte stores.
   float inv_sum[2], row_lse[2];
-  softmax.finalize(HAS_MODS ? LOG2E : p.scale_log2, inv_sum, row_lse);
+  softmax.finalize(HAS_MODS ? mods.exp_scale() : p.scale_log2, inv_sum, row_lse);
   cp_async_wait<0>();
   __syncthreads();  // sQ is free: the last S = Q K^T is done in every warp
   acc_to_smem<T, O_TILES, STRIDE>(sQ, warp * 16, acc_o, inv_sum, lane);

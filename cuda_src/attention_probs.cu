@@ -36,7 +36,9 @@ attention_probs_kernel(const AttnParams p) {
 
   const ScoreMods<T> mods(p, b);
   const int last_row = min(m0 + BLOCK_M, p.nq) - 1, last_key = min(n0 + BLOCK_N, p.nk) - 1;
-  const bool visible = n0 <= mods.last_key(last_row) && last_key >= mods.first_key(m0) && mods.tile_on(m0, n0);
+  const bool visible = n0 <= mods.last_key(last_row) && last_key >= mods.first_key(m0) &&
+                       (!mods.block_mask || mods.block_mask[(m0 / BLOCK_MASK_TILE) * p.block_mask_stride[3] +
+                                                            (n0 / BLOCK_MASK_TILE) * p.block_mask_stride[4]]);
 
   float acc_s[S_TILES][4];
   zero_acc(acc_s);
@@ -53,6 +55,7 @@ attention_probs_kernel(const AttnParams p) {
   }
 
   float* probs = static_cast<float*>(p.out) + static_cast<i64>(b) * p.nq * p.nk;
+  const float exp_scale = mods.exp_scale();  // raw scores keep the scale folded in, as in the forward
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = m0 + warp * 16 + g + 8 * r;
@@ -65,7 +68,7 @@ attention_probs_kernel(const AttnParams p) {
         const int col = n0 + j * 8 + 2 * t + c;
         // A hidden score (-inf) or a row that sees no key (lse = -inf) has probability 0.
         const float x = acc_s[j][2 * r + c];
-        const float prob = visible && lse != neg_inf() ? fast_exp2((x - lse) * LOG2E) : 0.f;
+        const float prob = visible && lse != neg_inf() ? fast_exp2(x * exp_scale - lse * LOG2E) : 0.f;
         if (col < p.nk) probs[static_cast<i64>(row) * p.nk + col] = prob;
       }
     }

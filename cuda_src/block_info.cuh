@@ -39,7 +39,8 @@ struct AttnParams {
   float scale_log2;  // scale * log2(e), folded so the softmax runs on exp2
   // Score modifiers, read by HAS_MODS kernels only (score_mods.cuh); null pointers / zeros = off.
   const void* bias;                 // (b, nq, nk), T or float32 (bias_f32), any strides
-  float* dbias;                     // float32 accumulator in the bias's own shape (stride 0 = summed)
+  void* dbias;                      // the bias's own shape: a float32 accumulator (atomic adds; stride 0 =
+                                    // summed), or with dbias_pairs the result itself, in the bias's dtype
   const unsigned char* mask;        // bool (b, nq, nk): true = the key takes part
   const unsigned char* block_mask;  // bool (b, ceil(nq / 128), ceil(nk / 128))
   const float* alibi_slopes;        // (b), one slope per flat batch entry
@@ -50,6 +51,9 @@ struct AttnParams {
   int window_left;   // keys j >= i + nk - nq - left are seen; -1 = unbounded
   int window_right;  // keys j <= i + nk - nq + right are seen; -1 = unbounded; causal = 0
   int bias_f32;      // bias is float32 (else the inputs' type)
+  int bias_pairs;    // bias has unit column stride and pairs of columns are aligned for one load
+  int dbias_pairs;   // dbias is broadcast along no dim (one writer per element): aligned pair stores
+  int dbias_f32;     // with dbias_pairs: dbias is float32 (else the inputs' type)
   float softcap;     // > 0: scores become softcap * tanh(score / softcap)
   float softcap_inv; // 1 / softcap (0 when off)
 };

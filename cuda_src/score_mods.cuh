@@ -8,7 +8,7 @@
 //   x_ij = -inf  when j >= nk, i >= nq, j is outside the window band
 //                [i + off - left, i + off + right] (-1 = unbounded; causal arrives as right = 0),
 //                or mask[b, i, j] is false.
-// The block mask is not applied per element: kernels skip its false tiles whole (tile_on), which
+// The block mask is not applied per element: kernels skip its false tiles whole (TileBitmap), which
 // needs each kernel tile to lie inside one BLOCK_MASK_TILE x BLOCK_MASK_TILE block (tiles are powers
 // of two <= 128, aligned). Logits come back in natural units; kernels then run the softmax with
 // log2(e) as the exponent's scale instead of scale * log2(e).
@@ -21,34 +21,106 @@
 constexpr int BLOCK_MASK_TILE = 128;  // must match cupyflash/_modifiers.py
 
 // tanh for the softcap. float32 takes the accurate libdevice tanhf (float32 accuracy is the point of
-// that dtype); 16-bit types take 1 - 2 / (exp(2x) + 1) on the special-function unit, whose ~1e-7
-// absolute error is far below their rounding, and which saturates cleanly to +-1.
+// that dtype); 16-bit types take 1 - 2 / (exp(2x) + 1) from two special-function-unit instructions
+// (ex2, rcp), ~1e-7 absolute error: the lse stays float32-accurate, and it saturates cleanly to +-1.
+// (tanh.approx would be one instruction, but its 2^-11 relative error shows in the lse.)
 template <typename T>
 __device__ __forceinline__ float softcap_tanh(float x) {
-  return 1.f - 2.f * __frcp_rn(fast_exp2(2.f * LOG2E * x) + 1.f);
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fast_exp2(2.f * LOG2E * x) + 1.f));
+  return 1.f - 2.f * r;
 }
 template <>
 __device__ __forceinline__ float softcap_tanh<float>(float x) { return tanhf(x); }
 
+// The block mask along the axis a kernel streams (keys for the forward and dQ, queries for dK/dV), as
+// a bitmap in shared memory: finding the next tile that is on is then a word scan, not a chain of
+// dependent global loads. Longer axes than the bitmap holds read global memory tile by tile.
+constexpr int TILE_BITMAP_WORDS = 64;  // 2048 tiles of 128: 262,144 keys (or queries)
+
+struct TileBitmap {
+  const u32* words;           // shared memory, or null: no block mask (every tile on)
+  const unsigned char* line;  // the block-mask line in global memory (fallback), with its stride
+  i64 stride;
+  int count;                  // block-mask tiles along the axis
+
+  // Fill `smem_words` (TILE_BITMAP_WORDS) from block-mask line `line`; every thread of the CTA calls it.
+  template <int NUM_WARPS>
+  __device__ __forceinline__ void load(u32* smem_words, const unsigned char* line_, i64 stride_, int count_) {
+    line = line_; stride = stride_; count = count_;
+    words = count <= 32 * TILE_BITMAP_WORDS ? smem_words : nullptr;
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    if (words) {
+      for (int base = warp * WARP_SIZE; base < count; base += NUM_WARPS * WARP_SIZE) {
+        const bool on = base + lane < count && line[(base + lane) * stride];
+        const u32 word = __ballot_sync(0xffffffffu, on);
+        if (lane == 0) smem_words[base / WARP_SIZE] = word;
+      }
+    }
+    __syncthreads();
+  }
+  // Largest tile <= t that is on, or -1.
+  __device__ __forceinline__ int prev_on(int t) const {
+    if (!words) {
+      while (t >= 0 && !line[t * stride]) --t;
+      return t;
+    }
+    if (t < 0) return -1;
+    int w = t / 32;
+    u32 bits = words[w] & (2u << (t % 32)) - 1u;  // bits 0 .. t % 32
+    while (bits == 0) {
+      if (--w < 0) return -1;
+      bits = words[w];
+    }
+    return w * 32 + 31 - __clz(bits);
+  }
+  // Smallest tile >= t that is on, or count.
+  __device__ __forceinline__ int next_on(int t) const {
+    if (!words) {
+      while (t < count && !line[t * stride]) ++t;
+      return t;
+    }
+    if (t >= count) return count;
+    int w = t / 32;
+    u32 bits = words[w] & (~0u << (t % 32));
+    while (bits == 0) {
+      if (++w * 32 >= count) return count;
+      bits = words[w];
+    }
+    return w * 32 + __ffs(bits) - 1;
+  }
+};
+
 // Per CTA it keeps only its batch entry's base pointers and slope in registers; sizes, strides and
-// flags are read from the kernel's parameter struct (constant memory operands, no registers), which
-// keeps the modifier kernels' register footprint close to the plain ones'.
+// flags are read from the kernel's parameter struct (constant memory operands, no registers).
+// Tile transforms run as passes over the whole accumulator tile, one uniform branch per option and
+// tile, so the element loops stay straight-line code the scheduler can interleave with the MMAs.
 template <typename T>
 struct ScoreMods {
   const AttnParams& p;
   const void* bias;
-  float* dbias;
+  float* dbias;  // as float32; with p.dbias_pairs possibly the inputs' type (see store_dbias_pairs)
   const unsigned char* mask;
   const unsigned char* block_mask;
-  float slope;
+  float add_scale;  // what ALiBi and bias terms are multiplied by: 1 on logits, 1 / scale on raw scores
+  float slope;      // this batch entry's ALiBi slope, times add_scale
 
   __device__ __forceinline__ ScoreMods(const AttnParams& params, int b) : p(params) {
-    slope = p.alibi_slopes ? p.alibi_slopes[b] : 0.f;
+    add_scale = natural() ? 1.f : 1.f / p.scale;
+    slope = p.alibi_slopes ? p.alibi_slopes[b] * add_scale : 0.f;
     bias = p.bias ? static_cast<const char*>(p.bias) + batch_offset(p.bias_stride, b, p) * (p.bias_f32 ? 4 : sizeof(T)) : nullptr;
-    dbias = p.dbias ? p.dbias + batch_offset(p.dbias_stride, b, p) : nullptr;
+    dbias = p.dbias ? reinterpret_cast<float*>(static_cast<char*>(p.dbias) +
+                                               batch_offset(p.dbias_stride, b, p) * (p.dbias_f32 ? 4 : sizeof(T)))
+                    : nullptr;
     mask = p.mask ? p.mask + batch_offset(p.mask_stride, b, p) : nullptr;
     block_mask = p.block_mask ? p.block_mask + batch_offset(p.block_mask_stride, b, p) : nullptr;
   }
+
+  // Without a softcap the scores keep their raw units (q . k) and the scale stays folded into the
+  // exponent, as in the plain kernels: ALiBi and bias terms are divided by the scale instead (one FMA
+  // each). The softcap needs the scaled score, so with it the scores become logits in natural units.
+  __device__ __forceinline__ bool natural() const { return p.softcap > 0.f; }
+  __device__ __forceinline__ float exp_scale() const { return natural() ? LOG2E : p.scale_log2; }
 
   // Keys [first, last] that some query of rows [r0, r1] may see through the window band and nk.
   __device__ __forceinline__ int first_key(int r0) const { return p.window_left < 0 ? 0 : max(0, r0 + p.nk - p.nq - p.window_left); }
@@ -64,16 +136,169 @@ struct ScoreMods {
     return r1 >= p.nq || c1 >= p.nk || (right >= 0 && c1 > r0 + offset + right) || (left >= 0 && c0 < r1 + offset - left);
   }
 
-  // Is the block-mask tile holding query row i and key j on?
-  __device__ __forceinline__ bool tile_on(int i, int j) const {
-    return !block_mask ||
-           block_mask[(i / BLOCK_MASK_TILE) * p.block_mask_stride[3] + (j / BLOCK_MASK_TILE) * p.block_mask_stride[4]];
+  // This CTA's line of the block mask along its streamed axis: keys of query row i (KEYS), or
+  // queries of key j. Empty (all on) without a block mask.
+  template <int NUM_WARPS, bool KEYS>
+  __device__ __forceinline__ void load_tile_bitmap(TileBitmap& bitmap, u32* smem_words, int fixed) const {
+    bitmap.words = nullptr; bitmap.line = nullptr; bitmap.count = 0; bitmap.stride = 0;
+    if (!block_mask) return;
+    const int t = fixed / BLOCK_MASK_TILE;
+    if (KEYS) {
+      bitmap.load<NUM_WARPS>(smem_words, block_mask + t * p.block_mask_stride[3], p.block_mask_stride[4], ceil_div(p.nk, BLOCK_MASK_TILE));
+    } else {
+      bitmap.load<NUM_WARPS>(smem_words, block_mask + t * p.block_mask_stride[4], p.block_mask_stride[3], ceil_div(p.nq, BLOCK_MASK_TILE));
+    }
   }
 
-  // The logit of raw score q_i . k_j (natural units), or -inf when hidden; dcap = d(logit)/d(scaled
-  // score) of the softcap, 1 - tanh^2 (1 without softcap), for the backward.
-  __device__ __forceinline__ float logit(float raw, int i, int j, bool check, float& dcap) const {
+  // Kernel tiles of BLOCK positions along the streamed axis: the last one <= n (>= first) whose
+  // block-mask tile is on, or first - 1; and the first one >= n (< end) that is on, or end.
+  template <int BLOCK>
+  __device__ __forceinline__ int prev_on(const TileBitmap& bitmap, int n, int first) const {
+    if (!block_mask || n < first) return n;
+    constexpr int PER = BLOCK_MASK_TILE / BLOCK;
+    const int t = bitmap.prev_on(n / PER);
+    const int found = t == n / PER ? n : t * PER + PER - 1;
+    return t < 0 || found < first ? first - 1 : found;
+  }
+  template <int BLOCK>
+  __device__ __forceinline__ int next_on(const TileBitmap& bitmap, int n, int end) const {
+    if (!block_mask || n >= end) return n;
+    constexpr int PER = BLOCK_MASK_TILE / BLOCK;
+    const int t = bitmap.next_on(n / PER);
+    const int found = t == n / PER ? n : t * PER;
+    return min(found, end);
+  }
+
+  // One bias element, and two adjacent ones (the host sets bias_pairs only when those are aligned).
+  __device__ __forceinline__ float bias_at(i64 at) const {
+    if constexpr (sizeof(T) == 2) {
+      if (!p.bias_f32) return Elem<T>::to_float(static_cast<const T*>(bias)[at]);
+    }
+    return static_cast<const float*>(bias)[at];
+  }
+  __device__ __forceinline__ void bias_pair(i64 at, float& b0, float& b1) const {
+    if constexpr (sizeof(T) == 2) {
+      if (!p.bias_f32) {
+        const u32 v = *reinterpret_cast<const u32*>(static_cast<const T*>(bias) + at);
+        T lo, hi;
+        lo.bits = static_cast<u16>(v & 0xffffu);
+        hi.bits = static_cast<u16>(v >> 16);
+        b0 = Elem<T>::to_float(lo);
+        b1 = Elem<T>::to_float(hi);
+        return;
+      }
+    }
+    const float2 v = *reinterpret_cast<const float2*>(static_cast<const float*>(bias) + at);
+    b0 = v.x;
+    b1 = v.y;
+  }
+
+  // (query, key) of element e of n-tile j of a warp tile at (row0, col0); TRANSPOSED tiles (the dK/dV
+  // pass's S^T) hold keys along the rows.
+  template <bool TRANSPOSED>
+  __device__ __forceinline__ static void coords(int row0, int col0, int j, int e, int lane, int& i, int& key) {
+    const int row = row0 + (lane >> 2) + 8 * (e >> 1), col = col0 + j * 8 + 2 * (lane & 3) + (e & 1);
+    i = TRANSPOSED ? col : row;
+    key = TRANSPOSED ? row : col;
+  }
+
+  __device__ __forceinline__ bool visible(int i, int key) const {
     const int offset = p.nk - p.nq, left = p.window_left, right = p.window_right;
+    return i < p.nq && key < p.nk && (left < 0 || key >= i + offset - left) && (right < 0 || key <= i + offset + right);
+  }
+
+  // Raw scores -> logits: the scale, ALiBi and bias passes (softcap is the caller's, as the backward
+  // needs its derivative), then hidden keys -> -inf. Bias and mask are read only inside nq x nk.
+  template <bool TRANSPOSED, int N>
+  __device__ __forceinline__ void additive_and_hide(float (&s)[N][4], int row0, int col0, int lane, bool check) const {
+    if (slope != 0.f) {
+      // |i + nk - nq - key| as a float offset from this thread's first element: one add and one FMA
+      // per element (exact: integers far below 2^24).
+      int i0, key0;
+      coords<TRANSPOSED>(row0, col0, 0, 0, lane, i0, key0);
+      const float base = static_cast<float>(i0 + p.nk - p.nq - key0);
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int along_rows = 8 * (e >> 1), along_cols = j * 8 + (e & 1);
+          const float step = TRANSPOSED ? static_cast<float>(along_cols - along_rows) : static_cast<float>(along_rows - along_cols);
+          s[j][e] -= slope * fabsf(base + step);
+        }
+    }
+    if (bias && !TRANSPOSED && !check && p.bias_pairs) {
+      // Interior tile of a bias with unit column stride: each thread's two adjacent keys in one load.
+      const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const i64 row = static_cast<i64>(row0 + g + 8 * r) * p.bias_stride[3] + col0 + 2 * t;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          float b0, b1;
+          bias_pair(row + j * 8, b0, b1);
+          s[j][2 * r] += add_scale * b0;
+          s[j][2 * r + 1] += add_scale * b1;
+        }
+      }
+    } else if (bias && TRANSPOSED && !check && p.bias_stride[4] == 1) {
+      // Interior S^T tile (keys along rows, queries along columns) of a bias with unit column stride:
+      // per thread, two key columns of the bias and queries a whole number of rows apart, so every
+      // address is a base pointer plus multiples of the row stride (no per-element index math).
+      const int g = lane >> 2, t = lane & 3;
+      const i64 rs = p.bias_stride[3];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const i64 base = static_cast<i64>(col0 + 2 * t) * rs + row0 + g + 8 * r;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          s[j][2 * r] += add_scale * bias_at(base + j * 8 * rs);
+          s[j][2 * r + 1] += add_scale * bias_at(base + (j * 8 + 1) * rs);
+        }
+      }
+    } else if (bias) {
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          int i, key;
+          coords<TRANSPOSED>(row0, col0, j, e, lane, i, key);
+          if (!check || (i < p.nq && key < p.nk)) s[j][e] += add_scale * bias_at(i * p.bias_stride[3] + key * p.bias_stride[4]);
+        }
+    }
+    if (check || mask) {
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          int i, key;
+          coords<TRANSPOSED>(row0, col0, j, e, lane, i, key);
+          bool seen = !check || visible(i, key);
+          if (mask && seen) seen = mask[i * p.mask_stride[3] + key * p.mask_stride[4]];
+          if (!seen) s[j][e] = neg_inf();
+        }
+    }
+  }
+
+  // Forward (and probs): raw scores -> what the online softmax takes with exp_scale().
+  template <bool TRANSPOSED, int N>
+  __device__ __forceinline__ void apply(float (&s)[N][4], int row0, int col0, int lane, bool check) const {
+    if (natural()) {
+      const float scale = p.scale, cap = p.softcap, inv = p.softcap_inv;
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] *= scale;
+          if (cap > 0.f) s[j][e] = cap * softcap_tanh<T>(s[j][e] * inv);
+        }
+    }
+    additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
+  }
+
+  // The logit of raw score q_i . k_j, or -inf when hidden, one element at a time; dcap = 1 - tanh^2 of
+  // the softcap (1 without). Used by the backward when it needs dS both with and without the softcap
+  // derivative (softcap and bias together), where the tile passes would have to keep tanh per element.
+  __device__ __forceinline__ float logit(float raw, int i, int key, bool check, float& dcap) const {
     float x = raw * p.scale;
     dcap = 1.f;
     if (p.softcap > 0.f) {
@@ -81,43 +306,96 @@ struct ScoreMods {
       x = p.softcap * t;
       dcap = 1.f - t * t;
     }
-    if (slope != 0.f) x -= slope * fabsf(static_cast<float>(i + offset - j));
-    if (check && (i >= p.nq || j >= p.nk || (left >= 0 && j < i + offset - left) || (right >= 0 && j > i + offset + right)))
-      return neg_inf();
-    if (mask && !mask[i * p.mask_stride[3] + j * p.mask_stride[4]]) return neg_inf();
-    if (bias) {
-      const i64 at = i * p.bias_stride[3] + j * p.bias_stride[4];
-      x += p.bias_f32 ? static_cast<const float*>(bias)[at] : Elem<T>::to_float(static_cast<const T*>(bias)[at]);
-    }
+    x -= slope * fabsf(static_cast<float>(i + p.nk - p.nq - key));
+    if (check && !visible(i, key)) return neg_inf();
+    if (mask && !mask[i * p.mask_stride[3] + key * p.mask_stride[4]]) return neg_inf();
+    if (bias) x += bias_at(i * p.bias_stride[3] + key * p.bias_stride[4]);
     return x;
   }
 
-  // Raw scores -> logits over a warp's accumulator tile. TRANSPOSED tiles (the dK/dV pass's S^T)
-  // hold keys along the rows and queries along the columns.
-  template <bool TRANSPOSED, int N_TILES>
-  __device__ __forceinline__ void apply(float (&s)[N_TILES][4], int row0, int col0, int lane, bool check) const {
-    const int g = lane >> 2, t = lane & 3;
+  // Backward over a tile: from raw S and dP, P = exp(s - lse) into s and the gradient of the scaled
+  // score, dS times the softcap derivative 1 - tanh^2, into dp. dS itself (the bias gradient) goes
+  // into dbias when write_dbias. lse_log2(j, e) and delta(j, e) give the element's row statistics.
+  template <bool TRANSPOSED, int N, typename Lse, typename Delta>
+  __device__ __forceinline__ void backward(float (&s)[N][4], float (&dp)[N][4], int row0, int col0, int lane,
+                                           bool check, Lse lse_log2, Delta delta, bool write_dbias) const {
+    write_dbias = write_dbias && dbias;
+    const float cap = p.softcap;
+    if (cap > 0.f && write_dbias) {
 #pragma unroll
-    for (int j = 0; j < N_TILES; ++j) {
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          int i, key;
+          coords<TRANSPOSED>(row0, col0, j, e, lane, i, key);
+          float dcap;
+          const float x = logit(s[j][e], i, key, check, dcap);
+          const float prob = fast_exp2(x * LOG2E - lse_log2(j, e));
+          const float ds = prob * (dp[j][e] - delta(j, e));
+          if (x != neg_inf()) atomicAdd(dbias + i * p.dbias_stride[3] + key * p.dbias_stride[4], ds);
+          s[j][e] = prob;
+          dp[j][e] = ds * dcap;
+        }
+      return;
+    }
+    // Otherwise in passes. With a softcap, dS * (1 - t^2) = P * ((dP - delta) * (1 - t^2)): the
+    // derivative is folded into dp while t is at hand. (Without a softcap dp ends as dS itself.)
+    const bool store_pairs = !TRANSPOSED && p.dbias_pairs;  // the host never sets it with a softcap
+    if (natural()) {
+      const float scale = p.scale, inv = p.softcap_inv;
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] *= scale;
+          if (cap > 0.f) {
+            const float t = softcap_tanh<T>(s[j][e] * inv);
+            s[j][e] = cap * t;
+            dp[j][e] = (dp[j][e] - delta(j, e)) * (1.f - t * t);
+          }
+        }
+    }
+    additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
+    const float exp_scale_ = exp_scale();
+#pragma unroll
+    for (int j = 0; j < N; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int row = row0 + g + 8 * (e >> 1), col = col0 + j * 8 + 2 * t + (e & 1);
-        float dcap;
-        s[j][e] = TRANSPOSED ? logit(s[j][e], col, row, check, dcap) : logit(s[j][e], row, col, check, dcap);
+        const float prob = fast_exp2(s[j][e] * exp_scale_ - lse_log2(j, e));
+        const float ds = cap > 0.f ? prob * dp[j][e] : prob * (dp[j][e] - delta(j, e));
+        if (write_dbias && !store_pairs && s[j][e] != neg_inf()) {
+          int i, key;
+          coords<TRANSPOSED>(row0, col0, j, e, lane, i, key);
+          atomicAdd(dbias + i * p.dbias_stride[3] + key * p.dbias_stride[4], ds);
+        }
+        dp[j][e] = ds;
+        s[j][e] = prob;
       }
-    }
+    if (write_dbias && store_pairs) store_dbias_pairs(dp, row0, col0, lane, check);
   }
 
-  // Backward, one element: from raw score and dP, P = exp(logit - lse) and the gradient of the scaled
-  // score, dS * dcap with dS = P * (dP - delta); dS itself (the bias gradient) is added into dbias.
-  __device__ __forceinline__ void backward(float& s, float& dp, int i, int j, bool check, float lse_log2,
-                                           float delta, bool write_dbias) const {
-    float dcap;
-    const float x = logit(s, i, j, check, dcap);
-    const float prob = fast_exp2(x * LOG2E - lse_log2);
-    const float ds = prob * (dp - delta);
-    if (write_dbias && dbias && x != neg_inf()) atomicAdd(dbias + i * p.dbias_stride[3] + j * p.dbias_stride[4], ds);
-    s = prob;
-    dp = ds * dcap;
+  // A bias broadcast along no dim gets each dS exactly once: plain stores of two adjacent keys in the
+  // bias's dtype, no atomics, no float32 buffer (hidden elements store their dS = 0). The host sets
+  // dbias_pairs only with an even Nk, so a pair never straddles nk.
+  template <int N>
+  __device__ __forceinline__ void store_dbias_pairs(const float (&ds)[N][4], int row0, int col0, int lane, bool check) const {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = row0 + g + 8 * r;
+      if (check && i >= p.nq) continue;
+      const i64 row = static_cast<i64>(i) * p.dbias_stride[3] + col0 + 2 * t;
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        if (check && col0 + j * 8 + 2 * t >= p.nk) continue;
+        if constexpr (sizeof(T) == 2) {
+          if (!p.dbias_f32) {
+            Elem<T>::store2(reinterpret_cast<T*>(dbias) + row + j * 8, ds[j][2 * r], ds[j][2 * r + 1]);
+            continue;
+          }
+        }
+        *reinterpret_cast<float2*>(dbias + row + j * 8) = make_float2(ds[j][2 * r], ds[j][2 * r + 1]);
+      }
+    }
   }
 };

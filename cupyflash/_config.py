@@ -60,6 +60,8 @@ _TABLE = {
 # The score modifiers' kernels hold a few more registers per score (bounds, bias, softcap derivative); where
 # the plain tiles would spill there, they get these instead.
 _MODS_TABLE = {
+    (2, 64, "dkdv"): (4, 32, 64),
+    (2, 256, "fwd"): (4, 32, 256),
     (4, 192, "fwd"): (4, 16, 96),
     (2, 256, "dkdv"): (4, 16, 128),
 }

@@ -35,7 +35,8 @@ PARAMS_DTYPE = numpy.dtype(
     + [("scale", numpy.float32), ("scale_log2", numpy.float32)]
     + [(name, numpy.uint64) for name in ("bias", "dbias", "mask", "block_mask", "alibi_slopes")]
     + [(name, numpy.int64, (5,)) for name in ("bias_stride", "dbias_stride", "mask_stride", "block_mask_stride")]
-    + [(name, numpy.int32) for name in ("window_left", "window_right", "bias_f32")]
+    + [(name, numpy.int32) for name in ("window_left", "window_right", "bias_f32", "bias_pairs", "dbias_pairs",
+                                        "dbias_f32")]
     + [("softcap", numpy.float32), ("softcap_inv", numpy.float32)],
     align=True,
 )
@@ -161,12 +162,13 @@ def _functions(variant: Variant) -> dict[str, object]:
             for kernel, name in names.items():
                 function = module.get_function(name)
                 smem = variant.smem(kernel)
-                if smem > optin:
+                total = smem + function.shared_size_bytes  # dynamic + static (the block-mask bitmap)
+                if total > optin:
                     raise RuntimeError(
-                        f"cupyflash: {name} needs {smem} bytes of shared memory per block; "
+                        f"cupyflash: {name} needs {total} bytes of shared memory per block; "
                         f"device {device.id} allows {optin}"
                     )
-                if smem > 48 * 1024:
+                if total > 48 * 1024:
                     function.max_dynamic_shared_size_bytes = smem
                 found[kernel] = function
             _modules[key] = found
@@ -321,7 +323,36 @@ def _params(arrays: dict, sizes, batch_strides: dict, *, batch: int, nq: int, nk
         p["softcap"] = mods.softcap
         p["softcap_inv"] = 1.0 / mods.softcap if mods.softcap > 0 else 0.0
         p["bias_f32"] = mods.bias is not None and mods.bias.dtype == numpy.float32
+        if "bias" in arrays:
+            p["bias_pairs"] = _pairs_aligned(arrays["bias"], p["bias_stride"][0])
+        if "dbias" in arrays:
+            p["dbias_pairs"] = _dbias_exclusive(mods)  # see _dbias_buffer
+            p["dbias_f32"] = arrays["dbias"].dtype == numpy.float32
     return p
+
+
+def _dbias_buffer(mods):
+    """Zeros in the bias's own shape (leading 1s added) that the dQ pass writes dbias into: the result
+    itself, in the bias's dtype, when the bias is broadcast along no dim (each element has one writer,
+    which stores pairs of adjacent keys: Nk even, no softcap); otherwise a float32 accumulator for atomic
+    adds (the kernel's dbias_pairs flag says which)."""
+    import cupy
+
+    own = (1,) * (mods.bias.ndim - len(mods.bias_shape)) + tuple(mods.bias_shape)
+    return cupy.zeros(own, dtype=mods.bias.dtype if _dbias_exclusive(mods) else numpy.float32)
+
+
+def _dbias_exclusive(mods) -> bool:
+    full = mods.bias.shape
+    own = (1,) * (len(full) - len(mods.bias_shape)) + tuple(mods.bias_shape)
+    return own == tuple(full) and full[-1] % 2 == 0 and mods.softcap == 0
+
+
+def _pairs_aligned(array, strides) -> bool:
+    """Unit column stride, and every (row, even column) element aligned to two elements' bytes, so
+    the kernels may read (or write) two adjacent columns at once."""
+    return bool(array.strides[-1] == array.dtype.itemsize and all(int(s) % 2 == 0 for s in strides[:4])
+                and array.data.ptr % (2 * array.dtype.itemsize) == 0)
 
 
 def _mod_arrays(mods) -> dict:
@@ -405,8 +436,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     lse = cupy.ascontiguousarray(cupy.broadcast_to(lse, batch_shape + (nq,)), dtype=numpy.float32)
     mod_arrays, accumulator = _mod_arrays(mods), None
     if mods is not None and mods.bias is not None:
-        own = (1,) * (mods.bias.ndim - len(mods.bias_shape)) + tuple(mods.bias_shape)
-        accumulator = cupy.zeros(own, dtype=numpy.float32)
+        accumulator = _dbias_buffer(mods)
         mod_arrays["dbias"] = cupy.broadcast_to(accumulator, mods.bias.shape)
     arrays, sizes, strides, copied = _layout(
         batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout, **mod_arrays})
@@ -430,7 +460,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
         # A full-shape accumulator (the > 3 leading dims fallback) still has to be summed over the
         # bias's broadcast dims; the usual stride-0 one already holds the sums.
         dbias = sum_to_shape(arrays["dbias"], accumulator.shape) if copied else accumulator
-        dbias = dbias.reshape(mods.bias_shape).astype(mods.bias.dtype)
+        dbias = dbias.reshape(mods.bias_shape).astype(mods.bias.dtype, copy=False)
     return _unpad(dq, d), _unpad(dk, d), _unpad(dv_, dv), dbias
 
 
