@@ -43,10 +43,11 @@ def _bnhd_to_bhnd(x):
 
 
 class Case:
-    """One check: the physical (allocated) shapes of q, k, v and a view that makes them (..., N, D)."""
+    """One check: the physical (allocated) shapes of q, k, v and a view that makes them (..., N, D);
+    ``modifiers``: also every score modifier at once (window, softcap, ALiBi, bias, mask, block mask)."""
 
-    def __init__(self, name, q, k, v, view=_identity):
-        self.name, self.shapes, self.view = name, (q, k, v), view
+    def __init__(self, name, q, k, v, view=_identity, modifiers=False):
+        self.name, self.shapes, self.view, self.modifiers = name, (q, k, v), view, modifiers
 
 
 # Awkward on purpose: odd lengths, Nq != Nk, rows that see no key (causal with Nq > Nk), D != Dv, a head
@@ -59,6 +60,7 @@ GPU_CASES = [
     Case("N50 D20 Dv36", (1, 2, 50, 20), (1, 2, 50, 20), (1, 2, 50, 36)),
     Case("GQA Hk2 G3 N96 D64", (1, 2, 3, 96, 64), (1, 2, 1, 96, 64), (1, 2, 1, 96, 64)),
     Case("BNHD view B2 N100 H4 D32", (2, 100, 4, 32), (2, 100, 4, 32), (2, 100, 4, 32), _bnhd_to_bhnd),
+    Case("modifiers Nq150 Nk170 D64", (2, 3, 150, 64), (2, 3, 170, 64), (2, 3, 170, 64), modifiers=True),
 ]
 CPU_CASES = [
     Case("B2 H2 N64 D32", (2, 2, 64, 32), (2, 2, 64, 32), (2, 2, 64, 32)),
@@ -66,6 +68,7 @@ CPU_CASES = [
     Case("Nq50 Nk20 D16 Dv8", (1, 1, 50, 16), (1, 1, 20, 16), (1, 1, 20, 8)),
     Case("GQA Hk2 G2 N40 D16", (1, 2, 2, 40, 16), (1, 2, 1, 40, 16), (1, 2, 1, 40, 16)),
     Case("BNHD view B2 N30 H2 D8", (2, 30, 2, 8), (2, 30, 2, 8), (2, 30, 2, 8), _bnhd_to_bhnd),
+    Case("modifiers Nq40 Nk50 D16", (1, 2, 40, 16), (1, 2, 50, 16), (1, 2, 50, 16), modifiers=True),
 ]
 # Timing: FlashAttention's benchmark convention, 16384 tokens in all (batch = 16384 // N), hidden 2048.
 TIMING_CASES = [("float16", 64, 1024, False), ("float16", 128, 2048, False), ("bfloat16", 128, 2048, False),
@@ -213,28 +216,33 @@ def _check_one(case, dtype_name, causal, xp, rng):
     q, k, v = (case.view(x) for x in physical)
     batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     dout = rng.standard_normal(batch + (q.shape[-2], v.shape[-1]), dtype=np.float32).astype(dtype)
+    options = _modifier_options(rng, batch, q.shape[-2], k.shape[-2], dtype) if case.modifiers else {}
     try:
         if xp is np:
-            dev = [q, k, v, dout]
+            dev, dev_options = [q, k, v, dout], options
         else:  # upload the physical arrays, then take the same view on the device
             dev = [case.view(xp.asarray(x)) for x in physical] + [xp.asarray(dout)]
-        out, lse = cupyflash.attention_forward(*dev[:3], causal=causal)
-        grads = cupyflash.attention_backward(dev[3], *dev[:3], out, lse, causal=causal)
+            dev_options = {name: xp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in options.items()}
+        out, lse = cupyflash.attention_forward(*dev[:3], causal=causal, **dev_options)
+        grads = cupyflash.attention_backward(dev[3], *dev[:3], out, lse, causal=causal, **dev_options)
         out, lse, *grads = (_to_numpy(x) for x in (out, lse, *grads))
     except Exception as exc:
         return False, f"FAIL {label} raised {type(exc).__name__}: {exc}"
 
-    ref_out, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
-    ref_grads = reference.attention_backward(dout, q, k, v, causal=causal)
+    ref_out, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, **options)
+    ref_grads = reference.attention_backward(dout, q, k, v, causal=causal, **options)
+    names = ("out", "lse", "dq", "dk", "dv", "dbias")[: 2 + len(ref_grads)]
     problems = []
     expected = [(out, ref_out, dtype), (lse, ref_lse, np.dtype(np.float32))]
     expected += [(g, r, dtype) for g, r in zip(grads, ref_grads)]
-    for name, (x, ref, want_dtype) in zip(("out", "lse", "dq", "dk", "dv"), expected):
+    if len(grads) != len(ref_grads):
+        problems.append(f"{len(grads)} gradients returned, expected {len(ref_grads)}")
+    for name, (x, ref, want_dtype) in zip(names, expected):
         if x.shape != ref.shape or x.dtype != want_dtype:
             problems.append(f"{name} is {x.dtype}{list(x.shape)}, expected {want_dtype}{list(ref.shape)}")
     tol = TOLERANCES[dtype_name]
     errors = {"out": _rel_err(out, ref_out), "lse": _lse_err(lse, ref_lse)}
-    errors.update({n: _rel_err(g, r) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
+    errors.update({n: _rel_err(g, r) for n, g, r in zip(names[2:], grads, ref_grads)})
     for name, err in errors.items():
         limit = tol if name in ("out", "lse") else tol * GRAD_TOLERANCE_FACTOR
         if not err <= limit:  # also catches NaN
@@ -242,6 +250,19 @@ def _check_one(case, dtype_name, causal, xp, rng):
     text = " ".join(f"{n} {e:.1e}" for n, e in errors.items())
     verdict = "ok  " if not problems else "FAIL"
     return not problems, f"{verdict} {label} {text}" + (f"  <- {'; '.join(problems)}" if problems else "")
+
+
+def _modifier_options(rng, batch, nq, nk, dtype):
+    """Every score modifier at once, for a (*batch, Nq, Nk) problem (NumPy arrays)."""
+    heads = batch[-1]
+    return dict(
+        window=(nk // 3, 7),
+        softcap=5.0,
+        alibi_slopes=(2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(np.float32),
+        bias=rng.standard_normal((1, heads, nq, nk), dtype=np.float32).astype(dtype),
+        mask=rng.random(batch + (nq, nk)) < 0.9,
+        block_mask=rng.random(batch + (-(-nq // cupyflash.BLOCK_MASK_TILE), -(-nk // cupyflash.BLOCK_MASK_TILE))) < 0.9,
+    )
 
 
 def _to_numpy(x):
