@@ -7,6 +7,7 @@ DLPack, no copy).
     python bench/bench_attention.py --quick                  # 8 bf16 cases
     python bench/bench_attention.py --cases 'bf16-d128-.*-n8k' --json results.json
     python bench/bench_attention.py --cold-start --memory --no-speed
+    python bench/bench_attention.py --quick --memory --json results.json --plot   # PNGs next to the JSON
 
 Shapes follow FlashAttention's benchmark: 16384 tokens in all (batch B = 16384 // N) and hidden 2048
 (heads H = 2048 // D), N in 512 ... 16k, D in 64, 128, 256, causal and not, bf16, fp16, fp32. Case names
@@ -25,9 +26,12 @@ CUPY_TF32=1).
 CUPY_CACHE_DIR, then again in a fresh process with that (now warm) cache.
 --memory: extra peak memory beyond the inputs (CuPy's pool, through a memory hook), N from 4k to 128k, ours
 vs the hand-written CuPy attention (and torch flash when present).
+--plot: after writing --json, draw it with bench/plot.py (needs matplotlib): TFLOP/s vs N per backend for
+each (dtype, D, causal), and memory vs N, as PNGs next to the JSON.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -105,9 +109,12 @@ def main(argv=None):
         results["cold_start"] = cold_start()
     if args.memory:
         results["memory"] = memory_table(args)
+        results["memory_case"] = MEMORY_CASE
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
         print(f"\nwrote {args.json}")
+    if args.plot:
+        draw_plots(args.json)
 
 
 def parse_args(argv):
@@ -124,10 +131,31 @@ def parse_args(argv):
     parser.add_argument("--cold-start", action="store_true", help="measure time to first result")
     parser.add_argument("--memory", action="store_true", help="measure extra peak memory, N 4k..128k")
     parser.add_argument("--json", metavar="PATH", help="also write every result as JSON")
+    parser.add_argument("--plot", action="store_true",
+                        help="after writing --json, draw PNGs of it next to it (bench/plot.py; needs matplotlib)")
     args = parser.parse_args(argv)
     if args.repeats < 20:
         parser.error("--repeats must be >= 20")
+    if args.plot and not args.json:
+        parser.error("--plot draws the --json file: give --json PATH too")
     return args
+
+
+def draw_plots(json_path):
+    """bench/plot.py on the JSON just written; one line, not a failure, when matplotlib is missing."""
+    # Loaded by path: bench/ is no package, and a module named "plot" elsewhere must not stand in for it.
+    spec = importlib.util.spec_from_file_location("bench_plot", Path(__file__).with_name("plot.py"))
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    try:
+        paths = plot.plot(json_path)
+    except ImportError as exc:
+        print(f"--plot skipped: {exc}")
+        return
+    for path in paths:
+        print(f"wrote {path}")
+    if not paths:
+        print("--plot: nothing to plot (no timed cases and no memory table)")
 
 
 def environment():

@@ -3,6 +3,7 @@
 from cupyflash import reference
 from cupyflash._api import attention, attention_backward, attention_forward, attention_probs
 from cupyflash._modifiers import BLOCK_MASK_TILE, block_mask_from_dense
+from cupyflash._warmup import warmup
 
 __version__ = "0.1.0"
 
@@ -13,6 +14,7 @@ __all__ = [
     "attention_probs",
     "block_mask_from_dense",
     "BLOCK_MASK_TILE",
+    "warmup",
     "reference",
     "__version__",
 ]

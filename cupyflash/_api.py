@@ -11,6 +11,8 @@ Both back ends take the same arguments and return full-batch-shape results; the 
 to the shapes of q, k, v here.
 """
 
+from __future__ import annotations
+
 import math
 import numbers
 
@@ -19,14 +21,16 @@ import ml_dtypes
 import numpy as np
 
 from cupyflash import _cpu, _modifiers
+from cupyflash._types import Array
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
 LSE_DTYPE = np.dtype(np.float32)
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, bias=None,
-              mask=None, block_mask=None):
+def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
+              window: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes: Array | None = None,
+              bias: Array | None = None, mask: Array | None = None, block_mask: Array | None = None) -> Array:
     """Scaled dot-product attention, ``softmax(scale * q @ k^T) @ v``, without materializing the scores.
 
     Parameters
@@ -92,15 +96,31 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
 
     Examples
     --------
-    >>> out = cupyflash.attention(q, k, v, causal=True, window=(256, 0), softcap=30.0)
+    NumPy inputs run on the CPU; CuPy inputs run the same call on the GPU:
+
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 100, 64), dtype=np.float32) for _ in range(3))  # (B, H, N, D)
+    >>> out = cupyflash.attention(q, k, v, causal=True)
+    >>> out.shape, out.dtype.name
+    ((2, 4, 100, 64), 'float32')
+
+    In bfloat16 on the GPU, with a sliding window of 32 keys and a softcap:
+
+    >>> import cupy, ml_dtypes
+    >>> qg, kg, vg = (cupy.asarray(x.astype(ml_dtypes.bfloat16)) for x in (q, k, v))  # doctest: +SKIP
+    >>> out = cupyflash.attention(qg, kg, vg, causal=True, window=(32, 0), softcap=30.0)  # doctest: +SKIP
     """
     out, _ = attention_forward(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
                                alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask)
     return out
 
 
-def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
-                      bias=None, mask=None, block_mask=None):
+def attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
+                      window: tuple[int, int] | None = None, softcap: float = 0.0,
+                      alibi_slopes: Array | None = None, bias: Array | None = None, mask: Array | None = None,
+                      block_mask: Array | None = None) -> tuple[Array, Array]:
     """Attention forward pass that also returns the row-wise log-sum-exp needed by the backward.
 
     Parameters
@@ -119,6 +139,16 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     lse : array, shape (..., Nq), float32
         ``log(sum_j exp(s_ij))`` of the (modified) scores over the keys row ``i`` sees (natural
         log); ``-inf`` for a row that sees no key (whose ``out`` row is 0).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 100, 64), dtype=np.float32) for _ in range(3))
+    >>> out, lse = cupyflash.attention_forward(q, k, v, causal=True)
+    >>> out.shape, lse.shape, lse.dtype.name
+    ((2, 4, 100, 64), (2, 4, 100), 'float32')
     """
     options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                    block_mask=block_mask)
@@ -133,8 +163,10 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
                                                mods=problem.mods)
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None, softcap=0.0,
-                       alibi_slopes=None, bias=None, mask=None, block_mask=None):
+def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *,
+                       causal: bool = False, scale: float | None = None, window: tuple[int, int] | None = None,
+                       softcap: float = 0.0, alibi_slopes: Array | None = None, bias: Array | None = None,
+                       mask: Array | None = None, block_mask: Array | None = None) -> tuple[Array, ...]:
     """Gradients of attention with respect to q, k and v.
 
     Parameters
@@ -161,6 +193,22 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
         Only when ``bias`` is given: the gradient of the scores, ``P * (dP - rowsum(P * dP))``,
         summed over the dims along which ``bias`` was broadcast (in float32). Where that sum runs
         over more than one term, its order (atomic float32 adds on the GPU) may vary between runs.
+
+    Examples
+    --------
+    Grouped-query attention, 2 key/value heads each shared by 3 query heads: the gradients of the
+    broadcast ``k`` and ``v`` come back in their own shapes, summed over the 3 query heads.
+
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((1, 2, 3, 50, 32), dtype=np.float32)      # (B, Hk, G, N, D)
+    >>> k, v = (rng.standard_normal((1, 2, 1, 50, 32), dtype=np.float32) for _ in range(2))
+    >>> out, lse = cupyflash.attention_forward(q, k, v, causal=True)
+    >>> dout = np.ones_like(out)                                         # dLoss/dout
+    >>> dq, dk, dv = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    >>> dq.shape, dk.shape, dv.shape
+    ((1, 2, 3, 50, 32), (1, 2, 1, 50, 32), (1, 2, 1, 50, 32))
     """
     arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
@@ -178,8 +226,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     return grads + ((dbias,) if bias is not None else ())
 
 
-def attention_probs(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
-                    bias=None, mask=None, block_mask=None):
+def attention_probs(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
+                    window: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes: Array | None = None,
+                    bias: Array | None = None, mask: Array | None = None, block_mask: Array | None = None) -> Array:
     """The softmax probabilities ``P`` of attention, for inspection and debugging.
 
     Computes the forward's log-sum-exp with the same kernels, then ``P_ij = exp(s_ij - lse_i)`` with
@@ -198,7 +247,17 @@ def attention_probs(q, k, v, *, causal=False, scale=None, window=None, softcap=0
 
     Examples
     --------
-    >>> p = cupyflash.attention_probs(q, k, v, causal=True)   # (B, H, Nq, Nk) float32
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 100, 64), dtype=np.float32) for _ in range(3))
+    >>> p = cupyflash.attention_probs(q, k, v, causal=True)
+    >>> p.shape, p.dtype.name
+    ((2, 4, 100, 100), 'float32')
+    >>> bool(np.allclose(p.sum(axis=-1), 1, atol=1e-5))                  # each row sums to 1
+    True
+    >>> bool(np.allclose(p @ v, cupyflash.attention(q, k, v, causal=True), atol=1e-5))
+    True
     """
     options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                    block_mask=block_mask)

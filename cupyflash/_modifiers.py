@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cupyflash._types import Array
+
 BLOCK_MASK_TILE = 128  # queries x keys covered by one block_mask element; part of the public API
 
 
@@ -138,7 +140,7 @@ def _check_array(name, x, xp, shape, described):
     return x
 
 
-def block_mask_from_dense(mask, block=BLOCK_MASK_TILE):
+def block_mask_from_dense(mask: Array, block: int = BLOCK_MASK_TILE) -> Array:
     """The block mask of a dense boolean mask: a tile is True when any of its elements is True.
 
     Parameters
@@ -151,6 +153,26 @@ def block_mask_from_dense(mask, block=BLOCK_MASK_TILE):
     -------
     block_mask : array of bool, shape (..., ceil(Nq/128), ceil(Nk/128)), of mask's array type
         Passing it with ``mask`` gives the same result as ``mask`` alone, with the empty tiles skipped.
+
+    Examples
+    --------
+    Every query sees the first 10 keys only: of the 3 x 3 tiles of 128 x 128, only the first
+    column has a key in use, so the other key tiles are never loaded.
+
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> mask = np.zeros((300, 300), dtype=bool)                          # (Nq, Nk)
+    >>> mask[:, :10] = True
+    >>> block_mask = cupyflash.block_mask_from_dense(mask)
+    >>> block_mask
+    array([[ True, False, False],
+           [ True, False, False],
+           [ True, False, False]])
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 2, 300, 32), dtype=np.float32) for _ in range(3))
+    >>> out = cupyflash.attention(q, k, v, mask=mask, block_mask=block_mask)
+    >>> bool(np.allclose(out, cupyflash.attention(q, k, v, mask=mask), atol=1e-6))
+    True
     """
     if block != BLOCK_MASK_TILE:
         raise ValueError(f"block must be {BLOCK_MASK_TILE}, the tile the kernels skip by, got {block!r}")

@@ -9,6 +9,8 @@ convert to float64, float64 included; bias any floating-point dtype); results ar
 are used as float32, as everywhere in cupyflash.
 """
 
+from __future__ import annotations
+
 import cupy
 import ml_dtypes
 import numpy as np
@@ -19,8 +21,11 @@ from cupyflash._api import check_causal, check_shapes, resolve_scale, sum_to_sha
 _BIAS_DTYPES_EXTRA = (np.dtype(ml_dtypes.bfloat16),)  # floating point, though NumPy's kind is not "f"
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, window=None, softcap=0.0,
-              alibi_slopes=None, bias=None, mask=None, block_mask=None):
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = False, scale: float | None = None,
+              return_lse: bool = False, window: tuple[int, int] | None = None, softcap: float = 0.0,
+              alibi_slopes: np.ndarray | None = None, bias: np.ndarray | None = None,
+              mask: np.ndarray | None = None,
+              block_mask: np.ndarray | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Reference attention in float64.
 
     Parameters
@@ -42,6 +47,23 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, window=Non
     out : numpy.ndarray, shape (..., Nq, Dv), float64
     lse : numpy.ndarray, shape (..., Nq), float64
         Only if ``return_lse``; ``-inf`` for rows that see no key.
+
+    Examples
+    --------
+    Check cupyflash (here its CPU path; on the GPU pass ``cupy.asarray`` inputs and ``.get()`` the
+    result) against the reference:
+
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> from cupyflash import reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 100, 64), dtype=np.float32) for _ in range(3))
+    >>> ref, lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    >>> ref.dtype.name, ref.shape, lse.shape
+    ('float64', (2, 4, 100, 64), (2, 4, 100))
+    >>> out = cupyflash.attention(q, k, v, causal=True)
+    >>> bool(np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max())
+    True
     """
     options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                    block_mask=block_mask)
@@ -52,8 +74,10 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, window=Non
     return (out, lse) if return_lse else out
 
 
-def attention_probs(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
-                    bias=None, mask=None, block_mask=None):
+def attention_probs(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = False,
+                    scale: float | None = None, window: tuple[int, int] | None = None, softcap: float = 0.0,
+                    alibi_slopes: np.ndarray | None = None, bias: np.ndarray | None = None,
+                    mask: np.ndarray | None = None, block_mask: np.ndarray | None = None) -> np.ndarray:
     """Reference attention probabilities ``P = softmax(s)`` in float64.
 
     Parameters
@@ -65,6 +89,20 @@ def attention_probs(q, k, v, *, causal=False, scale=None, window=None, softcap=0
     -------
     p : numpy.ndarray, shape (..., Nq, Nk), float64
         Rows sum to 1, except rows that see no key, which are 0.
+
+    Examples
+    --------
+    The causal mask is aligned to the bottom-right corner: with 2 queries and 4 keys, query 0 sees
+    keys 0 to 2 and query 1 all four.
+
+    >>> import numpy as np
+    >>> from cupyflash import reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((2, 8)), rng.standard_normal((4, 8)), rng.standard_normal((4, 8))
+    >>> p = reference.attention_probs(q, k, v, causal=True)
+    >>> (p > 0).astype(int)
+    array([[1, 1, 1, 0],
+           [1, 1, 1, 1]])
     """
     options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                    block_mask=block_mask)
@@ -73,8 +111,11 @@ def attention_probs(q, k, v, *, causal=False, scale=None, window=None, softcap=0
     return _softmax(s)[0]
 
 
-def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
-                       alibi_slopes=None, bias=None, mask=None, block_mask=None):
+def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = False,
+                       scale: float | None = None, window: tuple[int, int] | None = None, softcap: float = 0.0,
+                       alibi_slopes: np.ndarray | None = None, bias: np.ndarray | None = None,
+                       mask: np.ndarray | None = None,
+                       block_mask: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
     """Reference gradients of attention in float64.
 
     Parameters
@@ -90,6 +131,23 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
         Summed over the dims along which q, k, v were broadcast.
     dbias : numpy.ndarray, float64, the shape of bias
         Only when ``bias`` is given: dS summed over the dims along which bias was broadcast.
+
+    Examples
+    --------
+    The reference takes no ``out`` or ``lse``: it recomputes them.
+
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> from cupyflash import reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v, dout = (rng.standard_normal((1, 2, 50, 32), dtype=np.float32) for _ in range(4))
+    >>> dq, dk, dv = reference.attention_backward(dout, q, k, v, causal=True)
+    >>> dq.dtype.name, dq.shape
+    ('float64', (1, 2, 50, 32))
+    >>> out, lse = cupyflash.attention_forward(q, k, v, causal=True)
+    >>> ours = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    >>> all(np.abs(g - r).max() <= 1e-4 * np.abs(r).max() for g, r in zip(ours, (dq, dk, dv)))
+    True
     """
     options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                    block_mask=block_mask)

@@ -93,6 +93,21 @@ def test_wheel_ships_every_module(wheel):
     assert "cupyflash/__main__.py" in names
 
 
+def test_wheel_ships_py_typed(wheel):
+    # PEP 561: without the marker, type checkers ignore the package's own hints.
+    names, _ = wheel
+    assert (ROOT / "cupyflash" / "py.typed").is_file()
+    assert "cupyflash/py.typed" in names
+
+
+def test_python_m_cupyflash_help():
+    result = subprocess.run([sys.executable, "-m", "cupyflash", "--help"], capture_output=True, text=True,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python -m cupyflash"), result.stdout
+    assert "--no-check" in result.stdout and "--compile-report" in result.stdout
+
+
 def test_wheel_metadata(wheel):
     _, metadata = wheel
     assert metadata["Name"] == "cupyflash"
