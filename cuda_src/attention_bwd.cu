@@ -13,6 +13,8 @@
 // P^T and dS^T (or P and dS) go from the accumulator registers straight into the next product.
 // Head dims above 128 split the gradient columns into D_CHUNK-wide CTAs (grid x) so the
 // accumulators fit in registers; each chunk recomputes the same S and dP.
+// WGMMA instantiations (Hopper, fp16/bf16) run the same passes on warpgroup products from swizzled tiles
+// (gemm.cuh): each warp still owns 16 rows, now of its warpgroup's 64, in the same accumulator layout.
 // HAS_MODS instantiations (IS_CAUSAL = false; causality is the window's right edge) rebuild the
 // modified logits (score_mods.cuh), skip the tiles the window band or the block mask hide, and compute
 // dP before S so that each element's P, dS and softcap derivative 1 - tanh^2 come out of one pass.
@@ -21,8 +23,7 @@
 // the adds sum over them. The atomics are the one thing here whose order can vary between runs.
 #include "common.cuh"
 #include "block_info.cuh"
-#include "mma.cuh"
-#include "copy.cuh"
+#include "gemm.cuh"
 #include "mask.cuh"
 #include "score_mods.cuh"
 
@@ -70,25 +71,27 @@ __device__ __forceinline__ void dscores_cols(float (&dp)[N_TILES][4], const floa
   }
 }
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_M, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS>
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_M, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS, bool WGMMA>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_dkdv_kernel(const AttnParams p) {
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
   constexpr int BLOCK_N = 16 * NUM_WARPS;  // keys of this CTA, 16 per warp
-  constexpr int STRIDE = SmemTile<T, HEAD_DIM>::STRIDE;
+  using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM, WGMMA>;  // also stage dk, dv at the end
+  using QTile = SmemTile<T, BLOCK_M, HEAD_DIM, WGMMA>;   // the streamed q and dout tiles
   constexpr int S_TILES = BLOCK_M / 8;     // S^T tile: 16 keys x BLOCK_M queries per warp
   constexpr int G_TILES = D_CHUNK / 8;     // gradient columns per CTA
   constexpr int N_CHUNKS = HEAD_DIM / D_CHUNK;
   static_assert(HEAD_DIM % D_CHUNK == 0 && D_CHUNK % 16 == 0, "gradient column chunks");
   static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
+  static_assert(!WGMMA || (sizeof(T) == 2 && NUM_WARPS % 4 == 0), "wgmma: 16-bit inputs, whole warpgroups");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sK = reinterpret_cast<T*>(smem_raw);
-  T* sV = sK + BLOCK_N * STRIDE;
-  T* sQ = sV + BLOCK_N * STRIDE;        // [2][BLOCK_M][STRIDE], double-buffered stream
-  T* sdO = sQ + 2 * BLOCK_M * STRIDE;   // [2][BLOCK_M][STRIDE]
-  float* sLse = reinterpret_cast<float*>(sdO + 2 * BLOCK_M * STRIDE);  // [2][BLOCK_M]
+  T* sK = reinterpret_cast<T*>(WGMMA ? smem_aligned(smem_raw) : smem_raw);
+  T* sV = sK + KVTile::SIZE;
+  T* sQ = sV + KVTile::SIZE;      // [2] QTile, double-buffered stream
+  T* sdO = sQ + 2 * QTile::SIZE;  // [2] QTile
+  float* sLse = reinterpret_cast<float*>(sdO + 2 * QTile::SIZE);  // [2][BLOCK_M]
   float* sDelta = sLse + 2 * BLOCK_M;                                 // [2][BLOCK_M]
 
   const int b = batch_index();
@@ -128,8 +131,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 
   auto load_stream = [&](int m_block, int buf) {
     const int m0 = m_block * BLOCK_M;
-    load_tile_async<T, BLOCK_M, HEAD_DIM, THREADS>(sQ + buf * BLOCK_M * STRIDE, q + m0 * p.q_stride[3], p.q_stride[3], p.nq - m0, p.d_qk);
-    load_tile_async<T, BLOCK_M, HEAD_DIM, THREADS>(sdO + buf * BLOCK_M * STRIDE, dout + m0 * p.dout_stride[3], p.dout_stride[3], p.nq - m0, p.d_v);
+    load_tile_async<QTile, THREADS>(sQ + buf * QTile::SIZE, q + m0 * p.q_stride[3], p.q_stride[3], p.nq - m0, p.d_qk);
+    load_tile_async<QTile, THREADS>(sdO + buf * QTile::SIZE, dout + m0 * p.dout_stride[3], p.dout_stride[3], p.nq - m0, p.d_v);
     for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
       const bool valid = m0 + i < p.nq;  // rows past nq: P = 0 through lse = +inf
       sLse[buf * BLOCK_M + i] = valid ? lse_log2[m0 + i] : pos_inf();
@@ -137,8 +140,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     }
   };
 
-  load_tile_async<T, BLOCK_N, HEAD_DIM, THREADS>(sK, k, p.k_stride[3], p.nk - n0, p.d_qk);
-  load_tile_async<T, BLOCK_N, HEAD_DIM, THREADS>(sV, v, p.v_stride[3], p.nk - n0, p.d_v);
+  load_tile_async<KVTile, THREADS>(sK, k, p.k_stride[3], p.nk - n0, p.d_qk);
+  load_tile_async<KVTile, THREADS>(sV, v, p.v_stride[3], p.nk - n0, p.d_v);
   int m_block = next_on(m_first);
   if (m_block < m_blocks) load_stream(m_block, 0);
   cp_async_commit();
@@ -156,18 +159,19 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     } else {
       cp_async_wait<0>();
     }
+    smem_publish<QTile>();
     __syncthreads();
-    const T* sQ_i = sQ + buf * BLOCK_M * STRIDE;
-    const T* sdO_i = sdO + buf * BLOCK_M * STRIDE;
+    const T* sQ_i = sQ + buf * QTile::SIZE;
+    const T* sdO_i = sdO + buf * QTile::SIZE;
 
     float acc_s[S_TILES][4], acc_dp[S_TILES][4];
     if constexpr (HAS_MODS) {
       // dP^T = V dO_i^T and S^T = K Q_i^T first; then per element the logit, P^T = exp(logit - lse),
       // dS^T = P^T * (dP^T - delta) times the softcap derivative.
       zero_acc(acc_dp);
-      gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_dp, sV, warp * 16, sdO_i, lane);
+      gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
       zero_acc(acc_s);
-      gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sK, warp * 16, sQ_i, lane);
+      gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i, lane);
       // The tile is S^T: queries along the columns, their lse and delta in shared memory.
       const float* lse_i = sLse + buf * BLOCK_M;
       const float* delta_i = sDelta + buf * BLOCK_M;
@@ -177,25 +181,25 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
                                    [&](int j, int e) { return lse_i[j * 8 + 2 * t + (e & 1)]; },
                                    [&](int j, int e) { return delta_i[j * 8 + 2 * t + (e & 1)]; }, false);
       // dV += P^T dO_i
-      gemm_acc_b<T, S_TILES, G_TILES, STRIDE>(acc_dv, acc_s, sdO_i, c0, lane);
+      gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, lane);
     } else {
       // S^T = K Q_i^T, then P^T = exp(scale * S^T - lse)
       zero_acc(acc_s);
-      gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sK, warp * 16, sQ_i, lane);
+      gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i, lane);
       if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + warp * 16, m0, lane);
       probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, p.scale_log2, lane);
 
       // dV += P^T dO_i
-      gemm_acc_b<T, S_TILES, G_TILES, STRIDE>(acc_dv, acc_s, sdO_i, c0, lane);
+      gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, lane);
 
       // dP^T = V dO_i^T;  dS^T = P^T * (dP^T - delta)
       zero_acc(acc_dp);
-      gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_dp, sV, warp * 16, sdO_i, lane);
+      gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
       dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
     }
 
     // dK += dS^T Q_i
-    gemm_acc_b<T, S_TILES, G_TILES, STRIDE>(acc_dk, acc_dp, sQ_i, c0, lane);
+    gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, lane);
     __syncthreads();  // this buffer is refilled two iterations on
     m_block = m_next;
   }
@@ -205,33 +209,35 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   const float one[2] = {1.f, 1.f};
   cp_async_wait<0>();  // with no query block to visit, the K/V copies may still be in flight
   __syncthreads();
-  acc_to_smem<T, G_TILES, STRIDE>(sK, warp * 16, acc_dk, dk_scale, lane);
-  acc_to_smem<T, G_TILES, STRIDE>(sV, warp * 16, acc_dv, one, lane);
+  acc_to_smem<KVTile, G_TILES>(sK, warp * 16, acc_dk, dk_scale, lane);
+  acc_to_smem<KVTile, G_TILES>(sV, warp * 16, acc_dv, one, lane);
   __syncthreads();
   T* dk = static_cast<T*>(p.dk) + (static_cast<i64>(b) * p.nk + n0) * p.d_qk + c0;
   T* dv = static_cast<T*>(p.dv) + (static_cast<i64>(b) * p.nk + n0) * p.d_v + c0;
-  store_tile<T, BLOCK_N, D_CHUNK, STRIDE, THREADS>(dk, p.d_qk, sK, p.nk - n0, p.d_qk - c0);
-  store_tile<T, BLOCK_N, D_CHUNK, STRIDE, THREADS>(dv, p.d_v, sV, p.nk - n0, p.d_v - c0);
+  store_tile<KVTile, D_CHUNK, THREADS>(dk, p.d_qk, sK, p.nk - n0, p.d_qk - c0);
+  store_tile<KVTile, D_CHUNK, THREADS>(dv, p.d_v, sV, p.nk - n0, p.d_v - c0);
 }
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS>
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS, bool WGMMA>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_dq_kernel(const AttnParams p) {
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
   constexpr int BLOCK_M = 16 * NUM_WARPS;  // queries of this CTA, 16 per warp
-  constexpr int STRIDE = SmemTile<T, HEAD_DIM>::STRIDE;
+  using QTile = SmemTile<T, BLOCK_M, HEAD_DIM, WGMMA>;   // q and dout; sQ also stages dq at the end
+  using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM, WGMMA>;  // the streamed k and v tiles
   constexpr int S_TILES = BLOCK_N / 8;
   constexpr int G_TILES = D_CHUNK / 8;
   constexpr int N_CHUNKS = HEAD_DIM / D_CHUNK;
   static_assert(HEAD_DIM % D_CHUNK == 0 && D_CHUNK % 16 == 0, "gradient column chunks");
   static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
+  static_assert(!WGMMA || (sizeof(T) == 2 && NUM_WARPS % 4 == 0), "wgmma: 16-bit inputs, whole warpgroups");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sdO = sQ + BLOCK_M * STRIDE;
-  T* sK = sdO + BLOCK_M * STRIDE;       // [2][BLOCK_N][STRIDE], double-buffered stream
-  T* sV = sK + 2 * BLOCK_N * STRIDE;    // [2][BLOCK_N][STRIDE]
+  T* sQ = reinterpret_cast<T*>(WGMMA ? smem_aligned(smem_raw) : smem_raw);
+  T* sdO = sQ + QTile::SIZE;
+  T* sK = sdO + QTile::SIZE;       // [2] KVTile, double-buffered stream
+  T* sV = sK + 2 * KVTile::SIZE;   // [2] KVTile
 
   const int b = batch_index();
   if (b >= p.batch) return;
@@ -280,12 +286,12 @@ attention_bwd_dq_kernel(const AttnParams p) {
 
   auto load_stream = [&](int n_block, int buf) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_async<T, BLOCK_N, HEAD_DIM, THREADS>(sK + buf * BLOCK_N * STRIDE, k + n0 * p.k_stride[3], p.k_stride[3], p.nk - n0, p.d_qk);
-    load_tile_async<T, BLOCK_N, HEAD_DIM, THREADS>(sV + buf * BLOCK_N * STRIDE, v + n0 * p.v_stride[3], p.v_stride[3], p.nk - n0, p.d_v);
+    load_tile_async<KVTile, THREADS>(sK + buf * KVTile::SIZE, k + n0 * p.k_stride[3], p.k_stride[3], p.nk - n0, p.d_qk);
+    load_tile_async<KVTile, THREADS>(sV + buf * KVTile::SIZE, v + n0 * p.v_stride[3], p.v_stride[3], p.nk - n0, p.d_v);
   };
 
-  load_tile_async<T, BLOCK_M, HEAD_DIM, THREADS>(sQ, q, p.q_stride[3], p.nq - m0, p.d_qk);
-  load_tile_async<T, BLOCK_M, HEAD_DIM, THREADS>(sdO, dout, p.dout_stride[3], p.nq - m0, p.d_v);
+  load_tile_async<QTile, THREADS>(sQ, q, p.q_stride[3], p.nq - m0, p.d_qk);
+  load_tile_async<QTile, THREADS>(sdO, dout, p.dout_stride[3], p.nq - m0, p.d_v);
   int n_block = next_on(n_first);
   if (n_block < n_blocks) load_stream(n_block, 0);
   cp_async_commit();
@@ -302,18 +308,19 @@ attention_bwd_dq_kernel(const AttnParams p) {
     } else {
       cp_async_wait<0>();
     }
+    smem_publish<QTile>();
     __syncthreads();
-    const T* sK_j = sK + buf * BLOCK_N * STRIDE;
-    const T* sV_j = sV + buf * BLOCK_N * STRIDE;
+    const T* sK_j = sK + buf * KVTile::SIZE;
+    const T* sV_j = sV + buf * KVTile::SIZE;
 
     float acc_s[S_TILES][4], acc_dp[S_TILES][4];
     if constexpr (HAS_MODS) {
       // dP = dO V_j^T and S = Q K_j^T first; then per element the logit, P, dS (into dbias) and
       // dS times the softcap derivative.
       zero_acc(acc_dp);
-      gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_dp, sdO, warp * 16, sV_j, lane);
+      gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, warp * 16, sV_j, lane);
       zero_acc(acc_s);
-      gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sQ, warp * 16, sK_j, lane);
+      gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j, lane);
       mods.template backward<false>(acc_s, acc_dp, m0 + warp * 16, n0, lane,
                                     mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1),
                                     [&](int, int e) { return row_lse[e >> 1]; },
@@ -321,7 +328,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
     } else {
       // S = Q K_j^T, P = exp(scale * S - lse)
       zero_acc(acc_s);
-      gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sQ, warp * 16, sK_j, lane);
+      gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j, lane);
       if (n_block >= n_unmasked) mask.apply(acc_s, m0 + warp * 16, n0, lane);
 #pragma unroll
       for (int j = 0; j < S_TILES; ++j) {
@@ -331,7 +338,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
 
       // dP = dO V_j^T;  dS = P * (dP - delta)
       zero_acc(acc_dp);
-      gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_dp, sdO, warp * 16, sV_j, lane);
+      gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, warp * 16, sV_j, lane);
 #pragma unroll
       for (int j = 0; j < S_TILES; ++j) {
 #pragma unroll
@@ -340,7 +347,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
     }
 
     // dQ += dS K_j
-    gemm_acc_b<T, S_TILES, G_TILES, STRIDE>(acc_dq, acc_dp, sK_j, c0, lane);
+    gemm_pb<T, S_TILES, G_TILES, KVTile>(acc_dq, acc_dp, sK_j, c0, lane);
     __syncthreads();  // this buffer is refilled two iterations on
     n_block = n_next;
   }
@@ -349,8 +356,8 @@ attention_bwd_dq_kernel(const AttnParams p) {
   const float dq_scale[2] = {p.scale, p.scale};
   cp_async_wait<0>();  // with no key block to visit, the Q/dO copies may still be in flight
   __syncthreads();
-  acc_to_smem<T, G_TILES, STRIDE>(sQ, warp * 16, acc_dq, dq_scale, lane);
+  acc_to_smem<QTile, G_TILES>(sQ, warp * 16, acc_dq, dq_scale, lane);
   __syncthreads();
   T* dq = static_cast<T*>(p.dq) + (static_cast<i64>(b) * p.nq + m0) * p.d_qk + c0;
-  store_tile<T, BLOCK_M, D_CHUNK, STRIDE, THREADS>(dq, p.d_qk, sQ, p.nq - m0, p.d_qk - c0);
+  store_tile<QTile, D_CHUNK, THREADS>(dq, p.d_qk, sQ, p.nq - m0, p.d_qk - c0);
 }

@@ -3,30 +3,126 @@
 // Layout: q (b, nq, d), k (b, nk, d), v (b, nk, dv) with any row/batch strides (unit column
 // stride); out (b, nq, dv) and lse (b, nq) float32, contiguous. See block_info.cuh.
 // One CTA owns BLOCK_M = 16 * NUM_WARPS query rows of one batch entry (16 per warp). It streams
-// K and V tiles of BLOCK_N keys through shared memory with cp.async (the load of V_j overlaps
-// S_j = Q K_j^T, the load of K_{j-1} overlaps O += P_j V_j), keeps the online-softmax state
+// K and V tiles of BLOCK_N keys through shared memory with cp.async, keeps the online-softmax state
 // (m_i, l_i) and the output accumulator in registers, feeds P straight from the score registers
 // into the P V product, and writes out and lse once. Nothing of size nq x nk exists anywhere.
-// Where the output accumulator would not fit in registers (float32 at HEAD_DIM 256), the output
-// columns are split into D_CHUNK-wide CTAs (grid x) that each recompute the same scores.
+// Key blocks are visited last to first: under the causal mask (and at the end of nk) the masked
+// blocks are the last ones, so they come first and every later block runs without a mask.
 // HAS_MODS instantiations apply the score modifiers (score_mods.cuh: window, softcap, ALiBi, bias,
 // mask) to each score tile and skip key tiles outside the window band or off in the block mask;
 // they run with IS_CAUSAL = false, causality arriving as the window's right edge.
 // Saved for the backward: lse only.
+//
+// Two kernels, one per tensor-core path, sharing everything but the main loop (RowBlock, write_out):
+//  - attention_fwd_kernel (mma.sync, every GPU): per key block, S_j = Q K_j^T, softmax, O += P_j V_j,
+//    with the load of V_j overlapping S_j and the load of K_{j+1} overlapping P_j V_j. Where the output
+//    accumulator would not fit in registers (float32 at HEAD_DIM 256), the output columns are split
+//    into D_CHUNK-wide CTAs (grid x) that each recompute the same scores.
+//  - attention_fwd_wgmma_kernel (Hopper, fp16/bf16): warpgroup products from swizzled tiles, K and V
+//    double-buffered one block ahead, and the products of one block overlapping the softmax of the
+//    next: while the tensor cores run S_{j+1} = Q K_{j+1}^T and O += P_j V_j, the warps wait only for
+//    S_{j+1}, run its softmax, and rescale O once P_j V_j is done (FlashAttention-3's intra-warpgroup
+//    pipelining).
 #include "common.cuh"
 #include "block_info.cuh"
-#include "mma.cuh"
-#include "copy.cuh"
+#include "gemm.cuh"
 #include "mask.cuh"
 #include "softmax.cuh"
 #include "score_mods.cuh"
+
+// The query rows [m0, m0 + BLOCK_M) of batch entry b that one CTA owns, where its tensors start, and the
+// key blocks those rows see: [n_first, n_blocks), walked downwards with prev_on.
+template <typename T, int NUM_WARPS, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, bool HAS_MODS>
+struct RowBlock {
+  const AttnParams& p;
+  int m0;
+  const T* q;  // row m0
+  const T* k;
+  const T* v;
+  T* out;      // row m0
+  float* lse;  // row m0
+  int n_first = 0, n_blocks, n_unmasked;
+  Mask<IS_CAUSAL> mask;
+  ScoreMods<T> mods;
+  TileBitmap tile_bitmap;
+
+  // Every thread of the CTA constructs it (the block-mask bitmap is loaded cooperatively).
+  __device__ __forceinline__ RowBlock(const AttnParams& params, int b, int m0_, u32* bitmap_words)
+      : p(params), m0(m0_), mods(params, b) {
+    q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p) + m0 * p.q_stride[3];
+    k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p);
+    v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p);
+    out = static_cast<T*>(p.out) + batch_offset(p.out_stride, b, p) + m0 * p.out_stride[3];
+    lse = p.lse + static_cast<i64>(b) * p.nq + m0;
+    const int offset = causal_offset(p);
+    mask = Mask<IS_CAUSAL>{p.nk, offset};
+    // Keys this row block can see: all of them, or up to the causal limit of its last row.
+    const int key_end = IS_CAUSAL ? min(p.nk, m0 + BLOCK_M + offset) : p.nk;
+    n_blocks = key_end > 0 ? ceil_div(key_end, BLOCK_N) : 0;
+    // Key blocks [0, n_unmasked) need no mask: fully inside nk and on or below every row's diagonal.
+    n_unmasked = p.nk / BLOCK_N;
+    if (IS_CAUSAL) n_unmasked = min(n_unmasked, max(0, m0 + offset + 1) / BLOCK_N);
+    // With modifiers: only the key blocks of the window band, and of those only the ones the block mask
+    // leaves on.
+    if constexpr (HAS_MODS) {
+      const int last_row = min(m0 + BLOCK_M, p.nq) - 1;
+      const int k_first = mods.first_key(m0), k_last = mods.last_key(last_row);
+      n_first = k_first / BLOCK_N;
+      n_blocks = k_last >= k_first ? k_last / BLOCK_N + 1 : 0;
+      mods.template load_tile_bitmap<NUM_WARPS, true>(tile_bitmap, bitmap_words, m0);
+    }
+  }
+
+  // The last visible key block <= n_block, or n_first - 1 when none is left.
+  __device__ __forceinline__ int prev_on(int n_block) const {
+    if constexpr (HAS_MODS) n_block = mods.template prev_on<BLOCK_N>(tile_bitmap, n_block, n_first);
+    return n_block;
+  }
+
+  // Raw scores S of key block n_block, this warp's rows from row0 (CTA-relative) -> what the softmax
+  // takes with exp_scale(): masked, or turned into logits by the modifiers.
+  template <int S_TILES>
+  __device__ __forceinline__ void scores(float (&s)[S_TILES][4], int n_block, int row0, int lane) const {
+    const int n0 = n_block * BLOCK_N;
+    if constexpr (HAS_MODS) {
+      mods.template apply<false>(s, m0 + row0, n0, lane, mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1));
+    } else if (n_block >= n_unmasked) {
+      mask.apply(s, m0 + row0, n0, lane);
+    }
+  }
+  // Scores that softcap, ALiBi or bias made logits have the scale applied already: only log2(e) is left
+  // for the exponent; raw scores carry the scale into it.
+  __device__ __forceinline__ float exp_scale() const { return HAS_MODS ? mods.exp_scale() : p.scale_log2; }
+};
+
+// out = O_i / l_i and lse_i = scale * m_i + log(l_i), columns [c0, c0 + 8*O_TILES) (lse by the c0 = 0
+// CTA). Staged through sQ for 16-byte stores: every warp must be done with its products first.
+template <class QTile, int THREADS, typename T, int O_TILES, int S_TILES, class Rows>
+__device__ __forceinline__ void write_out(const Rows& rows, T* sQ, int c0, const float (&acc_o)[O_TILES][4],
+                                          const OnlineSoftmax<S_TILES>& softmax, int warp, int lane) {
+  const AttnParams& p = rows.p;
+  float inv_sum[2], row_lse[2];
+  softmax.finalize(rows.exp_scale(), inv_sum, row_lse);
+  __syncthreads();
+  acc_to_smem<QTile, O_TILES>(sQ, warp * 16, acc_o, inv_sum, lane);
+  if (c0 == 0 && (lane & 3) == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = warp * 16 + (lane >> 2) + 8 * r;
+      if (rows.m0 + row < p.nq) rows.lse[row] = row_lse[r];
+    }
+  }
+  __syncthreads();
+  store_tile<QTile, 8 * O_TILES, THREADS>(rows.out + c0, p.out_stride[3], sQ, p.nq - rows.m0, p.d_v - c0);
+}
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_fwd_kernel(const AttnParams p) {
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
   constexpr int BLOCK_M = 16 * NUM_WARPS;
-  constexpr int STRIDE = SmemTile<T, HEAD_DIM>::STRIDE;
+  using QTile = PaddedTile<T, BLOCK_M, HEAD_DIM>;  // also stages out at the end
+  using KVTile = PaddedTile<T, BLOCK_N, HEAD_DIM>;
   constexpr int S_TILES = BLOCK_N / 8;   // score accumulator n-tiles per warp
   constexpr int O_TILES = D_CHUNK / 8;   // output accumulator n-tiles per warp
   constexpr int N_CHUNKS = HEAD_DIM / D_CHUNK;
@@ -35,9 +131,10 @@ attention_fwd_kernel(const AttnParams p) {
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ u32 bitmap_words[HAS_MODS ? TILE_BITMAP_WORDS : 1];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + BLOCK_M * STRIDE;
-  T* sV = sK + BLOCK_N * STRIDE;
+  T* sK = sQ + QTile::SIZE;
+  T* sV = sK + KVTile::SIZE;
 
   const int b = batch_index();
   if (b >= p.batch) return;
@@ -45,105 +142,176 @@ attention_fwd_kernel(const AttnParams p) {
   const int m0 = (gridDim.x / N_CHUNKS - 1 - blockIdx.x / N_CHUNKS) * BLOCK_M;
   const int c0 = (blockIdx.x % N_CHUNKS) * D_CHUNK;  // this CTA's output columns
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-  const int offset = causal_offset(p);
-
-  const T* q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p) + m0 * p.q_stride[3];
-  const T* k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p);
-  const T* v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p);
-  T* out = static_cast<T*>(p.out) + batch_offset(p.out_stride, b, p) + m0 * p.out_stride[3];
-  float* lse = p.lse + static_cast<i64>(b) * p.nq + m0;
-
-  // Keys this row block can see: all of them, or up to the causal limit of its last row.
-  const int key_end = IS_CAUSAL ? min(p.nk, m0 + BLOCK_M + offset) : p.nk;
-  int n_blocks = key_end > 0 ? ceil_div(key_end, BLOCK_N) : 0;
-  // Key blocks [0, n_unmasked) need no mask: fully inside nk and on or below every row's diagonal.
-  int n_unmasked = p.nk / BLOCK_N;
-  if (IS_CAUSAL) n_unmasked = min(n_unmasked, max(0, m0 + offset + 1) / BLOCK_N);
-  const Mask<IS_CAUSAL> mask{p.nk, offset};
-  // With modifiers: only the key blocks [n_first, n_blocks) of the window band, and of those only the
-  // ones the block mask leaves on (prev_on walks down to the next one).
-  const ScoreMods<T> mods(p, b);
-  int n_first = 0;
-  if constexpr (HAS_MODS) {
-    const int last_row = min(m0 + BLOCK_M, p.nq) - 1;
-    const int k_first = mods.first_key(m0), k_last = mods.last_key(last_row);
-    n_first = k_first / BLOCK_N;
-    n_blocks = k_last >= k_first ? k_last / BLOCK_N + 1 : 0;
-  }
-  TileBitmap tile_bitmap;
-  if constexpr (HAS_MODS) {
-    __shared__ u32 bitmap_words[TILE_BITMAP_WORDS];
-    mods.template load_tile_bitmap<NUM_WARPS, true>(tile_bitmap, bitmap_words, m0);
-  }
-  auto prev_on = [&](int n_block) {
-    if constexpr (HAS_MODS) n_block = mods.template prev_on<BLOCK_N>(tile_bitmap, n_block, n_first);
-    return n_block;
-  };
+  const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MODS> rows(p, b, m0, bitmap_words);
 
   float acc_o[O_TILES][4];
   zero_acc(acc_o);
   OnlineSoftmax<S_TILES> softmax;
   softmax.init();
 
-  int n_block = prev_on(n_blocks - 1);
-  if (n_block >= n_first) {
-    load_tile_async<T, BLOCK_M, HEAD_DIM, THREADS>(sQ, q, p.q_stride[3], p.nq - m0, p.d_qk);
+  int n_block = rows.prev_on(rows.n_blocks - 1);
+  if (n_block >= rows.n_first) {
+    load_tile_async<QTile, THREADS>(sQ, rows.q, p.q_stride[3], p.nq - m0, p.d_qk);
     const int n_last = n_block * BLOCK_N;
-    load_tile_async<T, BLOCK_N, HEAD_DIM, THREADS>(sK, k + n_last * p.k_stride[3], p.k_stride[3], p.nk - n_last, p.d_qk);
+    load_tile_async<KVTile, THREADS>(sK, rows.k + n_last * p.k_stride[3], p.k_stride[3], p.nk - n_last, p.d_qk);
     cp_async_commit();
   }
-  // Masked blocks sit at the end of the key range: walk it backwards so they come first.
-  while (n_block >= n_first) {
+  while (n_block >= rows.n_first) {
     const int n0 = n_block * BLOCK_N;
-    const int n_next = prev_on(n_block - 1);
+    const int n_next = rows.prev_on(n_block - 1);
     float acc_s[S_TILES][4];
     zero_acc(acc_s);
 
     cp_async_wait<0>();  // K_j has landed; every warp is done with V_{j+1}
     __syncthreads();
-    load_tile_async<T, BLOCK_N, HEAD_DIM, THREADS>(sV, v + n0 * p.v_stride[3], p.v_stride[3], p.nk - n0, p.d_v);
+    load_tile_async<KVTile, THREADS>(sV, rows.v + n0 * p.v_stride[3], p.v_stride[3], p.nk - n0, p.d_v);
     cp_async_commit();
 
     // S_ij = Q_i K_j^T (raw scores; the scale is folded into the exponent)
-    gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sQ, warp * 16, sK, lane);
-    if constexpr (HAS_MODS) {
-      mods.template apply<false>(acc_s, m0 + warp * 16, n0, lane,
-                                 mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1));
-    } else if (n_block >= n_unmasked) {
-      mask.apply(acc_s, m0 + warp * 16, n0, lane);
-    }
-
-    // m_i, l_i and P_ij = exp(scale * S_ij - m_i); O_i *= exp(m_old - m_new). Scores that softcap,
-    // ALiBi or bias made logits have the scale applied already: only log2(e) is left for the exponent.
+    gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK, lane);
+    rows.scores(acc_s, n_block, warp * 16, lane);
+    // m_i, l_i and P_ij = exp(scale * S_ij - m_i); O_i *= exp(m_old - m_new).
     float rescale[2];
-    softmax.update(acc_s, HAS_MODS ? mods.exp_scale() : p.scale_log2, rescale);
+    softmax.update(acc_s, rows.exp_scale(), rescale);
     scale_rows(acc_o, rescale);
 
     cp_async_wait<0>();  // V_j has landed; every warp is done with K_j
     __syncthreads();
-    if (n_next >= n_first) {
+    if (n_next >= rows.n_first) {
       const int n_prev = n_next * BLOCK_N;
-      load_tile_async<T, BLOCK_N, HEAD_DIM, THREADS>(sK, k + n_prev * p.k_stride[3], p.k_stride[3], p.nk - n_prev, p.d_qk);
+      load_tile_async<KVTile, THREADS>(sK, rows.k + n_prev * p.k_stride[3], p.k_stride[3], p.nk - n_prev, p.d_qk);
       cp_async_commit();
     }
     // O_i += P_ij V_j, P straight from the score registers
-    gemm_acc_b<T, S_TILES, O_TILES, STRIDE>(acc_o, acc_s, sV, c0, lane);
+    gemm_pb<T, S_TILES, O_TILES, KVTile>(acc_o, acc_s, sV, c0, lane);
     n_block = n_next;
   }
+  cp_async_wait<0>();  // with no key block to visit, nothing was loaded; else everything has landed
+  write_out<QTile, THREADS>(rows, sQ, c0, acc_o, softmax, warp, lane);
+}
 
-  // out = O_i / l_i; lse_i = scale * m_i + log(l_i). Stage through sQ for 16-byte stores.
-  float inv_sum[2], row_lse[2];
-  softmax.finalize(HAS_MODS ? mods.exp_scale() : p.scale_log2, inv_sum, row_lse);
-  cp_async_wait<0>();
-  __syncthreads();  // sQ is free: the last S = Q K^T is done in every warp
-  acc_to_smem<T, O_TILES, STRIDE>(sQ, warp * 16, acc_o, inv_sum, lane);
-  if (c0 == 0 && (lane & 3) == 0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = warp * 16 + (lane >> 2) + 8 * r;
-      if (m0 + row < p.nq) lse[row] = row_lse[r];
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, bool IS_CAUSAL, bool HAS_MODS>
+__global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
+attention_fwd_wgmma_kernel(const AttnParams p) {
+  constexpr int THREADS = NUM_WARPS * WARP_SIZE;
+  constexpr int BLOCK_M = 16 * NUM_WARPS;  // one warpgroup per 64 rows
+  using QTile = SwizzledTile<T, BLOCK_M, HEAD_DIM>;  // also stages out at the end
+  using KVTile = SwizzledTile<T, BLOCK_N, HEAD_DIM>;
+  constexpr int S_TILES = BLOCK_N / 8;
+  constexpr int O_TILES = HEAD_DIM / 8;
+  static_assert(sizeof(T) == 2 && NUM_WARPS % 4 == 0, "wgmma: 16-bit inputs, whole warpgroups");
+  static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
+  static_assert(!HAS_MODS || (BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0),
+                "tiles inside block-mask tiles");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ u32 bitmap_words[HAS_MODS ? TILE_BITMAP_WORDS : 1];
+  T* sQ = reinterpret_cast<T*>(smem_aligned(smem_raw));
+  T* sK = sQ + QTile::SIZE;      // [2] KVTile: K of the t-th visited block in sK[t % 2]
+  T* sV = sK + 2 * KVTile::SIZE;  // [2] KVTile: V likewise
+
+  const int b = batch_index();
+  if (b >= p.batch) return;
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // longest causal rows first
+  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const int wg_row0 = (warp / 4) * 64;
+  const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MODS> rows(p, b, m0, bitmap_words);
+
+  // The visited key blocks b_0 > b_1 > ... The copies go in commit groups G_0 = {Q, K(b_0)} and
+  // G_t = {K(b_t), V(b_(t-1))}; G_t is waited for at step t and G_(t+2) issued at its end, into the
+  // buffers step t has just finished with. A group may be empty (past the last block): wait_group
+  // counts it all the same.
+  auto load_k = [&](int n_block, int t) {
+    const int n0 = n_block * BLOCK_N;
+    load_tile_async<KVTile, THREADS>(sK + (t & 1) * KVTile::SIZE, rows.k + n0 * p.k_stride[3], p.k_stride[3], p.nk - n0, p.d_qk);
+  };
+  auto load_v = [&](int n_block, int t) {
+    const int n0 = n_block * BLOCK_N;
+    load_tile_async<KVTile, THREADS>(sV + (t & 1) * KVTile::SIZE, rows.v + n0 * p.v_stride[3], p.v_stride[3], p.nk - n0, p.d_v);
+  };
+  auto wait_step = [&]() {  // G_t has landed (G_(t+1) may still be in flight), visible to the tensor cores
+    cp_async_wait<1>();
+    smem_publish<KVTile>();
+    __syncthreads();
+  };
+
+  float acc_o[O_TILES][4];
+  zero_acc(acc_o);
+  OnlineSoftmax<S_TILES> softmax;
+  softmax.init();
+  const float exp_scale = rows.exp_scale();
+
+  int n_cur = rows.prev_on(rows.n_blocks - 1);  // b_t: the block whose P (p_cur) is pending
+  if (n_cur >= rows.n_first) {
+    int n_next = rows.prev_on(n_cur - 1);       // b_(t+1)
+    load_tile_async<QTile, THREADS>(sQ, rows.q, p.q_stride[3], p.nq - m0, p.d_qk);
+    load_k(n_cur, 0);
+    cp_async_commit();
+    if (n_next >= rows.n_first) load_k(n_next, 1);
+    load_v(n_cur, 0);
+    cp_async_commit();
+
+    // Step 0: S_0 = Q K(b_0)^T alone; its softmax gives P_0.
+    u32 p_cur[S_TILES / 2][4];
+    {
+      wait_step();
+      float acc_s[S_TILES][4];
+      zero_acc(acc_s);
+      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, wg_row0, sK);
+      wgmma_wait<0>();
+      fence_operands(acc_s);
+      rows.scores(acc_s, n_cur, warp * 16, lane);
+      float rescale[2];  // of an all-zero O: unused
+      softmax.update(acc_s, exp_scale, rescale);
+      pack_fragments<T>(acc_s, p_cur);
+      __syncthreads();  // every warpgroup is done with K(b_0)
+      if (n_next >= rows.n_first) {
+        const int n_after = rows.prev_on(n_next - 1);
+        if (n_after >= rows.n_first) load_k(n_after, 2);
+        load_v(n_next, 1);
+      }
+      cp_async_commit();  // G_2
     }
+    // Steps t = 1, 2, ...: S_t = Q K(b_t)^T and O += P_(t-1) V(b_(t-1)) in flight together.
+    int t = 1;
+    for (; n_next >= rows.n_first; ++t) {
+      wait_step();
+      float acc_s[S_TILES][4];
+      zero_acc(acc_s);
+      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, wg_row0, sK + (t & 1) * KVTile::SIZE);
+      wg_issue_pb<T, S_TILES / 2, O_TILES, KVTile>(acc_o, p_cur, sV + ((t - 1) & 1) * KVTile::SIZE, 0);
+      wgmma_wait<1>();  // S_t is done; P_(t-1) V is still running
+      fence_operands(acc_s);
+      rows.scores(acc_s, n_next, warp * 16, lane);
+      float rescale[2];
+      softmax.update(acc_s, exp_scale, rescale);
+      u32 p_next[S_TILES / 2][4];
+      pack_fragments<T>(acc_s, p_next);
+      wgmma_wait<0>();
+      fence_operands(acc_o);
+      fence_fragments(p_cur);
+      scale_rows(acc_o, rescale);  // O = (O + P_(t-1) V) * exp(m_old - m_new)
+#pragma unroll
+      for (int kt = 0; kt < S_TILES / 2; ++kt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) p_cur[kt][i] = p_next[kt][i];
+      __syncthreads();  // every warpgroup is done with K(b_t) and V(b_(t-1))
+      const int n_after = rows.prev_on(n_next - 1);  // b_(t+1)
+      if (n_after >= rows.n_first) {
+        const int n_after2 = rows.prev_on(n_after - 1);
+        if (n_after2 >= rows.n_first) load_k(n_after2, t + 2);
+        load_v(n_after, t + 1);
+      }
+      cp_async_commit();  // G_(t+2)
+      n_next = n_after;
+    }
+    // The last block's O += P V.
+    wait_step();
+    wg_issue_pb<T, S_TILES / 2, O_TILES, KVTile>(acc_o, p_cur, sV + ((t - 1) & 1) * KVTile::SIZE, 0);
+    wgmma_wait<0>();
+    fence_operands(acc_o);
+    fence_fragments(p_cur);
   }
-  __syncthreads();
-  store_tile<T, BLOCK_M, D_CHUNK, STRIDE, THREADS>(out + c0, p.out_stride[3], sQ, p.nq - m0, p.d_v - c0);
+  cp_async_wait<0>();
+  write_out<QTile, THREADS>(rows, sQ, 0, acc_o, softmax, warp, lane);
 }

@@ -9,22 +9,23 @@
 // writes an nq x nk array: it exists for debugging, not for speed.
 #include "common.cuh"
 #include "block_info.cuh"
-#include "mma.cuh"
-#include "copy.cuh"
+#include "gemm.cuh"
 #include "score_mods.cuh"
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N>
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, bool WGMMA>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_probs_kernel(const AttnParams p) {
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
   constexpr int BLOCK_M = 16 * NUM_WARPS;
-  constexpr int STRIDE = SmemTile<T, HEAD_DIM>::STRIDE;
+  using QTile = SmemTile<T, BLOCK_M, HEAD_DIM, WGMMA>;
+  using KTile = SmemTile<T, BLOCK_N, HEAD_DIM, WGMMA>;
   constexpr int S_TILES = BLOCK_N / 8;
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
+  static_assert(!WGMMA || (sizeof(T) == 2 && NUM_WARPS % 4 == 0), "wgmma: 16-bit inputs, whole warpgroups");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + BLOCK_M * STRIDE;
+  T* sQ = reinterpret_cast<T*>(WGMMA ? smem_aligned(smem_raw) : smem_raw);
+  T* sK = sQ + QTile::SIZE;
 
   const int b = batch_index();
   if (b >= p.batch) return;
@@ -45,12 +46,13 @@ attention_probs_kernel(const AttnParams p) {
   if (visible) {
     const T* q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p) + m0 * p.q_stride[3];
     const T* k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p) + n0 * p.k_stride[3];
-    load_tile_async<T, BLOCK_M, HEAD_DIM, THREADS>(sQ, q, p.q_stride[3], p.nq - m0, p.d_qk);
-    load_tile_async<T, BLOCK_N, HEAD_DIM, THREADS>(sK, k, p.k_stride[3], p.nk - n0, p.d_qk);
+    load_tile_async<QTile, THREADS>(sQ, q, p.q_stride[3], p.nq - m0, p.d_qk);
+    load_tile_async<KTile, THREADS>(sK, k, p.k_stride[3], p.nk - n0, p.d_qk);
     cp_async_commit();
     cp_async_wait<0>();
+    smem_publish<QTile>();
     __syncthreads();
-    gemm_smem_abt<T, HEAD_DIM, S_TILES, STRIDE, STRIDE>(acc_s, sQ, warp * 16, sK, lane);
+    gemm_abt<T, HEAD_DIM, S_TILES, QTile, KTile>(acc_s, sQ, warp * 16, sK, lane);
     mods.template apply<false>(acc_s, m0 + warp * 16, n0, lane, mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1));
   }
 

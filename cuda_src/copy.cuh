@@ -1,22 +1,67 @@
-// copy.cuh — moving tiles between global and shared memory.
+// copy.cuh — shared-memory tile layouts, and moving tiles between global and shared memory.
 //
-// Shared tiles are ROWS x HEAD_DIM, row-major, each row padded by 16 bytes
-// (stride = HEAD_DIM + 16 / sizeof(T) elements) so ldmatrix and the row-wise copies are free of
-// bank conflicts. Global rows are read in 16-byte chunks with cp.async (no register staging);
-// rows past the end of the sequence and columns past the head dim are zero-filled, which keeps
-// padding out of every dot product. The host guarantees 16-byte aligned rows and a head dim
-// that is a whole number of 16-byte chunks.
+// A shared tile holds ROWS x COLS elements in one of two layouts:
+//  - PaddedTile (the mma.sync path): row-major, each row padded by 16 bytes, so ldmatrix and the
+//    row-wise copies are free of bank conflicts.
+//  - SwizzledTile (the wgmma path, Hopper): the columns split into "atoms" of ATOM_COLS elements
+//    (128, 64 or 32 bytes per row); each atom stores its ROWS rows back to back, and the 16-byte chunk c
+//    of a row lands at chunk c ^ (row bits): the canonical swizzled layout that wgmma's shared-memory
+//    descriptors describe (wgmma.cuh). The swizzle is a function of the address, so every atom starts
+//    on a 1024-byte boundary (kernels align the dynamic shared memory they carve tiles from).
+// Global rows are read in 16-byte chunks with cp.async (no register staging); rows past the end of
+// the sequence and columns past the head dim are zero-filled, which keeps padding out of every dot
+// product. The host guarantees 16-byte aligned rows and a head dim that is a whole number of 16-byte
+// chunks.
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
 
-template <typename T, int HEAD_DIM>
-struct SmemTile {
+template <typename T, int ROWS, int COLS>
+struct PaddedTile {
+  static constexpr bool SWIZZLED = false;
+  static constexpr int NUM_ROWS = ROWS, NUM_COLS = COLS;
   static constexpr int VEC = 16 / sizeof(T);                  // elements per 16-byte chunk
-  static constexpr int CHUNKS = HEAD_DIM / VEC;               // chunks per row
-  static constexpr int STRIDE = HEAD_DIM + SMEM_PAD_BYTES / sizeof(T);
-  static_assert(HEAD_DIM % VEC == 0, "head dim must be whole 16-byte chunks");
+  static constexpr int STRIDE = COLS + SMEM_PAD_BYTES / sizeof(T);
+  static constexpr int SIZE = ROWS * STRIDE;                  // elements
+  static_assert(COLS % VEC == 0, "rows must be whole 16-byte chunks");
+  static constexpr int ROW_PERIOD = 1;                        // offset(r + n, c) = offset(r, c) + n * STRIDE
+  __device__ __forceinline__ static int offset(int r, int c) { return r * STRIDE + c; }
+  __host__ __device__ static constexpr int row_shift(int n) { return n * STRIDE; }
 };
+
+template <typename T, int ROWS, int COLS>
+struct SwizzledTile {
+  static constexpr bool SWIZZLED = true;
+  static constexpr int NUM_ROWS = ROWS, NUM_COLS = COLS;
+  static constexpr int VEC = 16 / sizeof(T), VEC_BYTES = 16;
+  static constexpr int ATOM_BYTES = (COLS * sizeof(T)) % 128 == 0 ? 128 : (COLS * sizeof(T)) % 64 == 0 ? 64 : 32;
+  static constexpr int ATOM_COLS = ATOM_BYTES / sizeof(T);
+  static constexpr int ATOM_SIZE = ROWS * ATOM_COLS;          // elements of one atom column
+  static constexpr int SIZE = ROWS * COLS;
+  static constexpr int SWIZZLE_BITS = ATOM_BYTES == 128 ? 3 : ATOM_BYTES == 64 ? 2 : 1;
+  static_assert((COLS * sizeof(T)) % 32 == 0, "swizzled rows are whole 32-byte units");
+  static_assert((ROWS * ATOM_BYTES) % 1024 == 0, "every atom starts on a 1024-byte boundary");
+  static constexpr int ROW_PERIOD = 8;  // the swizzle repeats every 8 rows: offset(r + 8n, c) = offset(r, c) + shift
+  __host__ __device__ static constexpr int row_shift(int n) { return n * ATOM_COLS; }
+  // Chunk bits [4, 4 + SWIZZLE_BITS) of the byte offset are XORed with bits [7, 7 + SWIZZLE_BITS).
+  __device__ __forceinline__ static int offset(int r, int c) {
+    const int byte = ((c / ATOM_COLS) * ATOM_SIZE + r * ATOM_COLS + c % ATOM_COLS) * static_cast<int>(sizeof(T));
+    return (byte ^ (((byte >> 7) & ((1 << SWIZZLE_BITS) - 1)) << 4)) / static_cast<int>(sizeof(T));
+  }
+};
+
+template <bool COND, class A, class B> struct Select { using type = A; };
+template <class A, class B> struct Select<false, A, B> { using type = B; };
+// The layout of a ROWS x COLS tile: swizzled for wgmma, padded for mma.sync.
+template <typename T, int ROWS, int COLS, bool WGMMA>
+using SmemTile = typename Select<WGMMA, SwizzledTile<T, ROWS, COLS>, PaddedTile<T, ROWS, COLS>>::type;
+
+// The first 1024-byte boundary at or after the dynamic shared memory's start (kernels ask the host for
+// 1024 bytes more than their tiles need: _config.SMEM_ALIGN).
+__device__ __forceinline__ unsigned char* smem_aligned(unsigned char* raw) {
+  const u32 misalign = static_cast<u32>(__cvta_generic_to_shared(raw)) & 1023u;
+  return raw + (misalign ? 1024u - misalign : 0u);
+}
 
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
   const int src_bytes = valid ? 16 : 0;  // 0 bytes read: the destination is zero-filled
@@ -26,46 +71,82 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }
 
-// Start copying rows [0, ROWS) x cols [0, HEAD_DIM) of a global tile into shared memory.
-template <typename T, int ROWS, int HEAD_DIM, int THREADS>
+// Before the barrier that publishes tiles this thread copied (or stored) to the CTA: wgmma reads shared
+// memory through the async proxy, which must be fenced against the ordinary (generic-proxy) writes.
+template <class Tile>
+__device__ __forceinline__ void smem_publish() {
+  if constexpr (Tile::SWIZZLED) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Start copying a whole tile (NUM_ROWS x NUM_COLS) from global into shared memory.
+// Swizzled (wgmma) tiles: fully unrolled, so ptxas sees no loop whose address arithmetic could interleave
+// with the products (it would serialize them); when the CTA covers whole rows per pass, each thread keeps
+// one column chunk and steps down the rows by constant offsets. Padded (mma.sync) tiles: a plain loop,
+// lighter on registers, which those kernels have fewer of to spare.
+template <class Tile, int THREADS, typename T>
 __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, i64 row_stride, int valid_rows, int valid_cols) {
-  using Tile = SmemTile<T, HEAD_DIM>;
+  constexpr int VEC = Tile::VEC, CHUNKS = Tile::NUM_COLS / VEC, ROWS = Tile::NUM_ROWS;
+  constexpr int ROW_STEP = THREADS / CHUNKS;  // rows per pass
+  if constexpr (!Tile::SWIZZLED) {
+    for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
+      const int r = i / CHUNKS;
+      const int c = (i % CHUNKS) * VEC;
+      const bool valid = r < valid_rows && c < valid_cols;
+      cp_async_16(smem_u32(smem + Tile::offset(r, c)), valid ? gmem + r * row_stride + c : gmem, valid);
+    }
+  } else if constexpr (THREADS % CHUNKS == 0 && ROW_STEP % Tile::ROW_PERIOD == 0) {
+    const int r0 = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * VEC;
+    const bool col_ok = c < valid_cols;
+    const u32 dst = smem_u32(smem + Tile::offset(r0, c));
+    const T* src = gmem + r0 * row_stride + c;
+    const i64 src_step = ROW_STEP * row_stride;
 #pragma unroll
-  for (int i = threadIdx.x; i < ROWS * Tile::CHUNKS; i += THREADS) {
-    const int r = i / Tile::CHUNKS;
-    const int c = (i % Tile::CHUNKS) * Tile::VEC;
-    const bool valid = r < valid_rows && c < valid_cols;
-    cp_async_16(smem_u32(smem + r * Tile::STRIDE + c), valid ? gmem + r * row_stride + c : gmem, valid);
+    for (int pass = 0; pass * ROW_STEP < ROWS; ++pass) {
+      const int r = r0 + pass * ROW_STEP;
+      if (ROWS % ROW_STEP == 0 || r < ROWS) {
+        const bool valid = col_ok && r < valid_rows;
+        cp_async_16(dst + pass * Tile::row_shift(ROW_STEP) * static_cast<int>(sizeof(T)), valid ? src + pass * src_step : gmem, valid);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int pass = 0; pass < ceil_div(ROWS * CHUNKS, THREADS); ++pass) {
+      const int i = threadIdx.x + pass * THREADS;
+      if ((ROWS * CHUNKS) % THREADS == 0 || i < ROWS * CHUNKS) {
+        const int r = i / CHUNKS;
+        const int c = (i % CHUNKS) * VEC;
+        const bool valid = r < valid_rows && c < valid_cols;
+        cp_async_16(smem_u32(smem + Tile::offset(r, c)), valid ? gmem + r * row_stride + c : gmem, valid);
+      }
+    }
   }
 }
 
-// Copy rows [0, ROWS) x cols [0, COLS) of a shared tile (stride STRIDE) to global memory,
-// skipping rows >= valid_rows and chunks at or past valid_cols.
-template <typename T, int ROWS, int COLS, int STRIDE, int THREADS>
+// Copy rows [0, NUM_ROWS) x cols [0, COLS) of a shared tile to global memory, skipping rows >= valid_rows
+// and chunks at or past valid_cols.
+template <class Tile, int COLS, int THREADS, typename T>
 __device__ __forceinline__ void store_tile(T* gmem, i64 row_stride, const T* smem, int valid_rows, int valid_cols) {
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int CHUNKS = COLS / VEC;
+  constexpr int VEC = Tile::VEC, CHUNKS = COLS / VEC, ROWS = Tile::NUM_ROWS;
 #pragma unroll
   for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
     const int r = i / CHUNKS;
     const int c = (i % CHUNKS) * VEC;
     if (r < valid_rows && c < valid_cols) {
-      *reinterpret_cast<uint4*>(gmem + r * row_stride + c) = *reinterpret_cast<const uint4*>(smem + r * STRIDE + c);
+      *reinterpret_cast<uint4*>(gmem + r * row_stride + c) = *reinterpret_cast<const uint4*>(smem + Tile::offset(r, c));
     }
   }
 }
 
-// Write one warp's accumulator tile (16 rows x 8*N_TILES cols) into shared memory as T, at
-// rows row0.. of a tile with stride STRIDE; row g is multiplied by row_scale[0], row g+8 by [1].
-template <typename T, int N_TILES, int STRIDE>
+// Write one warp's accumulator tile (16 rows x 8*N_TILES cols) into shared memory as T, at rows row0..
+// of a tile; row g is multiplied by row_scale[0], row g+8 by [1].
+template <class Tile, int N_TILES, typename T>
 __device__ __forceinline__ void acc_to_smem(T* smem, int row0, const float (&acc)[N_TILES][4],
                                             const float (&row_scale)[2], int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int j = 0; j < N_TILES; ++j) {
-    T* p = smem + (row0 + g) * STRIDE + j * 8 + 2 * t;
-    Elem<T>::store2(p, acc[j][0] * row_scale[0], acc[j][1] * row_scale[0]);
-    Elem<T>::store2(p + 8 * STRIDE, acc[j][2] * row_scale[1], acc[j][3] * row_scale[1]);
+    Elem<T>::store2(smem + Tile::offset(row0 + g, j * 8 + 2 * t), acc[j][0] * row_scale[0], acc[j][1] * row_scale[0]);
+    Elem<T>::store2(smem + Tile::offset(row0 + g + 8, j * 8 + 2 * t), acc[j][2] * row_scale[1], acc[j][3] * row_scale[1]);
   }
 }
 

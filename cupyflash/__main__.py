@@ -387,6 +387,7 @@ def _compile_table(report, arches, *, required):
     if not by_arch:
         return
     kernels = list(dict.fromkeys(name for rows in by_arch.values() for name in rows))
+    hopper_only = {name for rows in by_arch.values() for name, r in rows.items() if r["target"] == "sm_90a"}
     width = max(len("kernel"), *(len(k) for k in kernels))
     cell = "{:>4} {:>8} {:>6} {:>5}"
     print(f"\n{'':{width}} | " + " | ".join(f"{arch:^26}" for arch in by_arch))
@@ -396,9 +397,10 @@ def _compile_table(report, arches, *, required):
         cells = []
         for arch, rows in by_arch.items():
             r = rows.get(name)
-            if r is None:
+            if r is None:  # a wgmma kernel (built for sm_90a alone) on sm_80 is expected; anything else is missing
                 cells.append(cell.format("-", "-", "-", "-"))
-                report.record(False, f"{name}: not compiled for {arch}")
+                if name not in hopper_only:
+                    report.record(False, f"{name}: not compiled for {arch}")
                 continue
             smem = (r["static_smem"] + r["dynamic_smem"]) / 1024
             spill = r["spill_stores"] + r["spill_loads"]

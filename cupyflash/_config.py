@@ -1,14 +1,21 @@
-"""The one table of kernel variants: tile shapes per (element size, head dim, kernel).
+"""The one table of kernel variants: tile shapes per (path, element size, head dim, kernel).
 
-Every kernel is a template over (dtype, HEAD_DIM, tiles, IS_CAUSAL, HAS_MODS); the score modifiers'
-kernels use the same tiles as the plain ones. A problem's head dims D and
-Dv are padded up to the smallest HEAD_DIM in ``HEAD_DIMS`` that holds both (the padding is
-zero-filled inside the kernel, never read from memory). fp16 and bf16 share tiles; float32
-needs twice the shared memory per element and gets smaller ones.
+Every kernel is a template over (dtype, HEAD_DIM, tiles, IS_CAUSAL, HAS_MODS, WGMMA); the score modifiers'
+kernels use the same tiles as the plain ones unless noted. A problem's head dims D and Dv are padded up to
+the smallest HEAD_DIM in ``HEAD_DIMS`` that holds both (the padding is zero-filled inside the kernel,
+never read from memory). fp16 and bf16 share tiles; float32 needs twice the shared memory per element
+and gets smaller ones.
+
+Two tensor-core paths:
+  mma.sync (``_TABLE``): every GPU from sm_80 on; warp-level products, padded shared tiles.
+  wgmma (``_WGMMA_TABLE``): Hopper (compute capability 9.0 exactly, compiled for sm_90a), fp16/bf16;
+        warpgroup-level products from swizzled shared tiles, so NUM_WARPS is a multiple of 4 and every
+        D_CHUNK a whole number of swizzle atoms (64 columns; 32 at HEAD_DIM 96 and 160, 16 at 16).
 
 Each entry was chosen so that (a) no variant spills registers (checked for sm_80 and sm_90 by
-tests/test_compile.py) and (b) shared memory stays within the 163 KiB an sm_80 CTA can have.
-Tile names:
+tests/test_compile.py with the CUDA 12 NVRTC; the wgmma entries also with CUDA 13.0's ptxas, which the
+CUDA 13 CuPy uses and which needs more registers for some of them) and (b) shared memory stays within the 163 KiB an sm_80 CTA can have (227 KiB on
+sm_90). Tile names:
   fwd:  NUM_WARPS (16 query rows each: BLOCK_M = 16 * NUM_WARPS), BLOCK_N keys per streamed tile,
         D_CHUNK output columns per CTA.
   dkdv: NUM_WARPS (16 keys each), BLOCK_M queries per streamed tile, D_CHUNK gradient columns per CTA.
@@ -19,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PREPROCESS_WARPS = 8  # one warp per query row in the backward preprocess
-SMEM_PAD_BYTES = 16  # per shared-memory row; must match cuda_src/common.cuh
+SMEM_PAD_BYTES = 16  # per shared-memory row of a padded tile; must match cuda_src/common.cuh
+SMEM_ALIGN = 1024  # wgmma kernels align their swizzled tiles to this (cuda_src/copy.cuh, smem_aligned)
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,27 @@ _MODS_TABLE = {
     (4, 192, "fwd"): (4, 16, 96),
     (2, 256, "dkdv"): (4, 16, 128),
 }
+# wgmma (sm_90a) tiles for 16-bit elements, by HEAD_DIM; same fields as _TABLE.
+_WGMMA_TABLE = {
+    16: ((4, 128, 16), (4, 64, 16), (4, 64, 16)),
+    32: ((4, 128, 32), (4, 64, 32), (4, 64, 32)),
+    64: ((4, 128, 64), (4, 128, 64), (4, 128, 64)),
+    96: ((4, 64, 96), (4, 64, 96), (4, 64, 96)),
+    128: ((4, 64, 128), (4, 64, 128), (4, 64, 128)),
+    160: ((8, 64, 160), (4, 16, 160), (4, 32, 160)),
+    192: ((8, 64, 192), (4, 32, 64), (4, 32, 192)),
+    256: ((8, 64, 256), (4, 16, 128), (4, 32, 128)),
+}
+# The modifiers' extra registers per score (bounds, bias, softcap derivative) make these spill with the
+# plain tiles above (whose blocks must also divide the block mask's BLOCK_MASK_TILE = 128).
+_WGMMA_MODS_TABLE = {
+    (2, 192, "fwd"): (8, 32, 192),
+    (2, 256, "fwd"): (8, 32, 256),
+    (2, 64, "dkdv"): (4, 32, 64),
+    (2, 96, "dkdv"): (4, 32, 96),
+    (2, 128, "dkdv"): (4, 32, 128),
+    (2, 64, "dq"): (4, 64, 64),
+}
 HEAD_DIMS = tuple(sorted({head_dim for _, head_dim in _TABLE}))
 MAX_HEAD_DIM = HEAD_DIMS[-1]
 _KERNELS = ("fwd", "dkdv", "dq")
@@ -72,17 +101,25 @@ _KERNELS = ("fwd", "dkdv", "dq")
 _SHARES_TILES = {"probs": "fwd"}
 
 
-def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False) -> Tiles:
+def has_wgmma(itemsize: int, head_dim: int) -> bool:
+    """Whether (element size, HEAD_DIM) has wgmma tiles: the path taken on compute capability 9.0."""
+    return itemsize == 2 and head_dim in _WGMMA_TABLE
+
+
+def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: bool = False) -> Tiles:
     """Tile shape for one kernel ("fwd", "dkdv", "dq" or "probs") of one variant; ``mods``: the
-    score modifiers' instantiation."""
+    score modifiers' instantiation; ``wgmma``: the Hopper path."""
     if (itemsize, head_dim) not in _TABLE:
         raise ValueError(f"no tiles for {itemsize}-byte elements and head_dim {head_dim}; head dims: {HEAD_DIMS}")
+    if wgmma and not has_wgmma(itemsize, head_dim):
+        raise ValueError(f"no wgmma tiles for {itemsize}-byte elements and head_dim {head_dim}")
     kernel = _SHARES_TILES.get(kernel, kernel)
     if kernel not in _KERNELS:
         raise ValueError(f"kernel must be one of {_KERNELS + tuple(_SHARES_TILES)}, got {kernel!r}")
-    if mods and (itemsize, head_dim, kernel) in _MODS_TABLE:
-        return Tiles(*_MODS_TABLE[itemsize, head_dim, kernel])
-    return Tiles(*_TABLE[itemsize, head_dim][_KERNELS.index(kernel)])
+    table, mods_table = (_WGMMA_TABLE[head_dim], _WGMMA_MODS_TABLE) if wgmma else (_TABLE[itemsize, head_dim], _MODS_TABLE)
+    if mods and (itemsize, head_dim, kernel) in mods_table:
+        return Tiles(*mods_table[itemsize, head_dim, kernel])
+    return Tiles(*table[_KERNELS.index(kernel)])
 
 
 def padded_head_dim(d: int) -> int:
@@ -93,12 +130,17 @@ def padded_head_dim(d: int) -> int:
     raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {d}")
 
 
-def smem_bytes(itemsize: int, head_dim: int, kernel: str, mods: bool = False) -> int:
-    """Dynamic shared memory of a kernel; mirrors the carve-up at the top of each kernel."""
-    t = tiles(itemsize, head_dim, kernel, mods)
-    row = (head_dim * itemsize) + SMEM_PAD_BYTES
-    if kernel == "fwd":  # sQ[BLOCK_M] + sK[BLOCK_N] + sV[BLOCK_N]
-        return (t.rows + 2 * t.block) * row
+def smem_bytes(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: bool = False) -> int:
+    """Dynamic shared memory of a kernel; mirrors the carve-up at the top of each kernel (swizzled wgmma
+    tiles have unpadded rows and start on a SMEM_ALIGN boundary the kernel finds itself)."""
+    t = tiles(itemsize, head_dim, kernel, mods, wgmma)
+    row = head_dim * itemsize + (0 if wgmma else SMEM_PAD_BYTES)
+    return (SMEM_ALIGN if wgmma else 0) + _tile_bytes(kernel, t, row, wgmma)
+
+
+def _tile_bytes(kernel: str, t: Tiles, row: int, wgmma: bool) -> int:
+    if kernel == "fwd":  # sQ[BLOCK_M] + sK, sV[BLOCK_N] (double-buffered on the wgmma path)
+        return (t.rows + (4 if wgmma else 2) * t.block) * row
     if kernel == "dkdv":  # sK, sV[BLOCK_N] + sQ, sdO[2][BLOCK_M] + lse, delta[2][BLOCK_M]
         return (2 * t.rows + 4 * t.block) * row + 4 * t.block * 4
     if kernel == "dq":  # sQ, sdO[BLOCK_M] + sK, sV[2][BLOCK_N]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from . import _config
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 _OPTIONS = ("-std=c++17",)
 _MIN_CC = 80  # cp.async, bf16 mma.sync
+_WGMMA_CC = 90  # Hopper: wgmma, compiled for sm_90a (whose code runs on compute capability 9.0 only)
+_WGMMA_ARCH = "sm_90a"
 _CTYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float"}
 _ITEMSIZE = {"half_t": 2, "bfloat16_t": 2, "float": 4}
 _SOURCES = {"fwd": "attention_fwd.cu", "bwd": "attention_bwd.cu", "probs": "attention_probs.cu"}
@@ -75,23 +78,25 @@ def source(filename: str) -> str:
 class Variant:
     """One compiled module: a direction ("fwd", "bwd" or "probs") for one dtype, HEAD_DIM and mask.
     ``mods``: the score modifiers' instantiation (causal then travels as the window, so never both);
-    "probs" always has it."""
+    "probs" always has it. ``wgmma``: the Hopper path (sm_90a; fp16/bf16 head dims with wgmma tiles)."""
 
     direction: str
     ctype: str
     head_dim: int
     causal: bool
     mods: bool = False
+    wgmma: bool = False
 
     @property
     def itemsize(self) -> int:
         return _ITEMSIZE[self.ctype]
 
     def tiles(self, kernel: str) -> _config.Tiles:
-        return _config.tiles(self.itemsize, self.head_dim, kernel, self.mods)
+        return _config.tiles(self.itemsize, self.head_dim, kernel, self.mods, self.wgmma)
 
     def smem(self, kernel: str) -> int:
-        return 0 if kernel == "preprocess" else _config.smem_bytes(self.itemsize, self.head_dim, kernel, self.mods)
+        return 0 if kernel == "preprocess" else _config.smem_bytes(self.itemsize, self.head_dim, kernel, self.mods,
+                                                                   self.wgmma)
 
     def threads(self, kernel: str) -> int:
         return 32 * _config.PREPROCESS_WARPS if kernel == "preprocess" else self.tiles(kernel).threads
@@ -102,14 +107,17 @@ class Variant:
 
     def name_expression(self, kernel: str) -> str:
         c, hd = self.ctype, self.head_dim
-        flags = f"{'true' if self.causal else 'false'}, {'true' if self.mods else 'false'}"
+        flag = {True: "true", False: "false"}
+        flags = f"{flag[self.causal]}, {flag[self.mods]}, {flag[self.wgmma]}"
         if kernel == "preprocess":
             return f"attention_bwd_preprocess_kernel<{c}, {_config.PREPROCESS_WARPS}>"
         t = self.tiles(kernel)
         if kernel == "probs":
-            return f"attention_probs_kernel<{c}, {hd}, {t.num_warps}, {t.block}>"
+            return f"attention_probs_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {flag[self.wgmma]}>"
+        if kernel == "fwd" and self.wgmma:  # no column chunks: the whole head dim per CTA
+            return f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {flag[self.causal]}, {flag[self.mods]}>"
         if kernel == "fwd":
-            return f"attention_fwd_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {flags}>"
+            return f"attention_fwd_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {flag[self.causal]}, {flag[self.mods]}>"
         return f"attention_bwd_{kernel}_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {flags}>"
 
     def code(self) -> str:
@@ -118,18 +126,36 @@ class Variant:
         names = ", ".join(self.name_expression(kernel) for kernel in self.kernels)
         return f"// cupyflash module: {names}\n" + source(_SOURCES[self.direction])
 
+    @property
+    def options(self) -> tuple[str, ...]:
+        """NVRTC options. wgmma modules name sm_90a; CuPy appends its own -arch=sm_90 after it, and NVRTC
+        keeps the architecture-specific target."""
+        return _OPTIONS + ((f"-arch={_WGMMA_ARCH}",) if self.wgmma else ())
+
 
 def shipped_variants() -> list[Variant]:
     """Every module the library can compile: (fwd, bwd) x dtypes x head dims x (plain, causal,
-    modifiers), and probs x dtypes x head dims."""
+    modifiers), and probs x dtypes x head dims, on the mma.sync path; and the same again on the wgmma
+    path for the (dtype, head dim) pairs that have wgmma tiles."""
     ctypes = ("half_t", "bfloat16_t", "float")
-    return [
+    variants = [
         Variant(direction, ctype, head_dim, causal, mods)
         for direction in ("fwd", "bwd")
         for ctype in ctypes
         for head_dim in _config.HEAD_DIMS
         for causal, mods in ((False, False), (True, False), (False, True))
     ] + [Variant("probs", ctype, head_dim, False, True) for ctype in ctypes for head_dim in _config.HEAD_DIMS]
+    return variants + [_with_wgmma(v) for v in variants if _config.has_wgmma(v.itemsize, v.head_dim)]
+
+
+def _with_wgmma(variant: Variant) -> Variant:
+    return Variant(variant.direction, variant.ctype, variant.head_dim, variant.causal, variant.mods, True)
+
+
+def compile_targets(variant: Variant) -> dict[str, str]:
+    """Architecture family -> NVRTC target a variant is built for: the wgmma path for Hopper alone (sm_90a),
+    the mma.sync path for every GPU (checked as sm_80 and sm_90)."""
+    return {"sm_90": _WGMMA_ARCH} if variant.wgmma else {"sm_80": "sm_80", "sm_90": "sm_90"}
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -156,7 +182,7 @@ def _functions(variant: Variant) -> dict[str, object]:
                     f"device {device.id} has {cc / 10:.1f}"
                 )
             names = {kernel: variant.name_expression(kernel) for kernel in variant.kernels}
-            module = cupy.RawModule(code=variant.code(), options=_OPTIONS, name_expressions=list(names.values()))
+            module = cupy.RawModule(code=variant.code(), options=variant.options, name_expressions=list(names.values()))
             optin = cupy.cuda.runtime.getDeviceProperties(device.id)["sharedMemPerBlockOptin"]
             found = {}
             for kernel, name in names.items():
@@ -202,37 +228,44 @@ def _parse_ptxas(log: str) -> dict[str, dict[str, int]]:
 
 
 def compile_variant(variant: Variant, arch: str) -> list[dict]:
-    """Compile one module through NVRTC for `arch` (no GPU needed) and report each kernel."""
+    """Compile one module through NVRTC for `arch` ("sm_80", "sm_90": the family; a wgmma module's target
+    is sm_90a) with no GPU needed, and report each kernel."""
     from cupy.cuda import nvrtc
 
+    target = compile_targets(variant)[arch]
     names = {kernel: variant.name_expression(kernel) for kernel in variant.kernels}
     program = nvrtc.createProgram(variant.code(), f"{variant.direction}.cu", [], [])
     try:
         for name in names.values():
             nvrtc.addNameExpression(program, name)
         try:
-            nvrtc.compileProgram(program, [*_OPTIONS, f"-arch={arch}", "-Xptxas", "-v"])
+            nvrtc.compileProgram(program, [*_OPTIONS, f"-arch={target}", "-Xptxas", "-v"])
         except nvrtc.NVRTCError as error:
-            raise RuntimeError(f"NVRTC failed on {variant} for {arch}:\n{nvrtc.getProgramLog(program)}") from error
+            raise RuntimeError(f"NVRTC failed on {variant} for {target}:\n{nvrtc.getProgramLog(program)}") from error
         stats = _parse_ptxas(nvrtc.getProgramLog(program))
         rows = []
         for kernel, name in names.items():
             lowered = nvrtc.getLoweredName(program, name)
             if lowered not in stats:
-                raise RuntimeError(f"no ptxas report for {name} ({lowered}) on {arch}")
-            rows.append({"kernel": name, "arch": arch, **stats[lowered],
+                raise RuntimeError(f"no ptxas report for {name} ({lowered}) on {target}")
+            rows.append({"kernel": name, "arch": arch, "target": target, **stats[lowered],
                          "dynamic_smem": variant.smem(kernel), "threads": variant.threads(kernel)})
         return rows
     finally:
         nvrtc.destroyProgram(program)
 
 
+def variants_for(arch: str) -> list[Variant]:
+    """The shipped variants built for architecture family `arch`."""
+    return [v for v in shipped_variants() if arch in compile_targets(v)]
+
+
 def compile_report(arch: str, variants: list[Variant] | None = None) -> list[dict]:
-    """Compile every shipped variant for `arch` ("sm_80", "sm_90"), one row per kernel."""
+    """Compile every shipped variant built for `arch` ("sm_80", "sm_90"), one row per kernel."""
     from concurrent.futures import ThreadPoolExecutor
     import os
 
-    variants = shipped_variants() if variants is None else variants
+    variants = variants_for(arch) if variants is None else variants
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         results = pool.map(lambda variant: compile_variant(variant, arch), variants)
         return [row for rows in results for row in rows]
@@ -380,8 +413,57 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None) ->
     """With modifiers, causal travels in the window: one instantiation serves both."""
     name = numpy.dtype(dtype).name
     has_mods = mods is not None or direction == "probs"
-    return Variant(direction, _CTYPES[name], _config.padded_head_dim(max(d, dv)), bool(causal) and not has_mods,
-                   has_mods)
+    ctype, head_dim = _CTYPES[name], _config.padded_head_dim(max(d, dv))
+    return Variant(direction, ctype, head_dim, bool(causal) and not has_mods, has_mods,
+                   uses_wgmma(_ITEMSIZE[ctype], head_dim))
+
+
+def uses_wgmma(itemsize: int, head_dim: int) -> bool:
+    """Whether calls on the current device take the wgmma path for this element size and HEAD_DIM: on
+    compute capability 9.0 where the tile table has wgmma tiles, unless CUPYFLASH_NO_WGMMA=1 asks for the
+    mma.sync kernels (which every other GPU runs)."""
+    if not _config.has_wgmma(itemsize, head_dim) or os.environ.get("CUPYFLASH_NO_WGMMA", "0") not in ("", "0"):
+        return False
+    try:
+        import cupy
+
+        device_id = cupy.cuda.Device().id
+    except Exception:  # no usable device: selection only (warmup's checks), nothing will launch
+        return False
+    return _compute_capability(device_id) == _WGMMA_CC
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).compute_capability)
+
+
+def compile_ahead(variants, max_workers: int = 16) -> list[str]:
+    """Compile variants for the current device into CuPy's on-disk kernel cache, max_workers at a time
+    (NVRTC runs without the GIL), so that their first use only loads them. Returns a message per variant
+    that failed (its first call then compiles, and fails, on its own)."""
+    import cupy
+    from concurrent.futures import ThreadPoolExecutor
+
+    device = cupy.cuda.Device().id
+
+    def build(variant):
+        try:
+            with cupy.cuda.Device(device):
+                names = [variant.name_expression(kernel) for kernel in variant.kernels]
+                # The arguments of _functions, so the cache key is the same.
+                module = cupy.RawModule(code=variant.code(), options=variant.options, name_expressions=names)
+                for name in names:
+                    module.get_function(name)
+            return None
+        except Exception as error:  # noqa: BLE001 - reported to the caller
+            return f"{variant}: {type(error).__name__}: {error}"
+
+    todo = sorted((v for v in set(variants) if (device, v) not in _modules), key=repr)
+    with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
+        return [message for message in pool.map(build, todo) if message]
 
 
 def _launch(functions, variant: Variant, kernel: str, rows: int, batch: int, params, cols: int = 0) -> None:

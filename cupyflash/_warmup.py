@@ -123,7 +123,7 @@ def describe(variant) -> str:
 
     dtype = {ctype: name for name, ctype in _kernels._CTYPES.items()}[variant.ctype]
     kind = "modifiers" if variant.mods else "causal" if variant.causal else "plain"
-    return f"{variant.direction} {dtype} HEAD_DIM={variant.head_dim} {kind}"
+    return f"{variant.direction} {dtype} HEAD_DIM={variant.head_dim} {kind}" + (" (wgmma)" if variant.wgmma else "")
 
 
 # ---------------------------------------------------------------------------------------------------------

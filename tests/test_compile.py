@@ -1,7 +1,7 @@
 """Every shipped kernel variant compiles through NVRTC for sm_80 and sm_90, with no spills and no stack.
 
-No GPU is needed: ``cupyflash._kernels.compile_report(arch)`` runs NVRTC with ``-Xptxas -v`` and parses
-ptxas' report. Each arch is compiled once per session (module-scoped fixture); the assertions are
+The mma.sync variants build for both; the wgmma ones (Hopper) for sm_90a, reported under sm_90. No GPU is
+needed: ``cupyflash._kernels.compile_report(arch)`` runs NVRTC with ``-Xptxas -v`` and parses ptxas' report. Each arch is compiled once per session (module-scoped fixture); the assertions are
 parametrized over the arches.
 
 NVRTC comes from the ``cuda12``/``cuda13`` extra. Where it cannot be loaded these tests skip, except under
@@ -21,7 +21,7 @@ REGISTERS_PER_BLOCK = 64 * 1024
 REGISTER_ALLOCATION_UNIT = 8  # registers per thread are allocated in steps of 8 (256 per warp)
 MAX_REGISTERS_PER_THREAD = 255
 REPORT_FIELDS = {
-    "kernel": str, "arch": str, "registers": int, "spill_stores": int, "spill_loads": int,
+    "kernel": str, "arch": str, "target": str, "registers": int, "spill_stores": int, "spill_loads": int,
     "stack_frame": int, "static_smem": int, "dynamic_smem": int, "threads": int,
 }
 
@@ -88,15 +88,15 @@ def test_every_variant_compiled(report, kernels):
     assert not bad_fields, f"{arch}: missing or mistyped report fields (kernel, field): {bad_fields}"
     assert all(r["arch"] == arch for r in rows), f"{arch}: rows for another arch: {rows}"
     # A kernel shared by several variants' modules (the backward's preprocess) is reported once per module:
-    # every copy must have the same resources.
+    # every copy built for the same target (sm_90 and sm_90a differ) must have the same resources.
     by_name = {}
     for r in rows:
-        by_name.setdefault(r["kernel"], []).append(r)
+        by_name.setdefault((r["kernel"], r["target"]), []).append(r)
     inconsistent = [copies for copies in by_name.values() if any(c != copies[0] for c in copies)]
     assert not inconsistent, (
         f"{arch}: one kernel, different reports:\n" + "\n".join(_table(c) for c in inconsistent)
     )
-    variants = list(kernels.shipped_variants())
+    variants = kernels.variants_for(arch)
     assert len(rows) >= len(variants), (
         f"{arch}: {len(variants)} shipped variants but only {len(rows)} kernels compiled:\n{_table(rows)}"
     )

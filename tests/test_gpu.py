@@ -93,6 +93,16 @@ def test_matches_reference(rng, assert_matches_reference, dtype, head_dim, causa
     _check_bhnd(rng, assert_matches_reference, dtype, batch, nq, nk, head_dim, head_dim, causal)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", (32, 64, 96, 128, 256))
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+def test_mma_sync_path_on_every_gpu(rng, assert_matches_reference, monkeypatch, dtype, head_dim, causal):
+    """fp16/bf16 take the wgmma kernels on Hopper; CUPYFLASH_NO_WGMMA=1 forces the mma.sync kernels that
+    every other GPU runs, so a Hopper test run checks both."""
+    monkeypatch.setenv("CUPYFLASH_NO_WGMMA", "1")
+    _check_bhnd(rng, assert_matches_reference, dtype, (1, 2), 300, 333, head_dim, head_dim, causal)
+
+
 @pytest.mark.parametrize(
     "d, dv", [(1, 1), (3, 5), (33, 17), (17, 33), (64, 24), (72, 200), (1, 256), (256, 1)]
 )

@@ -27,7 +27,8 @@ def recorder(monkeypatch):
 
 def test_default_warms_every_plain_variant_of_the_api(recorder):
     warmed = cupyflash.warmup()
-    expected = [v for v in _kernels.shipped_variants() if not v.mods]
+    expected = [v for v in _kernels.shipped_variants()
+                if not v.mods and v.wgmma == _kernels.uses_wgmma(v.itemsize, v.head_dim)]
     assert sorted(warmed, key=repr) == sorted(expected, key=repr)
     assert recorder == warmed, "each variant is loaded once, in the order returned"
     assert len(warmed) == len(DTYPE_NAMES) * len(_config.HEAD_DIMS) * 2 * 2  # causal x direction
@@ -48,12 +49,13 @@ def test_head_dims_round_up_as_the_api_does(recorder, dtype, head_dim):
 
 def test_selection_follows_causal_backward_and_modifiers(recorder):
     only_fwd = cupyflash.warmup(dtypes="float16", head_dims=64, causal=True, backward=False)
-    assert only_fwd == [_kernels.Variant("fwd", "half_t", 64, True)]
+    wgmma = _kernels.uses_wgmma(2, 64)  # the path this machine's device takes (none: mma.sync)
+    assert only_fwd == [_kernels.Variant("fwd", "half_t", 64, True, False, wgmma)]
     with_mods = cupyflash.warmup(dtypes="float16", head_dims=(60, 64), causal=(False, True), modifiers=True)
     # 60 and 64 share HEAD_DIM 64; with modifiers, causal travels in the window: one variant per direction.
-    assert set(with_mods) == {_kernels.Variant(d, "half_t", 64, causal, False)
+    assert set(with_mods) == {_kernels.Variant(d, "half_t", 64, causal, False, wgmma)
                               for d in ("fwd", "bwd") for causal in (False, True)} | \
-                             {_kernels.Variant(d, "half_t", 64, False, True) for d in ("fwd", "bwd")}
+                             {_kernels.Variant(d, "half_t", 64, False, True, wgmma) for d in ("fwd", "bwd")}
     assert len(with_mods) == len(set(with_mods)) == 6
 
 

@@ -1,0 +1,118 @@
+"""Experiment 03: tile shapes of the Hopper (wgmma) kernels, from the one table (cupyflash/_config.py).
+
+Like experiment 01, for ``_WGMMA_TABLE``: swaps one kernel's entry at a time (forward, dK/dV pass or dQ
+pass), checks forward and backward against the float64 reference on a small awkward problem, then times
+that kernel's direction on the FlashAttention benchmark shape (bf16, 16k tokens, hidden 2048), by default
+at N = 2k and 8k, full, and 8k causal (--shapes). Needs compute capability 9.0. Every candidate was first compiled with CUDA 13.0's
+ptxas here: no spills, no serialized wgmma.
+
+    PYTHONPATH=. python bench/exp03_wgmma_tiles.py [--only 'fwd|dq']
+
+Results and the choice made from them are in bench/NOTES.md ("Experiment 03").
+"""
+import argparse
+import ast
+import math
+import re
+from types import SimpleNamespace
+
+import cupy
+import ml_dtypes
+import numpy as np
+
+import cupyflash
+from cupyflash import _config, _kernels, reference
+
+from bench_attention import L2Flush, median_ms  # same timing as the benchmark (bench/ is on sys.path)
+
+TIMING = SimpleNamespace(warmup=5, repeats=20)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+KERNELS = ("fwd", "dkdv", "dq")
+# (HEAD_DIM, kernel): candidate tiles (warps, block, d_chunk); the first is the table's entry when this ran
+CANDIDATES = {
+    (64, "fwd"): [(8, 128, 64), (8, 192, 64), (8, 256, 64), (12, 128, 64)],
+    (128, "fwd"): [(8, 128, 128), (8, 64, 128), (8, 192, 128)],
+    (256, "fwd"): [(8, 64, 256), (8, 32, 256)],
+    (64, "dkdv"): [(4, 64, 64), (8, 64, 64), (4, 128, 64)],
+    (64, "dq"): [(4, 64, 64), (8, 64, 64), (4, 128, 64)],
+    (128, "dkdv"): [(4, 64, 128), (8, 64, 128), (8, 32, 128)],
+    (128, "dq"): [(4, 64, 128), (8, 64, 128), (4, 128, 128)],
+}
+
+
+def set_tiles(head_dim, kernel, tiles):
+    row = list(_config._WGMMA_TABLE[head_dim])
+    row[KERNELS.index(kernel)] = tiles
+    _config._WGMMA_TABLE[head_dim] = tuple(row)
+    _kernels._modules.clear()  # modules are memoized per variant, not per tile shape
+
+
+def max_rel_error(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def check(head_dim, rng):
+    """Forward and backward on a small awkward problem against float64; returns the worst error."""
+    q, k, v, dout = (rng.standard_normal(s).astype(BF16) for s in
+                     ((2, 3, 203, head_dim), (2, 3, 311, head_dim), (2, 3, 311, head_dim), (2, 3, 203, head_dim)))
+    worst = 0.0
+    for causal in (False, True):
+        gq, gk, gv, gdo = (cupy.asarray(x) for x in (q, k, v, dout))
+        out, lse = cupyflash.attention_forward(gq, gk, gv, causal=causal)
+        grads = cupyflash.attention_backward(gdo, gq, gk, gv, out, lse, causal=causal)
+        ref_out = reference.attention(q, k, v, causal=causal)
+        ref_grads = reference.attention_backward(dout, q, k, v, causal=causal)
+        for got, want in zip((out, *grads), (ref_out, *ref_grads)):
+            worst = max(worst, max_rel_error(cupy.asnumpy(got).astype(np.float64), want))
+    return worst
+
+
+def tflops(head_dim, kernel, causal, n, flush):
+    batch, heads = 16384 // n, 2048 // head_dim
+    q, k, v, dout = (cupy.random.standard_normal((batch, heads, n, head_dim), dtype=cupy.float32).astype(BF16)
+                     for _ in range(4))
+    scale = 1 / math.sqrt(head_dim)
+    flops = 4 * batch * heads * n * n * head_dim / (2 if causal else 1)
+    if kernel == "fwd":
+        ms = median_ms(lambda: _kernels.attention_forward(q, k, v, scale=scale, causal=causal), TIMING, flush)
+        return flops / ms / 1e9
+    out, lse = _kernels.attention_forward(q, k, v, scale=scale, causal=causal)
+    ms = median_ms(lambda: _kernels.attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal),
+                   TIMING, flush)
+    return 2.5 * flops / ms / 1e9
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="regex on 'kernel/HEAD_DIM', e.g. 'fwd|dq/128'")
+    parser.add_argument("--shapes", default="full-2k,full-8k,causal-8k",
+                        help="comma-separated (full|causal)-N, N in 512, 1k, 2k, ... (default: %(default)s)")
+    parser.add_argument("--candidates", help="a Python dict replacing CANDIDATES, e.g. \"{(64, 'fwd'): [(4, 128, 64)]}\"")
+    args = parser.parse_args()
+    if int(cupy.cuda.Device().compute_capability) != 90:
+        raise SystemExit("experiment 03 needs compute capability 9.0 (the wgmma kernels)")
+    rng, flush = np.random.default_rng(3), L2Flush()
+    shapes = [(s.split("-")[0] == "causal", int(s.split("-")[1].replace("k", "")) * (1024 if "k" in s else 1))
+              for s in args.shapes.split(",")]
+    candidates_by_kernel = ast.literal_eval(args.candidates) if args.candidates else CANDIDATES
+    print(f"device: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    print(f"{'kernel':>6} {'HEAD_DIM':>8} {'tiles':>14} {'smem':>7} {'err':>8} " +
+          " ".join(f"{s:>10}" for s in args.shapes.split(",")))
+    for (head_dim, kernel), candidates in candidates_by_kernel.items():
+        if not re.search(args.only, f"{kernel}/{head_dim}"):
+            continue
+        original = _config._WGMMA_TABLE[head_dim]
+        for tiles in candidates:
+            set_tiles(head_dim, kernel, tiles)
+            smem = _config.smem_bytes(2, head_dim, kernel, wgmma=True)
+            error = check(head_dim, rng)
+            rates = [tflops(head_dim, kernel, causal, n, flush) for causal, n in shapes]
+            print(f"{kernel:>6} {head_dim:>8} {str(tiles):>14} {smem:>7} {error:8.1e} " +
+                  " ".join(f"{r:10.1f}" for r in rates), flush=True)
+        _config._WGMMA_TABLE[head_dim] = original
+        _kernels._modules.clear()
+
+
+if __name__ == "__main__":
+    main()

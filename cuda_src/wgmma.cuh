@@ -1,0 +1,224 @@
+// wgmma.cuh — Hopper's warpgroup matrix products (wgmma, sm_90a) for 16-bit inputs, in the same
+// accumulator layout as mma.cuh's mma.sync tiles.
+//
+// A warpgroup is 4 consecutive warps (128 threads, the first warp index divisible by 4); one wgmma
+// computes D[64 x N] += A[64 x 16] * B[16 x N] for the whole group, with A from shared memory or from
+// registers and B from shared memory, asynchronously. Warp w of the group holds rows 16w .. 16w + 15 of D
+// as N / 8 accumulator tiles in exactly the m16n8 layout of mma.sync (row g, cols 2t, 2t+1 and row g + 8),
+// and a register A operand has the m16n8k16 A layout: so the online softmax, the masks and the
+// accumulator-to-operand reuse of mma.cuh work unchanged on wgmma results.
+//
+// Shared operands are described by 64-bit descriptors over SwizzledTile layouts (copy.cuh):
+//  - K-major (the contracted dim is contiguous: Q, K in S = Q K^T): 16 elements of a row per step; the
+//    8-row groups are SBO = 8 * ATOM_BYTES apart;
+//  - MN-major (B stored [k][n], e.g. V in O += P V), read transposed (imm-trans-b = 1): one instruction
+//    covers one atom of ATOM_COLS columns; 8-row (k) groups SBO apart, atoms LBO apart.
+// Ordering: wgmma.fence before the first product that reads registers written since (accumulators,
+// register A); commit_group and wait_group 0 before the results are read; fence_operands keeps the
+// compiler from moving accumulator accesses across those points.
+#pragma once
+#include "common.cuh"
+#include "copy.cuh"
+
+typedef unsigned long long u64;
+
+// Descriptor of a swizzled shared-memory matrix starting at byte address `addr` (unswizzled).
+template <class Tile>
+__device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo_bytes, u32 sbo_bytes) {
+  constexpr u64 MODE = Tile::ATOM_BYTES == 128 ? 1 : Tile::ATOM_BYTES == 64 ? 2 : 3;  // 128B, 64B, 32B swizzle
+  return static_cast<u64>((addr & 0x3ffffu) >> 4) | static_cast<u64>((lbo_bytes >> 4) & 0x3fffu) << 16 |
+         static_cast<u64>((sbo_bytes >> 4) & 0x3fffu) << 32 | MODE << 62;
+}
+// K-major operand at rows [row0, ...) of `tile` (row0 a multiple of 8): the descriptor of its first
+// k-step; k-step k0 adds k_major_step(k0). MN-major operand (B stored [k][n]) at column atom n0
+// (a multiple of ATOM_COLS): the descriptor of rows [0, 16); rows [k0, k0 + 16) add mn_major_step(k0).
+// The steps are compile-time constants once loops unroll, and the bases are warp-uniform, so the products
+// of one commit group issue back to back (ptxas serializes wgmma whose descriptor registers are
+// computed in between by ordinary instructions).
+template <class Tile, typename T>
+__device__ __forceinline__ u64 desc_k_major(const T* tile, int row0) {
+  return smem_desc<Tile>(smem_u32(tile + row0 * Tile::ATOM_COLS), 16, 8 * Tile::ATOM_BYTES);
+}
+template <class Tile>
+__host__ __device__ constexpr u64 k_major_step(int k0) {
+  return static_cast<u64>((k0 / Tile::ATOM_COLS) * Tile::ATOM_SIZE + k0 % Tile::ATOM_COLS) * Tile::VEC_BYTES / Tile::VEC >> 4;
+}
+template <class Tile, typename T>
+__device__ __forceinline__ u64 desc_mn_major(const T* tile, int n0) {
+  return smem_desc<Tile>(smem_u32(tile + (n0 / Tile::ATOM_COLS) * Tile::ATOM_SIZE), Tile::ATOM_SIZE * sizeof(T),
+                         8 * Tile::ATOM_BYTES);
+}
+template <class Tile>
+__host__ __device__ constexpr u64 mn_major_step(int k0) {
+  return static_cast<u64>(k0 * Tile::ATOM_COLS) * Tile::VEC_BYTES / Tile::VEC >> 4;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N_TILES>
+__device__ __forceinline__ void fence_operands(float (&acc)[N_TILES][4]) {
+#pragma unroll
+  for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[j][e])::"memory");
+}
+
+// ---------------------------------------------------------------- the instructions
+// Operand strings: the N / 2 accumulator registers %0 .., then the sources and the scale-d flag.
+#define CF_WGMMA_D16 "{%0, %1, %2, %3, %4, %5, %6, %7}"
+#define CF_WGMMA_SS_SRC16 "%8, %9"
+#define CF_WGMMA_SS_PRED16 "%10"
+#define CF_WGMMA_RS_SRC16 "{%8, %9, %10, %11}, %12"
+#define CF_WGMMA_RS_PRED16 "%13"
+#define CF_WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define CF_WGMMA_SS_SRC32 "%16, %17"
+#define CF_WGMMA_SS_PRED32 "%18"
+#define CF_WGMMA_RS_SRC32 "{%16, %17, %18, %19}, %20"
+#define CF_WGMMA_RS_PRED32 "%21"
+#define CF_WGMMA_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define CF_WGMMA_SS_SRC64 "%32, %33"
+#define CF_WGMMA_SS_PRED64 "%34"
+#define CF_WGMMA_RS_SRC64 "{%32, %33, %34, %35}, %36"
+#define CF_WGMMA_RS_PRED64 "%37"
+#define CF_WGMMA_D128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define CF_WGMMA_SS_SRC128 "%64, %65"
+#define CF_WGMMA_SS_PRED128 "%66"
+#define CF_WGMMA_RS_SRC128 "{%64, %65, %66, %67}, %68"
+#define CF_WGMMA_RS_PRED128 "%69"
+// Accumulator operands: the N / 8 n-tiles of d.
+#define CF_ACC1(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define CF_ACC2(j) CF_ACC1(j), CF_ACC1((j) + 1)
+#define CF_ACC4(j) CF_ACC2(j), CF_ACC2((j) + 2)
+#define CF_ACC8(j) CF_ACC4(j), CF_ACC4((j) + 4)
+#define CF_ACC16(j) CF_ACC8(j), CF_ACC8((j) + 8)
+#define CF_ACC_N16 CF_ACC2(0)
+#define CF_ACC_N32 CF_ACC4(0)
+#define CF_ACC_N64 CF_ACC8(0)
+#define CF_ACC_N128 CF_ACC16(0)
+// D += A B with scale-d = 1 (accumulate); SS: A and B K-major in shared memory; RS: A in registers,
+// B MN-major in shared memory (imm-trans-b = 1).
+#define CF_WGMMA_BODY(SHAPE, SRC, PRED, TAIL) \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\nwgmma.mma_async.sync.aligned." SHAPE " " SRC ", " TAIL ";\n}\n"
+
+template <typename T, int N> struct WgmmaOp;
+#define CF_DEFINE_WGMMA(TYPE, PTX_TYPE, N)                                                                      \
+  template <> struct WgmmaOp<TYPE, N> {                                                                         \
+    __device__ __forceinline__ static void ss(float (&d)[N / 8][4], u64 a, u64 b) {                             \
+      asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_SS_SRC##N, \
+                                 CF_WGMMA_SS_PRED##N, "p, 1, 1, 0, 0")                                         \
+                   : CF_ACC_N##N : "l"(a), "l"(b), "r"(1) : "memory");                                          \
+    }                                                                                                           \
+    __device__ __forceinline__ static void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {                \
+      asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_RS_SRC##N, \
+                                 CF_WGMMA_RS_PRED##N, "p, 1, 1, 1")                                            \
+                   : CF_ACC_N##N : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1) : "memory");     \
+    }                                                                                                           \
+  };
+CF_DEFINE_WGMMA(half_t, "f16", 16)
+CF_DEFINE_WGMMA(half_t, "f16", 32)
+CF_DEFINE_WGMMA(half_t, "f16", 64)
+CF_DEFINE_WGMMA(half_t, "f16", 128)
+CF_DEFINE_WGMMA(bfloat16_t, "bf16", 16)
+CF_DEFINE_WGMMA(bfloat16_t, "bf16", 32)
+CF_DEFINE_WGMMA(bfloat16_t, "bf16", 64)
+CF_DEFINE_WGMMA(bfloat16_t, "bf16", 128)
+
+// ---------------------------------------------------------------- warpgroup products
+// n-tiles [first, first + COUNT) of an accumulator, as an array of their own (first is a constant
+// once loops unroll, so this stays in registers).
+template <int COUNT, int N_TILES>
+__device__ __forceinline__ float (&tiles_at(float (&acc)[N_TILES][4], int first))[COUNT][4] {
+  return *reinterpret_cast<float (*)[COUNT][4]>(&acc[first]);
+}
+
+// The widest instruction (N <= 128, a power of two) that tiles N_COLS columns evenly.
+template <int N_COLS>
+__host__ __device__ constexpr int wgmma_width() { return N_COLS % 128 == 0 ? 128 : N_COLS % 64 == 0 ? 64 : N_COLS % 32 == 0 ? 32 : 16; }
+
+// Start C[64 x 8*N_TILES] += A B^T for the calling warpgroup, as one commit group: A = rows
+// [row0, row0 + 64) of a_tile, B = rows [0, 8*N_TILES) of b_tile, both K-major over K columns. Each warp
+// gets its 16 rows of C once wgmma_wait has seen the group complete.
+template <typename T, int K, int N_TILES, class ATile, class BTile>
+__device__ __forceinline__ void wg_issue_abt(float (&c)[N_TILES][4], const T* a_tile, int row0, const T* b_tile) {
+  constexpr int WIDTH = wgmma_width<8 * N_TILES>();
+  static_assert(K % 16 == 0, "k-steps of 16");
+  const u64 a = desc_k_major<ATile>(a_tile, __shfl_sync(0xffffffffu, row0, 0));  // row0: warp-uniform
+  const u64 b = desc_k_major<BTile>(b_tile, 0);
+  wgmma_fence();
+  fence_operands(c);
+#pragma unroll
+  for (int k0 = 0; k0 < K; k0 += 16) {
+#pragma unroll
+    for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
+      WgmmaOp<T, WIDTH>::ss(tiles_at<WIDTH / 8>(c, n0 / 8), a + k_major_step<ATile>(k0),
+                            b + k_major_step<BTile>(k0) + (static_cast<u64>(n0 * BTile::ATOM_BYTES) >> 4));
+    }
+  }
+  wgmma_commit();
+}
+
+// The register A operand of P (accumulator tiles 16 rows x 8*P_TILES, rounded to T): one m16n8k16 A
+// fragment per 16 columns.
+template <typename T, int P_TILES>
+__device__ __forceinline__ void pack_fragments(const float (&p)[P_TILES][4], u32 (&a)[P_TILES / 2][4]) {
+#pragma unroll
+  for (int kt = 0; kt < P_TILES / 2; ++kt) {
+    const typename Mma16<T>::A frag = Mma16<T>::a_from_acc(&p[2 * kt]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[kt][i] = frag.x[i];
+  }
+}
+
+// wgmma reads register operands while it runs: keep the compiler from reusing them before the wait.
+template <int K_STEPS>
+__device__ __forceinline__ void fence_fragments(u32 (&a)[K_STEPS][4]) {
+#pragma unroll
+  for (int kt = 0; kt < K_STEPS; ++kt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[kt][i])::"memory");
+}
+
+// Start C[64 x 8*N_TILES] += P B for the calling warpgroup, as one commit group: P as packed fragments
+// (pack_fragments), B stored [k][n] in b_tile, columns [n_begin, n_begin + 8*N_TILES). The fragments must
+// stay untouched until wgmma_wait has seen the group complete.
+template <typename T, int K_STEPS, int N_TILES, class BTile>
+__device__ __forceinline__ void wg_issue_pb(float (&c)[N_TILES][4], u32 (&a)[K_STEPS][4], const T* b_tile, int n_begin) {
+  constexpr int WIDTH = BTile::ATOM_COLS;  // an MN-major instruction spans one atom
+  static_assert((8 * N_TILES) % WIDTH == 0, "whole atoms");
+  const u64 b = desc_mn_major<BTile>(b_tile, n_begin);
+  wgmma_fence();
+  fence_operands(c);
+  fence_fragments(a);
+#pragma unroll
+  for (int kt = 0; kt < K_STEPS; ++kt) {
+#pragma unroll
+    for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
+      WgmmaOp<T, WIDTH>::rs(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt],
+                            b + mn_major_step<BTile>(16 * kt) + (static_cast<u64>(n0 / WIDTH * BTile::ATOM_SIZE * sizeof(T)) >> 4));
+    }
+  }
+  wgmma_commit();
+}
+
+// Wait until at most PENDING of this warpgroup's commit groups are still running.
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory"); }
+
+// The synchronous forms: issue, wait for everything, results in c.
+template <typename T, int K, int N_TILES, class ATile, class BTile>
+__device__ __forceinline__ void wg_gemm_abt(float (&c)[N_TILES][4], const T* a_tile, int row0, const T* b_tile) {
+  wg_issue_abt<T, K, N_TILES, ATile, BTile>(c, a_tile, row0, b_tile);
+  wgmma_wait<0>();
+  fence_operands(c);
+}
+
+template <typename T, int P_TILES, int N_TILES, class BTile>
+__device__ __forceinline__ void wg_gemm_pb(float (&c)[N_TILES][4], const float (&p)[P_TILES][4], const T* b_tile, int n_begin) {
+  static_assert(P_TILES % 2 == 0, "k-steps of 16");
+  u32 a[P_TILES / 2][4];
+  pack_fragments<T>(p, a);
+  wg_issue_pb<T, P_TILES / 2, N_TILES, BTile>(c, a, b_tile, n_begin);
+  wgmma_wait<0>();
+  fence_operands(c);
+  fence_fragments(a);
+}
