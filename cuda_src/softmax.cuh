@@ -51,7 +51,7 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float l = quad_sum(row_sum[r]);
-      const bool empty = !(l > 0.f);
+      const bool empty = l == 0.f;  // a NaN sum (NaN or +inf among the inputs) is not empty: it propagates
       inv_sum[r] = empty ? 0.f : 1.f / l;
       lse[r] = empty ? neg_inf() : (row_max[r] * scale_log2 + __log2f(l)) * LN2;
     }

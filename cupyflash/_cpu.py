@@ -59,7 +59,9 @@ def _forward_query_block(q, k, v, i0, i1, tiles):
         l_i = alpha * l_i + p_ij.sum(axis=-1)
         acc_i = alpha[..., None] * acc_i + p_ij @ v[..., j0:j1, :].astype(COMPUTE_DTYPE)
         m_i = m_new
-    seen = l_i > 0  # False only for rows that see no key at all (every key hidden or skipped)
+    # False only for rows that see no key at all (every key hidden or skipped); a NaN sum (a NaN or
+    # +inf input) is "seen" and propagates, as in the reference.
+    seen = l_i != 0
     out_i = np.where(seen[..., None], acc_i / np.where(seen, l_i, 1)[..., None], 0)
     lse_i = np.where(seen, m_i + np.log(np.where(seen, l_i, 1)), -np.inf)
     return out_i, lse_i

@@ -231,14 +231,18 @@ def _resolve(batch, nq, nk, options):
 
 
 def _softmax(s):
-    """Row softmax P and log-sum-exp of scores S; rows that are all -inf give P = 0 and lse = -inf."""
-    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
-    m = np.where(np.isneginf(m), 0, m)  # all-masked rows: exp(-inf - 0) = 0 instead of NaN
-    e = np.exp(s - m)
+    """Row softmax P and log-sum-exp of scores S; rows that are all -inf give P = 0 and lse = -inf.
+
+    Non-finite inputs propagate (cupyflash's policy): a NaN score, or a +inf one, makes its row's P and
+    lse NaN; hidden (-inf) scores keep P = 0 whatever else the row holds.
+    """
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # NaN if the row holds a NaN
+    blind = np.isneginf(m)  # every key hidden
+    m = np.where(blind, 0, m)  # blind rows: exp(-inf - 0) = 0 instead of NaN
+    e = np.where(np.isneginf(s), 0, np.exp(s - m))
     total = np.sum(e, axis=-1, keepdims=True)
-    seen = total > 0
-    p = np.divide(e, total, out=np.zeros_like(e), where=seen)
-    lse = np.where(seen, m + np.log(np.where(seen, total, 1)), -np.inf)
+    p = np.divide(e, total, out=np.zeros_like(e), where=~blind)
+    lse = np.where(blind, -np.inf, m + np.log(np.where(blind, 1, total)))
     return p, lse[..., 0]
 
 

@@ -1,0 +1,384 @@
+#!/usr/bin/env python3
+"""Every shipped kernel variant under compute-sanitizer: memcheck, racecheck, initcheck and synccheck.
+
+    python bench/sanitize.py                              # all four tools, in parallel, every variant
+    python bench/sanitize.py --tools racecheck            # one tool
+    python bench/sanitize.py --variants '^bwd/bf16/(64|128)/' --out /tmp/sanitize
+    python bench/sanitize.py --all-rows                   # one table row per kernel instantiation
+
+Variants are named ``{fwd,bwd,probs}/{fp16,bf16,fp32}/HEAD_DIM/{plain,causal,mods}``, with ``/wgmma``
+appended for the Hopper path (cupyflash._kernels.shipped_variants(): 144 forward and backward modules and
+24 probs modules on the mma.sync path, and 112 fp16/bf16 modules on the wgmma path, which run only on
+compute capability 9.0); ``--variants`` is a regular expression searched in those names. Each variant runs
+through the public API with CUPYFLASH_NO_WGMMA set to pick its path.
+
+How it works. This script first compiles the selected variants into CuPy's on-disk kernel cache, in
+parallel, so that no sanitized process compiles. Then, for each tool, one ``compute-sanitizer --tool TOOL``
+process runs this script's worker mode (``--worker``), which launches every selected variant on tiny
+problems with head dim D = HEAD_DIM, so each kernel is exactly the variant named:
+
+- plain and causal: q (2, 70, D), k and v (2, 90, D); forward, then (for bwd) backward;
+- mods (and probs): q (1, 2, 150, D), k, v (1, 2, 270, D), two calls, so the block mask skips tiles and every
+  dbias path runs: (a) causal with window (100, 20), ALiBi, a full bias (dbias by paired stores), a mask and
+  a block mask with one tile off; (b) softcap 5, ALiBi, a bias broadcast over the heads (dbias by float32
+  atomics, per-element logits) and a key-padding mask of shape (1, 1, 1, Nk).
+
+The worker turns CuPy's memory pool off, so every array is its own cudaMalloc: memcheck then knows each
+array's exact bounds (with ``--padding`` bytes of guard after each allocation), and initcheck sees fresh,
+uninitialized memory. Inputs are made on the host, so the only kernels are ours (and CuPy's few copies,
+fills and casts inside cupyflash, reported under "other"). The worker prints ``RAN <kernel>`` for each
+kernel of a variant that completed.
+
+The sanitizer's report (``--log-file``) is parsed: its summary (``ERROR SUMMARY: N errors``, or for racecheck
+``RACECHECK SUMMARY: ... (E errors, W warnings)``) is the count of record; each reported error is attributed
+to the kernel named in it (template arguments normalized), and what cannot be attributed is counted as
+"other". The table gives errors per kernel and tool; exit status 1 on any error, a worker failure or a
+missing summary, 2 when compute-sanitizer is not found. Racecheck warnings are listed and fail the run only
+with ``--strict``.
+
+Logs: ``OUT/TOOL.sanitizer.log`` (the tool's report) and ``OUT/TOOL.worker.log`` (the worker's output).
+Runtime: tiny problems, so the time goes to loading and instrumenting ~170 modules per tool (~280 on Hopper); racecheck is
+the slowest. Split the work with ``--tools`` or ``--variants`` if a run must fit a time limit.
+"""
+
+import argparse
+import collections
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+DTYPE_NAMES = {"half_t": "fp16", "bfloat16_t": "bf16", "float": "fp32"}
+KERNEL_FAMILIES = ("attention_fwd_kernel", "attention_fwd_wgmma_kernel", "attention_bwd_preprocess_kernel", "attention_bwd_dkdv_kernel",
+                   "attention_bwd_dq_kernel", "attention_probs_kernel")
+OTHER = "other (CuPy kernels, API calls, unattributed)"
+PLAIN_SHAPE = dict(batch=(2,), nq=70, nk=90)
+MODS_SHAPE = dict(batch=(1, 2), nq=150, nk=270)  # 2 x 3 block-mask tiles; Nk even for paired dbias stores
+
+
+# ============================================================================= variants
+def variant_label(variant):
+    kind = "mods" if variant.mods else ("causal" if variant.causal else "plain")
+    path = "/wgmma" if variant.wgmma else ""
+    return f"{variant.direction}/{DTYPE_NAMES[variant.ctype]}/{variant.head_dim}/{kind}{path}"
+
+
+def selected_variants(pattern):
+    from cupyflash import _kernels
+
+    regex = re.compile(pattern)
+    # wgmma modules are built for sm_90a, whose code runs on compute capability 9.0 alone.
+    hopper = _kernels._compute_capability(_current_device()) == _kernels._WGMMA_CC
+    return [v for v in _kernels.shipped_variants() if regex.search(variant_label(v)) and (hopper or not v.wgmma)]
+
+
+def _current_device():
+    import cupy
+
+    return cupy.cuda.Device().id
+
+
+def compile_into_cache(variants, jobs):
+    """Build the variants' modules into CuPy's cache, several at a time; returns the failures as messages."""
+    from cupyflash import _kernels
+
+    return _kernels.compile_ahead(variants, max_workers=jobs)
+
+
+# ============================================================================= worker (runs under the sanitizer)
+def _problem(rng, dtype, batch, nq, nk, d):
+    import cupy
+    import numpy as np
+
+    shapes = (batch + (nq, d), batch + (nk, d), batch + (nk, d), batch + (nq, d))
+    return [cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype)) for shape in shapes]
+
+
+def _mods_calls(rng, dtype):
+    """The two option sets of a mods variant (module docstring), as (causal, options)."""
+    import cupy
+    import numpy as np
+
+    (b, h), nq, nk = MODS_SHAPE["batch"], MODS_SHAPE["nq"], MODS_SHAPE["nk"]
+    slopes = cupy.asarray(np.array([0.25, 0.0625], dtype=np.float32))
+    block_mask = np.ones((b, h, 2, 3), dtype=bool)
+    block_mask[0, 1, 0, 2] = False
+    first = dict(window=(100, 20), alibi_slopes=slopes,
+                 bias=cupy.asarray(rng.standard_normal((b, h, nq, nk), dtype=np.float32).astype(dtype)),
+                 mask=cupy.asarray(rng.random((nq, nk)) < 0.8), block_mask=cupy.asarray(block_mask))
+    second = dict(softcap=5.0, alibi_slopes=slopes,
+                  bias=cupy.asarray(rng.standard_normal((b, 1, nq, nk), dtype=np.float32).astype(dtype)),
+                  mask=cupy.asarray(rng.random((1, 1, 1, nk)) < 0.8))
+    return [(True, first), (False, second)]
+
+
+def run_variant(variant, rng):
+    """Launch every kernel of ``variant`` (and the forward the backward needs) on tiny inputs."""
+    import cupy
+    import ml_dtypes
+    import numpy as np
+
+    import cupyflash
+
+    # The API picks the variant from the inputs and the device; the path (wgmma or mma.sync) through the
+    # CUPYFLASH_NO_WGMMA switch.
+    os.environ["CUPYFLASH_NO_WGMMA"] = "0" if variant.wgmma else "1"
+    dtype = {"half_t": np.float16, "bfloat16_t": ml_dtypes.bfloat16, "float": np.float32}[variant.ctype]
+    shape = MODS_SHAPE if variant.mods else PLAIN_SHAPE
+    q, k, v, dout = _problem(rng, dtype, shape["batch"], shape["nq"], shape["nk"], variant.head_dim)
+    calls = _mods_calls(rng, dtype) if variant.mods else [(variant.causal, {})]
+    for causal, options in calls:
+        if variant.direction == "probs":
+            cupyflash.attention_probs(q, k, v, causal=causal, **options)
+            continue
+        out, lse = cupyflash.attention_forward(q, k, v, causal=causal, **options)
+        if variant.direction == "bwd":
+            cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, **options)
+    cupy.cuda.Device().synchronize()
+
+
+def worker(pattern):
+    import cupy
+    import numpy as np
+
+    cupy.cuda.set_allocator(None)  # no pool: one cudaMalloc per array (module docstring)
+    rng = np.random.default_rng(6)
+    variants = selected_variants(pattern)
+    failures = 0
+    for variant in variants:
+        label = variant_label(variant)
+        started = time.perf_counter()
+        try:
+            run_variant(variant, rng)
+        except Exception as error:  # noqa: BLE001 - counted, reported, and the next variant still runs
+            failures += 1
+            print(f"FAILED {label}: {type(error).__name__}: {error}", flush=True)
+            continue
+        for kernel in variant.kernels:
+            print(f"RAN {label} {variant.name_expression(kernel)}", flush=True)
+        print(f"done {label} in {time.perf_counter() - started:.1f} s", flush=True)
+    print(f"WORKER DONE {len(variants)} variants, {failures} failed", flush=True)
+    return 1 if failures else 0
+
+
+# ============================================================================= finding the sanitizer
+def find_sanitizer(explicit=None):
+    """compute-sanitizer from --sanitizer, PATH, $CUDA_HOME / $CUDA_PATH, /usr/local/cuda*, or the pip
+    package nvidia-cuda-sanitizer-api; None if absent."""
+    if explicit:
+        return explicit if os.access(explicit, os.X_OK) else None
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    roots = [os.environ.get(name) for name in ("CUDA_HOME", "CUDA_PATH", "CUDA_ROOT")]
+    roots += ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True), "/opt/cuda"]
+    candidates = [os.path.join(root, sub, "compute-sanitizer") for root in roots if root
+                  for sub in ("bin", "compute-sanitizer")]
+    candidates += [os.path.join(path, "nvidia", "cuda_sanitizer_api", "compute-sanitizer", "compute-sanitizer")
+                   for path in sys.path if path]
+    return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+# ============================================================================= parsing a report
+_SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+) errors?")
+_RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY:\s*(\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
+_KERNEL = re.compile(r"(" + "|".join(KERNEL_FAMILIES) + r")(<[^>]*>)?")
+_CAST = re.compile(r"\((?:unsigned |signed )?(?:int|bool|long|long long|short|char)\)")
+_NOT_ERRORS = ("COMPUTE-SANITIZER", "Process ID", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY",
+               "Target application", "This application", "Note:", "Disabling", "Enabling")
+
+
+def normalize_kernel(family, args):
+    """``attention_fwd_kernel<half_t, 64, ...>`` in one spelling, whether it came from our name expression
+    or from the sanitizer's demangler (which may write ``(int)64`` or ``(bool)1``)."""
+    if not args:
+        return family
+    parts = [_CAST.sub("", part).strip() for part in args.strip("<>").split(",")]
+    parts = ["1" if part == "true" else "0" if part == "false" else part for part in parts]
+    return f"{family}<{', '.join(parts)}>"
+
+
+def parse_report(text):
+    """(summary errors or None, racecheck warnings, {kernel: errors}) from a compute-sanitizer log."""
+    lines = [line.rstrip("\n") for line in text.splitlines() if line.startswith("=========")]
+    blocks, current = [], None
+    for line in lines:
+        body = line[len("========="):]
+        if not body.strip():
+            current = None
+            continue
+        if body.startswith(" ") and not body.startswith("  "):  # a header line: "========= Text"
+            header = body.strip()
+            current = None
+            if not header.startswith(_NOT_ERRORS):
+                current = [header]
+                blocks.append(current)
+        elif current is not None:  # "=========     at kernel+0x..." continues the block
+            current.append(body.strip())
+    errors, warnings = collections.Counter(), 0
+    for block in blocks:
+        if block[0].startswith("Warning"):
+            warnings += 1
+            continue
+        match = next((m for m in map(_KERNEL.search, block) if m), None)
+        errors[normalize_kernel(match.group(1), match.group(2)) if match else OTHER] += 1
+    summary = None
+    race = _RACE_SUMMARY.findall(text)
+    if race:
+        summary = sum(int(e) for _, e, _ in race)
+        warnings = max(warnings, sum(int(w) for _, _, w in race))
+    else:
+        found = _SUMMARY.findall(text)
+        summary = sum(int(n) for n in found) if found else None
+    attributed = sum(errors.values())
+    if summary is not None and summary > attributed:
+        errors[OTHER] += summary - attributed
+    return summary, warnings, errors
+
+
+def parse_worker(text):
+    """(kernels that ran, failure lines, finished) from the worker's output."""
+    ran = set()
+    for match in re.finditer(r"^RAN \S+ (.+)$", text, re.MULTILINE):
+        kernel = _KERNEL.search(match.group(1))
+        ran.add(normalize_kernel(kernel.group(1), kernel.group(2)))
+    failures = re.findall(r"^FAILED .+$", text, re.MULTILINE)
+    return ran, failures, "WORKER DONE" in text
+
+
+# ============================================================================= running and reporting
+def run_tool(tool, sanitizer, args, out):
+    log, worker_log = out / f"{tool}.sanitizer.log", out / f"{tool}.worker.log"
+    command = [sanitizer, "--tool", tool, "--log-file", str(log), "--report-api-errors", args.api_errors]
+    if tool == "memcheck" and args.padding:
+        command += ["--padding", str(args.padding)]
+    command += [sys.executable, str(Path(__file__).resolve()), "--worker", "--variants", args.variants]
+    started = time.perf_counter()
+    with open(worker_log, "w") as stream:
+        # Its own process group, so that a timeout ends the sanitized worker too, not only the sanitizer.
+        process = subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = process.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            code = "timeout"
+    seconds = time.perf_counter() - started
+    report = log.read_text(errors="replace") if log.exists() else ""
+    summary, warnings, errors = parse_report(report)
+    ran, failures, finished = parse_worker(worker_log.read_text(errors="replace"))
+    return dict(tool=tool, code=code, seconds=seconds, summary=summary, warnings=warnings, errors=errors,
+                ran=ran, failures=failures, finished=finished, log=log, worker_log=worker_log)
+
+
+def family_of(kernel):
+    return kernel.split("<")[0]
+
+
+def print_table(results, all_rows):
+    tools = [r["tool"] for r in results]
+    kernels = set().union(*(r["ran"] for r in results), *(r["errors"] for r in results))
+    if all_rows:
+        rows = {kernel: {kernel} for kernel in kernels}
+    else:  # one row per kernel family, with the number of instantiations that ran
+        rows = collections.defaultdict(set)
+        for kernel in kernels:
+            rows[family_of(kernel) if kernel != OTHER else OTHER].add(kernel)
+    width = max([len("kernel")] + [len(name) + 12 for name in rows])
+    print(f"{'kernel':<{width}} " + " ".join(f"{tool:>10}" for tool in tools))
+    ran_anywhere = set().union(*(r["ran"] for r in results))
+    for name in sorted(rows, key=lambda n: (n == OTHER, n)):
+        members = rows[name]
+        label = name if all_rows or name == OTHER else f"{name} ({len(members & ran_anywhere)} ran)"
+        cells = []
+        for r in results:
+            errors = sum(r["errors"].get(kernel, 0) for kernel in members)
+            ran = any(kernel in r["ran"] for kernel in members)
+            cells.append(f"{errors:>10}" if errors or ran or name == OTHER else f"{'-':>10}")
+        print(f"{label:<{width}} " + " ".join(cells))
+    totals = [("?" if r["summary"] is None else str(r["summary"])) for r in results]
+    print(f"{'TOTAL (sanitizer summary)':<{width}} " + " ".join(f"{t:>10}" for t in totals))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {','.join(TOOLS)}")
+    parser.add_argument("--variants", default=".", help="regex searched in fwd|bwd|probs/fp16|bf16|fp32/HEAD_DIM/"
+                                                         "plain|causal|mods (default: all)")
+    parser.add_argument("--out", default="/tmp/cupyflash-sanitize", help="folder for the logs (default: %(default)s)")
+    parser.add_argument("--jobs", type=int, default=0, help="tools run at once (default: all of them)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per tool (default 3600)")
+    parser.add_argument("--padding", type=int, default=64, help="memcheck guard bytes after each allocation (0: off)")
+    parser.add_argument("--api-errors", default="no", choices=("no", "explicit", "all"),
+                        help="compute-sanitizer --report-api-errors (default no: kernels only)")
+    parser.add_argument("--sanitizer", default=None, help="path of compute-sanitizer (default: searched)")
+    parser.add_argument("--all-rows", action="store_true", help="one row per kernel instantiation")
+    parser.add_argument("--strict", action="store_true", help="racecheck warnings fail the run too")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.variants)
+
+    tools = [tool.strip() for tool in args.tools.split(",") if tool.strip()]
+    unknown = set(tools) - set(TOOLS)
+    if unknown or not tools:
+        parser.error(f"unknown tools {sorted(unknown)}; choose from {', '.join(TOOLS)}")
+    sanitizer = find_sanitizer(args.sanitizer)
+    if sanitizer is None:
+        print("compute-sanitizer not found: looked on PATH, in $CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda*/bin "
+              "and the nvidia-cuda-sanitizer-api package. It ships with the CUDA toolkit; pass --sanitizer PATH.",
+              file=sys.stderr)
+        return 2
+    variants = selected_variants(args.variants)
+    if not variants:
+        parser.error(f"--variants {args.variants!r} matches none of the shipped variants")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"{sanitizer}: {', '.join(tools)} over {len(variants)} variants; logs in {out}/", flush=True)
+
+    started = time.perf_counter()
+    try:
+        problems = compile_into_cache(variants, jobs=max(1, min(16, os.cpu_count() or 1)))
+    except Exception as error:  # noqa: BLE001 - the workers then compile (and report) on their own
+        problems = [f"{type(error).__name__}: {error}"]
+    print(f"compiled into the kernel cache in {time.perf_counter() - started:.0f} s"
+          + (f"; {len(problems)} failed, e.g. {problems[0]}" if problems else ""), flush=True)
+
+    with ThreadPoolExecutor(max_workers=args.jobs or len(tools)) as pool:
+        results = list(pool.map(lambda tool: run_tool(tool, sanitizer, args, out), tools))
+
+    print()
+    print_table(results, args.all_rows)
+    print()
+    failed = False
+    for r in results:
+        notes = []
+        if r["summary"] is None:
+            notes.append("NO SUMMARY in the report (did the sanitizer run?)")
+        if r["failures"]:
+            notes.append(f"{len(r['failures'])} variants failed, e.g. {r['failures'][0]}")
+        if not r["finished"]:
+            notes.append("the worker did not finish")
+        if r["code"] != 0:
+            notes.append(f"exit status {r['code']}")
+        if r["warnings"]:
+            notes.append(f"{r['warnings']} racecheck warnings")
+        bad = bool(r["summary"] is None or r["summary"] or sum(r["errors"].values()) or r["failures"]
+                   or not r["finished"] or r["code"] != 0 or (args.strict and r["warnings"]))
+        failed |= bad
+        print(f"{r['tool']:>10}: {'FAIL' if bad else 'ok'} in {r['seconds']:.0f} s, {len(r['ran'])} kernels ran"
+              + (f"; {'; '.join(notes)}" if notes else "") + f"  [{r['log']}, {r['worker_log']}]")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
