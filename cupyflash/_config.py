@@ -28,6 +28,9 @@ from dataclasses import dataclass
 PREPROCESS_WARPS = 8  # one warp per query row in the backward preprocess
 SMEM_PAD_BYTES = 16  # per shared-memory row of a padded tile; must match cuda_src/common.cuh
 SMEM_ALIGN = 1024  # wgmma kernels align their swizzled tiles to this (cuda_src/copy.cuh, smem_aligned)
+# Gradients summed over longer sequences than this get float32 partial sums, flushed every CHAIN_ROWS rows
+# (cuda_src/attention_bwd.cu); must match cuda_src/common.cuh.
+CHAIN_ROWS = 131072
 
 
 @dataclass(frozen=True)
@@ -80,9 +83,9 @@ _WGMMA_TABLE = {
     64: ((4, 128, 64), (4, 128, 64), (4, 128, 64)),
     96: ((4, 64, 96), (4, 64, 96), (4, 64, 96)),
     128: ((4, 64, 128), (4, 64, 128), (4, 64, 128)),
-    160: ((8, 64, 160), (4, 16, 160), (4, 32, 160)),
-    192: ((8, 64, 192), (4, 32, 64), (4, 32, 192)),
-    256: ((8, 64, 256), (4, 16, 128), (4, 32, 128)),
+    160: ((8, 64, 160), (4, 16, 32), (4, 32, 160)),
+    192: ((8, 64, 192), (4, 32, 64), (4, 32, 64)),
+    256: ((8, 64, 256), (4, 32, 64), (4, 32, 128)),
 }
 # The modifiers' extra registers per score (bounds, bias, softcap derivative) make these spill with the
 # plain tiles above (whose blocks must also divide the block mask's BLOCK_MASK_TILE = 128).

@@ -40,7 +40,8 @@ PARAMS_DTYPE = numpy.dtype(
     + [(name, numpy.int64, (5,)) for name in ("bias_stride", "dbias_stride", "mask_stride", "block_mask_stride")]
     + [(name, numpy.int32) for name in ("window_left", "window_right", "bias_f32", "bias_pairs", "dbias_pairs",
                                         "dbias_f32")]
-    + [("softcap", numpy.float32), ("softcap_inv", numpy.float32)],
+    + [("softcap", numpy.float32), ("softcap_inv", numpy.float32)]
+    + [(name, numpy.uint64) for name in ("dk_partial", "dv_partial", "dq_partial")],
     align=True,
 )
 _LOG2E = 1.4426950408889634
@@ -529,6 +530,12 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     delta = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
     batch = math.prod(batch_shape)
     others = {"dq": dq, "dk": dk, "dv": dv_, "lse": lse, "lse_log2": lse_log2, "delta": delta, **_alibi(mods)}
+    # Gradients summed over more than CHAIN_ROWS rows get float32 partial sums (attention_bwd.cu).
+    if nq > _config.CHAIN_ROWS:
+        others["dk_partial"] = cupy.zeros((batch, nk, d_w), dtype=numpy.float32)
+        others["dv_partial"] = cupy.zeros((batch, nk, dv_w), dtype=numpy.float32)
+    if nk > _config.CHAIN_ROWS:
+        others["dq_partial"] = cupy.zeros((batch, nq, d_w), dtype=numpy.float32)
     params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
                      others=others, mods=mods, causal=causal)
     functions = _functions(variant)
