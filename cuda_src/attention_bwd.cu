@@ -13,11 +13,10 @@
 // P^T and dS^T (or P and dS) go from the accumulator registers straight into the next product.
 // Head dims above 128 split the gradient columns into D_CHUNK-wide CTAs (grid x) so the
 // accumulators fit in registers; each chunk recomputes the same S and dP.
-// Long sums: the tensor cores' float32 accumulation truncates, and a gradient summed over millions of
-// rows in one accumulator chain drifts by percents. Past CHAIN_ROWS rows (nq for dK/dV, nk for dQ) each
-// CTA adds its accumulators every CHAIN_ROWS rows, with ordinary rounded adds, into float32 partial sums
-// in global memory that only the owning thread touches (no atomics), restarts the chain from zero, and
-// adds the partial sums back before the final store.
+// Long sequences: the tensor cores' float32 accumulation truncates, so one accumulator chain over
+// millions of rows drifts by percents. Each launch sums over [stream_begin, stream_end) of its streamed
+// axis only; the host splits sequences longer than CHAIN_ROWS into such launches and adds their results
+// in float32.
 // WGMMA instantiations (Hopper, fp16/bf16) run the same passes on warpgroup products from swizzled tiles
 // (gemm.cuh): each warp still owns 16 rows, now of its warpgroup's 64, in the same accumulator layout.
 // HAS_MODS instantiations (IS_CAUSAL = false; causality is the window's right edge) rebuild the
@@ -76,40 +75,6 @@ __device__ __forceinline__ void dscores_cols(float (&dp)[N_TILES][4], const floa
   }
 }
 
-// This warp's accumulator tile (rows row0 .. row0 + 15, columns col0 .. col0 + 8*N_TILES) and its place in
-// a float32 partial-sum array (rows of ld elements): FLUSH adds the tile into the array and zeroes the
-// tile; otherwise the array's values are added into the tile. Rows >= valid_rows and columns
-// >= valid_cols are skipped.
-template <bool FLUSH, int N_TILES>
-__device__ __forceinline__ void partial_sum(float (&acc)[N_TILES][4], float* partial, i64 ld, int row0,
-                                            int valid_rows, int col0, int valid_cols, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + g + 8 * r;
-#pragma unroll
-    for (int j = 0; j < N_TILES; ++j) {
-      const int col = col0 + j * 8 + 2 * t;
-      float* at = partial + row * ld + col;
-      if (row < valid_rows && col < valid_cols) {
-        // volatile: one element pair at a time, so the compiler does not hoist every load (and the
-        // registers they need) ahead of the stores
-        float2 sum;
-        asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(sum.x), "=f"(sum.y) : "l"(at) : "memory");
-        sum.x += acc[j][2 * r];
-        sum.y += acc[j][2 * r + 1];
-        if (FLUSH) {
-          asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(at), "f"(sum.x), "f"(sum.y) : "memory");
-        } else {
-          acc[j][2 * r] = sum.x;
-          acc[j][2 * r + 1] = sum.y;
-        }
-      }
-      if (FLUSH) acc[j][2 * r] = acc[j][2 * r + 1] = 0.f;
-    }
-  }
-}
-
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_M, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS, bool WGMMA>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_dkdv_kernel(const AttnParams p) {
@@ -158,6 +123,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     m_first = i_first / BLOCK_M;
     m_blocks = i_last >= i_first ? i_last / BLOCK_M + 1 : 0;
   }
+  m_first = max(m_first, p.stream_begin / BLOCK_M);  // this launch's part of the queries
+  m_blocks = min(m_blocks, ceil_div(p.stream_end, BLOCK_M));
   TileBitmap tile_bitmap;
   if constexpr (HAS_MODS) {
     __shared__ u32 bitmap_words[TILE_BITMAP_WORDS];
@@ -239,16 +206,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 
     // dK += dS^T Q_i
     gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, lane);
-    if (p.dk_partial && m_block % (CHAIN_ROWS / BLOCK_M) == CHAIN_ROWS / BLOCK_M - 1) {  // see "Long sums"
-      partial_sum<true>(acc_dk, p.dk_partial + static_cast<i64>(b) * p.nk * p.d_qk, p.d_qk, n0 + warp * 16, p.nk, c0, p.d_qk, lane);
-      partial_sum<true>(acc_dv, p.dv_partial + static_cast<i64>(b) * p.nk * p.d_v, p.d_v, n0 + warp * 16, p.nk, c0, p.d_v, lane);
-    }
     __syncthreads();  // this buffer is refilled two iterations on
     m_block = m_next;
-  }
-  if (p.dk_partial) {
-    partial_sum<false>(acc_dk, p.dk_partial + static_cast<i64>(b) * p.nk * p.d_qk, p.d_qk, n0 + warp * 16, p.nk, c0, p.d_qk, lane);
-    partial_sum<false>(acc_dv, p.dv_partial + static_cast<i64>(b) * p.nk * p.d_v, p.d_v, n0 + warp * 16, p.nk, c0, p.d_v, lane);
   }
 
   // dK = scale * dS^T Q; stage both gradients through sK / sV for 16-byte stores.
@@ -321,6 +280,8 @@ attention_bwd_dq_kernel(const AttnParams p) {
     n_first = k_first / BLOCK_N;
     n_blocks = k_last >= k_first ? k_last / BLOCK_N + 1 : 0;
   }
+  n_first = max(n_first, p.stream_begin / BLOCK_N);  // this launch's part of the keys
+  n_blocks = min(n_blocks, ceil_div(p.stream_end, BLOCK_N));
   TileBitmap tile_bitmap;
   if constexpr (HAS_MODS) {
     __shared__ u32 bitmap_words[TILE_BITMAP_WORDS];
@@ -395,14 +356,8 @@ attention_bwd_dq_kernel(const AttnParams p) {
 
     // dQ += dS K_j
     gemm_pb<T, S_TILES, G_TILES, KVTile>(acc_dq, acc_dp, sK_j, c0, lane);
-    if (p.dq_partial && n_block % (CHAIN_ROWS / BLOCK_N) == CHAIN_ROWS / BLOCK_N - 1) {  // see "Long sums"
-      partial_sum<true>(acc_dq, p.dq_partial + static_cast<i64>(b) * p.nq * p.d_qk, p.d_qk, m0 + warp * 16, p.nq, c0, p.d_qk, lane);
-    }
     __syncthreads();  // this buffer is refilled two iterations on
     n_block = n_next;
-  }
-  if (p.dq_partial) {
-    partial_sum<false>(acc_dq, p.dq_partial + static_cast<i64>(b) * p.nq * p.d_qk, p.d_qk, m0 + warp * 16, p.nq, c0, p.d_qk, lane);
   }
 
   // dQ = scale * dS K, staged through sQ (free once the loop is done) for 16-byte stores.

@@ -56,11 +56,11 @@ struct AttnParams {
   int dbias_f32;     // with dbias_pairs: dbias is float32 (else the inputs' type)
   float softcap;     // > 0: scores become softcap * tanh(score / softcap)
   float softcap_inv; // 1 / softcap (0 when off)
-  // Backward only, for sequences longer than CHAIN_ROWS (else null): float32 partial sums of the gradients,
-  // (b, nk, d_qk), (b, nk, d_v) and (b, nq, d_qk), contiguous, zeroed by the host (attention_bwd.cu).
-  float* dk_partial;
-  float* dv_partial;
-  float* dq_partial;
+  // Backward passes: the rows of the streamed axis this launch sums over, [stream_begin, stream_end):
+  // queries for the dK/dV pass, keys for the dQ pass. The host splits long sequences into several
+  // launches (cupyflash/_config.py, CHAIN_ROWS); block boundaries line up with BLOCK_M and BLOCK_N.
+  int stream_begin;
+  int stream_end;
 };
 
 // Flat batch index of this CTA: blockIdx.y, extended by blockIdx.z past the 65535 limit of y.

@@ -13,10 +13,6 @@ __device__ constexpr float LOG2E = 1.4426950408889634f;  // log2(e): exp(x) == e
 __device__ constexpr float LN2 = 0.6931471805599453f;    // ln(2):  log(x) == log2(x) * LN2
 constexpr int WARP_SIZE = 32;
 constexpr int SMEM_PAD_BYTES = 16;  // one 16-byte chunk of padding per shared-memory row (no bank conflicts)
-// The most rows a gradient accumulates on the tensor cores before a rounded flush (attention_bwd.cu):
-// their truncating float32 adds drift by ~2e-8 relative per 16-row step, 1.5e-4 over 2^17 rows, below
-// the rounding of a float16 result. Must match cupyflash/_config.py, CHAIN_ROWS.
-constexpr int CHAIN_ROWS = 131072;
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 

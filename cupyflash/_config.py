@@ -28,8 +28,10 @@ from dataclasses import dataclass
 PREPROCESS_WARPS = 8  # one warp per query row in the backward preprocess
 SMEM_PAD_BYTES = 16  # per shared-memory row of a padded tile; must match cuda_src/common.cuh
 SMEM_ALIGN = 1024  # wgmma kernels align their swizzled tiles to this (cuda_src/copy.cuh, smem_aligned)
-# Gradients summed over longer sequences than this get float32 partial sums, flushed every CHAIN_ROWS rows
-# (cuda_src/attention_bwd.cu); must match cuda_src/common.cuh.
+# The most rows one launch of a backward pass sums a gradient over (queries for dK/dV, keys for dQ). The
+# tensor cores' float32 accumulation truncates, ~2e-8 relative per 16-row step: 1.5e-4 over 2^17 rows,
+# below the rounding of a float16 result, but percents over millions. Longer sequences run the pass in
+# chunks of CHAIN_ROWS rows whose results are summed in float32 (_kernels.attention_backward).
 CHAIN_ROWS = 131072
 
 
@@ -83,9 +85,9 @@ _WGMMA_TABLE = {
     64: ((4, 128, 64), (4, 128, 64), (4, 128, 64)),
     96: ((4, 64, 96), (4, 64, 96), (4, 64, 96)),
     128: ((4, 64, 128), (4, 64, 128), (4, 64, 128)),
-    160: ((8, 64, 160), (4, 16, 32), (4, 32, 160)),
-    192: ((8, 64, 192), (4, 32, 64), (4, 32, 64)),
-    256: ((8, 64, 256), (4, 32, 64), (4, 32, 128)),
+    160: ((8, 64, 160), (4, 16, 160), (4, 32, 160)),
+    192: ((8, 64, 192), (4, 32, 64), (4, 32, 192)),
+    256: ((8, 64, 256), (4, 16, 128), (4, 32, 128)),
 }
 # The modifiers' extra registers per score (bounds, bias, softcap derivative) make these spill with the
 # plain tiles above (whose blocks must also divide the block mask's BLOCK_MASK_TILE = 128).

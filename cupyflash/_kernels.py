@@ -41,7 +41,7 @@ PARAMS_DTYPE = numpy.dtype(
     + [(name, numpy.int32) for name in ("window_left", "window_right", "bias_f32", "bias_pairs", "dbias_pairs",
                                         "dbias_f32")]
     + [("softcap", numpy.float32), ("softcap_inv", numpy.float32)]
-    + [(name, numpy.uint64) for name in ("dk_partial", "dv_partial", "dq_partial")],
+    + [(name, numpy.int32) for name in ("stream_begin", "stream_end")],
     align=True,
 )
 _LOG2E = 1.4426950408889634
@@ -350,6 +350,7 @@ def _params(arrays: dict, sizes, batch_strides: dict, *, batch: int, nq: int, nk
     p["batch"], p["batch1"], p["batch2"] = batch, sizes[1], sizes[2]
     p["nq"], p["nk"], p["d_qk"], p["d_v"] = nq, nk, d, dv
     p["scale"], p["scale_log2"] = scale, scale * _LOG2E
+    p["stream_begin"], p["stream_end"] = 0, max(nq, nk)  # the backward passes' whole streamed axis
     # Read only by the modifiers' kernels (and attention_probs_kernel, which always has them).
     p["window_left"], p["window_right"] = (-1, 0) if causal else (-1, -1)
     if mods is not None:
@@ -478,6 +479,27 @@ def _launch(functions, variant: Variant, kernel: str, rows: int, batch: int, par
     functions[kernel](_grid(blocks, batch), (variant.threads(kernel),), (params,), shared_mem=variant.smem(kernel))
 
 
+def _launch_summed(functions, variant: Variant, kernel: str, rows: int, batch: int, params, length: int,
+                   outputs) -> None:
+    """A backward pass whose gradients sum over a streamed axis of ``length`` rows: one launch, or, past
+    _config.CHAIN_ROWS rows, one launch per chunk of that many rows with the chunks' results (the arrays
+    in ``outputs``, which each launch overwrites) added in float32 (see CHAIN_ROWS)."""
+    import cupy
+
+    if length <= _config.CHAIN_ROWS:
+        _launch(functions, variant, kernel, rows, batch, params)
+        return
+    sums = [cupy.zeros(out.shape, dtype=numpy.float32) for out in outputs]
+    part = params.copy()
+    for begin in range(0, length, _config.CHAIN_ROWS):
+        part["stream_begin"], part["stream_end"] = begin, min(length, begin + _config.CHAIN_ROWS)
+        _launch(functions, variant, kernel, rows, batch, part)
+        for total, out in zip(sums, outputs):
+            total += out.astype(numpy.float32)
+    for total, out in zip(sums, outputs):
+        out[...] = total.astype(out.dtype)
+
+
 # ----------------------------------------------------------------------------- entry points
 def _unpad(x, width: int):
     """x[..., :width] as a contiguous array (a copy only when the kernels ran on padded columns)."""
@@ -530,18 +552,12 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     delta = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
     batch = math.prod(batch_shape)
     others = {"dq": dq, "dk": dk, "dv": dv_, "lse": lse, "lse_log2": lse_log2, "delta": delta, **_alibi(mods)}
-    # Gradients summed over more than CHAIN_ROWS rows get float32 partial sums (attention_bwd.cu).
-    if nq > _config.CHAIN_ROWS:
-        others["dk_partial"] = cupy.zeros((batch, nk, d_w), dtype=numpy.float32)
-        others["dv_partial"] = cupy.zeros((batch, nk, dv_w), dtype=numpy.float32)
-    if nk > _config.CHAIN_ROWS:
-        others["dq_partial"] = cupy.zeros((batch, nq, d_w), dtype=numpy.float32)
     params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
                      others=others, mods=mods, causal=causal)
     functions = _functions(variant)
     _launch(functions, variant, "preprocess", nq, batch, params)
-    _launch(functions, variant, "dkdv", nk, batch, params)
-    _launch(functions, variant, "dq", nq, batch, params)
+    _launch_summed(functions, variant, "dkdv", nk, batch, params, nq, (dk, dv_))
+    _launch_summed(functions, variant, "dq", nq, batch, params, nk, (dq,))
     dbias = None
     if accumulator is not None:
         from ._api import sum_to_shape
