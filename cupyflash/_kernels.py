@@ -121,10 +121,17 @@ class Variant:
             return f"attention_fwd_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {flag[self.causal]}, {flag[self.mods]}>"
         return f"attention_bwd_{kernel}_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {flags}>"
 
-    def code(self) -> str:
+    @property
+    def modules(self) -> tuple[tuple[str, ...], ...]:
+        """The kernels, grouped into the modules NVRTC compiles: the backward's passes in two modules that
+        compile concurrently (NVRTC runs without the GIL), which shortens its first call."""
+        return {"fwd": (("fwd",),), "probs": (("probs",),)}.get(self.direction, (("preprocess", "dkdv"), ("dq",)))
+
+    def code(self, kernels: tuple[str, ...] | None = None) -> str:
+        """The source of the module holding ``kernels`` (default: all of the variant's)."""
         # The instantiated names (tiles included) lead the source, so each module, and each change of
         # the tile table, gets its own entry in CuPy's compile cache.
-        names = ", ".join(self.name_expression(kernel) for kernel in self.kernels)
+        names = ", ".join(self.name_expression(kernel) for kernel in (kernels or self.kernels))
         return f"// cupyflash module: {names}\n" + source(_SOURCES[self.direction])
 
     @property
@@ -182,12 +189,11 @@ def _functions(variant: Variant) -> dict[str, object]:
                     f"cupyflash needs a GPU of compute capability >= 8.0 (cp.async, bf16 tensor cores); "
                     f"device {device.id} has {cc / 10:.1f}"
                 )
-            names = {kernel: variant.name_expression(kernel) for kernel in variant.kernels}
-            module = cupy.RawModule(code=variant.code(), options=variant.options, name_expressions=list(names.values()))
+            built = _build_modules([(variant, kernels) for kernels in variant.modules], device.id)
             optin = cupy.cuda.runtime.getDeviceProperties(device.id)["sharedMemPerBlockOptin"]
             found = {}
-            for kernel, name in names.items():
-                function = module.get_function(name)
+            for kernel, function in built.items():
+                name = variant.name_expression(kernel)
                 smem = variant.smem(kernel)
                 total = smem + function.shared_size_bytes  # dynamic + static (the block-mask bitmap)
                 if total > optin:
@@ -200,6 +206,28 @@ def _functions(variant: Variant) -> dict[str, object]:
                 found[kernel] = function
             _modules[key] = found
     return found
+
+
+def _build(variant: Variant, kernels: tuple[str, ...], device_id: int) -> dict[str, object]:
+    """Compile (or load from CuPy's disk cache) the module of ``kernels`` on device ``device_id``."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        names = {kernel: variant.name_expression(kernel) for kernel in kernels}
+        module = cupy.RawModule(code=variant.code(kernels), options=variant.options,
+                                name_expressions=list(names.values()))
+        return {kernel: module.get_function(name) for kernel, name in names.items()}
+
+
+def _build_modules(modules, device_id: int, max_workers: int = 16) -> dict[str, object]:
+    """_build for each (variant, kernels), concurrently when there are several; kernel -> function."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if len(modules) == 1:
+        return _build(*modules[0], device_id)
+    with ThreadPoolExecutor(max_workers=min(max_workers, len(modules))) as pool:
+        parts = list(pool.map(lambda module: _build(*module, device_id), modules))
+    return {kernel: function for part in parts for kernel, function in part.items()}
 
 
 def nvrtc_version() -> tuple[int, int]:
@@ -443,27 +471,22 @@ def _compute_capability(device_id: int) -> int:
 
 
 def compile_ahead(variants, max_workers: int = 16) -> list[str]:
-    """Compile variants for the current device into CuPy's on-disk kernel cache, max_workers at a time
-    (NVRTC runs without the GIL), so that their first use only loads them. Returns a message per variant
-    that failed (its first call then compiles, and fails, on its own)."""
+    """Compile variants for the current device into CuPy's on-disk kernel cache, max_workers modules at a
+    time (NVRTC runs without the GIL), so that their first use only loads them. Returns a message per
+    module that failed (its first call then compiles, and fails, on its own)."""
     import cupy
     from concurrent.futures import ThreadPoolExecutor
 
     device = cupy.cuda.Device().id
 
-    def build(variant):
+    def build(module):
         try:
-            with cupy.cuda.Device(device):
-                names = [variant.name_expression(kernel) for kernel in variant.kernels]
-                # The arguments of _functions, so the cache key is the same.
-                module = cupy.RawModule(code=variant.code(), options=variant.options, name_expressions=names)
-                for name in names:
-                    module.get_function(name)
+            _build(*module, device)
             return None
         except Exception as error:  # noqa: BLE001 - reported to the caller
-            return f"{variant}: {type(error).__name__}: {error}"
+            return f"{module[0]} {module[1]}: {type(error).__name__}: {error}"
 
-    todo = sorted((v for v in set(variants) if (device, v) not in _modules), key=repr)
+    todo = [(v, kernels) for v in sorted(set(variants), key=repr) if (device, v) not in _modules for kernels in v.modules]
     with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
         return [message for message in pool.map(build, todo) if message]
 
