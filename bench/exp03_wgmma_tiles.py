@@ -20,10 +20,10 @@ import cupy
 import ml_dtypes
 import numpy as np
 
-import cupyflash
-from cupyflash import _config, _kernels, reference
+from cupyflash import _config, _kernels
 
 from bench_attention import L2Flush, median_ms  # same timing as the benchmark (bench/ is on sys.path)
+from exp01_tiles import check  # the same small awkward problem against float64
 
 TIMING = SimpleNamespace(warmup=5, repeats=20)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -45,27 +45,6 @@ def set_tiles(head_dim, kernel, tiles):
     row[KERNELS.index(kernel)] = tiles
     _config._WGMMA_TABLE[head_dim] = tuple(row)
     _kernels._modules.clear()  # modules are memoized per variant, not per tile shape
-
-
-def max_rel_error(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.abs(got - want).max() / np.abs(want).max())
-
-
-def check(head_dim, rng):
-    """Forward and backward on a small awkward problem against float64; returns the worst error."""
-    q, k, v, dout = (rng.standard_normal(s).astype(BF16) for s in
-                     ((2, 3, 203, head_dim), (2, 3, 311, head_dim), (2, 3, 311, head_dim), (2, 3, 203, head_dim)))
-    worst = 0.0
-    for causal in (False, True):
-        gq, gk, gv, gdo = (cupy.asarray(x) for x in (q, k, v, dout))
-        out, lse = cupyflash.attention_forward(gq, gk, gv, causal=causal)
-        grads = cupyflash.attention_backward(gdo, gq, gk, gv, out, lse, causal=causal)
-        ref_out = reference.attention(q, k, v, causal=causal)
-        ref_grads = reference.attention_backward(dout, q, k, v, causal=causal)
-        for got, want in zip((out, *grads), (ref_out, *ref_grads)):
-            worst = max(worst, max_rel_error(cupy.asnumpy(got).astype(np.float64), want))
-    return worst
 
 
 def tflops(head_dim, kernel, causal, n, flush):
