@@ -12,21 +12,15 @@ Results and the choice made from them are in bench/NOTES.md ("Experiment 03").
 """
 import argparse
 import ast
-import math
 import re
-from types import SimpleNamespace
 
 import cupy
-import ml_dtypes
 import numpy as np
 
 from cupyflash import _config, _kernels
 
-from bench_attention import L2Flush, median_ms  # same timing as the benchmark (bench/ is on sys.path)
-from exp01_tiles import check  # the same small awkward problem against float64
+from exp01_tiles import check, time_direction  # experiment 01's float64 check and timing
 
-TIMING = SimpleNamespace(warmup=5, repeats=20)
-BF16 = np.dtype(ml_dtypes.bfloat16)
 KERNELS = ("fwd", "dkdv", "dq")
 # (HEAD_DIM, kernel): candidate tiles (warps, block, d_chunk); the first is the table's entry when this ran
 CANDIDATES = {
@@ -47,21 +41,6 @@ def set_tiles(head_dim, kernel, tiles):
     _kernels._modules.clear()  # modules are memoized per variant, not per tile shape
 
 
-def tflops(head_dim, kernel, causal, n, flush):
-    batch, heads = 16384 // n, 2048 // head_dim
-    q, k, v, dout = (cupy.random.standard_normal((batch, heads, n, head_dim), dtype=cupy.float32).astype(BF16)
-                     for _ in range(4))
-    scale = 1 / math.sqrt(head_dim)
-    flops = 4 * batch * heads * n * n * head_dim / (2 if causal else 1)
-    if kernel == "fwd":
-        ms = median_ms(lambda: _kernels.attention_forward(q, k, v, scale=scale, causal=causal), TIMING, flush)
-        return flops / ms / 1e9
-    out, lse = _kernels.attention_forward(q, k, v, scale=scale, causal=causal)
-    ms = median_ms(lambda: _kernels.attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal),
-                   TIMING, flush)
-    return 2.5 * flops / ms / 1e9
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="regex on 'kernel/HEAD_DIM', e.g. 'fwd|dq/128'")
@@ -71,7 +50,7 @@ def main():
     args = parser.parse_args()
     if int(cupy.cuda.Device().compute_capability) != 90:
         raise SystemExit("experiment 03 needs compute capability 9.0 (the wgmma kernels)")
-    rng, flush = np.random.default_rng(3), L2Flush()
+    rng = np.random.default_rng(3)
     shapes = [(s.split("-")[0] == "causal", int(s.split("-")[1].replace("k", "")) * (1024 if "k" in s else 1))
               for s in args.shapes.split(",")]
     candidates_by_kernel = ast.literal_eval(args.candidates) if args.candidates else CANDIDATES
@@ -86,7 +65,7 @@ def main():
             set_tiles(head_dim, kernel, tiles)
             smem = _config.smem_bytes(2, head_dim, kernel, wgmma=True)
             error = check(head_dim, rng)
-            rates = [tflops(head_dim, kernel, causal, n, flush) for causal, n in shapes]
+            rates = [time_direction(head_dim, kernel, causal, n) for causal, n in shapes]
             print(f"{kernel:>6} {head_dim:>8} {str(tiles):>14} {smem:>7} {error:8.1e} " +
                   " ".join(f"{r:10.1f}" for r in rates), flush=True)
         _config._WGMMA_TABLE[head_dim] = original
