@@ -14,7 +14,7 @@ Two tensor-core paths:
 
 Each entry was chosen so that (a) no variant spills registers (checked for sm_80 and sm_90 by
 tests/test_compile.py with the CUDA 12 NVRTC; the wgmma entries also with CUDA 13.0's ptxas, which the
-CUDA 13 CuPy uses and which needs more registers for some of them) and (b) shared memory stays within the 163 KiB an sm_80 CTA can have (227 KiB on
+CUDA 13 CuPy uses and which needs more registers for some of them: bench/check_wgmma_ptxas.py) and (b) shared memory stays within the 163 KiB an sm_80 CTA can have (227 KiB on
 sm_90). Tile names:
   fwd:  NUM_WARPS (16 query rows each: BLOCK_M = 16 * NUM_WARPS), BLOCK_N keys per streamed tile,
         D_CHUNK output columns per CTA.

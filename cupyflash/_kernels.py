@@ -1,9 +1,10 @@
 """Loading, compiling and launching the CUDA kernels in ``cuda_src/``.
 
 Sources are read as text and their ``#include "..."`` lines replaced by the files themselves, so
-CuPy's compile cache (keyed on the source string) sees every byte. One module is compiled per
-(direction, dtype, HEAD_DIM, causal, score modifiers) with ``name_expressions`` naming its template
-instantiations, memoized per device. Callers (``_api``) validate, broadcast and handle empty
+CuPy's compile cache (keyed on the source string) sees every byte. A variant is (direction, dtype,
+HEAD_DIM, causal, score modifiers, tensor-core path); its kernels compile as one module (the backward's
+two passes as two, concurrently) with ``name_expressions`` naming their template instantiations,
+memoized per device. The wgmma path (compute capability 9.0, fp16/bf16) is built for sm_90a. Callers (``_api``) validate, broadcast and handle empty
 inputs; this module turns arrays into the kernels' parameter struct and launches on CuPy's
 current stream.
 """
