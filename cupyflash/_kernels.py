@@ -4,12 +4,13 @@ Sources are read as text and their ``#include "..."`` lines replaced by the file
 CuPy's compile cache (keyed on the source string) sees every byte. A variant is (direction, dtype,
 HEAD_DIM, causal, score modifiers, tensor-core path); its kernels compile as one module (the backward's
 two passes as two, concurrently) with ``name_expressions`` naming their template instantiations,
-memoized per device. The wgmma path (compute capability 9.0, fp16/bf16) is built for sm_90a. Callers (``_api``) validate, broadcast and handle empty
-inputs; this module turns arrays into the kernels' parameter struct and launches on CuPy's
-current stream.
+memoized per device. The wgmma path (compute capability 9.0, fp16/bf16) is built for sm_90a.
+Callers (``_api``) validate, broadcast and handle empty inputs; this module turns arrays into the
+kernels' parameter struct and launches on CuPy's current stream.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -154,11 +155,7 @@ def shipped_variants() -> list[Variant]:
         for head_dim in _config.HEAD_DIMS
         for causal, mods in ((False, False), (True, False), (False, True))
     ] + [Variant("probs", ctype, head_dim, False, True) for ctype in ctypes for head_dim in _config.HEAD_DIMS]
-    return variants + [_with_wgmma(v) for v in variants if _config.has_wgmma(v.itemsize, v.head_dim)]
-
-
-def _with_wgmma(variant: Variant) -> Variant:
-    return Variant(variant.direction, variant.ctype, variant.head_dim, variant.causal, variant.mods, True)
+    return variants + [dataclasses.replace(v, wgmma=True) for v in variants if _config.has_wgmma(v.itemsize, v.head_dim)]
 
 
 def compile_targets(variant: Variant) -> dict[str, str]:
