@@ -22,6 +22,10 @@ Torch backward is timed alone: the forward runs once outside the timed region an
 the backward with retain_graph=True. fp32 is compared with TF32 off in torch (CuPy never uses TF32 unless
 CUPY_TF32=1).
 
+--dropout P: every backend runs with dropout probability P (ours with a fixed seed; torch draws its own
+mask, so torch's results cannot be compared with the reference: its validation runs with P = 0, ours with P
+against the reference given the same seed, forward and backward on the reduced problem). The hand-written
+CuPy attention has no dropout and is skipped.
 --cold-start: time to first result for a variant not yet compiled, in a fresh process with an empty
 CUPY_CACHE_DIR, then again in a fresh process with that (now warm) cache.
 --memory: extra peak memory beyond the inputs (CuPy's pool, through a memory hook), N from 4k to 128k, ours
@@ -80,6 +84,7 @@ MEMORY_SEQLENS = (4096, 8192, 16384, 32768, 65536, 131072)
 # fp16, not bf16, so that the hand-written CuPy attention runs in the inputs' dtype (no bf16 matmul in CuPy).
 MEMORY_CASE = dict(dtype="fp16", heads=16, head_dim=128, causal=True)
 COLD_START_CASE = dict(dtype="bf16", heads=8, seqlen=1024, head_dim=96, causal=True)
+DROPOUT_SEED = 20261122
 
 
 class Case:
@@ -127,6 +132,8 @@ def parse_args(argv):
     parser.add_argument("--naive-max-n", type=int, default=4096,
                         help="time the hand-written CuPy attention only up to this N (it is slow and "
                              "materializes N x N; default %(default)s)")
+    parser.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                        help="dropout probability for every backend (default 0: none)")
     parser.add_argument("--no-speed", dest="speed", action="store_false", help="skip the speed tables")
     parser.add_argument("--cold-start", action="store_true", help="measure time to first result")
     parser.add_argument("--memory", action="store_true", help="measure extra peak memory, N 4k..128k")
@@ -194,18 +201,20 @@ def select_cases(args):
 
 
 class Ours:
-    def __init__(self, q, k, v, dout, causal, scale):
+    def __init__(self, q, k, v, dout, causal, scale, dropout=0.0):
         self.q, self.k, self.v, self.dout, self.causal, self.scale = q, k, v, dout, causal, scale
+        self.options = dict(causal=causal, scale=scale)
+        if dropout:
+            self.options.update(dropout_p=dropout, dropout_seed=DROPOUT_SEED)
 
     def forward(self):
-        return cupyflash.attention(self.q, self.k, self.v, causal=self.causal, scale=self.scale)
+        return cupyflash.attention_forward(self.q, self.k, self.v, **self.options)[0]
 
     def prepare_backward(self):
-        self.saved = cupyflash.attention_forward(self.q, self.k, self.v, causal=self.causal, scale=self.scale)
+        self.saved = cupyflash.attention_forward(self.q, self.k, self.v, **self.options)
 
     def backward(self):
-        return cupyflash.attention_backward(self.dout, self.q, self.k, self.v, *self.saved,
-                                            causal=self.causal, scale=self.scale)
+        return cupyflash.attention_backward(self.dout, self.q, self.k, self.v, *self.saved, **self.options)
 
 
 class Naive:
@@ -252,17 +261,19 @@ def float32_if_bf16(x):
 
 
 class TorchSDPA:
-    def __init__(self, backend, q, k, v, dout, causal, scale):
+    def __init__(self, backend, q, k, v, dout, causal, scale, dropout=0.0):
         self.backend = getattr(SDPBackend, TORCH_BACKENDS[backend])
         self.q, self.k, self.v, self.dout = (torch.from_dlpack(x) for x in (q, k, v, dout))
-        self.causal, self.scale = causal, scale
+        self.causal, self.scale, self.dropout = causal, scale, dropout
 
     def _sdpa(self, q, k, v):
         with sdpa_kernel([self.backend]), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns about every backend it cannot use
-            return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.scale)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.scale,
+                                                  dropout_p=self.dropout)
 
     def forward(self):
+        # Under no_grad torch skips dropout only in nn.Module's eval mode, not in the functional call.
         with torch.no_grad():
             return self._sdpa(self.q, self.k, self.v)
 
@@ -274,14 +285,16 @@ class TorchSDPA:
         return torch.autograd.grad(self.out, self.leaves, self.dout, retain_graph=True)
 
 
-def make_backend(name, *arrays, causal, scale):
+def make_backend(name, *arrays, causal, scale, dropout=0.0):
     if name == "ours":
-        return Ours(*arrays, causal, scale)
+        return Ours(*arrays, causal, scale, dropout)
     if name == "naive":
+        if dropout:
+            raise RuntimeError("the hand-written CuPy attention has no dropout")
         return Naive(*arrays, causal, scale)
     if torch is None:
         raise RuntimeError("torch is not importable")
-    return TorchSDPA(name, *arrays, causal, scale)
+    return TorchSDPA(name, *arrays, causal, scale, dropout)
 
 
 def to_float64(x):
@@ -314,22 +327,31 @@ def small_problem(case, rng):
     return [rng.standard_normal(shape, dtype=np.float32).astype(DTYPES[case.dtype]) for _ in range(4)]
 
 
-def validate(name, case, arrays, scale):
-    """(forward error, backward error), or raises; the errors are relative max-norm vs float64."""
-    q, k, v, dout = arrays
-    rows, heads = min(VALIDATION_ROWS, case.n), VALIDATION_HEADS
-    out = make_backend(name, *arrays, causal=case.causal, scale=scale).forward()
-    got = to_float64(out[0, :heads, -rows:])
-    del out
-    host = [cupy.asnumpy(x[0, :heads]) for x in (q, k, v)]
-    want = reference.attention(host[0][:, -rows:], host[1], host[2], causal=case.causal, scale=scale)
-    fwd_err = rel_err(got, want)
+def validate(name, case, arrays, scale, dropout=0.0):
+    """(forward error, backward error), or raises; the errors are relative max-norm vs float64.
 
+    With dropout, ours is checked with it on the reduced problem (the mask depends on the row index, so the
+    last rows alone would not do) and torch without it (its mask is its own)."""
+    q, k, v, dout = arrays
     small = small_problem(case, np.random.default_rng(1))
-    backend = make_backend(name, *(cupy.asarray(x) for x in small), causal=case.causal, scale=scale)
+    options = dict(causal=case.causal, scale=scale)
+    if dropout and name == "ours":
+        options.update(dropout_p=dropout, dropout_seed=DROPOUT_SEED)
+        backend = make_backend(name, *(cupy.asarray(x) for x in small), causal=case.causal, scale=scale,
+                               dropout=dropout)
+        fwd_err = rel_err(to_float64(backend.forward()), reference.attention(*small[:3], **options))
+    else:
+        rows, heads = min(VALIDATION_ROWS, case.n), VALIDATION_HEADS
+        out = make_backend(name, *arrays, causal=case.causal, scale=scale).forward()
+        got = to_float64(out[0, :heads, -rows:])
+        del out
+        host = [cupy.asnumpy(x[0, :heads]) for x in (q, k, v)]
+        want = reference.attention(host[0][:, -rows:], host[1], host[2], causal=case.causal, scale=scale)
+        fwd_err = rel_err(got, want)
+        backend = make_backend(name, *(cupy.asarray(x) for x in small), causal=case.causal, scale=scale)
     backend.prepare_backward()
     grads = [to_float64(g) for g in backend.backward()]
-    want = reference.attention_backward(small[3], *small[:3], causal=case.causal, scale=scale)
+    want = reference.attention_backward(small[3], *small[:3], **options)
     bwd_err = max(rel_err(g, w) for g, w in zip(grads, want))
     return fwd_err, bwd_err
 
@@ -369,13 +391,13 @@ def run_case(case, args):
     tol = TOLERANCES[case.dtype]
     result = {"case": case.name, "dtype": case.dtype, "d": case.d, "n": case.n, "causal": case.causal,
               "b": case.b, "h": case.h, "flops_fwd": case.flops_fwd, "flops_bwd": case.flops_bwd,
-              "fwd": {}, "bwd": {}}
+              "dropout": args.dropout, "fwd": {}, "bwd": {}}
     for name in args.backends:
-        if name == "naive" and case.n > args.naive_max_n:
+        if name == "naive" and (case.n > args.naive_max_n or args.dropout):
             result["fwd"][name] = result["bwd"][name] = {"status": "skip"}
             continue
         try:
-            fwd_err, bwd_err = validate(name, case, arrays, scale)
+            fwd_err, bwd_err = validate(name, case, arrays, scale, args.dropout)
         except Exception as exc:
             status = "OOM" if is_oom(exc) else "n/a"
             result["fwd"][name] = result["bwd"][name] = {"status": status, "error": f"{type(exc).__name__}: {exc}"}
@@ -387,7 +409,7 @@ def run_case(case, args):
                 entry["status"] = "bad"
                 continue
             try:
-                backend = make_backend(name, *arrays, causal=case.causal, scale=scale)
+                backend = make_backend(name, *arrays, causal=case.causal, scale=scale, dropout=args.dropout)
                 if phase == "fwd":
                     ms = median_ms(backend.forward, args, flush)
                 else:

@@ -25,11 +25,15 @@
 // The bias gradient dS is added (float32 atomics) into a zeroed float32 buffer of the bias's own
 // shape by the dQ pass, the first chunk of columns only; broadcast bias dims have stride 0 there, so
 // the adds sum over them. The atomics are the one thing here whose order can vary between runs.
+// HAS_DROPOUT instantiations regenerate the keep mask Z of each tile (dropout.cuh) and use
+// dP' = Z * dP / (1 - p) in place of dP (delta = rowsum(dout * out) already holds the dropout), so
+// dS = P * (dP' - delta); the dK/dV pass also feeds P * Z into dV, scaled by 1 / (1 - p) at the end.
 #include "common.cuh"
 #include "block_info.cuh"
 #include "gemm.cuh"
 #include "mask.cuh"
 #include "score_mods.cuh"
+#include "dropout.cuh"
 
 template <typename T, int NUM_WARPS>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
@@ -75,7 +79,8 @@ __device__ __forceinline__ void dscores_cols(float (&dp)[N_TILES][4], const floa
   }
 }
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_M, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS, bool WGMMA>
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_M, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS, bool WGMMA,
+          bool HAS_DROPOUT>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_dkdv_kernel(const AttnParams p) {
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
@@ -111,6 +116,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p);
   const float* lse_log2 = p.lse_log2 + static_cast<i64>(b) * p.nq;
   const float* delta = p.delta + static_cast<i64>(b) * p.nq;
+  const Dropout dropout(p, b);
 
   // Only query rows i with i + nk - nq >= n0 see a key of this block under the causal mask.
   int m_first = IS_CAUSAL ? max(0, n0 - offset) / BLOCK_M : 0;
@@ -178,6 +184,11 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
       gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
       zero_acc(acc_s);
       gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i, lane);
+      u64 keep = 0;
+      if constexpr (HAS_DROPOUT) {  // dP^T -> Z * dP^T / (1 - p)
+        keep = dropout.keep_cols<S_TILES>(n0 + warp * 16, m0, lane);
+        apply_keep(acc_dp, keep, p.dropout_scale);
+      }
       // The tile is S^T: queries along the columns, their lse and delta in shared memory.
       const float* lse_i = sLse + buf * BLOCK_M;
       const float* delta_i = sDelta + buf * BLOCK_M;
@@ -186,7 +197,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
                                    mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1),
                                    [&](int j, int e) { return lse_i[j * 8 + 2 * t + (e & 1)]; },
                                    [&](int j, int e) { return delta_i[j * 8 + 2 * t + (e & 1)]; }, false);
-      // dV += P^T dO_i
+      if constexpr (HAS_DROPOUT) apply_keep(acc_s, keep);
+      // dV += (Z * P^T) dO_i
       gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, lane);
     } else {
       // S^T = K Q_i^T, then P^T = exp(scale * S^T - lse)
@@ -195,13 +207,24 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
       if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + warp * 16, m0, lane);
       probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, p.scale_log2, lane);
 
-      // dV += P^T dO_i
-      gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, lane);
+      if constexpr (HAS_DROPOUT) {
+        // dP^T = V dO_i^T -> Z * dP^T / (1 - p);  dS^T = P^T * (that - delta);  dV += (Z * P^T) dO_i
+        zero_acc(acc_dp);
+        gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
+        const u64 keep = dropout.keep_cols<S_TILES>(n0 + warp * 16, m0, lane);
+        apply_keep(acc_dp, keep, p.dropout_scale);
+        dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
+        apply_keep(acc_s, keep);
+        gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, lane);
+      } else {
+        // dV += P^T dO_i
+        gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, lane);
 
-      // dP^T = V dO_i^T;  dS^T = P^T * (dP^T - delta)
-      zero_acc(acc_dp);
-      gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
-      dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
+        // dP^T = V dO_i^T;  dS^T = P^T * (dP^T - delta)
+        zero_acc(acc_dp);
+        gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
+        dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
+      }
     }
 
     // dK += dS^T Q_i
@@ -210,13 +233,14 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     m_block = m_next;
   }
 
-  // dK = scale * dS^T Q; stage both gradients through sK / sV for 16-byte stores.
+  // dK = scale * dS^T Q, dV = (Z * P^T) dO / (1 - p); staged through sK / sV for 16-byte stores.
   const float dk_scale[2] = {p.scale, p.scale};
-  const float one[2] = {1.f, 1.f};
+  const float dv_scale = HAS_DROPOUT ? p.dropout_scale : 1.f;
+  const float dv_scales[2] = {dv_scale, dv_scale};
   cp_async_wait<0>();  // with no query block to visit, the K/V copies may still be in flight
   __syncthreads();
   acc_to_smem<KVTile, G_TILES>(sK, warp * 16, acc_dk, dk_scale, lane);
-  acc_to_smem<KVTile, G_TILES>(sV, warp * 16, acc_dv, one, lane);
+  acc_to_smem<KVTile, G_TILES>(sV, warp * 16, acc_dv, dv_scales, lane);
   __syncthreads();
   T* dk = static_cast<T*>(p.dk) + (static_cast<i64>(b) * p.nk + n0) * p.d_qk + c0;
   T* dv = static_cast<T*>(p.dv) + (static_cast<i64>(b) * p.nk + n0) * p.d_v + c0;
@@ -224,7 +248,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   store_tile<KVTile, D_CHUNK, THREADS>(dv, p.d_v, sV, p.nk - n0, p.d_v - c0);
 }
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS, bool WGMMA>
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS, bool WGMMA,
+          bool HAS_DROPOUT>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_dq_kernel(const AttnParams p) {
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
@@ -256,6 +281,12 @@ attention_bwd_dq_kernel(const AttnParams p) {
   const T* k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p);
   const T* v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p);
   const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + m0 * p.dout_stride[3];
+  const Dropout dropout(p, b);
+  auto drop_dp = [&](float (&dp)[S_TILES][4], int n0) {  // dP -> Z * dP / (1 - p)
+    if constexpr (HAS_DROPOUT) {
+      apply_keep(dp, dropout.keep_rows<S_TILES>(m0 + warp * 16, n0, lane), p.dropout_scale);
+    }
+  };
 
   // The two rows this thread holds: their lse (log2 units) and delta.
   float row_lse[2], row_delta[2];
@@ -329,6 +360,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
       gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, warp * 16, sV_j, lane);
       zero_acc(acc_s);
       gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j, lane);
+      drop_dp(acc_dp, n0);
       mods.template backward<false>(acc_s, acc_dp, m0 + warp * 16, n0, lane,
                                     mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1),
                                     [&](int, int e) { return row_lse[e >> 1]; },
@@ -347,6 +379,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
       // dP = dO V_j^T;  dS = P * (dP - delta)
       zero_acc(acc_dp);
       gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, warp * 16, sV_j, lane);
+      drop_dp(acc_dp, n0);
 #pragma unroll
       for (int j = 0; j < S_TILES; ++j) {
 #pragma unroll

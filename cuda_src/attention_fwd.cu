@@ -11,6 +11,9 @@
 // HAS_MODS instantiations apply the score modifiers (score_mods.cuh: window, softcap, ALiBi, bias,
 // mask) to each score tile and skip key tiles outside the window band or off in the block mask;
 // they run with IS_CAUSAL = false, causality arriving as the window's right edge.
+// HAS_DROPOUT instantiations zero the dropped elements of each P tile after the softmax has summed
+// it (dropout.cuh: the mask is regenerated from the seed, never stored) and scale out by 1 / (1 - p)
+// once at the end; lse is that of the scores, unchanged.
 // Saved for the backward: lse only.
 //
 // Two kernels, one per tensor-core path, sharing everything but the main loop (RowBlock, write_out):
@@ -29,6 +32,7 @@
 #include "mask.cuh"
 #include "softmax.cuh"
 #include "score_mods.cuh"
+#include "dropout.cuh"
 
 // The query rows [m0, m0 + BLOCK_M) of batch entry b that one CTA owns, where its tensors start, and the
 // key blocks those rows see: [n_first, n_blocks), walked downwards with prev_on.
@@ -95,14 +99,19 @@ struct RowBlock {
   __device__ __forceinline__ float exp_scale() const { return HAS_MODS ? mods.exp_scale() : p.scale_log2; }
 };
 
-// out = O_i / l_i and lse_i = scale * m_i + log(l_i), columns [c0, c0 + 8*O_TILES) (lse by the c0 = 0
-// CTA). Staged through sQ for 16-byte stores: every warp must be done with its products first.
-template <class QTile, int THREADS, typename T, int O_TILES, int S_TILES, class Rows>
+// out = O_i / l_i (times 1 / (1 - p) with dropout) and lse_i = scale * m_i + log(l_i), columns
+// [c0, c0 + 8*O_TILES) (lse by the c0 = 0 CTA). Staged through sQ for 16-byte stores: every warp must
+// be done with its products first.
+template <class QTile, int THREADS, bool HAS_DROPOUT, typename T, int O_TILES, int S_TILES, class Rows>
 __device__ __forceinline__ void write_out(const Rows& rows, T* sQ, int c0, const float (&acc_o)[O_TILES][4],
                                           const OnlineSoftmax<S_TILES>& softmax, int warp, int lane) {
   const AttnParams& p = rows.p;
   float inv_sum[2], row_lse[2];
   softmax.finalize(rows.exp_scale(), inv_sum, row_lse);
+  if constexpr (HAS_DROPOUT) {
+    inv_sum[0] *= p.dropout_scale;
+    inv_sum[1] *= p.dropout_scale;
+  }
   __syncthreads();
   acc_to_smem<QTile, O_TILES>(sQ, warp * 16, acc_o, inv_sum, lane);
   if (c0 == 0 && (lane & 3) == 0) {
@@ -116,7 +125,8 @@ __device__ __forceinline__ void write_out(const Rows& rows, T* sQ, int c0, const
   store_tile<QTile, 8 * O_TILES, THREADS>(rows.out + c0, p.out_stride[3], sQ, p.nq - rows.m0, p.d_v - c0);
 }
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS>
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS,
+          bool HAS_DROPOUT>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_fwd_kernel(const AttnParams p) {
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
@@ -143,6 +153,13 @@ attention_fwd_kernel(const AttnParams p) {
   const int c0 = (blockIdx.x % N_CHUNKS) * D_CHUNK;  // this CTA's output columns
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MODS> rows(p, b, m0, bitmap_words);
+  const Dropout dropout(p, b);
+  // P_ij -> P_ij * Z_ij, after the softmax has summed P_ij into l_i.
+  auto drop = [&](float (&s)[S_TILES][4], int n_block) {
+    if constexpr (HAS_DROPOUT) {
+      apply_keep(s, dropout.keep_rows<S_TILES>(m0 + warp * 16, n_block * BLOCK_N, lane));
+    }
+  };
 
   float acc_o[O_TILES][4];
   zero_acc(acc_o);
@@ -174,6 +191,7 @@ attention_fwd_kernel(const AttnParams p) {
     float rescale[2];
     softmax.update(acc_s, rows.exp_scale(), rescale);
     scale_rows(acc_o, rescale);
+    drop(acc_s, n_block);
 
     cp_async_wait<0>();  // V_j has landed; every warp is done with K_j
     __syncthreads();
@@ -187,10 +205,10 @@ attention_fwd_kernel(const AttnParams p) {
     n_block = n_next;
   }
   cp_async_wait<0>();  // with no key block to visit, nothing was loaded; else everything has landed
-  write_out<QTile, THREADS>(rows, sQ, c0, acc_o, softmax, warp, lane);
+  write_out<QTile, THREADS, HAS_DROPOUT>(rows, sQ, c0, acc_o, softmax, warp, lane);
 }
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, bool IS_CAUSAL, bool HAS_MODS>
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, bool IS_CAUSAL, bool HAS_MODS, bool HAS_DROPOUT>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_fwd_wgmma_kernel(const AttnParams p) {
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
@@ -216,6 +234,13 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int wg_row0 = (warp / 4) * 64;
   const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MODS> rows(p, b, m0, bitmap_words);
+  const Dropout dropout(p, b);
+  // P_ij -> P_ij * Z_ij, after the softmax has summed P_ij into l_i.
+  auto drop = [&](float (&s)[S_TILES][4], int n_block) {
+    if constexpr (HAS_DROPOUT) {
+      apply_keep(s, dropout.keep_rows<S_TILES>(m0 + warp * 16, n_block * BLOCK_N, lane));
+    }
+  };
 
   // The visited key blocks b_0 > b_1 > ... The copies go in commit groups G_0 = {Q, K(b_0)} and
   // G_t = {K(b_t), V(b_(t-1))}; G_t is waited for at step t and G_(t+2) issued at its end, into the
@@ -263,6 +288,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
       rows.scores(acc_s, n_cur, warp * 16, lane);
       float rescale[2];  // of an all-zero O: unused
       softmax.update(acc_s, exp_scale, rescale);
+      drop(acc_s, n_cur);
       pack_fragments<T>(acc_s, p_cur);
       __syncthreads();  // every warpgroup is done with K(b_0)
       if (n_next >= rows.n_first) {
@@ -285,6 +311,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
       rows.scores(acc_s, n_next, warp * 16, lane);
       float rescale[2];
       softmax.update(acc_s, exp_scale, rescale);
+      drop(acc_s, n_next);
       u32 p_next[S_TILES / 2][4];
       pack_fragments<T>(acc_s, p_next);
       wgmma_wait<0>();
@@ -313,5 +340,5 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
     fence_fragments(p_cur);
   }
   cp_async_wait<0>();
-  write_out<QTile, THREADS>(rows, sQ, 0, acc_o, softmax, warp, lane);
+  write_out<QTile, THREADS, HAS_DROPOUT>(rows, sQ, 0, acc_o, softmax, warp, lane);
 }

@@ -61,6 +61,12 @@ struct AttnParams {
   // launches (cupyflash/_config.py, CHAIN_ROWS); block boundaries line up with BLOCK_M and BLOCK_N.
   int stream_begin;
   int stream_end;
+  // Dropout, read by HAS_DROPOUT kernels only (dropout.cuh): the seed's two words, the 16-bit keep
+  // threshold and 1 / (1 - p), by which the kept probabilities are scaled.
+  u32 dropout_key0;
+  u32 dropout_key1;
+  u32 dropout_threshold;
+  float dropout_scale;
 };
 
 // Flat batch index of this CTA: blockIdx.y, extended by blockIdx.z past the 65535 limit of y.

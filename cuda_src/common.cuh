@@ -8,6 +8,7 @@
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
+typedef unsigned long long u64;
 
 __device__ constexpr float LOG2E = 1.4426950408889634f;  // log2(e): exp(x) == exp2(x * LOG2E)
 __device__ constexpr float LN2 = 0.6931471805599453f;    // ln(2):  log(x) == log2(x) * LN2

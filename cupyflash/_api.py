@@ -20,7 +20,7 @@ import cupy
 import ml_dtypes
 import numpy as np
 
-from cupyflash import _cpu, _modifiers
+from cupyflash import _cpu, _dropout, _modifiers
 from cupyflash._types import Array
 
 MAX_HEAD_DIM = 256
@@ -30,7 +30,8 @@ LSE_DTYPE = np.dtype(np.float32)
 
 def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
               window: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes: Array | None = None,
-              bias: Array | None = None, mask: Array | None = None, block_mask: Array | None = None) -> Array:
+              bias: Array | None = None, mask: Array | None = None, block_mask: Array | None = None,
+              dropout_p: float = 0.0, dropout_seed: int | None = None) -> Array:
     """Scaled dot-product attention, ``softmax(scale * q @ k^T) @ v``, without materializing the scores.
 
     Parameters
@@ -79,6 +80,14 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
         Broadcastable to ``(..., ceil(Nq/128), ceil(Nk/128))``: element ``[..., a, b]`` False hides the
         128 x 128 tile of queries ``128a...`` and keys ``128b...``, which is then never loaded.
         :func:`block_mask_from_dense` builds one from a dense ``mask``.
+    dropout_p : float, optional
+        In [0, 1): each probability ``P_ij`` is zeroed with probability ``dropout_p`` and the kept ones
+        are scaled by ``1 / (1 - dropout_p)``, ``out = (P * Z / (1 - p)) @ v``. The keep mask ``Z`` is a
+        pure function of (``dropout_seed``, flat batch index, i, j) through Philox 4x32-10
+        (:func:`cupyflash.reference.dropout_mask` reproduces it); the keep probability is ``1 - p``
+        rounded to a multiple of 2^-16. ``0`` (the default) runs the kernels without dropout.
+    dropout_seed : int, optional
+        In [0, 2**64). None draws one from ``numpy.random``; pass one to reproduce a result.
 
     Returns
     -------
@@ -112,15 +121,18 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     >>> qg, kg, vg = (cupy.asarray(x.astype(ml_dtypes.bfloat16)) for x in (q, k, v))  # doctest: +SKIP
     >>> out = cupyflash.attention(qg, kg, vg, causal=True, window=(32, 0), softcap=30.0)  # doctest: +SKIP
     """
+    dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention", draw_seed=True)
     out, _ = attention_forward(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
-                               alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask)
+                               alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask,
+                               dropout_p=dropout.p if dropout else 0.0, dropout_seed=dropout.seed if dropout else None)
     return out
 
 
 def attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
                       window: tuple[int, int] | None = None, softcap: float = 0.0,
                       alibi_slopes: Array | None = None, bias: Array | None = None, mask: Array | None = None,
-                      block_mask: Array | None = None) -> tuple[Array, Array]:
+                      block_mask: Array | None = None, dropout_p: float = 0.0,
+                      dropout_seed: int | None = None) -> tuple[Array, Array]:
     """Attention forward pass that also returns the row-wise log-sum-exp needed by the backward.
 
     Parameters
@@ -131,6 +143,9 @@ def attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False, sca
         ``1 / sqrt(D)``.
     window, softcap, alibi_slopes, bias, mask, block_mask
         The score modifiers, as in :func:`attention`.
+    dropout_p, dropout_seed
+        As in :func:`attention`, except that ``dropout_p > 0`` needs an integer ``dropout_seed``: pass
+        the same one to :func:`attention_backward`.
 
     Returns
     -------
@@ -153,6 +168,7 @@ def attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False, sca
     options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                    block_mask=block_mask)
     problem = _validate(dict(q=q, k=k, v=v), causal, scale, options)
+    dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_forward")
     xp, batch = problem.xp, problem.batch
     if problem.is_empty:
         out = xp.zeros(batch + (problem.nq, problem.dv), dtype=problem.dtype)
@@ -160,13 +176,14 @@ def attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False, sca
         return out, lse
     q, k, v = (xp.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
     return problem.backend().attention_forward(q, k, v, scale=problem.scale, causal=problem.causal,
-                                               mods=problem.mods)
+                                               mods=problem.mods, dropout=dropout)
 
 
 def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *,
                        causal: bool = False, scale: float | None = None, window: tuple[int, int] | None = None,
                        softcap: float = 0.0, alibi_slopes: Array | None = None, bias: Array | None = None,
-                       mask: Array | None = None, block_mask: Array | None = None) -> tuple[Array, ...]:
+                       mask: Array | None = None, block_mask: Array | None = None, dropout_p: float = 0.0,
+                       dropout_seed: int | None = None) -> tuple[Array, ...]:
     """Gradients of attention with respect to q, k and v.
 
     Parameters
@@ -179,8 +196,8 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
         The forward output, as returned by :func:`attention_forward`.
     lse : array, shape (..., Nq), float32
         The log-sum-exp returned by :func:`attention_forward` with the same arguments.
-    causal, scale, window, softcap, alibi_slopes, bias, mask, block_mask
-        Exactly as passed to :func:`attention_forward`.
+    causal, scale, window, softcap, alibi_slopes, bias, mask, block_mask, dropout_p, dropout_seed
+        Exactly as passed to :func:`attention_forward` (the same seed regenerates the same dropout mask).
 
     Returns
     -------
@@ -214,13 +231,15 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
     options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                    block_mask=block_mask)
     problem = _validate(arrays, causal, scale, options)
+    dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_backward")
     xp, batch = problem.xp, problem.batch
     if problem.is_empty:
         grads = tuple(xp.zeros(x.shape, dtype=problem.dtype) for x in (q, k, v))
         return grads + ((xp.zeros(bias.shape, dtype=bias.dtype),) if bias is not None else ())
     qb, kb, vb = (xp.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
     *grads, dbias = problem.backend().attention_backward(
-        dout, qb, kb, vb, out, lse, scale=problem.scale, causal=problem.causal, mods=problem.mods
+        dout, qb, kb, vb, out, lse, scale=problem.scale, causal=problem.causal, mods=problem.mods,
+        dropout=dropout,
     )
     grads = tuple(sum_to_shape(g, x.shape) for g, x in zip(grads, (q, k, v)))
     return grads + ((dbias,) if bias is not None else ())

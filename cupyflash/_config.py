@@ -1,6 +1,6 @@
 """The one table of kernel variants: tile shapes per (path, element size, head dim, kernel).
 
-Every kernel is a template over (dtype, HEAD_DIM, tiles, IS_CAUSAL, HAS_MODS, WGMMA); the score modifiers'
+Every kernel is a template over (dtype, HEAD_DIM, tiles, IS_CAUSAL, HAS_MODS, WGMMA, HAS_DROPOUT); the score modifiers'
 kernels use the same tiles as the plain ones unless noted. A problem's head dims D and Dv are padded up to
 the smallest HEAD_DIM in ``HEAD_DIMS`` that holds both (the padding is zero-filled inside the kernel,
 never read from memory). fp16 and bf16 share tiles; float32 needs twice the shared memory per element
@@ -99,6 +99,13 @@ _WGMMA_MODS_TABLE = {
     (2, 128, "dkdv"): (4, 32, 128),
     (2, 64, "dq"): (4, 64, 64),
 }
+# The dropout kernels also hold the Philox state and a tile's keep bits; where that makes a variant spill,
+# (path, modifiers, element bytes, HEAD_DIM, kernel) -> its tiles (path "mma" or "wgmma").
+_DROPOUT_TABLE = {
+    ("mma", True, 2, 16, "dkdv"): (4, 32, 16),
+    ("mma", True, 2, 32, "dkdv"): (4, 32, 32),
+    ("mma", True, 2, 128, "dkdv"): (4, 16, 128),
+}
 HEAD_DIMS = tuple(sorted({head_dim for _, head_dim in _TABLE}))
 MAX_HEAD_DIM = HEAD_DIMS[-1]
 _KERNELS = ("fwd", "dkdv", "dq")
@@ -111,9 +118,10 @@ def has_wgmma(itemsize: int, head_dim: int) -> bool:
     return itemsize == 2 and head_dim in _WGMMA_TABLE
 
 
-def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: bool = False) -> Tiles:
+def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: bool = False,
+          dropout: bool = False) -> Tiles:
     """Tile shape for one kernel ("fwd", "dkdv", "dq" or "probs") of one variant; ``mods``: the
-    score modifiers' instantiation; ``wgmma``: the Hopper path."""
+    score modifiers' instantiation; ``wgmma``: the Hopper path; ``dropout``: the dropout instantiation."""
     if (itemsize, head_dim) not in _TABLE:
         raise ValueError(f"no tiles for {itemsize}-byte elements and head_dim {head_dim}; head dims: {HEAD_DIMS}")
     if wgmma and not has_wgmma(itemsize, head_dim):
@@ -122,6 +130,9 @@ def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: 
     if kernel not in _KERNELS:
         raise ValueError(f"kernel must be one of {_KERNELS + tuple(_SHARES_TILES)}, got {kernel!r}")
     table, mods_table = (_WGMMA_TABLE[head_dim], _WGMMA_MODS_TABLE) if wgmma else (_TABLE[itemsize, head_dim], _MODS_TABLE)
+    dropout_key = ("wgmma" if wgmma else "mma", bool(mods), itemsize, head_dim, kernel)
+    if dropout and dropout_key in _DROPOUT_TABLE:
+        return Tiles(*_DROPOUT_TABLE[dropout_key])
     if mods and (itemsize, head_dim, kernel) in mods_table:
         return Tiles(*mods_table[itemsize, head_dim, kernel])
     return Tiles(*table[_KERNELS.index(kernel)])
@@ -135,10 +146,11 @@ def padded_head_dim(d: int) -> int:
     raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {d}")
 
 
-def smem_bytes(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: bool = False) -> int:
+def smem_bytes(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: bool = False,
+               dropout: bool = False) -> int:
     """Dynamic shared memory of a kernel; mirrors the carve-up at the top of each kernel (swizzled wgmma
     tiles have unpadded rows and start on a SMEM_ALIGN boundary the kernel finds itself)."""
-    t = tiles(itemsize, head_dim, kernel, mods, wgmma)
+    t = tiles(itemsize, head_dim, kernel, mods, wgmma, dropout)
     row = head_dim * itemsize + (0 if wgmma else SMEM_PAD_BYTES)
     return (SMEM_ALIGN if wgmma else 0) + _tile_bytes(kernel, t, row, wgmma)
 

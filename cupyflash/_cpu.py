@@ -13,6 +13,9 @@ blocks that see it, recomputing P_ij = exp(S_ij - lse_i) and accumulating
 dV_j += P_ij^T dO_i,  dP_ij = dO_i V_j^T,  dS_ij = P_ij * (dP_ij - delta_i),
 dQ_i += scale dS_ij K_j,  dK_j += scale dS_ij^T Q_i,  dbias_ij += dS_ij (summed over its broadcast dims)
 (with softcap, dS_ij is multiplied by 1 - tanh^2 before dQ and dK).
+With dropout (cupyflash._dropout) the keep mask Z_ij of each tile is regenerated from the seed: the forward
+adds (P_ij * Z_ij) V_j into acc_i (l_i sums P_ij undropped) and scales out by 1 / (1 - p); the backward
+uses P_ij * Z_ij / (1 - p) for dV and dP_ij * Z_ij / (1 - p) in place of dP_ij.
 Key blocks outside the window band (causal included) or whose block_mask tiles are all False are skipped,
 as the kernels skip them. At most one (BLOCK_Q x BLOCK_K) score tile per batch element exists at a time:
 never Nq x Nk (except in attention_probs, whose output is that big).
@@ -20,6 +23,7 @@ never Nq x Nk (except in attention_probs, whose output is that big).
 
 import numpy as np
 
+from cupyflash._dropout import keep_mask
 from cupyflash._modifiers import BLOCK_MASK_TILE, Modifiers
 
 BLOCK_Q = 64
@@ -31,9 +35,9 @@ assert BLOCK_MASK_TILE % BLOCK_Q == 0 and BLOCK_MASK_TILE % BLOCK_K == 0
 _NO_MODIFIERS = Modifiers((-1, -1), 0.0, None, None, None, None, None)
 
 
-def attention_forward(q, k, v, *, scale, causal, mods=None):
+def attention_forward(q, k, v, *, scale, causal, mods=None, dropout=None):
     """Returns out (*batch, Nq, Dv) in the inputs' dtype and lse (*batch, Nq) float32."""
-    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods)
+    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, dropout, q.shape[:-2])
     out = np.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
     lse = np.empty(q.shape[:-1], dtype=COMPUTE_DTYPE)
     for i0 in range(0, tiles.nq, BLOCK_Q):
@@ -57,23 +61,23 @@ def _forward_query_block(q, k, v, i0, i1, tiles):
         p_ij = np.exp(s_ij - m_shift[..., None])
         alpha = np.exp(m_i - m_shift)
         l_i = alpha * l_i + p_ij.sum(axis=-1)
-        acc_i = alpha[..., None] * acc_i + p_ij @ v[..., j0:j1, :].astype(COMPUTE_DTYPE)
+        acc_i = alpha[..., None] * acc_i + tiles.drop(p_ij, i0, i1, j0, j1) @ v[..., j0:j1, :].astype(COMPUTE_DTYPE)
         m_i = m_new
     # False only for rows that see no key at all (every key hidden or skipped); a NaN sum (a NaN or
     # +inf input) is "seen" and propagates, as in the reference.
     seen = l_i != 0
-    out_i = np.where(seen[..., None], acc_i / np.where(seen, l_i, 1)[..., None], 0)
+    out_i = np.where(seen[..., None], acc_i * (tiles.keep_scale / np.where(seen, l_i, 1))[..., None], 0)
     lse_i = np.where(seen, m_i + np.log(np.where(seen, l_i, 1)), -np.inf)
     return out_i, lse_i
 
 
-def attention_backward(dout, q, k, v, out, lse, *, scale, causal, mods=None):
+def attention_backward(dout, q, k, v, out, lse, *, scale, causal, mods=None, dropout=None):
     """Returns dq, dk, dv with the full batch shape, in the inputs' dtype, and dbias or None.
 
     dbias has the bias's own shape ``mods.bias_shape`` and dtype (summed over its broadcast dims in
     float32); None when there is no bias.
     """
-    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods)
+    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, dropout, q.shape[:-2])
     delta = np.sum(dout.astype(COMPUTE_DTYPE) * out.astype(COMPUTE_DTYPE), axis=-1)
     # Rows that see no key have lse = -inf; +inf instead makes their P = exp(S - inf) = 0, never NaN.
     lse = np.where(np.isneginf(lse), np.inf, lse)
@@ -101,8 +105,8 @@ def _backward_key_block(dout, q, k, v, lse, delta, dq, dbias, j0, j1, tiles):
         dout_i = dout[..., i0:i1, :].astype(COMPUTE_DTYPE)
         s_ij, tanh_ij = tiles.scores(q_i, k_j, i0, i1, j0, j1)
         p_ij = np.exp(s_ij - lse[..., i0:i1, None])
-        dv_j += _transpose(p_ij) @ dout_i
-        dp_ij = dout_i @ _transpose(v_j)
+        dv_j += _transpose(tiles.drop(p_ij, i0, i1, j0, j1, tiles.keep_scale)) @ dout_i
+        dp_ij = tiles.drop(dout_i @ _transpose(v_j), i0, i1, j0, j1, tiles.keep_scale)
         ds_ij = p_ij * (dp_ij - delta[..., i0:i1, None])
         if dbias is not None:
             tiles.add_to_bias_shape(dbias, ds_ij, i0, i1, j0, j1)
@@ -117,7 +121,7 @@ def attention_probs(q, k, v, *, scale, causal, mods=None):
     """Returns P (*batch, Nq, Nk) float32: exp(s - lse) with the forward's lse; 0 where keys are hidden."""
     _, lse = attention_forward(q, k, v, scale=scale, causal=causal, mods=mods)
     lse = np.where(np.isneginf(lse), np.inf, lse)  # rows that see no key: P = 0, as in the backward
-    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods)
+    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, None, q.shape[:-2])
     p = np.zeros(q.shape[:-1] + k.shape[-2:-1], dtype=COMPUTE_DTYPE)
     for i0 in range(0, tiles.nq, BLOCK_Q):
         i1 = min(i0 + BLOCK_Q, tiles.nq)
@@ -136,8 +140,10 @@ class _ScoreTiles:
     mask and block_mask.
     """
 
-    def __init__(self, nq, nk, scale, causal, mods):
+    def __init__(self, nq, nk, scale, causal, mods, dropout, batch):
         self.nq, self.nk, self.scale = nq, nk, scale
+        self.dropout, self.batch = dropout, tuple(batch)
+        self.keep_scale = COMPUTE_DTYPE(1.0 if dropout is None else dropout.scale)
         self.off = nk - nq  # bottom-right alignment
         mods = _NO_MODIFIERS if mods is None else mods
         self.window = mods.window_with_causal(causal)
@@ -192,6 +198,13 @@ class _ScoreTiles:
         if hidden is not None:
             s_ij = np.where(hidden, -np.inf, s_ij).astype(COMPUTE_DTYPE, copy=False)
         return s_ij, tanh_ij
+
+    def drop(self, x_ij, i0, i1, j0, j1, scale=None):
+        """x_ij * Z_ij (times ``scale``), the dropout keep mask of the tile; x_ij itself without dropout."""
+        if self.dropout is None:
+            return x_ij
+        kept = np.where(keep_mask(self.dropout, self.batch, np.arange(i0, i1), np.arange(j0, j1)), x_ij, 0)
+        return (kept if scale is None else kept * scale).astype(COMPUTE_DTYPE, copy=False)
 
     def add_to_bias_shape(self, dbias, ds_ij, i0, i1, j0, j1):
         """dbias[..., i0:i1, j0:j1] += dS_ij, summed over the dims along which the bias was broadcast.

@@ -43,7 +43,9 @@ PARAMS_DTYPE = numpy.dtype(
     + [(name, numpy.int32) for name in ("window_left", "window_right", "bias_f32", "bias_pairs", "dbias_pairs",
                                         "dbias_f32")]
     + [("softcap", numpy.float32), ("softcap_inv", numpy.float32)]
-    + [(name, numpy.int32) for name in ("stream_begin", "stream_end")],
+    + [(name, numpy.int32) for name in ("stream_begin", "stream_end")]
+    + [(name, numpy.uint32) for name in ("dropout_key0", "dropout_key1", "dropout_threshold")]
+    + [("dropout_scale", numpy.float32)],
     align=True,
 )
 _LOG2E = 1.4426950408889634
@@ -81,7 +83,8 @@ def source(filename: str) -> str:
 class Variant:
     """One compiled module: a direction ("fwd", "bwd" or "probs") for one dtype, HEAD_DIM and mask.
     ``mods``: the score modifiers' instantiation (causal then travels as the window, so never both);
-    "probs" always has it. ``wgmma``: the Hopper path (sm_90a; fp16/bf16 head dims with wgmma tiles)."""
+    "probs" always has it. ``wgmma``: the Hopper path (sm_90a; fp16/bf16 head dims with wgmma tiles).
+    ``dropout``: the kernels that regenerate and apply the dropout mask (fwd and bwd only)."""
 
     direction: str
     ctype: str
@@ -89,17 +92,18 @@ class Variant:
     causal: bool
     mods: bool = False
     wgmma: bool = False
+    dropout: bool = False
 
     @property
     def itemsize(self) -> int:
         return _ITEMSIZE[self.ctype]
 
     def tiles(self, kernel: str) -> _config.Tiles:
-        return _config.tiles(self.itemsize, self.head_dim, kernel, self.mods, self.wgmma)
+        return _config.tiles(self.itemsize, self.head_dim, kernel, self.mods, self.wgmma, self.dropout)
 
     def smem(self, kernel: str) -> int:
         return 0 if kernel == "preprocess" else _config.smem_bytes(self.itemsize, self.head_dim, kernel, self.mods,
-                                                                   self.wgmma)
+                                                                   self.wgmma, self.dropout)
 
     def threads(self, kernel: str) -> int:
         return 32 * _config.PREPROCESS_WARPS if kernel == "preprocess" else self.tiles(kernel).threads
@@ -111,16 +115,17 @@ class Variant:
     def name_expression(self, kernel: str) -> str:
         c, hd = self.ctype, self.head_dim
         flag = {True: "true", False: "false"}
-        flags = f"{flag[self.causal]}, {flag[self.mods]}, {flag[self.wgmma]}"
+        flags = f"{flag[self.causal]}, {flag[self.mods]}, {flag[self.wgmma]}, {flag[self.dropout]}"
+        fwd_flags = f"{flag[self.causal]}, {flag[self.mods]}, {flag[self.dropout]}"
         if kernel == "preprocess":
             return f"attention_bwd_preprocess_kernel<{c}, {_config.PREPROCESS_WARPS}>"
         t = self.tiles(kernel)
         if kernel == "probs":
             return f"attention_probs_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {flag[self.wgmma]}>"
         if kernel == "fwd" and self.wgmma:  # no column chunks: the whole head dim per CTA
-            return f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {flag[self.causal]}, {flag[self.mods]}>"
+            return f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {fwd_flags}>"
         if kernel == "fwd":
-            return f"attention_fwd_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {flag[self.causal]}, {flag[self.mods]}>"
+            return f"attention_fwd_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {fwd_flags}>"
         return f"attention_bwd_{kernel}_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {flags}>"
 
     @property
@@ -145,15 +150,16 @@ class Variant:
 
 def shipped_variants() -> list[Variant]:
     """Every module the library can compile: (fwd, bwd) x dtypes x head dims x (plain, causal,
-    modifiers), and probs x dtypes x head dims, on the mma.sync path; and the same again on the wgmma
-    path for the (dtype, head dim) pairs that have wgmma tiles."""
+    modifiers) x (without, with dropout), and probs x dtypes x head dims, on the mma.sync path; and the
+    same again on the wgmma path for the (dtype, head dim) pairs that have wgmma tiles."""
     ctypes = ("half_t", "bfloat16_t", "float")
     variants = [
-        Variant(direction, ctype, head_dim, causal, mods)
+        Variant(direction, ctype, head_dim, causal, mods, dropout=dropout)
         for direction in ("fwd", "bwd")
         for ctype in ctypes
         for head_dim in _config.HEAD_DIMS
         for causal, mods in ((False, False), (True, False), (False, True))
+        for dropout in (False, True)
     ] + [Variant("probs", ctype, head_dim, False, True) for ctype in ctypes for head_dim in _config.HEAD_DIMS]
     return variants + [dataclasses.replace(v, wgmma=True) for v in variants if _config.has_wgmma(v.itemsize, v.head_dim)]
 
@@ -361,7 +367,7 @@ def _layout(batch, arrays: dict):
 
 
 def _params(arrays: dict, sizes, batch_strides: dict, *, batch: int, nq: int, nk: int, d: int, dv: int,
-            scale: float, others: dict = None, mods=None, causal: bool = False):
+            scale: float, others: dict = None, mods=None, causal: bool = False, dropout=None):
     """Fill the AttnParams struct (a one-element structured array: CuPy passes it by value).
     ``arrays`` are the strided tensors (with their collapsed batch strides in ``batch_strides``);
     ``others`` the contiguous ones (lse and workspaces), by pointer only."""
@@ -389,6 +395,9 @@ def _params(arrays: dict, sizes, batch_strides: dict, *, batch: int, nq: int, nk
         if "dbias" in arrays:
             p["dbias_pairs"] = _dbias_exclusive(mods)  # see _dbias_buffer
             p["dbias_f32"] = arrays["dbias"].dtype == numpy.float32
+    if dropout is not None:  # read by the dropout kernels only
+        p["dropout_key0"], p["dropout_key1"] = dropout.key
+        p["dropout_threshold"], p["dropout_scale"] = dropout.threshold, dropout.scale
     return p
 
 
@@ -437,13 +446,13 @@ def _grid(blocks: int, batch: int) -> tuple[int, int, int]:
     return blocks, y, -(-batch // y)
 
 
-def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None) -> Variant:
+def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dropout=None) -> Variant:
     """With modifiers, causal travels in the window: one instantiation serves both."""
     name = numpy.dtype(dtype).name
     has_mods = mods is not None or direction == "probs"
     ctype, head_dim = _CTYPES[name], _config.padded_head_dim(max(d, dv))
     return Variant(direction, ctype, head_dim, bool(causal) and not has_mods, has_mods,
-                   uses_wgmma(_ITEMSIZE[ctype], head_dim))
+                   uses_wgmma(_ITEMSIZE[ctype], head_dim), dropout is not None)
 
 
 def uses_wgmma(itemsize: int, head_dim: int) -> bool:
@@ -529,26 +538,26 @@ def _unpad(x, width: int):
     return x if x.shape[-1] == width else cupy.ascontiguousarray(_bits(x[..., :width])).view(x.dtype)
 
 
-def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None):
+def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout=None):
     """out (*batch, Nq, Dv) and lse (*batch, Nq) float32; see CONTRACT in _api for preconditions."""
     import cupy
 
     batch_shape, (nq, d), nk, dv = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
     vec = 16 // q.dtype.itemsize
     d_w, dv_w = _round_up(d, vec), _round_up(dv, vec)
-    variant = _variant("fwd", q.dtype, d_w, dv_w, causal, mods)
+    variant = _variant("fwd", q.dtype, d_w, dv_w, causal, mods, dropout)
     q, k, v = _kernel_ready(q, d_w), _kernel_ready(k, d_w), _kernel_ready(v, dv_w)
     out = cupy.empty(batch_shape + (nq, dv_w), dtype=q.dtype)
     lse = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
     arrays, sizes, strides, _ = _layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, **_mod_arrays(mods)})
     batch = math.prod(batch_shape)
     params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
-                     others={"lse": lse, **_alibi(mods)}, mods=mods, causal=causal)
+                     others={"lse": lse, **_alibi(mods)}, mods=mods, causal=causal, dropout=dropout)
     _launch(_functions(variant), variant, "fwd", nq, batch, params)
     return _unpad(arrays["out"], dv), lse
 
 
-def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, mods=None):
+def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, mods=None, dropout=None):
     """dq, dk, dv with the full (broadcast) batch shape, in the input dtype, and dbias (the bias's
     shape and dtype) or None."""
     import cupy
@@ -556,7 +565,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     batch_shape, (nq, d), nk, dv = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
     vec = 16 // q.dtype.itemsize
     d_w, dv_w = _round_up(d, vec), _round_up(dv, vec)
-    variant = _variant("bwd", q.dtype, d_w, dv_w, causal, mods)
+    variant = _variant("bwd", q.dtype, d_w, dv_w, causal, mods, dropout)
     q, k = _kernel_ready(q, d_w), _kernel_ready(k, d_w)
     v, out, dout = (_kernel_ready(x, dv_w) for x in (v, out, dout))
     lse = cupy.ascontiguousarray(cupy.broadcast_to(lse, batch_shape + (nq,)), dtype=numpy.float32)
@@ -574,7 +583,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     batch = math.prod(batch_shape)
     others = {"dq": dq, "dk": dk, "dv": dv_, "lse": lse, "lse_log2": lse_log2, "delta": delta, **_alibi(mods)}
     params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
-                     others=others, mods=mods, causal=causal)
+                     others=others, mods=mods, causal=causal, dropout=dropout)
     functions = _functions(variant)
     _launch(functions, variant, "preprocess", nq, batch, params)
     _launch_summed(functions, variant, "dkdv", nk, batch, params, nq, (dk, dv_))

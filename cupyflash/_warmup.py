@@ -29,12 +29,13 @@ _DTYPE_ALIASES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 DTYPE_NAMES = ("float16", "bfloat16", "float32")  # the kernels' dtypes: the keys of _kernels._CTYPES
 ROW_ALIGN_BYTES = 16  # the API pads head dims to 16-byte rows before picking a HEAD_DIM (cp.async width)
 _SOME_MODIFIERS = object()  # _kernels._variant only asks whether any score modifier is on
+_SOME_DROPOUT = object()  # likewise for dropout
 _DEFAULT_CACHE_DIR = os.path.join("~", ".cupy", "kernel_cache")  # CuPy's default for CUPY_CACHE_DIR
 
 
 def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = ("float16", "bfloat16", "float32"),
            head_dims: int | Iterable[int] | None = None, causal: bool | Iterable[bool] = (False, True),
-           modifiers: bool = False, backward: bool = True, verbose: bool = False) -> list:
+           modifiers: bool = False, backward: bool = True, dropout: bool = False, verbose: bool = False) -> list:
     """Compile and load, on the current device, the kernels that later calls will need.
 
     Every combination of the arguments is warmed: the forward kernels of
@@ -59,6 +60,9 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = ("float16", "bfloat16", "fl
         compiles its own kernel on first use.
     backward : bool, optional
         Also warm the backward's kernels (default True).
+    dropout : bool, optional
+        Also warm the kernels that apply dropout (calls with ``dropout_p > 0``), for every
+        combination above.
     verbose : bool, optional
         Print one line per variant: what it is, the seconds it took, and whether it was
         ``compiled``, read from the ``disk cache`` or ``already loaded`` in this process (told
@@ -88,7 +92,7 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = ("float16", "bfloat16", "fl
 
     Run under ``with cupy.cuda.Device(i):`` to warm device ``i``.
     """
-    variants = select_variants(dtypes, head_dims, causal, modifiers, backward)
+    variants = select_variants(dtypes, head_dims, causal, modifiers, backward, dropout)
     device_id = _current_device_id()
     for i, variant in enumerate(variants, 1):
         status, seconds = _load(device_id, variant)
@@ -97,7 +101,7 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = ("float16", "bfloat16", "fl
     return variants
 
 
-def select_variants(dtypes, head_dims, causal, modifiers, backward) -> list:
+def select_variants(dtypes, head_dims, causal, modifiers, backward, dropout=False) -> list:
     """The distinct variants ``warmup`` loads for these arguments (validated), without a GPU."""
     from cupyflash import _kernels
 
@@ -106,14 +110,16 @@ def select_variants(dtypes, head_dims, causal, modifiers, backward) -> list:
     causals = [_check_bool("causal", c) for c in _as_list("causal", causal)]
     directions = ("fwd", "bwd") if _check_bool("backward", backward) else ("fwd",)
     mods_options = (None, _SOME_MODIFIERS) if _check_bool("modifiers", modifiers) else (None,)
+    dropout_options = (None, _SOME_DROPOUT) if _check_bool("dropout", dropout) else (None,)
     variants = []
     for dtype in dtypes:
         for d in dims:
             width = _kernels._round_up(d, ROW_ALIGN_BYTES // dtype.itemsize)
             for mods in mods_options:
-                for is_causal in causals:
-                    for direction in directions:
-                        variants.append(_kernels._variant(direction, dtype, width, width, is_causal, mods))
+                for drop in dropout_options:
+                    for is_causal in causals:
+                        for direction in directions:
+                            variants.append(_kernels._variant(direction, dtype, width, width, is_causal, mods, drop))
     return list(dict.fromkeys(variants))  # distinct, in order: with modifiers, causal shares one variant
 
 
@@ -123,7 +129,8 @@ def describe(variant) -> str:
 
     dtype = {ctype: name for name, ctype in _kernels._CTYPES.items()}[variant.ctype]
     kind = "modifiers" if variant.mods else "causal" if variant.causal else "plain"
-    return f"{variant.direction} {dtype} HEAD_DIM={variant.head_dim} {kind}" + (" (wgmma)" if variant.wgmma else "")
+    return (f"{variant.direction} {dtype} HEAD_DIM={variant.head_dim} {kind}" + (" dropout" if variant.dropout else "")
+            + (" (wgmma)" if variant.wgmma else ""))
 
 
 # ---------------------------------------------------------------------------------------------------------

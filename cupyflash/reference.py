@@ -4,7 +4,8 @@ It materializes the whole score matrix and applies the textbook formulas; it is 
 right, not fast. Same semantics as cupyflash.attention: leading dims broadcast, the causal mask is
 bottom-right aligned (query i sees key j iff j <= i + Nk - Nq), the score modifiers (window, softcap,
 alibi_slopes, bias, mask, block_mask) are exactly those of cupyflash._modifiers, and a query row that sees
-no key gives out = 0, lse = -inf and zero gradients. Inputs must be NumPy arrays (any dtype NumPy can
+no key gives out = 0, lse = -inf and zero gradients. Dropout (``dropout_p``, ``dropout_seed``) uses the
+mask of :func:`dropout_mask`, the very one the kernels and the CPU path regenerate. Inputs must be NumPy arrays (any dtype NumPy can
 convert to float64, float64 included; bias any floating-point dtype); results are float64. ALiBi slopes
 are used as float32, as everywhere in cupyflash.
 """
@@ -15,7 +16,7 @@ import cupy
 import ml_dtypes
 import numpy as np
 
-from cupyflash import _modifiers
+from cupyflash import _dropout, _modifiers
 from cupyflash._api import check_causal, check_shapes, resolve_scale, sum_to_shape
 
 _BIAS_DTYPES_EXTRA = (np.dtype(ml_dtypes.bfloat16),)  # floating point, though NumPy's kind is not "f"
@@ -24,8 +25,8 @@ _BIAS_DTYPES_EXTRA = (np.dtype(ml_dtypes.bfloat16),)  # floating point, though N
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = False, scale: float | None = None,
               return_lse: bool = False, window: tuple[int, int] | None = None, softcap: float = 0.0,
               alibi_slopes: np.ndarray | None = None, bias: np.ndarray | None = None,
-              mask: np.ndarray | None = None,
-              block_mask: np.ndarray | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+              mask: np.ndarray | None = None, block_mask: np.ndarray | None = None, dropout_p: float = 0.0,
+              dropout_seed: int | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Reference attention in float64.
 
     Parameters
@@ -41,6 +42,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = Fal
         Also return the row-wise log-sum-exp of the (modified, masked) scores.
     window, softcap, alibi_slopes, bias, mask, block_mask : optional
         The score modifiers, as in :func:`cupyflash.attention` (NumPy arrays).
+    dropout_p, dropout_seed : optional
+        As in :func:`cupyflash.attention_forward` (a seed is required when ``dropout_p > 0``):
+        ``out = (P * Z / (1 - p)) @ v`` with ``Z = dropout_mask(dropout_p, dropout_seed, P.shape)``.
 
     Returns
     -------
@@ -67,11 +71,58 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = Fal
     """
     options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                    block_mask=block_mask)
+    dropout = _dropout.resolve(dropout_p, dropout_seed, caller="reference.attention")
     q, k, v = _as_float64(q=q, k=k, v=v)
     s, _ = _scores(q, k, v, causal, scale, options)
     p, lse = _softmax(s)
-    out = p @ v
+    out = _drop(p, dropout) @ v
     return (out, lse) if return_lse else out
+
+
+def dropout_mask(dropout_p: float, dropout_seed: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The dropout keep mask ``Z`` that cupyflash uses for probabilities of shape ``(..., Nq, Nk)``.
+
+    ``Z[..., i, j]`` is True where ``P_ij`` is kept. It is a pure function of the seed, the flat (C-order)
+    index of ``...``, ``i`` and ``j`` through Philox 4x32-10, the same on the GPU, on the CPU path and
+    here (the formula is in ``cupyflash._dropout``). A kept element has probability ``1 - dropout_p``
+    rounded to a multiple of 2^-16.
+
+    Parameters
+    ----------
+    dropout_p : float
+        In (0, 1).
+    dropout_seed : int
+        In [0, 2**64).
+    shape : tuple of int
+        ``(..., Nq, Nk)``: the broadcast leading dims of q, k, v, then Nq and Nk.
+
+    Returns
+    -------
+    keep : numpy.ndarray of bool, shape ``shape``
+
+    Examples
+    --------
+    >>> from cupyflash import reference
+    >>> keep = reference.dropout_mask(0.25, 1234, (2, 4, 256, 256))
+    >>> keep.shape, round(float(keep.mean()), 2)
+    ((2, 4, 256, 256), 0.75)
+    >>> bool((keep == reference.dropout_mask(0.25, 1234, (2, 4, 256, 256))).all())  # pure function of the seed
+    True
+    """
+    shape = tuple(int(n) for n in shape)
+    if len(shape) < 2 or any(n < 0 for n in shape):
+        raise ValueError(f"shape must be (..., Nq, Nk) with sizes >= 0, got {shape}")
+    dropout = _dropout.resolve(dropout_p, dropout_seed, caller="dropout_mask")
+    if dropout is None:
+        return np.ones(shape, dtype=bool)
+    return _dropout.keep_mask(dropout, shape[:-2], np.arange(shape[-2]), np.arange(shape[-1]))
+
+
+def _drop(p, dropout):
+    """P * Z / (1 - p), or P itself without dropout."""
+    if dropout is None:
+        return p
+    return np.where(dropout_mask(dropout.p, dropout.seed, p.shape), p * dropout.scale, 0.0)
 
 
 def attention_probs(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = False,
@@ -114,15 +165,15 @@ def attention_probs(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool
 def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = False,
                        scale: float | None = None, window: tuple[int, int] | None = None, softcap: float = 0.0,
                        alibi_slopes: np.ndarray | None = None, bias: np.ndarray | None = None,
-                       mask: np.ndarray | None = None,
-                       block_mask: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+                       mask: np.ndarray | None = None, block_mask: np.ndarray | None = None,
+                       dropout_p: float = 0.0, dropout_seed: int | None = None) -> tuple[np.ndarray, ...]:
     """Reference gradients of attention in float64.
 
     Parameters
     ----------
     dout : numpy.ndarray, shape (..., Nq, Dv)
         Gradient of the loss with respect to the output (broadcast leading dims).
-    q, k, v, causal, scale, window, softcap, alibi_slopes, bias, mask, block_mask
+    q, k, v, causal, scale, window, softcap, alibi_slopes, bias, mask, block_mask, dropout_p, dropout_seed
         As in :func:`attention`.
 
     Returns
@@ -151,6 +202,7 @@ def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.nda
     """
     options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                    block_mask=block_mask)
+    dropout = _dropout.resolve(dropout_p, dropout_seed, caller="reference.attention_backward")
     dout, q, k, v = _as_float64(dout=dout, q=q, k=k, v=v)
     s, tanh = _scores(q, k, v, causal, scale, options)
     out_shape = s.shape[:-1] + v.shape[-1:]
@@ -158,13 +210,14 @@ def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.nda
         raise ValueError(f"dout has shape {dout.shape}; the output of these q, k, v has shape {out_shape}")
     scale = resolve_scale(scale, q.shape[-1])
     p, _ = _softmax(s)
-    dp = dout @ _transpose(v)
+    # With dropout, out = (P o Z / (1 - p)) v: the gradient of P is dP o Z / (1 - p).
+    dp = _drop(dout @ _transpose(v), dropout)
     ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))  # dS = P o (dP - D): the gradient of s
     # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2: the gradient of the scaled score x = scale q.k
     ds_scaled = ds if tanh is None else ds * (1 - tanh**2)
     dq = scale * ds_scaled @ k
     dk = scale * _transpose(ds_scaled) @ q
-    dv = _transpose(p) @ dout
+    dv = _transpose(_drop(p, dropout)) @ dout
     grads = tuple(sum_to_shape(g, x.shape, np.float64) for g, x in ((dq, q), (dk, k), (dv, v)))
     if bias is None:
         return grads

@@ -4,6 +4,7 @@
 them; ``assert_matches_reference`` holds the results to conftest.py's rule (float16/bfloat16: at most twice
 the error of a naive same-dtype implementation plus the reference's rounding; float32: 1e-5 relative), with
 the naive implementation ``naive_attention`` extended to every modifier, and dbias checked like a gradient.
+``dropout_p`` / ``dropout_seed`` pass through to every function, the naive one applying the reference's mask.
 """
 
 import math
@@ -105,15 +106,24 @@ def naive_attention(q, k, v, dout, *, causal, scale=None, **options):
     def rounded(x):
         return x.astype(dtype).astype(xp.float32)
 
+    options = dict(options)
+    dropout_p, dropout_seed = options.pop("dropout_p", 0.0), options.pop("dropout_seed", None)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     qf, kf, vf = (xp.broadcast_to(x, batch + x.shape[-2:]).astype(xp.float32) for x in (q, k, v))
     dout = dout.astype(xp.float32)
     s, tanh = _naive_scores(qf, kf, scale, causal, rounded, options)
     p = rounded(_softmax(s))
-    out = rounded(p @ vf)
-    dv = rounded(_transpose(p) @ dout)
-    dp = rounded(dout @ _transpose(vf))
+
+    def drop(x):  # x * Z / (1 - p), in the dtype
+        if not dropout_p:
+            return x
+        keep = xp.asarray(reference.dropout_mask(dropout_p, dropout_seed, x.shape))
+        return rounded(xp.where(keep, x / xp.float32(1 - dropout_p), 0))
+
+    out = rounded(drop(p) @ vf)
+    dv = rounded(_transpose(drop(p)) @ dout)
+    dp = drop(rounded(dout @ _transpose(vf)))
     ds = rounded(p * (dp - xp.sum(p * dp, axis=-1, keepdims=True)))
     ds_scaled = ds if tanh is None else rounded(ds * (1 - tanh * tanh))
     dq = rounded(scale * rounded(ds_scaled @ kf))

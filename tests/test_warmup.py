@@ -28,10 +28,18 @@ def recorder(monkeypatch):
 def test_default_warms_every_plain_variant_of_the_api(recorder):
     warmed = cupyflash.warmup()
     expected = [v for v in _kernels.shipped_variants()
-                if not v.mods and v.wgmma == _kernels.uses_wgmma(v.itemsize, v.head_dim)]
+                if not v.mods and not v.dropout and v.wgmma == _kernels.uses_wgmma(v.itemsize, v.head_dim)]
     assert sorted(warmed, key=repr) == sorted(expected, key=repr)
     assert recorder == warmed, "each variant is loaded once, in the order returned"
     assert len(warmed) == len(DTYPE_NAMES) * len(_config.HEAD_DIMS) * 2 * 2  # causal x direction
+
+
+def test_dropout_adds_the_dropout_variants(recorder):
+    warmed = cupyflash.warmup(dtypes="bf16", head_dims=128, causal=True, modifiers=True, dropout=True)
+    assert [(v.mods, v.dropout) for v in warmed if v.direction == "fwd"] == [
+        (False, False), (False, True), (True, False), (True, True)]
+    assert all(v in _kernels.shipped_variants() for v in warmed)
+    assert "dropout" in _warmup.describe(warmed[2])
 
 
 def test_dtype_names_are_the_kernels_dtypes():

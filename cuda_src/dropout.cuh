@@ -1,0 +1,105 @@
+// dropout.cuh — the dropout keep mask Z, regenerated wherever a kernel needs it (HAS_DROPOUT kernels).
+//
+// Semantics (cupyflash/_dropout.py is the authority): Z_ij of flat batch entry b, query i, key j is the
+// 16-bit value u of Philox 4x32-10 with
+//   counter = ((j >> 4) * 4 + ((j >> 1) & 3), (i >> 4) * 8 + (i & 7), b, 0),  key = the 64-bit seed,
+//   slot = ((i >> 3) & 1) * 4 + ((j >> 3) & 1) * 2 + (j & 1), u = half (slot & 1) of word (slot >> 1),
+// kept iff u < threshold. Nothing is stored between passes: the forward and both backward passes call
+// the generator again, so the mask costs no memory and is the same whatever the tiles.
+// One call covers 8 elements that one thread holds in the forward's (and the dQ pass's) accumulator
+// layout: rows g and g + 8, columns 2t, 2t + 1 of two adjacent n8 tiles. In the dK/dV pass's transposed
+// tiles (keys along the rows) a thread holds 4 of each call's 8, so it makes twice as many calls.
+// A tile's keep bits are kept in one 64-bit register (bit 4 * j + e for accumulator element [j][e]) so
+// that a pass applying Z twice (dP and P in the dK/dV pass) draws the numbers once.
+#pragma once
+#include "common.cuh"
+#include "block_info.cuh"
+
+struct Dropout {
+  u32 key0, key1;  // the seed
+  u32 batch;       // flat batch index b: the third counter word
+  u32 threshold;   // keep iff u < threshold (<= 65536)
+
+  __device__ __forceinline__ Dropout(const AttnParams& p, int b)
+      : key0(p.dropout_key0), key1(p.dropout_key1), batch(static_cast<u32>(b)), threshold(p.dropout_threshold) {}
+
+  // Philox 4x32-10 of counter (c0, c1, batch, 0).
+  __device__ __forceinline__ uint4 philox(u32 c0, u32 c1) const {
+    u32 c2 = batch, c3 = 0, k0 = key0, k1 = key1;
+    // Opaque to the optimizer, so the ten round keys are recomputed per call (two adds per round)
+    // instead of being hoisted out of the main loop, where they would hold 18 registers throughout.
+    asm volatile("" : "+r"(k0), "+r"(k1));
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+      if (r) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
+      const u32 hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+      const u32 hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+      c0 = hi1 ^ c1 ^ k0; c1 = lo1; c2 = hi0 ^ c3 ^ k1; c3 = lo0;
+    }
+    return make_uint4(c0, c1, c2, c3);
+  }
+
+  // The 8 keep bits of one call, bit s for slot s.
+  __device__ __forceinline__ u32 keep8(const uint4& w) const {
+    const u32 words[4] = {w.x, w.y, w.z, w.w};
+    u32 bits = 0;
+#pragma unroll
+    for (int s = 0; s < 8; ++s) bits |= static_cast<u32>(((s & 1) ? words[s >> 1] >> 16 : words[s >> 1] & 0xffffu) < threshold) << s;
+    return bits;
+  }
+
+  // Keep bits of an accumulator tile with queries along the rows (forward, dQ pass): bit 4j + e for
+  // element [j][e]; this warp's rows start at query row0, its columns at key col0 (multiples of 16).
+  // Calls are unrolled by two only: two independent Philox chains give the one warp per scheduler
+  // enough to issue, and a full unroll would hold every call's state at once (spills in the dK/dV pass).
+  template <int N>
+  __device__ __forceinline__ u64 keep_rows(int row0, int col0, int lane) const {
+    static_assert(N % 2 == 0 && N <= 16, "whole 16-key blocks, at most 64 bits");
+    const int g = lane >> 2, t = lane & 3;
+    u64 bits = 0;
+#pragma unroll 1
+    for (int jj = 0; jj < N / 2; ++jj) {
+      // Slot (e >> 1) * 4 + h * 2 + (e & 1) is element [2 jj + h][e]: row g + 8 (e >> 1), column
+      // 16 jj + 8 h + 2t + (e & 1). Reordered to bit 4 h + e of this call's byte.
+      const u32 s = keep8(philox(static_cast<u32>(((col0 >> 4) + jj) * 4 + t), static_cast<u32>((row0 >> 4) * 8 + g)));
+      const u32 byte = (s & 0xc3u) | ((s & 0x0cu) << 2) | ((s & 0x30u) >> 2);
+      bits |= static_cast<u64>(byte) << (8 * jj);
+    }
+    return bits;
+  }
+
+  // Keep bits of a transposed tile (dK/dV pass: keys along the rows), bit 4j + e for element [j][e];
+  // this warp's rows start at key key_row0, its columns at query query_col0 (multiples of 16).
+  template <int N>
+  __device__ __forceinline__ u64 keep_cols(int key_row0, int query_col0, int lane) const {
+    static_assert(N % 2 == 0 && N <= 16, "whole 16-query blocks, at most 64 bits");
+    const int g = lane >> 2, t = lane & 3;
+    const int half = g & 1;  // this thread's keys g, g + 8 have j & 1 = g & 1
+    u64 bits = 0;
+#pragma unroll 1
+    for (int jj = 0; jj < N / 2; ++jj) {
+      u32 byte = 0;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        // Query 16 jj + 8 h + 2t + c, key g + 8 r: slot h * 4 + r * 2 + (g & 1), element [2 jj + h][2 r + c].
+        const u32 s = keep8(philox(static_cast<u32>((key_row0 >> 4) * 4 + (g >> 1)),
+                                   static_cast<u32>(((query_col0 >> 4) + jj) * 8 + 2 * t + c)));
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) byte |= ((s >> (h * 4 + r * 2 + half)) & 1u) << (4 * h + 2 * r + c);
+      }
+      bits |= static_cast<u64>(byte) << (8 * jj);
+    }
+    return bits;
+  }
+};
+
+// x = Z ? x * scale : 0, element by element (scale 1: the dropped elements only).
+template <int N>
+__device__ __forceinline__ void apply_keep(float (&x)[N][4], u64 bits, float scale = 1.f) {
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[j][e] = (bits >> (4 * j + e)) & 1u ? x[j][e] * scale : 0.f;
+}
