@@ -1,6 +1,7 @@
 // attention_bwd.cu — attention backward by recomputation: dq, dk, dv from dout, q, k, v, out, lse.
 //
-// Layout: as the forward (block_info.cuh); dq (b, nq, d), dk (b, nk, d), dv (b, nk, dv) contiguous.
+// Layout: as the forward (block_info.cuh); dq (b, nq, d), dk (b, nk, d), dv (b, nk, dv) contiguous (with
+// variable-length sequences: (head, packed row, d), SeqInfo's q_flat / k_flat).
 // Nothing of size nq x nk is stored: P is rebuilt tile by tile from the saved lse,
 // P_ij = exp(scale * q_i . k_j - lse_i). Three launches, no atomics, so results are
 // bitwise reproducible:
@@ -41,14 +42,16 @@ attention_bwd_preprocess_kernel(const AttnParams p) {
   const int b = batch_index();
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int row = blockIdx.x * NUM_WARPS + warp;  // one warp per query row
-  if (b >= p.batch || row >= p.nq) return;
-  const T* out = static_cast<const T*>(p.out) + batch_offset(p.out_stride, b, p) + row * p.out_stride[3];
-  const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + row * p.dout_stride[3];
+  if (b >= p.batch) return;
+  const SeqInfo<true> seq(p, b);  // one instantiation serves every variant: no registers to save here
+  if (row >= seq.nq) return;
+  const T* out = static_cast<const T*>(p.out) + batch_offset(p.out_stride, b, p) + (seq.q_row + row) * p.out_stride[3];
+  const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + (seq.q_row + row) * p.dout_stride[3];
   float dot = 0.f;
   for (int c = lane; c < p.d_v; c += WARP_SIZE) dot += Elem<T>::to_float(out[c]) * Elem<T>::to_float(dout[c]);
   dot = warp_sum(dot);
   if (lane == 0) {
-    const i64 i = static_cast<i64>(b) * p.nq + row;
+    const i64 i = seq.q_flat + row;
     const float lse = p.lse[i];
     p.delta[i] = dot;
     // A row that saw no key has lse = -inf; +inf here makes every recomputed P of it exactly 0.
@@ -107,25 +110,28 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   if (b >= p.batch) return;
   const int c0 = (blockIdx.x % N_CHUNKS) * D_CHUNK;
   const int n0 = (blockIdx.x / N_CHUNKS) * BLOCK_N;
+  const SeqInfo<HAS_MODS> seq(p, b);
+  if (n0 >= seq.nk) return;  // past a shorter sequence's end (variable-length batches)
+  const int nq = seq.nq, nk = seq.nk;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-  const int offset = causal_offset(p);
+  const int offset = seq.causal_offset();
 
-  const T* q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p);
-  const T* k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p) + n0 * p.k_stride[3];
-  const T* v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p) + n0 * p.v_stride[3];
-  const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p);
-  const float* lse_log2 = p.lse_log2 + static_cast<i64>(b) * p.nq;
-  const float* delta = p.delta + static_cast<i64>(b) * p.nq;
+  const T* q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p) + seq.q_row * p.q_stride[3];
+  const T* k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p) + (seq.k_row + n0) * p.k_stride[3];
+  const T* v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p) + (seq.k_row + n0) * p.v_stride[3];
+  const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + seq.q_row * p.dout_stride[3];
+  const float* lse_log2 = p.lse_log2 + seq.q_flat;
+  const float* delta = p.delta + seq.q_flat;
   const Dropout dropout(p, b);
 
   // Only query rows i with i + nk - nq >= n0 see a key of this block under the causal mask.
   int m_first = IS_CAUSAL ? max(0, n0 - offset) / BLOCK_M : 0;
-  int m_blocks = ceil_div(p.nq, BLOCK_M);
-  const Mask<IS_CAUSAL> mask{p.nk, offset};
+  int m_blocks = ceil_div(nq, BLOCK_M);
+  const Mask<IS_CAUSAL> mask{nk, offset};
   // With modifiers: the query blocks of the window band whose block-mask tile is on (next_on).
-  const ScoreMods<T> mods(p, b);
+  const ScoreMods<T> mods(p, b, nq, nk);
   if constexpr (HAS_MODS) {
-    const int i_first = mods.first_query(n0), i_last = mods.last_query(min(n0 + BLOCK_N, p.nk) - 1);
+    const int i_first = mods.first_query(n0), i_last = mods.last_query(min(n0 + BLOCK_N, nk) - 1);
     m_first = i_first / BLOCK_M;
     m_blocks = i_last >= i_first ? i_last / BLOCK_M + 1 : 0;
   }
@@ -143,17 +149,17 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 
   auto load_stream = [&](int m_block, int buf) {
     const int m0 = m_block * BLOCK_M;
-    load_tile_async<QTile, THREADS>(sQ + buf * QTile::SIZE, q + m0 * p.q_stride[3], p.q_stride[3], p.nq - m0, p.d_qk);
-    load_tile_async<QTile, THREADS>(sdO + buf * QTile::SIZE, dout + m0 * p.dout_stride[3], p.dout_stride[3], p.nq - m0, p.d_v);
+    load_tile_async<QTile, THREADS>(sQ + buf * QTile::SIZE, q + m0 * p.q_stride[3], p.q_stride[3], nq - m0, p.d_qk);
+    load_tile_async<QTile, THREADS>(sdO + buf * QTile::SIZE, dout + m0 * p.dout_stride[3], p.dout_stride[3], nq - m0, p.d_v);
     for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
-      const bool valid = m0 + i < p.nq;  // rows past nq: P = 0 through lse = +inf
+      const bool valid = m0 + i < nq;  // rows past nq: P = 0 through lse = +inf
       sLse[buf * BLOCK_M + i] = valid ? lse_log2[m0 + i] : pos_inf();
       sDelta[buf * BLOCK_M + i] = valid ? delta[m0 + i] : 0.f;
     }
   };
 
-  load_tile_async<KVTile, THREADS>(sK, k, p.k_stride[3], p.nk - n0, p.d_qk);
-  load_tile_async<KVTile, THREADS>(sV, v, p.v_stride[3], p.nk - n0, p.d_v);
+  load_tile_async<KVTile, THREADS>(sK, k, p.k_stride[3], nk - n0, p.d_qk);
+  load_tile_async<KVTile, THREADS>(sV, v, p.v_stride[3], nk - n0, p.d_v);
   int m_block = next_on(m_first);
   if (m_block < m_blocks) load_stream(m_block, 0);
   cp_async_commit();
@@ -242,10 +248,10 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   acc_to_smem<KVTile, G_TILES>(sK, warp * 16, acc_dk, dk_scale, lane);
   acc_to_smem<KVTile, G_TILES>(sV, warp * 16, acc_dv, dv_scales, lane);
   __syncthreads();
-  T* dk = static_cast<T*>(p.dk) + (static_cast<i64>(b) * p.nk + n0) * p.d_qk + c0;
-  T* dv = static_cast<T*>(p.dv) + (static_cast<i64>(b) * p.nk + n0) * p.d_v + c0;
-  store_tile<KVTile, D_CHUNK, THREADS>(dk, p.d_qk, sK, p.nk - n0, p.d_qk - c0);
-  store_tile<KVTile, D_CHUNK, THREADS>(dv, p.d_v, sV, p.nk - n0, p.d_v - c0);
+  T* dk = static_cast<T*>(p.dk) + (seq.k_flat + n0) * p.d_qk + c0;
+  T* dv = static_cast<T*>(p.dv) + (seq.k_flat + n0) * p.d_v + c0;
+  store_tile<KVTile, D_CHUNK, THREADS>(dk, p.d_qk, sK, nk - n0, p.d_qk - c0);
+  store_tile<KVTile, D_CHUNK, THREADS>(dv, p.d_v, sV, nk - n0, p.d_v - c0);
 }
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS, bool WGMMA,
@@ -274,13 +280,16 @@ attention_bwd_dq_kernel(const AttnParams p) {
   if (b >= p.batch) return;
   const int c0 = (blockIdx.x % N_CHUNKS) * D_CHUNK;
   const int m0 = (gridDim.x / N_CHUNKS - 1 - blockIdx.x / N_CHUNKS) * BLOCK_M;  // longest rows first
+  const SeqInfo<HAS_MODS> seq(p, b);
+  if (m0 >= seq.nq) return;  // past a shorter sequence's end (variable-length batches)
+  const int nq = seq.nq, nk = seq.nk;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-  const int offset = causal_offset(p);
+  const int offset = seq.causal_offset();
 
-  const T* q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p) + m0 * p.q_stride[3];
-  const T* k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p);
-  const T* v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p);
-  const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + m0 * p.dout_stride[3];
+  const T* q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p) + (seq.q_row + m0) * p.q_stride[3];
+  const T* k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p) + seq.k_row * p.k_stride[3];
+  const T* v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p) + seq.k_row * p.v_stride[3];
+  const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + (seq.q_row + m0) * p.dout_stride[3];
   const Dropout dropout(p, b);
   auto drop_dp = [&](float (&dp)[S_TILES][4], int n0) {  // dP -> Z * dP / (1 - p)
     if constexpr (HAS_DROPOUT) {
@@ -293,21 +302,21 @@ attention_bwd_dq_kernel(const AttnParams p) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = m0 + warp * 16 + (lane >> 2) + 8 * r;
-    const i64 i = static_cast<i64>(b) * p.nq + row;
-    row_lse[r] = row < p.nq ? p.lse_log2[i] : pos_inf();
-    row_delta[r] = row < p.nq ? p.delta[i] : 0.f;
+    const i64 i = seq.q_flat + row;
+    row_lse[r] = row < nq ? p.lse_log2[i] : pos_inf();
+    row_delta[r] = row < nq ? p.delta[i] : 0.f;
   }
 
-  const int key_end = IS_CAUSAL ? min(p.nk, m0 + BLOCK_M + offset) : p.nk;
+  const int key_end = IS_CAUSAL ? min(nk, m0 + BLOCK_M + offset) : nk;
   int n_blocks = key_end > 0 ? ceil_div(key_end, BLOCK_N) : 0;
-  int n_unmasked = p.nk / BLOCK_N;
+  int n_unmasked = nk / BLOCK_N;
   if (IS_CAUSAL) n_unmasked = min(n_unmasked, max(0, m0 + offset + 1) / BLOCK_N);
-  const Mask<IS_CAUSAL> mask{p.nk, offset};
+  const Mask<IS_CAUSAL> mask{nk, offset};
   // With modifiers: the key blocks of the window band whose block-mask tile is on (next_on).
-  const ScoreMods<T> mods(p, b);
+  const ScoreMods<T> mods(p, b, nq, nk);
   int n_first = 0;
   if constexpr (HAS_MODS) {
-    const int k_first = mods.first_key(m0), k_last = mods.last_key(min(m0 + BLOCK_M, p.nq) - 1);
+    const int k_first = mods.first_key(m0), k_last = mods.last_key(min(m0 + BLOCK_M, nq) - 1);
     n_first = k_first / BLOCK_N;
     n_blocks = k_last >= k_first ? k_last / BLOCK_N + 1 : 0;
   }
@@ -325,12 +334,12 @@ attention_bwd_dq_kernel(const AttnParams p) {
 
   auto load_stream = [&](int n_block, int buf) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_async<KVTile, THREADS>(sK + buf * KVTile::SIZE, k + n0 * p.k_stride[3], p.k_stride[3], p.nk - n0, p.d_qk);
-    load_tile_async<KVTile, THREADS>(sV + buf * KVTile::SIZE, v + n0 * p.v_stride[3], p.v_stride[3], p.nk - n0, p.d_v);
+    load_tile_async<KVTile, THREADS>(sK + buf * KVTile::SIZE, k + n0 * p.k_stride[3], p.k_stride[3], nk - n0, p.d_qk);
+    load_tile_async<KVTile, THREADS>(sV + buf * KVTile::SIZE, v + n0 * p.v_stride[3], p.v_stride[3], nk - n0, p.d_v);
   };
 
-  load_tile_async<QTile, THREADS>(sQ, q, p.q_stride[3], p.nq - m0, p.d_qk);
-  load_tile_async<QTile, THREADS>(sdO, dout, p.dout_stride[3], p.nq - m0, p.d_v);
+  load_tile_async<QTile, THREADS>(sQ, q, p.q_stride[3], nq - m0, p.d_qk);
+  load_tile_async<QTile, THREADS>(sdO, dout, p.dout_stride[3], nq - m0, p.d_v);
   int n_block = next_on(n_first);
   if (n_block < n_blocks) load_stream(n_block, 0);
   cp_async_commit();
@@ -399,6 +408,6 @@ attention_bwd_dq_kernel(const AttnParams p) {
   __syncthreads();
   acc_to_smem<QTile, G_TILES>(sQ, warp * 16, acc_dq, dq_scale, lane);
   __syncthreads();
-  T* dq = static_cast<T*>(p.dq) + (static_cast<i64>(b) * p.nq + m0) * p.d_qk + c0;
-  store_tile<QTile, D_CHUNK, THREADS>(dq, p.d_qk, sQ, p.nq - m0, p.d_qk - c0);
+  T* dq = static_cast<T*>(p.dq) + (seq.q_flat + m0) * p.d_qk + c0;
+  store_tile<QTile, D_CHUNK, THREADS>(dq, p.d_qk, sQ, nq - m0, p.d_qk - c0);
 }

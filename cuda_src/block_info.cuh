@@ -2,12 +2,18 @@
 // batch entry lives in each tensor.
 //
 // Layout: every tensor is (batch..., rows, cols) with a unit stride on cols (the score modifiers' arrays
-// carry a column stride too). The leading
-// ("batch") dims are collapsed on the host into at most three, b = (b0 * batch1 + b1) * batch2 + b2,
-// and each input carries its own strides for them (0 for a broadcast dim: GQA/MQA without copies).
-// Outputs and workspaces the library allocates (out, lse, dq, dk, dv, lse_log2, delta) are
-// contiguous in the flat batch index b. The host mirrors this struct as an aligned NumPy
-// dtype (cupyflash/_kernels.py, PARAMS_DTYPE): keep the two in the same order.
+// carry a column stride too). The leading ("batch") dims are collapsed on the host into at most three,
+// b = (b0 * batch1 + b1) * batch2 + b2, and each input carries its own strides for them (0 for a
+// broadcast dim: GQA/MQA without copies). Outputs and workspaces the library allocates (out, lse, dq,
+// dk, dv, lse_log2, delta) are contiguous in the flat batch index b.
+// Variable-length (packed) batches: with cu_seqlens_q / cu_seqlens_k set, b0 is the sequence (its
+// batch strides are 0) and (b1, b2) the head; sequence s owns rows [cu_seqlens_q[s], cu_seqlens_q[s + 1])
+// of q, out, dout and [cu_seqlens_k[s], cu_seqlens_k[s + 1]) of k, v, and its per-row arrays (lse, delta,
+// lse_log2, dq; dk, dv) are laid out (head, packed row): see SeqInfo. Packed batches run the HAS_MODS
+// instantiations (causal as the window's right edge): only they read cu_seqlens, so that the plain
+// kernels keep nq and nk as constants, not registers (their tightest variants have none to spare).
+// The host mirrors this struct as an aligned NumPy dtype (cupyflash/_kernels.py, PARAMS_DTYPE): keep the
+// two in the same order.
 #pragma once
 #include "common.cuh"
 
@@ -61,6 +67,13 @@ struct AttnParams {
   // launches (cupyflash/_config.py, CHAIN_ROWS); block boundaries line up with BLOCK_M and BLOCK_N.
   int stream_begin;
   int stream_end;
+  // Variable-length batches (null = every batch entry has nq queries and nk keys; then nq, nk are the
+  // lengths, else the longest ones, which size the grid).
+  const int* cu_seqlens_q;  // (sequences + 1) offsets of the sequences' rows in the packed q, out, dout
+  const int* cu_seqlens_k;  // likewise in k, v
+  int heads;                // batch entries per sequence: batch1 * batch2
+  int total_q;              // packed rows: the head stride of the per-row arrays
+  int total_k;
   // Dropout, read by HAS_DROPOUT kernels only (dropout.cuh): the seed's two words, the 16-bit keep
   // threshold and 1 / (1 - p), by which the kept probabilities are scaled.
   u32 dropout_key0;
@@ -81,5 +94,35 @@ __device__ __forceinline__ i64 batch_offset(const i64 (&stride)[N], int b, const
   return b0 * stride[0] + b1 * stride[1] + b2 * stride[2];
 }
 
-// Bottom-right causal alignment (FlashAttention-2): query row i sees key j iff j <= i + nk - nq.
-__device__ __forceinline__ int causal_offset(const AttnParams& p) { return p.nk - p.nq; }
+// The sequence of batch entry b: its lengths, where its rows start in the strided tensors (added to the
+// batch offset), and where they start in the library's per-row arrays: lse, delta, lse_log2, dq at
+// q_flat (+ row), dk, dv at k_flat. Dense batches: (nq, nk, 0, 0, b * nq, b * nk). MAY_BE_PACKED: the
+// kernel reads cu_seqlens when set (HAS_MODS kernels); otherwise the batch is dense, known at compile time.
+template <bool MAY_BE_PACKED>
+struct SeqInfo {
+  int nq, nk;
+  i64 q_row, k_row;
+  i64 q_flat, k_flat;
+
+  __device__ __forceinline__ SeqInfo(const AttnParams& p, int b) {
+    if (MAY_BE_PACKED && p.cu_seqlens_q) {
+      const int s = b / p.heads, h = b % p.heads;
+      const int q0 = p.cu_seqlens_q[s], k0 = p.cu_seqlens_k[s];
+      nq = p.cu_seqlens_q[s + 1] - q0;
+      nk = p.cu_seqlens_k[s + 1] - k0;
+      q_row = q0;
+      k_row = k0;
+      q_flat = static_cast<i64>(h) * p.total_q + q0;
+      k_flat = static_cast<i64>(h) * p.total_k + k0;
+    } else {
+      nq = p.nq;
+      nk = p.nk;
+      q_row = k_row = 0;
+      q_flat = static_cast<i64>(b) * p.nq;
+      k_flat = static_cast<i64>(b) * p.nk;
+    }
+  }
+
+  // Bottom-right causal alignment (FlashAttention-2): query row i sees key j iff j <= i + nk - nq.
+  __device__ __forceinline__ int causal_offset() const { return nk - nq; }
+};

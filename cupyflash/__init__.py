@@ -1,7 +1,8 @@
 """cupyflash: FlashAttention forward and backward as our own CUDA kernels, compiled at run time by CuPy."""
 
 from cupyflash import reference
-from cupyflash._api import attention, attention_backward, attention_forward, attention_probs
+from cupyflash._api import (attention, attention_backward, attention_forward, attention_probs, attention_varlen,
+                            attention_varlen_backward, attention_varlen_forward)
 from cupyflash._modifiers import BLOCK_MASK_TILE, block_mask_from_dense
 from cupyflash._warmup import warmup
 
@@ -12,6 +13,9 @@ __all__ = [
     "attention_forward",
     "attention_backward",
     "attention_probs",
+    "attention_varlen",
+    "attention_varlen_forward",
+    "attention_varlen_backward",
     "block_mask_from_dense",
     "BLOCK_MASK_TILE",
     "warmup",

@@ -20,7 +20,7 @@ import cupy
 import ml_dtypes
 import numpy as np
 
-from cupyflash import _cpu, _dropout, _modifiers
+from cupyflash import _cpu, _dropout, _modifiers, _varlen
 from cupyflash._types import Array
 
 MAX_HEAD_DIM = 256
@@ -287,6 +287,179 @@ def attention_probs(q: Array, k: Array, v: Array, *, causal: bool = False, scale
     q, k, v = (xp.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
     return problem.backend().attention_probs(q, k, v, scale=problem.scale, causal=problem.causal,
                                              mods=problem.mods)
+
+
+def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
+                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, causal: bool = False,
+                     scale: float | None = None, window: tuple[int, int] | None = None, softcap: float = 0.0,
+                     alibi_slopes: Array | None = None, dropout_p: float = 0.0,
+                     dropout_seed: int | None = None) -> Array:
+    """Attention over a batch of sequences of different lengths, packed along the rows without padding.
+
+    Parameters
+    ----------
+    q : array, shape (total_q, H, D)
+        The queries of every sequence, one after the other.
+    k : array, shape (total_k, Hk, D)
+    v : array, shape (total_k, Hk, Dv)
+        Keys and values likewise; ``Hk`` divides ``H`` and query head ``h`` uses key/value head
+        ``h // (H // Hk)`` (grouped-query attention).
+    cu_seqlens_q, cu_seqlens_k : int32 arrays, shape (batch + 1,)
+        Offsets of the sequences: sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]``
+        and key rows ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]``. They start at 0, never decrease, and end at
+        total_q (total_k). Empty sequences are fine. Of q's array type (NumPy or CuPy); they are read back
+        to the host to be checked (batch + 1 integers).
+    max_seqlen_q, max_seqlen_k : int, optional
+        Bounds on the sequence lengths (FlashAttention's arguments); computed from the offsets when None.
+    causal, scale, window, softcap, dropout_p, dropout_seed
+        As in :func:`attention`, per sequence: causal and the window are bottom-right aligned in each.
+    alibi_slopes : array, optional
+        Broadcastable to ``(batch, H)``.
+
+    Returns
+    -------
+    out : array, shape (total_q, H, Dv)
+        Each sequence's rows are what :func:`attention` gives for that sequence alone.
+
+    Notes
+    -----
+    Dropout's mask and ALiBi's slopes follow the flat index ``s * H + h`` of (sequence, head). The
+    dense-only options (``bias``, ``mask``, ``block_mask``) do not exist here.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> rng = np.random.default_rng(0)
+    >>> lengths = [5, 0, 12]
+    >>> cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)       # [0, 5, 5, 17]
+    >>> q, k, v = (rng.standard_normal((17, 4, 32), dtype=np.float32) for _ in range(3))
+    >>> out = cupyflash.attention_varlen(q, k, v, cu, cu, causal=True)
+    >>> out.shape
+    (17, 4, 32)
+    >>> alone = cupyflash.attention(*(x[5:17].transpose(1, 0, 2) for x in (q, k, v)), causal=True)
+    >>> bool(np.allclose(out[5:17], alone.transpose(1, 0, 2), atol=1e-6))
+    True
+    """
+    dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_varlen", draw_seed=True)
+    out, _ = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                      max_seqlen_k=max_seqlen_k, causal=causal, scale=scale, window=window,
+                                      softcap=softcap, alibi_slopes=alibi_slopes,
+                                      dropout_p=dropout.p if dropout else 0.0,
+                                      dropout_seed=dropout.seed if dropout else None)
+    return out
+
+
+def attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
+                             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                             causal: bool = False, scale: float | None = None,
+                             window: tuple[int, int] | None = None, softcap: float = 0.0,
+                             alibi_slopes: Array | None = None, dropout_p: float = 0.0,
+                             dropout_seed: int | None = None) -> tuple[Array, Array]:
+    """:func:`attention_varlen` that also returns the log-sum-exp for the backward.
+
+    Parameters
+    ----------
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes
+        As in :func:`attention_varlen`: q (total_q, H, D), k (total_k, Hk, D), v (total_k, Hk, Dv).
+    dropout_p, dropout_seed
+        As in :func:`attention_varlen`, except that ``dropout_p > 0`` needs an integer ``dropout_seed``
+        (as in :func:`attention_forward`): pass the same one to :func:`attention_varlen_backward`.
+
+    Returns
+    -------
+    out : array, shape (total_q, H, Dv), the inputs' dtype
+    lse : array, shape (H, total_q), float32
+        Natural-log log-sum-exp of each query row's scores; ``-inf`` for rows that see no key.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> rng = np.random.default_rng(0)
+    >>> cu = np.array([0, 30, 100], dtype=np.int32)                          # lengths 30 and 70
+    >>> q = rng.standard_normal((100, 8, 64), dtype=np.float32)               # H = 8
+    >>> k, v = (rng.standard_normal((100, 2, 64), dtype=np.float32) for _ in range(2))  # Hk = 2
+    >>> out, lse = cupyflash.attention_varlen_forward(q, k, v, cu, cu, causal=True)
+    >>> out.shape, lse.shape
+    ((100, 8, 64), (8, 100))
+    """
+    arrays = dict(q=q, k=k, v=v)
+    packed, scale, causal, mods = _validate_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   causal, scale, window, softcap, alibi_slopes)
+    dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_varlen_forward")
+    xp = packed.xp
+    if packed.total_q == 0 or packed.heads == 0:
+        return (xp.zeros((packed.total_q, packed.heads, packed.dv), dtype=packed.dtype),
+                xp.full((packed.heads, packed.total_q), -np.inf, dtype=LSE_DTYPE))
+    return _backend(xp).attention_varlen_forward(q, k, v, packed, scale=scale, causal=causal, mods=mods,
+                                                 dropout=dropout)
+
+
+def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array,
+                              cu_seqlens_q: Array, cu_seqlens_k: Array, *, max_seqlen_q: int | None = None,
+                              max_seqlen_k: int | None = None, causal: bool = False, scale: float | None = None,
+                              window: tuple[int, int] | None = None, softcap: float = 0.0,
+                              alibi_slopes: Array | None = None, dropout_p: float = 0.0,
+                              dropout_seed: int | None = None) -> tuple[Array, Array, Array]:
+    """Gradients of :func:`attention_varlen` with respect to q, k and v.
+
+    Parameters
+    ----------
+    dout : array, shape (total_q, H, Dv)
+    q, k, v, cu_seqlens_q, cu_seqlens_k
+        The forward's inputs.
+    out, lse : arrays
+        As :func:`attention_varlen_forward` returned them: (total_q, H, Dv) and (H, total_q) float32.
+    max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes, dropout_p, dropout_seed
+        Exactly as passed to :func:`attention_varlen_forward`.
+
+    Returns
+    -------
+    dq, dk, dv : arrays of the shapes and dtype of q, k, v
+        dk and dv are summed over the query heads that share each key/value head.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> rng = np.random.default_rng(0)
+    >>> cu = np.array([0, 30, 100], dtype=np.int32)
+    >>> q, k, v, dout = (rng.standard_normal((100, 4, 32), dtype=np.float32) for _ in range(4))
+    >>> out, lse = cupyflash.attention_varlen_forward(q, k, v, cu, cu, dropout_p=0.1, dropout_seed=7)
+    >>> dq, dk, dv = cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu,
+    ...                                                  dropout_p=0.1, dropout_seed=7)
+    >>> dq.shape, dk.shape, dv.shape
+    ((100, 4, 32), (100, 4, 32), (100, 4, 32))
+    """
+    arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    packed, scale, causal, mods = _validate_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   causal, scale, window, softcap, alibi_slopes)
+    dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_varlen_backward")
+    xp = packed.xp
+    if packed.total_q == 0 or packed.total_k == 0 or packed.heads == 0:
+        return tuple(xp.zeros(x.shape, dtype=packed.dtype) for x in (q, k, v))
+    return _backend(xp).attention_varlen_backward(dout, q, k, v, out, lse, packed, scale=scale, causal=causal,
+                                                  mods=mods, dropout=dropout)
+
+
+def _validate_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap,
+                     alibi_slopes):
+    packed = _varlen.check(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    causal = check_causal(causal)
+    scale = resolve_scale(scale, packed.d)
+    # The per-element options are checked as for one (Nq, Nk) = (1, 1) problem of leading dims (batch, H).
+    mods = _modifiers.resolve(packed.xp, packed.dtype, (packed.batch, packed.heads), 1, 1, window=window,
+                              softcap=softcap, alibi_slopes=alibi_slopes)
+    return packed, scale, causal, mods
+
+
+def _backend(xp):
+    if xp is np:
+        return _cpu
+    from cupyflash import _kernels
+
+    return _kernels
 
 
 def sum_to_shape(grad, shape, accumulate_dtype=np.float32):

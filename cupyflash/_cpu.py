@@ -247,3 +247,71 @@ def _union(a, b):
 
 def _transpose(x):
     return np.swapaxes(x, -1, -2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variable-length packed batches (cupyflash._varlen): each sequence through the dense functions above,
+# its heads grouped as (Hk, G) so that k and v broadcast over the G query heads of each group.
+
+
+def attention_varlen_forward(q, k, v, packed, *, scale, causal, mods=None, dropout=None):
+    """out (total_q, H, Dv) in the inputs' dtype and lse (H, total_q) float32."""
+    out = np.zeros((packed.total_q, packed.heads, packed.dv), dtype=q.dtype)
+    lse = np.full((packed.heads, packed.total_q), -np.inf, dtype=COMPUTE_DTYPE)
+    for s, q0, q1, k0, k1 in packed.sequences():
+        if q1 == q0:
+            continue
+        qs, ks, vs = _sequence(packed, q, k, v, q0, q1, k0, k1)
+        mods_s, dropout_s = _sequence_options(packed, s, mods, dropout)
+        if k1 == k0:  # no key: out = 0, lse = -inf, as already filled
+            continue
+        out_s, lse_s = attention_forward(qs, ks, vs, scale=scale, causal=causal, mods=mods_s, dropout=dropout_s)
+        out[q0:q1] = out_s.reshape(packed.heads, q1 - q0, packed.dv).transpose(1, 0, 2)
+        lse[:, q0:q1] = lse_s.reshape(packed.heads, q1 - q0)
+    return out, lse
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale, causal, mods=None, dropout=None):
+    """dq, dk, dv in the shapes and dtype of q, k, v (dk, dv summed over each group's query heads)."""
+    dq, dk, dv = (np.zeros(x.shape, dtype=q.dtype) for x in (q, k, v))
+    hk, g = packed.kv_heads, packed.groups
+    for s, q0, q1, k0, k1 in packed.sequences():
+        if q1 == q0 or k1 == k0:
+            continue
+        qs, ks, vs = _sequence(packed, q, k, v, q0, q1, k0, k1)
+        douts, outs = (_varlen_view(x, q0, q1, hk) for x in (dout, out))
+        lses = lse[:, q0:q1].reshape(hk, g, q1 - q0)
+        mods_s, dropout_s = _sequence_options(packed, s, mods, dropout)
+        dq_s, dk_s, dv_s, _ = attention_backward(douts, qs, ks, vs, outs, lses, scale=scale, causal=causal,
+                                                 mods=mods_s, dropout=dropout_s)
+        dq[q0:q1] = dq_s.reshape(packed.heads, q1 - q0, packed.d).transpose(1, 0, 2)
+        for grad, target in ((dk_s, dk), (dv_s, dv)):
+            summed = grad.astype(COMPUTE_DTYPE).sum(axis=1)  # over the G query heads of each group
+            target[k0:k1] = summed.transpose(1, 0, 2).astype(q.dtype)
+    return dq, dk, dv
+
+
+def _varlen_view(x, r0, r1, kv_heads):
+    from cupyflash._varlen import sequence_view
+
+    return sequence_view(x, r0, r1, kv_heads)
+
+
+def _sequence(packed, q, k, v, q0, q1, k0, k1):
+    """Sequence s's q (Hk, G, n, D) and k, v (Hk, G, m, D), k and v broadcast (stride 0) over G."""
+    hk, g = packed.kv_heads, packed.groups
+    qs = _varlen_view(q, q0, q1, hk)
+    ks, vs = (np.broadcast_to(_varlen_view(x, k0, k1, hk), (hk, g, k1 - k0, x.shape[2])) for x in (k, v))
+    return qs, ks, vs
+
+
+def _sequence_options(packed, s, mods, dropout):
+    """The options as a dense call on sequence s alone sees them: its ALiBi slopes, as (Hk, G), and the
+    dropout mask's flat batch index starting at s * H."""
+    from dataclasses import replace
+
+    if mods is not None and mods.alibi_slopes is not None:
+        mods = replace(mods, alibi_slopes=mods.alibi_slopes[s].reshape(packed.kv_heads, packed.groups))
+    if dropout is not None:
+        dropout = replace(dropout, batch_offset=s * packed.heads)
+    return mods, dropout

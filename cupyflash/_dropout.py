@@ -40,10 +40,13 @@ SEED_LIMIT = 2**64
 
 @dataclass(frozen=True)
 class Dropout:
-    """The resolved dropout of one call: probability ``p`` in (0, 1) and a 64-bit seed."""
+    """The resolved dropout of one call: probability ``p`` in (0, 1) and a 64-bit seed. ``batch_offset``:
+    the flat batch index of the first batch entry of the arrays at hand (a variable-length batch's
+    sequence s run alone starts at s * heads)."""
 
     p: float
     seed: int
+    batch_offset: int = 0
 
     @property
     def threshold(self) -> int:
@@ -105,7 +108,7 @@ def philox4x32_10(counter, key):
 def keep_mask(dropout: Dropout, batch: tuple[int, ...], rows, cols) -> np.ndarray:
     """Z for the batch entries of leading shape ``batch``, query rows ``rows`` and key columns ``cols``
     (1-D integer arrays): bool, shape ``batch + (len(rows), len(cols))``, True = kept."""
-    b = np.arange(math.prod(batch), dtype=np.uint64).reshape(tuple(batch) + (1, 1))
+    b = (dropout.batch_offset + np.arange(math.prod(batch), dtype=np.uint64)).reshape(tuple(batch) + (1, 1))
     i = np.asarray(rows, dtype=np.uint64)[:, None]
     j = np.asarray(cols, dtype=np.uint64)[None, :]
     c0 = (j >> np.uint64(4)) * np.uint64(4) + ((j >> np.uint64(1)) & np.uint64(3))

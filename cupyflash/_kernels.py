@@ -45,7 +45,9 @@ PARAMS_DTYPE = numpy.dtype(
     + [("softcap", numpy.float32), ("softcap_inv", numpy.float32)]
     + [(name, numpy.int32) for name in ("stream_begin", "stream_end")]
     + [(name, numpy.uint32) for name in ("dropout_key0", "dropout_key1", "dropout_threshold")]
-    + [("dropout_scale", numpy.float32)],
+    + [("dropout_scale", numpy.float32)]
+    + [(name, numpy.uint64) for name in ("cu_seqlens_q", "cu_seqlens_k")]
+    + [(name, numpy.int32) for name in ("heads", "total_q", "total_k")],
     align=True,
 )
 _LOG2E = 1.4426950408889634
@@ -82,8 +84,8 @@ def source(filename: str) -> str:
 @dataclass(frozen=True)
 class Variant:
     """One compiled module: a direction ("fwd", "bwd" or "probs") for one dtype, HEAD_DIM and mask.
-    ``mods``: the score modifiers' instantiation (causal then travels as the window, so never both);
-    "probs" always has it. ``wgmma``: the Hopper path (sm_90a; fp16/bf16 head dims with wgmma tiles).
+    ``mods``: the score modifiers' instantiation (causal then travels as the window, so never both), which
+    also serves variable-length batches; "probs" always has it. ``wgmma``: the Hopper path (sm_90a; fp16/bf16 head dims with wgmma tiles).
     ``dropout``: the kernels that regenerate and apply the dropout mask (fwd and bwd only)."""
 
     direction: str
@@ -262,28 +264,55 @@ def _parse_ptxas(log: str) -> dict[str, dict[str, int]]:
 
 def compile_variant(variant: Variant, arch: str) -> list[dict]:
     """Compile one module through NVRTC for `arch` ("sm_80", "sm_90": the family; a wgmma module's target
-    is sm_90a) with no GPU needed, and report each kernel."""
-    from cupy.cuda import nvrtc
+    is sm_90a) with no GPU needed, and report each kernel.
+
+    The report is kept on disk next to CuPy's kernel cache (``$CUPY_CACHE_DIR/cupyflash-ptxas``), keyed
+    on the source, the options and the NVRTC version, so that a second check of the same variants (CI's
+    main job, then its compile tests) reads it instead of compiling again."""
+    import hashlib
+    import json
 
     target = compile_targets(variant)[arch]
+    options = [*_OPTIONS, f"-arch={target}", "-Xptxas", "-v"]
     names = {kernel: variant.name_expression(kernel) for kernel in variant.kernels}
+    key = hashlib.sha256(json.dumps([variant.code(), options, list(names.values()), nvrtc_version()]).encode())
+    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache")) / "cupyflash-ptxas"
+    path = cache / f"{key.hexdigest()}.json"
+    try:
+        stats = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stats = _compile_for_report(variant, target, options, names)
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps(stats))
+            tmp.replace(path)  # atomic: concurrent checks never read half a file
+        except OSError:
+            pass  # a read-only cache only costs the next check a compile
+    return [{"kernel": name, "arch": arch, "target": target, **stats[kernel],
+             "dynamic_smem": variant.smem(kernel), "threads": variant.threads(kernel)} for kernel, name in names.items()]
+
+
+def _compile_for_report(variant: Variant, target: str, options: list, names: dict) -> dict:
+    """kernel -> ptxas' registers, spills, stack and static shared memory for it, from one NVRTC compile."""
+    from cupy.cuda import nvrtc
+
     program = nvrtc.createProgram(variant.code(), f"{variant.direction}.cu", [], [])
     try:
         for name in names.values():
             nvrtc.addNameExpression(program, name)
         try:
-            nvrtc.compileProgram(program, [*_OPTIONS, f"-arch={target}", "-Xptxas", "-v"])
+            nvrtc.compileProgram(program, options)
         except nvrtc.NVRTCError as error:
             raise RuntimeError(f"NVRTC failed on {variant} for {target}:\n{nvrtc.getProgramLog(program)}") from error
         stats = _parse_ptxas(nvrtc.getProgramLog(program))
-        rows = []
+        found = {}
         for kernel, name in names.items():
             lowered = nvrtc.getLoweredName(program, name)
             if lowered not in stats:
                 raise RuntimeError(f"no ptxas report for {name} ({lowered}) on {target}")
-            rows.append({"kernel": name, "arch": arch, "target": target, **stats[lowered],
-                         "dynamic_smem": variant.smem(kernel), "threads": variant.threads(kernel)})
-        return rows
+            found[kernel] = stats[lowered]
+        return found
     finally:
         nvrtc.destroyProgram(program)
 
@@ -446,10 +475,12 @@ def _grid(blocks: int, batch: int) -> tuple[int, int, int]:
     return blocks, y, -(-batch // y)
 
 
-def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dropout=None) -> Variant:
-    """With modifiers, causal travels in the window: one instantiation serves both."""
+def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dropout=None,
+             packed: bool = False) -> Variant:
+    """With modifiers, causal travels in the window: one instantiation serves both. Packed (variable-length)
+    batches run the modifiers' instantiation, the one that reads cu_seqlens."""
     name = numpy.dtype(dtype).name
-    has_mods = mods is not None or direction == "probs"
+    has_mods = mods is not None or direction == "probs" or packed
     ctype, head_dim = _CTYPES[name], _config.padded_head_dim(max(d, dv))
     return Variant(direction, ctype, head_dim, bool(causal) and not has_mods, has_mods,
                    uses_wgmma(_ITEMSIZE[ctype], head_dim), dropout is not None)
@@ -615,3 +646,93 @@ def attention_probs(q, k, v, *, scale: float, causal: bool, mods=None):
                      others={"out": probs, "lse": lse, **_alibi(mods)}, mods=mods, causal=causal)
     _launch(_functions(variant), variant, "probs", nq, batch, params, cols=nk)
     return probs
+
+
+# ----------------------------------------------------------------------------- variable-length batches
+def _varlen_params(packed, arrays: dict, *, d: int, dv: int, scale: float, causal: bool, mods, dropout,
+                   others: dict, cu_q, cu_k):
+    """AttnParams of a packed batch (cupyflash._varlen): flat batch b = (s * Hk + hk) * G + g, the
+    sequence s with batch stride 0 (its rows come from cu_seqlens), the heads split into (Hk, G) so that
+    k and v have stride 0 along the G query heads that share them; q, out, dout (total_q, H, .) and k, v
+    (total_k, Hk, .) with any row and head strides (unit column stride)."""
+    hk, g = packed.kv_heads, packed.groups
+    p = numpy.zeros(1, dtype=PARAMS_DTYPE)
+    for name, array in {**arrays, **others}.items():
+        p[name] = array.data.ptr
+    for name, array in arrays.items():
+        row, head = (s // array.dtype.itemsize for s in array.strides[:2])
+        p[f"{name}_stride"] = [0, g * head, head, row] if name in ("q", "out", "dout") else [0, head, 0, row]
+    p["batch"], p["batch1"], p["batch2"] = packed.batch * packed.heads, hk, g
+    p["nq"], p["nk"], p["d_qk"], p["d_v"] = packed.max_q, packed.max_k, d, dv
+    p["scale"], p["scale_log2"] = scale, scale * _LOG2E
+    p["stream_begin"], p["stream_end"] = 0, max(packed.max_q, packed.max_k)
+    p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.data.ptr, cu_k.data.ptr
+    p["heads"], p["total_q"], p["total_k"] = packed.heads, packed.total_q, packed.total_k
+    p["window_left"], p["window_right"] = (-1, 0) if causal else (-1, -1)
+    if mods is not None:
+        p["window_left"], p["window_right"] = mods.window_with_causal(causal)
+        p["softcap"] = mods.softcap
+        p["softcap_inv"] = 1.0 / mods.softcap if mods.softcap > 0 else 0.0
+    if dropout is not None:
+        p["dropout_key0"], p["dropout_key1"] = dropout.key
+        p["dropout_threshold"], p["dropout_scale"] = dropout.threshold, dropout.scale
+    return p
+
+
+def _device_offsets(packed):
+    """cu_seqlens as the kernels read them: int32 on the current device (the validated host copies)."""
+    import cupy
+
+    return (cupy.asarray(packed.cu_q.astype(numpy.int32)), cupy.asarray(packed.cu_k.astype(numpy.int32)))
+
+
+def attention_varlen_forward(q, k, v, packed, *, scale: float, causal: bool, mods=None, dropout=None):
+    """out (total_q, H, Dv) and lse (H, total_q) float32 of a packed batch; no padding anywhere."""
+    import cupy
+
+    vec = 16 // q.dtype.itemsize
+    d_w, dv_w = _round_up(packed.d, vec), _round_up(packed.dv, vec)
+    variant = _variant("fwd", q.dtype, d_w, dv_w, causal, mods, dropout, packed=True)
+    q, k, v = _kernel_ready(q, d_w), _kernel_ready(k, d_w), _kernel_ready(v, dv_w)
+    out = cupy.empty((packed.total_q, packed.heads, dv_w), dtype=q.dtype)
+    lse = cupy.empty((packed.heads, packed.total_q), dtype=numpy.float32)
+    cu_q, cu_k = _device_offsets(packed)
+    params = _varlen_params(packed, {"q": q, "k": k, "v": v, "out": out}, d=d_w, dv=dv_w, scale=scale, causal=causal,
+                            mods=mods, dropout=dropout, others={"lse": lse, **_alibi(mods)}, cu_q=cu_q, cu_k=cu_k)
+    _launch(_functions(variant), variant, "fwd", packed.max_q, packed.batch * packed.heads, params)
+    return _unpad(out, packed.dv), lse
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale: float, causal: bool, mods=None,
+                              dropout=None):
+    """dq (total_q, H, D), dk (total_k, Hk, D), dv (total_k, Hk, Dv) of a packed batch. The kernels write
+    per-head arrays (H, total, .); dk and dv are then summed over each group's G query heads (float32)."""
+    import cupy
+
+    vec = 16 // q.dtype.itemsize
+    d_w, dv_w = _round_up(packed.d, vec), _round_up(packed.dv, vec)
+    variant = _variant("bwd", q.dtype, d_w, dv_w, causal, mods, dropout, packed=True)
+    q, k = _kernel_ready(q, d_w), _kernel_ready(k, d_w)
+    v, out, dout = (_kernel_ready(x, dv_w) for x in (v, out, dout))
+    lse = cupy.ascontiguousarray(lse, dtype=numpy.float32)
+    h, total_q, total_k = packed.heads, packed.total_q, packed.total_k
+    dq = cupy.empty((h, total_q, d_w), dtype=q.dtype)
+    dk = cupy.empty((h, total_k, d_w), dtype=q.dtype)
+    dv_ = cupy.empty((h, total_k, dv_w), dtype=q.dtype)
+    lse_log2, delta = (cupy.empty((h, total_q), dtype=numpy.float32) for _ in range(2))
+    cu_q, cu_k = _device_offsets(packed)
+    others = {"dq": dq, "dk": dk, "dv": dv_, "lse": lse, "lse_log2": lse_log2, "delta": delta, **_alibi(mods)}
+    params = _varlen_params(packed, {"q": q, "k": k, "v": v, "out": out, "dout": dout}, d=d_w, dv=dv_w, scale=scale,
+                            causal=causal, mods=mods, dropout=dropout, others=others, cu_q=cu_q, cu_k=cu_k)
+    functions, batch = _functions(variant), packed.batch * h
+    _launch(functions, variant, "preprocess", packed.max_q, batch, params)
+    _launch_summed(functions, variant, "dkdv", packed.max_k, batch, params, packed.max_q, (dk, dv_))
+    _launch_summed(functions, variant, "dq", packed.max_q, batch, params, packed.max_k, (dq,))
+
+    def packed_rows(x, width, groups):  # (H, total, w) -> (total, H // groups, width), summed over groups
+        if groups > 1:
+            x = x.reshape(h // groups, groups, x.shape[1], x.shape[2]).astype(numpy.float32).sum(axis=1).astype(q.dtype)
+        return cupy.ascontiguousarray(_bits(x[..., :width]).transpose(1, 0, 2)).view(q.dtype)
+
+    return (packed_rows(dq, packed.d, 1), packed_rows(dk, packed.d, packed.groups),
+            packed_rows(dv_, packed.dv, packed.groups))

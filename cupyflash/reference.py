@@ -12,11 +12,13 @@ are used as float32, as everywhere in cupyflash.
 
 from __future__ import annotations
 
+import dataclasses
+
 import cupy
 import ml_dtypes
 import numpy as np
 
-from cupyflash import _dropout, _modifiers
+from cupyflash import _dropout, _modifiers, _varlen
 from cupyflash._api import check_causal, check_shapes, resolve_scale, sum_to_shape
 
 _BIAS_DTYPES_EXTRA = (np.dtype(ml_dtypes.bfloat16),)  # floating point, though NumPy's kind is not "f"
@@ -73,10 +75,14 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = Fal
                    block_mask=block_mask)
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="reference.attention")
     q, k, v = _as_float64(q=q, k=k, v=v)
+    out, lse = _forward(q, k, v, causal, scale, options, dropout)
+    return (out, lse) if return_lse else out
+
+
+def _forward(q, k, v, causal, scale, options, dropout):
     s, _ = _scores(q, k, v, causal, scale, options)
     p, lse = _softmax(s)
-    out = _drop(p, dropout) @ v
-    return (out, lse) if return_lse else out
+    return _drop(p, dropout) @ v, lse
 
 
 def dropout_mask(dropout_p: float, dropout_seed: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -122,7 +128,8 @@ def _drop(p, dropout):
     """P * Z / (1 - p), or P itself without dropout."""
     if dropout is None:
         return p
-    return np.where(dropout_mask(dropout.p, dropout.seed, p.shape), p * dropout.scale, 0.0)
+    keep = _dropout.keep_mask(dropout, p.shape[:-2], np.arange(p.shape[-2]), np.arange(p.shape[-1]))
+    return np.where(keep, p * dropout.scale, 0.0)
 
 
 def attention_probs(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = False,
@@ -204,6 +211,10 @@ def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.nda
                    block_mask=block_mask)
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="reference.attention_backward")
     dout, q, k, v = _as_float64(dout=dout, q=q, k=k, v=v)
+    return _backward(dout, q, k, v, causal, scale, options, dropout, bias)
+
+
+def _backward(dout, q, k, v, causal, scale, options, dropout, bias=None):
     s, tanh = _scores(q, k, v, causal, scale, options)
     out_shape = s.shape[:-1] + v.shape[-1:]
     if dout.shape != out_shape:
@@ -222,6 +233,133 @@ def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.nda
     if bias is None:
         return grads
     return grads + (sum_to_shape(ds, bias.shape, np.float64),)
+
+
+def attention_varlen(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray,
+                     *, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, causal: bool = False,
+                     scale: float | None = None, return_lse: bool = False, window: tuple[int, int] | None = None,
+                     softcap: float = 0.0, alibi_slopes: np.ndarray | None = None, dropout_p: float = 0.0,
+                     dropout_seed: int | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Reference :func:`cupyflash.attention_varlen` in float64: each sequence through :func:`attention`.
+
+    Sequence ``s`` is computed alone with its heads as leading dims, its ALiBi slopes ``alibi_slopes[s]``
+    and dropout's flat batch index starting at ``s * H``.
+
+    Parameters
+    ----------
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes
+        As in :func:`cupyflash.attention_varlen`, NumPy arrays (any float dtype for q, k, v).
+    return_lse : bool, optional
+        Also return the log-sum-exp.
+    dropout_p, dropout_seed : optional
+        As in :func:`cupyflash.attention_varlen_forward` (a seed is required when ``dropout_p > 0``).
+
+    Returns
+    -------
+    out : numpy.ndarray, shape (total_q, H, Dv), float64
+    lse : numpy.ndarray, shape (H, total_q), float64
+        Only if ``return_lse``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> from cupyflash import reference
+    >>> rng = np.random.default_rng(0)
+    >>> cu = np.array([0, 3, 40], dtype=np.int32)
+    >>> q, k, v = (rng.standard_normal((40, 2, 16), dtype=np.float32) for _ in range(3))
+    >>> ref = reference.attention_varlen(q, k, v, cu, cu, causal=True)
+    >>> ref.dtype.name, ref.shape
+    ('float64', (40, 2, 16))
+    >>> bool(np.abs(cupyflash.attention_varlen(q, k, v, cu, cu, causal=True) - ref).max() < 1e-5)
+    True
+    """
+    options = dict(window=window, softcap=softcap, alibi_slopes=None, bias=None, mask=None, block_mask=None)
+    packed, slopes, dropout = _varlen_problem(dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                              max_seqlen_k, options, alibi_slopes, dropout_p, dropout_seed)
+    q, k, v = _as_float64(q=q, k=k, v=v)
+    out = np.zeros((packed.total_q, packed.heads, packed.dv))
+    lse = np.full((packed.heads, packed.total_q), -np.inf)
+    for s, q0, q1, k0, k1 in packed.sequences():
+        views = [_varlen.sequence_view(x, r0, r1, packed.kv_heads) for x, r0, r1 in ((q, q0, q1), (k, k0, k1), (v, k0, k1))]
+        opts, drop = _sequence_options(packed, s, options, slopes, dropout)
+        out_s, lse_s = _forward(*views, causal, scale, opts, drop)
+        out[q0:q1] = out_s.reshape(packed.heads, q1 - q0, packed.dv).transpose(1, 0, 2)
+        lse[:, q0:q1] = lse_s.reshape(packed.heads, q1 - q0)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray,
+                              cu_seqlens_k: np.ndarray, *, max_seqlen_q: int | None = None,
+                              max_seqlen_k: int | None = None, causal: bool = False, scale: float | None = None,
+                              window: tuple[int, int] | None = None, softcap: float = 0.0,
+                              alibi_slopes: np.ndarray | None = None, dropout_p: float = 0.0,
+                              dropout_seed: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Reference gradients of :func:`cupyflash.attention_varlen` in float64, sequence by sequence.
+
+    Parameters
+    ----------
+    dout : numpy.ndarray, shape (total_q, H, Dv)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes
+        As in :func:`attention_varlen`.
+    dropout_p, dropout_seed : optional
+        As in :func:`attention_varlen`.
+
+    Returns
+    -------
+    dq, dk, dv : numpy.ndarray, float64, the shapes of q, k, v
+        dk and dv summed over the query heads of each key/value head.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupyflash import reference
+    >>> rng = np.random.default_rng(0)
+    >>> cu = np.array([0, 3, 40], dtype=np.int32)
+    >>> q, dout = (rng.standard_normal((40, 4, 16)) for _ in range(2))
+    >>> k, v = (rng.standard_normal((40, 2, 16)) for _ in range(2))          # 2 key/value heads for 4
+    >>> dq, dk, dv = reference.attention_varlen_backward(dout, q, k, v, cu, cu, causal=True)
+    >>> dq.shape, dk.shape
+    ((40, 4, 16), (40, 2, 16))
+    """
+    options = dict(window=window, softcap=softcap, alibi_slopes=None, bias=None, mask=None, block_mask=None)
+    packed, slopes, dropout = _varlen_problem(dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                              max_seqlen_k, options, alibi_slopes, dropout_p, dropout_seed)
+    dout, q, k, v = _as_float64(dout=dout, q=q, k=k, v=v)
+    if dout.shape != (packed.total_q, packed.heads, packed.dv):
+        raise ValueError(f"dout has shape {dout.shape}; the output has shape {(packed.total_q, packed.heads, packed.dv)}")
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for s, q0, q1, k0, k1 in packed.sequences():
+        views = [_varlen.sequence_view(x, r0, r1, packed.kv_heads)
+                 for x, r0, r1 in ((dout, q0, q1), (q, q0, q1), (k, k0, k1), (v, k0, k1))]
+        opts, drop = _sequence_options(packed, s, options, slopes, dropout)
+        dq_s, dk_s, dv_s = _backward(*views, causal, scale, opts, drop)
+        dq[q0:q1] = dq_s.reshape(packed.heads, q1 - q0, packed.d).transpose(1, 0, 2)
+        dk[k0:k1] = dk_s[:, 0].transpose(1, 0, 2)
+        dv[k0:k1] = dv_s[:, 0].transpose(1, 0, 2)
+    return dq, dk, dv
+
+
+def _varlen_problem(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, alibi_slopes,
+                    dropout_p, dropout_seed):
+    """Validate as cupyflash.attention_varlen does; slopes broadcast to (batch, H) as float32, or None."""
+    for name, x in {**arrays, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}.items():
+        if isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name} is a CuPy array; the reference runs on NumPy: pass {name}.get()")
+    packed = _varlen.check(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_dtypes=False)
+    mods = _modifiers.resolve(np, np.float64, (packed.batch, packed.heads), 1, 1, window=options["window"],
+                              softcap=options["softcap"], alibi_slopes=alibi_slopes)
+    slopes = None if mods is None else mods.alibi_slopes
+    dropout = _dropout.resolve(dropout_p, dropout_seed, caller="reference.attention_varlen")
+    return packed, slopes, dropout
+
+
+def _sequence_options(packed, s, options, slopes, dropout):
+    """Sequence s's options with its heads as leading dims (Hk, G): its slopes, dropout's batch offset."""
+    options = dict(options, alibi_slopes=None if slopes is None else slopes[s].reshape(packed.kv_heads, packed.groups))
+    if dropout is not None:
+        dropout = dataclasses.replace(dropout, batch_offset=s * packed.heads)
+    return options, dropout
 
 
 def _scores(q, k, v, causal, scale, options):

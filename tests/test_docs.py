@@ -16,11 +16,17 @@ PUBLIC = {
     "attention_forward": cupyflash.attention_forward,
     "attention_backward": cupyflash.attention_backward,
     "attention_probs": cupyflash.attention_probs,
+    "attention_varlen": cupyflash.attention_varlen,
+    "attention_varlen_forward": cupyflash.attention_varlen_forward,
+    "attention_varlen_backward": cupyflash.attention_varlen_backward,
     "block_mask_from_dense": cupyflash.block_mask_from_dense,
     "warmup": cupyflash.warmup,
     "reference.attention": reference.attention,
     "reference.attention_backward": reference.attention_backward,
     "reference.attention_probs": reference.attention_probs,
+    "reference.attention_varlen": reference.attention_varlen,
+    "reference.attention_varlen_backward": reference.attention_varlen_backward,
+    "reference.dropout_mask": reference.dropout_mask,
 }
 SECTIONS = ("Parameters\n    ----------", "Returns\n    -------", "Examples\n    --------")
 
