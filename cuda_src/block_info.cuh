@@ -67,6 +67,12 @@ struct AttnParams {
   // launches (cupyflash/_config.py, CHAIN_ROWS); block boundaries line up with BLOCK_M and BLOCK_N.
   int stream_begin;
   int stream_end;
+  // Dropout, read by HAS_DROPOUT kernels only (dropout.cuh): the seed's two words, the 16-bit keep
+  // threshold and 1 / (1 - p), by which the kept probabilities are scaled.
+  u32 dropout_key0;
+  u32 dropout_key1;
+  u32 dropout_threshold;
+  float dropout_scale;
   // Variable-length batches (null = every batch entry has nq queries and nk keys; then nq, nk are the
   // lengths, else the longest ones, which size the grid).
   const int* cu_seqlens_q;  // (sequences + 1) offsets of the sequences' rows in the packed q, out, dout
@@ -74,12 +80,6 @@ struct AttnParams {
   int heads;                // batch entries per sequence: batch1 * batch2
   int total_q;              // packed rows: the head stride of the per-row arrays
   int total_k;
-  // Dropout, read by HAS_DROPOUT kernels only (dropout.cuh): the seed's two words, the 16-bit keep
-  // threshold and 1 / (1 - p), by which the kept probabilities are scaled.
-  u32 dropout_key0;
-  u32 dropout_key1;
-  u32 dropout_threshold;
-  float dropout_scale;
 };
 
 // Flat batch index of this CTA: blockIdx.y, extended by blockIdx.z past the 65535 limit of y.
