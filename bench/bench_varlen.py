@@ -131,12 +131,22 @@ def validate(q, k, v, cu, padded, lengths, causal):
 def time_torch(fn, q, k, v, cu_dev, longest, causal, args, flush):
     if fn is None:
         return None
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if "is_causal" in params:
+        mask = {"is_causal": causal}
+    elif "window_size" in params:  # FlashAttention's (left, right); causal is (-1, 0)
+        mask = {"window_size": (-1, 0) if causal else (-1, -1)}
+    else:
+        print(f"torch varlen_attn{inspect.signature(fn)}: no causal argument; skipped")
+        return None
     try:
         tq, tk, tv = (ba.torch.from_dlpack(x) for x in (q, k, v))
         cu_t = ba.torch.from_dlpack(cu_dev)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return ba._timing.median_ms(lambda: fn(tq, tk, tv, cu_t, cu_t, longest, longest, is_causal=causal),
+            return ba._timing.median_ms(lambda: fn(tq, tk, tv, cu_t, cu_t, longest, longest, **mask),
                                         warmup=args.warmup, repeats=args.repeats, before_each=flush)
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
         print(f"torch varlen_attn failed: {type(exc).__name__}: {exc}")

@@ -293,7 +293,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
   const Dropout dropout(p, b);
   auto drop_dp = [&](float (&dp)[S_TILES][4], int n0) {  // dP -> Z * dP / (1 - p)
     if constexpr (HAS_DROPOUT) {
-      apply_keep(dp, dropout.keep_rows<S_TILES>(m0 + warp * 16, n0, lane), p.dropout_scale);
+      dropout.drop_rows<false>(dp, m0 + warp * 16, n0, lane, p.dropout_scale);
     }
   };
 

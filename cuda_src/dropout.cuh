@@ -9,8 +9,9 @@
 // One call covers 8 elements that one thread holds in the forward's (and the dQ pass's) accumulator
 // layout: rows g and g + 8, columns 2t, 2t + 1 of two adjacent n8 tiles. In the dK/dV pass's transposed
 // tiles (keys along the rows) a thread holds 4 of each call's 8, so it makes twice as many calls.
-// A tile's keep bits are kept in one 64-bit register (bit 4 * j + e for accumulator element [j][e]) so
-// that a pass applying Z twice (dP and P in the dK/dV pass) draws the numbers once.
+// The forward and the dQ pass apply each call's values to their elements at once (drop_rows); the dK/dV
+// pass applies Z twice (to dP and to P), so it first packs a tile's keep bits into one 64-bit register
+// (bit 4 * j + e for accumulator element [j][e], keep_cols) and draws the numbers once.
 #pragma once
 #include "common.cuh"
 #include "block_info.cuh"
@@ -23,12 +24,14 @@ struct Dropout {
   __device__ __forceinline__ Dropout(const AttnParams& p, int b)
       : key0(p.dropout_key0), key1(p.dropout_key1), batch(static_cast<u32>(b)), threshold(p.dropout_threshold) {}
 
-  // Philox 4x32-10 of counter (c0, c1, batch, 0).
+  // Philox 4x32-10 of counter (c0, c1, batch, 0). HOIST_KEYS: let the compiler keep the ten round keys
+  // in registers across calls (18 more registers, two adds per round fewer: the forward has the room);
+  // otherwise the keys are opaque to the optimizer and recomputed per call, so that the backward passes,
+  // which have no registers to spare, do not hold them through their main loops.
+  template <bool HOIST_KEYS = false>
   __device__ __forceinline__ uint4 philox(u32 c0, u32 c1) const {
     u32 c2 = batch, c3 = 0, k0 = key0, k1 = key1;
-    // Opaque to the optimizer, so the ten round keys are recomputed per call (two adds per round)
-    // instead of being hoisted out of the main loop, where they would hold 18 registers throughout.
-    asm volatile("" : "+r"(k0), "+r"(k1));
+    if (!HOIST_KEYS) asm volatile("" : "+r"(k0), "+r"(k1));
 #pragma unroll
     for (int r = 0; r < 10; ++r) {
       if (r) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
@@ -39,33 +42,28 @@ struct Dropout {
     return make_uint4(c0, c1, c2, c3);
   }
 
-  // The 8 keep bits of one call, bit s for slot s.
-  __device__ __forceinline__ u32 keep8(const uint4& w) const {
-    const u32 words[4] = {w.x, w.y, w.z, w.w};
-    u32 bits = 0;
-#pragma unroll
-    for (int s = 0; s < 8; ++s) bits |= static_cast<u32>(((s & 1) ? words[s >> 1] >> 16 : words[s >> 1] & 0xffffu) < threshold) << s;
-    return bits;
-  }
-
-  // Keep bits of an accumulator tile with queries along the rows (forward, dQ pass): bit 4j + e for
-  // element [j][e]; this warp's rows start at query row0, its columns at key col0 (multiples of 16).
-  // Calls are unrolled by two only: two independent Philox chains give the one warp per scheduler
-  // enough to issue, and a full unroll would hold every call's state at once (spills in the dK/dV pass).
-  template <int N>
-  __device__ __forceinline__ u64 keep_rows(int row0, int col0, int lane) const {
-    static_assert(N % 2 == 0 && N <= 16, "whole 16-key blocks, at most 64 bits");
+  // x -> Z ? x * scale : 0 in place on an accumulator tile with queries along the rows (the forward's P,
+  // the dQ pass's dP): this warp's rows start at query row0, its columns at key col0 (multiples of 16).
+  // Fully unrolled, every call's 8 values go straight to their elements (a compare and a select each):
+  // no bit packing, and the calls are independent chains the scheduler can interleave with each other
+  // and with the softmax. HOIST_KEYS as in philox.
+  template <bool HOIST_KEYS, int N>
+  __device__ __forceinline__ void drop_rows(float (&s)[N][4], int row0, int col0, int lane, float scale = 1.f) const {
+    static_assert(N % 2 == 0, "whole 16-key blocks");
     const int g = lane >> 2, t = lane & 3;
-    u64 bits = 0;
-#pragma unroll 1
+#pragma unroll
     for (int jj = 0; jj < N / 2; ++jj) {
-      // Slot (e >> 1) * 4 + h * 2 + (e & 1) is element [2 jj + h][e]: row g + 8 (e >> 1), column
-      // 16 jj + 8 h + 2t + (e & 1). Reordered to bit 4 h + e of this call's byte.
-      const u32 s = keep8(philox(static_cast<u32>(((col0 >> 4) + jj) * 4 + t), static_cast<u32>((row0 >> 4) * 8 + g)));
-      const u32 byte = (s & 0xc3u) | ((s & 0x0cu) << 2) | ((s & 0x30u) >> 2);
-      bits |= static_cast<u64>(byte) << (8 * jj);
+      const uint4 u = philox<HOIST_KEYS>(static_cast<u32>(((col0 >> 4) + jj) * 4 + t), static_cast<u32>((row0 >> 4) * 8 + g));
+      const u32 words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // element [2 jj + h][e] is slot (e >> 1) * 4 + h * 2 + (e & 1)
+          const int slot = (e >> 1) * 4 + h * 2 + (e & 1);
+          const u32 value = (slot & 1) ? words[slot >> 1] >> 16 : words[slot >> 1] & 0xffffu;
+          s[2 * jj + h][e] = value < threshold ? s[2 * jj + h][e] * scale : 0.f;
+        }
     }
-    return bits;
   }
 
   // Keep bits of a transposed tile (dK/dV pass: keys along the rows), bit 4j + e for element [j][e];
@@ -74,20 +72,24 @@ struct Dropout {
   __device__ __forceinline__ u64 keep_cols(int key_row0, int query_col0, int lane) const {
     static_assert(N % 2 == 0 && N <= 16, "whole 16-query blocks, at most 64 bits");
     const int g = lane >> 2, t = lane & 3;
-    const int half = g & 1;  // this thread's keys g, g + 8 have j & 1 = g & 1
+    const int shift = 16 * (g & 1);  // this thread's keys g, g + 8 have j & 1 = g & 1: that half of each word
     u64 bits = 0;
+    // One pair of calls at a time (the bits go in by a run-time shift): this pass has no registers for more.
 #pragma unroll 1
     for (int jj = 0; jj < N / 2; ++jj) {
       u32 byte = 0;
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        // Query 16 jj + 8 h + 2t + c, key g + 8 r: slot h * 4 + r * 2 + (g & 1), element [2 jj + h][2 r + c].
-        const u32 s = keep8(philox(static_cast<u32>((key_row0 >> 4) * 4 + (g >> 1)),
-                                   static_cast<u32>(((query_col0 >> 4) + jj) * 8 + 2 * t + c)));
+        // Query 16 jj + 8 h + 2t + c, key g + 8 r: slot h * 4 + r * 2 + (g & 1), word h * 2 + r, element
+        // [2 jj + h][2 r + c]: bit 4 h + 2 r + c of this byte.
+        const uint4 u = philox(static_cast<u32>((key_row0 >> 4) * 4 + (g >> 1)),
+                               static_cast<u32>(((query_col0 >> 4) + jj) * 8 + 2 * t + c));
+        const u32 words[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int r = 0; r < 2; ++r) byte |= ((s >> (h * 4 + r * 2 + half)) & 1u) << (4 * h + 2 * r + c);
+          for (int r = 0; r < 2; ++r)
+            byte |= static_cast<u32>(((words[h * 2 + r] >> shift) & 0xffffu) < threshold) << (4 * h + 2 * r + c);
       }
       bits |= static_cast<u64>(byte) << (8 * jj);
     }

@@ -108,6 +108,7 @@ _WGMMA_MODS_TABLE = {
 _DROPOUT_TABLE = {
     ("mma", True, 2, 16, "dkdv"): (4, 32, 16),
     ("mma", True, 2, 32, "dkdv"): (4, 32, 32),
+    ("mma", True, 2, 128, "fwd"): (4, 64, 128),
     ("mma", True, 2, 96, "dkdv"): (4, 16, 96),
     ("mma", True, 2, 128, "dkdv"): (4, 16, 128),
     ("mma", True, 2, 192, "dkdv"): (4, 16, 96),
