@@ -44,7 +44,7 @@ attention_bwd_preprocess_kernel(const AttnParams p) {
   const int row = blockIdx.x * NUM_WARPS + warp;  // one warp per query row
   if (b >= p.batch) return;
   const SeqInfo<true> seq(p, b);  // one instantiation serves every variant: no registers to save here
-  if (row >= seq.nq) return;
+  if (row >= seq.nq()) return;
   const T* out = static_cast<const T*>(p.out) + batch_offset(p.out_stride, b, p) + (seq.q_row + row) * p.out_stride[3];
   const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + (seq.q_row + row) * p.dout_stride[3];
   float dot = 0.f;
@@ -111,8 +111,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   const int c0 = (blockIdx.x % N_CHUNKS) * D_CHUNK;
   const int n0 = (blockIdx.x / N_CHUNKS) * BLOCK_N;
   const SeqInfo<HAS_MODS> seq(p, b);
-  if (n0 >= seq.nk) return;  // past a shorter sequence's end (variable-length batches)
-  const int nq = seq.nq, nk = seq.nk;
+  if (n0 >= seq.nk()) return;  // past a shorter sequence's end (variable-length batches)
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int offset = seq.causal_offset();
 
@@ -126,12 +125,12 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 
   // Only query rows i with i + nk - nq >= n0 see a key of this block under the causal mask.
   int m_first = IS_CAUSAL ? max(0, n0 - offset) / BLOCK_M : 0;
-  int m_blocks = ceil_div(nq, BLOCK_M);
-  const Mask<IS_CAUSAL> mask{nk, offset};
+  int m_blocks = ceil_div(seq.nq(), BLOCK_M);
+  const Mask<IS_CAUSAL> mask{seq.nk(), offset};
   // With modifiers: the query blocks of the window band whose block-mask tile is on (next_on).
-  const ScoreMods<T> mods(p, b, nq, nk);
+  const ScoreMods<T> mods(p, b);
   if constexpr (HAS_MODS) {
-    const int i_first = mods.first_query(n0), i_last = mods.last_query(min(n0 + BLOCK_N, nk) - 1);
+    const int i_first = mods.first_query(n0), i_last = mods.last_query(min(n0 + BLOCK_N, seq.nk()) - 1);
     m_first = i_first / BLOCK_M;
     m_blocks = i_last >= i_first ? i_last / BLOCK_M + 1 : 0;
   }
@@ -149,17 +148,17 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 
   auto load_stream = [&](int m_block, int buf) {
     const int m0 = m_block * BLOCK_M;
-    load_tile_async<QTile, THREADS>(sQ + buf * QTile::SIZE, q + m0 * p.q_stride[3], p.q_stride[3], nq - m0, p.d_qk);
-    load_tile_async<QTile, THREADS>(sdO + buf * QTile::SIZE, dout + m0 * p.dout_stride[3], p.dout_stride[3], nq - m0, p.d_v);
+    load_tile_async<QTile, THREADS>(sQ + buf * QTile::SIZE, q + m0 * p.q_stride[3], p.q_stride[3], seq.nq() - m0, p.d_qk);
+    load_tile_async<QTile, THREADS>(sdO + buf * QTile::SIZE, dout + m0 * p.dout_stride[3], p.dout_stride[3], seq.nq() - m0, p.d_v);
     for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
-      const bool valid = m0 + i < nq;  // rows past nq: P = 0 through lse = +inf
+      const bool valid = m0 + i < seq.nq();  // rows past nq: P = 0 through lse = +inf
       sLse[buf * BLOCK_M + i] = valid ? lse_log2[m0 + i] : pos_inf();
       sDelta[buf * BLOCK_M + i] = valid ? delta[m0 + i] : 0.f;
     }
   };
 
-  load_tile_async<KVTile, THREADS>(sK, k, p.k_stride[3], nk - n0, p.d_qk);
-  load_tile_async<KVTile, THREADS>(sV, v, p.v_stride[3], nk - n0, p.d_v);
+  load_tile_async<KVTile, THREADS>(sK, k, p.k_stride[3], seq.nk() - n0, p.d_qk);
+  load_tile_async<KVTile, THREADS>(sV, v, p.v_stride[3], seq.nk() - n0, p.d_v);
   int m_block = next_on(m_first);
   if (m_block < m_blocks) load_stream(m_block, 0);
   cp_async_commit();
@@ -250,8 +249,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   __syncthreads();
   T* dk = static_cast<T*>(p.dk) + (seq.k_flat + n0) * p.d_qk + c0;
   T* dv = static_cast<T*>(p.dv) + (seq.k_flat + n0) * p.d_v + c0;
-  store_tile<KVTile, D_CHUNK, THREADS>(dk, p.d_qk, sK, nk - n0, p.d_qk - c0);
-  store_tile<KVTile, D_CHUNK, THREADS>(dv, p.d_v, sV, nk - n0, p.d_v - c0);
+  store_tile<KVTile, D_CHUNK, THREADS>(dk, p.d_qk, sK, seq.nk() - n0, p.d_qk - c0);
+  store_tile<KVTile, D_CHUNK, THREADS>(dv, p.d_v, sV, seq.nk() - n0, p.d_v - c0);
 }
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS, bool WGMMA,
@@ -281,8 +280,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
   const int c0 = (blockIdx.x % N_CHUNKS) * D_CHUNK;
   const int m0 = (gridDim.x / N_CHUNKS - 1 - blockIdx.x / N_CHUNKS) * BLOCK_M;  // longest rows first
   const SeqInfo<HAS_MODS> seq(p, b);
-  if (m0 >= seq.nq) return;  // past a shorter sequence's end (variable-length batches)
-  const int nq = seq.nq, nk = seq.nk;
+  if (m0 >= seq.nq()) return;  // past a shorter sequence's end (variable-length batches)
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int offset = seq.causal_offset();
 
@@ -303,20 +301,20 @@ attention_bwd_dq_kernel(const AttnParams p) {
   for (int r = 0; r < 2; ++r) {
     const int row = m0 + warp * 16 + (lane >> 2) + 8 * r;
     const i64 i = seq.q_flat + row;
-    row_lse[r] = row < nq ? p.lse_log2[i] : pos_inf();
-    row_delta[r] = row < nq ? p.delta[i] : 0.f;
+    row_lse[r] = row < seq.nq() ? p.lse_log2[i] : pos_inf();
+    row_delta[r] = row < seq.nq() ? p.delta[i] : 0.f;
   }
 
-  const int key_end = IS_CAUSAL ? min(nk, m0 + BLOCK_M + offset) : nk;
+  const int key_end = IS_CAUSAL ? min(seq.nk(), m0 + BLOCK_M + offset) : seq.nk();
   int n_blocks = key_end > 0 ? ceil_div(key_end, BLOCK_N) : 0;
-  int n_unmasked = nk / BLOCK_N;
+  int n_unmasked = seq.nk() / BLOCK_N;
   if (IS_CAUSAL) n_unmasked = min(n_unmasked, max(0, m0 + offset + 1) / BLOCK_N);
-  const Mask<IS_CAUSAL> mask{nk, offset};
+  const Mask<IS_CAUSAL> mask{seq.nk(), offset};
   // With modifiers: the key blocks of the window band whose block-mask tile is on (next_on).
-  const ScoreMods<T> mods(p, b, nq, nk);
+  const ScoreMods<T> mods(p, b);
   int n_first = 0;
   if constexpr (HAS_MODS) {
-    const int k_first = mods.first_key(m0), k_last = mods.last_key(min(m0 + BLOCK_M, nq) - 1);
+    const int k_first = mods.first_key(m0), k_last = mods.last_key(min(m0 + BLOCK_M, seq.nq()) - 1);
     n_first = k_first / BLOCK_N;
     n_blocks = k_last >= k_first ? k_last / BLOCK_N + 1 : 0;
   }
@@ -334,12 +332,12 @@ attention_bwd_dq_kernel(const AttnParams p) {
 
   auto load_stream = [&](int n_block, int buf) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_async<KVTile, THREADS>(sK + buf * KVTile::SIZE, k + n0 * p.k_stride[3], p.k_stride[3], nk - n0, p.d_qk);
-    load_tile_async<KVTile, THREADS>(sV + buf * KVTile::SIZE, v + n0 * p.v_stride[3], p.v_stride[3], nk - n0, p.d_v);
+    load_tile_async<KVTile, THREADS>(sK + buf * KVTile::SIZE, k + n0 * p.k_stride[3], p.k_stride[3], seq.nk() - n0, p.d_qk);
+    load_tile_async<KVTile, THREADS>(sV + buf * KVTile::SIZE, v + n0 * p.v_stride[3], p.v_stride[3], seq.nk() - n0, p.d_v);
   };
 
-  load_tile_async<QTile, THREADS>(sQ, q, p.q_stride[3], nq - m0, p.d_qk);
-  load_tile_async<QTile, THREADS>(sdO, dout, p.dout_stride[3], nq - m0, p.d_v);
+  load_tile_async<QTile, THREADS>(sQ, q, p.q_stride[3], seq.nq() - m0, p.d_qk);
+  load_tile_async<QTile, THREADS>(sdO, dout, p.dout_stride[3], seq.nq() - m0, p.d_v);
   int n_block = next_on(n_first);
   if (n_block < n_blocks) load_stream(n_block, 0);
   cp_async_commit();
@@ -409,5 +407,5 @@ attention_bwd_dq_kernel(const AttnParams p) {
   acc_to_smem<QTile, G_TILES>(sQ, warp * 16, acc_dq, dq_scale, lane);
   __syncthreads();
   T* dq = static_cast<T*>(p.dq) + (seq.q_flat + m0) * p.d_qk + c0;
-  store_tile<QTile, D_CHUNK, THREADS>(dq, p.d_qk, sQ, nq - m0, p.d_qk - c0);
+  store_tile<QTile, D_CHUNK, THREADS>(dq, p.d_qk, sQ, seq.nq() - m0, p.d_qk - c0);
 }

@@ -53,27 +53,27 @@ struct RowBlock {
   TileBitmap tile_bitmap;
 
   // Every thread of the CTA constructs it (the block-mask bitmap is loaded cooperatively), after
-  // checking m0 < seq.nq.
+  // checking m0 < seq.nq().
   __device__ __forceinline__ RowBlock(const AttnParams& params, int b, const SeqInfo<HAS_MODS>& seq_, int m0_,
                                       u32* bitmap_words)
-      : p(params), seq(seq_), m0(m0_), mods(params, b, seq_.nq, seq_.nk) {
+      : p(params), seq(seq_), m0(m0_), mods(params, b) {
     q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p) + (seq.q_row + m0) * p.q_stride[3];
     k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p) + seq.k_row * p.k_stride[3];
     v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p) + seq.k_row * p.v_stride[3];
     out = static_cast<T*>(p.out) + batch_offset(p.out_stride, b, p) + (seq.q_row + m0) * p.out_stride[3];
     lse = p.lse + seq.q_flat + m0;
     const int offset = seq.causal_offset();
-    mask = Mask<IS_CAUSAL>{seq.nk, offset};
+    mask = Mask<IS_CAUSAL>{seq.nk(), offset};
     // Keys this row block can see: all of them, or up to the causal limit of its last row.
-    const int key_end = IS_CAUSAL ? min(seq.nk, m0 + BLOCK_M + offset) : seq.nk;
+    const int key_end = IS_CAUSAL ? min(seq.nk(), m0 + BLOCK_M + offset) : seq.nk();
     n_blocks = key_end > 0 ? ceil_div(key_end, BLOCK_N) : 0;
     // Key blocks [0, n_unmasked) need no mask: fully inside nk and on or below every row's diagonal.
-    n_unmasked = seq.nk / BLOCK_N;
+    n_unmasked = seq.nk() / BLOCK_N;
     if (IS_CAUSAL) n_unmasked = min(n_unmasked, max(0, m0 + offset + 1) / BLOCK_N);
     // With modifiers: only the key blocks of the window band, and of those only the ones the block mask
     // leaves on.
     if constexpr (HAS_MODS) {
-      const int last_row = min(m0 + BLOCK_M, seq.nq) - 1;
+      const int last_row = min(m0 + BLOCK_M, seq.nq()) - 1;
       const int k_first = mods.first_key(m0), k_last = mods.last_key(last_row);
       n_first = k_first / BLOCK_N;
       n_blocks = k_last >= k_first ? k_last / BLOCK_N + 1 : 0;
@@ -122,11 +122,11 @@ __device__ __forceinline__ void write_out(const Rows& rows, T* sQ, int c0, const
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = warp * 16 + (lane >> 2) + 8 * r;
-      if (rows.m0 + row < rows.seq.nq) rows.lse[row] = row_lse[r];
+      if (rows.m0 + row < rows.seq.nq()) rows.lse[row] = row_lse[r];
     }
   }
   __syncthreads();
-  store_tile<QTile, 8 * O_TILES, THREADS>(rows.out + c0, p.out_stride[3], sQ, rows.seq.nq - rows.m0, p.d_v - c0);
+  store_tile<QTile, 8 * O_TILES, THREADS>(rows.out + c0, p.out_stride[3], sQ, rows.seq.nq() - rows.m0, p.d_v - c0);
 }
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS,
@@ -155,7 +155,7 @@ attention_fwd_kernel(const AttnParams p) {
   // Reverse order: under the causal mask the last query blocks see the most keys; start them first.
   const int m0 = (gridDim.x / N_CHUNKS - 1 - blockIdx.x / N_CHUNKS) * BLOCK_M;
   const SeqInfo<HAS_MODS> seq(p, b);
-  if (m0 >= seq.nq) return;  // past a shorter sequence's end (variable-length batches)
+  if (m0 >= seq.nq()) return;  // past a shorter sequence's end (variable-length batches)
   const int c0 = (blockIdx.x % N_CHUNKS) * D_CHUNK;  // this CTA's output columns
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MODS> rows(p, b, seq, m0, bitmap_words);
@@ -175,9 +175,9 @@ attention_fwd_kernel(const AttnParams p) {
 
   int n_block = rows.prev_on(rows.n_blocks - 1);
   if (n_block >= rows.n_first) {
-    load_tile_async<QTile, THREADS>(sQ, rows.q, p.q_stride[3], seq.nq - m0, p.d_qk);
+    load_tile_async<QTile, THREADS>(sQ, rows.q, p.q_stride[3], seq.nq() - m0, p.d_qk);
     const int n_last = n_block * BLOCK_N;
-    load_tile_async<KVTile, THREADS>(sK, rows.k + n_last * p.k_stride[3], p.k_stride[3], seq.nk - n_last, p.d_qk);
+    load_tile_async<KVTile, THREADS>(sK, rows.k + n_last * p.k_stride[3], p.k_stride[3], seq.nk() - n_last, p.d_qk);
     cp_async_commit();
   }
   while (n_block >= rows.n_first) {
@@ -188,7 +188,7 @@ attention_fwd_kernel(const AttnParams p) {
 
     cp_async_wait<0>();  // K_j has landed; every warp is done with V_{j+1}
     __syncthreads();
-    load_tile_async<KVTile, THREADS>(sV, rows.v + n0 * p.v_stride[3], p.v_stride[3], seq.nk - n0, p.d_v);
+    load_tile_async<KVTile, THREADS>(sV, rows.v + n0 * p.v_stride[3], p.v_stride[3], seq.nk() - n0, p.d_v);
     cp_async_commit();
 
     // S_ij = Q_i K_j^T (raw scores; the scale is folded into the exponent)
@@ -204,7 +204,7 @@ attention_fwd_kernel(const AttnParams p) {
     __syncthreads();
     if (n_next >= rows.n_first) {
       const int n_prev = n_next * BLOCK_N;
-      load_tile_async<KVTile, THREADS>(sK, rows.k + n_prev * p.k_stride[3], p.k_stride[3], seq.nk - n_prev, p.d_qk);
+      load_tile_async<KVTile, THREADS>(sK, rows.k + n_prev * p.k_stride[3], p.k_stride[3], seq.nk() - n_prev, p.d_qk);
       cp_async_commit();
     }
     // O_i += P_ij V_j, P straight from the score registers
@@ -239,7 +239,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   if (b >= p.batch) return;
   const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // longest causal rows first
   const SeqInfo<HAS_MODS> seq(p, b);
-  if (m0 >= seq.nq) return;  // past a shorter sequence's end (variable-length batches)
+  if (m0 >= seq.nq()) return;  // past a shorter sequence's end (variable-length batches)
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int wg_row0 = (warp / 4) * 64;
   const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MODS> rows(p, b, seq, m0, bitmap_words);
@@ -258,11 +258,11 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   // counts it all the same.
   auto load_k = [&](int n_block, int t) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_async<KVTile, THREADS>(sK + (t & 1) * KVTile::SIZE, rows.k + n0 * p.k_stride[3], p.k_stride[3], seq.nk - n0, p.d_qk);
+    load_tile_async<KVTile, THREADS>(sK + (t & 1) * KVTile::SIZE, rows.k + n0 * p.k_stride[3], p.k_stride[3], seq.nk() - n0, p.d_qk);
   };
   auto load_v = [&](int n_block, int t) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_async<KVTile, THREADS>(sV + (t & 1) * KVTile::SIZE, rows.v + n0 * p.v_stride[3], p.v_stride[3], seq.nk - n0, p.d_v);
+    load_tile_async<KVTile, THREADS>(sV + (t & 1) * KVTile::SIZE, rows.v + n0 * p.v_stride[3], p.v_stride[3], seq.nk() - n0, p.d_v);
   };
   auto wait_step = [&]() {  // G_t has landed (G_(t+1) may still be in flight), visible to the tensor cores
     cp_async_wait<1>();
@@ -279,7 +279,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   int n_cur = rows.prev_on(rows.n_blocks - 1);  // b_t: the block whose P (p_cur) is pending
   if (n_cur >= rows.n_first) {
     int n_next = rows.prev_on(n_cur - 1);       // b_(t+1)
-    load_tile_async<QTile, THREADS>(sQ, rows.q, p.q_stride[3], seq.nq - m0, p.d_qk);
+    load_tile_async<QTile, THREADS>(sQ, rows.q, p.q_stride[3], seq.nq() - m0, p.d_qk);
     load_k(n_cur, 0);
     cp_async_commit();
     if (n_next >= rows.n_first) load_k(n_next, 1);

@@ -35,7 +35,8 @@ attention_probs_kernel(const AttnParams p) {
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int g = lane >> 2, t = lane & 3;
 
-  const ScoreMods<T> mods(p, b, p.nq, p.nk);  // dense batches only
+  const SeqInfo<true> seq(p, b);  // dense batches only; sets the lengths ScoreMods reads
+  const ScoreMods<T> mods(p, b);
   const int last_row = min(m0 + BLOCK_M, p.nq) - 1, last_key = min(n0 + BLOCK_N, p.nk) - 1;
   const bool visible = n0 <= mods.last_key(last_row) && last_key >= mods.first_key(m0) &&
                        (!mods.block_mask || mods.block_mask[(m0 / BLOCK_MASK_TILE) * p.block_mask_stride[3] +

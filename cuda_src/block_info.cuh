@@ -11,7 +11,8 @@
 // of q, out, dout and [cu_seqlens_k[s], cu_seqlens_k[s + 1]) of k, v, and its per-row arrays (lse, delta,
 // lse_log2, dq; dk, dv) are laid out (head, packed row): see SeqInfo. Packed batches run the HAS_MODS
 // instantiations (causal as the window's right edge): only they read cu_seqlens, so that the plain
-// kernels keep nq and nk as constants, not registers (their tightest variants have none to spare).
+// kernels keep nq and nk as constants, not registers (their tightest variants have none to spare); the
+// HAS_MODS ones keep them in shared memory, read where used.
 // The host mirrors this struct as an aligned NumPy dtype (cupyflash/_kernels.py, PARAMS_DTYPE): keep the
 // two in the same order.
 #pragma once
@@ -94,35 +95,55 @@ __device__ __forceinline__ i64 batch_offset(const i64 (&stride)[N], int b, const
   return b0 * stride[0] + b1 * stride[1] + b2 * stride[2];
 }
 
-// The sequence of batch entry b: its lengths, where its rows start in the strided tensors (added to the
-// batch offset), and where they start in the library's per-row arrays: lse, delta, lse_log2, dq at
+// The lengths (nq, nk) of a MAY_BE_PACKED kernel's batch entry, written once by its SeqInfo. Shared memory,
+// read through volatile loads where they are used: in registers they would live through the main loop,
+// and the modifiers' kernels, whose tightest variants are at 255 registers, would spill.
+__shared__ int seq_lengths[2];
+
+// The sequence of batch entry b: its lengths nq(), nk(), where its rows start in the strided tensors (added
+// to the batch offset), and where they start in the library's per-row arrays: lse, delta, lse_log2, dq at
 // q_flat (+ row), dk, dv at k_flat. Dense batches: (nq, nk, 0, 0, b * nq, b * nk). MAY_BE_PACKED: the
-// kernel reads cu_seqlens when set (HAS_MODS kernels); otherwise the batch is dense, known at compile time.
+// kernel reads cu_seqlens when set (HAS_MODS kernels; the constructor then synchronizes the CTA, so every
+// thread of it must construct one); otherwise the batch is dense and nq, nk are the parameters' constants.
 template <bool MAY_BE_PACKED>
 struct SeqInfo {
-  int nq, nk;
+  const AttnParams& p;
   i64 q_row, k_row;
   i64 q_flat, k_flat;
 
-  __device__ __forceinline__ SeqInfo(const AttnParams& p, int b) {
+  __device__ __forceinline__ SeqInfo(const AttnParams& params, int b) : p(params) {
     if (MAY_BE_PACKED && p.cu_seqlens_q) {
       const int s = b / p.heads, h = b % p.heads;
       const int q0 = p.cu_seqlens_q[s], k0 = p.cu_seqlens_k[s];
-      nq = p.cu_seqlens_q[s + 1] - q0;
-      nk = p.cu_seqlens_k[s + 1] - k0;
+      if (threadIdx.x == 0) {
+        seq_lengths[0] = p.cu_seqlens_q[s + 1] - q0;
+        seq_lengths[1] = p.cu_seqlens_k[s + 1] - k0;
+      }
       q_row = q0;
       k_row = k0;
       q_flat = static_cast<i64>(h) * p.total_q + q0;
       k_flat = static_cast<i64>(h) * p.total_k + k0;
     } else {
-      nq = p.nq;
-      nk = p.nk;
+      if (MAY_BE_PACKED && threadIdx.x == 0) {
+        seq_lengths[0] = p.nq;
+        seq_lengths[1] = p.nk;
+      }
       q_row = k_row = 0;
       q_flat = static_cast<i64>(b) * p.nq;
       k_flat = static_cast<i64>(b) * p.nk;
     }
+    if (MAY_BE_PACKED) __syncthreads();
+  }
+
+  __device__ __forceinline__ int nq() const {
+    if constexpr (MAY_BE_PACKED) return *static_cast<volatile const int*>(&seq_lengths[0]);
+    return p.nq;
+  }
+  __device__ __forceinline__ int nk() const {
+    if constexpr (MAY_BE_PACKED) return *static_cast<volatile const int*>(&seq_lengths[1]);
+    return p.nk;
   }
 
   // Bottom-right causal alignment (FlashAttention-2): query row i sees key j iff j <= i + nk - nq.
-  __device__ __forceinline__ int causal_offset() const { return nk - nq; }
+  __device__ __forceinline__ int causal_offset() const { return nk() - nq(); }
 };

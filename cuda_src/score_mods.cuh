@@ -105,10 +105,9 @@ struct ScoreMods {
   const unsigned char* block_mask;
   float add_scale;  // what ALiBi and bias terms are multiplied by: 1 on logits, 1 / scale on raw scores
   float slope;      // this batch entry's ALiBi slope, times add_scale
-  int nq, nk;       // this batch entry's sequence lengths (SeqInfo)
 
-  __device__ __forceinline__ ScoreMods(const AttnParams& params, int b, int nq_, int nk_)
-      : p(params), nq(nq_), nk(nk_) {
+  // The kernel has constructed a SeqInfo<true> (HAS_MODS kernels do): the lengths are in shared memory.
+  __device__ __forceinline__ ScoreMods(const AttnParams& params, int b) : p(params) {
     add_scale = natural() ? 1.f : 1.f / p.scale;
     slope = p.alibi_slopes ? p.alibi_slopes[b] * add_scale : 0.f;
     bias = p.bias ? static_cast<const char*>(p.bias) + batch_offset(p.bias_stride, b, p) * (p.bias_f32 ? 4 : sizeof(T)) : nullptr;
@@ -119,6 +118,10 @@ struct ScoreMods {
     block_mask = p.block_mask ? p.block_mask + batch_offset(p.block_mask_stride, b, p) : nullptr;
   }
 
+  // This batch entry's sequence lengths (SeqInfo<true>).
+  __device__ __forceinline__ static int nq() { return *static_cast<volatile const int*>(&seq_lengths[0]); }
+  __device__ __forceinline__ static int nk() { return *static_cast<volatile const int*>(&seq_lengths[1]); }
+
   // Without a softcap the scores keep their raw units (q . k) and the scale stays folded into the
   // exponent, as in the plain kernels: ALiBi and bias terms are divided by the scale instead (one FMA
   // each). The softcap needs the scaled score, so with it the scores become logits in natural units.
@@ -126,17 +129,17 @@ struct ScoreMods {
   __device__ __forceinline__ float exp_scale() const { return natural() ? LOG2E : p.scale_log2; }
 
   // Keys [first, last] that some query of rows [r0, r1] may see through the window band and nk.
-  __device__ __forceinline__ int first_key(int r0) const { return p.window_left < 0 ? 0 : max(0, r0 + nk - nq - p.window_left); }
-  __device__ __forceinline__ int last_key(int r1) const { return p.window_right < 0 ? nk - 1 : min(nk - 1, r1 + nk - nq + p.window_right); }
+  __device__ __forceinline__ int first_key(int r0) const { return p.window_left < 0 ? 0 : max(0, r0 + nk() - nq() - p.window_left); }
+  __device__ __forceinline__ int last_key(int r1) const { return p.window_right < 0 ? nk() - 1 : min(nk() - 1, r1 + nk() - nq() + p.window_right); }
   // Queries [first, last] that may see some key of columns [c0, c1] (clipped to [0, nq - 1]).
-  __device__ __forceinline__ int first_query(int c0) const { return p.window_right < 0 ? 0 : max(0, c0 - (nk - nq) - p.window_right); }
-  __device__ __forceinline__ int last_query(int c1) const { return p.window_left < 0 ? nq - 1 : min(nq - 1, c1 - (nk - nq) + p.window_left); }
+  __device__ __forceinline__ int first_query(int c0) const { return p.window_right < 0 ? 0 : max(0, c0 - (nk() - nq()) - p.window_right); }
+  __device__ __forceinline__ int last_query(int c1) const { return p.window_left < 0 ? nq() - 1 : min(nq() - 1, c1 - (nk() - nq()) + p.window_left); }
 
   // Does the tile rows [r0, r1] x cols [c0, c1] need per-element bound checks? Interior tiles of the
   // band that lie inside nq x nk do not.
   __device__ __forceinline__ bool needs_bounds(int r0, int r1, int c0, int c1) const {
-    const int offset = nk - nq, left = p.window_left, right = p.window_right;
-    return r1 >= nq || c1 >= nk || (right >= 0 && c1 > r0 + offset + right) || (left >= 0 && c0 < r1 + offset - left);
+    const int offset = nk() - nq(), left = p.window_left, right = p.window_right;
+    return r1 >= nq() || c1 >= nk() || (right >= 0 && c1 > r0 + offset + right) || (left >= 0 && c0 < r1 + offset - left);
   }
 
   // This CTA's line of the block mask along its streamed axis: keys of query row i (KEYS), or
@@ -147,9 +150,9 @@ struct ScoreMods {
     if (!block_mask) return;
     const int t = fixed / BLOCK_MASK_TILE;
     if (KEYS) {
-      bitmap.load<NUM_WARPS>(smem_words, block_mask + t * p.block_mask_stride[3], p.block_mask_stride[4], ceil_div(nk, BLOCK_MASK_TILE));
+      bitmap.load<NUM_WARPS>(smem_words, block_mask + t * p.block_mask_stride[3], p.block_mask_stride[4], ceil_div(nk(), BLOCK_MASK_TILE));
     } else {
-      bitmap.load<NUM_WARPS>(smem_words, block_mask + t * p.block_mask_stride[4], p.block_mask_stride[3], ceil_div(nq, BLOCK_MASK_TILE));
+      bitmap.load<NUM_WARPS>(smem_words, block_mask + t * p.block_mask_stride[4], p.block_mask_stride[3], ceil_div(nq(), BLOCK_MASK_TILE));
     }
   }
 
@@ -206,8 +209,8 @@ struct ScoreMods {
   }
 
   __device__ __forceinline__ bool visible(int i, int key) const {
-    const int offset = nk - nq, left = p.window_left, right = p.window_right;
-    return i < nq && key < nk && (left < 0 || key >= i + offset - left) && (right < 0 || key <= i + offset + right);
+    const int offset = nk() - nq(), left = p.window_left, right = p.window_right;
+    return i < nq() && key < nk() && (left < 0 || key >= i + offset - left) && (right < 0 || key <= i + offset + right);
   }
 
   // Raw scores -> logits: the scale, ALiBi and bias passes (softcap is the caller's, as the backward
@@ -219,7 +222,7 @@ struct ScoreMods {
       // per element (exact: integers far below 2^24).
       int i0, key0;
       coords<TRANSPOSED>(row0, col0, 0, 0, lane, i0, key0);
-      const float base = static_cast<float>(i0 + nk - nq - key0);
+      const float base = static_cast<float>(i0 + nk() - nq() - key0);
 #pragma unroll
       for (int j = 0; j < N; ++j)
 #pragma unroll
@@ -265,7 +268,7 @@ struct ScoreMods {
         for (int e = 0; e < 4; ++e) {
           int i, key;
           coords<TRANSPOSED>(row0, col0, j, e, lane, i, key);
-          if (!check || (i < nq && key < nk)) s[j][e] += add_scale * bias_at(i * p.bias_stride[3] + key * p.bias_stride[4]);
+          if (!check || (i < nq() && key < nk())) s[j][e] += add_scale * bias_at(i * p.bias_stride[3] + key * p.bias_stride[4]);
         }
     }
     if (check || mask) {
@@ -309,7 +312,7 @@ struct ScoreMods {
       x = p.softcap * t;
       dcap = 1.f - t * t;
     }
-    x -= slope * fabsf(static_cast<float>(i + nk - nq - key));
+    x -= slope * fabsf(static_cast<float>(i + nk() - nq() - key));
     if (check && !visible(i, key)) return neg_inf();
     if (mask && !mask[i * p.mask_stride[3] + key * p.mask_stride[4]]) return neg_inf();
     if (bias) x += bias_at(i * p.bias_stride[3] + key * p.bias_stride[4]);
@@ -386,11 +389,11 @@ struct ScoreMods {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int i = row0 + g + 8 * r;
-      if (check && i >= nq) continue;
+      if (check && i >= nq()) continue;
       const i64 row = static_cast<i64>(i) * p.dbias_stride[3] + col0 + 2 * t;
 #pragma unroll
       for (int j = 0; j < N; ++j) {
-        if (check && col0 + j * 8 + 2 * t >= nk) continue;
+        if (check && col0 + j * 8 + 2 * t >= nk()) continue;
         if constexpr (sizeof(T) == 2) {
           if (!p.dbias_f32) {
             Elem<T>::store2(reinterpret_cast<T*>(dbias) + row + j * 8, ds[j][2 * r], ds[j][2 * r + 1]);

@@ -70,9 +70,9 @@ _TABLE = {
     (4, 192): ((4, 16, 192), (2, 16, 48), (2, 16, 96)),
     (4, 256): ((4, 16, 128), (2, 16, 32), (2, 16, 128)),
 }
-# The score modifiers' kernels hold a few more registers per score (bounds, bias, softcap derivative) and the
-# sequence lengths (they also serve variable-length batches, whose lengths come from cu_seqlens); where the
-# plain tiles would spill there, they get these instead.
+# The score modifiers' kernels hold a few more registers per score (bounds, bias, softcap derivative); where
+# the plain tiles would spill there, they get these instead. (They also serve variable-length batches; the
+# sequence lengths they then read from cu_seqlens sit in shared memory, not in registers: block_info.cuh.)
 _MODS_TABLE = {
     (2, 64, "dkdv"): (4, 32, 64),
     (2, 256, "fwd"): (4, 32, 256),
@@ -90,17 +90,15 @@ _WGMMA_TABLE = {
     192: ((8, 64, 192), (4, 32, 64), (4, 32, 192)),
     256: ((8, 64, 256), (4, 16, 128), (4, 32, 128)),
 }
-# The modifiers' extra registers per score (bounds, bias, softcap derivative; the sequence lengths) make
-# these spill with the plain tiles above (whose blocks must also divide the block mask's BLOCK_MASK_TILE = 128).
+# The modifiers' extra registers per score (bounds, bias, softcap derivative) make these spill with the
+# plain tiles above (whose blocks must also divide the block mask's BLOCK_MASK_TILE = 128).
 _WGMMA_MODS_TABLE = {
     (2, 16, "fwd"): (4, 64, 16),
-    (2, 160, "fwd"): (8, 32, 160),
     (2, 192, "fwd"): (8, 32, 192),
     (2, 256, "fwd"): (8, 32, 256),
     (2, 64, "dkdv"): (4, 32, 64),
     (2, 96, "dkdv"): (4, 32, 96),
-    (2, 128, "dkdv"): (4, 16, 128),
-    (2, 160, "dkdv"): (4, 16, 32),
+    (2, 128, "dkdv"): (4, 32, 128),
     (2, 64, "dq"): (4, 64, 64),
 }
 # The dropout kernels also hold the Philox state and a tile's keep bits; where that makes a variant spill,
@@ -117,6 +115,7 @@ _DROPOUT_TABLE = {
     ("wgmma", True, 2, 16, "dkdv"): (4, 32, 16),
     ("wgmma", True, 2, 32, "dkdv"): (4, 32, 32),
     ("wgmma", True, 2, 96, "dkdv"): (4, 16, 96),
+    ("wgmma", True, 2, 128, "dkdv"): (4, 16, 128),
     ("wgmma", True, 2, 32, "fwd"): (4, 64, 32),
     ("wgmma", True, 2, 64, "fwd"): (4, 64, 64),
 }
