@@ -8,7 +8,8 @@
 // the generator again, so the mask costs no memory and is the same whatever the tiles.
 // One call covers 8 elements that one thread holds in the forward's (and the dQ pass's) accumulator
 // layout: rows g and g + 8, columns 2t, 2t + 1 of two adjacent n8 tiles. In the dK/dV pass's transposed
-// tiles (keys along the rows) a thread holds 4 of each call's 8, so it makes twice as many calls.
+// tiles (keys along the rows) a thread holds 4 of each call's 8, and its neighbour lane ^ 4 the other 4:
+// each of the two makes one of their two calls and they swap halves (one shuffle).
 // The forward and the dQ pass apply each call's values to their elements at once (drop_rows); the dK/dV
 // pass applies Z twice (to dP and to P), so it first packs a tile's keep bits into one 64-bit register
 // (bit 4 * j + e for accumulator element [j][e], keep_cols) and draws the numbers once.
@@ -68,29 +69,35 @@ struct Dropout {
 
   // Keep bits of a transposed tile (dK/dV pass: keys along the rows), bit 4j + e for element [j][e];
   // this warp's rows start at key key_row0, its columns at query query_col0 (multiples of 16).
+  // A thread's keys g, g + 8 take half (g & 1) of each word of the calls for queries 2t and 2t + 1 of
+  // every 8; its partner (lane ^ 4: key g ^ 1) needs the same two calls' other halves. So each of the
+  // two draws one call (query 2t + (g & 1)), keeps its own half's 4 bits and hands the other 4 over.
   template <int N>
   __device__ __forceinline__ u64 keep_cols(int key_row0, int query_col0, int lane) const {
     static_assert(N % 2 == 0 && N <= 16, "whole 16-query blocks, at most 64 bits");
     const int g = lane >> 2, t = lane & 3;
-    const int shift = 16 * (g & 1);  // this thread's keys g, g + 8 have j & 1 = g & 1: that half of each word
+    const int c = g & 1;              // the query (2t + c) this thread draws for
+    const int mine = 16 * (g & 1);    // the half of each word this thread's keys take
     u64 bits = 0;
-    // One pair of calls at a time (the bits go in by a run-time shift): this pass has no registers for more.
+    // One call at a time (the bits go in by a run-time shift): this pass has no registers for more.
 #pragma unroll 1
     for (int jj = 0; jj < N / 2; ++jj) {
-      u32 byte = 0;
+      // Query 16 jj + 8 h + 2t + c, key g + 8 r: slot h * 4 + r * 2 + (g & 1), word h * 2 + r, element
+      // [2 jj + h][2 r + c]: bit 4 h + 2 r + c of this byte.
+      const uint4 u = philox(static_cast<u32>((key_row0 >> 4) * 4 + (g >> 1)),
+                             static_cast<u32>(((query_col0 >> 4) + jj) * 8 + 2 * t + c));
+      const u32 words[4] = {u.x, u.y, u.z, u.w};
+      u32 own = 0, other = 0;
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        // Query 16 jj + 8 h + 2t + c, key g + 8 r: slot h * 4 + r * 2 + (g & 1), word h * 2 + r, element
-        // [2 jj + h][2 r + c]: bit 4 h + 2 r + c of this byte.
-        const uint4 u = philox(static_cast<u32>((key_row0 >> 4) * 4 + (g >> 1)),
-                               static_cast<u32>(((query_col0 >> 4) + jj) * 8 + 2 * t + c));
-        const u32 words[4] = {u.x, u.y, u.z, u.w};
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int r = 0; r < 2; ++r)
-            byte |= static_cast<u32>(((words[h * 2 + r] >> shift) & 0xffffu) < threshold) << (4 * h + 2 * r + c);
-      }
+        for (int r = 0; r < 2; ++r) {
+          const u32 w = words[h * 2 + r];
+          const int bit = 4 * h + 2 * r + c;
+          own |= static_cast<u32>(((w >> mine) & 0xffffu) < threshold) << bit;
+          other |= static_cast<u32>(((w >> (16 - mine)) & 0xffffu) < threshold) << bit;
+        }
+      const u32 byte = own | __shfl_xor_sync(0xffffffffu, other, 4);
       bits |= static_cast<u64>(byte) << (8 * jj);
     }
     return bits;
