@@ -116,6 +116,7 @@ _DROPOUT_TABLE = {
     ("wgmma", True, 2, 32, "dkdv"): (4, 32, 32),
     ("wgmma", True, 2, 96, "dkdv"): (4, 16, 96),
     ("wgmma", True, 2, 128, "dkdv"): (4, 16, 128),
+    ("wgmma", True, 2, 160, "dkdv"): (4, 16, 32),
     ("wgmma", True, 2, 32, "fwd"): (4, 64, 32),
     ("wgmma", True, 2, 64, "fwd"): (4, 64, 64),
 }

@@ -139,7 +139,7 @@ def test_with_each_modifier(rng, dtype, option):
     _check(rng, dtype, (2, 3), 203, 290, 64, True, which=[option])
 
 
-@pytest.mark.parametrize("head_dim", (40, 128, 256))
+@pytest.mark.parametrize("head_dim", (40, 128, 160, 256))
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_with_every_modifier(rng, dtype, head_dim):
     _check(rng, dtype, (2, 2), 290, 333, head_dim, True, which=OPTIONS)
