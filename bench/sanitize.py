@@ -6,10 +6,11 @@
     python bench/sanitize.py --variants '^bwd/bf16/(64|128)/' --out /tmp/sanitize
     python bench/sanitize.py --all-rows                   # one table row per kernel instantiation
 
-Variants are named ``{fwd,bwd,probs}/{fp16,bf16,fp32}/HEAD_DIM/{plain,causal,mods}``, with ``/wgmma``
-appended for the Hopper path (cupyflash._kernels.shipped_variants(): 144 forward and backward modules and
-24 probs modules on the mma.sync path, and 112 fp16/bf16 modules on the wgmma path, which run only on
-compute capability 9.0); ``--variants`` is a regular expression searched in those names. Each variant runs
+Variants are named ``{fwd,bwd,probs}/{fp16,bf16,fp32}/HEAD_DIM/{plain,causal,mods}``, with ``/dropout`` for
+the dropout instantiations and ``/wgmma`` for the Hopper path (cupyflash._kernels.shipped_variants(): 288
+forward and backward modules and 24 probs modules on the mma.sync path, and 208 fp16/bf16 modules on the
+wgmma path, which run only on compute capability 9.0); ``--variants`` is a regular expression searched in
+those names. Each variant runs
 through the public API with CUPYFLASH_NO_WGMMA set to pick its path.
 
 How it works. This script first compiles the selected variants into CuPy's on-disk kernel cache, in
@@ -21,7 +22,10 @@ problems with head dim D = HEAD_DIM, so each kernel is exactly the variant named
 - mods (and probs): q (1, 2, 150, D), k, v (1, 2, 270, D), two calls, so the block mask skips tiles and every
   dbias path runs: (a) causal with window (100, 20), ALiBi, a full bias (dbias by paired stores), a mask and
   a block mask with one tile off; (b) softcap 5, ALiBi, a bias broadcast over the heads (dbias by float32
-  atomics, per-element logits) and a key-padding mask of shape (1, 1, 1, Nk).
+  atomics, per-element logits) and a key-padding mask of shape (1, 1, 1, Nk); then (fwd and bwd) a packed
+  variable-length batch, the other path into these kernels: sequences of 0, 70, 1, 150 queries and 90, 0, 40,
+  270 keys, 2 heads sharing one key/value head, causal with ALiBi;
+- dropout variants: the same calls with dropout_p = 0.2.
 
 The worker turns CuPy's memory pool off, so every array is its own cudaMalloc: memcheck then knows each
 array's exact bounds (with ``--padding`` bytes of guard after each allocation), and initcheck sees fresh,
@@ -37,7 +41,7 @@ missing summary, 2 when compute-sanitizer is not found. Racecheck warnings are l
 with ``--strict``.
 
 Logs: ``OUT/TOOL.sanitizer.log`` (the tool's report) and ``OUT/TOOL.worker.log`` (the worker's output).
-Runtime: tiny problems, so the time goes to loading and instrumenting ~170 modules per tool (~280 on Hopper); racecheck is
+Runtime: tiny problems, so the time goes to loading and instrumenting ~310 modules per tool (~520 on Hopper); racecheck is
 the slowest. Split the work with ``--tools`` or ``--variants`` if a run must fit a time limit.
 """
 
@@ -68,7 +72,7 @@ MODS_SHAPE = dict(batch=(1, 2), nq=150, nk=270)  # 2 x 3 block-mask tiles; Nk ev
 # ============================================================================= variants
 def variant_label(variant):
     kind = "mods" if variant.mods else ("causal" if variant.causal else "plain")
-    path = "/wgmma" if variant.wgmma else ""
+    path = ("/dropout" if variant.dropout else "") + ("/wgmma" if variant.wgmma else "")
     return f"{variant.direction}/{DTYPE_NAMES[variant.ctype]}/{variant.head_dim}/{kind}{path}"
 
 
@@ -136,14 +140,34 @@ def run_variant(variant, rng):
     shape = MODS_SHAPE if variant.mods else PLAIN_SHAPE
     q, k, v, dout = _problem(rng, dtype, shape["batch"], shape["nq"], shape["nk"], variant.head_dim)
     calls = _mods_calls(rng, dtype) if variant.mods else [(variant.causal, {})]
+    dropout = dict(dropout_p=0.2, dropout_seed=7) if variant.dropout else {}
     for causal, options in calls:
         if variant.direction == "probs":
             cupyflash.attention_probs(q, k, v, causal=causal, **options)
             continue
-        out, lse = cupyflash.attention_forward(q, k, v, causal=causal, **options)
+        out, lse = cupyflash.attention_forward(q, k, v, causal=causal, **options, **dropout)
         if variant.direction == "bwd":
-            cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, **options)
+            cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, **options, **dropout)
+    if variant.mods and variant.direction != "probs":
+        _packed_call(rng, dtype, variant, dropout)
     cupy.cuda.Device().synchronize()
+
+
+def _packed_call(rng, dtype, variant, dropout):
+    """A variable-length batch through the same kernels (module docstring)."""
+    import cupy
+    import numpy as np
+
+    import cupyflash
+
+    lengths_q, lengths_k, d = [0, 70, 1, 150], [90, 0, 40, 270], variant.head_dim
+    cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)) for n in (lengths_q, lengths_k))
+    q, dout = (cupy.asarray(rng.standard_normal((sum(lengths_q), 2, d), dtype=np.float32).astype(dtype)) for _ in range(2))
+    k, v = (cupy.asarray(rng.standard_normal((sum(lengths_k), 1, d), dtype=np.float32).astype(dtype)) for _ in range(2))
+    options = dict(causal=True, alibi_slopes=cupy.asarray(np.array([0.25, 0.0625], dtype=np.float32)), **dropout)
+    out, lse = cupyflash.attention_varlen_forward(q, k, v, cu_q, cu_k, **options)
+    if variant.direction == "bwd":
+        cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **options)
 
 
 def worker(pattern):

@@ -462,7 +462,9 @@ def _mod_arrays(mods) -> dict:
 
 
 def _alibi(mods):
-    """One float32 slope per flat batch entry, contiguous (tiny: the batch size), or None."""
+    """One float32 slope per flat batch entry, contiguous (tiny: the batch size), or nothing. Often a new
+    array: the caller keeps the dict it returns alive until the kernels are launched (a local variable),
+    since the parameters hold only its address."""
     import cupy
 
     if mods is None or mods.alibi_slopes is None:
@@ -582,8 +584,9 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
     lse = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
     arrays, sizes, strides, _ = _layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, **_mod_arrays(mods)})
     batch = math.prod(batch_shape)
+    others = {"lse": lse, **_alibi(mods)}  # alive until the launch: the parameters hold addresses only
     params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
-                     others={"lse": lse, **_alibi(mods)}, mods=mods, causal=causal, dropout=dropout)
+                     others=others, mods=mods, causal=causal, dropout=dropout)
     _launch(_functions(variant), variant, "fwd", nq, batch, params)
     return _unpad(arrays["out"], dv), lse
 
@@ -642,8 +645,9 @@ def attention_probs(q, k, v, *, scale: float, causal: bool, mods=None):
     probs = cupy.empty(batch_shape + (nq, nk), dtype=numpy.float32)
     arrays, sizes, strides, _ = _layout(batch_shape, {"q": q, "k": k, **_mod_arrays(mods)})
     batch = math.prod(batch_shape)
+    others = {"out": probs, "lse": lse, **_alibi(mods)}  # alive until the launch
     params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=d_w, scale=scale,
-                     others={"out": probs, "lse": lse, **_alibi(mods)}, mods=mods, causal=causal)
+                     others=others, mods=mods, causal=causal)
     _launch(_functions(variant), variant, "probs", nq, batch, params, cols=nk)
     return probs
 
@@ -697,8 +701,9 @@ def attention_varlen_forward(q, k, v, packed, *, scale: float, causal: bool, mod
     out = cupy.empty((packed.total_q, packed.heads, dv_w), dtype=q.dtype)
     lse = cupy.empty((packed.heads, packed.total_q), dtype=numpy.float32)
     cu_q, cu_k = _device_offsets(packed)
+    others = {"lse": lse, **_alibi(mods)}  # alive until the launch
     params = _varlen_params(packed, {"q": q, "k": k, "v": v, "out": out}, d=d_w, dv=dv_w, scale=scale, causal=causal,
-                            mods=mods, dropout=dropout, others={"lse": lse, **_alibi(mods)}, cu_q=cu_q, cu_k=cu_k)
+                            mods=mods, dropout=dropout, others=others, cu_q=cu_q, cu_k=cu_k)
     _launch(_functions(variant), variant, "fwd", packed.max_q, packed.batch * packed.heads, params)
     return _unpad(out, packed.dv), lse
 
