@@ -99,6 +99,8 @@ __device__ __forceinline__ i64 batch_offset(const i64 (&stride)[N], int b, const
 // read through volatile loads where they are used: in registers they would live through the main loop,
 // and the modifiers' kernels, whose tightest variants are at 255 registers, would spill.
 __shared__ int seq_lengths[2];
+__device__ __forceinline__ int shared_nq() { return *static_cast<volatile const int*>(&seq_lengths[0]); }
+__device__ __forceinline__ int shared_nk() { return *static_cast<volatile const int*>(&seq_lengths[1]); }
 
 // The sequence of batch entry b: its lengths nq(), nk(), where its rows start in the strided tensors (added
 // to the batch offset), and where they start in the library's per-row arrays: lse, delta, lse_log2, dq at
@@ -136,11 +138,11 @@ struct SeqInfo {
   }
 
   __device__ __forceinline__ int nq() const {
-    if constexpr (MAY_BE_PACKED) return *static_cast<volatile const int*>(&seq_lengths[0]);
+    if constexpr (MAY_BE_PACKED) return shared_nq();
     return p.nq;
   }
   __device__ __forceinline__ int nk() const {
-    if constexpr (MAY_BE_PACKED) return *static_cast<volatile const int*>(&seq_lengths[1]);
+    if constexpr (MAY_BE_PACKED) return shared_nk();
     return p.nk;
   }
 

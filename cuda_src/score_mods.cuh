@@ -119,8 +119,8 @@ struct ScoreMods {
   }
 
   // This batch entry's sequence lengths (SeqInfo<true>).
-  __device__ __forceinline__ static int nq() { return *static_cast<volatile const int*>(&seq_lengths[0]); }
-  __device__ __forceinline__ static int nk() { return *static_cast<volatile const int*>(&seq_lengths[1]); }
+  __device__ __forceinline__ static int nq() { return shared_nq(); }
+  __device__ __forceinline__ static int nk() { return shared_nk(); }
 
   // Without a softcap the scores keep their raw units (q . k) and the scale stays folded into the
   // exponent, as in the plain kernels: ALiBi and bias terms are divided by the scale instead (one FMA

@@ -395,38 +395,49 @@ def _layout(batch, arrays: dict):
     return dict(zip(names, values)), sizes, dict(zip(names, strides)), copied
 
 
-def _params(arrays: dict, sizes, batch_strides: dict, *, batch: int, nq: int, nk: int, d: int, dv: int,
-            scale: float, others: dict = None, mods=None, causal: bool = False, dropout=None):
-    """Fill the AttnParams struct (a one-element structured array: CuPy passes it by value).
-    ``arrays`` are the strided tensors (with their collapsed batch strides in ``batch_strides``);
-    ``others`` the contiguous ones (lse and workspaces), by pointer only."""
+def _new_params(pointers: dict, *, batch: int, batch1: int, batch2: int, nq: int, nk: int, d: int, dv: int,
+                scale: float, causal: bool, mods, dropout):
+    """An AttnParams struct (a one-element structured array: CuPy passes it by value) with what every launch
+    fills: the arrays' addresses, the sizes, the scale, the whole streamed axis for the backward passes,
+    the window (causal folded in) and softcap that the modifiers' kernels read, and the dropout's fields.
+    Strides and the per-layout fields are the caller's (_params, _varlen_params)."""
     p = numpy.zeros(1, dtype=PARAMS_DTYPE)
-    for name, array in {**arrays, **(others or {})}.items():
+    for name, array in pointers.items():
         p[name] = array.data.ptr
-    for name, array in arrays.items():
-        row_col = [array.strides[-2] // array.dtype.itemsize]
-        if name not in _STRIDED:  # the modifiers' arrays: any column stride, 0 included
-            row_col.append(array.strides[-1] // array.dtype.itemsize)
-        p[f"{name}_stride"] = batch_strides[name] + row_col
-    p["batch"], p["batch1"], p["batch2"] = batch, sizes[1], sizes[2]
+    p["batch"], p["batch1"], p["batch2"] = batch, batch1, batch2
     p["nq"], p["nk"], p["d_qk"], p["d_v"] = nq, nk, d, dv
     p["scale"], p["scale_log2"] = scale, scale * _LOG2E
-    p["stream_begin"], p["stream_end"] = 0, max(nq, nk)  # the backward passes' whole streamed axis
+    p["stream_begin"], p["stream_end"] = 0, max(nq, nk)
     # Read only by the modifiers' kernels (and attention_probs_kernel, which always has them).
     p["window_left"], p["window_right"] = (-1, 0) if causal else (-1, -1)
     if mods is not None:
         p["window_left"], p["window_right"] = mods.window_with_causal(causal)
         p["softcap"] = mods.softcap
         p["softcap_inv"] = 1.0 / mods.softcap if mods.softcap > 0 else 0.0
+    if dropout is not None:  # read by the dropout kernels only
+        p["dropout_key0"], p["dropout_key1"] = dropout.key
+        p["dropout_threshold"], p["dropout_scale"] = dropout.threshold, dropout.scale
+    return p
+
+
+def _params(arrays: dict, sizes, batch_strides: dict, *, batch: int, nq: int, nk: int, d: int, dv: int,
+            scale: float, others: dict = None, mods=None, causal: bool = False, dropout=None):
+    """The parameters of a dense batch: ``arrays`` are the strided tensors (with their collapsed batch
+    strides in ``batch_strides``); ``others`` the contiguous ones (lse and workspaces), by pointer only."""
+    p = _new_params({**arrays, **(others or {})}, batch=batch, batch1=sizes[1], batch2=sizes[2], nq=nq, nk=nk, d=d,
+                    dv=dv, scale=scale, causal=causal, mods=mods, dropout=dropout)
+    for name, array in arrays.items():
+        row_col = [array.strides[-2] // array.dtype.itemsize]
+        if name not in _STRIDED:  # the modifiers' arrays: any column stride, 0 included
+            row_col.append(array.strides[-1] // array.dtype.itemsize)
+        p[f"{name}_stride"] = batch_strides[name] + row_col
+    if mods is not None:
         p["bias_f32"] = mods.bias is not None and mods.bias.dtype == numpy.float32
         if "bias" in arrays:
             p["bias_pairs"] = _pairs_aligned(arrays["bias"], p["bias_stride"][0])
         if "dbias" in arrays:
             p["dbias_pairs"] = _dbias_exclusive(mods)  # see _dbias_buffer
             p["dbias_f32"] = arrays["dbias"].dtype == numpy.float32
-    if dropout is not None:  # read by the dropout kernels only
-        p["dropout_key0"], p["dropout_key1"] = dropout.key
-        p["dropout_threshold"], p["dropout_scale"] = dropout.threshold, dropout.scale
     return p
 
 
@@ -660,26 +671,14 @@ def _varlen_params(packed, arrays: dict, *, d: int, dv: int, scale: float, causa
     k and v have stride 0 along the G query heads that share them; q, out, dout (total_q, H, .) and k, v
     (total_k, Hk, .) with any row and head strides (unit column stride)."""
     hk, g = packed.kv_heads, packed.groups
-    p = numpy.zeros(1, dtype=PARAMS_DTYPE)
-    for name, array in {**arrays, **others}.items():
-        p[name] = array.data.ptr
+    # nq, nk: the longest sequences, which size the grid; the kernels read each one's own from cu_seqlens.
+    p = _new_params({**arrays, **others, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, batch=packed.batch * packed.heads,
+                    batch1=hk, batch2=g, nq=packed.max_q, nk=packed.max_k, d=d, dv=dv, scale=scale, causal=causal,
+                    mods=mods, dropout=dropout)
     for name, array in arrays.items():
         row, head = (s // array.dtype.itemsize for s in array.strides[:2])
         p[f"{name}_stride"] = [0, g * head, head, row] if name in ("q", "out", "dout") else [0, head, 0, row]
-    p["batch"], p["batch1"], p["batch2"] = packed.batch * packed.heads, hk, g
-    p["nq"], p["nk"], p["d_qk"], p["d_v"] = packed.max_q, packed.max_k, d, dv
-    p["scale"], p["scale_log2"] = scale, scale * _LOG2E
-    p["stream_begin"], p["stream_end"] = 0, max(packed.max_q, packed.max_k)
-    p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.data.ptr, cu_k.data.ptr
     p["heads"], p["total_q"], p["total_k"] = packed.heads, packed.total_q, packed.total_k
-    p["window_left"], p["window_right"] = (-1, 0) if causal else (-1, -1)
-    if mods is not None:
-        p["window_left"], p["window_right"] = mods.window_with_causal(causal)
-        p["softcap"] = mods.softcap
-        p["softcap_inv"] = 1.0 / mods.softcap if mods.softcap > 0 else 0.0
-    if dropout is not None:
-        p["dropout_key0"], p["dropout_key1"] = dropout.key
-        p["dropout_threshold"], p["dropout_scale"] = dropout.threshold, dropout.scale
     return p
 
 
