@@ -21,11 +21,10 @@ import ml_dtypes
 import numpy as np
 
 from cupyflash import _cpu, _dropout, _modifiers, _varlen
-from cupyflash._types import Array
+from cupyflash._types import Array, lse_dtype
 
 MAX_HEAD_DIM = 256
-SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
-LSE_DTYPE = np.dtype(np.float32)
+SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
 
 
 def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
@@ -37,7 +36,7 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     Parameters
     ----------
     q : numpy.ndarray or cupy.ndarray, shape (..., Nq, D)
-        Queries. dtype float16, bfloat16 (``ml_dtypes.bfloat16``) or float32.
+        Queries. dtype float16, bfloat16 (``ml_dtypes.bfloat16``), float32 or float64.
     k : numpy.ndarray or cupy.ndarray, shape (..., Nk, D)
         Keys, same dtype as ``q``.
     v : numpy.ndarray or cupy.ndarray, shape (..., Nk, Dv)
@@ -98,8 +97,9 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
 
     Notes
     -----
-    NumPy inputs run on the CPU (blocked, in float32); CuPy inputs run our CUDA kernels on the
-    current device and CuPy's current stream, asynchronously. The scores are built in the order
+    NumPy inputs run on the CPU (blocked, in float32; in float64 for float64 inputs); CuPy inputs run
+    our CUDA kernels on the current device and CuPy's current stream, asynchronously. float64 runs in
+    float64 throughout (its softmax, accumulators and ``lse`` too). The scores are built in the order
     ``scale``, ``softcap``, ``alibi_slopes``, ``bias``, then the hidden keys (``causal``, ``window``,
     ``mask``, ``block_mask``) become ``-inf``; a query row left with no key gives an output row of 0.
 
@@ -139,7 +139,7 @@ def attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False, sca
     ----------
     q, k, v, causal, scale
         As in :func:`attention`: q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv), one dtype among
-        float16, bfloat16, float32; ``causal`` is bottom-right aligned; ``scale`` defaults to
+        float16, bfloat16, float32, float64; ``causal`` is bottom-right aligned; ``scale`` defaults to
         ``1 / sqrt(D)``.
     window, softcap, alibi_slopes, bias, mask, block_mask
         The score modifiers, as in :func:`attention`.
@@ -151,7 +151,7 @@ def attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False, sca
     -------
     out : array, shape (..., Nq, Dv), the inputs' dtype
         ``softmax(scale * q @ k^T) @ v``, with the broadcast leading dims.
-    lse : array, shape (..., Nq), float32
+    lse : array, shape (..., Nq), float32 (float64 for float64 inputs)
         ``log(sum_j exp(s_ij))`` of the (modified) scores over the keys row ``i`` sees (natural
         log); ``-inf`` for a row that sees no key (whose ``out`` row is 0).
 
@@ -172,7 +172,7 @@ def attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False, sca
     xp, batch = problem.xp, problem.batch
     if problem.is_empty:
         out = xp.zeros(batch + (problem.nq, problem.dv), dtype=problem.dtype)
-        lse = xp.full(batch + (problem.nq,), -np.inf, dtype=LSE_DTYPE)
+        lse = xp.full(batch + (problem.nq,), -np.inf, dtype=lse_dtype(problem.dtype))
         return out, lse
     q, k, v = (xp.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
     return problem.backend().attention_forward(q, k, v, scale=problem.scale, causal=problem.causal,
@@ -194,7 +194,7 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
         The forward inputs (leading dims broadcast as in :func:`attention`).
     out : array, shape (..., Nq, Dv)
         The forward output, as returned by :func:`attention_forward`.
-    lse : array, shape (..., Nq), float32
+    lse : array, shape (..., Nq), float32 (float64 for float64 inputs)
         The log-sum-exp returned by :func:`attention_forward` with the same arguments.
     causal, scale, window, softcap, alibi_slopes, bias, mask, block_mask, dropout_p, dropout_seed
         Exactly as passed to :func:`attention_forward` (the same seed regenerates the same dropout mask).
@@ -205,11 +205,12 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
     dk : array, shape of ``k``
     dv : array, shape of ``v``
         In the inputs' dtype. Where an input was broadcast (MQA/GQA), its gradient is summed over
-        the broadcast dims (in float32), as autograd would.
+        the broadcast dims (in float32; in float64 for float64 inputs), as autograd would.
     dbias : array, shape and dtype of ``bias``
         Only when ``bias`` is given: the gradient of the scores, ``P * (dP - rowsum(P * dP))``,
-        summed over the dims along which ``bias`` was broadcast (in float32). Where that sum runs
-        over more than one term, its order (atomic float32 adds on the GPU) may vary between runs.
+        summed over the dims along which ``bias`` was broadcast (in float32; in float64 for float64
+        inputs). Where that sum runs over more than one term, its order (atomic adds on the GPU) may
+        vary between runs.
 
     Examples
     --------
@@ -241,7 +242,7 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
         dout, qb, kb, vb, out, lse, scale=problem.scale, causal=problem.causal, mods=problem.mods,
         dropout=dropout,
     )
-    grads = tuple(sum_to_shape(g, x.shape) for g, x in zip(grads, (q, k, v)))
+    grads = tuple(sum_to_shape(g, x.shape, lse_dtype(problem.dtype)) for g, x in zip(grads, (q, k, v)))
     return grads + ((dbias,) if bias is not None else ())
 
 
@@ -261,7 +262,7 @@ def attention_probs(q: Array, k: Array, v: Array, *, causal: bool = False, scale
 
     Returns
     -------
-    p : array, shape (..., Nq, Nk), float32
+    p : array, shape (..., Nq, Nk), float32 (float64 for float64 inputs)
         Rows sum to 1, except rows that see no key, which are 0; ``p @ v`` is ``attention``'s output.
 
     Examples
@@ -283,7 +284,7 @@ def attention_probs(q: Array, k: Array, v: Array, *, causal: bool = False, scale
     problem = _validate(dict(q=q, k=k, v=v), causal, scale, options)
     xp, batch = problem.xp, problem.batch
     if problem.is_empty:
-        return xp.zeros(batch + (problem.nq, problem.nk), dtype=np.float32)
+        return xp.zeros(batch + (problem.nq, problem.nk), dtype=lse_dtype(problem.dtype))
     q, k, v = (xp.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
     return problem.backend().attention_probs(q, k, v, scale=problem.scale, causal=problem.causal,
                                              mods=problem.mods)
@@ -369,7 +370,7 @@ def attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, 
     Returns
     -------
     out : array, shape (total_q, H, Dv), the inputs' dtype
-    lse : array, shape (H, total_q), float32
+    lse : array, shape (H, total_q), float32 (float64 for float64 inputs)
         Natural-log log-sum-exp of each query row's scores; ``-inf`` for rows that see no key.
 
     Examples
@@ -391,7 +392,7 @@ def attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, 
     xp = packed.xp
     if packed.total_q == 0 or packed.heads == 0:
         return (xp.zeros((packed.total_q, packed.heads, packed.dv), dtype=packed.dtype),
-                xp.full((packed.heads, packed.total_q), -np.inf, dtype=LSE_DTYPE))
+                xp.full((packed.heads, packed.total_q), -np.inf, dtype=lse_dtype(packed.dtype)))
     return _backend(xp).attention_varlen_forward(q, k, v, packed, scale=scale, causal=causal, mods=mods,
                                                  dropout=dropout)
 
@@ -410,7 +411,8 @@ def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
     q, k, v, cu_seqlens_q, cu_seqlens_k
         The forward's inputs.
     out, lse : arrays
-        As :func:`attention_varlen_forward` returned them: (total_q, H, Dv) and (H, total_q) float32.
+        As :func:`attention_varlen_forward` returned them: (total_q, H, Dv) and (H, total_q) float32
+        (float64 for float64 inputs).
     max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes, dropout_p, dropout_seed
         Exactly as passed to :func:`attention_varlen_forward`.
 
@@ -462,17 +464,21 @@ def _backend(xp):
     return _kernels
 
 
-def sum_to_shape(grad, shape, accumulate_dtype=np.float32):
+def sum_to_shape(grad, shape, accumulate_dtype=None):
     """Sum ``grad`` over the dims that broadcasting added to an array of ``shape``.
 
-    Works for NumPy and CuPy arrays alike. The sum runs in ``accumulate_dtype`` and the result is
-    cast back to ``grad.dtype``; when nothing was broadcast, ``grad`` is returned as is.
+    Works for NumPy and CuPy arrays alike. The sum runs in ``accumulate_dtype`` (None:
+    ``lse_dtype(grad.dtype)``, float64 for float64 and float32 otherwise; pass ``lse_dtype`` of the
+    inputs' dtype for a float32 dbias of float64 inputs) and the result is cast back to ``grad.dtype``;
+    when nothing was broadcast, ``grad`` is returned as is.
     """
     lead = grad.ndim - len(shape)
     stretched = tuple(lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1)
     axes = tuple(range(lead)) + stretched
     if not axes:
         return grad
+    if accumulate_dtype is None:
+        accumulate_dtype = lse_dtype(grad.dtype)
     total = grad.astype(accumulate_dtype).sum(axis=axes, keepdims=True)
     return total.reshape(shape).astype(grad.dtype)
 
@@ -546,21 +552,13 @@ def check_array_types(arrays):
 
 
 def check_dtypes(arrays):
-    """lse must be float32; every other array one shared supported dtype, which is returned."""
-    for name, x in arrays.items():
-        if name == "lse":
-            if x.dtype != LSE_DTYPE:
-                raise TypeError(f"lse must be float32 (as attention_forward returns it), got {x.dtype}")
-        elif x.dtype == np.float64:
-            raise TypeError(
-                f"{name} has dtype float64, which is not supported yet; "
-                "use float16, bfloat16 or float32"
-            )
-        elif x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"{name} has dtype {x.dtype}; expected float16, bfloat16 (ml_dtypes.bfloat16) or float32"
-            )
+    """Every array but lse one shared supported dtype, which is returned; lse ``lse_dtype`` of it."""
     named = [(name, x.dtype) for name, x in arrays.items() if name != "lse"]
+    for name, dtype in named:
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {dtype}; expected float16, bfloat16 (ml_dtypes.bfloat16), float32 or float64"
+            )
     first_name, first_dtype = named[0]
     for name, dtype in named[1:]:
         if dtype != first_dtype:
@@ -569,6 +567,11 @@ def check_dtypes(arrays):
                 f"{first_name} has dtype {first_dtype} but {name} has dtype {dtype}; "
                 f"{names} must share one dtype"
             )
+    if "lse" in arrays and arrays["lse"].dtype != lse_dtype(first_dtype):
+        raise TypeError(
+            f"lse must be {lse_dtype(first_dtype)} for {first_dtype} inputs (as attention_forward returns it), "
+            f"got {arrays['lse'].dtype}"
+        )
     return first_dtype
 
 

@@ -1,5 +1,8 @@
 """The CPU back end for NumPy inputs: FlashAttention's algorithm, tile by tile, in NumPy float32.
 
+float64 inputs compute in float64 instead (``lse_dtype``: scores, softmax state, accumulators, lse, dbias,
+the dropout scale 1 / (1 - p)); every other dtype computes in float32.
+
 Same arguments and results as cupyflash._kernels (see the internal contract there): q (*batch, Nq, D),
 k (*batch, Nk, D), v (*batch, Nk, Dv) of one dtype with identical batch shapes (stride-0 views welcome),
 Nq, Nk, prod(batch) >= 1, already validated by cupyflash._api; ``mods`` is the resolved
@@ -25,10 +28,10 @@ import numpy as np
 
 from cupyflash._dropout import keep_mask
 from cupyflash._modifiers import BLOCK_MASK_TILE, Modifiers
+from cupyflash._types import lse_dtype
 
 BLOCK_Q = 64
 BLOCK_K = 64
-COMPUTE_DTYPE = np.float32
 # A tile then never straddles two block_mask tiles: one block_mask element hides it or not, as in the
 # kernels. (The code below also works for other tile sizes, element by element; the tests try some.)
 assert BLOCK_MASK_TILE % BLOCK_Q == 0 and BLOCK_MASK_TILE % BLOCK_K == 0
@@ -36,10 +39,11 @@ _NO_MODIFIERS = Modifiers((-1, -1), 0.0, None, None, None, None, None)
 
 
 def attention_forward(q, k, v, *, scale, causal, mods=None, dropout=None):
-    """Returns out (*batch, Nq, Dv) in the inputs' dtype and lse (*batch, Nq) float32."""
-    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, dropout, q.shape[:-2])
+    """Returns out (*batch, Nq, Dv) in the inputs' dtype and lse (*batch, Nq) ``lse_dtype`` (float32; float64
+    for float64 inputs)."""
+    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, dropout, q.shape[:-2], q.dtype)
     out = np.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
-    lse = np.empty(q.shape[:-1], dtype=COMPUTE_DTYPE)
+    lse = np.empty(q.shape[:-1], dtype=tiles.dtype)
     for i0 in range(0, tiles.nq, BLOCK_Q):
         i1 = min(i0 + BLOCK_Q, tiles.nq)
         out[..., i0:i1, :], lse[..., i0:i1] = _forward_query_block(q, k, v, i0, i1, tiles)
@@ -48,10 +52,11 @@ def attention_forward(q, k, v, *, scale, causal, mods=None, dropout=None):
 
 def _forward_query_block(q, k, v, i0, i1, tiles):
     """Online softmax of queries i0:i1 over every key block they see."""
-    q_i = q[..., i0:i1, :].astype(COMPUTE_DTYPE)
-    m_i = np.full(q_i.shape[:-1], -np.inf, dtype=COMPUTE_DTYPE)
-    l_i = np.zeros(q_i.shape[:-1], dtype=COMPUTE_DTYPE)
-    acc_i = np.zeros(q_i.shape[:-1] + v.shape[-1:], dtype=COMPUTE_DTYPE)
+    dtype = tiles.dtype
+    q_i = q[..., i0:i1, :].astype(dtype)
+    m_i = np.full(q_i.shape[:-1], -np.inf, dtype=dtype)
+    l_i = np.zeros(q_i.shape[:-1], dtype=dtype)
+    acc_i = np.zeros(q_i.shape[:-1] + v.shape[-1:], dtype=dtype)
     for j0, j1 in tiles.key_blocks(i0, i1):
         s_ij, _ = tiles.scores(q_i, k[..., j0:j1, :], i0, i1, j0, j1)
         m_new = np.maximum(m_i, s_ij.max(axis=-1))
@@ -61,7 +66,7 @@ def _forward_query_block(q, k, v, i0, i1, tiles):
         p_ij = np.exp(s_ij - m_shift[..., None])
         alpha = np.exp(m_i - m_shift)
         l_i = alpha * l_i + p_ij.sum(axis=-1)
-        acc_i = alpha[..., None] * acc_i + tiles.drop(p_ij, i0, i1, j0, j1) @ v[..., j0:j1, :].astype(COMPUTE_DTYPE)
+        acc_i = alpha[..., None] * acc_i + tiles.drop(p_ij, i0, i1, j0, j1) @ v[..., j0:j1, :].astype(dtype)
         m_i = m_new
     # False only for rows that see no key at all (every key hidden or skipped); a NaN sum (a NaN or
     # +inf input) is "seen" and propagates, as in the reference.
@@ -75,16 +80,16 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, causal, mods=None, dro
     """Returns dq, dk, dv with the full batch shape, in the inputs' dtype, and dbias or None.
 
     dbias has the bias's own shape ``mods.bias_shape`` and dtype (summed over its broadcast dims in
-    float32); None when there is no bias.
+    float32; in float64 for float64 inputs); None when there is no bias.
     """
-    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, dropout, q.shape[:-2])
-    delta = np.sum(dout.astype(COMPUTE_DTYPE) * out.astype(COMPUTE_DTYPE), axis=-1)
+    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, dropout, q.shape[:-2], q.dtype)
+    delta = np.sum(dout.astype(tiles.dtype) * out.astype(tiles.dtype), axis=-1)
     # Rows that see no key have lse = -inf; +inf instead makes their P = exp(S - inf) = 0, never NaN.
     lse = np.where(np.isneginf(lse), np.inf, lse)
-    dq = np.zeros(q.shape, dtype=COMPUTE_DTYPE)
+    dq = np.zeros(q.shape, dtype=tiles.dtype)
     dk = np.empty(k.shape, dtype=q.dtype)
     dv = np.empty(v.shape, dtype=q.dtype)
-    dbias = None if tiles.bias is None else np.zeros(tiles.dbias_shape, dtype=COMPUTE_DTYPE)
+    dbias = None if tiles.bias is None else np.zeros(tiles.dbias_shape, dtype=tiles.dtype)
     for j0 in range(0, tiles.nk, BLOCK_K):
         j1 = min(j0 + BLOCK_K, tiles.nk)
         dk[..., j0:j1, :], dv[..., j0:j1, :] = _backward_key_block(
@@ -96,13 +101,14 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, causal, mods=None, dro
 
 def _backward_key_block(dout, q, k, v, lse, delta, dq, dbias, j0, j1, tiles):
     """dK_j and dV_j for keys j0:j1; adds this block's share of dQ (and dbias) into dq (dbias) in place."""
-    k_j = k[..., j0:j1, :].astype(COMPUTE_DTYPE)
-    v_j = v[..., j0:j1, :].astype(COMPUTE_DTYPE)
-    dk_j = np.zeros(k_j.shape, dtype=COMPUTE_DTYPE)
-    dv_j = np.zeros(v_j.shape, dtype=COMPUTE_DTYPE)
+    dtype = tiles.dtype
+    k_j = k[..., j0:j1, :].astype(dtype)
+    v_j = v[..., j0:j1, :].astype(dtype)
+    dk_j = np.zeros(k_j.shape, dtype=dtype)
+    dv_j = np.zeros(v_j.shape, dtype=dtype)
     for i0, i1 in tiles.query_blocks(j0, j1):
-        q_i = q[..., i0:i1, :].astype(COMPUTE_DTYPE)
-        dout_i = dout[..., i0:i1, :].astype(COMPUTE_DTYPE)
+        q_i = q[..., i0:i1, :].astype(dtype)
+        dout_i = dout[..., i0:i1, :].astype(dtype)
         s_ij, tanh_ij = tiles.scores(q_i, k_j, i0, i1, j0, j1)
         p_ij = np.exp(s_ij - lse[..., i0:i1, None])
         dv_j += _transpose(tiles.drop(p_ij, i0, i1, j0, j1, tiles.keep_scale)) @ dout_i
@@ -118,14 +124,15 @@ def _backward_key_block(dout, q, k, v, lse, delta, dq, dbias, j0, j1, tiles):
 
 
 def attention_probs(q, k, v, *, scale, causal, mods=None):
-    """Returns P (*batch, Nq, Nk) float32: exp(s - lse) with the forward's lse; 0 where keys are hidden."""
+    """Returns P (*batch, Nq, Nk) float32 (float64 for float64 inputs): exp(s - lse) with the forward's
+    lse; 0 where keys are hidden."""
     _, lse = attention_forward(q, k, v, scale=scale, causal=causal, mods=mods)
     lse = np.where(np.isneginf(lse), np.inf, lse)  # rows that see no key: P = 0, as in the backward
-    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, None, q.shape[:-2])
-    p = np.zeros(q.shape[:-1] + k.shape[-2:-1], dtype=COMPUTE_DTYPE)
+    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, None, q.shape[:-2], q.dtype)
+    p = np.zeros(q.shape[:-1] + k.shape[-2:-1], dtype=tiles.dtype)
     for i0 in range(0, tiles.nq, BLOCK_Q):
         i1 = min(i0 + BLOCK_Q, tiles.nq)
-        q_i = q[..., i0:i1, :].astype(COMPUTE_DTYPE)
+        q_i = q[..., i0:i1, :].astype(tiles.dtype)
         for j0, j1 in tiles.key_blocks(i0, i1):
             s_ij, _ = tiles.scores(q_i, k[..., j0:j1, :], i0, i1, j0, j1)
             p[..., i0:i1, j0:j1] = np.exp(s_ij - lse[..., i0:i1, None])
@@ -137,13 +144,15 @@ class _ScoreTiles:
 
     The band of keys a query sees is the window with causal folded in: query i sees keys j with
     i + off - left <= j <= i + off + right (off = Nk - Nq, -1 = unbounded side), further thinned by
-    mask and block_mask.
+    mask and block_mask. ``dtype`` is the compute dtype, ``lse_dtype`` of the inputs' ``input_dtype``.
     """
 
-    def __init__(self, nq, nk, scale, causal, mods, dropout, batch):
+    def __init__(self, nq, nk, scale, causal, mods, dropout, batch, input_dtype):
         self.nq, self.nk, self.scale = nq, nk, scale
         self.dropout, self.batch = dropout, tuple(batch)
-        self.keep_scale = COMPUTE_DTYPE(1.0 if dropout is None else dropout.scale)
+        self.dtype = lse_dtype(input_dtype)
+        # 1 / (1 - p) rounded once to the compute dtype: exactly the float64 value for float64 inputs.
+        self.keep_scale = self.dtype.type(1.0 if dropout is None else dropout.scale)
         self.off = nk - nq  # bottom-right alignment
         mods = _NO_MODIFIERS if mods is None else mods
         self.window = mods.window_with_causal(causal)
@@ -182,21 +191,22 @@ class _ScoreTiles:
         return not self.block_mask[..., i0 // t:(i1 - 1) // t + 1, j0 // t:(j1 - 1) // t + 1].any()
 
     def scores(self, q_i, k_j, i0, i1, j0, j1):
-        """S_ij (*batch, i1-i0, j1-j0) float32, -inf where hidden; and tanh(x / softcap) or None."""
-        s_ij = self.scale * (q_i @ _transpose(k_j.astype(COMPUTE_DTYPE)))
+        """S_ij (*batch, i1-i0, j1-j0) in the compute dtype, -inf where hidden; and tanh(x / softcap) or None."""
+        dtype = self.dtype
+        s_ij = self.scale * (q_i @ _transpose(k_j.astype(dtype)))
         tanh_ij = None
         if self.softcap > 0:
-            tanh_ij = np.tanh(s_ij / COMPUTE_DTYPE(self.softcap))
-            s_ij = COMPUTE_DTYPE(self.softcap) * tanh_ij
+            tanh_ij = np.tanh(s_ij / dtype.type(self.softcap))
+            s_ij = dtype.type(self.softcap) * tanh_ij
         rel = np.arange(j0, j1)[None, :] - (np.arange(i0, i1)[:, None] + self.off)  # j - (i + off)
         if self.alibi_slopes is not None:
-            s_ij = s_ij - self.alibi_slopes[..., None, None] * np.abs(rel).astype(COMPUTE_DTYPE)
+            s_ij = s_ij - self.alibi_slopes[..., None, None] * np.abs(rel).astype(dtype)
         if self.bias is not None:
-            s_ij = s_ij + self.bias[..., i0:i1, j0:j1].astype(COMPUTE_DTYPE)
+            s_ij = s_ij + self.bias[..., i0:i1, j0:j1].astype(dtype)
         hidden = self._hidden(rel, i0, i1, j0, j1)
         # Hidden keys are -inf whatever the bias there holds (even NaN): skipped tiles are never read.
         if hidden is not None:
-            s_ij = np.where(hidden, -np.inf, s_ij).astype(COMPUTE_DTYPE, copy=False)
+            s_ij = np.where(hidden, -np.inf, s_ij).astype(dtype, copy=False)
         return s_ij, tanh_ij
 
     def drop(self, x_ij, i0, i1, j0, j1, scale=None):
@@ -204,7 +214,7 @@ class _ScoreTiles:
         if self.dropout is None:
             return x_ij
         kept = np.where(keep_mask(self.dropout, self.batch, np.arange(i0, i1), np.arange(j0, j1)), x_ij, 0)
-        return (kept if scale is None else kept * scale).astype(COMPUTE_DTYPE, copy=False)
+        return (kept if scale is None else kept * scale).astype(self.dtype, copy=False)
 
     def add_to_bias_shape(self, dbias, ds_ij, i0, i1, j0, j1):
         """dbias[..., i0:i1, j0:j1] += dS_ij, summed over the dims along which the bias was broadcast.
@@ -255,9 +265,9 @@ def _transpose(x):
 
 
 def attention_varlen_forward(q, k, v, packed, *, scale, causal, mods=None, dropout=None):
-    """out (total_q, H, Dv) in the inputs' dtype and lse (H, total_q) float32."""
+    """out (total_q, H, Dv) in the inputs' dtype and lse (H, total_q) float32 (float64 for float64 inputs)."""
     out = np.zeros((packed.total_q, packed.heads, packed.dv), dtype=q.dtype)
-    lse = np.full((packed.heads, packed.total_q), -np.inf, dtype=COMPUTE_DTYPE)
+    lse = np.full((packed.heads, packed.total_q), -np.inf, dtype=lse_dtype(q.dtype))
     for s, q0, q1, k0, k1 in packed.sequences():
         if q1 == q0:
             continue
@@ -286,7 +296,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale, causal,
                                                  mods=mods_s, dropout=dropout_s)
         dq[q0:q1] = dq_s.reshape(packed.heads, q1 - q0, packed.d).transpose(1, 0, 2)
         for grad, target in ((dk_s, dk), (dv_s, dv)):
-            summed = grad.astype(COMPUTE_DTYPE).sum(axis=1)  # over the G query heads of each group
+            summed = grad.astype(lse_dtype(q.dtype)).sum(axis=1)  # over the G query heads of each group
             target[k0:k1] = summed.transpose(1, 0, 2).astype(q.dtype)
     return dq, dk, dv
 

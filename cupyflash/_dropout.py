@@ -55,7 +55,8 @@ class Dropout:
 
     @property
     def scale(self) -> float:
-        """The factor of the kept probabilities, 1 / (1 - p)."""
+        """The factor of the kept probabilities, 1 / (1 - p), as a float64 (a Python float): float64 inputs use
+        it as it is, every other dtype rounds it once to float32."""
         return 1.0 / (1.0 - self.p)
 
     @property

@@ -6,9 +6,9 @@ total_q) says that sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q
 with ``cu_seqlens_k``). Query head ``h`` attends with key/value head ``h // (H // Hk)`` (grouped heads: Hk
 divides H). Each sequence is attended alone, exactly as the dense functions would attend it: causal is
 bottom-right aligned per sequence, and a sequence with no key gives zeros (lse -inf). ``lse`` comes back as
-``(H, total_q)`` float32. The flat batch index of (sequence s, query head h), which dropout's mask and
-ALiBi's slopes (broadcastable to ``(batch, H)``) follow, is ``s * H + h``. Nothing is ever padded: the
-kernels read each sequence's rows in place.
+``(H, total_q)`` float32 (float64 for float64 inputs). The flat batch index of (sequence s, query head h),
+which dropout's mask and ALiBi's slopes (broadcastable to ``(batch, H)``) follow, is ``s * H + h``. Nothing
+is ever padded: the kernels read each sequence's rows in place.
 
 Validation reads ``cu_seqlens_q`` and ``cu_seqlens_k`` back to the host (batch + 1 integers each): that
 is how bad offsets become clear errors rather than wrong results.

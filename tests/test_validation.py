@@ -12,6 +12,7 @@ import pytest
 
 import cupyflash
 from cupyflash import reference
+from cupyflash._types import lse_dtype
 
 B, H, NQ, NK, D, DV = 2, 3, 5, 7, 8, 6
 SHAPES = dict(
@@ -25,11 +26,12 @@ SHAPES = dict(
 
 
 def _arrays(dtype=np.float16, **overrides):
-    """Zero dout, q, k, v, out, lse of consistent shapes (lse float32); overrides give a shape or an array."""
+    """Zero dout, q, k, v, out, lse of consistent shapes (lse float32, float64 for float64); overrides give a
+    shape or an array."""
     arrays = {}
     for name, shape in {**SHAPES, **overrides}.items():
         if isinstance(shape, tuple):
-            arrays[name] = np.zeros(shape, dtype=np.float32 if name == "lse" else dtype)
+            arrays[name] = np.zeros(shape, dtype=lse_dtype(dtype) if name == "lse" else dtype)
         else:
             arrays[name] = shape
     return arrays
@@ -62,14 +64,56 @@ def test_non_array_input(name):
     _all_raise(TypeError, f"{name} must be a numpy.ndarray or a cupy.ndarray, got builtins.list", arrays)
 
 
+def test_float64_is_supported():
+    """float64 q, k, v (dout, out) with a float64 lse pass validation in every public function."""
+    for call in _public_calls(_arrays(np.float64)):
+        call()
+
+
+@pytest.mark.parametrize("other, dtype", [(np.float32, np.float64), (np.float64, np.float32)])
+@pytest.mark.parametrize("name", ["q", "k", "v", "dout", "out"])
+def test_float64_mixed_with_float32(name, dtype, other):
+    """float64 is not a wider float32: one array of the other dtype is an error naming both dtypes."""
+    arrays = _arrays(dtype)
+    arrays[name] = arrays[name].astype(other)
+    calls = _public_calls(arrays)
+    for call in calls[2:] if name in ("dout", "out") else calls:  # the forward never sees dout, out
+        with pytest.raises(TypeError, match="must share one dtype") as excinfo:
+            call()
+        message = str(excinfo.value)
+        assert f"{name} has dtype {np.dtype(other)}" in message and f"has dtype {np.dtype(dtype)}" in message
+
+
+def test_lse_must_be_float64_for_float64_inputs():
+    """The forward returns a float64 lse for float64 inputs; a float32 one is refused, naming the expected dtype."""
+    arrays = _arrays(np.float64, lse=np.zeros(SHAPES["lse"], dtype=np.float32))
+    expected = "lse must be float64 for float64 inputs (as attention_forward returns it), got float32"
+    with pytest.raises(TypeError, match=re.escape(expected)):
+        _backward(arrays)
+
+
+def test_lse_must_be_float32_for_float32_inputs():
+    arrays = _arrays(np.float32, lse=np.zeros(SHAPES["lse"], dtype=np.float64))
+    expected = "lse must be float32 for float32 inputs (as attention_forward returns it), got float64"
+    with pytest.raises(TypeError, match=re.escape(expected)):
+        _backward(arrays)
+
+
+def test_float64_forward_returns_float64_lse():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(SHAPES[n]) for n in "qkv")
+    out, lse = cupyflash.attention_forward(q, k, v)
+    assert (out.dtype, lse.dtype) == (np.float64, np.float64)
+    for dq in cupyflash.attention_backward(np.ones_like(out), q, k, v, out, lse):
+        assert dq.dtype == np.float64
+
+
 # The backward names dout, its first argument; the forward names q.
-def test_float64_is_not_supported_yet():
-    _all_raise(TypeError, "(q|dout) has dtype float64, which is not supported yet", _arrays(np.float64))
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.complex64, ml_dtypes.float8_e4m3fn])
 def test_unsupported_dtype(dtype):
-    expected = f"has dtype {np.dtype(dtype)}; expected float16, bfloat16 (ml_dtypes.bfloat16) or float32"
+    expected = f"has dtype {np.dtype(dtype)}; expected float16, bfloat16 (ml_dtypes.bfloat16), float32 or float64"
     _all_raise(TypeError, "(q|dout) " + re.escape(expected), _arrays(dtype))
 
 
@@ -182,9 +226,9 @@ def test_causal_accepts_numpy_bool():
 
 
 def test_empty_inputs_are_validated_too():
-    """Validation runs before the empty-input shortcut: an empty float64 batch is still an error."""
-    arrays = _arrays(np.float64, q=(0, H, NQ, D), k=(0, H, NK, D), v=(0, H, NK, DV))
-    with pytest.raises(TypeError, match="float64, which is not supported yet"):
+    """Validation runs before the empty-input shortcut: an empty int32 batch is still an error."""
+    arrays = _arrays(np.int32, q=(0, H, NQ, D), k=(0, H, NK, D), v=(0, H, NK, DV))
+    with pytest.raises(TypeError, match="q has dtype int32; expected"):
         cupyflash.attention(arrays["q"], arrays["k"], arrays["v"])
 
 
