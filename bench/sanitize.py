@@ -61,7 +61,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
-DTYPE_NAMES = {"half_t": "fp16", "bfloat16_t": "bf16", "float": "fp32"}
+DTYPE_NAMES = {"half_t": "fp16", "bfloat16_t": "bf16", "float": "fp32", "double": "fp64"}
 KERNEL_FAMILIES = ("attention_fwd_kernel", "attention_fwd_wgmma_kernel", "attention_bwd_preprocess_kernel", "attention_bwd_dkdv_kernel",
                    "attention_bwd_dq_kernel", "attention_probs_kernel")
 OTHER = "other (CuPy kernels, API calls, unattributed)"
@@ -72,7 +72,8 @@ MODS_SHAPE = dict(batch=(1, 2), nq=150, nk=270)  # 2 x 3 block-mask tiles; Nk ev
 # ============================================================================= variants
 def variant_label(variant):
     kind = "mods" if variant.mods else ("causal" if variant.causal else "plain")
-    path = ("/dropout" if variant.dropout else "") + ("/wgmma" if variant.wgmma else "")
+    path = (("/dropout" if variant.dropout else "") + ("/wgmma" if variant.wgmma else "")
+            + ("/large-smem" if variant.large_smem else ""))
     return f"{variant.direction}/{DTYPE_NAMES[variant.ctype]}/{variant.head_dim}/{kind}{path}"
 
 
@@ -82,7 +83,11 @@ def selected_variants(pattern):
     regex = re.compile(pattern)
     # wgmma modules are built for sm_90a, whose code runs on compute capability 9.0 alone.
     hopper = _kernels._compute_capability(_current_device()) == _kernels._WGMMA_CC
-    return [v for v in _kernels.shipped_variants() if regex.search(variant_label(v)) and (hopper or not v.wgmma)]
+    # On such a GPU the API takes the large-shared-memory float64 tiles where they exist (the others then
+    # run only on smaller GPUs); elsewhere those cannot launch.
+    large = _kernels._compute_capability(_current_device()) >= _kernels._config.LARGE_SMEM_CC
+    return [v for v in _kernels.shipped_variants() if regex.search(variant_label(v)) and (hopper or not v.wgmma)
+            and (large or not v.large_smem)]
 
 
 def _current_device():
@@ -136,7 +141,7 @@ def run_variant(variant, rng):
     # The API picks the variant from the inputs and the device; the path (wgmma or mma.sync) through the
     # CUPYFLASH_NO_WGMMA switch.
     os.environ["CUPYFLASH_NO_WGMMA"] = "0" if variant.wgmma else "1"
-    dtype = {"half_t": np.float16, "bfloat16_t": ml_dtypes.bfloat16, "float": np.float32}[variant.ctype]
+    dtype = {"half_t": np.float16, "bfloat16_t": ml_dtypes.bfloat16, "float": np.float32, "double": np.float64}[variant.ctype]
     shape = MODS_SHAPE if variant.mods else PLAIN_SHAPE
     q, k, v, dout = _problem(rng, dtype, shape["batch"], shape["nq"], shape["nk"], variant.head_dim)
     calls = _mods_calls(rng, dtype) if variant.mods else [(variant.causal, {})]

@@ -14,16 +14,18 @@
 // P^T and dS^T (or P and dS) go from the accumulator registers straight into the next product.
 // Head dims above 128 split the gradient columns into D_CHUNK-wide CTAs (grid x) so the
 // accumulators fit in registers; each chunk recomputes the same S and dP.
+// Everything runs in the accumulator type A = acc_t<T>: float, or double for float64 inputs (whose
+// lse, delta and lse_log2 are float64 too).
 // Long sequences: the tensor cores' float32 accumulation truncates, so one accumulator chain over
 // millions of rows drifts by percents. Each launch sums over [stream_begin, stream_end) of its streamed
 // axis only; the host splits sequences longer than CHAIN_ROWS into such launches and adds their results
-// in float32.
+// in the accumulator type.
 // WGMMA instantiations (Hopper, fp16/bf16) run the same passes on warpgroup products from swizzled tiles
 // (gemm.cuh): each warp still owns 16 rows, now of its warpgroup's 64, in the same accumulator layout.
 // HAS_MODS instantiations (IS_CAUSAL = false; causality is the window's right edge) rebuild the
 // modified logits (score_mods.cuh), skip the tiles the window band or the block mask hide, and compute
 // dP before S so that each element's P, dS and softcap derivative 1 - tanh^2 come out of one pass.
-// The bias gradient dS is added (float32 atomics) into a zeroed float32 buffer of the bias's own
+// The bias gradient dS is added (atomics in the accumulator type) into a zeroed buffer of the bias's own
 // shape by the dQ pass, the first chunk of columns only; broadcast bias dims have stride 0 there, so
 // the adds sum over them. The atomics are the one thing here whose order can vary between runs.
 // HAS_DROPOUT instantiations regenerate the keep mask Z of each tile (dropout.cuh) and use
@@ -47,22 +49,23 @@ attention_bwd_preprocess_kernel(const AttnParams p) {
   if (row >= seq.nq()) return;
   const T* out = static_cast<const T*>(p.out) + batch_offset(p.out_stride, b, p) + (seq.q_row + row) * p.out_stride[3];
   const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + (seq.q_row + row) * p.dout_stride[3];
-  float dot = 0.f;
-  for (int c = lane; c < p.d_v; c += WARP_SIZE) dot += Elem<T>::to_float(out[c]) * Elem<T>::to_float(dout[c]);
+  using A = acc_t<T>;
+  A dot = A(0);
+  for (int c = lane; c < p.d_v; c += WARP_SIZE) dot += Elem<T>::to_acc(out[c]) * Elem<T>::to_acc(dout[c]);
   dot = warp_sum(dot);
   if (lane == 0) {
     const i64 i = seq.q_flat + row;
-    const float lse = p.lse[i];
-    p.delta[i] = dot;
+    const A lse = static_cast<const A*>(p.lse)[i];
+    static_cast<A*>(p.delta)[i] = dot;
     // A row that saw no key has lse = -inf; +inf here makes every recomputed P of it exactly 0.
-    p.lse_log2[i] = lse == neg_inf() ? pos_inf() : lse * LOG2E;
+    static_cast<A*>(p.lse_log2)[i] = lse == neg_inf() ? A(pos_inf()) : lse * log2e<A>();
   }
 }
 
 // P = exp2(scale_log2 * S - lse_log2) for a score tile whose query index runs along the columns
 // (dK/dV pass: S^T) and whose lse_log2 sits in shared memory.
-template <int N_TILES>
-__device__ __forceinline__ void probs_from_scores_cols(float (&s)[N_TILES][4], const float* lse_log2, float scale_log2, int lane) {
+template <int N_TILES, typename A>
+__device__ __forceinline__ void probs_from_scores_cols(A (&s)[N_TILES][4], const A* lse_log2, A scale_log2, int lane) {
   const int t = lane & 3;
 #pragma unroll
   for (int j = 0; j < N_TILES; ++j) {
@@ -72,8 +75,8 @@ __device__ __forceinline__ void probs_from_scores_cols(float (&s)[N_TILES][4], c
 }
 
 // dS = P * (dP - delta), in place in dp, delta indexed along the columns (dK/dV pass).
-template <int N_TILES>
-__device__ __forceinline__ void dscores_cols(float (&dp)[N_TILES][4], const float (&prob)[N_TILES][4], const float* delta, int lane) {
+template <int N_TILES, typename A>
+__device__ __forceinline__ void dscores_cols(A (&dp)[N_TILES][4], const A (&prob)[N_TILES][4], const A* delta, int lane) {
   const int t = lane & 3;
 #pragma unroll
   for (int j = 0; j < N_TILES; ++j) {
@@ -97,14 +100,15 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
   static_assert(!WGMMA || (sizeof(T) == 2 && NUM_WARPS % 4 == 0), "wgmma: 16-bit inputs, whole warpgroups");
+  using A = acc_t<T>;  // float; double for float64 inputs
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(WGMMA ? smem_aligned(smem_raw) : smem_raw);
   T* sV = sK + KVTile::SIZE;
   T* sQ = sV + KVTile::SIZE;      // [2] QTile, double-buffered stream
   T* sdO = sQ + 2 * QTile::SIZE;  // [2] QTile
-  float* sLse = reinterpret_cast<float*>(sdO + 2 * QTile::SIZE);  // [2][BLOCK_M]
-  float* sDelta = sLse + 2 * BLOCK_M;                                 // [2][BLOCK_M]
+  A* sLse = reinterpret_cast<A*>(sdO + 2 * QTile::SIZE);  // [2][BLOCK_M]
+  A* sDelta = sLse + 2 * BLOCK_M;                         // [2][BLOCK_M]
 
   const int b = batch_index();
   if (b >= p.batch) return;
@@ -119,8 +123,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   const T* k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p) + (seq.k_row + n0) * p.k_stride[3];
   const T* v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p) + (seq.k_row + n0) * p.v_stride[3];
   const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + seq.q_row * p.dout_stride[3];
-  const float* lse_log2 = p.lse_log2 + seq.q_flat;
-  const float* delta = p.delta + seq.q_flat;
+  const A* lse_log2 = static_cast<const A*>(p.lse_log2) + seq.q_flat;
+  const A* delta = static_cast<const A*>(p.delta) + seq.q_flat;
   const Dropout dropout(p, b);
 
   // Only query rows i with i + nk - nq >= n0 see a key of this block under the causal mask.
@@ -153,7 +157,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
       const bool valid = m0 + i < seq.nq();  // rows past nq: P = 0 through lse = +inf
       sLse[buf * BLOCK_M + i] = valid ? lse_log2[m0 + i] : pos_inf();
-      sDelta[buf * BLOCK_M + i] = valid ? delta[m0 + i] : 0.f;
+      sDelta[buf * BLOCK_M + i] = valid ? delta[m0 + i] : A(0);
     }
   };
 
@@ -163,7 +167,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   if (m_block < m_blocks) load_stream(m_block, 0);
   cp_async_commit();
 
-  float acc_dk[G_TILES][4], acc_dv[G_TILES][4];
+  A acc_dk[G_TILES][4], acc_dv[G_TILES][4];
   zero_acc(acc_dk);
   zero_acc(acc_dv);
   for (int buf = 0; m_block < m_blocks; buf ^= 1) {
@@ -181,7 +185,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     const T* sQ_i = sQ + buf * QTile::SIZE;
     const T* sdO_i = sdO + buf * QTile::SIZE;
 
-    float acc_s[S_TILES][4], acc_dp[S_TILES][4];
+    A acc_s[S_TILES][4], acc_dp[S_TILES][4];
     if constexpr (HAS_MODS) {
       // dP^T = V dO_i^T and S^T = K Q_i^T first; then per element the logit, P^T = exp(logit - lse),
       // dS^T = P^T * (dP^T - delta) times the softcap derivative.
@@ -192,11 +196,11 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
       u64 keep = 0;
       if constexpr (HAS_DROPOUT) {  // dP^T -> Z * dP^T / (1 - p)
         keep = dropout.keep_cols<S_TILES>(n0 + warp * 16, m0, lane);
-        apply_keep(acc_dp, keep, p.dropout_scale);
+        apply_keep(acc_dp, keep, Reals<A>::dropout_scale(p));
       }
       // The tile is S^T: queries along the columns, their lse and delta in shared memory.
-      const float* lse_i = sLse + buf * BLOCK_M;
-      const float* delta_i = sDelta + buf * BLOCK_M;
+      const A* lse_i = sLse + buf * BLOCK_M;
+      const A* delta_i = sDelta + buf * BLOCK_M;
       const int t = lane & 3;
       mods.template backward<true>(acc_s, acc_dp, n0 + warp * 16, m0, lane,
                                    mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1),
@@ -210,14 +214,14 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
       zero_acc(acc_s);
       gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i, lane);
       if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + warp * 16, m0, lane);
-      probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, p.scale_log2, lane);
+      probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p), lane);
 
       if constexpr (HAS_DROPOUT) {
         // dP^T = V dO_i^T -> Z * dP^T / (1 - p);  dS^T = P^T * (that - delta);  dV += (Z * P^T) dO_i
         zero_acc(acc_dp);
         gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
         const u64 keep = dropout.keep_cols<S_TILES>(n0 + warp * 16, m0, lane);
-        apply_keep(acc_dp, keep, p.dropout_scale);
+        apply_keep(acc_dp, keep, Reals<A>::dropout_scale(p));
         dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
         apply_keep(acc_s, keep);
         gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, lane);
@@ -239,9 +243,9 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   }
 
   // dK = scale * dS^T Q, dV = (Z * P^T) dO / (1 - p); staged through sK / sV for 16-byte stores.
-  const float dk_scale[2] = {p.scale, p.scale};
-  const float dv_scale = HAS_DROPOUT ? p.dropout_scale : 1.f;
-  const float dv_scales[2] = {dv_scale, dv_scale};
+  const A dk_scale[2] = {Reals<A>::scale(p), Reals<A>::scale(p)};
+  const A dv_scale = HAS_DROPOUT ? Reals<A>::dropout_scale(p) : A(1);
+  const A dv_scales[2] = {dv_scale, dv_scale};
   cp_async_wait<0>();  // with no query block to visit, the K/V copies may still be in flight
   __syncthreads();
   acc_to_smem<KVTile, G_TILES>(sK, warp * 16, acc_dk, dk_scale, lane);
@@ -268,6 +272,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
   static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
   static_assert(!WGMMA || (sizeof(T) == 2 && NUM_WARPS % 4 == 0), "wgmma: 16-bit inputs, whole warpgroups");
+  using A = acc_t<T>;  // float; double for float64 inputs
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(WGMMA ? smem_aligned(smem_raw) : smem_raw);
@@ -289,20 +294,20 @@ attention_bwd_dq_kernel(const AttnParams p) {
   const T* v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p) + seq.k_row * p.v_stride[3];
   const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + (seq.q_row + m0) * p.dout_stride[3];
   const Dropout dropout(p, b);
-  auto drop_dp = [&](float (&dp)[S_TILES][4], int n0) {  // dP -> Z * dP / (1 - p)
+  auto drop_dp = [&](A (&dp)[S_TILES][4], int n0) {  // dP -> Z * dP / (1 - p)
     if constexpr (HAS_DROPOUT) {
-      dropout.drop_rows<false>(dp, m0 + warp * 16, n0, lane, p.dropout_scale);
+      dropout.drop_rows<false>(dp, m0 + warp * 16, n0, lane, Reals<A>::dropout_scale(p));
     }
   };
 
   // The two rows this thread holds: their lse (log2 units) and delta.
-  float row_lse[2], row_delta[2];
+  A row_lse[2], row_delta[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = m0 + warp * 16 + (lane >> 2) + 8 * r;
     const i64 i = seq.q_flat + row;
-    row_lse[r] = row < seq.nq() ? p.lse_log2[i] : pos_inf();
-    row_delta[r] = row < seq.nq() ? p.delta[i] : 0.f;
+    row_lse[r] = row < seq.nq() ? static_cast<const A*>(p.lse_log2)[i] : A(pos_inf());
+    row_delta[r] = row < seq.nq() ? static_cast<const A*>(p.delta)[i] : A(0);
   }
 
   const int key_end = IS_CAUSAL ? min(seq.nk(), m0 + BLOCK_M + offset) : seq.nk();
@@ -342,7 +347,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
   if (n_block < n_blocks) load_stream(n_block, 0);
   cp_async_commit();
 
-  float acc_dq[G_TILES][4];
+  A acc_dq[G_TILES][4];
   zero_acc(acc_dq);
   for (int buf = 0; n_block < n_blocks; buf ^= 1) {
     const int n0 = n_block * BLOCK_N;
@@ -359,7 +364,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
     const T* sK_j = sK + buf * KVTile::SIZE;
     const T* sV_j = sV + buf * KVTile::SIZE;
 
-    float acc_s[S_TILES][4], acc_dp[S_TILES][4];
+    A acc_s[S_TILES][4], acc_dp[S_TILES][4];
     if constexpr (HAS_MODS) {
       // dP = dO V_j^T and S = Q K_j^T first; then per element the logit, P, dS (into dbias) and
       // dS times the softcap derivative.
@@ -380,7 +385,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
 #pragma unroll
       for (int j = 0; j < S_TILES; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_s[j][e] = fast_exp2(acc_s[j][e] * p.scale_log2 - row_lse[e >> 1]);
+        for (int e = 0; e < 4; ++e) acc_s[j][e] = fast_exp2(acc_s[j][e] * Reals<A>::scale_log2(p) - row_lse[e >> 1]);
       }
 
       // dP = dO V_j^T;  dS = P * (dP - delta)
@@ -401,7 +406,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
   }
 
   // dQ = scale * dS K, staged through sQ (free once the loop is done) for 16-byte stores.
-  const float dq_scale[2] = {p.scale, p.scale};
+  const A dq_scale[2] = {Reals<A>::scale(p), Reals<A>::scale(p)};
   cp_async_wait<0>();  // with no key block to visit, the Q/dO copies may still be in flight
   __syncthreads();
   acc_to_smem<QTile, G_TILES>(sQ, warp * 16, acc_dq, dq_scale, lane);

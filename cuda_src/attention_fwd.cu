@@ -1,7 +1,7 @@
 // attention_fwd.cu — fused attention forward: out = softmax(scale * q k^T) v, and its log-sum-exp.
 //
 // Layout: q (b, nq, d), k (b, nk, d), v (b, nk, dv) with any row/batch strides (unit column
-// stride); out (b, nq, dv) and lse (b, nq) float32, contiguous; or packed variable-length sequences,
+// stride); out (b, nq, dv) and lse (b, nq) float32 (float64 for float64 inputs), contiguous; or packed variable-length sequences,
 // each batch entry with its own nq and nk (SeqInfo). See block_info.cuh.
 // One CTA owns BLOCK_M = 16 * NUM_WARPS query rows of one batch entry (16 per warp). It streams
 // K and V tiles of BLOCK_N keys through shared memory with cp.async, keeps the online-softmax state
@@ -45,8 +45,8 @@ struct RowBlock {
   const T* q;  // row m0
   const T* k;
   const T* v;
-  T* out;      // row m0
-  float* lse;  // row m0
+  T* out;          // row m0
+  acc_t<T>* lse;   // row m0
   int n_first = 0, n_blocks, n_unmasked;
   Mask<IS_CAUSAL> mask;
   ScoreMods<T> mods;
@@ -61,7 +61,7 @@ struct RowBlock {
     k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p) + seq.k_row * p.k_stride[3];
     v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p) + seq.k_row * p.v_stride[3];
     out = static_cast<T*>(p.out) + batch_offset(p.out_stride, b, p) + (seq.q_row + m0) * p.out_stride[3];
-    lse = p.lse + seq.q_flat + m0;
+    lse = static_cast<acc_t<T>*>(p.lse) + seq.q_flat + m0;
     const int offset = seq.causal_offset();
     mask = Mask<IS_CAUSAL>{seq.nk(), offset};
     // Keys this row block can see: all of them, or up to the causal limit of its last row.
@@ -90,7 +90,7 @@ struct RowBlock {
   // Raw scores S of key block n_block, this warp's rows from row0 (CTA-relative) -> what the softmax
   // takes with exp_scale(): masked, or turned into logits by the modifiers.
   template <int S_TILES>
-  __device__ __forceinline__ void scores(float (&s)[S_TILES][4], int n_block, int row0, int lane) const {
+  __device__ __forceinline__ void scores(acc_t<T> (&s)[S_TILES][4], int n_block, int row0, int lane) const {
     const int n0 = n_block * BLOCK_N;
     if constexpr (HAS_MODS) {
       mods.template apply<false>(s, m0 + row0, n0, lane, mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1));
@@ -100,21 +100,23 @@ struct RowBlock {
   }
   // Scores that softcap, ALiBi or bias made logits have the scale applied already: only log2(e) is left
   // for the exponent; raw scores carry the scale into it.
-  __device__ __forceinline__ float exp_scale() const { return HAS_MODS ? mods.exp_scale() : p.scale_log2; }
+  __device__ __forceinline__ acc_t<T> exp_scale() const {
+    return HAS_MODS ? mods.exp_scale() : Reals<acc_t<T>>::scale_log2(p);
+  }
 };
 
 // out = O_i / l_i (times 1 / (1 - p) with dropout) and lse_i = scale * m_i + log(l_i), columns
 // [c0, c0 + 8*O_TILES) (lse by the c0 = 0 CTA). Staged through sQ for 16-byte stores: every warp must
 // be done with its products first.
-template <class QTile, int THREADS, bool HAS_DROPOUT, typename T, int O_TILES, int S_TILES, class Rows>
-__device__ __forceinline__ void write_out(const Rows& rows, T* sQ, int c0, const float (&acc_o)[O_TILES][4],
-                                          const OnlineSoftmax<S_TILES>& softmax, int warp, int lane) {
+template <class QTile, int THREADS, bool HAS_DROPOUT, typename T, int O_TILES, int S_TILES, typename A, class Rows>
+__device__ __forceinline__ void write_out(const Rows& rows, T* sQ, int c0, const A (&acc_o)[O_TILES][4],
+                                          const OnlineSoftmax<S_TILES, A>& softmax, int warp, int lane) {
   const AttnParams& p = rows.p;
-  float inv_sum[2], row_lse[2];
+  A inv_sum[2], row_lse[2];
   softmax.finalize(rows.exp_scale(), inv_sum, row_lse);
   if constexpr (HAS_DROPOUT) {
-    inv_sum[0] *= p.dropout_scale;
-    inv_sum[1] *= p.dropout_scale;
+    inv_sum[0] *= Reals<A>::dropout_scale(p);
+    inv_sum[1] *= Reals<A>::dropout_scale(p);
   }
   __syncthreads();
   acc_to_smem<QTile, O_TILES>(sQ, warp * 16, acc_o, inv_sum, lane);
@@ -140,6 +142,7 @@ attention_fwd_kernel(const AttnParams p) {
   constexpr int S_TILES = BLOCK_N / 8;   // score accumulator n-tiles per warp
   constexpr int O_TILES = D_CHUNK / 8;   // output accumulator n-tiles per warp
   constexpr int N_CHUNKS = HEAD_DIM / D_CHUNK;
+  using A = acc_t<T>;  // float; double for float64 inputs
   static_assert(HEAD_DIM % D_CHUNK == 0 && D_CHUNK % 16 == 0, "output column chunks");
   static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
@@ -162,15 +165,15 @@ attention_fwd_kernel(const AttnParams p) {
   const Dropout dropout(p, b);
   // P_ij -> P_ij * Z_ij, after the softmax has summed P_ij into l_i. The plain kernels keep Philox's
   // round keys in registers; the modifiers' have none to spare.
-  auto drop = [&](float (&s)[S_TILES][4], int n_block) {
+  auto drop = [&](A (&s)[S_TILES][4], int n_block) {
     if constexpr (HAS_DROPOUT) {
       dropout.drop_rows<!HAS_MODS>(s, m0 + warp * 16, n_block * BLOCK_N, lane);
     }
   };
 
-  float acc_o[O_TILES][4];
+  A acc_o[O_TILES][4];
   zero_acc(acc_o);
-  OnlineSoftmax<S_TILES> softmax;
+  OnlineSoftmax<S_TILES, A> softmax;
   softmax.init();
 
   int n_block = rows.prev_on(rows.n_blocks - 1);
@@ -183,7 +186,7 @@ attention_fwd_kernel(const AttnParams p) {
   while (n_block >= rows.n_first) {
     const int n0 = n_block * BLOCK_N;
     const int n_next = rows.prev_on(n_block - 1);
-    float acc_s[S_TILES][4];
+    A acc_s[S_TILES][4];
     zero_acc(acc_s);
 
     cp_async_wait<0>();  // K_j has landed; every warp is done with V_{j+1}
@@ -195,7 +198,7 @@ attention_fwd_kernel(const AttnParams p) {
     gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK, lane);
     rows.scores(acc_s, n_block, warp * 16, lane);
     // m_i, l_i and P_ij = exp(scale * S_ij - m_i); O_i *= exp(m_old - m_new).
-    float rescale[2];
+    A rescale[2];
     softmax.update(acc_s, rows.exp_scale(), rescale);
     scale_rows(acc_o, rescale);
     drop(acc_s, n_block);

@@ -1,7 +1,8 @@
 // attention_probs.cu — the softmax probabilities P = exp(s - lse) of attention, for inspection.
 //
 // Layout: q (b, nq, d), k (b, nk, d) as in the forward (block_info.cuh); lse (b, nq) float32 from the
-// forward with the same options; writes probs (b, nq, nk) float32, contiguous (p.out).
+// forward with the same options; writes probs (b, nq, nk) in the accumulator type (float32; float64 for
+// float64 inputs), contiguous (p.out).
 // One CTA owns BLOCK_M = 16 * NUM_WARPS query rows and one BLOCK_N-key tile (grid x enumerates both):
 // it recomputes S = Q K^T on the tensor cores exactly as the forward does, turns it into logits with
 // the same score modifiers (score_mods.cuh), and writes exp(logit - lse). Tiles the window band or the
@@ -42,7 +43,8 @@ attention_probs_kernel(const AttnParams p) {
                        (!mods.block_mask || mods.block_mask[(m0 / BLOCK_MASK_TILE) * p.block_mask_stride[3] +
                                                             (n0 / BLOCK_MASK_TILE) * p.block_mask_stride[4]]);
 
-  float acc_s[S_TILES][4];
+  using A = acc_t<T>;
+  A acc_s[S_TILES][4];
   zero_acc(acc_s);
   if (visible) {
     const T* q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p) + m0 * p.q_stride[3];
@@ -57,21 +59,21 @@ attention_probs_kernel(const AttnParams p) {
     mods.template apply<false>(acc_s, m0 + warp * 16, n0, lane, mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1));
   }
 
-  float* probs = static_cast<float*>(p.out) + static_cast<i64>(b) * p.nq * p.nk;
-  const float exp_scale = mods.exp_scale();  // raw scores keep the scale folded in, as in the forward
+  A* probs = static_cast<A*>(p.out) + static_cast<i64>(b) * p.nq * p.nk;
+  const A exp_scale = mods.exp_scale();  // raw scores keep the scale folded in, as in the forward
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = m0 + warp * 16 + g + 8 * r;
     if (row >= p.nq) continue;
-    const float lse = p.lse[static_cast<i64>(b) * p.nq + row];
+    const A lse = static_cast<const A*>(p.lse)[static_cast<i64>(b) * p.nq + row];
 #pragma unroll
     for (int j = 0; j < S_TILES; ++j) {
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int col = n0 + j * 8 + 2 * t + c;
         // A hidden score (-inf) or a row that sees no key (lse = -inf) has probability 0.
-        const float x = acc_s[j][2 * r + c];
-        const float prob = visible && lse != neg_inf() ? fast_exp2(x * exp_scale - lse * LOG2E) : 0.f;
+        const A x = acc_s[j][2 * r + c];
+        const A prob = visible && lse != neg_inf() ? fast_exp2(x * exp_scale - lse * log2e<A>()) : A(0);
         if (col < p.nk) probs[static_cast<i64>(row) * p.nk + col] = prob;
       }
     }

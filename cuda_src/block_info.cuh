@@ -27,9 +27,10 @@ struct AttnParams {
   void* dq;
   void* dk;
   void* dv;
-  float* lse;       // natural-log LSE, (b, nq)
-  float* lse_log2;  // backward workspace: lse * log2(e), +inf for rows that see no key
-  float* delta;     // backward workspace: rowsum(dout * out)
+  // The per-row arrays are in the accumulator type: float32, or float64 for float64 inputs.
+  void* lse;        // natural-log LSE, (b, nq)
+  void* lse_log2;   // backward workspace: lse * log2(e), +inf for rows that see no key
+  void* delta;      // backward workspace: rowsum(dout * out)
   i64 q_stride[4];  // [b0, b1, b2, row], in elements
   i64 k_stride[4];
   i64 v_stride[4];
@@ -46,8 +47,9 @@ struct AttnParams {
   float scale_log2;  // scale * log2(e), folded so the softmax runs on exp2
   // Score modifiers, read by HAS_MODS kernels only (score_mods.cuh); null pointers / zeros = off.
   const void* bias;                 // (b, nq, nk), T or float32 (bias_f32), any strides
-  void* dbias;                      // the bias's own shape: a float32 accumulator (atomic adds; stride 0 =
-                                    // summed), or with dbias_pairs the result itself, in the bias's dtype
+  void* dbias;                      // the bias's own shape: an accumulator in the kernel's accumulator type
+                                    // (atomic adds; stride 0 = summed), or with dbias_pairs the result
+                                    // itself, in the bias's dtype
   const unsigned char* mask;        // bool (b, nq, nk): true = the key takes part
   const unsigned char* block_mask;  // bool (b, ceil(nq / 128), ceil(nk / 128))
   const float* alibi_slopes;        // (b), one slope per flat batch entry
@@ -60,7 +62,7 @@ struct AttnParams {
   int bias_f32;      // bias is float32 (else the inputs' type)
   int bias_pairs;    // bias has unit column stride and pairs of columns are aligned for one load
   int dbias_pairs;   // dbias is broadcast along no dim (one writer per element): aligned pair stores
-  int dbias_f32;     // with dbias_pairs: dbias is float32 (else the inputs' type)
+  int dbias_f32;     // dbias is float32 (else the inputs' type; an accumulator: the accumulator type)
   float softcap;     // > 0: scores become softcap * tanh(score / softcap)
   float softcap_inv; // 1 / softcap (0 when off)
   // Backward passes: the rows of the streamed axis this launch sums over, [stream_begin, stream_end):
@@ -81,6 +83,29 @@ struct AttnParams {
   int heads;                // batch entries per sequence: batch1 * batch2
   int total_q;              // packed rows: the head stride of the per-row arrays
   int total_k;
+  // The real-valued parameters above in float64, read by the float64 kernels instead (Reals<double>).
+  double scale_f64;
+  double scale_log2_f64;
+  double softcap_f64;
+  double softcap_inv_f64;
+  double dropout_scale_f64;
+};
+
+// The real-valued parameters in a kernel's accumulator type A (float; double for float64 inputs).
+template <typename A> struct Reals;
+template <> struct Reals<float> {
+  __device__ __forceinline__ static float scale(const AttnParams& p) { return p.scale; }
+  __device__ __forceinline__ static float scale_log2(const AttnParams& p) { return p.scale_log2; }
+  __device__ __forceinline__ static float softcap(const AttnParams& p) { return p.softcap; }
+  __device__ __forceinline__ static float softcap_inv(const AttnParams& p) { return p.softcap_inv; }
+  __device__ __forceinline__ static float dropout_scale(const AttnParams& p) { return p.dropout_scale; }
+};
+template <> struct Reals<double> {
+  __device__ __forceinline__ static double scale(const AttnParams& p) { return p.scale_f64; }
+  __device__ __forceinline__ static double scale_log2(const AttnParams& p) { return p.scale_log2_f64; }
+  __device__ __forceinline__ static double softcap(const AttnParams& p) { return p.softcap_f64; }
+  __device__ __forceinline__ static double softcap_inv(const AttnParams& p) { return p.softcap_inv_f64; }
+  __device__ __forceinline__ static double dropout_scale(const AttnParams& p) { return p.dropout_scale_f64; }
 };
 
 // Flat batch index of this CTA: blockIdx.y, extended by blockIdx.z past the 65535 limit of y.

@@ -12,8 +12,13 @@ typedef unsigned long long u64;
 
 __device__ constexpr float LOG2E = 1.4426950408889634f;  // log2(e): exp(x) == exp2(x * LOG2E)
 __device__ constexpr float LN2 = 0.6931471805599453f;    // ln(2):  log(x) == log2(x) * LN2
+// The same constants in an accumulator type A (float, or double for float64 inputs).
+template <typename A> __device__ __forceinline__ constexpr A log2e() { return A(1.4426950408889634); }
+template <typename A> __device__ __forceinline__ constexpr A ln2() { return A(0.6931471805599453); }
 constexpr int WARP_SIZE = 32;
-constexpr int SMEM_PAD_BYTES = 16;  // one 16-byte chunk of padding per shared-memory row (no bank conflicts)
+// Padding per shared-memory row of a padded tile: one 16-byte chunk keeps ldmatrix free of bank conflicts;
+// float64 tiles, read with 8-byte loads (mma.cuh, Mma64), need 32 bytes.
+template <typename T> __host__ __device__ constexpr int smem_pad_bytes() { return sizeof(T) == 8 ? 32 : 16; }
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
@@ -26,12 +31,26 @@ __device__ __forceinline__ float fast_exp2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+// float64 accumulators (float64 inputs): libdevice's exp2, within an ulp or two; float64 accuracy is
+// the point of float64.
+__device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
+
+// The few float operations the kernels spell out, for both accumulator types.
+__device__ __forceinline__ float max_of(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_of(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ float log2_of(float x) { return __log2f(x); }
+__device__ __forceinline__ double log2_of(double x) { return log2(x); }
+__device__ __forceinline__ float abs_of(float x) { return fabsf(x); }
+__device__ __forceinline__ double abs_of(double x) { return fabs(x); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }  // never fused into an FMA
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 
 struct half_t { u16 bits; };
 struct bfloat16_t { u16 bits; };
 
-// Per-element-type conversions. `pack2` rounds two floats into the register layout that
-// mma.sync expects for a pair of consecutive 16-bit elements (low half = first element).
+// Per-element-type conversions. `to_acc` widens an element to the accumulator type (float; double for
+// double). `pack2` rounds two floats into the register layout that mma.sync expects for a pair of
+// consecutive 16-bit elements (low half = first element).
 template <typename T> struct Elem;
 
 template <> struct Elem<half_t> {
@@ -40,7 +59,7 @@ template <> struct Elem<half_t> {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
   }
-  __device__ __forceinline__ static float to_float(half_t x) {
+  __device__ __forceinline__ static float to_acc(half_t x) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
     return f;
@@ -56,7 +75,7 @@ template <> struct Elem<bfloat16_t> {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
   }
-  __device__ __forceinline__ static float to_float(bfloat16_t x) {
+  __device__ __forceinline__ static float to_acc(bfloat16_t x) {
     return __int_as_float(static_cast<int>(x.bits) << 16);
   }
   __device__ __forceinline__ static void store2(bfloat16_t* p, float a, float b) {
@@ -65,22 +84,32 @@ template <> struct Elem<bfloat16_t> {
 };
 
 template <> struct Elem<float> {
-  __device__ __forceinline__ static float to_float(float x) { return x; }
+  __device__ __forceinline__ static float to_acc(float x) { return x; }
   __device__ __forceinline__ static void store2(float* p, float a, float b) {
     *reinterpret_cast<float2*>(p) = make_float2(a, b);
   }
 };
 
+template <> struct Elem<double> {
+  __device__ __forceinline__ static double to_acc(double x) { return x; }
+  __device__ __forceinline__ static void store2(double* p, double a, double b) {
+    *reinterpret_cast<double2*>(p) = make_double2(a, b);
+  }
+};
+
 // Reductions over the 4 threads of an mma "quad": they hold the same accumulator rows.
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+template <typename A>
+__device__ __forceinline__ A quad_max(A x) {
+  x = max_of(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return max_of(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
-__device__ __forceinline__ float quad_sum(float x) {
+template <typename A>
+__device__ __forceinline__ A quad_sum(A x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
-__device__ __forceinline__ float warp_sum(float x) {
+template <typename A>
+__device__ __forceinline__ A warp_sum(A x) {
 #pragma unroll
   for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
   return x;

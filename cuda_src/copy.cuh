@@ -1,8 +1,8 @@
 // copy.cuh — shared-memory tile layouts, and moving tiles between global and shared memory.
 //
 // A shared tile holds ROWS x COLS elements in one of two layouts:
-//  - PaddedTile (the mma.sync path): row-major, each row padded by 16 bytes, so ldmatrix and the
-//    row-wise copies are free of bank conflicts.
+//  - PaddedTile (the mma.sync path): row-major, each row padded by 16 bytes (32 for float64), so
+//    ldmatrix (float64: 8-byte loads, mma.cuh) and the row-wise copies are free of bank conflicts.
 //  - SwizzledTile (the wgmma path, Hopper): the columns split into "atoms" of ATOM_COLS elements
 //    (128, 64 or 32 bytes per row); each atom stores its ROWS rows back to back, and the 16-byte chunk c
 //    of a row lands at chunk c ^ (row bits): the canonical swizzled layout that wgmma's shared-memory
@@ -21,7 +21,7 @@ struct PaddedTile {
   static constexpr bool SWIZZLED = false;
   static constexpr int NUM_ROWS = ROWS, NUM_COLS = COLS;
   static constexpr int VEC = 16 / sizeof(T);                  // elements per 16-byte chunk
-  static constexpr int STRIDE = COLS + SMEM_PAD_BYTES / sizeof(T);
+  static constexpr int STRIDE = COLS + smem_pad_bytes<T>() / sizeof(T);
   static constexpr int SIZE = ROWS * STRIDE;                  // elements
   static_assert(COLS % VEC == 0, "rows must be whole 16-byte chunks");
   static constexpr int ROW_PERIOD = 1;                        // offset(r + n, c) = offset(r, c) + n * STRIDE
@@ -139,9 +139,9 @@ __device__ __forceinline__ void store_tile(T* gmem, i64 row_stride, const T* sme
 
 // Write one warp's accumulator tile (16 rows x 8*N_TILES cols) into shared memory as T, at rows row0..
 // of a tile; row g is multiplied by row_scale[0], row g+8 by [1].
-template <class Tile, int N_TILES, typename T>
-__device__ __forceinline__ void acc_to_smem(T* smem, int row0, const float (&acc)[N_TILES][4],
-                                            const float (&row_scale)[2], int lane) {
+template <class Tile, int N_TILES, typename T, typename A>
+__device__ __forceinline__ void acc_to_smem(T* smem, int row0, const A (&acc)[N_TILES][4],
+                                            const A (&row_scale)[2], int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int j = 0; j < N_TILES; ++j) {
@@ -150,11 +150,11 @@ __device__ __forceinline__ void acc_to_smem(T* smem, int row0, const float (&acc
   }
 }
 
-template <int N_TILES>
-__device__ __forceinline__ void zero_acc(float (&acc)[N_TILES][4]) {
+template <int N_TILES, typename A>
+__device__ __forceinline__ void zero_acc(A (&acc)[N_TILES][4]) {
 #pragma unroll
   for (int j = 0; j < N_TILES; ++j) {
 #pragma unroll
-    for (int r = 0; r < 4; ++r) acc[j][r] = 0.f;
+    for (int r = 0; r < 4; ++r) acc[j][r] = A(0);
   }
 }

@@ -48,8 +48,8 @@ struct Dropout {
   // Fully unrolled, every call's 8 values go straight to their elements (a compare and a select each):
   // no bit packing, and the calls are independent chains the scheduler can interleave with each other
   // and with the softmax. HOIST_KEYS as in philox.
-  template <bool HOIST_KEYS, int N>
-  __device__ __forceinline__ void drop_rows(float (&s)[N][4], int row0, int col0, int lane, float scale = 1.f) const {
+  template <bool HOIST_KEYS, int N, typename A>
+  __device__ __forceinline__ void drop_rows(A (&s)[N][4], int row0, int col0, int lane, A scale = A(1)) const {
     static_assert(N % 2 == 0, "whole 16-key blocks");
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -62,7 +62,7 @@ struct Dropout {
         for (int e = 0; e < 4; ++e) {  // element [2 jj + h][e] is slot (e >> 1) * 4 + h * 2 + (e & 1)
           const int slot = (e >> 1) * 4 + h * 2 + (e & 1);
           const u32 value = (slot & 1) ? words[slot >> 1] >> 16 : words[slot >> 1] & 0xffffu;
-          s[2 * jj + h][e] = value < threshold ? s[2 * jj + h][e] * scale : 0.f;
+          s[2 * jj + h][e] = value < threshold ? s[2 * jj + h][e] * scale : A(0);
         }
     }
   }
@@ -105,10 +105,10 @@ struct Dropout {
 };
 
 // x = Z ? x * scale : 0, element by element (scale 1: the dropped elements only).
-template <int N>
-__device__ __forceinline__ void apply_keep(float (&x)[N][4], u64 bits, float scale = 1.f) {
+template <int N, typename A>
+__device__ __forceinline__ void apply_keep(A (&x)[N][4], u64 bits, A scale = A(1)) {
 #pragma unroll
   for (int j = 0; j < N; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) x[j][e] = (bits >> (4 * j + e)) & 1u ? x[j][e] * scale : 0.f;
+    for (int e = 0; e < 4; ++e) x[j][e] = (bits >> (4 * j + e)) & 1u ? x[j][e] * scale : A(0);
 }

@@ -13,8 +13,8 @@ struct Mask {
   int offset;  // nk - nq: the causal diagonal's shift
 
   // Score tile with query rows and key columns; the warp's tile starts at (q0, k0).
-  template <int N_TILES>
-  __device__ __forceinline__ void apply(float (&s)[N_TILES][4], int q0, int k0, int lane) const {
+  template <int N_TILES, typename A>
+  __device__ __forceinline__ void apply(A (&s)[N_TILES][4], int q0, int k0, int lane) const {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -32,8 +32,8 @@ struct Mask {
 
   // Transposed tile (key rows, query columns), as the dK/dV pass computes S^T. Keys past nk
   // are not masked there: their rows of dK/dV are never stored.
-  template <int N_TILES>
-  __device__ __forceinline__ void apply_transposed(float (&s)[N_TILES][4], int k0, int q0, int lane) const {
+  template <int N_TILES, typename A>
+  __device__ __forceinline__ void apply_transposed(A (&s)[N_TILES][4], int k0, int q0, int lane) const {
     if (!IS_CAUSAL) return;
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll

@@ -6,6 +6,7 @@
 //   x_ij = softcap * tanh(x_ij / softcap)          softcap > 0
 //   x_ij -= slope_b * |i + off - j|                 ALiBi
 //   x_ij += bias[b, i, j]                           additive bias (T or float32, any strides)
+// All of it in the kernel's accumulator type A = acc_t<T>: float, or double for float64 inputs.
 //   x_ij = -inf  when j >= nk, i >= nq, j is outside the window band
 //                [i + off - left, i + off + right] (-1 = unbounded; causal arrives as right = 0),
 //                or mask[b, i, j] is false.
@@ -24,7 +25,8 @@ constexpr int BLOCK_MASK_TILE = 128;  // must match cupyflash/_modifiers.py
 // tanh for the softcap. float32 takes the accurate libdevice tanhf (float32 accuracy is the point of
 // that dtype); 16-bit types take 1 - 2 / (exp(2x) + 1) from two special-function-unit instructions
 // (ex2, rcp), ~1e-7 absolute error: the lse stays float32-accurate, and it saturates cleanly to +-1.
-// (tanh.approx would be one instruction, but its 2^-11 relative error shows in the lse.)
+// (tanh.approx would be one instruction, but its 2^-11 relative error shows in the lse.) float64 takes
+// libdevice's tanh.
 template <typename T>
 __device__ __forceinline__ float softcap_tanh(float x) {
   float r;
@@ -33,6 +35,8 @@ __device__ __forceinline__ float softcap_tanh(float x) {
 }
 template <>
 __device__ __forceinline__ float softcap_tanh<float>(float x) { return tanhf(x); }
+template <typename T>
+__device__ __forceinline__ double softcap_tanh(double x) { return tanh(x); }
 
 // The block mask along the axis a kernel streams (keys for the forward and dQ, queries for dK/dV), as
 // a bitmap in shared memory: finding the next tile that is on is then a word scan, not a chain of
@@ -98,20 +102,21 @@ struct TileBitmap {
 // tile, so the element loops stay straight-line code the scheduler can interleave with the MMAs.
 template <typename T>
 struct ScoreMods {
+  using A = acc_t<T>;
   const AttnParams& p;
   const void* bias;
-  float* dbias;  // as float32; with p.dbias_pairs possibly the inputs' type (see store_dbias_pairs)
+  A* dbias;  // the accumulator type (atomic adds); with p.dbias_pairs possibly T or float32 (store_dbias_pairs)
   const unsigned char* mask;
   const unsigned char* block_mask;
-  float add_scale;  // what ALiBi and bias terms are multiplied by: 1 on logits, 1 / scale on raw scores
-  float slope;      // this batch entry's ALiBi slope, times add_scale
+  A add_scale;  // what ALiBi and bias terms are multiplied by: 1 on logits, 1 / scale on raw scores
+  A slope;      // this batch entry's ALiBi slope, times add_scale
 
   // The kernel has constructed a SeqInfo<true> (HAS_MODS kernels do): the lengths are in shared memory.
   __device__ __forceinline__ ScoreMods(const AttnParams& params, int b) : p(params) {
-    add_scale = natural() ? 1.f : 1.f / p.scale;
-    slope = p.alibi_slopes ? p.alibi_slopes[b] * add_scale : 0.f;
+    add_scale = natural() ? A(1) : A(1) / Reals<A>::scale(p);
+    slope = p.alibi_slopes ? A(p.alibi_slopes[b]) * add_scale : A(0);
     bias = p.bias ? static_cast<const char*>(p.bias) + batch_offset(p.bias_stride, b, p) * (p.bias_f32 ? 4 : sizeof(T)) : nullptr;
-    dbias = p.dbias ? reinterpret_cast<float*>(static_cast<char*>(p.dbias) +
+    dbias = p.dbias ? reinterpret_cast<A*>(static_cast<char*>(p.dbias) +
                                                batch_offset(p.dbias_stride, b, p) * (p.dbias_f32 ? 4 : sizeof(T)))
                     : nullptr;
     mask = p.mask ? p.mask + batch_offset(p.mask_stride, b, p) : nullptr;
@@ -126,7 +131,7 @@ struct ScoreMods {
   // exponent, as in the plain kernels: ALiBi and bias terms are divided by the scale instead (one FMA
   // each). The softcap needs the scaled score, so with it the scores become logits in natural units.
   __device__ __forceinline__ bool natural() const { return p.softcap > 0.f; }
-  __device__ __forceinline__ float exp_scale() const { return natural() ? LOG2E : p.scale_log2; }
+  __device__ __forceinline__ A exp_scale() const { return natural() ? log2e<A>() : Reals<A>::scale_log2(p); }
 
   // Keys [first, last] that some query of rows [r0, r1] may see through the window band and nk.
   __device__ __forceinline__ int first_key(int r0) const { return p.window_left < 0 ? 0 : max(0, r0 + nk() - nq() - p.window_left); }
@@ -176,21 +181,29 @@ struct ScoreMods {
   }
 
   // One bias element, and two adjacent ones (the host sets bias_pairs only when those are aligned).
-  __device__ __forceinline__ float bias_at(i64 at) const {
-    if constexpr (sizeof(T) == 2) {
-      if (!p.bias_f32) return Elem<T>::to_float(static_cast<const T*>(bias)[at]);
+  __device__ __forceinline__ A bias_at(i64 at) const {
+    if constexpr (sizeof(T) != 4) {
+      if (!p.bias_f32) return Elem<T>::to_acc(static_cast<const T*>(bias)[at]);
     }
     return static_cast<const float*>(bias)[at];
   }
-  __device__ __forceinline__ void bias_pair(i64 at, float& b0, float& b1) const {
+  __device__ __forceinline__ void bias_pair(i64 at, A& b0, A& b1) const {
+    if constexpr (sizeof(T) == 8) {
+      if (!p.bias_f32) {
+        const double2 v = *reinterpret_cast<const double2*>(static_cast<const T*>(bias) + at);
+        b0 = v.x;
+        b1 = v.y;
+        return;
+      }
+    }
     if constexpr (sizeof(T) == 2) {
       if (!p.bias_f32) {
         const u32 v = *reinterpret_cast<const u32*>(static_cast<const T*>(bias) + at);
         T lo, hi;
         lo.bits = static_cast<u16>(v & 0xffffu);
         hi.bits = static_cast<u16>(v >> 16);
-        b0 = Elem<T>::to_float(lo);
-        b1 = Elem<T>::to_float(hi);
+        b0 = Elem<T>::to_acc(lo);
+        b1 = Elem<T>::to_acc(hi);
         return;
       }
     }
@@ -216,20 +229,20 @@ struct ScoreMods {
   // Raw scores -> logits: the scale, ALiBi and bias passes (softcap is the caller's, as the backward
   // needs its derivative), then hidden keys -> -inf. Bias and mask are read only inside nq x nk.
   template <bool TRANSPOSED, int N>
-  __device__ __forceinline__ void additive_and_hide(float (&s)[N][4], int row0, int col0, int lane, bool check) const {
-    if (slope != 0.f) {
+  __device__ __forceinline__ void additive_and_hide(A (&s)[N][4], int row0, int col0, int lane, bool check) const {
+    if (slope != A(0)) {
       // |i + nk - nq - key| as a float offset from this thread's first element: one add and one FMA
       // per element (exact: integers far below 2^24).
       int i0, key0;
       coords<TRANSPOSED>(row0, col0, 0, 0, lane, i0, key0);
-      const float base = static_cast<float>(i0 + nk() - nq() - key0);
+      const A base = static_cast<A>(i0 + nk() - nq() - key0);
 #pragma unroll
       for (int j = 0; j < N; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int along_rows = 8 * (e >> 1), along_cols = j * 8 + (e & 1);
-          const float step = TRANSPOSED ? static_cast<float>(along_cols - along_rows) : static_cast<float>(along_rows - along_cols);
-          s[j][e] -= slope * fabsf(base + step);
+          const A step = TRANSPOSED ? static_cast<A>(along_cols - along_rows) : static_cast<A>(along_rows - along_cols);
+          s[j][e] -= slope * abs_of(base + step);
         }
     }
     if (bias && !TRANSPOSED && !check && p.bias_pairs) {
@@ -240,7 +253,7 @@ struct ScoreMods {
         const i64 row = static_cast<i64>(row0 + g + 8 * r) * p.bias_stride[3] + col0 + 2 * t;
 #pragma unroll
         for (int j = 0; j < N; ++j) {
-          float b0, b1;
+          A b0, b1;
           bias_pair(row + j * 8, b0, b1);
           s[j][2 * r] += add_scale * b0;
           s[j][2 * r + 1] += add_scale * b1;
@@ -287,15 +300,15 @@ struct ScoreMods {
 
   // Forward (and probs): raw scores -> what the online softmax takes with exp_scale().
   template <bool TRANSPOSED, int N>
-  __device__ __forceinline__ void apply(float (&s)[N][4], int row0, int col0, int lane, bool check) const {
+  __device__ __forceinline__ void apply(A (&s)[N][4], int row0, int col0, int lane, bool check) const {
     if (natural()) {
-      const float scale = p.scale, cap = p.softcap, inv = p.softcap_inv;
+      const A scale = Reals<A>::scale(p), cap = Reals<A>::softcap(p), inv = Reals<A>::softcap_inv(p);
 #pragma unroll
       for (int j = 0; j < N; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           s[j][e] *= scale;
-          if (cap > 0.f) s[j][e] = cap * softcap_tanh<T>(s[j][e] * inv);
+          if (cap > A(0)) s[j][e] = cap * softcap_tanh<T>(s[j][e] * inv);
         }
     }
     additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
@@ -304,15 +317,15 @@ struct ScoreMods {
   // The logit of raw score q_i . k_j, or -inf when hidden, one element at a time; dcap = 1 - tanh^2 of
   // the softcap (1 without). Used by the backward when it needs dS both with and without the softcap
   // derivative (softcap and bias together), where the tile passes would have to keep tanh per element.
-  __device__ __forceinline__ float logit(float raw, int i, int key, bool check, float& dcap) const {
-    float x = raw * p.scale;
-    dcap = 1.f;
+  __device__ __forceinline__ A logit(A raw, int i, int key, bool check, A& dcap) const {
+    A x = raw * Reals<A>::scale(p);
+    dcap = A(1);
     if (p.softcap > 0.f) {
-      const float t = softcap_tanh<T>(x * p.softcap_inv);
-      x = p.softcap * t;
-      dcap = 1.f - t * t;
+      const A t = softcap_tanh<T>(x * Reals<A>::softcap_inv(p));
+      x = Reals<A>::softcap(p) * t;
+      dcap = A(1) - t * t;
     }
-    x -= slope * fabsf(static_cast<float>(i + nk() - nq() - key));
+    x -= slope * abs_of(static_cast<A>(i + nk() - nq() - key));
     if (check && !visible(i, key)) return neg_inf();
     if (mask && !mask[i * p.mask_stride[3] + key * p.mask_stride[4]]) return neg_inf();
     if (bias) x += bias_at(i * p.bias_stride[3] + key * p.bias_stride[4]);
@@ -323,21 +336,21 @@ struct ScoreMods {
   // score, dS times the softcap derivative 1 - tanh^2, into dp. dS itself (the bias gradient) goes
   // into dbias when write_dbias. lse_log2(j, e) and delta(j, e) give the element's row statistics.
   template <bool TRANSPOSED, int N, typename Lse, typename Delta>
-  __device__ __forceinline__ void backward(float (&s)[N][4], float (&dp)[N][4], int row0, int col0, int lane,
+  __device__ __forceinline__ void backward(A (&s)[N][4], A (&dp)[N][4], int row0, int col0, int lane,
                                            bool check, Lse lse_log2, Delta delta, bool write_dbias) const {
     write_dbias = write_dbias && dbias;
-    const float cap = p.softcap;
-    if (cap > 0.f && write_dbias) {
+    const A cap = Reals<A>::softcap(p);
+    if (cap > A(0) && write_dbias) {
 #pragma unroll
       for (int j = 0; j < N; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           int i, key;
           coords<TRANSPOSED>(row0, col0, j, e, lane, i, key);
-          float dcap;
-          const float x = logit(s[j][e], i, key, check, dcap);
-          const float prob = fast_exp2(x * LOG2E - lse_log2(j, e));
-          const float ds = prob * (dp[j][e] - delta(j, e));
+          A dcap;
+          const A x = logit(s[j][e], i, key, check, dcap);
+          const A prob = fast_exp2(x * log2e<A>() - lse_log2(j, e));
+          const A ds = prob * (dp[j][e] - delta(j, e));
           if (x != neg_inf()) atomicAdd(dbias + i * p.dbias_stride[3] + key * p.dbias_stride[4], ds);
           s[j][e] = prob;
           dp[j][e] = ds * dcap;
@@ -348,27 +361,27 @@ struct ScoreMods {
     // derivative is folded into dp while t is at hand. (Without a softcap dp ends as dS itself.)
     const bool store_pairs = !TRANSPOSED && p.dbias_pairs;  // the host never sets it with a softcap
     if (natural()) {
-      const float scale = p.scale, inv = p.softcap_inv;
+      const A scale = Reals<A>::scale(p), inv = Reals<A>::softcap_inv(p);
 #pragma unroll
       for (int j = 0; j < N; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           s[j][e] *= scale;
-          if (cap > 0.f) {
-            const float t = softcap_tanh<T>(s[j][e] * inv);
+          if (cap > A(0)) {
+            const A t = softcap_tanh<T>(s[j][e] * inv);
             s[j][e] = cap * t;
-            dp[j][e] = (dp[j][e] - delta(j, e)) * (1.f - t * t);
+            dp[j][e] = (dp[j][e] - delta(j, e)) * (A(1) - t * t);
           }
         }
     }
     additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
-    const float exp_scale_ = exp_scale();
+    const A exp_scale_ = exp_scale();
 #pragma unroll
     for (int j = 0; j < N; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float prob = fast_exp2(s[j][e] * exp_scale_ - lse_log2(j, e));
-        const float ds = cap > 0.f ? prob * dp[j][e] : prob * (dp[j][e] - delta(j, e));
+        const A prob = fast_exp2(s[j][e] * exp_scale_ - lse_log2(j, e));
+        const A ds = cap > A(0) ? prob * dp[j][e] : prob * (dp[j][e] - delta(j, e));
         if (write_dbias && !store_pairs && s[j][e] != neg_inf()) {
           int i, key;
           coords<TRANSPOSED>(row0, col0, j, e, lane, i, key);
@@ -381,10 +394,10 @@ struct ScoreMods {
   }
 
   // A bias broadcast along no dim gets each dS exactly once: plain stores of two adjacent keys in the
-  // bias's dtype, no atomics, no float32 buffer (hidden elements store their dS = 0). The host sets
+  // bias's dtype, no atomics, no accumulator buffer (hidden elements store their dS = 0). The host sets
   // dbias_pairs only with an even Nk, so a pair never straddles nk.
   template <int N>
-  __device__ __forceinline__ void store_dbias_pairs(const float (&ds)[N][4], int row0, int col0, int lane, bool check) const {
+  __device__ __forceinline__ void store_dbias_pairs(const A (&ds)[N][4], int row0, int col0, int lane, bool check) const {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -394,13 +407,13 @@ struct ScoreMods {
 #pragma unroll
       for (int j = 0; j < N; ++j) {
         if (check && col0 + j * 8 + 2 * t >= nk()) continue;
-        if constexpr (sizeof(T) == 2) {
+        if constexpr (sizeof(T) != 4) {
           if (!p.dbias_f32) {
             Elem<T>::store2(reinterpret_cast<T*>(dbias) + row + j * 8, ds[j][2 * r], ds[j][2 * r + 1]);
             continue;
           }
         }
-        *reinterpret_cast<float2*>(dbias + row + j * 8) = make_float2(ds[j][2 * r], ds[j][2 * r + 1]);
+        *reinterpret_cast<float2*>(reinterpret_cast<float*>(dbias) + row + j * 8) = make_float2(ds[j][2 * r], ds[j][2 * r + 1]);
       }
     }
   }

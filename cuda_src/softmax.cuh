@@ -9,35 +9,36 @@
 #pragma once
 #include "common.cuh"
 
-template <int N_TILES>
+// A: the accumulator type (float; double for float64 inputs, with libdevice's exp2 and log2).
+template <int N_TILES, typename A = float>
 struct OnlineSoftmax {
-  float row_max[2];  // m_i, in raw score units (q . k, before the scale)
-  float row_sum[2];  // this thread's part of l_i; the quad's parts are added in finalize
+  A row_max[2];  // m_i, in raw score units (q . k, before the scale)
+  A row_sum[2];  // this thread's part of l_i; the quad's parts are added in finalize
 
   __device__ __forceinline__ void init() {
     row_max[0] = row_max[1] = neg_inf();
-    row_sum[0] = row_sum[1] = 0.f;
+    row_sum[0] = row_sum[1] = A(0);
   }
 
   // Turns the score tile S into P in place; returns the factor for the output accumulator.
-  __device__ __forceinline__ void update(float (&s)[N_TILES][4], float scale_log2, float (&rescale)[2]) {
+  __device__ __forceinline__ void update(A (&s)[N_TILES][4], A scale_log2, A (&rescale)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float tile_max = neg_inf();
+      A tile_max = neg_inf();
 #pragma unroll
-      for (int j = 0; j < N_TILES; ++j) tile_max = fmaxf(tile_max, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-      const float new_max = fmaxf(row_max[r], quad_max(tile_max));
-      const float ref = new_max == neg_inf() ? 0.f : new_max * scale_log2;
-      // __fmul_rn keeps the product out of an FMA, so a max that did not grow rescales by exactly 1
+      for (int j = 0; j < N_TILES; ++j) tile_max = max_of(tile_max, max_of(s[j][2 * r], s[j][2 * r + 1]));
+      const A new_max = max_of(row_max[r], quad_max(tile_max));
+      const A ref = new_max == neg_inf() ? A(0) : new_max * scale_log2;
+      // mul_rn keeps the product out of an FMA, so a max that did not grow rescales by exactly 1
       // (a tile with every key hidden then changes nothing, bit for bit).
-      rescale[r] = fast_exp2(__fmul_rn(row_max[r], scale_log2) - ref);
+      rescale[r] = fast_exp2(mul_rn(row_max[r], scale_log2) - ref);
       row_max[r] = new_max;
-      float tile_sum = 0.f;
+      A tile_sum = A(0);
 #pragma unroll
       for (int j = 0; j < N_TILES; ++j) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const float p = fast_exp2(s[j][2 * r + c] * scale_log2 - ref);
+          const A p = fast_exp2(s[j][2 * r + c] * scale_log2 - ref);
           s[j][2 * r + c] = p;
           tile_sum += p;
         }
@@ -47,20 +48,20 @@ struct OnlineSoftmax {
   }
 
   // 1 / l_i (0 when the row saw no key) and lse_i = scale * m_i + log(l_i) in natural log.
-  __device__ __forceinline__ void finalize(float scale_log2, float (&inv_sum)[2], float (&lse)[2]) const {
+  __device__ __forceinline__ void finalize(A scale_log2, A (&inv_sum)[2], A (&lse)[2]) const {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float l = quad_sum(row_sum[r]);
-      const bool empty = l == 0.f;  // a NaN sum (NaN or +inf among the inputs) is not empty: it propagates
-      inv_sum[r] = empty ? 0.f : 1.f / l;
-      lse[r] = empty ? neg_inf() : (row_max[r] * scale_log2 + __log2f(l)) * LN2;
+      const A l = quad_sum(row_sum[r]);
+      const bool empty = l == A(0);  // a NaN sum (NaN or +inf among the inputs) is not empty: it propagates
+      inv_sum[r] = empty ? A(0) : A(1) / l;
+      lse[r] = empty ? A(neg_inf()) : (row_max[r] * scale_log2 + log2_of(l)) * ln2<A>();
     }
   }
 };
 
 // Scale every element of an accumulator row pair: rows g by f[0], g+8 by f[1].
-template <int N_TILES>
-__device__ __forceinline__ void scale_rows(float (&acc)[N_TILES][4], const float (&f)[2]) {
+template <int N_TILES, typename A>
+__device__ __forceinline__ void scale_rows(A (&acc)[N_TILES][4], const A (&f)[2]) {
 #pragma unroll
   for (int j = 0; j < N_TILES; ++j) {
     acc[j][0] *= f[0]; acc[j][1] *= f[0];

@@ -4,7 +4,9 @@ Every kernel is a template over (dtype, HEAD_DIM, tiles, IS_CAUSAL, HAS_MODS, WG
 kernels use the same tiles as the plain ones unless noted. A problem's head dims D and Dv are padded up to
 the smallest HEAD_DIM in ``HEAD_DIMS`` that holds both (the padding is zero-filled inside the kernel,
 never read from memory). fp16 and bf16 share tiles; float32 needs twice the shared memory per element
-and gets smaller ones.
+and gets smaller ones, float64 (FP64 tensor cores, float64 accumulators) twice that again. The float64
+backward at HEAD_DIM 256 needs about 200 KiB of shared memory per block: Hopper's 227 KiB hold it, an
+sm_80 CTA's 163 KiB do not (that call then raises, naming both numbers).
 
 Two tensor-core paths:
   mma.sync (``_TABLE``): every GPU from sm_80 on; warp-level products, padded shared tiles.
@@ -26,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PREPROCESS_WARPS = 8  # one warp per query row in the backward preprocess
-SMEM_PAD_BYTES = 16  # per shared-memory row of a padded tile; must match cuda_src/common.cuh
+SMEM_PAD_BYTES = {2: 16, 4: 16, 8: 32}  # per shared-memory row of a padded tile, by element size; cuda_src/common.cuh
 SMEM_ALIGN = 1024  # wgmma kernels align their swizzled tiles to this (cuda_src/copy.cuh, smem_aligned)
 # The most rows one launch of a backward pass sums a gradient over (queries for dK/dV, keys for dQ). The
 # tensor cores' float32 accumulation truncates, ~2e-8 relative per 16-row step: 1.5e-4 over 2^17 rows,
@@ -69,6 +71,15 @@ _TABLE = {
     (4, 160): ((4, 16, 160), (2, 16, 32), (2, 16, 80)),
     (4, 192): ((4, 16, 192), (2, 16, 48), (2, 16, 96)),
     (4, 256): ((4, 16, 128), (2, 16, 32), (2, 16, 128)),
+    # float64: twice float32's bytes and registers per element; padded rows of HEAD_DIM + 4 elements.
+    (8, 16): ((4, 64, 16), (4, 32, 16), (4, 32, 16)),
+    (8, 32): ((4, 64, 32), (4, 32, 32), (4, 32, 32)),
+    (8, 64): ((8, 64, 64), (4, 16, 64), (4, 32, 64)),
+    (8, 96): ((8, 32, 96), (4, 16, 48), (4, 16, 96)),
+    (8, 128): ((4, 32, 128), (2, 16, 64), (2, 16, 128)),
+    (8, 160): ((4, 16, 80), (1, 16, 32), (1, 16, 80)),
+    (8, 192): ((4, 16, 96), (1, 16, 48), (1, 16, 96)),
+    (8, 256): ((2, 16, 128), (1, 16, 64), (1, 16, 128)),
 }
 # The score modifiers' kernels hold a few more registers per score (bounds, bias, softcap derivative); where
 # the plain tiles would spill there, they get these instead. (They also serve variable-length batches; the
@@ -78,7 +89,30 @@ _MODS_TABLE = {
     (2, 256, "fwd"): (4, 32, 256),
     (4, 192, "fwd"): (4, 16, 96),
     (2, 256, "dkdv"): (4, 16, 128),
+    (8, 64, "fwd"): (8, 32, 64),
+    (8, 128, "fwd"): (4, 32, 64),
+    (8, 128, "dkdv"): (2, 16, 32),
+    (8, 256, "dkdv"): (1, 16, 32),
 }
+# float64 tiles that need more shared memory than an sm_80 CTA has (up to 227 KiB: Hopper, compute capability
+# 9.0 and up), so twice the warps; (element bytes, HEAD_DIM) -> same fields as _TABLE, and the modifiers'.
+_LARGE_SMEM_TABLE = {
+    (8, 128): ((8, 32, 128), (4, 16, 64), (4, 16, 128)),
+}
+_LARGE_SMEM_MODS_TABLE = {
+    (8, 128, "fwd"): (8, 32, 64),
+    (8, 128, "dkdv"): (4, 16, 32),
+}
+LARGE_SMEM_CC = 90  # compute capabilities from here on give a CTA 227 KiB of shared memory
+# (element bytes, HEAD_DIM, direction) whose plain tiles need more than sm_80's 163 KiB (the float64 backward
+# at HEAD_DIM 256: about 200 KiB even with one warp per CTA): built for sm_90 only; elsewhere the launch
+# raises, naming the shared memory it needs and the device's.
+_LARGE_SMEM_ONLY = {(8, 256, "bwd")}
+
+
+def needs_large_smem(itemsize: int, head_dim: int, direction: str) -> bool:
+    """Whether a variant's tiles fit only GPUs of compute capability >= LARGE_SMEM_CC."""
+    return (itemsize, head_dim, direction) in _LARGE_SMEM_ONLY
 # wgmma (sm_90a) tiles for 16-bit elements, by HEAD_DIM; same fields as _TABLE.
 _WGMMA_TABLE = {
     16: ((4, 128, 16), (4, 64, 16), (4, 64, 16)),
@@ -102,7 +136,8 @@ _WGMMA_MODS_TABLE = {
     (2, 64, "dq"): (4, 64, 64),
 }
 # The dropout kernels also hold the Philox state and a tile's keep bits; where that makes a variant spill,
-# (path, modifiers, element bytes, HEAD_DIM, kernel) -> its tiles (path "mma" or "wgmma").
+# (path, modifiers, element bytes, HEAD_DIM, kernel) -> its tiles (path "mma", "wgmma" or "large": the
+# large-shared-memory float64 tiles).
 _DROPOUT_TABLE = {
     ("mma", True, 2, 16, "dkdv"): (4, 32, 16),
     ("mma", True, 2, 32, "dkdv"): (4, 32, 32),
@@ -110,6 +145,8 @@ _DROPOUT_TABLE = {
     ("mma", True, 2, 96, "dkdv"): (4, 16, 96),
     ("mma", True, 2, 128, "dkdv"): (4, 16, 128),
     ("mma", True, 2, 192, "dkdv"): (4, 16, 96),
+    ("mma", True, 8, 32, "dkdv"): (4, 16, 32),
+    ("mma", False, 8, 256, "dkdv"): (1, 16, 32),
     ("wgmma", False, 2, 64, "dkdv"): (4, 64, 64),
     ("wgmma", False, 2, 96, "dkdv"): (4, 32, 96),
     ("wgmma", True, 2, 16, "dkdv"): (4, 32, 16),
@@ -132,10 +169,16 @@ def has_wgmma(itemsize: int, head_dim: int) -> bool:
     return itemsize == 2 and head_dim in _WGMMA_TABLE
 
 
+def has_large_smem_tiles(itemsize: int, head_dim: int) -> bool:
+    """Whether (element size, HEAD_DIM) has tiles for GPUs of compute capability >= LARGE_SMEM_CC."""
+    return (itemsize, head_dim) in _LARGE_SMEM_TABLE
+
+
 def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: bool = False,
-          dropout: bool = False) -> Tiles:
+          dropout: bool = False, large_smem: bool = False) -> Tiles:
     """Tile shape for one kernel ("fwd", "dkdv", "dq" or "probs") of one variant; ``mods``: the
-    score modifiers' instantiation; ``wgmma``: the Hopper path; ``dropout``: the dropout instantiation."""
+    score modifiers' instantiation; ``wgmma``: the Hopper path; ``dropout``: the dropout instantiation;
+    ``large_smem``: the float64 tiles for GPUs with 227 KiB of shared memory per CTA."""
     if (itemsize, head_dim) not in _TABLE:
         raise ValueError(f"no tiles for {itemsize}-byte elements and head_dim {head_dim}; head dims: {HEAD_DIMS}")
     if wgmma and not has_wgmma(itemsize, head_dim):
@@ -143,8 +186,15 @@ def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: 
     kernel = _SHARES_TILES.get(kernel, kernel)
     if kernel not in _KERNELS:
         raise ValueError(f"kernel must be one of {_KERNELS + tuple(_SHARES_TILES)}, got {kernel!r}")
-    table, mods_table = (_WGMMA_TABLE[head_dim], _WGMMA_MODS_TABLE) if wgmma else (_TABLE[itemsize, head_dim], _MODS_TABLE)
-    dropout_key = ("wgmma" if wgmma else "mma", bool(mods), itemsize, head_dim, kernel)
+    if large_smem and not has_large_smem_tiles(itemsize, head_dim):
+        raise ValueError(f"no large-shared-memory tiles for {itemsize}-byte elements and head_dim {head_dim}")
+    if large_smem:
+        table, mods_table = _LARGE_SMEM_TABLE[itemsize, head_dim], _LARGE_SMEM_MODS_TABLE
+    elif wgmma:
+        table, mods_table = _WGMMA_TABLE[head_dim], _WGMMA_MODS_TABLE
+    else:
+        table, mods_table = _TABLE[itemsize, head_dim], _MODS_TABLE
+    dropout_key = ("large" if large_smem else "wgmma" if wgmma else "mma", bool(mods), itemsize, head_dim, kernel)
     if dropout and dropout_key in _DROPOUT_TABLE:
         return Tiles(*_DROPOUT_TABLE[dropout_key])
     if mods and (itemsize, head_dim, kernel) in mods_table:
@@ -161,19 +211,19 @@ def padded_head_dim(d: int) -> int:
 
 
 def smem_bytes(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: bool = False,
-               dropout: bool = False) -> int:
+               dropout: bool = False, large_smem: bool = False) -> int:
     """Dynamic shared memory of a kernel; mirrors the carve-up at the top of each kernel (swizzled wgmma
     tiles have unpadded rows and start on a SMEM_ALIGN boundary the kernel finds itself)."""
-    t = tiles(itemsize, head_dim, kernel, mods, wgmma, dropout)
-    row = head_dim * itemsize + (0 if wgmma else SMEM_PAD_BYTES)
-    return (SMEM_ALIGN if wgmma else 0) + _tile_bytes(kernel, t, row, wgmma)
+    t = tiles(itemsize, head_dim, kernel, mods, wgmma, dropout, large_smem)
+    row = head_dim * itemsize + (0 if wgmma else SMEM_PAD_BYTES[itemsize])
+    return (SMEM_ALIGN if wgmma else 0) + _tile_bytes(kernel, t, row, wgmma, 8 if itemsize == 8 else 4)
 
 
-def _tile_bytes(kernel: str, t: Tiles, row: int, wgmma: bool) -> int:
+def _tile_bytes(kernel: str, t: Tiles, row: int, wgmma: bool, acc_bytes: int) -> int:
     if kernel == "fwd":  # sQ[BLOCK_M] + sK, sV[BLOCK_N] (double-buffered on the wgmma path)
         return (t.rows + (4 if wgmma else 2) * t.block) * row
-    if kernel == "dkdv":  # sK, sV[BLOCK_N] + sQ, sdO[2][BLOCK_M] + lse, delta[2][BLOCK_M]
-        return (2 * t.rows + 4 * t.block) * row + 4 * t.block * 4
+    if kernel == "dkdv":  # sK, sV[BLOCK_N] + sQ, sdO[2][BLOCK_M] + lse, delta[2][BLOCK_M] (accumulator type)
+        return (2 * t.rows + 4 * t.block) * row + 4 * t.block * acc_bytes
     if kernel == "dq":  # sQ, sdO[BLOCK_M] + sK, sV[2][BLOCK_N]
         return (2 * t.rows + 4 * t.block) * row
     if kernel == "probs":  # sQ[BLOCK_M] + sK[BLOCK_N]

@@ -22,14 +22,15 @@ from pathlib import Path
 import numpy
 
 from . import _config
+from ._types import lse_dtype
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 _OPTIONS = ("-std=c++17",)
 _MIN_CC = 80  # cp.async, bf16 mma.sync
 _WGMMA_CC = 90  # Hopper: wgmma, compiled for sm_90a (whose code runs on compute capability 9.0 only)
 _WGMMA_ARCH = "sm_90a"
-_CTYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float"}
-_ITEMSIZE = {"half_t": 2, "bfloat16_t": 2, "float": 4}
+_CTYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float", "float64": "double"}
+_ITEMSIZE = {"half_t": 2, "bfloat16_t": 2, "float": 4, "double": 8}
 _SOURCES = {"fwd": "attention_fwd.cu", "bwd": "attention_bwd.cu", "probs": "attention_probs.cu"}
 
 # Host mirror of `struct AttnParams` (cuda_src/block_info.cuh), same field order, C alignment.
@@ -47,7 +48,9 @@ PARAMS_DTYPE = numpy.dtype(
     + [(name, numpy.uint32) for name in ("dropout_key0", "dropout_key1", "dropout_threshold")]
     + [("dropout_scale", numpy.float32)]
     + [(name, numpy.uint64) for name in ("cu_seqlens_q", "cu_seqlens_k")]
-    + [(name, numpy.int32) for name in ("heads", "total_q", "total_k")],
+    + [(name, numpy.int32) for name in ("heads", "total_q", "total_k")]
+    + [(name, numpy.float64) for name in ("scale_f64", "scale_log2_f64", "softcap_f64", "softcap_inv_f64",
+                                          "dropout_scale_f64")],
     align=True,
 )
 _LOG2E = 1.4426950408889634
@@ -86,7 +89,8 @@ class Variant:
     """One compiled module: a direction ("fwd", "bwd" or "probs") for one dtype, HEAD_DIM and mask.
     ``mods``: the score modifiers' instantiation (causal then travels as the window, so never both), which
     also serves variable-length batches; "probs" always has it. ``wgmma``: the Hopper path (sm_90a; fp16/bf16 head dims with wgmma tiles).
-    ``dropout``: the kernels that regenerate and apply the dropout mask (fwd and bwd only)."""
+    ``dropout``: the kernels that regenerate and apply the dropout mask (fwd and bwd only).
+    ``large_smem``: float64 tiles that need the shared memory of compute capability >= 9.0 (sm_90 only)."""
 
     direction: str
     ctype: str
@@ -95,17 +99,19 @@ class Variant:
     mods: bool = False
     wgmma: bool = False
     dropout: bool = False
+    large_smem: bool = False
 
     @property
     def itemsize(self) -> int:
         return _ITEMSIZE[self.ctype]
 
     def tiles(self, kernel: str) -> _config.Tiles:
-        return _config.tiles(self.itemsize, self.head_dim, kernel, self.mods, self.wgmma, self.dropout)
+        return _config.tiles(self.itemsize, self.head_dim, kernel, self.mods, self.wgmma, self.dropout,
+                             self.large_smem)
 
     def smem(self, kernel: str) -> int:
         return 0 if kernel == "preprocess" else _config.smem_bytes(self.itemsize, self.head_dim, kernel, self.mods,
-                                                                   self.wgmma, self.dropout)
+                                                                   self.wgmma, self.dropout, self.large_smem)
 
     def threads(self, kernel: str) -> int:
         return 32 * _config.PREPROCESS_WARPS if kernel == "preprocess" else self.tiles(kernel).threads
@@ -154,7 +160,7 @@ def shipped_variants() -> list[Variant]:
     """Every module the library can compile: (fwd, bwd) x dtypes x head dims x (plain, causal,
     modifiers) x (without, with dropout), and probs x dtypes x head dims, on the mma.sync path; and the
     same again on the wgmma path for the (dtype, head dim) pairs that have wgmma tiles."""
-    ctypes = ("half_t", "bfloat16_t", "float")
+    ctypes = ("half_t", "bfloat16_t", "float", "double")
     variants = [
         Variant(direction, ctype, head_dim, causal, mods, dropout=dropout)
         for direction in ("fwd", "bwd")
@@ -163,12 +169,16 @@ def shipped_variants() -> list[Variant]:
         for causal, mods in ((False, False), (True, False), (False, True))
         for dropout in (False, True)
     ] + [Variant("probs", ctype, head_dim, False, True) for ctype in ctypes for head_dim in _config.HEAD_DIMS]
-    return variants + [dataclasses.replace(v, wgmma=True) for v in variants if _config.has_wgmma(v.itemsize, v.head_dim)]
+    return (variants + [dataclasses.replace(v, wgmma=True) for v in variants if _config.has_wgmma(v.itemsize, v.head_dim)]
+            + [dataclasses.replace(v, large_smem=True) for v in variants
+               if _config.has_large_smem_tiles(v.itemsize, v.head_dim)])
 
 
 def compile_targets(variant: Variant) -> dict[str, str]:
     """Architecture family -> NVRTC target a variant is built for: the wgmma path for Hopper alone (sm_90a),
-    the mma.sync path for every GPU (checked as sm_80 and sm_90)."""
+    the mma.sync path for every GPU (checked as sm_80 and sm_90), its large-shared-memory tiles for sm_90 on."""
+    if variant.large_smem or _config.needs_large_smem(variant.itemsize, variant.head_dim, variant.direction):
+        return {"sm_90": "sm_90"}
     return {"sm_90": _WGMMA_ARCH} if variant.wgmma else {"sm_80": "sm_80", "sm_90": "sm_90"}
 
 
@@ -406,7 +416,9 @@ def _new_params(pointers: dict, *, batch: int, batch1: int, batch2: int, nq: int
         p[name] = array.data.ptr
     p["batch"], p["batch1"], p["batch2"] = batch, batch1, batch2
     p["nq"], p["nk"], p["d_qk"], p["d_v"] = nq, nk, d, dv
+    # Both precisions of the real-valued fields: float32 kernels read the first, float64 ones the second.
     p["scale"], p["scale_log2"] = scale, scale * _LOG2E
+    p["scale_f64"], p["scale_log2_f64"] = scale, scale * _LOG2E
     p["stream_begin"], p["stream_end"] = 0, max(nq, nk)
     # Read only by the modifiers' kernels (and attention_probs_kernel, which always has them).
     p["window_left"], p["window_right"] = (-1, 0) if causal else (-1, -1)
@@ -414,9 +426,12 @@ def _new_params(pointers: dict, *, batch: int, batch1: int, batch2: int, nq: int
         p["window_left"], p["window_right"] = mods.window_with_causal(causal)
         p["softcap"] = mods.softcap
         p["softcap_inv"] = 1.0 / mods.softcap if mods.softcap > 0 else 0.0
+        p["softcap_f64"] = mods.softcap
+        p["softcap_inv_f64"] = 1.0 / mods.softcap if mods.softcap > 0 else 0.0
     if dropout is not None:  # read by the dropout kernels only
         p["dropout_key0"], p["dropout_key1"] = dropout.key
         p["dropout_threshold"], p["dropout_scale"] = dropout.threshold, dropout.scale
+        p["dropout_scale_f64"] = dropout.scale
     return p
 
 
@@ -441,15 +456,16 @@ def _params(arrays: dict, sizes, batch_strides: dict, *, batch: int, nq: int, nk
     return p
 
 
-def _dbias_buffer(mods):
+def _dbias_buffer(mods, dtype):
     """Zeros in the bias's own shape (leading 1s added) that the dQ pass writes dbias into: the result
     itself, in the bias's dtype, when the bias is broadcast along no dim (each element has one writer,
-    which stores pairs of adjacent keys: Nk even, no softcap); otherwise a float32 accumulator for atomic
-    adds (the kernel's dbias_pairs flag says which)."""
+    which stores pairs of adjacent keys: Nk even, no softcap); otherwise an accumulator for atomic adds in
+    the kernels' accumulator type, float32 (float64 for float64 inputs) (the kernel's dbias_pairs flag says
+    which)."""
     import cupy
 
     own = (1,) * (mods.bias.ndim - len(mods.bias_shape)) + tuple(mods.bias_shape)
-    return cupy.zeros(own, dtype=mods.bias.dtype if _dbias_exclusive(mods) else numpy.float32)
+    return cupy.zeros(own, dtype=mods.bias.dtype if _dbias_exclusive(mods) else lse_dtype(dtype))
 
 
 def _dbias_exclusive(mods) -> bool:
@@ -496,7 +512,22 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
     has_mods = mods is not None or direction == "probs" or packed
     ctype, head_dim = _CTYPES[name], _config.padded_head_dim(max(d, dv))
     return Variant(direction, ctype, head_dim, bool(causal) and not has_mods, has_mods,
-                   uses_wgmma(_ITEMSIZE[ctype], head_dim), dropout is not None)
+                   uses_wgmma(_ITEMSIZE[ctype], head_dim), dropout is not None,
+                   uses_large_smem(_ITEMSIZE[ctype], head_dim))
+
+
+def uses_large_smem(itemsize: int, head_dim: int) -> bool:
+    """Whether calls on the current device take the large-shared-memory tiles (float64, compute capability
+    >= 9.0, where the table has them)."""
+    if not _config.has_large_smem_tiles(itemsize, head_dim):
+        return False
+    try:
+        import cupy
+
+        device_id = cupy.cuda.Device().id
+    except Exception:  # no usable device: selection only, nothing will launch
+        return False
+    return _compute_capability(device_id) >= _config.LARGE_SMEM_CC
 
 
 def uses_wgmma(itemsize: int, head_dim: int) -> bool:
@@ -557,19 +588,20 @@ def _launch_summed(functions, variant: Variant, kernel: str, rows: int, batch: i
                    outputs) -> None:
     """A backward pass whose gradients sum over a streamed axis of ``length`` rows: one launch, or, past
     _config.CHAIN_ROWS rows, one launch per chunk of that many rows with the chunks' results (the arrays
-    in ``outputs``, which each launch overwrites) added in float32 (see CHAIN_ROWS)."""
+    in ``outputs``, which each launch overwrites) added in the accumulator type (see CHAIN_ROWS)."""
     import cupy
 
     if length <= _config.CHAIN_ROWS:
         _launch(functions, variant, kernel, rows, batch, params)
         return
-    sums = [cupy.zeros(out.shape, dtype=numpy.float32) for out in outputs]
+    acc = lse_dtype(outputs[0].dtype)
+    sums = [cupy.zeros(out.shape, dtype=acc) for out in outputs]
     part = params.copy()
     for begin in range(0, length, _config.CHAIN_ROWS):
         part["stream_begin"], part["stream_end"] = begin, min(length, begin + _config.CHAIN_ROWS)
         _launch(functions, variant, kernel, rows, batch, part)
         for total, out in zip(sums, outputs):
-            total += out.astype(numpy.float32)
+            total += out.astype(acc)
     for total, out in zip(sums, outputs):
         out[...] = total.astype(out.dtype)
 
@@ -583,7 +615,8 @@ def _unpad(x, width: int):
 
 
 def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout=None):
-    """out (*batch, Nq, Dv) and lse (*batch, Nq) float32; see CONTRACT in _api for preconditions."""
+    """out (*batch, Nq, Dv) and lse (*batch, Nq) in lse_dtype (float32; float64 for float64 inputs); see
+    CONTRACT in _api for preconditions."""
     import cupy
 
     batch_shape, (nq, d), nk, dv = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
@@ -592,7 +625,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
     variant = _variant("fwd", q.dtype, d_w, dv_w, causal, mods, dropout)
     q, k, v = _kernel_ready(q, d_w), _kernel_ready(k, d_w), _kernel_ready(v, dv_w)
     out = cupy.empty(batch_shape + (nq, dv_w), dtype=q.dtype)
-    lse = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
+    lse = cupy.empty(batch_shape + (nq,), dtype=lse_dtype(q.dtype))
     arrays, sizes, strides, _ = _layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, **_mod_arrays(mods)})
     batch = math.prod(batch_shape)
     others = {"lse": lse, **_alibi(mods)}  # alive until the launch: the parameters hold addresses only
@@ -613,18 +646,19 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     variant = _variant("bwd", q.dtype, d_w, dv_w, causal, mods, dropout)
     q, k = _kernel_ready(q, d_w), _kernel_ready(k, d_w)
     v, out, dout = (_kernel_ready(x, dv_w) for x in (v, out, dout))
-    lse = cupy.ascontiguousarray(cupy.broadcast_to(lse, batch_shape + (nq,)), dtype=numpy.float32)
+    acc = lse_dtype(q.dtype)
+    lse = cupy.ascontiguousarray(cupy.broadcast_to(lse, batch_shape + (nq,)), dtype=acc)
     mod_arrays, accumulator = _mod_arrays(mods), None
     if mods is not None and mods.bias is not None:
-        accumulator = _dbias_buffer(mods)
+        accumulator = _dbias_buffer(mods, q.dtype)
         mod_arrays["dbias"] = cupy.broadcast_to(accumulator, mods.bias.shape)
     arrays, sizes, strides, copied = _layout(
         batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout, **mod_arrays})
     dq = cupy.empty(batch_shape + (nq, d_w), dtype=q.dtype)
     dk = cupy.empty(batch_shape + (nk, d_w), dtype=q.dtype)
     dv_ = cupy.empty(batch_shape + (nk, dv_w), dtype=q.dtype)
-    lse_log2 = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
-    delta = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
+    lse_log2 = cupy.empty(batch_shape + (nq,), dtype=acc)
+    delta = cupy.empty(batch_shape + (nq,), dtype=acc)
     batch = math.prod(batch_shape)
     others = {"dq": dq, "dk": dk, "dv": dv_, "lse": lse, "lse_log2": lse_log2, "delta": delta, **_alibi(mods)}
     params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
@@ -645,7 +679,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
 
 
 def attention_probs(q, k, v, *, scale: float, causal: bool, mods=None):
-    """P (*batch, Nq, Nk) float32: the forward's lse, then the probs kernel over every tile."""
+    """P (*batch, Nq, Nk) in lse_dtype: the forward's lse, then the probs kernel over every tile."""
     import cupy
 
     _, lse = attention_forward(q, k, v, scale=scale, causal=causal, mods=mods)
@@ -653,7 +687,7 @@ def attention_probs(q, k, v, *, scale: float, causal: bool, mods=None):
     d_w = _round_up(d, 16 // q.dtype.itemsize)
     variant = _variant("probs", q.dtype, d_w, d_w, causal, mods)
     q, k = _kernel_ready(q, d_w), _kernel_ready(k, d_w)
-    probs = cupy.empty(batch_shape + (nq, nk), dtype=numpy.float32)
+    probs = cupy.empty(batch_shape + (nq, nk), dtype=lse_dtype(q.dtype))
     arrays, sizes, strides, _ = _layout(batch_shape, {"q": q, "k": k, **_mod_arrays(mods)})
     batch = math.prod(batch_shape)
     others = {"out": probs, "lse": lse, **_alibi(mods)}  # alive until the launch
@@ -690,7 +724,7 @@ def _device_offsets(packed):
 
 
 def attention_varlen_forward(q, k, v, packed, *, scale: float, causal: bool, mods=None, dropout=None):
-    """out (total_q, H, Dv) and lse (H, total_q) float32 of a packed batch; no padding anywhere."""
+    """out (total_q, H, Dv) and lse (H, total_q) in lse_dtype of a packed batch; no padding anywhere."""
     import cupy
 
     vec = 16 // q.dtype.itemsize
@@ -698,7 +732,7 @@ def attention_varlen_forward(q, k, v, packed, *, scale: float, causal: bool, mod
     variant = _variant("fwd", q.dtype, d_w, dv_w, causal, mods, dropout, packed=True)
     q, k, v = _kernel_ready(q, d_w), _kernel_ready(k, d_w), _kernel_ready(v, dv_w)
     out = cupy.empty((packed.total_q, packed.heads, dv_w), dtype=q.dtype)
-    lse = cupy.empty((packed.heads, packed.total_q), dtype=numpy.float32)
+    lse = cupy.empty((packed.heads, packed.total_q), dtype=lse_dtype(q.dtype))
     cu_q, cu_k = _device_offsets(packed)
     others = {"lse": lse, **_alibi(mods)}  # alive until the launch
     params = _varlen_params(packed, {"q": q, "k": k, "v": v, "out": out}, d=d_w, dv=dv_w, scale=scale, causal=causal,
@@ -710,7 +744,7 @@ def attention_varlen_forward(q, k, v, packed, *, scale: float, causal: bool, mod
 def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale: float, causal: bool, mods=None,
                               dropout=None):
     """dq (total_q, H, D), dk (total_k, Hk, D), dv (total_k, Hk, Dv) of a packed batch. The kernels write
-    per-head arrays (H, total, .); dk and dv are then summed over each group's G query heads (float32)."""
+    per-head arrays (H, total, .); dk and dv are then summed over each group's G query heads (in lse_dtype)."""
     import cupy
 
     vec = 16 // q.dtype.itemsize
@@ -718,12 +752,13 @@ def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale: float, 
     variant = _variant("bwd", q.dtype, d_w, dv_w, causal, mods, dropout, packed=True)
     q, k = _kernel_ready(q, d_w), _kernel_ready(k, d_w)
     v, out, dout = (_kernel_ready(x, dv_w) for x in (v, out, dout))
-    lse = cupy.ascontiguousarray(lse, dtype=numpy.float32)
+    acc = lse_dtype(q.dtype)
+    lse = cupy.ascontiguousarray(lse, dtype=acc)
     h, total_q, total_k = packed.heads, packed.total_q, packed.total_k
     dq = cupy.empty((h, total_q, d_w), dtype=q.dtype)
     dk = cupy.empty((h, total_k, d_w), dtype=q.dtype)
     dv_ = cupy.empty((h, total_k, dv_w), dtype=q.dtype)
-    lse_log2, delta = (cupy.empty((h, total_q), dtype=numpy.float32) for _ in range(2))
+    lse_log2, delta = (cupy.empty((h, total_q), dtype=acc) for _ in range(2))
     cu_q, cu_k = _device_offsets(packed)
     others = {"dq": dq, "dk": dk, "dv": dv_, "lse": lse, "lse_log2": lse_log2, "delta": delta, **_alibi(mods)}
     params = _varlen_params(packed, {"q": q, "k": k, "v": v, "out": out, "dout": dout}, d=d_w, dv=dv_w, scale=scale,
@@ -735,7 +770,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale: float, 
 
     def packed_rows(x, width, groups):  # (H, total, w) -> (total, H // groups, width), summed over groups
         if groups > 1:
-            x = x.reshape(h // groups, groups, x.shape[1], x.shape[2]).astype(numpy.float32).sum(axis=1).astype(q.dtype)
+            x = x.reshape(h // groups, groups, x.shape[1], x.shape[2]).astype(acc).sum(axis=1).astype(q.dtype)
         return cupy.ascontiguousarray(_bits(x[..., :width]).transpose(1, 0, 2)).view(q.dtype)
 
     return (packed_rows(dq, packed.d, 1), packed_rows(dk, packed.d, packed.groups),

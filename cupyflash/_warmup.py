@@ -25,15 +25,15 @@ from cupyflash import _config
 DTypeLike = Union[str, np.dtype, type]
 # The benchmark's short names, accepted next to everything numpy.dtype understands ("float16", "half",
 # numpy.float16, ml_dtypes.bfloat16, ...).
-_DTYPE_ALIASES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-DTYPE_NAMES = ("float16", "bfloat16", "float32")  # the kernels' dtypes: the keys of _kernels._CTYPES
+_DTYPE_ALIASES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64"}
+DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")  # the kernels' dtypes: the keys of _kernels._CTYPES
 ROW_ALIGN_BYTES = 16  # the API pads head dims to 16-byte rows before picking a HEAD_DIM (cp.async width)
 _SOME_MODIFIERS = object()  # _kernels._variant only asks whether any score modifier is on
 _SOME_DROPOUT = object()  # likewise for dropout
 _DEFAULT_CACHE_DIR = os.path.join("~", ".cupy", "kernel_cache")  # CuPy's default for CUPY_CACHE_DIR
 
 
-def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = ("float16", "bfloat16", "float32"),
+def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPE_NAMES,
            head_dims: int | Iterable[int] | None = None, causal: bool | Iterable[bool] = (False, True),
            modifiers: bool = False, backward: bool = True, dropout: bool = False, verbose: bool = False) -> list:
     """Compile and load, on the current device, the kernels that later calls will need.
@@ -46,8 +46,9 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = ("float16", "bfloat16", "fl
     Parameters
     ----------
     dtypes : dtype or name, or a sequence of them, optional
-        Among float16, bfloat16 and float32: ``numpy.float16``, ``ml_dtypes.bfloat16``, a
-        ``numpy.dtype``, or names such as ``"bfloat16"`` (``"fp16"``, ``"bf16"``, ``"fp32"`` too).
+        Among float16, bfloat16, float32 and float64 (default: all four): ``numpy.float16``,
+        ``ml_dtypes.bfloat16``, a ``numpy.dtype``, or names such as ``"bfloat16"`` (``"fp16"``, ``"bf16"``,
+        ``"fp32"``, ``"fp64"`` too).
     head_dims : int or sequence of ints, optional
         Head dims from 1 to 256, as the calls will pass them (``max(D, Dv)`` when they differ);
         each is rounded up to the kernel head dim the API would pick (80 warms the HEAD_DIM 96 kernels).
@@ -130,7 +131,7 @@ def describe(variant) -> str:
     dtype = {ctype: name for name, ctype in _kernels._CTYPES.items()}[variant.ctype]
     kind = "modifiers" if variant.mods else "causal" if variant.causal else "plain"
     return (f"{variant.direction} {dtype} HEAD_DIM={variant.head_dim} {kind}" + (" dropout" if variant.dropout else "")
-            + (" (wgmma)" if variant.wgmma else ""))
+            + (" (wgmma)" if variant.wgmma else "") + (" (large shared memory)" if variant.large_smem else ""))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import numpy as np
 
 from cupyflash import _kernels
 
-_SIZES = {"void*": 8, "float*": 8, "int*": 8, "unsigned char*": 8, "i64": 8, "int": 4, "u32": 4, "float": 4}
+_SIZES = {"void*": 8, "float*": 8, "int*": 8, "unsigned char*": 8, "i64": 8, "int": 4, "u32": 4, "float": 4, "double": 8}
 
 
 def _struct_fields():

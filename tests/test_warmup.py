@@ -9,7 +9,7 @@ import pytest
 import cupyflash
 from cupyflash import _config, _kernels, _warmup
 
-DTYPE_NAMES = ("float16", "bfloat16", "float32")
+DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 # Head dim as passed -> the kernel HEAD_DIM that serves it: the smallest shipped one that holds it.
 EXPECTED_HEAD_DIM = {1: 16, 8: 16, 16: 16, 17: 32, 40: 64, 64: 64, 80: 96, 100: 128, 129: 160, 192: 192,
                      200: 256, 256: 256}
@@ -28,7 +28,8 @@ def recorder(monkeypatch):
 def test_default_warms_every_plain_variant_of_the_api(recorder):
     warmed = cupyflash.warmup()
     expected = [v for v in _kernels.shipped_variants()
-                if not v.mods and not v.dropout and v.wgmma == _kernels.uses_wgmma(v.itemsize, v.head_dim)]
+                if not v.mods and not v.dropout and v.wgmma == _kernels.uses_wgmma(v.itemsize, v.head_dim)
+                and v.large_smem == _kernels.uses_large_smem(v.itemsize, v.head_dim)]
     assert sorted(warmed, key=repr) == sorted(expected, key=repr)
     assert recorder == warmed, "each variant is loaded once, in the order returned"
     assert len(warmed) == len(DTYPE_NAMES) * len(_config.HEAD_DIMS) * 2 * 2  # causal x direction
@@ -80,7 +81,7 @@ def test_accepts_bfloat16_as_ml_dtypes_or_name(recorder):
 
 @pytest.mark.parametrize("kwargs, error, words", [
     (dict(dtypes="flaot16"), ValueError, "unknown dtype 'flaot16'"),
-    (dict(dtypes="float64"), ValueError, "float64 is not supported"),
+    (dict(dtypes="complex64"), ValueError, "complex64 is not supported"),
     (dict(dtypes=np.int8), ValueError, "int8 is not supported"),
     (dict(dtypes=None), TypeError, "None is not a dtype"),
     (dict(dtypes=()), ValueError, "dtypes must hold at least one value"),
