@@ -13,7 +13,11 @@
 //                  S = Q K^T, P, dP = dO V^T, dS = P * (dP - delta), dQ += dS K.
 // P^T and dS^T (or P and dS) go from the accumulator registers straight into the next product.
 // Head dims above 128 split the gradient columns into D_CHUNK-wide CTAs (grid x) so the
-// accumulators fit in registers; each chunk recomputes the same S and dP.
+// accumulators fit in registers; each chunk recomputes the same S and dP. SPLIT dK/dV passes (plain and
+// causal float64) instead give each 16 keys a pair of warps that share the work without repeating any:
+// one computes S^T, P^T (handed to its partner through shared memory) and dV += P^T dO, the other dP^T,
+// dS^T and dK += dS^T Q, each holding one gradient: at D = 128 four products where chunking takes six
+// (wider heads may still chunk their columns, each pair's chunk holding half the registers).
 // Everything runs in the accumulator type A = acc_t<T>: float, or double for float64 inputs (whose
 // lse, delta and lse_log2 are float64 too).
 // Long sequences: the tensor cores' float32 accumulation truncates, so one accumulator chain over
@@ -74,6 +78,23 @@ __device__ __forceinline__ void probs_from_scores_cols(A (&s)[N_TILES][4], const
   }
 }
 
+// SPLIT: one warp's accumulator tile to its partner through shared memory, element [j][e] of lane l at
+// (j * 4 + e) * 32 + l: both warps hold the same positions, so each lane reads what its twin wrote.
+template <int N_TILES, typename A>
+__device__ __forceinline__ void tile_to_smem(A* dst, const A (&x)[N_TILES][4], int lane) {
+#pragma unroll
+  for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dst[(j * 4 + e) * WARP_SIZE + lane] = x[j][e];
+}
+template <int N_TILES, typename A>
+__device__ __forceinline__ void tile_from_smem(A (&x)[N_TILES][4], const A* src, int lane) {
+#pragma unroll
+  for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[j][e] = src[(j * 4 + e) * WARP_SIZE + lane];
+}
+
 // dS = P * (dP - delta), in place in dp, delta indexed along the columns (dK/dV pass).
 template <int N_TILES, typename A>
 __device__ __forceinline__ void dscores_cols(A (&dp)[N_TILES][4], const A (&prob)[N_TILES][4], const A* delta, int lane) {
@@ -86,11 +107,11 @@ __device__ __forceinline__ void dscores_cols(A (&dp)[N_TILES][4], const A (&prob
 }
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_M, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS, bool WGMMA,
-          bool HAS_DROPOUT>
+          bool HAS_DROPOUT, bool SPLIT>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_dkdv_kernel(const AttnParams p) {
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
-  constexpr int BLOCK_N = 16 * NUM_WARPS;  // keys of this CTA, 16 per warp
+  constexpr int BLOCK_N = (SPLIT ? 8 : 16) * NUM_WARPS;  // keys of this CTA, 16 per warp (SPLIT: per pair)
   using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM, WGMMA>;  // also stage dk, dv at the end
   using QTile = SmemTile<T, BLOCK_M, HEAD_DIM, WGMMA>;   // the streamed q and dout tiles
   constexpr int S_TILES = BLOCK_M / 8;     // S^T tile: 16 keys x BLOCK_M queries per warp
@@ -100,6 +121,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
   static_assert(!WGMMA || (sizeof(T) == 2 && NUM_WARPS % 4 == 0), "wgmma: 16-bit inputs, whole warpgroups");
+  static_assert(!SPLIT || (!HAS_MODS && !HAS_DROPOUT && !WGMMA && NUM_WARPS % 2 == 0),
+                "split pairs: plain or causal mma.sync passes");
   using A = acc_t<T>;  // float; double for float64 inputs
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -109,6 +132,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   T* sdO = sQ + 2 * QTile::SIZE;  // [2] QTile
   A* sLse = reinterpret_cast<A*>(sdO + 2 * QTile::SIZE);  // [2][BLOCK_M]
   A* sDelta = sLse + 2 * BLOCK_M;                         // [2][BLOCK_M]
+  A* sP = sDelta + 2 * BLOCK_M;                           // SPLIT: [NUM_WARPS / 2][S_TILES * 4][32], P^T per pair
 
   const int b = batch_index();
   if (b >= p.batch) return;
@@ -118,6 +142,10 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   if (n0 >= seq.nk()) return;  // past a shorter sequence's end (variable-length batches)
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int offset = seq.causal_offset();
+  // This warp's 16 keys from row0 of the CTA's; SPLIT: role 0 (S, P, dV) or 1 (dP, dS, dK) of its pair.
+  const int row0 = SPLIT ? (warp >> 1) * 16 : warp * 16;
+  const int role = SPLIT ? warp & 1 : 0;
+  A* sP_pair = sP + (warp >> 1) * (S_TILES * 4 * WARP_SIZE);
 
   const T* q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p) + seq.q_row * p.q_stride[3];
   const T* k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p) + (seq.k_row + n0) * p.k_stride[3];
@@ -167,7 +195,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   if (m_block < m_blocks) load_stream(m_block, 0);
   cp_async_commit();
 
-  A acc_dk[G_TILES][4], acc_dv[G_TILES][4];
+  // SPLIT: acc_dk holds this warp's one gradient, dV (role 0) or dK (role 1); acc_dv is unused.
+  A acc_dk[G_TILES][4], acc_dv[SPLIT ? 1 : G_TILES][4];
   zero_acc(acc_dk);
   zero_acc(acc_dv);
   for (int buf = 0; m_block < m_blocks; buf ^= 1) {
@@ -186,7 +215,26 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     const T* sdO_i = sdO + buf * QTile::SIZE;
 
     A acc_s[S_TILES][4], acc_dp[S_TILES][4];
-    if constexpr (HAS_MODS) {
+    if constexpr (SPLIT) {
+      if (role == 0) {  // S^T = K Q_i^T, P^T = exp(scale * S^T - lse), to the partner too
+        zero_acc(acc_s);
+        gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, row0, sQ_i, lane);
+        if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + row0, m0, lane);
+        probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p), lane);
+        tile_to_smem(sP_pair, acc_s, lane);
+      } else {  // dP^T = V dO_i^T
+        zero_acc(acc_dp);
+        gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, row0, sdO_i, lane);
+      }
+      __syncthreads();  // P^T has reached the partners
+      if (role == 0) {  // dV += P^T dO_i
+        gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_s, sdO_i, c0, lane);
+      } else {  // dS^T = P^T * (dP^T - delta);  dK += dS^T Q_i
+        tile_from_smem(acc_s, sP_pair, lane);
+        dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
+        gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, lane);
+      }
+    } else if constexpr (HAS_MODS) {
       // dP^T = V dO_i^T and S^T = K Q_i^T first; then per element the logit, P^T = exp(logit - lse),
       // dS^T = P^T * (dP^T - delta) times the softcap derivative.
       zero_acc(acc_dp);
@@ -237,8 +285,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     }
 
     // dK += dS^T Q_i
-    gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, lane);
-    __syncthreads();  // this buffer is refilled two iterations on
+    if constexpr (!SPLIT) gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, lane);
+    __syncthreads();  // this buffer (and SPLIT's P^T) is refilled two iterations on
     m_block = m_next;
   }
 
@@ -248,8 +296,13 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   const A dv_scales[2] = {dv_scale, dv_scale};
   cp_async_wait<0>();  // with no query block to visit, the K/V copies may still be in flight
   __syncthreads();
-  acc_to_smem<KVTile, G_TILES>(sK, warp * 16, acc_dk, dk_scale, lane);
-  acc_to_smem<KVTile, G_TILES>(sV, warp * 16, acc_dv, dv_scales, lane);
+  if constexpr (SPLIT) {
+    if (role == 0) acc_to_smem<KVTile, G_TILES>(sV, row0, acc_dk, dv_scales, lane);
+    else acc_to_smem<KVTile, G_TILES>(sK, row0, acc_dk, dk_scale, lane);
+  } else {
+    acc_to_smem<KVTile, G_TILES>(sK, row0, acc_dk, dk_scale, lane);
+    acc_to_smem<KVTile, G_TILES>(sV, row0, acc_dv, dv_scales, lane);
+  }
   __syncthreads();
   T* dk = static_cast<T*>(p.dk) + (seq.k_flat + n0) * p.d_qk + c0;
   T* dv = static_cast<T*>(p.dv) + (seq.k_flat + n0) * p.d_v + c0;

@@ -42,6 +42,7 @@ class Tiles:
     num_warps: int
     block: int  # the streamed tile: BLOCK_N keys (fwd, dq) or BLOCK_M queries (dkdv)
     d_chunk: int  # output (fwd) or gradient (dkdv, dq) columns per CTA
+    split: bool = False  # dkdv only: pairs of warps share 16 keys, one for dV, one for dK (attention_bwd.cu)
 
     @property
     def threads(self) -> int:
@@ -49,11 +50,14 @@ class Tiles:
 
     @property
     def rows(self) -> int:
-        """Rows owned by the CTA: 16 per warp."""
-        return 16 * self.num_warps
+        """Rows owned by the CTA: 16 per warp (per pair of warps when split)."""
+        return (8 if self.split else 16) * self.num_warps
 
 
-# (element bytes, HEAD_DIM): fwd (warps, BLOCK_N, D_CHUNK), dkdv (warps, BLOCK_M, D_CHUNK), dq (warps, BLOCK_N, D_CHUNK)
+# (element bytes, HEAD_DIM): fwd (warps, BLOCK_N, D_CHUNK), dkdv (warps, BLOCK_M, D_CHUNK[, split]), dq (warps,
+# BLOCK_N, D_CHUNK). A split dkdv entry (plain and causal only) gives each 16 keys a pair of warps, one
+# accumulating dV and one dK (each over D_CHUNK columns), where an unsplit one holds both and needs twice
+# the chunks, each recomputing S and dP; the modifiers' and dropout instantiations take _UNSPLIT_DKDV's.
 _TABLE = {
     (2, 16): ((4, 128, 16), (4, 64, 16), (4, 64, 16)),
     (2, 32): ((4, 128, 32), (4, 64, 32), (4, 64, 32)),
@@ -75,11 +79,11 @@ _TABLE = {
     (8, 16): ((4, 64, 16), (4, 32, 16), (4, 32, 16)),
     (8, 32): ((4, 64, 32), (4, 32, 32), (4, 32, 32)),
     (8, 64): ((8, 64, 64), (4, 16, 64), (4, 32, 64)),
-    (8, 96): ((8, 32, 96), (4, 16, 48), (4, 16, 96)),
-    (8, 128): ((4, 32, 128), (2, 16, 64), (2, 16, 128)),
-    (8, 160): ((4, 16, 80), (1, 16, 32), (1, 16, 80)),
-    (8, 192): ((4, 16, 96), (1, 16, 48), (1, 16, 96)),
-    (8, 256): ((2, 16, 128), (1, 16, 64), (1, 16, 128)),
+    (8, 96): ((8, 32, 96), (8, 16, 96, True), (4, 16, 96)),
+    (8, 128): ((4, 32, 128), (4, 16, 128, True), (2, 16, 128)),
+    (8, 160): ((4, 16, 80), (2, 16, 160, True), (1, 16, 80)),
+    (8, 192): ((4, 16, 96), (2, 16, 96, True), (1, 16, 96)),
+    (8, 256): ((2, 16, 128), (2, 16, 128, True), (1, 16, 128)),
 }
 # The score modifiers' kernels hold a few more registers per score (bounds, bias, softcap derivative); where
 # the plain tiles would spill there, they get these instead. (They also serve variable-length batches; the
@@ -97,7 +101,17 @@ _MODS_TABLE = {
 # float64 tiles that need more shared memory than an sm_80 CTA has (up to 227 KiB: Hopper, compute capability
 # 9.0 and up), so twice the warps; (element bytes, HEAD_DIM) -> same fields as _TABLE, and the modifiers'.
 _LARGE_SMEM_TABLE = {
-    (8, 128): ((8, 32, 128), (4, 16, 64), (4, 16, 128)),
+    (8, 128): ((8, 32, 128), (8, 16, 128, True), (4, 16, 128)),
+}
+# The dkdv tiles of the modifiers' and dropout instantiations where the table's are split: (path, element
+# bytes, HEAD_DIM) -> tiles (the modifiers' own table may still override them).
+_UNSPLIT_DKDV = {
+    ("mma", 8, 96): (4, 16, 48),
+    ("mma", 8, 128): (2, 16, 64),
+    ("mma", 8, 160): (1, 16, 32),
+    ("mma", 8, 192): (1, 16, 48),
+    ("mma", 8, 256): (1, 16, 64),
+    ("large", 8, 128): (4, 16, 64),
 }
 _LARGE_SMEM_MODS_TABLE = {
     (8, 128, "fwd"): (8, 32, 64),
@@ -199,7 +213,10 @@ def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: 
         return Tiles(*_DROPOUT_TABLE[dropout_key])
     if mods and (itemsize, head_dim, kernel) in mods_table:
         return Tiles(*mods_table[itemsize, head_dim, kernel])
-    return Tiles(*table[_KERNELS.index(kernel)])
+    found = Tiles(*table[_KERNELS.index(kernel)])
+    if found.split and (mods or dropout):
+        return Tiles(*_UNSPLIT_DKDV[dropout_key[0], itemsize, head_dim])
+    return found
 
 
 def padded_head_dim(d: int) -> int:
@@ -223,7 +240,9 @@ def _tile_bytes(kernel: str, t: Tiles, row: int, wgmma: bool, acc_bytes: int) ->
     if kernel == "fwd":  # sQ[BLOCK_M] + sK, sV[BLOCK_N] (double-buffered on the wgmma path)
         return (t.rows + (4 if wgmma else 2) * t.block) * row
     if kernel == "dkdv":  # sK, sV[BLOCK_N] + sQ, sdO[2][BLOCK_M] + lse, delta[2][BLOCK_M] (accumulator type)
-        return (2 * t.rows + 4 * t.block) * row + 4 * t.block * acc_bytes
+        # + split: P^T for each pair of warps, BLOCK_M / 8 * 4 * 32 accumulators
+        pairs = t.num_warps // 2 if t.split else 0
+        return (2 * t.rows + 4 * t.block) * row + 4 * t.block * acc_bytes + pairs * (t.block // 8) * 128 * acc_bytes
     if kernel == "dq":  # sQ, sdO[BLOCK_M] + sK, sV[2][BLOCK_N]
         return (2 * t.rows + 4 * t.block) * row
     if kernel == "probs":  # sQ[BLOCK_M] + sK[BLOCK_N]
