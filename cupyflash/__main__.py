@@ -1,8 +1,8 @@
 """``python -m cupyflash``: versions, a self-check against the float64 reference, and a short report.
 
-With a GPU: forward and backward of our kernels on a few awkward shapes in float16, bfloat16 and float32,
-causal and not, against :mod:`cupyflash.reference`; then a short timing table of ``cupyflash.attention``
-against a hand-written CuPy attention (matmul -> softmax -> matmul).
+With a GPU: forward and backward of our kernels on a few awkward shapes in float16, bfloat16, float32 and
+float64, causal and not, against :mod:`cupyflash.reference`; then a short timing table of
+``cupyflash.attention`` against a hand-written CuPy attention (matmul -> softmax -> matmul).
 
 Without a GPU: the CPU path (NumPy inputs) against the reference, and every shipped kernel variant compiled
 through NVRTC for sm_80 and sm_90, with ptxas' registers, shared memory, spills and stack per kernel.
@@ -22,14 +22,15 @@ import numpy as np
 import cupyflash
 from cupyflash import reference
 from cupyflash._timing import median_ms
+from cupyflash._types import lse_dtype
 
 # Relative max-norm error, max|x - x_ref| / max|x_ref|, allowed against the float64 reference. The
 # gradients pass through two more rounded products (P and dS are rounded to the input dtype), so they get
 # GRAD_TOLERANCE_FACTOR times more.
-TOLERANCES = {"float16": 3e-3, "bfloat16": 2e-2, "float32": 1e-5}
+TOLERANCES = {"float16": 3e-3, "bfloat16": 2e-2, "float32": 1e-5, "float64": 1e-12}
 GRAD_TOLERANCE_FACTOR = 2
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-          "float32": np.dtype(np.float32)}
+          "float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
 ARCHES = ("sm_80", "sm_90")
 MIB = 1024 * 1024
 
@@ -233,7 +234,7 @@ def _check_one(case, dtype_name, causal, xp, rng):
     ref_grads = reference.attention_backward(dout, q, k, v, causal=causal, **options)
     names = ("out", "lse", "dq", "dk", "dv", "dbias")[: 2 + len(ref_grads)]
     problems = []
-    expected = [(out, ref_out, dtype), (lse, ref_lse, np.dtype(np.float32))]
+    expected = [(out, ref_out, dtype), (lse, ref_lse, lse_dtype(dtype))]
     expected += [(g, r, dtype) for g, r in zip(grads, ref_grads)]
     if len(grads) != len(ref_grads):
         problems.append(f"{len(grads)} gradients returned, expected {len(ref_grads)}")
