@@ -121,8 +121,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
   static_assert(!WGMMA || (sizeof(T) == 2 && NUM_WARPS % 4 == 0), "wgmma: 16-bit inputs, whole warpgroups");
-  static_assert(!SPLIT || (!HAS_MODS && !HAS_DROPOUT && !WGMMA && NUM_WARPS % 2 == 0),
-                "split pairs: plain or causal mma.sync passes");
+  static_assert(!SPLIT || (!HAS_MODS && !HAS_DROPOUT && NUM_WARPS % (WGMMA ? 8 : 2) == 0),
+                "split pairs: plain or causal passes, whole pairs of warps (of warpgroups with wgmma)");
   using A = acc_t<T>;  // float; double for float64 inputs
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -142,10 +142,14 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   if (n0 >= seq.nk()) return;  // past a shorter sequence's end (variable-length batches)
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int offset = seq.causal_offset();
-  // This warp's 16 keys from row0 of the CTA's; SPLIT: role 0 (S, P, dV) or 1 (dP, dS, dK) of its pair.
-  const int row0 = SPLIT ? (warp >> 1) * 16 : warp * 16;
-  const int role = SPLIT ? warp & 1 : 0;
-  A* sP_pair = sP + (warp >> 1) * (S_TILES * 4 * WARP_SIZE);
+  // This warp's 16 keys from row0 of the CTA's; SPLIT: role 0 (S, P, dV) or 1 (dP, dS, dK) of its pair,
+  // whose partner is the next warp, or with wgmma the same warp of the next warpgroup (products are
+  // warpgroup-wide, so a role is too).
+  constexpr int TWIN = WGMMA ? 4 : 1;
+  const int pair = SPLIT ? (warp / (2 * TWIN)) * TWIN + warp % TWIN : warp;
+  const int row0 = pair * 16;
+  const int role = SPLIT ? (warp / TWIN) & 1 : 0;
+  A* sP_pair = sP + pair * (S_TILES * 4 * WARP_SIZE);
 
   const T* q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p) + seq.q_row * p.q_stride[3];
   const T* k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p) + (seq.k_row + n0) * p.k_stride[3];

@@ -112,6 +112,7 @@ _UNSPLIT_DKDV = {
     ("mma", 8, 192): (1, 16, 48),
     ("mma", 8, 256): (1, 16, 64),
     ("large", 8, 128): (4, 16, 64),
+    ("wgmma", 2, 256): (4, 16, 128),
 }
 _LARGE_SMEM_MODS_TABLE = {
     (8, 128, "fwd"): (8, 32, 64),
@@ -136,7 +137,7 @@ _WGMMA_TABLE = {
     128: ((4, 64, 128), (4, 64, 128), (4, 64, 128)),
     160: ((8, 64, 160), (4, 16, 160), (4, 32, 160)),
     192: ((8, 64, 192), (4, 32, 64), (4, 32, 192)),
-    256: ((8, 64, 256), (4, 16, 128), (4, 32, 128)),
+    256: ((8, 64, 256), (8, 64, 256, True), (4, 32, 128)),
 }
 # The modifiers' extra registers per score (bounds, bias, softcap derivative) make these spill with the
 # plain tiles above (whose blocks must also divide the block mask's BLOCK_MASK_TILE = 128).
