@@ -16,8 +16,9 @@ Two tensor-core paths:
 
 Each entry was chosen so that (a) no variant spills registers (checked for sm_80 and sm_90 by
 tests/test_compile.py with the CUDA 12 NVRTC; the wgmma entries also with CUDA 13.0's ptxas, which the
-CUDA 13 CuPy uses and which needs more registers for some of them: bench/check_wgmma_ptxas.py) and (b) shared memory stays within the 163 KiB an sm_80 CTA can have (227 KiB on
-sm_90). Tile names:
+CUDA 13 CuPy uses and which needs more registers for some of them: bench/check_wgmma_ptxas.py) and (b) shared
+memory stays within the 163 KiB an sm_80 CTA can have (227 KiB on sm_90: the wgmma tiles, the float64
+``_LARGE_SMEM_TABLE`` and the ``_LARGE_SMEM_ONLY`` variants, all built for sm_90 alone). Tile names:
   fwd:  NUM_WARPS (16 query rows each: BLOCK_M = 16 * NUM_WARPS), BLOCK_N keys per streamed tile,
         D_CHUNK output columns per CTA.
   dkdv: NUM_WARPS (16 keys each), BLOCK_M queries per streamed tile, D_CHUNK gradient columns per CTA.
@@ -129,11 +130,6 @@ LARGE_SMEM_CC = 90  # compute capabilities from here on give a CTA 227 KiB of sh
 # at HEAD_DIM 256: about 200 KiB even with one warp per CTA): built for sm_90 only; elsewhere the launch
 # raises, naming the shared memory it needs and the device's.
 _LARGE_SMEM_ONLY = {(8, 256, "bwd")}
-
-
-def needs_large_smem(itemsize: int, head_dim: int, direction: str) -> bool:
-    """Whether a variant's tiles fit only GPUs of compute capability >= LARGE_SMEM_CC."""
-    return (itemsize, head_dim, direction) in _LARGE_SMEM_ONLY
 # wgmma (sm_90a) tiles for 16-bit elements, by HEAD_DIM; same fields as _TABLE.
 _WGMMA_TABLE = {
     16: ((4, 128, 16), (4, 64, 16), (4, 64, 16)),
@@ -193,6 +189,11 @@ def has_wgmma(itemsize: int, head_dim: int) -> bool:
 def has_large_smem_tiles(itemsize: int, head_dim: int) -> bool:
     """Whether (element size, HEAD_DIM) has tiles for GPUs of compute capability >= LARGE_SMEM_CC."""
     return (itemsize, head_dim) in _LARGE_SMEM_TABLE
+
+
+def needs_large_smem(itemsize: int, head_dim: int, direction: str) -> bool:
+    """Whether a variant's plain tiles fit only GPUs of compute capability >= LARGE_SMEM_CC."""
+    return (itemsize, head_dim, direction) in _LARGE_SMEM_ONLY
 
 
 def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: bool = False,

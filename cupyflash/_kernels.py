@@ -426,10 +426,9 @@ def _new_params(pointers: dict, *, batch: int, batch1: int, batch2: int, nq: int
     p["window_left"], p["window_right"] = (-1, 0) if causal else (-1, -1)
     if mods is not None:
         p["window_left"], p["window_right"] = mods.window_with_causal(causal)
-        p["softcap"] = mods.softcap
-        p["softcap_inv"] = 1.0 / mods.softcap if mods.softcap > 0 else 0.0
-        p["softcap_f64"] = mods.softcap
-        p["softcap_inv_f64"] = 1.0 / mods.softcap if mods.softcap > 0 else 0.0
+        softcap_inv = 1.0 / mods.softcap if mods.softcap > 0 else 0.0
+        p["softcap"], p["softcap_inv"] = mods.softcap, softcap_inv
+        p["softcap_f64"], p["softcap_inv_f64"] = mods.softcap, softcap_inv
     if dropout is not None:  # read by the dropout kernels only
         p["dropout_key0"], p["dropout_key1"] = dropout.key
         p["dropout_threshold"], p["dropout_scale"] = dropout.threshold, dropout.scale
