@@ -14,7 +14,8 @@
 // P^T and dS^T (or P and dS) go from the accumulator registers straight into the next product.
 // Head dims above 128 split the gradient columns into D_CHUNK-wide CTAs (grid x) so the
 // accumulators fit in registers; each chunk recomputes the same S and dP. SPLIT dK/dV passes (plain and
-// causal float64) instead give each 16 keys a pair of warps that share the work without repeating any:
+// causal, where the tile table marks them) instead give each 16 keys a pair of warps that share the work
+// without repeating any:
 // one computes S^T, P^T (handed to its partner through shared memory) and dV += P^T dO, the other dP^T,
 // dS^T and dK += dS^T Q, each holding one gradient: at D = 128 four products where chunking takes six
 // (wider heads may still chunk their columns, each pair's chunk holding half the registers).
