@@ -316,11 +316,11 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 }
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS, bool WGMMA,
-          bool HAS_DROPOUT>
+          bool HAS_DROPOUT, bool SPLIT>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_dq_kernel(const AttnParams p) {
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
-  constexpr int BLOCK_M = 16 * NUM_WARPS;  // queries of this CTA, 16 per warp
+  constexpr int BLOCK_M = (SPLIT ? 8 : 16) * NUM_WARPS;  // queries of this CTA, 16 per warp (SPLIT: per pair)
   using QTile = SmemTile<T, BLOCK_M, HEAD_DIM, WGMMA>;   // q and dout; sQ also stages dq at the end
   using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM, WGMMA>;  // the streamed k and v tiles
   constexpr int S_TILES = BLOCK_N / 8;
@@ -330,13 +330,20 @@ attention_bwd_dq_kernel(const AttnParams p) {
   static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
   static_assert(!WGMMA || (sizeof(T) == 2 && NUM_WARPS % 4 == 0), "wgmma: 16-bit inputs, whole warpgroups");
+  static_assert(!SPLIT || (!HAS_MODS && !HAS_DROPOUT && NUM_WARPS % (WGMMA ? 8 : 2) == 0 && D_CHUNK % 32 == 0),
+                "split pairs: plain or causal passes, whole pairs of warps (of warpgroups with wgmma)");
   using A = acc_t<T>;  // float; double for float64 inputs
+  // SPLIT: each 16 queries get a pair of warps (as in the dK/dV pass): role 0 computes S and P, role 1 dP
+  // and dS; P goes to role 1 and dS back to role 0 through shared memory, and each accumulates half of
+  // the D_CHUNK columns of dQ += dS K, so the chunk needs half the registers and no second S and dP.
+  constexpr int G_WARP = SPLIT ? G_TILES / 2 : G_TILES;  // dQ n-tiles per warp
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(WGMMA ? smem_aligned(smem_raw) : smem_raw);
   T* sdO = sQ + QTile::SIZE;
   T* sK = sdO + QTile::SIZE;       // [2] KVTile, double-buffered stream
   T* sV = sK + 2 * KVTile::SIZE;   // [2] KVTile
+  A* sP = reinterpret_cast<A*>(sV + 2 * KVTile::SIZE);  // SPLIT: [NUM_WARPS / 2][S_TILES * 4][32], P then dS
 
   const int b = batch_index();
   if (b >= p.batch) return;
@@ -346,6 +353,12 @@ attention_bwd_dq_kernel(const AttnParams p) {
   if (m0 >= seq.nq()) return;  // past a shorter sequence's end (variable-length batches)
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int offset = seq.causal_offset();
+  constexpr int TWIN = WGMMA ? 4 : 1;  // a warp's partner: the next warp, or the same warp of the next warpgroup
+  const int pair = SPLIT ? (warp / (2 * TWIN)) * TWIN + warp % TWIN : warp;
+  const int row0 = pair * 16;  // this warp's 16 queries
+  const int role = SPLIT ? (warp / TWIN) & 1 : 0;
+  const int g0 = SPLIT ? role * (D_CHUNK / 2) : 0;  // this warp's first dQ column in the chunk
+  A* sP_pair = sP + pair * (S_TILES * 4 * WARP_SIZE);
 
   const T* q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p) + (seq.q_row + m0) * p.q_stride[3];
   const T* k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p) + seq.k_row * p.k_stride[3];
@@ -362,7 +375,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
   A row_lse[2], row_delta[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = m0 + warp * 16 + (lane >> 2) + 8 * r;
+    const int row = m0 + row0 + (lane >> 2) + 8 * r;
     const i64 i = seq.q_flat + row;
     row_lse[r] = row < seq.nq() ? static_cast<const A*>(p.lse_log2)[i] : A(pos_inf());
     row_delta[r] = row < seq.nq() ? static_cast<const A*>(p.delta)[i] : A(0);
@@ -405,7 +418,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
   if (n_block < n_blocks) load_stream(n_block, 0);
   cp_async_commit();
 
-  A acc_dq[G_TILES][4];
+  A acc_dq[G_WARP][4];
   zero_acc(acc_dq);
   for (int buf = 0; n_block < n_blocks; buf ^= 1) {
     const int n0 = n_block * BLOCK_N;
@@ -423,7 +436,34 @@ attention_bwd_dq_kernel(const AttnParams p) {
     const T* sV_j = sV + buf * KVTile::SIZE;
 
     A acc_s[S_TILES][4], acc_dp[S_TILES][4];
-    if constexpr (HAS_MODS) {
+    if constexpr (SPLIT) {
+      if (role == 0) {  // S = Q K_j^T, P = exp(scale * S - lse), to the partner
+        zero_acc(acc_s);
+        gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, row0, sK_j, lane);
+        if (n_block >= n_unmasked) mask.apply(acc_s, m0 + row0, n0, lane);
+#pragma unroll
+        for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_s[j][e] = fast_exp2(acc_s[j][e] * Reals<A>::scale_log2(p) - row_lse[e >> 1]);
+        }
+        tile_to_smem(sP_pair, acc_s, lane);
+      } else {  // dP = dO V_j^T
+        zero_acc(acc_dp);
+        gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, row0, sV_j, lane);
+      }
+      __syncthreads();  // P has reached role 1
+      if (role == 1) {  // dS = P * (dP - delta), back to role 0
+        tile_from_smem(acc_s, sP_pair, lane);
+#pragma unroll
+        for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] - row_delta[e >> 1]);
+        }
+        tile_to_smem(sP_pair, acc_dp, lane);
+      }
+      __syncthreads();  // dS has reached role 0
+      if (role == 0) tile_from_smem(acc_dp, sP_pair, lane);
+    } else if constexpr (HAS_MODS) {
       // dP = dO V_j^T and S = Q K_j^T first; then per element the logit, P, dS (into dbias) and
       // dS times the softcap derivative.
       zero_acc(acc_dp);
@@ -457,8 +497,8 @@ attention_bwd_dq_kernel(const AttnParams p) {
       }
     }
 
-    // dQ += dS K_j
-    gemm_pb<T, S_TILES, G_TILES, KVTile>(acc_dq, acc_dp, sK_j, c0, lane);
+    // dQ += dS K_j (SPLIT: this warp's half of the chunk's columns)
+    gemm_pb<T, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0 + g0, lane);
     __syncthreads();  // this buffer is refilled two iterations on
     n_block = n_next;
   }
@@ -467,7 +507,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
   const A dq_scale[2] = {Reals<A>::scale(p), Reals<A>::scale(p)};
   cp_async_wait<0>();  // with no key block to visit, the Q/dO copies may still be in flight
   __syncthreads();
-  acc_to_smem<QTile, G_TILES>(sQ, warp * 16, acc_dq, dq_scale, lane);
+  acc_to_smem<QTile, G_WARP>(sQ, row0, acc_dq, dq_scale, lane, g0);
   __syncthreads();
   T* dq = static_cast<T*>(p.dq) + (seq.q_flat + m0) * p.d_qk + c0;
   store_tile<QTile, D_CHUNK, THREADS>(dq, p.d_qk, sQ, seq.nq() - m0, p.d_qk - c0);

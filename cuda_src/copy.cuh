@@ -138,15 +138,16 @@ __device__ __forceinline__ void store_tile(T* gmem, i64 row_stride, const T* sme
 }
 
 // Write one warp's accumulator tile (16 rows x 8*N_TILES cols) into shared memory as T, at rows row0..
-// of a tile; row g is multiplied by row_scale[0], row g+8 by [1].
+// and columns col0.. of a tile; row g is multiplied by row_scale[0], row g+8 by [1].
 template <class Tile, int N_TILES, typename T, typename A>
 __device__ __forceinline__ void acc_to_smem(T* smem, int row0, const A (&acc)[N_TILES][4],
-                                            const A (&row_scale)[2], int lane) {
+                                            const A (&row_scale)[2], int lane, int col0 = 0) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int j = 0; j < N_TILES; ++j) {
-    Elem<T>::store2(smem + Tile::offset(row0 + g, j * 8 + 2 * t), acc[j][0] * row_scale[0], acc[j][1] * row_scale[0]);
-    Elem<T>::store2(smem + Tile::offset(row0 + g + 8, j * 8 + 2 * t), acc[j][2] * row_scale[1], acc[j][3] * row_scale[1]);
+    const int c = col0 + j * 8 + 2 * t;
+    Elem<T>::store2(smem + Tile::offset(row0 + g, c), acc[j][0] * row_scale[0], acc[j][1] * row_scale[0]);
+    Elem<T>::store2(smem + Tile::offset(row0 + g + 8, c), acc[j][2] * row_scale[1], acc[j][3] * row_scale[1]);
   }
 }
 

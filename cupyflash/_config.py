@@ -43,7 +43,7 @@ class Tiles:
     num_warps: int
     block: int  # the streamed tile: BLOCK_N keys (fwd, dq) or BLOCK_M queries (dkdv)
     d_chunk: int  # output (fwd) or gradient (dkdv, dq) columns per CTA
-    split: bool = False  # dkdv only: pairs of warps share 16 keys, one for dV, one for dK (attention_bwd.cu)
+    split: bool = False  # dkdv, dq: pairs of warps share 16 rows, dividing the work (attention_bwd.cu)
 
     @property
     def threads(self) -> int:
@@ -58,7 +58,7 @@ class Tiles:
 # (element bytes, HEAD_DIM): fwd (warps, BLOCK_N, D_CHUNK), dkdv (warps, BLOCK_M, D_CHUNK[, split]), dq (warps,
 # BLOCK_N, D_CHUNK). A split dkdv entry (plain and causal only) gives each 16 keys a pair of warps, one
 # accumulating dV and one dK (each over D_CHUNK columns), where an unsplit one holds both and needs twice
-# the chunks, each recomputing S and dP; the modifiers' and dropout instantiations take _UNSPLIT_DKDV's.
+# the chunks, each recomputing S and dP; the modifiers' and dropout instantiations take _UNSPLIT's.
 _TABLE = {
     (2, 16): ((4, 128, 16), (4, 64, 16), (4, 64, 16)),
     (2, 32): ((4, 128, 32), (4, 64, 32), (4, 64, 32)),
@@ -104,22 +104,23 @@ _MODS_TABLE = {
 _LARGE_SMEM_TABLE = {
     (8, 128): ((8, 32, 128), (8, 16, 128, True), (4, 16, 128)),
 }
-# The dkdv tiles of the modifiers' and dropout instantiations where the table's are split: (path, element
-# bytes, HEAD_DIM) -> tiles (the modifiers' own table may still override them).
-_UNSPLIT_DKDV = {
-    ("mma", 2, 160): (4, 32, 80),
-    ("mma", 2, 192): (4, 32, 96),
-    ("mma", 2, 256): (4, 32, 128),
-    ("wgmma", 2, 192): (4, 32, 64),
-    ("mma", 4, 64): (4, 32, 32),
-    ("mma", 4, 128): (4, 16, 64),
-    ("mma", 8, 96): (4, 16, 48),
-    ("mma", 8, 128): (2, 16, 64),
-    ("mma", 8, 160): (1, 16, 32),
-    ("mma", 8, 192): (1, 16, 48),
-    ("mma", 8, 256): (1, 16, 64),
-    ("large", 8, 128): (4, 16, 64),
-    ("wgmma", 2, 256): (4, 16, 128),
+# The tiles of the modifiers' and dropout instantiations where the table's are split: (path, element bytes,
+# HEAD_DIM, kernel) -> tiles (the modifiers' own table may still override them).
+_UNSPLIT = {
+    ("mma", 2, 160, "dkdv"): (4, 32, 80),
+    ("mma", 2, 192, "dkdv"): (4, 32, 96),
+    ("mma", 2, 256, "dkdv"): (4, 32, 128),
+    ("wgmma", 2, 192, "dkdv"): (4, 32, 64),
+    ("wgmma", 2, 256, "dq"): (4, 32, 128),
+    ("mma", 4, 64, "dkdv"): (4, 32, 32),
+    ("mma", 4, 128, "dkdv"): (4, 16, 64),
+    ("mma", 8, 96, "dkdv"): (4, 16, 48),
+    ("mma", 8, 128, "dkdv"): (2, 16, 64),
+    ("mma", 8, 160, "dkdv"): (1, 16, 32),
+    ("mma", 8, 192, "dkdv"): (1, 16, 48),
+    ("mma", 8, 256, "dkdv"): (1, 16, 64),
+    ("large", 8, 128, "dkdv"): (4, 16, 64),
+    ("wgmma", 2, 256, "dkdv"): (4, 16, 128),
 }
 _LARGE_SMEM_MODS_TABLE = {
     (8, 128, "fwd"): (8, 32, 64),
@@ -139,7 +140,7 @@ _WGMMA_TABLE = {
     128: ((4, 64, 128), (4, 64, 128), (4, 64, 128)),
     160: ((8, 64, 160), (4, 16, 160), (4, 32, 160)),
     192: ((8, 64, 192), (8, 32, 192, True), (4, 32, 192)),
-    256: ((8, 64, 256), (8, 64, 256, True), (4, 32, 128)),
+    256: ((8, 64, 256), (8, 64, 256, True), (8, 64, 256, True)),
 }
 # The modifiers' extra registers per score (bounds, bias, softcap derivative) make these spill with the
 # plain tiles above (whose blocks must also divide the block mask's BLOCK_MASK_TILE = 128).
@@ -223,7 +224,7 @@ def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: 
         return Tiles(*mods_table[itemsize, head_dim, kernel])
     found = Tiles(*table[_KERNELS.index(kernel)])
     if found.split and (mods or dropout):
-        return Tiles(*_UNSPLIT_DKDV[dropout_key[0], itemsize, head_dim])
+        return Tiles(*_UNSPLIT[dropout_key[0], itemsize, head_dim, kernel])
     return found
 
 
@@ -251,8 +252,9 @@ def _tile_bytes(kernel: str, t: Tiles, row: int, wgmma: bool, acc_bytes: int) ->
         # + split: P^T for each pair of warps, BLOCK_M / 8 * 4 * 32 accumulators
         pairs = t.num_warps // 2 if t.split else 0
         return (2 * t.rows + 4 * t.block) * row + 4 * t.block * acc_bytes + pairs * (t.block // 8) * 128 * acc_bytes
-    if kernel == "dq":  # sQ, sdO[BLOCK_M] + sK, sV[2][BLOCK_N]
-        return (2 * t.rows + 4 * t.block) * row
+    if kernel == "dq":  # sQ, sdO[BLOCK_M] + sK, sV[2][BLOCK_N] + split: P, then dS, for each pair of warps
+        pairs = t.num_warps // 2 if t.split else 0
+        return (2 * t.rows + 4 * t.block) * row + pairs * (t.block // 8) * 128 * acc_bytes
     if kernel == "probs":  # sQ[BLOCK_M] + sK[BLOCK_N]
         return (t.rows + t.block) * row
     raise ValueError(f"kernel must be 'fwd', 'dkdv', 'dq' or 'probs', got {kernel!r}")

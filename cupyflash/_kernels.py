@@ -134,9 +134,7 @@ class Variant:
             return f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {fwd_flags}>"
         if kernel == "fwd":
             return f"attention_fwd_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {fwd_flags}>"
-        if kernel == "dkdv":
-            return f"attention_bwd_dkdv_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {flags}, {flag[t.split]}>"
-        return f"attention_bwd_{kernel}_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {flags}>"
+        return f"attention_bwd_{kernel}_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {flags}, {flag[t.split]}>"
 
     @property
     def modules(self) -> tuple[tuple[str, ...], ...]:
