@@ -174,7 +174,7 @@ def attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False, sca
         out = xp.zeros(batch + (problem.nq, problem.dv), dtype=problem.dtype)
         lse = xp.full(batch + (problem.nq,), -np.inf, dtype=lse_dtype(problem.dtype))
         return out, lse
-    q, k, v = (xp.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
+    q, k, v = (_broadcast(xp, x, batch) for x in (q, k, v))
     return problem.backend().attention_forward(q, k, v, scale=problem.scale, causal=problem.causal,
                                                mods=problem.mods, dropout=dropout)
 
@@ -237,7 +237,7 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
     if problem.is_empty:
         grads = tuple(xp.zeros(x.shape, dtype=problem.dtype) for x in (q, k, v))
         return grads + ((xp.zeros(bias.shape, dtype=bias.dtype),) if bias is not None else ())
-    qb, kb, vb = (xp.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
+    qb, kb, vb = (_broadcast(xp, x, batch) for x in (q, k, v))
     *grads, dbias = problem.backend().attention_backward(
         dout, qb, kb, vb, out, lse, scale=problem.scale, causal=problem.causal, mods=problem.mods,
         dropout=dropout,
@@ -285,7 +285,7 @@ def attention_probs(q: Array, k: Array, v: Array, *, causal: bool = False, scale
     xp, batch = problem.xp, problem.batch
     if problem.is_empty:
         return xp.zeros(batch + (problem.nq, problem.nk), dtype=lse_dtype(problem.dtype))
-    q, k, v = (xp.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
+    q, k, v = (_broadcast(xp, x, batch) for x in (q, k, v))
     return problem.backend().attention_probs(q, k, v, scale=problem.scale, causal=problem.causal,
                                              mods=problem.mods)
 
@@ -464,6 +464,11 @@ def _backend(xp):
     return _kernels
 
 
+def _broadcast(xp, x, batch):
+    """x with the leading dims ``batch`` (a stride-0 view where it had 1s), or x itself when it has them."""
+    return x if x.shape[:-2] == batch else xp.broadcast_to(x, batch + x.shape[-2:])
+
+
 def sum_to_shape(grad, shape, accumulate_dtype=None):
     """Sum ``grad`` over the dims that broadcasting added to an array of ``shape``.
 
@@ -588,6 +593,8 @@ def check_shapes(q, k, v):
         raise ValueError(
             f"k and v must have the same number of keys Nk (dim -2), got k {k.shape} and v {v.shape}"
         )
+    if q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+        return q.shape[:-2]  # the common case, without np.broadcast_shapes' cost
     try:
         return tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     except ValueError:

@@ -53,6 +53,10 @@ PARAMS_DTYPE = numpy.dtype(
                                           "dropout_scale_f64")],
     align=True,
 )
+# The launch passes the same bytes as one opaque value: CuPy finds a NumPy argument's address through
+# __array_interface__, which for a structured dtype rebuilds the description of all its fields on every
+# call (about 57 us, longer than a short kernel runs); for an unstructured view it does not.
+_PARAMS_BYTES = numpy.dtype((numpy.void, PARAMS_DTYPE.itemsize))
 _LOG2E = 1.4426950408889634
 _STRIDED = ("q", "k", "v", "out", "dout")  # inputs with their own batch/row strides, in this order
 
@@ -359,6 +363,8 @@ def _kernel_ready(x, width: int):
     broadcast dims included); otherwise a zero-padded copy that keeps broadcast dims unmaterialized."""
     import cupy
 
+    if x.shape[-1] == width and x.flags.c_contiguous and x.data.ptr % 16 == 0 and (width * x.dtype.itemsize) % 16 == 0:
+        return x  # the common case, decided without the general test below
     itemsize = x.dtype.itemsize
     sized = [(n, s) for n, s in zip(x.shape[:-1], x.strides[:-1]) if n > 1]
     if (x.shape[-1] == width and (x.shape[-1] == 1 or x.strides[-1] == itemsize)
@@ -572,7 +578,8 @@ def compile_ahead(variants, max_workers: int = 16) -> list[str]:
         return [message for message in pool.map(build, todo) if message]
 
 
-def _launch(functions, variant: Variant, kernel: str, rows: int, batch: int, params, cols: int = 0) -> None:
+def _launch_shape(variant: Variant, kernel: str, rows: int, batch: int, cols: int = 0):
+    """(grid, block, dynamic shared memory) of one kernel over ``rows`` rows of its axis and ``batch`` entries."""
     t = variant.tiles(kernel) if kernel != "preprocess" else None
     if kernel == "preprocess":
         blocks = -(-rows // _config.PREPROCESS_WARPS)
@@ -580,7 +587,12 @@ def _launch(functions, variant: Variant, kernel: str, rows: int, batch: int, par
         blocks = -(-rows // t.rows) * -(-cols // t.block)
     else:
         blocks = -(-rows // t.rows) * (variant.head_dim // t.d_chunk)
-    functions[kernel](_grid(blocks, batch), (variant.threads(kernel),), (params,), shared_mem=variant.smem(kernel))
+    return _grid(blocks, batch), (variant.threads(kernel),), variant.smem(kernel)
+
+
+def _launch(functions, variant: Variant, kernel: str, rows: int, batch: int, params, cols: int = 0) -> None:
+    grid, block, smem = _launch_shape(variant, kernel, rows, batch, cols)
+    functions[kernel](grid, block, (params.view(_PARAMS_BYTES),), shared_mem=smem)
 
 
 def _launch_summed(functions, variant: Variant, kernel: str, rows: int, batch: int, params, length: int,
@@ -605,6 +617,63 @@ def _launch_summed(functions, variant: Variant, kernel: str, rows: int, batch: i
         out[...] = total.astype(out.dtype)
 
 
+# ----------------------------------------------------------------------------- launch plans
+# What a dense call launches (kernels, grids, shared memory, and every parameter but the arrays' addresses)
+# depends only on its arrays' shapes, strides and dtype, the scalar options and the device. The first call
+# of each such signature works it out (_params, the tile table); later calls copy its parameters and write
+# only the addresses and the dropout key, so that short kernels are not left waiting for Python. Calls with
+# the modifiers' arrays (bias, mask, block_mask, alibi_slopes), and backward passes chained over long axes,
+# always take the full route.
+_PLAN_CACHE_SIZE = 256
+_ADDRESS_WORDS = {name: PARAMS_DTYPE.fields[name][1] // 8
+                  for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta")}
+_KEY_WORDS = tuple(PARAMS_DTYPE.fields[name][1] // 4 for name in ("dropout_key0", "dropout_key1"))
+_plans: dict[tuple, "_Plan"] = {}
+
+
+class _Plan:
+    def __init__(self, functions: dict, variant: Variant, params, launches):
+        # The parameters as 64-bit words (a plain copy, and an address is one word's write).
+        self.words = params.view(numpy.uint64).copy()
+        # (function, grid, block, dynamic shared memory) per launch of (kernel, rows, batch)
+        self.launches = [(functions[kernel],) + _launch_shape(variant, kernel, rows, batch)
+                         for kernel, rows, batch in launches]
+
+    def launch(self, addresses: dict | None, dropout) -> None:
+        """Launch with these arrays' addresses and this dropout key (None: the ones the plan was made with)."""
+        words = self.words
+        if addresses is not None:
+            words = words.copy()
+            for name, array in addresses.items():
+                words[_ADDRESS_WORDS[name]] = array.data.ptr
+            if dropout is not None:
+                halves = words.view(numpy.uint32)
+                halves[_KEY_WORDS[0]], halves[_KEY_WORDS[1]] = dropout.key
+        args = (words.view(_PARAMS_BYTES),)
+        for function, grid, block, smem in self.launches:
+            function(grid, block, args, shared_mem=smem)
+
+
+def _plan_key(direction: str, arrays: dict, scale: float, causal: bool, mods, dropout) -> tuple | None:
+    """What a dense call's launches depend on, or None when it is not planned (the modifiers' arrays)."""
+    import cupy
+
+    if mods is not None and any(x is not None for x in (mods.alibi_slopes, mods.bias, mods.mask, mods.block_mask)):
+        return None
+    # The inputs' layouts; outputs and workspaces are allocated contiguous from their shapes.
+    layout = tuple((arrays[name].shape, arrays[name].strides) for name in _STRIDED if name in arrays)
+    return (direction, cupy.cuda.runtime.getDevice(), arrays["q"].dtype, layout, scale, causal,
+            None if mods is None else (mods.window, mods.softcap),
+            None if dropout is None else (dropout.threshold, dropout.scale),
+            os.environ.get("CUPYFLASH_NO_WGMMA", ""))
+
+
+def _remember(key, plan: _Plan) -> None:
+    if len(_plans) >= _PLAN_CACHE_SIZE:
+        _plans.pop(next(iter(_plans)))  # the oldest
+    _plans[key] = plan
+
+
 # ----------------------------------------------------------------------------- entry points
 def _unpad(x, width: int):
     """x[..., :width] as a contiguous array (a copy only when the kernels ran on padded columns)."""
@@ -621,17 +690,26 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
     batch_shape, (nq, d), nk, dv = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
     vec = 16 // q.dtype.itemsize
     d_w, dv_w = _round_up(d, vec), _round_up(dv, vec)
-    variant = _variant("fwd", q.dtype, d_w, dv_w, causal, mods, dropout)
     q, k, v = _kernel_ready(q, d_w), _kernel_ready(k, d_w), _kernel_ready(v, dv_w)
     out = cupy.empty(batch_shape + (nq, dv_w), dtype=q.dtype)
     lse = cupy.empty(batch_shape + (nq,), dtype=lse_dtype(q.dtype))
-    arrays, sizes, strides, _ = _layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, **_mod_arrays(mods)})
-    batch = math.prod(batch_shape)
-    others = {"lse": lse, **_alibi(mods)}  # alive until the launch: the parameters hold addresses only
-    params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
-                     others=others, mods=mods, causal=causal, dropout=dropout)
-    _launch(_functions(variant), variant, "fwd", nq, batch, params)
-    return _unpad(arrays["out"], dv), lse
+    addresses = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
+    key = _plan_key("fwd", addresses, scale, causal, mods, dropout)
+    plan = _plans.get(key) if key is not None else None
+    if plan is None:
+        variant = _variant("fwd", q.dtype, d_w, dv_w, causal, mods, dropout)
+        arrays, sizes, strides, copied = _layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, **_mod_arrays(mods)})
+        batch = math.prod(batch_shape)
+        others = {"lse": lse, **_alibi(mods)}  # alive until the launch: the parameters hold addresses only
+        params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
+                         others=others, mods=mods, causal=causal, dropout=dropout)
+        plan = _Plan(_functions(variant), variant, params, [("fwd", nq, batch)])
+        if copied:  # the parameters point at copies made for this call
+            plan.launch(None, None)
+            return _unpad(arrays["out"], dv), lse
+        _remember(key, plan)
+    plan.launch(addresses, dropout)
+    return _unpad(out, dv), lse
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, mods=None, dropout=None):
@@ -642,27 +720,40 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     batch_shape, (nq, d), nk, dv = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
     vec = 16 // q.dtype.itemsize
     d_w, dv_w = _round_up(d, vec), _round_up(dv, vec)
-    variant = _variant("bwd", q.dtype, d_w, dv_w, causal, mods, dropout)
     q, k = _kernel_ready(q, d_w), _kernel_ready(k, d_w)
     v, out, dout = (_kernel_ready(x, dv_w) for x in (v, out, dout))
     acc = lse_dtype(q.dtype)
-    lse = cupy.ascontiguousarray(cupy.broadcast_to(lse, batch_shape + (nq,)), dtype=acc)
+    if not (lse.shape == batch_shape + (nq,) and lse.dtype == acc and lse.flags.c_contiguous):
+        lse = cupy.ascontiguousarray(cupy.broadcast_to(lse, batch_shape + (nq,)), dtype=acc)
+    dq = cupy.empty(batch_shape + (nq, d_w), dtype=q.dtype)
+    dk = cupy.empty(batch_shape + (nk, d_w), dtype=q.dtype)
+    dv_ = cupy.empty(batch_shape + (nk, dv_w), dtype=q.dtype)
+    lse_log2 = cupy.empty(batch_shape + (nq,), dtype=acc)
+    delta = cupy.empty(batch_shape + (nq,), dtype=acc)
+    addresses = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv_, "lse": lse,
+                 "lse_log2": lse_log2, "delta": delta}
+    key = _plan_key("bwd", addresses, scale, causal, mods, dropout) if max(nq, nk) <= _config.CHAIN_ROWS else None
+    plan = _plans.get(key) if key is not None else None
+    if plan is not None:
+        plan.launch(addresses, dropout)
+        return _unpad(dq, d), _unpad(dk, d), _unpad(dv_, dv), None
+    variant = _variant("bwd", q.dtype, d_w, dv_w, causal, mods, dropout)
     mod_arrays, accumulator = _mod_arrays(mods), None
     if mods is not None and mods.bias is not None:
         accumulator = _dbias_buffer(mods, q.dtype)
         mod_arrays["dbias"] = cupy.broadcast_to(accumulator, mods.bias.shape)
     arrays, sizes, strides, copied = _layout(
         batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout, **mod_arrays})
-    dq = cupy.empty(batch_shape + (nq, d_w), dtype=q.dtype)
-    dk = cupy.empty(batch_shape + (nk, d_w), dtype=q.dtype)
-    dv_ = cupy.empty(batch_shape + (nk, dv_w), dtype=q.dtype)
-    lse_log2 = cupy.empty(batch_shape + (nq,), dtype=acc)
-    delta = cupy.empty(batch_shape + (nq,), dtype=acc)
     batch = math.prod(batch_shape)
     others = {"dq": dq, "dk": dk, "dv": dv_, "lse": lse, "lse_log2": lse_log2, "delta": delta, **_alibi(mods)}
     params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
                      others=others, mods=mods, causal=causal, dropout=dropout)
     functions = _functions(variant)
+    if key is not None and not copied:  # (the launches of a chained pass are not planned: key is None)
+        plan = _Plan(functions, variant, params, [("preprocess", nq, batch), ("dkdv", nk, batch), ("dq", nq, batch)])
+        _remember(key, plan)
+        plan.launch(None, None)
+        return _unpad(dq, d), _unpad(dk, d), _unpad(dv_, dv), None
     _launch(functions, variant, "preprocess", nq, batch, params)
     _launch_summed(functions, variant, "dkdv", nk, batch, params, nq, (dk, dv_))
     _launch_summed(functions, variant, "dq", nq, batch, params, nk, (dq,))

@@ -65,6 +65,9 @@ def resolve(xp, dtype, batch, nq, nk, *, window=None, softcap=0.0, alibi_slopes=
 
     ``xp`` is the inputs' array module, ``dtype`` their dtype, ``batch`` their broadcast leading shape.
     """
+    if (window is None and type(softcap) is float and softcap == 0.0 and alibi_slopes is None and bias is None
+            and mask is None and block_mask is None):
+        return None  # every option at its default (the common call), nothing to check
     window = check_window(window)
     softcap = check_softcap(softcap)
     full = tuple(batch) + (nq, nk)

@@ -171,6 +171,21 @@ def test_deterministic(rng, dtype, causal):
     _assert_bitwise_equal(_run(q, k, v, dout, causal=causal), _run(q, k, v, dout, causal=causal))
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_repeated_layout_reads_the_new_arrays(rng, assert_matches_reference, dtype):
+    """A call whose arrays have the layout of an earlier call's reuses that call's launch plan (parameters
+    worked out once); it must still read and write its own arrays: fresh inputs, held to the reference."""
+    from cupyflash import _kernels
+
+    shapes = (2, 3, 333, 64), (2, 3, 400, 64), (2, 3, 400, 64)
+    _run(*_random_problem(rng, *shapes, dtype), causal=True)
+    plans = set(_kernels._plans)
+    q, k, v, dout = _random_problem(rng, *shapes, dtype)
+    results = _run(q, k, v, dout, causal=True)
+    assert set(_kernels._plans) == plans, "the second call should have found both of its plans"
+    assert_matches_reference(q, k, v, dout, results, causal=True)
+
+
 def test_non_default_stream(rng):
     """On a non-blocking stream the kernels run there and give the default stream's bits."""
     q, k, v, dout = _random_problem(rng, (2, 3, 300, 64), (2, 3, 400, 64), (2, 3, 400, 64), np.float16)
