@@ -6,12 +6,12 @@
     python bench/sanitize.py --variants '^bwd/bf16/(64|128)/' --out /tmp/sanitize
     python bench/sanitize.py --all-rows                   # one table row per kernel instantiation
 
-Variants are named ``{fwd,bwd,probs}/{fp16,bf16,fp32}/HEAD_DIM/{plain,causal,mods}``, with ``/dropout`` for
-the dropout instantiations and ``/wgmma`` for the Hopper path (cupyflash._kernels.shipped_variants(): 288
-forward and backward modules and 24 probs modules on the mma.sync path, and 208 fp16/bf16 modules on the
-wgmma path, which run only on compute capability 9.0); ``--variants`` is a regular expression searched in
-those names. Each variant runs
-through the public API with CUPYFLASH_NO_WGMMA set to pick its path.
+Variants are named ``{fwd,bwd,probs}/{fp16,bf16,fp32,fp64}/HEAD_DIM/{plain,causal,mods,scalars}``
+(``scalars``: the modifiers' instantiation without bias, mask and block mask), with ``/dropout`` for the
+dropout instantiations, ``/wgmma`` for the Hopper path (which runs only on compute capability 9.0) and
+``/large-smem`` for the float64 tiles of GPUs with 227 KiB of shared memory per CTA: every module of
+cupyflash._kernels.shipped_variants(). ``--variants`` is a regular expression searched in those names.
+Each variant runs through the public API with CUPYFLASH_NO_WGMMA set to pick its path.
 
 How it works. This script first compiles the selected variants into CuPy's on-disk kernel cache, in
 parallel, so that no sanitized process compiles. Then, for each tool, one ``compute-sanitizer --tool TOOL``
@@ -22,10 +22,12 @@ problems with head dim D = HEAD_DIM, so each kernel is exactly the variant named
 - mods (and probs): q (1, 2, 150, D), k, v (1, 2, 270, D), two calls, so the block mask skips tiles and every
   dbias path runs: (a) causal with window (100, 20), ALiBi, a full bias (dbias by paired stores), a mask and
   a block mask with one tile off; (b) softcap 5, ALiBi, a bias broadcast over the heads (dbias by float32
-  atomics, per-element logits) and a key-padding mask of shape (1, 1, 1, Nk); then (fwd and bwd) a packed
+  atomics, per-element logits) and a key-padding mask of shape (1, 1, 1, Nk);
+- scalars: the same shapes and calls without bias, mask and block mask; then (fwd and bwd) a packed
   variable-length batch, the other path into these kernels: sequences of 0, 70, 1, 150 queries and 90, 0, 40,
   270 keys, 2 heads sharing one key/value head, causal with ALiBi;
-- dropout variants: the same calls with dropout_p = 0.2.
+- dropout variants: the same calls with dropout_p = 0.2 (mods with dropout: both option sets, then the
+  packed batch, which with dropout runs those kernels).
 
 The worker turns CuPy's memory pool off, so every array is its own cudaMalloc: memcheck then knows each
 array's exact bounds (with ``--padding`` bytes of guard after each allocation), and initcheck sees fresh,
@@ -71,7 +73,7 @@ MODS_SHAPE = dict(batch=(1, 2), nq=150, nk=270)  # 2 x 3 block-mask tiles; Nk ev
 
 # ============================================================================= variants
 def variant_label(variant):
-    kind = "mods" if variant.mods else ("causal" if variant.causal else "plain")
+    kind = ("scalars" if variant.scalar_mods else "mods") if variant.mods else ("causal" if variant.causal else "plain")
     path = (("/dropout" if variant.dropout else "") + ("/wgmma" if variant.wgmma else "")
             + ("/large-smem" if variant.large_smem else ""))
     return f"{variant.direction}/{DTYPE_NAMES[variant.ctype]}/{variant.head_dim}/{kind}{path}"
@@ -130,6 +132,15 @@ def _mods_calls(rng, dtype):
     return [(True, first), (False, second)]
 
 
+def _scalar_calls():
+    """The option sets of a scalars variant: _mods_calls without the arrays, as (causal, options)."""
+    import cupy
+    import numpy as np
+
+    slopes = cupy.asarray(np.array([0.25, 0.0625], dtype=np.float32))
+    return [(True, dict(window=(100, 20), alibi_slopes=slopes)), (False, dict(softcap=5.0, alibi_slopes=slopes))]
+
+
 def run_variant(variant, rng):
     """Launch every kernel of ``variant`` (and the forward the backward needs) on tiny inputs."""
     import cupy
@@ -144,7 +155,10 @@ def run_variant(variant, rng):
     dtype = {"half_t": np.float16, "bfloat16_t": ml_dtypes.bfloat16, "float": np.float32, "double": np.float64}[variant.ctype]
     shape = MODS_SHAPE if variant.mods else PLAIN_SHAPE
     q, k, v, dout = _problem(rng, dtype, shape["batch"], shape["nq"], shape["nk"], variant.head_dim)
-    calls = _mods_calls(rng, dtype) if variant.mods else [(variant.causal, {})]
+    if variant.scalar_mods:
+        calls = _scalar_calls()
+    else:
+        calls = _mods_calls(rng, dtype) if variant.mods else [(variant.causal, {})]
     dropout = dict(dropout_p=0.2, dropout_seed=7) if variant.dropout else {}
     for causal, options in calls:
         if variant.direction == "probs":
@@ -153,8 +167,8 @@ def run_variant(variant, rng):
         out, lse = cupyflash.attention_forward(q, k, v, causal=causal, **options, **dropout)
         if variant.direction == "bwd":
             cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, **options, **dropout)
-    if variant.mods and variant.direction != "probs":
-        _packed_call(rng, dtype, variant, dropout)
+    if (variant.scalar_mods or (variant.mods and variant.dropout)) and variant.direction != "probs":
+        _packed_call(rng, dtype, variant, dropout)  # packed batches have no arrays: scalars, or with dropout mods
     cupy.cuda.Device().synchronize()
 
 
@@ -342,7 +356,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {','.join(TOOLS)}")
     parser.add_argument("--variants", default=".", help="regex searched in fwd|bwd|probs/fp16|bf16|fp32/HEAD_DIM/"
-                                                         "plain|causal|mods (default: all)")
+                                                         "plain|causal|mods|scalars (default: all)")
     parser.add_argument("--out", default="/tmp/cupyflash-sanitize", help="folder for the logs (default: %(default)s)")
     parser.add_argument("--jobs", type=int, default=0, help="tools run at once (default: all of them)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per tool (default 3600)")

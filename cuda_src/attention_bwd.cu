@@ -27,7 +27,7 @@
 // in the accumulator type.
 // WGMMA instantiations (Hopper, fp16/bf16) run the same passes on warpgroup products from swizzled tiles
 // (gemm.cuh): each warp still owns 16 rows, now of its warpgroup's 64, in the same accumulator layout.
-// HAS_MODS instantiations (IS_CAUSAL = false; causality is the window's right edge) rebuild the
+// MODS instantiations (HAS_MODS; IS_CAUSAL = false, causality is the window's right edge) rebuild the
 // modified logits (score_mods.cuh), skip the tiles the window band or the block mask hide, and compute
 // dP before S so that each element's P, dS and softcap derivative 1 - tanh^2 come out of one pass.
 // The bias gradient dS is added (atomics in the accumulator type) into a zeroed buffer of the bias's own
@@ -107,10 +107,11 @@ __device__ __forceinline__ void dscores_cols(A (&dp)[N_TILES][4], const A (&prob
   }
 }
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_M, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS, bool WGMMA,
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_M, int D_CHUNK, bool IS_CAUSAL, Mods MODS, bool WGMMA,
           bool HAS_DROPOUT, bool SPLIT>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_dkdv_kernel(const AttnParams p) {
+  constexpr bool HAS_MODS = MODS != Mods::none;
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
   constexpr int BLOCK_N = (SPLIT ? 8 : 16) * NUM_WARPS;  // keys of this CTA, 16 per warp (SPLIT: per pair)
   using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM, WGMMA>;  // also stage dk, dv at the end
@@ -165,7 +166,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   int m_blocks = ceil_div(seq.nq(), BLOCK_M);
   const Mask<IS_CAUSAL> mask{seq.nk(), offset};
   // With modifiers: the query blocks of the window band whose block-mask tile is on (next_on).
-  const ScoreMods<T> mods(p, b);
+  const ScoreMods<T, MODS == Mods::all> mods(p, b);
   if constexpr (HAS_MODS) {
     const int i_first = mods.first_query(n0), i_last = mods.last_query(min(n0 + BLOCK_N, seq.nk()) - 1);
     m_first = i_first / BLOCK_M;
@@ -315,10 +316,11 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   store_tile<KVTile, D_CHUNK, THREADS>(dv, p.d_v, sV, seq.nk() - n0, p.d_v - c0);
 }
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS, bool WGMMA,
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, Mods MODS, bool WGMMA,
           bool HAS_DROPOUT, bool SPLIT>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_dq_kernel(const AttnParams p) {
+  constexpr bool HAS_MODS = MODS != Mods::none;
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
   constexpr int BLOCK_M = (SPLIT ? 8 : 16) * NUM_WARPS;  // queries of this CTA, 16 per warp (SPLIT: per pair)
   using QTile = SmemTile<T, BLOCK_M, HEAD_DIM, WGMMA>;   // q and dout; sQ also stages dq at the end
@@ -387,7 +389,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
   if (IS_CAUSAL) n_unmasked = min(n_unmasked, max(0, m0 + offset + 1) / BLOCK_N);
   const Mask<IS_CAUSAL> mask{seq.nk(), offset};
   // With modifiers: the key blocks of the window band whose block-mask tile is on (next_on).
-  const ScoreMods<T> mods(p, b);
+  const ScoreMods<T, MODS == Mods::all> mods(p, b);
   int n_first = 0;
   if constexpr (HAS_MODS) {
     const int k_first = mods.first_key(m0), k_last = mods.last_key(min(m0 + BLOCK_M, seq.nq()) - 1);

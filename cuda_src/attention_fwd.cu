@@ -9,9 +9,10 @@
 // into the P V product, and writes out and lse once. Nothing of size nq x nk exists anywhere.
 // Key blocks are visited last to first: under the causal mask (and at the end of nk) the masked
 // blocks are the last ones, so they come first and every later block runs without a mask.
-// HAS_MODS instantiations apply the score modifiers (score_mods.cuh: window, softcap, ALiBi, bias,
-// mask) to each score tile and skip key tiles outside the window band or off in the block mask;
-// they run with IS_CAUSAL = false, causality arriving as the window's right edge.
+// MODS instantiations (HAS_MODS: Mods::scalars or Mods::all, block_info.cuh) apply the score modifiers
+// (score_mods.cuh: window, softcap, ALiBi; with Mods::all bias and mask too) to each score tile and skip
+// key tiles outside the window band or off in the block mask; they run with IS_CAUSAL = false,
+// causality arriving as the window's right edge.
 // HAS_DROPOUT instantiations zero the dropped elements of each P tile after the softmax has summed
 // it (dropout.cuh: the mask is regenerated from the seed, never stored) and scale out by 1 / (1 - p)
 // once at the end; lse is that of the scores, unchanged.
@@ -37,8 +38,9 @@
 
 // The query rows [m0, m0 + BLOCK_M) of batch entry b that one CTA owns, where its tensors start, and the
 // key blocks those rows see: [n_first, n_blocks), walked downwards with prev_on.
-template <typename T, int NUM_WARPS, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, bool HAS_MODS>
+template <typename T, int NUM_WARPS, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, Mods MODS>
 struct RowBlock {
+  static constexpr bool HAS_MODS = MODS != Mods::none;
   const AttnParams& p;
   SeqInfo<HAS_MODS> seq;  // this batch entry's lengths and rows
   int m0;
@@ -49,7 +51,7 @@ struct RowBlock {
   acc_t<T>* lse;   // row m0
   int n_first = 0, n_blocks, n_unmasked;
   Mask<IS_CAUSAL> mask;
-  ScoreMods<T> mods;
+  ScoreMods<T, MODS == Mods::all> mods;
   TileBitmap tile_bitmap;
 
   // Every thread of the CTA constructs it (the block-mask bitmap is loaded cooperatively), after
@@ -131,10 +133,11 @@ __device__ __forceinline__ void write_out(const Rows& rows, T* sQ, int c0, const
   store_tile<QTile, 8 * O_TILES, THREADS>(rows.out + c0, p.out_stride[3], sQ, rows.seq.nq() - rows.m0, p.d_v - c0);
 }
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, bool HAS_MODS,
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, Mods MODS,
           bool HAS_DROPOUT>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_fwd_kernel(const AttnParams p) {
+  constexpr bool HAS_MODS = MODS != Mods::none;
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
   constexpr int BLOCK_M = 16 * NUM_WARPS;
   using QTile = PaddedTile<T, BLOCK_M, HEAD_DIM>;  // also stages out at the end
@@ -161,7 +164,7 @@ attention_fwd_kernel(const AttnParams p) {
   if (m0 >= seq.nq()) return;  // past a shorter sequence's end (variable-length batches)
   const int c0 = (blockIdx.x % N_CHUNKS) * D_CHUNK;  // this CTA's output columns
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-  const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MODS> rows(p, b, seq, m0, bitmap_words);
+  const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS> rows(p, b, seq, m0, bitmap_words);
   const Dropout dropout(p, b);
   // P_ij -> P_ij * Z_ij, after the softmax has summed P_ij into l_i. The plain kernels keep Philox's
   // round keys in registers; the modifiers' have none to spare.
@@ -218,9 +221,10 @@ attention_fwd_kernel(const AttnParams p) {
   write_out<QTile, THREADS, HAS_DROPOUT>(rows, sQ, c0, acc_o, softmax, warp, lane);
 }
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, bool IS_CAUSAL, bool HAS_MODS, bool HAS_DROPOUT>
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, bool IS_CAUSAL, Mods MODS, bool HAS_DROPOUT>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_fwd_wgmma_kernel(const AttnParams p) {
+  constexpr bool HAS_MODS = MODS != Mods::none;
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
   constexpr int BLOCK_M = 16 * NUM_WARPS;  // one warpgroup per 64 rows
   using QTile = SwizzledTile<T, BLOCK_M, HEAD_DIM>;  // also stages out at the end
@@ -245,7 +249,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   if (m0 >= seq.nq()) return;  // past a shorter sequence's end (variable-length batches)
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int wg_row0 = (warp / 4) * 64;
-  const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MODS> rows(p, b, seq, m0, bitmap_words);
+  const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS> rows(p, b, seq, m0, bitmap_words);
   const Dropout dropout(p, b);
   // P_ij -> P_ij * Z_ij, after the softmax has summed P_ij into l_i. The plain kernels keep Philox's
   // round keys in registers; the modifiers' have none to spare.

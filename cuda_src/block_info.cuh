@@ -18,6 +18,13 @@
 #pragma once
 #include "common.cuh"
 
+// Which score modifiers a kernel is instantiated for. none: the plain and causal kernels. scalars: window
+// (causal travels in it), softcap and ALiBi, whose terms come from a few numbers per batch entry. all: also
+// the per-element arrays (bias and its gradient, mask, block mask). Each instantiation still checks at run
+// time which of its options are on; leaving the arrays out of `scalars` frees the registers their
+// addresses and index math hold, so those kernels can take larger tiles.
+enum class Mods { none, scalars, all };
+
 struct AttnParams {
   void* q;
   void* k;
@@ -45,7 +52,7 @@ struct AttnParams {
   int d_v;   // head dim of v and out (likewise)
   float scale;       // softmax scale applied to q . k
   float scale_log2;  // scale * log2(e), folded so the softmax runs on exp2
-  // Score modifiers, read by HAS_MODS kernels only (score_mods.cuh); null pointers / zeros = off.
+  // Score modifiers, read by HAS_MODS kernels only (score_mods.cuh, Mods below); null pointers / zeros = off.
   const void* bias;                 // (b, nq, nk), T or float32 (bias_f32), any strides
   void* dbias;                      // the bias's own shape: an accumulator in the kernel's accumulator type
                                     // (atomic adds; stride 0 = summed), or with dbias_pairs the result

@@ -1,4 +1,5 @@
-// score_mods.cuh — the score modifiers, for kernels instantiated with HAS_MODS = true.
+// score_mods.cuh — the score modifiers, for kernels instantiated with MODS = Mods::scalars (window, softcap,
+// ALiBi) or Mods::all (also bias with dbias, mask, block mask): ScoreMods<T, ARRAYS = MODS == Mods::all>.
 //
 // Semantics (cupyflash/_modifiers.py is the authority; off = offset = nk - nq of this batch entry's
 // sequence, SeqInfo):
@@ -14,7 +15,7 @@
 // needs each kernel tile to lie inside one BLOCK_MASK_TILE x BLOCK_MASK_TILE block (tiles are powers
 // of two <= 128, aligned). Logits come back in natural units; kernels then run the softmax with
 // log2(e) as the exponent's scale instead of scale * log2(e).
-// Every option is a uniform run-time branch; the plain kernels (HAS_MODS = false) never see this file's
+// Every option is a uniform run-time branch; the plain kernels (Mods::none) never see this file's
 // code, so options that are off cost them nothing.
 #pragma once
 #include "common.cuh"
@@ -100,7 +101,7 @@ struct TileBitmap {
 // flags are read from the kernel's parameter struct (constant memory operands, no registers).
 // Tile transforms run as passes over the whole accumulator tile, one uniform branch per option and
 // tile, so the element loops stay straight-line code the scheduler can interleave with the MMAs.
-template <typename T>
+template <typename T, bool ARRAYS = true>
 struct ScoreMods {
   using A = acc_t<T>;
   const AttnParams& p;
@@ -115,12 +116,18 @@ struct ScoreMods {
   __device__ __forceinline__ ScoreMods(const AttnParams& params, int b) : p(params) {
     add_scale = natural() ? A(1) : A(1) / Reals<A>::scale(p);
     slope = p.alibi_slopes ? A(p.alibi_slopes[b]) * add_scale : A(0);
-    bias = p.bias ? static_cast<const char*>(p.bias) + batch_offset(p.bias_stride, b, p) * (p.bias_f32 ? 4 : sizeof(T)) : nullptr;
-    dbias = p.dbias ? reinterpret_cast<A*>(static_cast<char*>(p.dbias) +
-                                               batch_offset(p.dbias_stride, b, p) * (p.dbias_f32 ? 4 : sizeof(T)))
-                    : nullptr;
-    mask = p.mask ? p.mask + batch_offset(p.mask_stride, b, p) : nullptr;
-    block_mask = p.block_mask ? p.block_mask + batch_offset(p.block_mask_stride, b, p) : nullptr;
+    bias = nullptr;
+    dbias = nullptr;
+    mask = block_mask = nullptr;
+    // Without ARRAYS (Mods::scalars) they stay null at compile time, and every branch on them folds away.
+    if constexpr (ARRAYS) {
+      if (p.bias) bias = static_cast<const char*>(p.bias) + batch_offset(p.bias_stride, b, p) * (p.bias_f32 ? 4 : sizeof(T));
+      if (p.dbias) {
+        dbias = reinterpret_cast<A*>(static_cast<char*>(p.dbias) + batch_offset(p.dbias_stride, b, p) * (p.dbias_f32 ? 4 : sizeof(T)));
+      }
+      if (p.mask) mask = p.mask + batch_offset(p.mask_stride, b, p);
+      if (p.block_mask) block_mask = p.block_mask + batch_offset(p.block_mask_stride, b, p);
+    }
   }
 
   // This batch entry's sequence lengths (SeqInfo<true>).

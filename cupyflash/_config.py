@@ -104,6 +104,18 @@ _MODS_TABLE = {
 _LARGE_SMEM_TABLE = {
     (8, 128): ((8, 32, 128), (8, 16, 128, True), (4, 16, 128)),
 }
+# Where the scalar modifiers' instantiation (no bias, mask or block mask compiled in) fits the plain tiles
+# that the modifiers' tables replace: (path, element bytes, HEAD_DIM, kernel). Every entry of those tables
+# was tried; these compile with zero spills (NVRTC 12.9 for sm_80 and sm_90, CUDA 13.0 ptxas for sm_90a);
+# the others still spill: mma (4, 192, fwd), (2, 256, dkdv), (8, 128, dkdv); wgmma (2, 192, fwd),
+# (2, 96, dkdv); large (8, 128, dkdv).
+_SCALAR_MODS_PLAIN = frozenset({
+    ("mma", 2, 64, "dkdv"), ("mma", 2, 256, "fwd"), ("mma", 8, 64, "fwd"), ("mma", 8, 128, "fwd"),
+    ("mma", 8, 256, "dkdv"),
+    ("wgmma", 2, 16, "fwd"), ("wgmma", 2, 256, "fwd"), ("wgmma", 2, 64, "dkdv"), ("wgmma", 2, 128, "dkdv"),
+    ("wgmma", 2, 64, "dq"),
+    ("large", 8, 128, "fwd"),
+})
 # The tiles of the modifiers' and dropout instantiations where the table's are split: (path, element bytes,
 # HEAD_DIM, kernel) -> tiles (the modifiers' own table may still override them).
 _UNSPLIT = {
@@ -198,10 +210,11 @@ def needs_large_smem(itemsize: int, head_dim: int, direction: str) -> bool:
 
 
 def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: bool = False,
-          dropout: bool = False, large_smem: bool = False) -> Tiles:
+          dropout: bool = False, large_smem: bool = False, scalar_mods: bool = False) -> Tiles:
     """Tile shape for one kernel ("fwd", "dkdv", "dq" or "probs") of one variant; ``mods``: the
     score modifiers' instantiation; ``wgmma``: the Hopper path; ``dropout``: the dropout instantiation;
-    ``large_smem``: the float64 tiles for GPUs with 227 KiB of shared memory per CTA."""
+    ``large_smem``: the float64 tiles for GPUs with 227 KiB of shared memory per CTA; ``scalar_mods``
+    (with ``mods``): the instantiation without the modifiers' arrays (``_SCALAR_MODS_PLAIN``)."""
     if (itemsize, head_dim) not in _TABLE:
         raise ValueError(f"no tiles for {itemsize}-byte elements and head_dim {head_dim}; head dims: {HEAD_DIMS}")
     if wgmma and not has_wgmma(itemsize, head_dim):
@@ -220,7 +233,8 @@ def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: 
     dropout_key = ("large" if large_smem else "wgmma" if wgmma else "mma", bool(mods), itemsize, head_dim, kernel)
     if dropout and dropout_key in _DROPOUT_TABLE:
         return Tiles(*_DROPOUT_TABLE[dropout_key])
-    if mods and (itemsize, head_dim, kernel) in mods_table:
+    if mods and (itemsize, head_dim, kernel) in mods_table and (
+            not scalar_mods or (dropout_key[0], itemsize, head_dim, kernel) not in _SCALAR_MODS_PLAIN):
         return Tiles(*mods_table[itemsize, head_dim, kernel])
     found = Tiles(*table[_KERNELS.index(kernel)])
     if found.split and (mods or dropout):
@@ -237,10 +251,10 @@ def padded_head_dim(d: int) -> int:
 
 
 def smem_bytes(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: bool = False,
-               dropout: bool = False, large_smem: bool = False) -> int:
+               dropout: bool = False, large_smem: bool = False, scalar_mods: bool = False) -> int:
     """Dynamic shared memory of a kernel; mirrors the carve-up at the top of each kernel (swizzled wgmma
     tiles have unpadded rows and start on a SMEM_ALIGN boundary the kernel finds itself)."""
-    t = tiles(itemsize, head_dim, kernel, mods, wgmma, dropout, large_smem)
+    t = tiles(itemsize, head_dim, kernel, mods, wgmma, dropout, large_smem, scalar_mods)
     row = head_dim * itemsize + (0 if wgmma else SMEM_PAD_BYTES[itemsize])
     return (SMEM_ALIGN if wgmma else 0) + _tile_bytes(kernel, t, row, wgmma, 8 if itemsize == 8 else 4)
 

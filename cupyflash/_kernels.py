@@ -94,7 +94,9 @@ class Variant:
     ``mods``: the score modifiers' instantiation (causal then travels as the window, so never both), which
     also serves variable-length batches; "probs" always has it. ``wgmma``: the Hopper path (sm_90a; fp16/bf16 head dims with wgmma tiles).
     ``dropout``: the kernels that regenerate and apply the dropout mask (fwd and bwd only).
-    ``large_smem``: float64 tiles that need the shared memory of compute capability >= 9.0 (sm_90 only)."""
+    ``large_smem``: float64 tiles that need the shared memory of compute capability >= 9.0 (sm_90 only).
+    ``scalar_mods``: the modifiers' instantiation without the per-element arrays (``Mods::scalars``: window,
+    softcap, ALiBi; fwd and bwd without dropout), whose freed registers allow larger tiles in places."""
 
     direction: str
     ctype: str
@@ -104,6 +106,7 @@ class Variant:
     wgmma: bool = False
     dropout: bool = False
     large_smem: bool = False
+    scalar_mods: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -111,11 +114,12 @@ class Variant:
 
     def tiles(self, kernel: str) -> _config.Tiles:
         return _config.tiles(self.itemsize, self.head_dim, kernel, self.mods, self.wgmma, self.dropout,
-                             self.large_smem)
+                             self.large_smem, self.scalar_mods)
 
     def smem(self, kernel: str) -> int:
         return 0 if kernel == "preprocess" else _config.smem_bytes(self.itemsize, self.head_dim, kernel, self.mods,
-                                                                   self.wgmma, self.dropout, self.large_smem)
+                                                                   self.wgmma, self.dropout, self.large_smem,
+                                                                   self.scalar_mods)
 
     def threads(self, kernel: str) -> int:
         return 32 * _config.PREPROCESS_WARPS if kernel == "preprocess" else self.tiles(kernel).threads
@@ -127,8 +131,9 @@ class Variant:
     def name_expression(self, kernel: str) -> str:
         c, hd = self.ctype, self.head_dim
         flag = {True: "true", False: "false"}
-        flags = f"{flag[self.causal]}, {flag[self.mods]}, {flag[self.wgmma]}, {flag[self.dropout]}"
-        fwd_flags = f"{flag[self.causal]}, {flag[self.mods]}, {flag[self.dropout]}"
+        mods = "Mods::scalars" if self.scalar_mods else "Mods::all" if self.mods else "Mods::none"
+        flags = f"{flag[self.causal]}, {mods}, {flag[self.wgmma]}, {flag[self.dropout]}"
+        fwd_flags = f"{flag[self.causal]}, {mods}, {flag[self.dropout]}"
         if kernel == "preprocess":
             return f"attention_bwd_preprocess_kernel<{c}, {_config.PREPROCESS_WARPS}>"
         t = self.tiles(kernel)
@@ -162,8 +167,9 @@ class Variant:
 
 def shipped_variants() -> list[Variant]:
     """Every module the library can compile: (fwd, bwd) x dtypes x head dims x (plain, causal,
-    modifiers) x (without, with dropout), and probs x dtypes x head dims, on the mma.sync path; and the
-    same again on the wgmma path for the (dtype, head dim) pairs that have wgmma tiles."""
+    modifiers) x (without, with dropout), plus the scalar modifiers without dropout, and probs x dtypes x
+    head dims, on the mma.sync path; and the same again on the wgmma path for the (dtype, head dim) pairs
+    that have wgmma tiles."""
     ctypes = ("half_t", "bfloat16_t", "float", "double")
     variants = [
         Variant(direction, ctype, head_dim, causal, mods, dropout=dropout)
@@ -172,6 +178,9 @@ def shipped_variants() -> list[Variant]:
         for head_dim in _config.HEAD_DIMS
         for causal, mods in ((False, False), (True, False), (False, True))
         for dropout in (False, True)
+    ] + [
+        Variant(direction, ctype, head_dim, False, True, scalar_mods=True)
+        for direction in ("fwd", "bwd") for ctype in ctypes for head_dim in _config.HEAD_DIMS
     ] + [Variant("probs", ctype, head_dim, False, True) for ctype in ctypes for head_dim in _config.HEAD_DIMS]
     return (variants + [dataclasses.replace(v, wgmma=True) for v in variants if _config.has_wgmma(v.itemsize, v.head_dim)]
             + [dataclasses.replace(v, large_smem=True) for v in variants
@@ -512,13 +521,20 @@ def _grid(blocks: int, batch: int) -> tuple[int, int, int]:
 def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dropout=None,
              packed: bool = False) -> Variant:
     """With modifiers, causal travels in the window: one instantiation serves both. Packed (variable-length)
-    batches run the modifiers' instantiation, the one that reads cu_seqlens."""
+    batches run the modifiers' instantiation, the one that reads cu_seqlens. Without the modifiers' arrays
+    and without dropout, the scalar instantiation (Variant.scalar_mods) serves."""
     name = numpy.dtype(dtype).name
     has_mods = mods is not None or direction == "probs" or packed
+    scalar = has_mods and direction != "probs" and dropout is None and (mods is None or _scalars_only(mods))
     ctype, head_dim = _CTYPES[name], _config.padded_head_dim(max(d, dv))
     return Variant(direction, ctype, head_dim, bool(causal) and not has_mods, has_mods,
                    uses_wgmma(_ITEMSIZE[ctype], head_dim), dropout is not None,
-                   uses_large_smem(_ITEMSIZE[ctype], head_dim))
+                   uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar)
+
+
+def _scalars_only(mods) -> bool:
+    """Whether the modifiers need no per-element array (ALiBi's slopes are one number per batch entry)."""
+    return mods.bias is None and mods.mask is None and mods.block_mask is None
 
 
 def uses_large_smem(itemsize: int, head_dim: int) -> bool:

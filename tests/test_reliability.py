@@ -51,7 +51,7 @@ from _modifier_checks import assert_matches_reference, run
 from _problems import random_array, random_problem
 from conftest import (FP32_RTOL, NAIVE_FACTOR, ZERO_ATOL, _assert_close, _assert_lse_close, _max_abs, _to_host,
                       naive_attention)
-from cupyflash import _kernels, reference
+from cupyflash import _kernels, _modifiers, reference
 from test_gpu import _nan_filled_allocations
 
 pytestmark = pytest.mark.gpu
@@ -291,7 +291,7 @@ def _module_names(variant):
 def _expected_modules(dtype, d, dv, causal, options):
     vec = 16 // np.dtype(dtype).itemsize
     d_w, dv_w = (-(-x // vec) * vec for x in (d, dv))
-    mods = object() if options else None  # _kernels._variant only asks whether it is None
+    mods = _modifiers.resolve(np, np.dtype(dtype), (2,), 150, 170, **options) if options else None
     return set().union(*(_module_names(_kernels._variant(direction, dtype, d_w, dv_w, causal, mods))
                          for direction in ("fwd", "bwd")))
 
@@ -318,8 +318,9 @@ def test_threads_compile_each_variant_once(rng, monkeypatch):
                 built.append(tuple(sorted(kwargs["name_expressions"])))
         return original(*args, **kwargs)
 
-    saved = dict(_kernels._modules)
+    saved, saved_plans = dict(_kernels._modules), dict(_kernels._plans)
     _kernels._modules.clear()
+    _kernels._plans.clear()  # a plan holds its kernels: the calls must find the modules unloaded
     monkeypatch.setattr(cupy, "RawModule", counting_raw_module)
     barrier = threading.Barrier(2 * len(problems))
     results, errors = {}, []
@@ -345,6 +346,8 @@ def test_threads_compile_each_variant_once(rng, monkeypatch):
     finally:
         for key, value in saved.items():
             _kernels._modules.setdefault(key, value)
+        for key, value in saved_plans.items():
+            _kernels._plans.setdefault(key, value)
     if errors:
         raise errors[0][1]
     counts = collections.Counter(built)

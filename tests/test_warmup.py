@@ -37,8 +37,9 @@ def test_default_warms_every_plain_variant_of_the_api(recorder):
 
 def test_dropout_adds_the_dropout_variants(recorder):
     warmed = cupyflash.warmup(dtypes="bf16", head_dims=128, causal=True, modifiers=True, dropout=True)
-    assert [(v.mods, v.dropout) for v in warmed if v.direction == "fwd"] == [
-        (False, False), (False, True), (True, False), (True, True)]
+    # (mods, scalar_mods, dropout): with dropout the modifiers always take the instantiation with the arrays.
+    assert [(v.mods, v.scalar_mods, v.dropout) for v in warmed if v.direction == "fwd"] == [
+        (False, False, False), (False, False, True), (True, True, False), (True, False, True), (True, False, False)]
     assert all(v in _kernels.shipped_variants() for v in warmed)
     assert "dropout" in _warmup.describe(warmed[2])
 
@@ -61,11 +62,13 @@ def test_selection_follows_causal_backward_and_modifiers(recorder):
     wgmma = _kernels.uses_wgmma(2, 64)  # the path this machine's device takes (none: mma.sync)
     assert only_fwd == [_kernels.Variant("fwd", "half_t", 64, True, False, wgmma)]
     with_mods = cupyflash.warmup(dtypes="float16", head_dims=(60, 64), causal=(False, True), modifiers=True)
-    # 60 and 64 share HEAD_DIM 64; with modifiers, causal travels in the window: one variant per direction.
+    # 60 and 64 share HEAD_DIM 64; with modifiers, causal travels in the window: per direction one variant
+    # with the modifiers' arrays and one without (window, softcap, ALiBi alone).
     assert set(with_mods) == {_kernels.Variant(d, "half_t", 64, causal, False, wgmma)
                               for d in ("fwd", "bwd") for causal in (False, True)} | \
-                             {_kernels.Variant(d, "half_t", 64, False, True, wgmma) for d in ("fwd", "bwd")}
-    assert len(with_mods) == len(set(with_mods)) == 6
+                             {_kernels.Variant(d, "half_t", 64, False, True, wgmma, scalar_mods=scalars)
+                              for d in ("fwd", "bwd") for scalars in (False, True)}
+    assert len(with_mods) == len(set(with_mods)) == 8
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.dtype(np.float16), "half", "fp16", cupy.float16])

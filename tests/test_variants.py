@@ -1,0 +1,61 @@
+"""Which kernel variant a call selects, and with which tiles (no GPU needed: selection only)."""
+
+import numpy as np
+
+from cupyflash import _config, _dropout, _kernels, _modifiers
+
+
+def _mods(**options):
+    return _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, **options)
+
+
+def _variant(mods, dropout=None, direction="fwd"):
+    return _kernels._variant(direction, np.float16, 64, 64, True, mods, dropout)
+
+
+def test_window_softcap_and_alibi_take_the_scalars_instantiation():
+    slopes = np.ones((3,), dtype=np.float32)
+    for options in (dict(window=(10, 0)), dict(softcap=5.0), dict(alibi_slopes=slopes),
+                    dict(window=(10, 5), softcap=5.0, alibi_slopes=slopes)):
+        for direction in ("fwd", "bwd"):
+            variant = _variant(_mods(**options), direction=direction)
+            assert variant.mods and variant.scalar_mods and not variant.causal, options
+            assert "Mods::scalars" in variant.name_expression(direction if direction == "fwd" else "dq")
+
+
+def test_arrays_or_dropout_take_the_full_instantiation():
+    arrays = dict(bias=np.zeros((100, 120), np.float16), mask=np.ones((100, 120), bool),
+                  block_mask=np.ones((1, 1), bool))
+    for name, array in arrays.items():
+        variant = _variant(_mods(window=(10, 0), **{name: array}))
+        assert variant.mods and not variant.scalar_mods, name
+        assert "Mods::all" in variant.name_expression("fwd")
+    with_dropout = _variant(_mods(window=(10, 0)), _dropout.Dropout(0.1, 1))
+    assert with_dropout.mods and with_dropout.dropout and not with_dropout.scalar_mods
+    assert _kernels._variant("probs", np.float16, 64, 64, False, _mods(softcap=5.0)).scalar_mods is False
+
+
+def test_plain_calls_take_no_modifiers():
+    variant = _variant(None)
+    assert not variant.mods and not variant.scalar_mods and variant.causal
+    assert "Mods::none" in variant.name_expression("fwd")
+
+
+def test_every_scalars_variant_is_shipped_beside_its_full_one():
+    shipped = set(_kernels.shipped_variants())
+    scalars = [v for v in shipped if v.scalar_mods]
+    assert scalars and all(v.mods and not v.dropout and v.direction in ("fwd", "bwd") for v in scalars)
+    for v in scalars:
+        assert _kernels.dataclasses.replace(v, scalar_mods=False) in shipped
+
+
+def test_scalars_tiles_are_the_plain_ones_only_where_listed():
+    for path, itemsize, head_dim, kernel in _config._SCALAR_MODS_PLAIN:
+        options = dict(wgmma=path == "wgmma", large_smem=path == "large")
+        mods = _config.tiles(itemsize, head_dim, kernel, mods=True, **options)
+        scalars = _config.tiles(itemsize, head_dim, kernel, mods=True, scalar_mods=True, **options)
+        plain = _config.tiles(itemsize, head_dim, kernel, **options)
+        assert scalars != mods
+        assert scalars == plain or plain.split  # a split plain tile gives way to its unsplit form
+    assert _config.tiles(2, 192, "fwd", mods=True, wgmma=True, scalar_mods=True) == \
+        _config.tiles(2, 192, "fwd", mods=True, wgmma=True)  # not listed: it spills with the plain tile
