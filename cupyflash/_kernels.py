@@ -638,11 +638,13 @@ def _launch_summed(functions, variant: Variant, kernel: str, rows: int, batch: i
 # depends only on its arrays' shapes, strides and dtype, the scalar options and the device. The first call
 # of each such signature works it out (_params, the tile table); later calls copy its parameters and write
 # only the addresses and the dropout key, so that short kernels are not left waiting for Python. Calls with
-# the modifiers' arrays (bias, mask, block_mask, alibi_slopes), and backward passes chained over long axes,
-# always take the full route.
+# the modifiers' per-element arrays (bias, mask, block_mask), and backward passes chained over long axes,
+# always take the full route. (ALiBi's slopes are copied per call to one float32 per batch entry, whose
+# address the plan writes like the others'.)
 _PLAN_CACHE_SIZE = 256
 _ADDRESS_WORDS = {name: PARAMS_DTYPE.fields[name][1] // 8
-                  for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta")}
+                  for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta",
+                               "alibi_slopes")}
 _KEY_WORDS = tuple(PARAMS_DTYPE.fields[name][1] // 4 for name in ("dropout_key0", "dropout_key1"))
 _plans: dict[tuple, "_Plan"] = {}
 
@@ -674,12 +676,12 @@ def _plan_key(direction: str, arrays: dict, scale: float, causal: bool, mods, dr
     """What a dense call's launches depend on, or None when it is not planned (the modifiers' arrays)."""
     import cupy
 
-    if mods is not None and any(x is not None for x in (mods.alibi_slopes, mods.bias, mods.mask, mods.block_mask)):
+    if mods is not None and not _scalars_only(mods):
         return None
     # The inputs' layouts; outputs and workspaces are allocated contiguous from their shapes.
     layout = tuple((arrays[name].shape, arrays[name].strides) for name in _STRIDED if name in arrays)
     return (direction, cupy.cuda.runtime.getDevice(), arrays["q"].dtype, layout, scale, causal,
-            None if mods is None else (mods.window, mods.softcap),
+            None if mods is None else (mods.window, mods.softcap, mods.alibi_slopes is not None),
             None if dropout is None else (dropout.threshold, dropout.scale),
             os.environ.get("CUPYFLASH_NO_WGMMA", ""))
 
@@ -709,14 +711,15 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
     q, k, v = _kernel_ready(q, d_w), _kernel_ready(k, d_w), _kernel_ready(v, dv_w)
     out = cupy.empty(batch_shape + (nq, dv_w), dtype=q.dtype)
     lse = cupy.empty(batch_shape + (nq,), dtype=lse_dtype(q.dtype))
-    addresses = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
+    alibi = _alibi(mods)  # alive until the launch: the parameters hold addresses only
+    addresses = {"q": q, "k": k, "v": v, "out": out, "lse": lse, **alibi}
     key = _plan_key("fwd", addresses, scale, causal, mods, dropout)
     plan = _plans.get(key) if key is not None else None
     if plan is None:
         variant = _variant("fwd", q.dtype, d_w, dv_w, causal, mods, dropout)
         arrays, sizes, strides, copied = _layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, **_mod_arrays(mods)})
         batch = math.prod(batch_shape)
-        others = {"lse": lse, **_alibi(mods)}  # alive until the launch: the parameters hold addresses only
+        others = {"lse": lse, **alibi}
         params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
                          others=others, mods=mods, causal=causal, dropout=dropout)
         plan = _Plan(_functions(variant), variant, params, [("fwd", nq, batch)])
@@ -746,8 +749,9 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     dv_ = cupy.empty(batch_shape + (nk, dv_w), dtype=q.dtype)
     lse_log2 = cupy.empty(batch_shape + (nq,), dtype=acc)
     delta = cupy.empty(batch_shape + (nq,), dtype=acc)
+    alibi = _alibi(mods)  # alive until the launches
     addresses = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv_, "lse": lse,
-                 "lse_log2": lse_log2, "delta": delta}
+                 "lse_log2": lse_log2, "delta": delta, **alibi}
     key = _plan_key("bwd", addresses, scale, causal, mods, dropout) if max(nq, nk) <= _config.CHAIN_ROWS else None
     plan = _plans.get(key) if key is not None else None
     if plan is not None:
@@ -761,7 +765,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     arrays, sizes, strides, copied = _layout(
         batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout, **mod_arrays})
     batch = math.prod(batch_shape)
-    others = {"dq": dq, "dk": dk, "dv": dv_, "lse": lse, "lse_log2": lse_log2, "delta": delta, **_alibi(mods)}
+    others = {"dq": dq, "dk": dk, "dv": dv_, "lse": lse, "lse_log2": lse_log2, "delta": delta, **alibi}
     params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
                      others=others, mods=mods, causal=causal, dropout=dropout)
     functions = _functions(variant)

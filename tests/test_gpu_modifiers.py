@@ -220,6 +220,26 @@ def test_options_that_are_off_run_the_plain_kernels(rng):
         assert cupy.array_equal(x.view(np.uint8), y.view(np.uint8))
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_repeated_layout_with_new_slopes_and_arrays(rng, dtype):
+    """The second call of a window + softcap + ALiBi layout reuses the first call's launch plan: it must read
+    its own inputs and its own slopes (a new address, new values), held to the reference."""
+    from cupyflash import _kernels
+
+    shapes = (2, 3, 177, 64), (2, 3, 230, 64), (2, 3, 230, 64)
+
+    def options():
+        return dict(window=(60, 10), softcap=4.0, alibi_slopes=cupy.asarray(rng.uniform(0.1, 1.0, 3), dtype=np.float32))
+
+    _run(*_random_problem(rng, *shapes, dtype), causal=True, **options())
+    plans = set(_kernels._plans)
+    q, k, v, dout = _random_problem(rng, *shapes, dtype)
+    second = options()
+    results = _run(q, k, v, dout, causal=True, **second)
+    assert set(_kernels._plans) == plans, "the second call should have found both of its plans"
+    assert_matches_reference(q, k, v, dout, results, causal=True, **second)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_modifier_kernels_without_modification_match_plain(rng, causal):
     """A mask of all True goes through the modifier kernels: same results as the plain kernels, within
