@@ -104,17 +104,18 @@ _MODS_TABLE = {
 _LARGE_SMEM_TABLE = {
     (8, 128): ((8, 32, 128), (8, 16, 128, True), (4, 16, 128)),
 }
-# Where the scalar modifiers' instantiation (no bias, mask or block mask compiled in) fits the plain tiles
-# that the modifiers' tables replace: (path, element bytes, HEAD_DIM, kernel). Every entry of those tables
-# was tried; these compile with zero spills (NVRTC 12.9 for sm_80 and sm_90, CUDA 13.0 ptxas for sm_90a);
-# the others still spill: mma (4, 192, fwd), (2, 256, dkdv), (8, 128, dkdv); wgmma (2, 192, fwd),
-# (2, 96, dkdv); large (8, 128, dkdv).
+# The element sizes that have the scalar modifiers' instantiation (no bias, mask or block mask compiled in):
+# 16-bit and float32. Not float64: two of its backward passes (HEAD_DIM 32 and 64, same tiles as the full
+# instantiation's) spilled on sm_90, and float64 has no speed target with modifiers.
+SCALAR_MODS_ITEMSIZES = (2, 4)
+# Where that instantiation fits the plain tiles that the modifiers' tables replace: (path, element bytes,
+# HEAD_DIM, kernel). Every 16-bit and float32 entry of those tables was tried; these compile with zero
+# spills (NVRTC 12.9 for sm_80 and sm_90, CUDA 13.0 ptxas for sm_90a); the others still spill: mma
+# (4, 192, fwd), (2, 256, dkdv); wgmma (2, 192, fwd), (2, 96, dkdv).
 _SCALAR_MODS_PLAIN = frozenset({
-    ("mma", 2, 64, "dkdv"), ("mma", 2, 256, "fwd"), ("mma", 8, 64, "fwd"), ("mma", 8, 128, "fwd"),
-    ("mma", 8, 256, "dkdv"),
+    ("mma", 2, 64, "dkdv"), ("mma", 2, 256, "fwd"),
     ("wgmma", 2, 16, "fwd"), ("wgmma", 2, 256, "fwd"), ("wgmma", 2, 64, "dkdv"), ("wgmma", 2, 128, "dkdv"),
     ("wgmma", 2, 64, "dq"),
-    ("large", 8, 128, "fwd"),
 })
 # The tiles of the modifiers' and dropout instantiations where the table's are split: (path, element bytes,
 # HEAD_DIM, kernel) -> tiles (the modifiers' own table may still override them).

@@ -96,7 +96,8 @@ class Variant:
     ``dropout``: the kernels that regenerate and apply the dropout mask (fwd and bwd only).
     ``large_smem``: float64 tiles that need the shared memory of compute capability >= 9.0 (sm_90 only).
     ``scalar_mods``: the modifiers' instantiation without the per-element arrays (``Mods::scalars``: window,
-    softcap, ALiBi; fwd and bwd without dropout), whose freed registers allow larger tiles in places."""
+    softcap, ALiBi; fwd and bwd without dropout; 16-bit and float32), whose freed registers allow larger
+    tiles in places."""
 
     direction: str
     ctype: str
@@ -181,6 +182,7 @@ def shipped_variants() -> list[Variant]:
     ] + [
         Variant(direction, ctype, head_dim, False, True, scalar_mods=True)
         for direction in ("fwd", "bwd") for ctype in ctypes for head_dim in _config.HEAD_DIMS
+        if _ITEMSIZE[ctype] in _config.SCALAR_MODS_ITEMSIZES
     ] + [Variant("probs", ctype, head_dim, False, True) for ctype in ctypes for head_dim in _config.HEAD_DIMS]
     return (variants + [dataclasses.replace(v, wgmma=True) for v in variants if _config.has_wgmma(v.itemsize, v.head_dim)]
             + [dataclasses.replace(v, large_smem=True) for v in variants
@@ -525,8 +527,9 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
     and without dropout, the scalar instantiation (Variant.scalar_mods) serves."""
     name = numpy.dtype(dtype).name
     has_mods = mods is not None or direction == "probs" or packed
-    scalar = has_mods and direction != "probs" and dropout is None and (mods is None or _scalars_only(mods))
     ctype, head_dim = _CTYPES[name], _config.padded_head_dim(max(d, dv))
+    scalar = (has_mods and direction != "probs" and dropout is None and (mods is None or _scalars_only(mods))
+              and _ITEMSIZE[ctype] in _config.SCALAR_MODS_ITEMSIZES)
     return Variant(direction, ctype, head_dim, bool(causal) and not has_mods, has_mods,
                    uses_wgmma(_ITEMSIZE[ctype], head_dim), dropout is not None,
                    uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar)

@@ -33,6 +33,8 @@ def test_arrays_or_dropout_take_the_full_instantiation():
     with_dropout = _variant(_mods(window=(10, 0)), _dropout.Dropout(0.1, 1))
     assert with_dropout.mods and with_dropout.dropout and not with_dropout.scalar_mods
     assert _kernels._variant("probs", np.float16, 64, 64, False, _mods(softcap=5.0)).scalar_mods is False
+    float64 = _kernels._variant("fwd", np.float64, 64, 64, False, _mods(softcap=5.0))
+    assert float64.mods and not float64.scalar_mods  # float64 has no scalars instantiation
 
 
 def test_plain_calls_take_no_modifiers():
