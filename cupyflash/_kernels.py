@@ -729,7 +729,8 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
         if copied:  # the parameters point at copies made for this call
             plan.launch(None, None)
             return _unpad(arrays["out"], dv), lse
-        _remember(key, plan)
+        if key is not None:  # (the modifiers' arrays: planned never, launched once)
+            _remember(key, plan)
     plan.launch(addresses, dropout)
     return _unpad(out, dv), lse
 
