@@ -369,7 +369,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
   const Dropout dropout(p, b);
   auto drop_dp = [&](A (&dp)[S_TILES][4], int n0) {  // dP -> Z * dP / (1 - p)
     if constexpr (HAS_DROPOUT) {
-      dropout.drop_rows<false>(dp, m0 + warp * 16, n0, lane, Reals<A>::dropout_scale(p));
+      dropout.drop_rows(dp, m0 + warp * 16, n0, lane, Reals<A>::dropout_scale(p));
     }
   };
 

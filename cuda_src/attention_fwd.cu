@@ -166,11 +166,10 @@ attention_fwd_kernel(const AttnParams p) {
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS> rows(p, b, seq, m0, bitmap_words);
   const Dropout dropout(p, b);
-  // P_ij -> P_ij * Z_ij, after the softmax has summed P_ij into l_i. The plain kernels keep Philox's
-  // round keys in registers; the modifiers' have none to spare.
+  // P_ij -> P_ij * Z_ij, after the softmax has summed P_ij into l_i.
   auto drop = [&](A (&s)[S_TILES][4], int n_block) {
     if constexpr (HAS_DROPOUT) {
-      dropout.drop_rows<!HAS_MODS>(s, m0 + warp * 16, n_block * BLOCK_N, lane);
+      dropout.drop_rows(s, m0 + warp * 16, n_block * BLOCK_N, lane);
     }
   };
 
@@ -251,11 +250,10 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   const int wg_row0 = (warp / 4) * 64;
   const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS> rows(p, b, seq, m0, bitmap_words);
   const Dropout dropout(p, b);
-  // P_ij -> P_ij * Z_ij, after the softmax has summed P_ij into l_i. The plain kernels keep Philox's
-  // round keys in registers; the modifiers' have none to spare.
+  // P_ij -> P_ij * Z_ij, after the softmax has summed P_ij into l_i.
   auto drop = [&](float (&s)[S_TILES][4], int n_block) {
     if constexpr (HAS_DROPOUT) {
-      dropout.drop_rows<!HAS_MODS>(s, m0 + warp * 16, n_block * BLOCK_N, lane);
+      dropout.drop_rows(s, m0 + warp * 16, n_block * BLOCK_N, lane);
     }
   };
 

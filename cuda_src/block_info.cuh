@@ -77,10 +77,11 @@ struct AttnParams {
   // launches (cupyflash/_config.py, CHAIN_ROWS); block boundaries line up with BLOCK_M and BLOCK_N.
   int stream_begin;
   int stream_end;
-  // Dropout, read by HAS_DROPOUT kernels only (dropout.cuh): the seed's two words, the 16-bit keep
-  // threshold and 1 / (1 - p), by which the kept probabilities are scaled.
-  u32 dropout_key0;
-  u32 dropout_key1;
+  // Dropout, read by HAS_DROPOUT kernels only (dropout.cuh): Philox's ten round keys of the seed (round
+  // r's two words at [2r], [2r + 1]; the host runs the key schedule once per call, so the kernels read
+  // each key as a constant operand instead of holding or recomputing it), the 16-bit keep threshold and
+  // 1 / (1 - p), by which the kept probabilities are scaled.
+  u32 dropout_keys[20];
   u32 dropout_threshold;
   float dropout_scale;
   // Variable-length batches (null = every batch entry has nq queries and nk keys; then nq, nk are the

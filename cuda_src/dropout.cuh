@@ -18,27 +18,23 @@
 #include "block_info.cuh"
 
 struct Dropout {
-  u32 key0, key1;  // the seed
-  u32 batch;       // flat batch index b: the third counter word
-  u32 threshold;   // keep iff u < threshold (<= 65536)
+  const AttnParams& p;  // the round keys, read as constant operands (p.dropout_keys)
+  u32 batch;            // flat batch index b: the third counter word
+  u32 threshold;        // keep iff u < threshold (<= 65536)
 
-  __device__ __forceinline__ Dropout(const AttnParams& p, int b)
-      : key0(p.dropout_key0), key1(p.dropout_key1), batch(static_cast<u32>(b)), threshold(p.dropout_threshold) {}
+  __device__ __forceinline__ Dropout(const AttnParams& params, int b)
+      : p(params), batch(static_cast<u32>(b)), threshold(params.dropout_threshold) {}
 
-  // Philox 4x32-10 of counter (c0, c1, batch, 0). HOIST_KEYS: let the compiler keep the ten round keys
-  // in registers across calls (18 more registers, two adds per round fewer: the forward has the room);
-  // otherwise the keys are opaque to the optimizer and recomputed per call, so that the backward passes,
-  // which have no registers to spare, do not hold them through their main loops.
-  template <bool HOIST_KEYS = false>
+  // Philox 4x32-10 of counter (c0, c1, batch, 0). Each round is two 32 x 32 -> 64-bit multiplies and two
+  // three-way xors; its key words come from the host's key schedule in the parameters, so they cost
+  // neither registers nor the two adds per round of an in-kernel schedule.
   __device__ __forceinline__ uint4 philox(u32 c0, u32 c1) const {
-    u32 c2 = batch, c3 = 0, k0 = key0, k1 = key1;
-    if (!HOIST_KEYS) asm volatile("" : "+r"(k0), "+r"(k1));
+    u32 c2 = batch, c3 = 0;
 #pragma unroll
     for (int r = 0; r < 10; ++r) {
-      if (r) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
       const u32 hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
       const u32 hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-      c0 = hi1 ^ c1 ^ k0; c1 = lo1; c2 = hi0 ^ c3 ^ k1; c3 = lo0;
+      c0 = hi1 ^ c1 ^ p.dropout_keys[2 * r]; c1 = lo1; c2 = hi0 ^ c3 ^ p.dropout_keys[2 * r + 1]; c3 = lo0;
     }
     return make_uint4(c0, c1, c2, c3);
   }
@@ -47,14 +43,14 @@ struct Dropout {
   // the dQ pass's dP): this warp's rows start at query row0, its columns at key col0 (multiples of 16).
   // Fully unrolled, every call's 8 values go straight to their elements (a compare and a select each):
   // no bit packing, and the calls are independent chains the scheduler can interleave with each other
-  // and with the softmax. HOIST_KEYS as in philox.
-  template <bool HOIST_KEYS, int N, typename A>
+  // and with the softmax.
+  template <int N, typename A>
   __device__ __forceinline__ void drop_rows(A (&s)[N][4], int row0, int col0, int lane, A scale = A(1)) const {
     static_assert(N % 2 == 0, "whole 16-key blocks");
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int jj = 0; jj < N / 2; ++jj) {
-      const uint4 u = philox<HOIST_KEYS>(static_cast<u32>(((col0 >> 4) + jj) * 4 + t), static_cast<u32>((row0 >> 4) * 8 + g));
+      const uint4 u = philox(static_cast<u32>(((col0 >> 4) + jj) * 4 + t), static_cast<u32>((row0 >> 4) * 8 + g));
       const u32 words[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -79,8 +75,9 @@ struct Dropout {
     const int c = g & 1;              // the query (2t + c) this thread draws for
     const int mine = 16 * (g & 1);    // the half of each word this thread's keys take
     u64 bits = 0;
-    // One call at a time (the bits go in by a run-time shift): this pass has no registers for more.
-#pragma unroll 1
+    // Two calls at a time (independent chains for the scheduler); the bits go in by a run-time shift:
+    // this pass has no registers for a fully unrolled tile.
+#pragma unroll 2
     for (int jj = 0; jj < N / 2; ++jj) {
       // Query 16 jj + 8 h + 2t + c, key g + 8 r: slot h * 4 + r * 2 + (g & 1), word h * 2 + r, element
       // [2 jj + h][2 r + c]: bit 4 h + 2 r + c of this byte.

@@ -63,6 +63,14 @@ class Dropout:
     def key(self) -> tuple[int, int]:
         return self.seed & _U32, self.seed >> 32
 
+    @property
+    def round_keys(self) -> tuple[int, ...]:
+        """Philox's key schedule for this seed: round r's two key words at [2r], [2r + 1] (20 words), as
+        the kernels read them from their parameters."""
+        k0, k1 = self.key
+        return tuple(w for r in range(_PHILOX_ROUNDS)
+                     for w in ((k0 + r * _PHILOX_W[0]) & _U32, (k1 + r * _PHILOX_W[1]) & _U32))
+
 
 def resolve(dropout_p, dropout_seed, *, caller: str, draw_seed: bool = False) -> Dropout | None:
     """Validate ``dropout_p`` and ``dropout_seed``; None when p = 0 (then the seed is only type-checked).

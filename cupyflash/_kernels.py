@@ -45,7 +45,7 @@ PARAMS_DTYPE = numpy.dtype(
                                         "dbias_f32")]
     + [("softcap", numpy.float32), ("softcap_inv", numpy.float32)]
     + [(name, numpy.int32) for name in ("stream_begin", "stream_end")]
-    + [(name, numpy.uint32) for name in ("dropout_key0", "dropout_key1", "dropout_threshold")]
+    + [("dropout_keys", numpy.uint32, (20,)), ("dropout_threshold", numpy.uint32)]
     + [("dropout_scale", numpy.float32)]
     + [(name, numpy.uint64) for name in ("cu_seqlens_q", "cu_seqlens_k")]
     + [(name, numpy.int32) for name in ("heads", "total_q", "total_k")]
@@ -445,7 +445,7 @@ def _new_params(pointers: dict, *, batch: int, batch1: int, batch2: int, nq: int
         p["softcap"], p["softcap_inv"] = mods.softcap, softcap_inv
         p["softcap_f64"], p["softcap_inv_f64"] = mods.softcap, softcap_inv
     if dropout is not None:  # read by the dropout kernels only
-        p["dropout_key0"], p["dropout_key1"] = dropout.key
+        p["dropout_keys"] = dropout.round_keys
         p["dropout_threshold"], p["dropout_scale"] = dropout.threshold, dropout.scale
         p["dropout_scale_f64"] = dropout.scale
     return p
@@ -648,7 +648,7 @@ _PLAN_CACHE_SIZE = 256
 _ADDRESS_WORDS = {name: PARAMS_DTYPE.fields[name][1] // 8
                   for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta",
                                "alibi_slopes")}
-_KEY_WORDS = tuple(PARAMS_DTYPE.fields[name][1] // 4 for name in ("dropout_key0", "dropout_key1"))
+_KEY_WORDS = slice(PARAMS_DTYPE.fields["dropout_keys"][1] // 4, PARAMS_DTYPE.fields["dropout_keys"][1] // 4 + 20)
 _plans: dict[tuple, "_Plan"] = {}
 
 
@@ -668,8 +668,7 @@ class _Plan:
             for name, array in addresses.items():
                 words[_ADDRESS_WORDS[name]] = array.data.ptr
             if dropout is not None:
-                halves = words.view(numpy.uint32)
-                halves[_KEY_WORDS[0]], halves[_KEY_WORDS[1]] = dropout.key
+                words.view(numpy.uint32)[_KEY_WORDS] = dropout.round_keys
         args = (words.view(_PARAMS_BYTES),)
         for function, grid, block, smem in self.launches:
             function(grid, block, args, shared_mem=smem)
