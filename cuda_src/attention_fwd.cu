@@ -202,7 +202,7 @@ attention_fwd_kernel(const AttnParams p) {
     // m_i, l_i and P_ij = exp(scale * S_ij - m_i); O_i *= exp(m_old - m_new).
     A rescale[2];
     softmax.update(acc_s, rows.exp_scale(), rescale);
-    scale_rows(acc_o, rescale);
+    rescale_rows(acc_o, rescale);
     drop(acc_s, n_block);
 
     cp_async_wait<0>();  // V_j has landed; every warp is done with K_j
@@ -332,7 +332,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
       wgmma_wait<0>();
       fence_operands(acc_o);
       fence_fragments(p_cur);
-      scale_rows(acc_o, rescale);  // O = (O + P_(t-1) V) * exp(m_old - m_new)
+      rescale_rows(acc_o, rescale);  // O = (O + P_(t-1) V) * exp(m_old - m_new)
 #pragma unroll
       for (int kt = 0; kt < S_TILES / 2; ++kt)
 #pragma unroll

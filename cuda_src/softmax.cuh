@@ -4,10 +4,16 @@
 // For each key tile j:  m_new = max(m_i, rowmax(S_ij));  P_ij = exp2(c * S_ij - c * m_new);
 // l_i = exp2(c * (m_i - m_new)) * l_i + rowsum(P_ij);  O_i is rescaled by the same factor;
 // with c = scale * log2(e) folded in, so every exponential is one ex2 instruction.
+// The reference m_i only moves when the row max grows by more than RESCALE_SLACK (in exp2 units):
+// otherwise P_ij (then at most 2^RESCALE_SLACK) and l_i stay relative to the old m_i, which is exact
+// (out = O / l and lse = c * m + log2(l) do not depend on the reference), and O_i needs no rescaling,
+// a multiply per output element saved on most tiles (FlashAttention-4's conditional rescaling).
 // A row whose scores are all -inf so far keeps m = -inf; it uses 0 as its reference so that
 // -inf - -inf never produces NaN, and ends with l = 0: out = 0, lse = -inf.
 #pragma once
 #include "common.cuh"
+
+constexpr float RESCALE_SLACK = 8.f;  // P <= 2^8 between rescalings: far from overflow in any type P is rounded to
 
 // A: the accumulator type (float; double for float64 inputs, with libdevice's exp2 and log2).
 template <int N_TILES, typename A = float>
@@ -28,11 +34,14 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int j = 0; j < N_TILES; ++j) tile_max = max_of(tile_max, max_of(s[j][2 * r], s[j][2 * r + 1]));
       const A new_max = max_of(row_max[r], quad_max(tile_max));
-      const A ref = new_max == neg_inf() ? A(0) : new_max * scale_log2;
-      // mul_rn keeps the product out of an FMA, so a max that did not grow rescales by exactly 1
-      // (a tile with every key hidden then changes nothing, bit for bit).
-      rescale[r] = fast_exp2(mul_rn(row_max[r], scale_log2) - ref);
-      row_max[r] = new_max;
+      // A row's first finite max always becomes the reference (-inf + slack is -inf).
+      if (new_max * scale_log2 > row_max[r] * scale_log2 + A(RESCALE_SLACK)) {
+        rescale[r] = fast_exp2(mul_rn(row_max[r], scale_log2) - new_max * scale_log2);
+        row_max[r] = new_max;
+      } else {
+        rescale[r] = A(1);  // exactly: a tile with every key hidden then changes nothing, bit for bit
+      }
+      const A ref = row_max[r] == neg_inf() ? A(0) : row_max[r] * scale_log2;
       A tile_sum = A(0);
 #pragma unroll
       for (int j = 0; j < N_TILES; ++j) {
@@ -67,4 +76,11 @@ __device__ __forceinline__ void scale_rows(A (&acc)[N_TILES][4], const A (&f)[2]
     acc[j][0] *= f[0]; acc[j][1] *= f[0];
     acc[j][2] *= f[1]; acc[j][3] *= f[1];
   }
+}
+
+// The output accumulator's rescaling by OnlineSoftmax::update's factors, skipped (warp-uniformly) when
+// no row of the warp moved its reference: the common case once a row's max has settled.
+template <int N_TILES, typename A>
+__device__ __forceinline__ void rescale_rows(A (&acc)[N_TILES][4], const A (&f)[2]) {
+  if (__any_sync(0xffffffffu, f[0] != A(1) || f[1] != A(1))) scale_rows(acc, f);
 }
