@@ -59,11 +59,12 @@ struct AttnParams {
                                     // itself, in the bias's dtype
   const unsigned char* mask;        // bool (b, nq, nk): true = the key takes part
   const unsigned char* block_mask;  // bool (b, ceil(nq / 128), ceil(nk / 128))
-  const float* alibi_slopes;        // (b), one slope per flat batch entry
+  const float* alibi_slopes;        // (b), one slope per flat batch entry (alibi_stride)
   i64 bias_stride[5];               // [b0, b1, b2, row, col], in elements
   i64 dbias_stride[5];
   i64 mask_stride[5];
   i64 block_mask_stride[5];
+  i64 alibi_stride[3];              // [b0, b1, b2] of alibi_slopes, in elements (0 along a broadcast dim)
   int window_left;   // keys j >= i + nk - nq - left are seen; -1 = unbounded
   int window_right;  // keys j <= i + nk - nq + right are seen; -1 = unbounded; causal = 0
   int bias_f32;      // bias is float32 (else the inputs' type)

@@ -115,7 +115,7 @@ struct ScoreMods {
   // The kernel has constructed a SeqInfo<true> (HAS_MODS kernels do): the lengths are in shared memory.
   __device__ __forceinline__ ScoreMods(const AttnParams& params, int b) : p(params) {
     add_scale = natural() ? A(1) : A(1) / Reals<A>::scale(p);
-    slope = p.alibi_slopes ? A(p.alibi_slopes[b]) * add_scale : A(0);
+    slope = p.alibi_slopes ? A(p.alibi_slopes[batch_offset(p.alibi_stride, b, p)]) * add_scale : A(0);
     bias = nullptr;
     dbias = nullptr;
     mask = block_mask = nullptr;

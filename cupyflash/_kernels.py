@@ -41,6 +41,7 @@ PARAMS_DTYPE = numpy.dtype(
     + [("scale", numpy.float32), ("scale_log2", numpy.float32)]
     + [(name, numpy.uint64) for name in ("bias", "dbias", "mask", "block_mask", "alibi_slopes")]
     + [(name, numpy.int64, (5,)) for name in ("bias_stride", "dbias_stride", "mask_stride", "block_mask_stride")]
+    + [("alibi_stride", numpy.int64, (3,))]
     + [(name, numpy.int32) for name in ("window_left", "window_right", "bias_f32", "bias_pairs", "dbias_pairs",
                                         "dbias_f32")]
     + [("softcap", numpy.float32), ("softcap_inv", numpy.float32)]
@@ -437,6 +438,7 @@ def _new_params(pointers: dict, *, batch: int, batch1: int, batch2: int, nq: int
     p["scale"], p["scale_log2"] = scale, scale * _LOG2E
     p["scale_f64"], p["scale_log2_f64"] = scale, scale * _LOG2E
     p["stream_begin"], p["stream_end"] = 0, max(nq, nk)
+    p["alibi_stride"] = batch1 * batch2, batch2, 1  # one slope per flat batch entry, contiguous (_alibi)
     # Read only by the modifiers' kernels (and attention_probs_kernel, which always has them).
     p["window_left"], p["window_right"] = (-1, 0) if causal else (-1, -1)
     if mods is not None:
@@ -458,6 +460,9 @@ def _params(arrays: dict, sizes, batch_strides: dict, *, batch: int, nq: int, nk
     p = _new_params({**arrays, **(others or {})}, batch=batch, batch1=sizes[1], batch2=sizes[2], nq=nq, nk=nk, d=d,
                     dv=dv, scale=scale, causal=causal, mods=mods, dropout=dropout)
     for name, array in arrays.items():
+        if name == "alibi_slopes":  # (*batch): batch strides only
+            p["alibi_stride"] = batch_strides[name]
+            continue
         row_col = [array.strides[-2] // array.dtype.itemsize]
         if name not in _STRIDED:  # the modifiers' arrays: any column stride, 0 included
             row_col.append(array.strides[-1] // array.dtype.itemsize)
@@ -498,16 +503,25 @@ def _pairs_aligned(array, strides) -> bool:
 
 
 def _mod_arrays(mods) -> dict:
-    """The modifiers' per-element arrays as the kernels read them: broadcast views, nothing copied."""
+    """The modifiers' arrays as the dense kernels read them: broadcast views, nothing copied."""
     if mods is None:
         return {}
-    return {name: getattr(mods, name) for name in ("bias", "mask", "block_mask") if getattr(mods, name) is not None}
+    return {name: getattr(mods, name) for name in ("bias", "mask", "block_mask", "alibi_slopes")
+            if getattr(mods, name) is not None}
+
+
+def _slopes(mods) -> dict:
+    """The ALiBi slopes' broadcast view (float32, the batch shape), by name, or nothing: its address is one
+    of a planned call's."""
+    return {} if mods is None or mods.alibi_slopes is None else {"alibi_slopes": mods.alibi_slopes}
 
 
 def _alibi(mods):
-    """One float32 slope per flat batch entry, contiguous (tiny: the batch size), or nothing. Often a new
-    array: the caller keeps the dict it returns alive until the kernels are launched (a local variable),
-    since the parameters hold only its address."""
+    """One float32 slope per flat batch entry, contiguous (tiny: the batch size), or nothing, for packed
+    batches, whose launches take _new_params' contiguous alibi_stride. Often a new array: the caller keeps
+    the dict it returns alive until the kernels are launched (a local variable), since the parameters hold
+    only its address. Dense calls pass the broadcast view itself with its batch strides instead
+    (_mod_arrays): no copy, no extra kernel per call."""
     import cupy
 
     if mods is None or mods.alibi_slopes is None:
@@ -642,8 +656,8 @@ def _launch_summed(functions, variant: Variant, kernel: str, rows: int, batch: i
 # of each such signature works it out (_params, the tile table); later calls copy its parameters and write
 # only the addresses and the dropout key, so that short kernels are not left waiting for Python. Calls with
 # the modifiers' per-element arrays (bias, mask, block_mask), and backward passes chained over long axes,
-# always take the full route. (ALiBi's slopes are copied per call to one float32 per batch entry, whose
-# address the plan writes like the others'.)
+# always take the full route. (ALiBi's slopes are read in place through their broadcast view, whose strides
+# are part of the signature and whose address the plan writes like the others'.)
 _PLAN_CACHE_SIZE = 256
 _ADDRESS_WORDS = {name: PARAMS_DTYPE.fields[name][1] // 8
                   for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta",
@@ -683,7 +697,8 @@ def _plan_key(direction: str, arrays: dict, scale: float, causal: bool, mods, dr
     # The inputs' layouts; outputs and workspaces are allocated contiguous from their shapes.
     layout = tuple((arrays[name].shape, arrays[name].strides) for name in _STRIDED if name in arrays)
     return (direction, cupy.cuda.runtime.getDevice(), arrays["q"].dtype, layout, scale, causal,
-            None if mods is None else (mods.window, mods.softcap, mods.alibi_slopes is not None),
+            None if mods is None else (mods.window, mods.softcap,
+                                       None if mods.alibi_slopes is None else mods.alibi_slopes.strides),
             None if dropout is None else (dropout.threshold, dropout.scale),
             os.environ.get("CUPYFLASH_NO_WGMMA", ""))
 
@@ -713,15 +728,14 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
     q, k, v = _kernel_ready(q, d_w), _kernel_ready(k, d_w), _kernel_ready(v, dv_w)
     out = cupy.empty(batch_shape + (nq, dv_w), dtype=q.dtype)
     lse = cupy.empty(batch_shape + (nq,), dtype=lse_dtype(q.dtype))
-    alibi = _alibi(mods)  # alive until the launch: the parameters hold addresses only
-    addresses = {"q": q, "k": k, "v": v, "out": out, "lse": lse, **alibi}
+    addresses = {"q": q, "k": k, "v": v, "out": out, "lse": lse, **_slopes(mods)}
     key = _plan_key("fwd", addresses, scale, causal, mods, dropout)
     plan = _plans.get(key) if key is not None else None
     if plan is None:
         variant = _variant("fwd", q.dtype, d_w, dv_w, causal, mods, dropout)
         arrays, sizes, strides, copied = _layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, **_mod_arrays(mods)})
         batch = math.prod(batch_shape)
-        others = {"lse": lse, **alibi}
+        others = {"lse": lse}
         params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
                          others=others, mods=mods, causal=causal, dropout=dropout)
         plan = _Plan(_functions(variant), variant, params, [("fwd", nq, batch)])
@@ -752,9 +766,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     dv_ = cupy.empty(batch_shape + (nk, dv_w), dtype=q.dtype)
     lse_log2 = cupy.empty(batch_shape + (nq,), dtype=acc)
     delta = cupy.empty(batch_shape + (nq,), dtype=acc)
-    alibi = _alibi(mods)  # alive until the launches
     addresses = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv_, "lse": lse,
-                 "lse_log2": lse_log2, "delta": delta, **alibi}
+                 "lse_log2": lse_log2, "delta": delta, **_slopes(mods)}
     key = _plan_key("bwd", addresses, scale, causal, mods, dropout) if max(nq, nk) <= _config.CHAIN_ROWS else None
     plan = _plans.get(key) if key is not None else None
     if plan is not None:
@@ -768,7 +781,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     arrays, sizes, strides, copied = _layout(
         batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout, **mod_arrays})
     batch = math.prod(batch_shape)
-    others = {"dq": dq, "dk": dk, "dv": dv_, "lse": lse, "lse_log2": lse_log2, "delta": delta, **alibi}
+    others = {"dq": dq, "dk": dk, "dv": dv_, "lse": lse, "lse_log2": lse_log2, "delta": delta}
     params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
                      others=others, mods=mods, causal=causal, dropout=dropout)
     functions = _functions(variant)
@@ -803,7 +816,7 @@ def attention_probs(q, k, v, *, scale: float, causal: bool, mods=None):
     probs = cupy.empty(batch_shape + (nq, nk), dtype=lse_dtype(q.dtype))
     arrays, sizes, strides, _ = _layout(batch_shape, {"q": q, "k": k, **_mod_arrays(mods)})
     batch = math.prod(batch_shape)
-    others = {"out": probs, "lse": lse, **_alibi(mods)}  # alive until the launch
+    others = {"out": probs, "lse": lse}
     params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=d_w, scale=scale,
                      others=others, mods=mods, causal=causal)
     _launch(_functions(variant), variant, "probs", nq, batch, params, cols=nk)

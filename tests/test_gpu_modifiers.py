@@ -240,6 +240,27 @@ def test_repeated_layout_with_new_slopes_and_arrays(rng, dtype):
     assert_matches_reference(q, k, v, dout, results, causal=True, **second)
 
 
+def test_alibi_slopes_read_in_place_through_any_view(rng):
+    """The dense kernels read the slopes through their broadcast view's batch strides (no per-call copy):
+    a slope per head broadcast over the batch, per batch entry broadcast over the heads, a strided view
+    and float64 slopes all give bit for bit what the expanded contiguous float32 slopes give, and each
+    call of one (q, k, v) layout with a new slopes layout finds its own plan."""
+    batch, heads, nq, nk = 2, 3, 150, 170
+    q, k, v, dout = _random_problem(rng, (batch, heads, nq, 64), (batch, heads, nk, 64), (batch, heads, nk, 64),
+                                    ml_dtypes.bfloat16)
+    wide = cupy.asarray(rng.uniform(0.05, 0.5, (batch, 2 * heads)), dtype=np.float32)
+    views = {"per head": wide[0, :heads], "per batch entry": wide[:, :1], "strided": wide[:, ::2],
+             "float64": wide[:, :heads].astype(np.float64)}
+    for name, slopes in views.items():
+        got = _run(q, k, v, dout, causal=True, window=(50, 0), alibi_slopes=slopes)
+        expanded = cupy.ascontiguousarray(cupy.broadcast_to(slopes, (batch, heads)), dtype=np.float32)
+        want = _run(q, k, v, dout, causal=True, window=(50, 0), alibi_slopes=expanded)
+        for x, y in zip(got, want):
+            assert cupy.array_equal(x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32),
+                                    y.view(np.uint16 if y.dtype.itemsize == 2 else np.uint32)), name
+        assert_matches_reference(q, k, v, dout, got, causal=True, window=(50, 0), alibi_slopes=slopes)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_modifier_kernels_without_modification_match_plain(rng, causal):
     """A mask of all True goes through the modifier kernels: same results as the plain kernels, within
