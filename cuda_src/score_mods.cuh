@@ -39,6 +39,32 @@ __device__ __forceinline__ float softcap_tanh<float>(float x) { return tanhf(x);
 template <typename T>
 __device__ __forceinline__ double softcap_tanh(double x) { return tanh(x); }
 
+// tanh(scale * raw / softcap) of a raw score q . k, and the softcapped logit softcap times that. 16-bit
+// types fold the three factors of the exponent into one (k = 2 log2(e) scale / softcap) and softcap into
+// the last FMA: one multiply, ex2, add, rcp and FMA per score. (An exp2 evaluated on the FMA pipe instead
+// of the special-function unit measured 10% slower: the issue slots, not that unit, bound a softcapped
+// tile.) float32 and float64 keep softcap_tanh(scale * raw * (1 / softcap)) as written.
+template <typename T, typename A>
+struct SoftcapTanh {
+  A scale, inv, cap, k;
+  __device__ __forceinline__ explicit SoftcapTanh(const AttnParams& p)
+      : scale(Reals<A>::scale(p)), inv(Reals<A>::softcap_inv(p)), cap(Reals<A>::softcap(p)),
+        k(A(2) * log2e<A>() * Reals<A>::scale(p) * Reals<A>::softcap_inv(p)) {}
+  __device__ __forceinline__ static float rcp_of_exp_plus_one(float y) {  // 1 / (2^y + 1)
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fast_exp2(y) + 1.f));
+    return r;
+  }
+  __device__ __forceinline__ A tanh_of(A raw) const {
+    if constexpr (sizeof(T) == 2) return fmaf(-2.f, rcp_of_exp_plus_one(raw * k), 1.f);
+    return softcap_tanh<T>(raw * scale * inv);
+  }
+  __device__ __forceinline__ A logit(A raw) const {
+    if constexpr (sizeof(T) == 2) return fmaf(-2.f * cap, rcp_of_exp_plus_one(raw * k), cap);
+    return cap * tanh_of(raw);
+  }
+};
+
 // The block mask along the axis a kernel streams (keys for the forward and dQ, queries for dK/dV), as
 // a bitmap in shared memory: finding the next tile that is on is then a word scan, not a chain of
 // dependent global loads. Longer axes than the bitmap holds read global memory tile by tile.
@@ -308,15 +334,12 @@ struct ScoreMods {
   // Forward (and probs): raw scores -> what the online softmax takes with exp_scale().
   template <bool TRANSPOSED, int N>
   __device__ __forceinline__ void apply(A (&s)[N][4], int row0, int col0, int lane, bool check) const {
-    if (natural()) {
-      const A scale = Reals<A>::scale(p), cap = Reals<A>::softcap(p), inv = Reals<A>::softcap_inv(p);
+    if (p.softcap > 0.f) {
+      const SoftcapTanh<T, A> softcap(p);
 #pragma unroll
       for (int j = 0; j < N; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[j][e] *= scale;
-          if (cap > A(0)) s[j][e] = cap * softcap_tanh<T>(s[j][e] * inv);
-        }
+        for (int e = 0; e < 4; ++e) s[j][e] = softcap.logit(s[j][e]);
     }
     additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
   }
@@ -328,7 +351,7 @@ struct ScoreMods {
     A x = raw * Reals<A>::scale(p);
     dcap = A(1);
     if (p.softcap > 0.f) {
-      const A t = softcap_tanh<T>(x * Reals<A>::softcap_inv(p));
+      const A t = SoftcapTanh<T, A>(p).tanh_of(raw);
       x = Reals<A>::softcap(p) * t;
       dcap = A(1) - t * t;
     }
@@ -367,18 +390,15 @@ struct ScoreMods {
     // Otherwise in passes. With a softcap, dS * (1 - t^2) = P * ((dP - delta) * (1 - t^2)): the
     // derivative is folded into dp while t is at hand. (Without a softcap dp ends as dS itself.)
     const bool store_pairs = !TRANSPOSED && p.dbias_pairs;  // the host never sets it with a softcap
-    if (natural()) {
-      const A scale = Reals<A>::scale(p), inv = Reals<A>::softcap_inv(p);
+    if (cap > A(0)) {
+      const SoftcapTanh<T, A> softcap(p);
 #pragma unroll
       for (int j = 0; j < N; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[j][e] *= scale;
-          if (cap > A(0)) {
-            const A t = softcap_tanh<T>(s[j][e] * inv);
-            s[j][e] = cap * t;
-            dp[j][e] = (dp[j][e] - delta(j, e)) * (A(1) - t * t);
-          }
+          const A t = softcap.tanh_of(s[j][e]);
+          s[j][e] = cap * t;
+          dp[j][e] = (dp[j][e] - delta(j, e)) * (A(1) - t * t);
         }
     }
     additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
