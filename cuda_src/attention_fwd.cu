@@ -50,6 +50,13 @@ struct RowBlock {
   T* out;          // row m0
   acc_t<T>* lse;   // row m0
   int n_first = 0, n_blocks, n_unmasked;
+  // This entry's keys, and with the scalar modifiers the key blocks that need no bound checks, in
+  // registers: seq.nk() reads shared memory with modifiers, and deriving the checks from it per tile put
+  // that latency between each S and its softmax. (Mods::all keeps reading: its widest tiles have no
+  // registers to spare.)
+  int nk_;
+  int n_free_first = 0, n_free_last = -1;
+  static constexpr bool KEYS_IN_REGISTERS = MODS != Mods::all;
   Mask<IS_CAUSAL> mask;
   ScoreMods<T, MODS == Mods::all> mods;
   TileBitmap tile_bitmap;
@@ -64,13 +71,14 @@ struct RowBlock {
     v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p) + seq.k_row * p.v_stride[3];
     out = static_cast<T*>(p.out) + batch_offset(p.out_stride, b, p) + (seq.q_row + m0) * p.out_stride[3];
     lse = static_cast<acc_t<T>*>(p.lse) + seq.q_flat + m0;
+    nk_ = seq.nk();
     const int offset = seq.causal_offset();
-    mask = Mask<IS_CAUSAL>{seq.nk(), offset};
+    mask = Mask<IS_CAUSAL>{nk_, offset};
     // Keys this row block can see: all of them, or up to the causal limit of its last row.
-    const int key_end = IS_CAUSAL ? min(seq.nk(), m0 + BLOCK_M + offset) : seq.nk();
+    const int key_end = IS_CAUSAL ? min(nk_, m0 + BLOCK_M + offset) : nk_;
     n_blocks = key_end > 0 ? ceil_div(key_end, BLOCK_N) : 0;
     // Key blocks [0, n_unmasked) need no mask: fully inside nk and on or below every row's diagonal.
-    n_unmasked = seq.nk() / BLOCK_N;
+    n_unmasked = nk_ / BLOCK_N;
     if (IS_CAUSAL) n_unmasked = min(n_unmasked, max(0, m0 + offset + 1) / BLOCK_N);
     // With modifiers: only the key blocks of the window band, and of those only the ones the block mask
     // leaves on.
@@ -79,8 +87,14 @@ struct RowBlock {
       const int k_first = mods.first_key(m0), k_last = mods.last_key(last_row);
       n_first = k_first / BLOCK_N;
       n_blocks = k_last >= k_first ? k_last / BLOCK_N + 1 : 0;
+      if constexpr (KEYS_IN_REGISTERS) mods.template unchecked_key_blocks<BLOCK_N>(m0, m0 + BLOCK_M - 1, n_free_first, n_free_last);
       mods.template load_tile_bitmap<NUM_WARPS, true>(tile_bitmap, bitmap_words, m0);
     }
+  }
+
+  __device__ __forceinline__ int nk() const {
+    if constexpr (KEYS_IN_REGISTERS) return nk_;
+    return seq.nk();
   }
 
   // The last visible key block <= n_block, or n_first - 1 when none is left.
@@ -95,7 +109,9 @@ struct RowBlock {
   __device__ __forceinline__ void scores(acc_t<T> (&s)[S_TILES][4], int n_block, int row0, int lane) const {
     const int n0 = n_block * BLOCK_N;
     if constexpr (HAS_MODS) {
-      mods.template apply<false>(s, m0 + row0, n0, lane, mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1));
+      const bool check = KEYS_IN_REGISTERS ? n_block < n_free_first || n_block > n_free_last
+                                           : mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1);
+      mods.template apply<false>(s, m0 + row0, n0, lane, check);
     } else if (n_block >= n_unmasked) {
       mask.apply(s, m0 + row0, n0, lane);
     }
@@ -182,7 +198,7 @@ attention_fwd_kernel(const AttnParams p) {
   if (n_block >= rows.n_first) {
     load_tile_async<QTile, THREADS>(sQ, rows.q, p.q_stride[3], seq.nq() - m0, p.d_qk);
     const int n_last = n_block * BLOCK_N;
-    load_tile_async<KVTile, THREADS>(sK, rows.k + n_last * p.k_stride[3], p.k_stride[3], seq.nk() - n_last, p.d_qk);
+    load_tile_async<KVTile, THREADS>(sK, rows.k + n_last * p.k_stride[3], p.k_stride[3], rows.nk() - n_last, p.d_qk);
     cp_async_commit();
   }
   while (n_block >= rows.n_first) {
@@ -193,7 +209,7 @@ attention_fwd_kernel(const AttnParams p) {
 
     cp_async_wait<0>();  // K_j has landed; every warp is done with V_{j+1}
     __syncthreads();
-    load_tile_async<KVTile, THREADS>(sV, rows.v + n0 * p.v_stride[3], p.v_stride[3], seq.nk() - n0, p.d_v);
+    load_tile_async<KVTile, THREADS>(sV, rows.v + n0 * p.v_stride[3], p.v_stride[3], rows.nk() - n0, p.d_v);
     cp_async_commit();
 
     // S_ij = Q_i K_j^T (raw scores; the scale is folded into the exponent)
@@ -209,7 +225,7 @@ attention_fwd_kernel(const AttnParams p) {
     __syncthreads();
     if (n_next >= rows.n_first) {
       const int n_prev = n_next * BLOCK_N;
-      load_tile_async<KVTile, THREADS>(sK, rows.k + n_prev * p.k_stride[3], p.k_stride[3], seq.nk() - n_prev, p.d_qk);
+      load_tile_async<KVTile, THREADS>(sK, rows.k + n_prev * p.k_stride[3], p.k_stride[3], rows.nk() - n_prev, p.d_qk);
       cp_async_commit();
     }
     // O_i += P_ij V_j, P straight from the score registers
@@ -263,11 +279,11 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   // counts it all the same.
   auto load_k = [&](int n_block, int t) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_async<KVTile, THREADS>(sK + (t & 1) * KVTile::SIZE, rows.k + n0 * p.k_stride[3], p.k_stride[3], seq.nk() - n0, p.d_qk);
+    load_tile_async<KVTile, THREADS>(sK + (t & 1) * KVTile::SIZE, rows.k + n0 * p.k_stride[3], p.k_stride[3], rows.nk() - n0, p.d_qk);
   };
   auto load_v = [&](int n_block, int t) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_async<KVTile, THREADS>(sV + (t & 1) * KVTile::SIZE, rows.v + n0 * p.v_stride[3], p.v_stride[3], seq.nk() - n0, p.d_v);
+    load_tile_async<KVTile, THREADS>(sV + (t & 1) * KVTile::SIZE, rows.v + n0 * p.v_stride[3], p.v_stride[3], rows.nk() - n0, p.d_v);
   };
   auto wait_step = [&]() {  // G_t has landed (G_(t+1) may still be in flight), visible to the tensor cores
     cp_async_wait<1>();

@@ -21,6 +21,8 @@ constexpr int WARP_SIZE = 32;
 template <typename T> __host__ __device__ constexpr int smem_pad_bytes() { return sizeof(T) == 8 ? 32 : 16; }
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+// Rounded towards -inf, for any sign of a (b > 0).
+__host__ __device__ constexpr int floor_div(int a, int b) { return a >= 0 ? a / b : -((b - 1 - a) / b); }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }

@@ -180,6 +180,18 @@ struct ScoreMods {
     return r1 >= nq() || c1 >= nk() || (right >= 0 && c1 > r0 + offset + right) || (left >= 0 && c0 < r1 + offset - left);
   }
 
+  // The key blocks [first, last] (of BLOCK keys) whose tiles for query rows [r0, r1] need no bound checks,
+  // i.e. where needs_bounds() is false; first > last when there are none. Worked out once per CTA, so that
+  // the forward's tiles test two registers instead of re-deriving the band from nq and nk.
+  template <int BLOCK>
+  __device__ __forceinline__ void unchecked_key_blocks(int r0, int r1, int& first, int& last) const {
+    const int offset = nk() - nq(), left = p.window_left, right = p.window_right;
+    first = left < 0 ? 0 : -floor_div(-(r1 + offset - left), BLOCK);          // c0 >= r1 + offset - left
+    last = nk() / BLOCK - 1;                                                    // c1 < nk
+    if (right >= 0) last = min(last, floor_div(r0 + offset + right + 1, BLOCK) - 1);  // c1 <= r0 + offset + right
+    if (r1 >= nq()) last = first - 1;
+  }
+
   // This CTA's line of the block mask along its streamed axis: keys of query row i (KEYS), or
   // queries of key j. Empty (all on) without a block mask.
   template <int NUM_WARPS, bool KEYS>
@@ -318,17 +330,49 @@ struct ScoreMods {
         }
     }
     if (check || mask) {
+      // Mods::scalars works out the columns each of this thread's two rows sees once per tile
+      // (visible_columns): col - first in [0, span] as unsigned numbers, one subtraction and one compare
+      // per element. Mods::all tests visible() per element: its widest tiles have no registers for the
+      // ranges (and its mask is read per element anyway).
+      u32 first[2] = {0, 0}, span[2] = {~0u, ~0u};
+      if (!ARRAYS && check) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) visible_columns<TRANSPOSED>(row0 + (lane >> 2) + 8 * r, first[r], span[r]);
+      }
 #pragma unroll
       for (int j = 0; j < N; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          int i, key;
-          coords<TRANSPOSED>(row0, col0, j, e, lane, i, key);
-          bool seen = !check || visible(i, key);
-          if (mask && seen) seen = mask[i * p.mask_stride[3] + key * p.mask_stride[4]];
+          bool seen;
+          if constexpr (ARRAYS) {
+            int i, key;
+            coords<TRANSPOSED>(row0, col0, j, e, lane, i, key);
+            seen = !check || visible(i, key);
+            if (mask && seen) seen = mask[i * p.mask_stride[3] + key * p.mask_stride[4]];
+          } else {
+            seen = static_cast<u32>(col0 + j * 8 + 2 * (lane & 3) + (e & 1)) - first[e >> 1] <= span[e >> 1];
+          }
           if (!seen) s[j][e] = neg_inf();
         }
     }
+  }
+
+  // The columns [first, first + span] that row `row` of a tile sees through nq x nk and the window band
+  // (visible() for a whole row): keys of query `row`, or queries of key `row` when TRANSPOSED. An empty
+  // range comes back as first = 2^31, span = 0, which no column index reaches.
+  template <bool TRANSPOSED>
+  __device__ __forceinline__ void visible_columns(int row, u32& first, u32& span) const {
+    const int offset = nk() - nq(), left = p.window_left, right = p.window_right;
+    const int rows = TRANSPOSED ? nk() : nq(), cols = TRANSPOSED ? nq() : nk();
+    // query i sees keys [i + offset - left, i + offset + right]; key j is seen by queries
+    // [j - offset - right, j - offset + left]
+    const int lo_edge = TRANSPOSED ? right : left, hi_edge = TRANSPOSED ? left : right;
+    const int shift = TRANSPOSED ? -offset : offset;
+    const int lo = lo_edge < 0 ? 0 : max(0, row + shift - lo_edge);
+    const int hi = hi_edge < 0 ? cols - 1 : min(cols - 1, row + shift + hi_edge);
+    const bool empty = row >= rows || hi < lo;
+    first = empty ? 0x80000000u : static_cast<u32>(lo);
+    span = empty ? 0u : static_cast<u32>(hi - lo);
   }
 
   // Forward (and probs): raw scores -> what the online softmax takes with exp_scale().
