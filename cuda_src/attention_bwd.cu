@@ -398,6 +398,10 @@ attention_bwd_dq_kernel(const AttnParams p) {
   }
   n_first = max(n_first, p.stream_begin / BLOCK_N);  // this launch's part of the keys
   n_blocks = min(n_blocks, ceil_div(p.stream_end, BLOCK_N));
+  // Mods::scalars: the key blocks that need no bound checks, worked out once (as the forward does), not per
+  // tile from nq and nk in shared memory; Mods::all has no registers to spare for them.
+  int n_free_first = 0, n_free_last = -1;
+  if constexpr (MODS == Mods::scalars) mods.template unchecked_key_blocks<BLOCK_N>(m0, m0 + BLOCK_M - 1, n_free_first, n_free_last);
   TileBitmap tile_bitmap;
   if constexpr (HAS_MODS) {
     __shared__ u32 bitmap_words[TILE_BITMAP_WORDS];
@@ -473,8 +477,9 @@ attention_bwd_dq_kernel(const AttnParams p) {
       zero_acc(acc_s);
       gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j, lane);
       drop_dp(acc_dp, n0);
-      mods.template backward<false>(acc_s, acc_dp, m0 + warp * 16, n0, lane,
-                                    mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1),
+      const bool check = MODS == Mods::scalars ? n_block < n_free_first || n_block > n_free_last
+                                               : mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1);
+      mods.template backward<false>(acc_s, acc_dp, m0 + warp * 16, n0, lane, check,
                                     [&](int, int e) { return row_lse[e >> 1]; },
                                     [&](int, int e) { return row_delta[e >> 1]; }, c0 == 0);
     } else {
