@@ -249,7 +249,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
       gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i, lane);
       u64 keep = 0;
       if constexpr (HAS_DROPOUT) {  // dP^T -> Z * dP^T / (1 - p)
-        keep = dropout.keep_cols<S_TILES>(n0 + warp * 16, m0, lane);
+        keep = dropout.keep_cols<S_TILES, sizeof(T) == 2 ? 2 : 1>(n0 + warp * 16, m0, lane);
         apply_keep(acc_dp, keep, Reals<A>::dropout_scale(p));
       }
       // The tile is S^T: queries along the columns, their lse and delta in shared memory.
@@ -274,7 +274,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
         // dP^T = V dO_i^T -> Z * dP^T / (1 - p);  dS^T = P^T * (that - delta);  dV += (Z * P^T) dO_i
         zero_acc(acc_dp);
         gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
-        const u64 keep = dropout.keep_cols<S_TILES>(n0 + warp * 16, m0, lane);
+        const u64 keep = dropout.keep_cols<S_TILES, sizeof(T) == 2 ? 2 : 1>(n0 + warp * 16, m0, lane);
         apply_keep(acc_dp, keep, Reals<A>::dropout_scale(p));
         dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
         apply_keep(acc_s, keep);

@@ -68,16 +68,17 @@ struct Dropout {
   // A thread's keys g, g + 8 take half (g & 1) of each word of the calls for queries 2t and 2t + 1 of
   // every 8; its partner (lane ^ 4: key g ^ 1) needs the same two calls' other halves. So each of the
   // two draws one call (query 2t + (g & 1)), keeps its own half's 4 bits and hands the other 4 over.
-  template <int N>
+  template <int N, int UNROLL = 1>
   __device__ __forceinline__ u64 keep_cols(int key_row0, int query_col0, int lane) const {
     static_assert(N % 2 == 0 && N <= 16, "whole 16-query blocks, at most 64 bits");
     const int g = lane >> 2, t = lane & 3;
     const int c = g & 1;              // the query (2t + c) this thread draws for
     const int mine = 16 * (g & 1);    // the half of each word this thread's keys take
     u64 bits = 0;
-    // Two calls at a time (independent chains for the scheduler); the bits go in by a run-time shift:
-    // this pass has no registers for a fully unrolled tile.
-#pragma unroll 2
+    // UNROLL calls at a time (independent chains for the scheduler; 2 for 16-bit inputs, whose passes have
+    // the registers: float32 and float64 ones spill with 2); the bits go in by a run-time shift: no pass
+    // has the registers for a fully unrolled tile.
+#pragma unroll UNROLL
     for (int jj = 0; jj < N / 2; ++jj) {
       // Query 16 jj + 8 h + 2t + c, key g + 8 r: slot h * 4 + r * 2 + (g & 1), word h * 2 + r, element
       // [2 jj + h][2 r + c]: bit 4 h + 2 r + c of this byte.

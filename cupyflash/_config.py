@@ -179,6 +179,11 @@ _DROPOUT_TABLE = {
     ("mma", True, 2, 192, "dkdv"): (4, 16, 96),
     ("mma", True, 8, 32, "dkdv"): (4, 16, 32),
     ("mma", False, 8, 256, "dkdv"): (1, 16, 32),
+    # float64 D = 64 and 128 dK/dV with dropout: Philox's round keys, read from the parameters, spilled
+    # 32-60 bytes on sm_90 with the gradient columns in one chunk; two chunks.
+    ("mma", False, 8, 64, "dkdv"): (4, 16, 32),
+    ("mma", False, 8, 128, "dkdv"): (2, 16, 32),
+    ("large", False, 8, 128, "dkdv"): (4, 16, 32),
     ("wgmma", False, 2, 64, "dkdv"): (4, 64, 64),
     ("wgmma", False, 2, 96, "dkdv"): (4, 32, 96),
     ("wgmma", True, 2, 16, "dkdv"): (4, 32, 16),
