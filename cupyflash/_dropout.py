@@ -65,11 +65,9 @@ class Dropout:
 
     @property
     def round_keys(self) -> tuple[int, ...]:
-        """Philox's key schedule for this seed: round r's two key words at [2r], [2r + 1] (20 words), as
-        the kernels read them from their parameters."""
-        k0, k1 = self.key
-        return tuple(w for r in range(_PHILOX_ROUNDS)
-                     for w in ((k0 + r * _PHILOX_W[0]) & _U32, (k1 + r * _PHILOX_W[1]) & _U32))
+        """key_schedule(key) flattened: round r's two key words at [2r], [2r + 1] (20 words), as the
+        kernels read them from their parameters."""
+        return tuple(w for pair in key_schedule(self.key) for w in pair)
 
 
 def resolve(dropout_p, dropout_seed, *, caller: str, draw_seed: bool = False) -> Dropout | None:
@@ -99,15 +97,19 @@ def resolve(dropout_p, dropout_seed, *, caller: str, draw_seed: bool = False) ->
     return Dropout(p, int(dropout_seed))
 
 
+def key_schedule(key) -> list[tuple[int, int]]:
+    """Philox 4x32's round keys for ``key`` (two Python ints): round r uses key + r * the Weyl increments,
+    word by word, modulo 2^32."""
+    k0, k1 = int(key[0]) & _U32, int(key[1]) & _U32
+    return [((k0 + r * _PHILOX_W[0]) & _U32, (k1 + r * _PHILOX_W[1]) & _U32) for r in range(_PHILOX_ROUNDS)]
+
+
 def philox4x32_10(counter, key):
     """Philox 4x32-10 on NumPy arrays: ``counter`` four uint32 arrays (broadcast together), ``key`` two
     Python ints; returns the four uint32 output words."""
     c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in counter)
-    k0, k1 = int(key[0]) & _U32, int(key[1]) & _U32
     m0, m1, low = np.uint64(_PHILOX_M[0]), np.uint64(_PHILOX_M[1]), np.uint64(_U32)
-    for r in range(_PHILOX_ROUNDS):
-        if r:
-            k0, k1 = (k0 + _PHILOX_W[0]) & _U32, (k1 + _PHILOX_W[1]) & _U32
+    for k0, k1 in key_schedule(key):
         p0, p1 = m0 * c0, m1 * c2  # exact: 32 x 32 -> 64 bits
         c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ np.uint64(k0), p1 & low,
                           (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1), p0 & low)

@@ -662,7 +662,8 @@ _PLAN_CACHE_SIZE = 256
 _ADDRESS_WORDS = {name: PARAMS_DTYPE.fields[name][1] // 8
                   for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta",
                                "alibi_slopes")}
-_KEY_WORDS = slice(PARAMS_DTYPE.fields["dropout_keys"][1] // 4, PARAMS_DTYPE.fields["dropout_keys"][1] // 4 + 20)
+_KEYS_DTYPE, _KEYS_OFFSET = PARAMS_DTYPE.fields["dropout_keys"][:2]
+_KEY_WORDS = slice(_KEYS_OFFSET // 4, _KEYS_OFFSET // 4 + _KEYS_DTYPE.shape[0])  # as uint32 words
 _plans: dict[tuple, "_Plan"] = {}
 
 
