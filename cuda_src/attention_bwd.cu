@@ -36,6 +36,8 @@
 // HAS_DROPOUT instantiations regenerate the keep mask Z of each tile (dropout.cuh) and use
 // dP' = Z * dP / (1 - p) in place of dP (delta = rowsum(dout * out) already holds the dropout), so
 // dS = P * (dP' - delta); the dK/dV pass also feeds P * Z into dV, scaled by 1 / (1 - p) at the end.
+// Without modifiers both passes carry (1 - p) dS = P * (Z * dP - (1 - p) delta) and put 1 / (1 - p) into
+// dK's and dQ's final scales (DS_UNSCALED).
 #include "common.cuh"
 #include "block_info.cuh"
 #include "gemm.cuh"
@@ -107,6 +109,24 @@ __device__ __forceinline__ void dscores_cols(A (&dp)[N_TILES][4], const A (&prob
   }
 }
 
+// The dropout dK/dV pass's dS, with the keep mask Z (keep_cols' bits) applied once, to P^T, which dV then
+// takes as it is: (1 - p) dS^T = (Z P^T) dP^T - P^T (1 - p) delta in place in dp (delta_kept: (1 - p) delta,
+// indexed along the columns) and P^T -> Z P^T in place in prob.
+template <int N_TILES, typename A>
+__device__ __forceinline__ void dscores_kept_cols(A (&dp)[N_TILES][4], A (&prob)[N_TILES][4], u64 keep,
+                                                  const A* delta_kept, int lane) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const A kept = (keep >> (4 * j + e)) & 1u ? prob[j][e] : A(0);
+      dp[j][e] = kept * dp[j][e] - prob[j][e] * delta_kept[j * 8 + 2 * t + (e & 1)];
+      prob[j][e] = kept;
+    }
+  }
+}
+
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_M, int D_CHUNK, bool IS_CAUSAL, Mods MODS, bool WGMMA,
           bool HAS_DROPOUT, bool SPLIT>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
@@ -160,6 +180,11 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   const A* lse_log2 = static_cast<const A*>(p.lse_log2) + seq.q_flat;
   const A* delta = static_cast<const A*>(p.delta) + seq.q_flat;
   const Dropout dropout(p, b);
+  // DS_UNSCALED (dropout without modifiers): the passes carry (1 - p) dS = P * (Z * dP - (1 - p) delta)
+  // instead of dS, and dK's final scale takes the 1 / (1 - p): the keep test then needs no multiply per
+  // element. (The modifiers' passes keep dS itself: the dQ pass adds it into dbias.)
+  constexpr bool DS_UNSCALED = HAS_DROPOUT && !HAS_MODS;
+  const A delta_scale = DS_UNSCALED ? A(1) / Reals<A>::dropout_scale(p) : A(1);
 
   // Only query rows i with i + nk - nq >= n0 see a key of this block under the causal mask.
   int m_first = IS_CAUSAL ? max(0, n0 - offset) / BLOCK_M : 0;
@@ -191,7 +216,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
       const bool valid = m0 + i < seq.nq();  // rows past nq: P = 0 through lse = +inf
       sLse[buf * BLOCK_M + i] = valid ? lse_log2[m0 + i] : pos_inf();
-      sDelta[buf * BLOCK_M + i] = valid ? delta[m0 + i] : A(0);
+      sDelta[buf * BLOCK_M + i] = valid ? delta[m0 + i] * delta_scale : A(0);
     }
   };
 
@@ -271,13 +296,17 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
       probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p), lane);
 
       if constexpr (HAS_DROPOUT) {
-        // dP^T = V dO_i^T -> Z * dP^T / (1 - p);  dS^T = P^T * (that - delta);  dV += (Z * P^T) dO_i
+        // dP^T = V dO_i^T;  (1 - p) dS^T = (Z P^T) dP^T - P^T (1 - p) delta;  dV += (Z P^T) dO_i
         zero_acc(acc_dp);
         gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
         const u64 keep = dropout.keep_cols<S_TILES, sizeof(T) == 2 ? 2 : 1>(n0 + warp * 16, m0, lane);
-        apply_keep(acc_dp, keep, Reals<A>::dropout_scale(p));
-        dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
-        apply_keep(acc_s, keep);
+        if constexpr (sizeof(T) == 8) {  // float64: Z applied twice, one step at a time (sm_90 spilled fused)
+          apply_keep(acc_dp, keep);
+          dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
+          apply_keep(acc_s, keep);
+        } else {
+          dscores_kept_cols(acc_dp, acc_s, keep, sDelta + buf * BLOCK_M, lane);
+        }
         gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, lane);
       } else {
         // dV += P^T dO_i
@@ -296,9 +325,11 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     m_block = m_next;
   }
 
-  // dK = scale * dS^T Q, dV = (Z * P^T) dO / (1 - p); staged through sK / sV for 16-byte stores.
-  const A dk_scale[2] = {Reals<A>::scale(p), Reals<A>::scale(p)};
+  // dK = scale * dS^T Q (DS_UNSCALED: scale / (1 - p) times the sum of (1 - p) dS^T Q), dV = (Z * P^T) dO /
+  // (1 - p); staged through sK / sV for 16-byte stores.
   const A dv_scale = HAS_DROPOUT ? Reals<A>::dropout_scale(p) : A(1);
+  const A dk_factor = Reals<A>::scale(p) * (DS_UNSCALED ? dv_scale : A(1));
+  const A dk_scale[2] = {dk_factor, dk_factor};
   const A dv_scales[2] = {dv_scale, dv_scale};
   cp_async_wait<0>();  // with no query block to visit, the K/V copies may still be in flight
   __syncthreads();
@@ -367,9 +398,11 @@ attention_bwd_dq_kernel(const AttnParams p) {
   const T* v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p) + seq.k_row * p.v_stride[3];
   const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + (seq.q_row + m0) * p.dout_stride[3];
   const Dropout dropout(p, b);
-  auto drop_dp = [&](A (&dp)[S_TILES][4], int n0) {  // dP -> Z * dP / (1 - p)
+  // As in the dK/dV pass: without modifiers, (1 - p) dS in place of dS, and 1 / (1 - p) in dQ's final scale.
+  constexpr bool DS_UNSCALED = HAS_DROPOUT && !HAS_MODS;
+  auto drop_dp = [&](A (&dp)[S_TILES][4], int n0) {  // dP -> Z * dP (DS_UNSCALED), else Z * dP / (1 - p)
     if constexpr (HAS_DROPOUT) {
-      dropout.drop_rows(dp, m0 + warp * 16, n0, lane, Reals<A>::dropout_scale(p));
+      dropout.drop_rows(dp, m0 + warp * 16, n0, lane, DS_UNSCALED ? A(1) : Reals<A>::dropout_scale(p));
     }
   };
 
@@ -381,6 +414,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
     const i64 i = seq.q_flat + row;
     row_lse[r] = row < seq.nq() ? static_cast<const A*>(p.lse_log2)[i] : A(pos_inf());
     row_delta[r] = row < seq.nq() ? static_cast<const A*>(p.delta)[i] : A(0);
+    if constexpr (DS_UNSCALED) row_delta[r] /= Reals<A>::dropout_scale(p);
   }
 
   const int key_end = IS_CAUSAL ? min(seq.nk(), m0 + BLOCK_M + offset) : seq.nk();
@@ -510,8 +544,10 @@ attention_bwd_dq_kernel(const AttnParams p) {
     n_block = n_next;
   }
 
-  // dQ = scale * dS K, staged through sQ (free once the loop is done) for 16-byte stores.
-  const A dq_scale[2] = {Reals<A>::scale(p), Reals<A>::scale(p)};
+  // dQ = scale * dS K (DS_UNSCALED: scale / (1 - p) times the sum of (1 - p) dS K), staged through sQ (free
+  // once the loop is done) for 16-byte stores.
+  const A dq_factor = Reals<A>::scale(p) * (DS_UNSCALED ? Reals<A>::dropout_scale(p) : A(1));
+  const A dq_scale[2] = {dq_factor, dq_factor};
   cp_async_wait<0>();  // with no key block to visit, the Q/dO copies may still be in flight
   __syncthreads();
   acc_to_smem<QTile, G_WARP>(sQ, row0, acc_dq, dq_scale, lane, g0);

@@ -11,8 +11,9 @@
 // tiles (keys along the rows) a thread holds 4 of each call's 8, and its neighbour lane ^ 4 the other 4:
 // each of the two makes one of their two calls and they swap halves (one shuffle).
 // The forward and the dQ pass apply each call's values to their elements at once (drop_rows); the dK/dV
-// pass applies Z twice (to dP and to P), so it first packs a tile's keep bits into one 64-bit register
-// (bit 4 * j + e for accumulator element [j][e], keep_cols) and draws the numbers once.
+// pass needs Z for both dS and dV (attention_bwd.cu applies it to P^T, whose product with dP^T then
+// gives dS), so it first packs a tile's keep bits into one 64-bit register (bit 4 * j + e for
+// accumulator element [j][e], keep_cols) and draws the numbers once.
 #pragma once
 #include "common.cuh"
 #include "block_info.cuh"

@@ -179,6 +179,8 @@ _DROPOUT_TABLE = {
     ("mma", True, 2, 192, "dkdv"): (4, 16, 96),
     ("mma", True, 8, 32, "dkdv"): (4, 16, 32),
     ("mma", False, 8, 256, "dkdv"): (1, 16, 32),
+    # 16-bit D = 256 (sm_80: causal spilled 44 bytes with BLOCK_M 32 once Z went into P^T and dS in one step).
+    ("mma", False, 2, 256, "dkdv"): (4, 16, 128),
     # float64 D = 64 and 128 dK/dV with dropout: Philox's round keys, read from the parameters, spilled
     # 32-60 bytes on sm_90 with the gradient columns in one chunk; two chunks.
     ("mma", False, 8, 64, "dkdv"): (4, 16, 32),
