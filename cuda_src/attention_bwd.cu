@@ -274,7 +274,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
       gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i, lane);
       u64 keep = 0;
       if constexpr (HAS_DROPOUT) {  // dP^T -> Z * dP^T / (1 - p)
-        keep = dropout.keep_cols<S_TILES, sizeof(T) == 2 ? 2 : 1>(n0 + warp * 16, m0, lane);
+        keep = dropout.keep_cols<S_TILES, sizeof(T) == 2 ? S_TILES / 2 : 1>(n0 + warp * 16, m0, lane);
         apply_keep(acc_dp, keep, Reals<A>::dropout_scale(p));
       }
       // The tile is S^T: queries along the columns, their lse and delta in shared memory.
@@ -299,7 +299,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
         // dP^T = V dO_i^T;  (1 - p) dS^T = (Z P^T) dP^T - P^T (1 - p) delta;  dV += (Z P^T) dO_i
         zero_acc(acc_dp);
         gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
-        const u64 keep = dropout.keep_cols<S_TILES, sizeof(T) == 2 ? 2 : 1>(n0 + warp * 16, m0, lane);
+        const u64 keep = dropout.keep_cols<S_TILES, sizeof(T) == 2 ? S_TILES / 2 : 1>(n0 + warp * 16, m0, lane);
         if constexpr (sizeof(T) == 8) {  // float64: Z applied twice, one step at a time (sm_90 spilled fused)
           apply_keep(acc_dp, keep);
           dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
