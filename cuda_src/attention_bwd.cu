@@ -248,13 +248,11 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     A acc_s[S_TILES][4], acc_dp[S_TILES][4];
     if constexpr (SPLIT) {
       if (role == 0) {  // S^T = K Q_i^T, P^T = exp(scale * S^T - lse), to the partner too
-        zero_acc(acc_s);
         gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, row0, sQ_i, lane);
         if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + row0, m0, lane);
         probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p), lane);
         tile_to_smem(sP_pair, acc_s, lane);
       } else {  // dP^T = V dO_i^T
-        zero_acc(acc_dp);
         gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, row0, sdO_i, lane);
       }
       __syncthreads();  // P^T has reached the partners
@@ -268,9 +266,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     } else if constexpr (HAS_MODS) {
       // dP^T = V dO_i^T and S^T = K Q_i^T first; then per element the logit, P^T = exp(logit - lse),
       // dS^T = P^T * (dP^T - delta) times the softcap derivative.
-      zero_acc(acc_dp);
       gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
-      zero_acc(acc_s);
       gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i, lane);
       u64 keep = 0;
       if constexpr (HAS_DROPOUT) {  // dP^T -> Z * dP^T / (1 - p)
@@ -290,14 +286,12 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
       gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, lane);
     } else {
       // S^T = K Q_i^T, then P^T = exp(scale * S^T - lse)
-      zero_acc(acc_s);
       gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i, lane);
       if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + warp * 16, m0, lane);
       probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p), lane);
 
       if constexpr (HAS_DROPOUT) {
         // dP^T = V dO_i^T;  (1 - p) dS^T = (Z P^T) dP^T - P^T (1 - p) delta;  dV += (Z P^T) dO_i
-        zero_acc(acc_dp);
         gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
         const u64 keep = dropout.keep_cols<S_TILES, sizeof(T) == 2 ? S_TILES / 2 : 1>(n0 + warp * 16, m0, lane);
         if constexpr (sizeof(T) == 8) {  // float64: Z applied twice, one step at a time (sm_90 spilled fused)
@@ -313,7 +307,6 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
         gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, lane);
 
         // dP^T = V dO_i^T;  dS^T = P^T * (dP^T - delta)
-        zero_acc(acc_dp);
         gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
         dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
       }
@@ -478,7 +471,6 @@ attention_bwd_dq_kernel(const AttnParams p) {
     A acc_s[S_TILES][4], acc_dp[S_TILES][4];
     if constexpr (SPLIT) {
       if (role == 0) {  // S = Q K_j^T, P = exp(scale * S - lse), to the partner
-        zero_acc(acc_s);
         gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, row0, sK_j, lane);
         if (n_block >= n_unmasked) mask.apply(acc_s, m0 + row0, n0, lane);
 #pragma unroll
@@ -488,7 +480,6 @@ attention_bwd_dq_kernel(const AttnParams p) {
         }
         tile_to_smem(sP_pair, acc_s, lane);
       } else {  // dP = dO V_j^T
-        zero_acc(acc_dp);
         gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, row0, sV_j, lane);
       }
       __syncthreads();  // P has reached role 1
@@ -506,9 +497,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
     } else if constexpr (HAS_MODS) {
       // dP = dO V_j^T and S = Q K_j^T first; then per element the logit, P, dS (into dbias) and
       // dS times the softcap derivative.
-      zero_acc(acc_dp);
       gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, warp * 16, sV_j, lane);
-      zero_acc(acc_s);
       gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j, lane);
       drop_dp(acc_dp, n0);
       const bool check = MODS == Mods::scalars ? n_block < n_free_first || n_block > n_free_last
@@ -518,7 +507,6 @@ attention_bwd_dq_kernel(const AttnParams p) {
                                     [&](int, int e) { return row_delta[e >> 1]; }, c0 == 0);
     } else {
       // S = Q K_j^T, P = exp(scale * S - lse)
-      zero_acc(acc_s);
       gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j, lane);
       if (n_block >= n_unmasked) mask.apply(acc_s, m0 + warp * 16, n0, lane);
 #pragma unroll
@@ -528,7 +516,6 @@ attention_bwd_dq_kernel(const AttnParams p) {
       }
 
       // dP = dO V_j^T;  dS = P * (dP - delta)
-      zero_acc(acc_dp);
       gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, warp * 16, sV_j, lane);
       drop_dp(acc_dp, n0);
 #pragma unroll

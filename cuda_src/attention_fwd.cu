@@ -205,7 +205,6 @@ attention_fwd_kernel(const AttnParams p) {
     const int n0 = n_block * BLOCK_N;
     const int n_next = rows.prev_on(n_block - 1);
     A acc_s[S_TILES][4];
-    zero_acc(acc_s);
 
     cp_async_wait<0>();  // K_j has landed; every warp is done with V_{j+1}
     __syncthreads();
@@ -312,8 +311,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
     {
       wait_step();
       float acc_s[S_TILES][4];
-      zero_acc(acc_s);
-      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, wg_row0, sK);
+      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile, true>(acc_s, sQ, wg_row0, sK);
       wgmma_wait<0>();
       fence_operands(acc_s);
       rows.scores(acc_s, n_cur, warp * 16, lane);
@@ -334,8 +332,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
     for (; n_next >= rows.n_first; ++t) {
       wait_step();
       float acc_s[S_TILES][4];
-      zero_acc(acc_s);
-      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, wg_row0, sK + (t & 1) * KVTile::SIZE);
+      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile, true>(acc_s, sQ, wg_row0, sK + (t & 1) * KVTile::SIZE);
       wg_issue_pb<T, S_TILES / 2, O_TILES, KVTile>(acc_o, p_cur, sV + ((t - 1) & 1) * KVTile::SIZE, 0);
       wgmma_wait<1>();  // S_t is done; P_(t-1) V is still running
       fence_operands(acc_s);

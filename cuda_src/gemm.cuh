@@ -1,6 +1,6 @@
 // gemm.cuh — the two products every kernel is made of, on the tensor-core path its tiles are laid out for.
 //
-//  gemm_abt: C += A B^T, A = this warp's 16 rows (from row0) of a_tile, B = a tile stored [n][k]:
+//  gemm_abt: C = A B^T, A = this warp's 16 rows (from row0) of a_tile, B = a tile stored [n][k]:
 //            S = Q K^T, S^T = K Q^T, dP = dO V^T, dP^T = V dO^T.
 //  gemm_pb:  C += P B, P = accumulator tiles in registers (P or dS, rounded to T), B stored [k][n]:
 //            O += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K.
@@ -16,9 +16,10 @@
 template <typename T, int K, int N_TILES, class ATile, class BTile>
 __device__ __forceinline__ void gemm_abt(acc_t<T> (&c)[N_TILES][4], const T* a_tile, int row0, const T* b_tile, int lane) {
   static_assert(ATile::SWIZZLED == BTile::SWIZZLED, "one path per product");
-  if constexpr (ATile::SWIZZLED) {
-    wg_gemm_abt<T, K, N_TILES, ATile, BTile>(c, a_tile, row0 & ~63, b_tile);
+  if constexpr (ATile::SWIZZLED) {  // the first k-step overwrites C (scale-d = 0): no zeroed registers
+    wg_gemm_abt<T, K, N_TILES, ATile, BTile, true>(c, a_tile, row0 & ~63, b_tile);
   } else {
+    zero_acc(c);
     gemm_smem_abt<T, K, N_TILES, ATile::STRIDE, BTile::STRIDE>(c, a_tile, row0, b_tile, lane);
   }
 }

@@ -85,7 +85,7 @@ __device__ __forceinline__ void fence_operands(float (&acc)[N_TILES][4]) {
 #define CF_WGMMA_SS_PRED128 "%66"
 #define CF_WGMMA_RS_SRC128 "{%64, %65, %66, %67}, %68"
 #define CF_WGMMA_RS_PRED128 "%69"
-// Accumulator operands: the N / 8 n-tiles of d.
+// Accumulator operands: the N / 8 n-tiles of d, read and written (CF_ACC) or written only (CF_OUT).
 #define CF_ACC1(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
 #define CF_ACC2(j) CF_ACC1(j), CF_ACC1((j) + 1)
 #define CF_ACC4(j) CF_ACC2(j), CF_ACC2((j) + 2)
@@ -95,6 +95,15 @@ __device__ __forceinline__ void fence_operands(float (&acc)[N_TILES][4]) {
 #define CF_ACC_N32 CF_ACC4(0)
 #define CF_ACC_N64 CF_ACC8(0)
 #define CF_ACC_N128 CF_ACC16(0)
+#define CF_OUT1(j) "=f"(d[j][0]), "=f"(d[j][1]), "=f"(d[j][2]), "=f"(d[j][3])
+#define CF_OUT2(j) CF_OUT1(j), CF_OUT1((j) + 1)
+#define CF_OUT4(j) CF_OUT2(j), CF_OUT2((j) + 2)
+#define CF_OUT8(j) CF_OUT4(j), CF_OUT4((j) + 4)
+#define CF_OUT16(j) CF_OUT8(j), CF_OUT8((j) + 8)
+#define CF_OUT_N16 CF_OUT2(0)
+#define CF_OUT_N32 CF_OUT4(0)
+#define CF_OUT_N64 CF_OUT8(0)
+#define CF_OUT_N128 CF_OUT16(0)
 // D += A B with scale-d = 1 (accumulate); SS: A and B K-major in shared memory; RS: A in registers,
 // B MN-major in shared memory (imm-trans-b = 1).
 #define CF_WGMMA_BODY(SHAPE, SRC, PRED, TAIL) \
@@ -107,6 +116,11 @@ template <typename T, int N> struct WgmmaOp;
       asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_SS_SRC##N, \
                                  CF_WGMMA_SS_PRED##N, "p, 1, 1, 0, 0")                                         \
                    : CF_ACC_N##N : "l"(a), "l"(b), "r"(1) : "memory");                                          \
+    }                                                                                                           \
+    __device__ __forceinline__ static void ss_zero(float (&d)[N / 8][4], u64 a, u64 b) {                        \
+      asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_SS_SRC##N, \
+                                 CF_WGMMA_SS_PRED##N, "p, 1, 1, 0, 0")                                         \
+                   : CF_OUT_N##N : "l"(a), "l"(b), "r"(0) : "memory");                                          \
     }                                                                                                           \
     __device__ __forceinline__ static void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {                \
       asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_RS_SRC##N, \
@@ -135,23 +149,25 @@ __device__ __forceinline__ float (&tiles_at(float (&acc)[N_TILES][4], int first)
 template <int N_COLS>
 __host__ __device__ constexpr int wgmma_width() { return N_COLS % 128 == 0 ? 128 : N_COLS % 64 == 0 ? 64 : N_COLS % 32 == 0 ? 32 : 16; }
 
-// Start C[64 x 8*N_TILES] += A B^T for the calling warpgroup, as one commit group: A = rows
-// [row0, row0 + 64) of a_tile, B = rows [0, 8*N_TILES) of b_tile, both K-major over K columns. Each warp
-// gets its 16 rows of C once wgmma_wait has seen the group complete.
-template <typename T, int K, int N_TILES, class ATile, class BTile>
+// Start C[64 x 8*N_TILES] += A B^T (FRESH: C = A B^T, whatever C held) for the calling warpgroup, as one
+// commit group: A = rows [row0, row0 + 64) of a_tile, B = rows [0, 8*N_TILES) of b_tile, both K-major
+// over K columns. Each warp gets its 16 rows of C once wgmma_wait has seen the group complete.
+template <typename T, int K, int N_TILES, class ATile, class BTile, bool FRESH = false>
 __device__ __forceinline__ void wg_issue_abt(float (&c)[N_TILES][4], const T* a_tile, int row0, const T* b_tile) {
   constexpr int WIDTH = wgmma_width<8 * N_TILES>();
   static_assert(K % 16 == 0, "k-steps of 16");
   const u64 a = desc_k_major<ATile>(a_tile, __shfl_sync(0xffffffffu, row0, 0));  // row0: warp-uniform
   const u64 b = desc_k_major<BTile>(b_tile, 0);
   wgmma_fence();
-  fence_operands(c);
+  if constexpr (!FRESH) fence_operands(c);
 #pragma unroll
   for (int k0 = 0; k0 < K; k0 += 16) {
 #pragma unroll
     for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
-      WgmmaOp<T, WIDTH>::ss(tiles_at<WIDTH / 8>(c, n0 / 8), a + k_major_step<ATile>(k0),
-                            b + k_major_step<BTile>(k0) + (static_cast<u64>(n0 * BTile::ATOM_BYTES) >> 4));
+      const u64 a_k = a + k_major_step<ATile>(k0);
+      const u64 b_k = b + k_major_step<BTile>(k0) + (static_cast<u64>(n0 * BTile::ATOM_BYTES) >> 4);
+      if (FRESH && k0 == 0) WgmmaOp<T, WIDTH>::ss_zero(tiles_at<WIDTH / 8>(c, n0 / 8), a_k, b_k);
+      else WgmmaOp<T, WIDTH>::ss(tiles_at<WIDTH / 8>(c, n0 / 8), a_k, b_k);
     }
   }
   wgmma_commit();
@@ -205,9 +221,9 @@ template <int PENDING>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory"); }
 
 // The synchronous forms: issue, wait for everything, results in c.
-template <typename T, int K, int N_TILES, class ATile, class BTile>
+template <typename T, int K, int N_TILES, class ATile, class BTile, bool FRESH = false>
 __device__ __forceinline__ void wg_gemm_abt(float (&c)[N_TILES][4], const T* a_tile, int row0, const T* b_tile) {
-  wg_issue_abt<T, K, N_TILES, ATile, BTile>(c, a_tile, row0, b_tile);
+  wg_issue_abt<T, K, N_TILES, ATile, BTile, FRESH>(c, a_tile, row0, b_tile);
   wgmma_wait<0>();
   fence_operands(c);
 }
