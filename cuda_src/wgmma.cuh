@@ -104,8 +104,9 @@ __device__ __forceinline__ void fence_operands(float (&acc)[N_TILES][4]) {
 #define CF_OUT_N32 CF_OUT4(0)
 #define CF_OUT_N64 CF_OUT8(0)
 #define CF_OUT_N128 CF_OUT16(0)
-// D += A B with scale-d = 1 (accumulate); SS: A and B K-major in shared memory; RS: A in registers,
-// B MN-major in shared memory (imm-trans-b = 1).
+// D += A B with scale-d = 1 (accumulate); SS: A and B K-major in shared memory; SS_ZERO: the same with
+// scale-d = 0 and output-only D, D = A B (a product's first k-step: no zeroed registers to feed in); RS:
+// A in registers, B MN-major in shared memory (imm-trans-b = 1).
 #define CF_WGMMA_BODY(SHAPE, SRC, PRED, TAIL) \
   "{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\nwgmma.mma_async.sync.aligned." SHAPE " " SRC ", " TAIL ";\n}\n"
 
