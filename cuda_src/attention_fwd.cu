@@ -311,7 +311,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
     {
       wait_step();
       float acc_s[S_TILES][4];
-      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile, true>(acc_s, sQ, wg_row0, sK);
+      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, wg_row0, sK);
       wgmma_wait<0>();
       fence_operands(acc_s);
       rows.scores(acc_s, n_cur, warp * 16, lane);
@@ -332,7 +332,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
     for (; n_next >= rows.n_first; ++t) {
       wait_step();
       float acc_s[S_TILES][4];
-      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile, true>(acc_s, sQ, wg_row0, sK + (t & 1) * KVTile::SIZE);
+      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, wg_row0, sK + (t & 1) * KVTile::SIZE);
       wg_issue_pb<T, S_TILES / 2, O_TILES, KVTile>(acc_o, p_cur, sV + ((t - 1) & 1) * KVTile::SIZE, 0);
       wgmma_wait<1>();  // S_t is done; P_(t-1) V is still running
       fence_operands(acc_s);

@@ -17,7 +17,7 @@ template <typename T, int K, int N_TILES, class ATile, class BTile>
 __device__ __forceinline__ void gemm_abt(acc_t<T> (&c)[N_TILES][4], const T* a_tile, int row0, const T* b_tile, int lane) {
   static_assert(ATile::SWIZZLED == BTile::SWIZZLED, "one path per product");
   if constexpr (ATile::SWIZZLED) {  // the first k-step overwrites C (scale-d = 0): no zeroed registers
-    wg_gemm_abt<T, K, N_TILES, ATile, BTile, true>(c, a_tile, row0 & ~63, b_tile);
+    wg_gemm_abt<T, K, N_TILES, ATile, BTile>(c, a_tile, row0 & ~63, b_tile);
   } else {
     zero_acc(c);
     gemm_smem_abt<T, K, N_TILES, ATile::STRIDE, BTile::STRIDE>(c, a_tile, row0, b_tile, lane);

@@ -150,24 +150,23 @@ __device__ __forceinline__ float (&tiles_at(float (&acc)[N_TILES][4], int first)
 template <int N_COLS>
 __host__ __device__ constexpr int wgmma_width() { return N_COLS % 128 == 0 ? 128 : N_COLS % 64 == 0 ? 64 : N_COLS % 32 == 0 ? 32 : 16; }
 
-// Start C[64 x 8*N_TILES] += A B^T (FRESH: C = A B^T, whatever C held) for the calling warpgroup, as one
-// commit group: A = rows [row0, row0 + 64) of a_tile, B = rows [0, 8*N_TILES) of b_tile, both K-major
-// over K columns. Each warp gets its 16 rows of C once wgmma_wait has seen the group complete.
-template <typename T, int K, int N_TILES, class ATile, class BTile, bool FRESH = false>
+// Start C[64 x 8*N_TILES] = A B^T (whatever C held: the first k-step is ss_zero) for the calling
+// warpgroup, as one commit group: A = rows [row0, row0 + 64) of a_tile, B = rows [0, 8*N_TILES) of b_tile,
+// both K-major over K columns. Each warp gets its 16 rows of C once wgmma_wait has seen the group complete.
+template <typename T, int K, int N_TILES, class ATile, class BTile>
 __device__ __forceinline__ void wg_issue_abt(float (&c)[N_TILES][4], const T* a_tile, int row0, const T* b_tile) {
   constexpr int WIDTH = wgmma_width<8 * N_TILES>();
   static_assert(K % 16 == 0, "k-steps of 16");
   const u64 a = desc_k_major<ATile>(a_tile, __shfl_sync(0xffffffffu, row0, 0));  // row0: warp-uniform
   const u64 b = desc_k_major<BTile>(b_tile, 0);
   wgmma_fence();
-  if constexpr (!FRESH) fence_operands(c);
 #pragma unroll
   for (int k0 = 0; k0 < K; k0 += 16) {
 #pragma unroll
     for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
       const u64 a_k = a + k_major_step<ATile>(k0);
       const u64 b_k = b + k_major_step<BTile>(k0) + (static_cast<u64>(n0 * BTile::ATOM_BYTES) >> 4);
-      if (FRESH && k0 == 0) WgmmaOp<T, WIDTH>::ss_zero(tiles_at<WIDTH / 8>(c, n0 / 8), a_k, b_k);
+      if (k0 == 0) WgmmaOp<T, WIDTH>::ss_zero(tiles_at<WIDTH / 8>(c, n0 / 8), a_k, b_k);
       else WgmmaOp<T, WIDTH>::ss(tiles_at<WIDTH / 8>(c, n0 / 8), a_k, b_k);
     }
   }
@@ -222,9 +221,9 @@ template <int PENDING>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory"); }
 
 // The synchronous forms: issue, wait for everything, results in c.
-template <typename T, int K, int N_TILES, class ATile, class BTile, bool FRESH = false>
+template <typename T, int K, int N_TILES, class ATile, class BTile>
 __device__ __forceinline__ void wg_gemm_abt(float (&c)[N_TILES][4], const T* a_tile, int row0, const T* b_tile) {
-  wg_issue_abt<T, K, N_TILES, ATile, BTile, FRESH>(c, a_tile, row0, b_tile);
+  wg_issue_abt<T, K, N_TILES, ATile, BTile>(c, a_tile, row0, b_tile);
   wgmma_wait<0>();
   fence_operands(c);
 }
