@@ -23,27 +23,14 @@
 
 constexpr int BLOCK_MASK_TILE = 128;  // must match cupyflash/_modifiers.py
 
-// tanh for the softcap. float32 takes the accurate libdevice tanhf (float32 accuracy is the point of
-// that dtype); 16-bit types take 1 - 2 / (exp(2x) + 1) from two special-function-unit instructions
-// (ex2, rcp), ~1e-7 absolute error: the lse stays float32-accurate, and it saturates cleanly to +-1.
-// (tanh.approx would be one instruction, but its 2^-11 relative error shows in the lse.) float64 takes
-// libdevice's tanh.
-template <typename T>
-__device__ __forceinline__ float softcap_tanh(float x) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fast_exp2(2.f * LOG2E * x) + 1.f));
-  return 1.f - 2.f * r;
-}
-template <>
-__device__ __forceinline__ float softcap_tanh<float>(float x) { return tanhf(x); }
-template <typename T>
-__device__ __forceinline__ double softcap_tanh(double x) { return tanh(x); }
-
-// tanh(scale * raw / softcap) of a raw score q . k, and the softcapped logit softcap times that. 16-bit
-// types fold the three factors of the exponent into one (k = 2 log2(e) scale / softcap) and softcap into
-// the last FMA: one multiply, ex2, add, rcp and FMA per score. (An exp2 evaluated on the FMA pipe instead
-// of the special-function unit measured 10% slower: the issue slots, not that unit, bound a softcapped
-// tile.) float32 and float64 keep softcap_tanh(scale * raw * (1 / softcap)) as written.
+// The softcap's tanh(scale * raw / softcap) of a raw score q . k, and the softcapped logit softcap times
+// that. float32 takes the accurate libdevice tanhf (float32 accuracy is the point of that dtype), float64
+// libdevice's tanh. 16-bit types take 1 - 2 / (2^(k raw) + 1), the three factors of the exponent folded
+// into one (k = 2 log2(e) scale / softcap) and softcap into the last FMA: one multiply, ex2, add, rcp and
+// FMA per score, ~1e-7 absolute error, so the lse stays float32-accurate and tanh saturates cleanly to
+// +-1. (tanh.approx would be one instruction, but its 2^-11 relative error shows in the lse; an exp2
+// evaluated on the FMA pipe instead of the special-function unit measured 10% slower: the issue slots,
+// not that unit, bound a softcapped tile.)
 template <typename T, typename A>
 struct SoftcapTanh {
   A scale, inv, cap, k;
@@ -57,11 +44,12 @@ struct SoftcapTanh {
   }
   __device__ __forceinline__ A tanh_of(A raw) const {
     if constexpr (sizeof(T) == 2) return fmaf(-2.f, rcp_of_exp_plus_one(raw * k), 1.f);
-    return softcap_tanh<T>(raw * scale * inv);
+    else if constexpr (sizeof(T) == 4) return tanhf(raw * scale * inv);
+    else return tanh(raw * scale * inv);
   }
   __device__ __forceinline__ A logit(A raw) const {
     if constexpr (sizeof(T) == 2) return fmaf(-2.f * cap, rcp_of_exp_plus_one(raw * k), cap);
-    return cap * tanh_of(raw);
+    else return cap * tanh_of(raw);
   }
 };
 
