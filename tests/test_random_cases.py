@@ -38,6 +38,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import cupy
 import ml_dtypes
@@ -128,7 +129,8 @@ class Case:
         dtype = np.dtype(DTYPES[self.dtype])
         vec = 16 // dtype.itemsize
         d_w, dv_w = (-(-x // vec) * vec for x in (self.d, self.dv))
-        mods = object() if self.has_mods else None  # _kernels._variant only asks whether it is None
+        # What _kernels._variant asks of the modifiers: whether there are any, and which per-element arrays.
+        mods = SimpleNamespace(bias=self.bias, mask=self.mask, block_mask=self.block_mask) if self.has_mods else None
         return {_kernels._variant(direction, dtype, d_w, dv_w, self.causal, mods) for direction in ("fwd", "bwd")}
 
 
