@@ -37,16 +37,17 @@
 #include "dropout.cuh"
 
 // The query rows [m0, m0 + BLOCK_M) of batch entry b that one CTA owns, where its tensors start, and the
-// key blocks those rows see: [n_first, n_blocks), walked downwards with prev_on.
-template <typename T, int NUM_WARPS, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, Mods MODS>
+// key blocks those rows see: [n_first, n_blocks), walked downwards with prev_on. q, k, v hold In elements
+// (T's own, or for split float32 inputs their float16 pieces), out holds T.
+template <typename T, int NUM_WARPS, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, Mods MODS, typename In = T>
 struct RowBlock {
   static constexpr bool HAS_MODS = MODS != Mods::none;
   const AttnParams& p;
   SeqInfo<HAS_MODS> seq;  // this batch entry's lengths and rows
   int m0;
-  const T* q;  // row m0
-  const T* k;
-  const T* v;
+  const In* q;  // row m0
+  const In* k;
+  const In* v;
   T* out;          // row m0
   acc_t<T>* lse;   // row m0
   int n_first = 0, n_blocks, n_unmasked;
@@ -66,9 +67,9 @@ struct RowBlock {
   __device__ __forceinline__ RowBlock(const AttnParams& params, int b, const SeqInfo<HAS_MODS>& seq_, int m0_,
                                       u32* bitmap_words)
       : p(params), seq(seq_), m0(m0_), mods(params, b) {
-    q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p) + (seq.q_row + m0) * p.q_stride[3];
-    k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p) + seq.k_row * p.k_stride[3];
-    v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p) + seq.k_row * p.v_stride[3];
+    q = static_cast<const In*>(p.q) + batch_offset(p.q_stride, b, p) + (seq.q_row + m0) * p.q_stride[3];
+    k = static_cast<const In*>(p.k) + batch_offset(p.k_stride, b, p) + seq.k_row * p.k_stride[3];
+    v = static_cast<const In*>(p.v) + batch_offset(p.v_stride, b, p) + seq.k_row * p.v_stride[3];
     out = static_cast<T*>(p.out) + batch_offset(p.out_stride, b, p) + (seq.q_row + m0) * p.out_stride[3];
     lse = static_cast<acc_t<T>*>(p.lse) + seq.q_flat + m0;
     nk_ = seq.nk();
@@ -123,18 +124,25 @@ struct RowBlock {
   }
 };
 
-// out = O_i / l_i (times 1 / (1 - p) with dropout) and lse_i = scale * m_i + log(l_i), columns
-// [c0, c0 + 8*O_TILES) (lse by the c0 = 0 CTA). Staged through sQ for 16-byte stores: every warp must
-// be done with its products first.
-template <class QTile, int THREADS, bool HAS_DROPOUT, typename T, int O_TILES, int S_TILES, typename A, class Rows>
+// out = O_i / l_i (times 1 / (1 - p) with dropout; times out_factor, the split float32 inputs' scaling)
+// and lse_i = scale * m_i + log(l_i), columns [c0, c0 + 8*O_TILES) (lse by the c0 = 0 CTA); exp_scale is
+// the factor the softmax ran with. Staged through sQ for 16-byte stores: every warp must be done with
+// its products first.
+template <class QTile, int THREADS, bool HAS_DROPOUT, bool SCALED = false, typename T, int O_TILES, int S_TILES,
+          typename A, class Rows>
 __device__ __forceinline__ void write_out(const Rows& rows, T* sQ, int c0, const A (&acc_o)[O_TILES][4],
-                                          const OnlineSoftmax<S_TILES, A>& softmax, int warp, int lane) {
+                                          const OnlineSoftmax<S_TILES, A>& softmax, int warp, int lane,
+                                          A exp_scale, A out_factor = A(1)) {
   const AttnParams& p = rows.p;
   A inv_sum[2], row_lse[2];
-  softmax.finalize(rows.exp_scale(), inv_sum, row_lse);
+  softmax.finalize(exp_scale, inv_sum, row_lse);
   if constexpr (HAS_DROPOUT) {
     inv_sum[0] *= Reals<A>::dropout_scale(p);
     inv_sum[1] *= Reals<A>::dropout_scale(p);
+  }
+  if constexpr (SCALED) {
+    inv_sum[0] *= out_factor;
+    inv_sum[1] *= out_factor;
   }
   __syncthreads();
   acc_to_smem<QTile, O_TILES>(sQ, warp * 16, acc_o, inv_sum, lane);
@@ -232,29 +240,38 @@ attention_fwd_kernel(const AttnParams p) {
     n_block = n_next;
   }
   cp_async_wait<0>();  // with no key block to visit, nothing was loaded; else everything has landed
-  write_out<QTile, THREADS, HAS_DROPOUT>(rows, sQ, c0, acc_o, softmax, warp, lane);
+  write_out<QTile, THREADS, HAS_DROPOUT>(rows, sQ, c0, acc_o, softmax, warp, lane, rows.exp_scale());
 }
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, bool IS_CAUSAL, Mods MODS, bool HAS_DROPOUT>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_fwd_wgmma_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
+  // float32 inputs arrive split into float16 pieces (split_f32.cu): rows of [hi | lo], 2 * HEAD_DIM wide.
+  constexpr bool SPLIT = sizeof(T) == 4;
+  using E = typename Select<SPLIT, half_t, T>::type;  // the shared tiles' elements
+  constexpr int COLS = SPLIT ? 2 * HEAD_DIM : HEAD_DIM;
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
   constexpr int BLOCK_M = 16 * NUM_WARPS;  // one warpgroup per 64 rows
-  using QTile = SwizzledTile<T, BLOCK_M, HEAD_DIM>;  // also stages out at the end
-  using KVTile = SwizzledTile<T, BLOCK_N, HEAD_DIM>;
+  using QTile = SwizzledTile<E, BLOCK_M, COLS>;
+  using KVTile = SwizzledTile<E, BLOCK_N, COLS>;
+  using OutTile = SwizzledTile<T, BLOCK_M, HEAD_DIM>;  // stages out at the end, in sQ
   constexpr int S_TILES = BLOCK_N / 8;
   constexpr int O_TILES = HEAD_DIM / 8;
-  static_assert(sizeof(T) == 2 && NUM_WARPS % 4 == 0, "wgmma: 16-bit inputs, whole warpgroups");
+  constexpr int P_STEPS = S_TILES / 2;
+  static_assert((sizeof(T) == 2 || SPLIT) && NUM_WARPS % 4 == 0, "wgmma: 16-bit or split float32 inputs, whole warpgroups");
+  static_assert(!SPLIT || (!HAS_MODS && !HAS_DROPOUT && HEAD_DIM % KVTile::ATOM_COLS == 0),
+                "split float32: plain and causal, the lo pieces on an atom boundary");
+  static_assert(OutTile::SIZE * sizeof(T) <= QTile::SIZE * sizeof(E), "out staged in sQ");
   static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
   static_assert(!HAS_MODS || (BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0),
                 "tiles inside block-mask tiles");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ u32 bitmap_words[HAS_MODS ? TILE_BITMAP_WORDS : 1];
-  T* sQ = reinterpret_cast<T*>(smem_aligned(smem_raw));
-  T* sK = sQ + QTile::SIZE;      // [2] KVTile: K of the t-th visited block in sK[t % 2]
-  T* sV = sK + 2 * KVTile::SIZE;  // [2] KVTile: V likewise
+  E* sQ = reinterpret_cast<E*>(smem_aligned(smem_raw));
+  E* sK = sQ + QTile::SIZE;      // [2] KVTile: K of the t-th visited block in sK[t % 2]
+  E* sV = sK + 2 * KVTile::SIZE;  // [2] KVTile: V likewise
 
   const int b = batch_index();
   if (b >= p.batch) return;
@@ -263,7 +280,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   if (m0 >= seq.nq()) return;  // past a shorter sequence's end (variable-length batches)
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int wg_row0 = (warp / 4) * 64;
-  const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS> rows(p, b, seq, m0, bitmap_words);
+  const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS, E> rows(p, b, seq, m0, bitmap_words);
   const Dropout dropout(p, b);
   // P_ij -> P_ij * Z_ij, after the softmax has summed P_ij into l_i.
   auto drop = [&](float (&s)[S_TILES][4], int n_block) {
@@ -271,6 +288,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
       dropout.drop_rows(s, m0 + warp * 16, n_block * BLOCK_N, lane);
     }
   };
+  const int qk_cols = SPLIT ? COLS : p.d_qk, v_cols = SPLIT ? COLS : p.d_v;  // the pieces are padded with zeros
 
   // The visited key blocks b_0 > b_1 > ... The copies go in commit groups G_0 = {Q, K(b_0)} and
   // G_t = {K(b_t), V(b_(t-1))}; G_t is waited for at step t and G_(t+2) issued at its end, into the
@@ -278,28 +296,72 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   // counts it all the same.
   auto load_k = [&](int n_block, int t) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_async<KVTile, THREADS>(sK + (t & 1) * KVTile::SIZE, rows.k + n0 * p.k_stride[3], p.k_stride[3], rows.nk() - n0, p.d_qk);
+    load_tile_async<KVTile, THREADS>(sK + (t & 1) * KVTile::SIZE, rows.k + n0 * p.k_stride[3], p.k_stride[3], rows.nk() - n0, qk_cols);
   };
   auto load_v = [&](int n_block, int t) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_async<KVTile, THREADS>(sV + (t & 1) * KVTile::SIZE, rows.v + n0 * p.v_stride[3], p.v_stride[3], rows.nk() - n0, p.d_v);
+    load_tile_async<KVTile, THREADS>(sV + (t & 1) * KVTile::SIZE, rows.v + n0 * p.v_stride[3], p.v_stride[3], rows.nk() - n0, v_cols);
   };
   auto wait_step = [&]() {  // G_t has landed (G_(t+1) may still be in flight), visible to the tensor cores
     cp_async_wait<1>();
     smem_publish<KVTile>();
     __syncthreads();
   };
-
+  // S = Q K^T of one key block (K in k_tile), issued as one commit group.
+  auto issue_s = [&](float (&acc_s)[S_TILES][4], const E* k_tile) {
+    if constexpr (SPLIT) wg_issue_abt_split<E, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, wg_row0, k_tile);
+    else wg_issue_abt<E, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, wg_row0, k_tile);
+  };
+  // P as the register operand of O += P V: rounded to T, or split into float16 hi and lo pieces (P is
+  // at most 2^RESCALE_SLACK; times P_FACTOR the pieces stay in float16's range and keep their bits).
+  constexpr float P_FACTOR = 64.f;
+  struct PFragments {
+    u32 hi[P_STEPS][4];
+    u32 lo[SPLIT ? P_STEPS : 1][4];
+  };
+  auto pack_p = [&](const float (&acc_s)[S_TILES][4], PFragments& f) {
+    if constexpr (SPLIT) split_fragments<S_TILES>(acc_s, P_FACTOR, f.hi, f.lo);
+    else pack_fragments<E>(acc_s, f.hi);
+  };
+  // O accumulates in the tensor cores (O += P V), or for split inputs in registers: each block's P V
+  // comes fresh (acc_pv) and is added with a rounded float32 add (wg_issue_pb_split says why).
   float acc_o[O_TILES][4];
+  float acc_pv[SPLIT ? O_TILES : 1][4];
+  auto issue_pv = [&](PFragments& f, const E* v_tile) {
+    if constexpr (SPLIT) wg_issue_pb_split<E, P_STEPS, O_TILES, KVTile>(acc_pv, f.hi, f.lo, v_tile, HEAD_DIM);
+    else wg_issue_pb<E, P_STEPS, O_TILES, KVTile>(acc_o, f.hi, v_tile, 0);
+  };
+  auto finish_pv = [&]() {  // after wgmma_wait: the block's P V is in acc_o
+    if constexpr (SPLIT) {
+      fence_operands(acc_pv);
+#pragma unroll
+      for (int j = 0; j < O_TILES; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[j][e] += acc_pv[j][e];
+    } else {
+      fence_operands(acc_o);
+    }
+  };
+  auto fence_p = [&](PFragments& f) {
+    fence_fragments(f.hi);
+    if constexpr (SPLIT) fence_fragments(f.lo);
+  };
+
   zero_acc(acc_o);
   OnlineSoftmax<S_TILES> softmax;
   softmax.init();
-  const float exp_scale = rows.exp_scale();
+  // Split inputs: q and k were scaled by 2^(e_q + e_k), v by 2^e_v (per batch entry, split_exponents).
+  float exp_scale = rows.exp_scale(), out_factor = 1.f;
+  if constexpr (SPLIT) {
+    const int2 e = reinterpret_cast<const int2*>(p.split_exponents)[b];
+    exp_scale *= __int_as_float((127 - e.x / 2) << 23) * __int_as_float((127 - (e.x - e.x / 2)) << 23);
+    out_factor = __int_as_float((127 - e.y) << 23) / P_FACTOR;
+  }
 
   int n_cur = rows.prev_on(rows.n_blocks - 1);  // b_t: the block whose P (p_cur) is pending
   if (n_cur >= rows.n_first) {
     int n_next = rows.prev_on(n_cur - 1);       // b_(t+1)
-    load_tile_async<QTile, THREADS>(sQ, rows.q, p.q_stride[3], seq.nq() - m0, p.d_qk);
+    load_tile_async<QTile, THREADS>(sQ, rows.q, p.q_stride[3], seq.nq() - m0, qk_cols);
     load_k(n_cur, 0);
     cp_async_commit();
     if (n_next >= rows.n_first) load_k(n_next, 1);
@@ -307,18 +369,18 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
     cp_async_commit();
 
     // Step 0: S_0 = Q K(b_0)^T alone; its softmax gives P_0.
-    u32 p_cur[S_TILES / 2][4];
+    PFragments p_cur;
     {
       wait_step();
       float acc_s[S_TILES][4];
-      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, wg_row0, sK);
+      issue_s(acc_s, sK);
       wgmma_wait<0>();
       fence_operands(acc_s);
       rows.scores(acc_s, n_cur, warp * 16, lane);
       float rescale[2];  // of an all-zero O: unused
       softmax.update(acc_s, exp_scale, rescale);
       drop(acc_s, n_cur);
-      pack_fragments<T>(acc_s, p_cur);
+      pack_p(acc_s, p_cur);
       __syncthreads();  // every warpgroup is done with K(b_0)
       if (n_next >= rows.n_first) {
         const int n_after = rows.prev_on(n_next - 1);
@@ -332,24 +394,21 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
     for (; n_next >= rows.n_first; ++t) {
       wait_step();
       float acc_s[S_TILES][4];
-      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, wg_row0, sK + (t & 1) * KVTile::SIZE);
-      wg_issue_pb<T, S_TILES / 2, O_TILES, KVTile>(acc_o, p_cur, sV + ((t - 1) & 1) * KVTile::SIZE, 0);
+      issue_s(acc_s, sK + (t & 1) * KVTile::SIZE);
+      issue_pv(p_cur, sV + ((t - 1) & 1) * KVTile::SIZE);
       wgmma_wait<1>();  // S_t is done; P_(t-1) V is still running
       fence_operands(acc_s);
       rows.scores(acc_s, n_next, warp * 16, lane);
       float rescale[2];
       softmax.update(acc_s, exp_scale, rescale);
       drop(acc_s, n_next);
-      u32 p_next[S_TILES / 2][4];
-      pack_fragments<T>(acc_s, p_next);
+      PFragments p_next;
+      pack_p(acc_s, p_next);
       wgmma_wait<0>();
-      fence_operands(acc_o);
-      fence_fragments(p_cur);
+      finish_pv();
+      fence_p(p_cur);
       rescale_rows(acc_o, rescale);  // O = (O + P_(t-1) V) * exp(m_old - m_new)
-#pragma unroll
-      for (int kt = 0; kt < S_TILES / 2; ++kt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) p_cur[kt][i] = p_next[kt][i];
+      p_cur = p_next;
       __syncthreads();  // every warpgroup is done with K(b_t) and V(b_(t-1))
       const int n_after = rows.prev_on(n_next - 1);  // b_(t+1)
       if (n_after >= rows.n_first) {
@@ -362,11 +421,12 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
     }
     // The last block's O += P V.
     wait_step();
-    wg_issue_pb<T, S_TILES / 2, O_TILES, KVTile>(acc_o, p_cur, sV + ((t - 1) & 1) * KVTile::SIZE, 0);
+    issue_pv(p_cur, sV + ((t - 1) & 1) * KVTile::SIZE);
     wgmma_wait<0>();
-    fence_operands(acc_o);
-    fence_fragments(p_cur);
+    finish_pv();
+    fence_p(p_cur);
   }
   cp_async_wait<0>();
-  write_out<QTile, THREADS, HAS_DROPOUT>(rows, sQ, 0, acc_o, softmax, warp, lane);
+  write_out<OutTile, THREADS, HAS_DROPOUT, SPLIT>(rows, reinterpret_cast<T*>(sQ), 0, acc_o, softmax, warp, lane,
+                                                  exp_scale, out_factor);
 }

@@ -106,7 +106,7 @@ __device__ __forceinline__ void fence_operands(float (&acc)[N_TILES][4]) {
 #define CF_OUT_N128 CF_OUT16(0)
 // D += A B with scale-d = 1 (accumulate); SS: A and B K-major in shared memory; SS_ZERO: the same with
 // scale-d = 0 and output-only D, D = A B (a product's first k-step: no zeroed registers to feed in); RS:
-// A in registers, B MN-major in shared memory (imm-trans-b = 1).
+// A in registers, B MN-major in shared memory (imm-trans-b = 1); RS_ZERO: likewise with scale-d = 0.
 #define CF_WGMMA_BODY(SHAPE, SRC, PRED, TAIL) \
   "{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\nwgmma.mma_async.sync.aligned." SHAPE " " SRC ", " TAIL ";\n}\n"
 
@@ -127,6 +127,11 @@ template <typename T, int N> struct WgmmaOp;
       asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_RS_SRC##N, \
                                  CF_WGMMA_RS_PRED##N, "p, 1, 1, 1")                                            \
                    : CF_ACC_N##N : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1) : "memory");     \
+    }                                                                                                           \
+    __device__ __forceinline__ static void rs_zero(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {           \
+      asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_RS_SRC##N, \
+                                 CF_WGMMA_RS_PRED##N, "p, 1, 1, 1")                                            \
+                   : CF_OUT_N##N : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(0) : "memory");     \
     }                                                                                                           \
   };
 CF_DEFINE_WGMMA(half_t, "f16", 16)
@@ -173,6 +178,42 @@ __device__ __forceinline__ void wg_issue_abt(float (&c)[N_TILES][4], const T* a_
   wgmma_commit();
 }
 
+// The same product for float32 inputs split into float16 pieces (split_f32.cu): both tiles hold a row's
+// hi piece in columns [0, K) and its lo piece in [K, 2K), and C = A_hi B_lo^T + A_lo B_hi^T + A_hi B_hi^T,
+// three products issued as one commit group, the first k-step overwriting C. The small terms go first:
+// the tensor cores' float32 accumulation truncates each step to the running sum's precision, so the
+// chain loses least while the sum is small (after them, K / 16 steps of A_hi B_hi^T).
+template <typename E, int K, int N_TILES, class ATile, class BTile>
+__device__ __forceinline__ void wg_issue_abt_split(float (&c)[N_TILES][4], const E* a_tile, int row0, const E* b_tile) {
+  constexpr int WIDTH = wgmma_width<8 * N_TILES>();
+  static_assert(K % 16 == 0 && ATile::NUM_COLS == 2 * K && BTile::NUM_COLS == 2 * K, "tiles of [hi | lo] rows");
+  const u64 a = desc_k_major<ATile>(a_tile, __shfl_sync(0xffffffffu, row0, 0));
+  const u64 b = desc_k_major<BTile>(b_tile, 0);
+  wgmma_fence();
+#pragma unroll
+  for (int k0 = 0; k0 < K; k0 += 16) {
+#pragma unroll
+    for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
+      const u64 n_off = static_cast<u64>(n0 * BTile::ATOM_BYTES) >> 4;
+      const u64 a_hi = a + k_major_step<ATile>(k0), a_lo = a + k_major_step<ATile>(K + k0);
+      const u64 b_hi = b + k_major_step<BTile>(k0) + n_off, b_lo = b + k_major_step<BTile>(K + k0) + n_off;
+      float (&d)[WIDTH / 8][4] = tiles_at<WIDTH / 8>(c, n0 / 8);
+      if (k0 == 0) WgmmaOp<E, WIDTH>::ss_zero(d, a_hi, b_lo);
+      else WgmmaOp<E, WIDTH>::ss(d, a_hi, b_lo);
+      WgmmaOp<E, WIDTH>::ss(d, a_lo, b_hi);
+    }
+  }
+#pragma unroll
+  for (int k0 = 0; k0 < K; k0 += 16) {
+#pragma unroll
+    for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
+      const u64 n_off = static_cast<u64>(n0 * BTile::ATOM_BYTES) >> 4;
+      WgmmaOp<E, WIDTH>::ss(tiles_at<WIDTH / 8>(c, n0 / 8), a + k_major_step<ATile>(k0), b + k_major_step<BTile>(k0) + n_off);
+    }
+  }
+  wgmma_commit();
+}
+
 // The register A operand of P (accumulator tiles 16 rows x 8*P_TILES, rounded to T): one m16n8k16 A
 // fragment per 16 columns.
 template <typename T, int P_TILES>
@@ -182,6 +223,34 @@ __device__ __forceinline__ void pack_fragments(const float (&p)[P_TILES][4], u32
     const typename Mma16<T>::A frag = Mma16<T>::a_from_acc(&p[2 * kt]);
 #pragma unroll
     for (int i = 0; i < 4; ++i) a[kt][i] = frag.x[i];
+  }
+}
+
+// P (accumulator tiles, values in [0, 2^RESCALE_SLACK]) times `factor` as float16 pieces hi + lo in the
+// register A layout (split_f32.cu): hi = float16(x), lo = float16(x - hi).
+template <int P_TILES>
+__device__ __forceinline__ void split_fragments(const float (&p)[P_TILES][4], float factor, u32 (&hi)[P_TILES / 2][4],
+                                                u32 (&lo)[P_TILES / 2][4]) {
+#pragma unroll
+  for (int kt = 0; kt < P_TILES / 2; ++kt) {
+    float x[2][4], r[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[j][e] = p[2 * kt + j][e] * factor;
+    const typename Mma16<half_t>::A h = Mma16<half_t>::a_from_acc(x);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // h.x[i] packs two of x; r gets what rounding them left out
+      const int j = i >> 1, e = (i & 1) * 2;
+      r[j][e] = x[j][e] - Elem<half_t>::to_acc(half_t{static_cast<u16>(h.x[i] & 0xffffu)});
+      r[j][e + 1] = x[j][e + 1] - Elem<half_t>::to_acc(half_t{static_cast<u16>(h.x[i] >> 16)});
+    }
+    const typename Mma16<half_t>::A l = Mma16<half_t>::a_from_acc(r);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      hi[kt][i] = h.x[i];
+      lo[kt][i] = l.x[i];
+    }
   }
 }
 
@@ -211,6 +280,43 @@ __device__ __forceinline__ void wg_issue_pb(float (&c)[N_TILES][4], u32 (&a)[K_S
     for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
       WgmmaOp<T, WIDTH>::rs(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt],
                             b + mn_major_step<BTile>(16 * kt) + (static_cast<u64>(n0 / WIDTH * BTile::ATOM_SIZE * sizeof(T)) >> 4));
+    }
+  }
+  wgmma_commit();
+}
+
+// C = P B (overwritten) for split float32 inputs as one commit group: P as hi and lo fragments
+// (split_fragments), B's tile with the hi piece in columns [0, lo_col) and the lo piece from lo_col on:
+// P_hi B_lo + P_lo B_hi + P_hi B_hi, small terms first (see wg_issue_abt_split). The caller adds C to
+// its running sum in registers: chained across key blocks in the tensor cores, the truncation of every
+// step would add up over the whole sequence. The fragments must stay untouched until wgmma_wait has
+// seen the group complete.
+template <typename E, int K_STEPS, int N_TILES, class BTile>
+__device__ __forceinline__ void wg_issue_pb_split(float (&c)[N_TILES][4], u32 (&a_hi)[K_STEPS][4], u32 (&a_lo)[K_STEPS][4],
+                                                  const E* b_tile, int lo_col) {
+  constexpr int WIDTH = BTile::ATOM_COLS;
+  static_assert((8 * N_TILES) % WIDTH == 0, "whole atoms");
+  const u64 b_hi = desc_mn_major<BTile>(b_tile, 0), b_lo = desc_mn_major<BTile>(b_tile, lo_col);
+  wgmma_fence();
+  fence_fragments(a_hi);
+  fence_fragments(a_lo);
+#pragma unroll
+  for (int kt = 0; kt < K_STEPS; ++kt) {
+#pragma unroll
+    for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
+      const u64 step = mn_major_step<BTile>(16 * kt) + (static_cast<u64>(n0 / WIDTH * BTile::ATOM_SIZE * sizeof(E)) >> 4);
+      float (&d)[WIDTH / 8][4] = tiles_at<WIDTH / 8>(c, n0 / 8);
+      if (kt == 0) WgmmaOp<E, WIDTH>::rs_zero(d, a_hi[kt], b_lo + step);
+      else WgmmaOp<E, WIDTH>::rs(d, a_hi[kt], b_lo + step);
+      WgmmaOp<E, WIDTH>::rs(d, a_lo[kt], b_hi + step);
+    }
+  }
+#pragma unroll
+  for (int kt = 0; kt < K_STEPS; ++kt) {
+#pragma unroll
+    for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
+      const u64 step = mn_major_step<BTile>(16 * kt) + (static_cast<u64>(n0 / WIDTH * BTile::ATOM_SIZE * sizeof(E)) >> 4);
+      WgmmaOp<E, WIDTH>::rs(tiles_at<WIDTH / 8>(c, n0 / 8), a_hi[kt], b_hi + step);
     }
   }
   wgmma_commit();

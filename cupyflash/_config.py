@@ -156,6 +156,14 @@ _WGMMA_TABLE = {
     192: ((8, 64, 192), (8, 32, 192, True), (4, 32, 192)),
     256: ((8, 64, 256), (8, 64, 256, True), (8, 64, 256, True)),
 }
+# The float32 forward on the wgmma path (plain and causal): q, k, v split into float16 pieces on the host
+# (cuda_src/split_f32.cu), so its tiles hold rows of 2 * HEAD_DIM float16 elements, the bytes of a float32
+# row; HEAD_DIM by HEAD_DIM -> fwd (warps, BLOCK_N, D_CHUNK). The pieces' second half must start on a
+# swizzle atom (64 float16 columns): HEAD_DIM 64 and 128.
+_WGMMA_SPLIT_FWD = {
+    64: (4, 64, 64),
+    128: (8, 32, 128),
+}
 # The modifiers' extra registers per score (bounds, bias, softcap derivative) make these spill with the
 # plain tiles above (whose blocks must also divide the block mask's BLOCK_MASK_TILE = 128).
 _WGMMA_MODS_TABLE = {
@@ -208,6 +216,11 @@ def has_wgmma(itemsize: int, head_dim: int) -> bool:
     return itemsize == 2 and head_dim in _WGMMA_TABLE
 
 
+def has_wgmma_split(itemsize: int, head_dim: int, kernel: str, mods: bool = False, dropout: bool = False) -> bool:
+    """Whether a float32 kernel has wgmma tiles over float16 pieces: the forward, plain or causal."""
+    return itemsize == 4 and kernel == "fwd" and head_dim in _WGMMA_SPLIT_FWD and not mods and not dropout
+
+
 def has_large_smem_tiles(itemsize: int, head_dim: int) -> bool:
     """Whether (element size, HEAD_DIM) has tiles for GPUs of compute capability >= LARGE_SMEM_CC."""
     return (itemsize, head_dim) in _LARGE_SMEM_TABLE
@@ -226,9 +239,11 @@ def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: 
     (with ``mods``): the instantiation without the modifiers' arrays (``_SCALAR_MODS_PLAIN``)."""
     if (itemsize, head_dim) not in _TABLE:
         raise ValueError(f"no tiles for {itemsize}-byte elements and head_dim {head_dim}; head dims: {HEAD_DIMS}")
+    kernel = _SHARES_TILES.get(kernel, kernel)
+    if wgmma and has_wgmma_split(itemsize, head_dim, kernel, mods, dropout):
+        return Tiles(*_WGMMA_SPLIT_FWD[head_dim])
     if wgmma and not has_wgmma(itemsize, head_dim):
         raise ValueError(f"no wgmma tiles for {itemsize}-byte elements and head_dim {head_dim}")
-    kernel = _SHARES_TILES.get(kernel, kernel)
     if kernel not in _KERNELS:
         raise ValueError(f"kernel must be one of {_KERNELS + tuple(_SHARES_TILES)}, got {kernel!r}")
     if large_smem and not has_large_smem_tiles(itemsize, head_dim):

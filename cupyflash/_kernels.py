@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy
 
-from . import _config
+from . import _config, _split
 from ._types import lse_dtype
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -51,7 +51,8 @@ PARAMS_DTYPE = numpy.dtype(
     + [(name, numpy.uint64) for name in ("cu_seqlens_q", "cu_seqlens_k")]
     + [(name, numpy.int32) for name in ("heads", "total_q", "total_k")]
     + [(name, numpy.float64) for name in ("scale_f64", "scale_log2_f64", "softcap_f64", "softcap_inv_f64",
-                                          "dropout_scale_f64")],
+                                          "dropout_scale_f64")]
+    + [("split_exponents", numpy.uint64)],
     align=True,
 )
 # The launch passes the same bytes as one opaque value: CuPy finds a NumPy argument's address through
@@ -185,7 +186,9 @@ def shipped_variants() -> list[Variant]:
         for direction in ("fwd", "bwd") for ctype in ctypes for head_dim in _config.HEAD_DIMS
         if _ITEMSIZE[ctype] in _config.SCALAR_MODS_ITEMSIZES
     ] + [Variant("probs", ctype, head_dim, False, True) for ctype in ctypes for head_dim in _config.HEAD_DIMS]
-    return (variants + [dataclasses.replace(v, wgmma=True) for v in variants if _config.has_wgmma(v.itemsize, v.head_dim)]
+    return (variants + [dataclasses.replace(v, wgmma=True) for v in variants
+                        if _config.has_wgmma(v.itemsize, v.head_dim)
+                        or _config.has_wgmma_split(v.itemsize, v.head_dim, v.direction, v.mods, v.dropout)]
             + [dataclasses.replace(v, large_smem=True) for v in variants
                if _config.has_large_smem_tiles(v.itemsize, v.head_dim)])
 
@@ -222,6 +225,8 @@ def _functions(variant: Variant) -> dict[str, object]:
                     f"device {device.id} has {cc / 10:.1f}"
                 )
             built = _build_modules([(variant, kernels) for kernels in variant.modules], device.id)
+            if variant.wgmma and variant.itemsize == 4:  # its inputs' float16 pieces come from _split's kernels
+                _split._module(device.id)
             optin = cupy.cuda.runtime.getDeviceProperties(device.id)["sharedMemPerBlockOptin"]
             found = {}
             for kernel, function in built.items():
@@ -349,14 +354,16 @@ def variants_for(arch: str) -> list[Variant]:
 
 
 def compile_report(arch: str, variants: list[Variant] | None = None) -> list[dict]:
-    """Compile every shipped variant built for `arch` ("sm_80", "sm_90"), one row per kernel."""
+    """Compile every shipped variant built for `arch` ("sm_80", "sm_90"), one row per kernel; by default
+    (variants None) also the float32 split kernels (_split)."""
     from concurrent.futures import ThreadPoolExecutor
     import os
 
+    extra = _split.compile_report(arch) if variants is None else []
     variants = variants_for(arch) if variants is None else variants
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         results = pool.map(lambda variant: compile_variant(variant, arch), variants)
-        return [row for rows in results for row in rows]
+        return [row for rows in results for row in rows] + extra
 
 
 # ----------------------------------------------------------------------------- arrays -> params
@@ -544,8 +551,8 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
     ctype, head_dim = _CTYPES[name], _config.padded_head_dim(max(d, dv))
     scalar = (has_mods and direction != "probs" and dropout is None and (mods is None or _scalars_only(mods))
               and _ITEMSIZE[ctype] in _config.SCALAR_MODS_ITEMSIZES)
-    return Variant(direction, ctype, head_dim, bool(causal) and not has_mods, has_mods,
-                   uses_wgmma(_ITEMSIZE[ctype], head_dim), dropout is not None,
+    wgmma = uses_wgmma(_ITEMSIZE[ctype], head_dim, direction, has_mods, dropout is not None)
+    return Variant(direction, ctype, head_dim, bool(causal) and not has_mods, has_mods, wgmma, dropout is not None,
                    uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar)
 
 
@@ -568,11 +575,20 @@ def uses_large_smem(itemsize: int, head_dim: int) -> bool:
     return _compute_capability(device_id) >= _config.LARGE_SMEM_CC
 
 
-def uses_wgmma(itemsize: int, head_dim: int) -> bool:
+def uses_wgmma(itemsize: int, head_dim: int, direction: str | None = None, mods: bool = False,
+               dropout: bool = False) -> bool:
     """Whether calls on the current device take the wgmma path for this element size and HEAD_DIM: on
     compute capability 9.0 where the tile table has wgmma tiles, unless CUPYFLASH_NO_WGMMA=1 asks for the
-    mma.sync kernels (which every other GPU runs)."""
-    if not _config.has_wgmma(itemsize, head_dim) or os.environ.get("CUPYFLASH_NO_WGMMA", "0") not in ("", "0"):
+    mma.sync kernels (which every other GPU runs). 16-bit inputs in every direction; float32 in the
+    direction (with the modifiers and dropout) given, where _config.has_wgmma_split has tiles."""
+    tiles = _config.has_wgmma(itemsize, head_dim) or (
+        direction is not None and _config.has_wgmma_split(itemsize, head_dim, direction, mods, dropout))
+    return tiles and _wgmma_device()
+
+
+def _wgmma_device() -> bool:
+    """Whether the current device is compute capability 9.0, unless CUPYFLASH_NO_WGMMA=1."""
+    if os.environ.get("CUPYFLASH_NO_WGMMA", "0") not in ("", "0"):
         return False
     try:
         import cupy
@@ -661,7 +677,7 @@ def _launch_summed(functions, variant: Variant, kernel: str, rows: int, batch: i
 _PLAN_CACHE_SIZE = 256
 _ADDRESS_WORDS = {name: PARAMS_DTYPE.fields[name][1] // 8
                   for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta",
-                               "alibi_slopes")}
+                               "alibi_slopes", "split_exponents")}
 _KEYS_DTYPE, _KEYS_OFFSET = PARAMS_DTYPE.fields["dropout_keys"][:2]
 _KEY_WORDS = slice(_KEYS_OFFSET // 4, _KEYS_OFFSET // 4 + _KEYS_DTYPE.shape[0])  # as uint32 words
 _plans: dict[tuple, "_Plan"] = {}
@@ -731,12 +747,19 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
     lse = cupy.empty(batch_shape + (nq,), dtype=lse_dtype(q.dtype))
     addresses = {"q": q, "k": k, "v": v, "out": out, "lse": lse, **_slopes(mods)}
     key = _plan_key("fwd", addresses, scale, causal, mods, dropout)
+    # float32 on the wgmma path: the kernel reads float16 pieces of q, k, v (_split), not q, k, v.
+    split_width = _split_width(q.dtype, d_w, dv_w, mods, dropout)
+    if split_width:
+        (q, e_q), (k, e_k), (v, e_v) = (_split.split(x, split_width) for x in (q, k, v))
+        addresses.update(q=q, k=k, v=v, split_exponents=_split.exponents(e_q, e_k, e_v))
     plan = _plans.get(key) if key is not None else None
     if plan is None:
-        variant = _variant("fwd", q.dtype, d_w, dv_w, causal, mods, dropout)
+        variant = _variant("fwd", q.dtype if not split_width else numpy.float32, d_w, dv_w, causal, mods, dropout)
         arrays, sizes, strides, copied = _layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, **_mod_arrays(mods)})
         batch = math.prod(batch_shape)
         others = {"lse": lse}
+        if split_width:
+            others["split_exponents"] = addresses["split_exponents"]
         params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
                          others=others, mods=mods, causal=causal, dropout=dropout)
         plan = _Plan(_functions(variant), variant, params, [("fwd", nq, batch)])
@@ -747,6 +770,14 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
             _remember(key, plan)
     plan.launch(addresses, dropout)
     return _unpad(out, dv), lse
+
+
+def _split_width(dtype, d: int, dv: int, mods, dropout) -> int:
+    """HEAD_DIM of a forward that runs on float16 pieces of float32 inputs (the wgmma path), else 0."""
+    if dtype != numpy.float32:
+        return 0
+    head_dim = _config.padded_head_dim(max(d, dv))
+    return head_dim if uses_wgmma(4, head_dim, "fwd", mods is not None, dropout is not None) else 0
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, mods=None, dropout=None):

@@ -28,7 +28,7 @@ def recorder(monkeypatch):
 def test_default_warms_every_plain_variant_of_the_api(recorder):
     warmed = cupyflash.warmup()
     expected = [v for v in _kernels.shipped_variants()
-                if not v.mods and not v.dropout and v.wgmma == _kernels.uses_wgmma(v.itemsize, v.head_dim)
+                if not v.mods and not v.dropout and v.wgmma == _kernels.uses_wgmma(v.itemsize, v.head_dim, v.direction)
                 and v.large_smem == _kernels.uses_large_smem(v.itemsize, v.head_dim)]
     assert sorted(warmed, key=repr) == sorted(expected, key=repr)
     assert recorder == warmed, "each variant is loaded once, in the order returned"
