@@ -27,6 +27,11 @@
 // in the accumulator type.
 // WGMMA instantiations (Hopper, fp16/bf16) run the same passes on warpgroup products from swizzled tiles
 // (gemm.cuh): each warp still owns 16 rows, now of its warpgroup's 64, in the same accumulator layout.
+// float32 WGMMA instantiations (PIECES: plain and causal) read q, k, v, dout as float16 pieces hi + lo
+// scaled by powers of two (split_f32.cu, pieces.cuh): S and dP take three float16 products each, and
+// the products with P^T or dS (split per row in registers) go into fresh accumulators that are added to
+// dV, dK, dQ in registers; the powers of two come out in the softmax's scale, in dP before dS, and in
+// the gradients' final scales. The preprocess reads out and dout themselves.
 // MODS instantiations (HAS_MODS; IS_CAUSAL = false, causality is the window's right edge) rebuild the
 // modified logits (score_mods.cuh), skip the tiles the window band or the block mask hide, and compute
 // dP before S so that each element's P, dS and softcap derivative 1 - tanh^2 come out of one pass.
@@ -108,6 +113,17 @@ __device__ __forceinline__ void dscores_cols(A (&dp)[N_TILES][4], const A (&prob
     for (int e = 0; e < 4; ++e) dp[j][e] = prob[j][e] * (dp[j][e] - delta[j * 8 + 2 * t + (e & 1)]);
   }
 }
+// The same from a dP that carries a factor 1 / dp_factor (pieces: the inputs' powers of two).
+template <int N_TILES, typename A>
+__device__ __forceinline__ void dscores_cols(A (&dp)[N_TILES][4], const A (&prob)[N_TILES][4], const A* delta, int lane,
+                                             A dp_factor) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[j][e] = prob[j][e] * (dp[j][e] * dp_factor - delta[j * 8 + 2 * t + (e & 1)]);
+  }
+}
 
 // The dropout dK/dV pass's dS, with the keep mask Z (keep_cols' bits) applied once, to P^T, which dV then
 // takes as it is: (1 - p) dS^T = (Z P^T) dP^T - P^T (1 - p) delta in place in dp (delta_kept: (1 - p) delta,
@@ -134,24 +150,33 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
   constexpr int BLOCK_N = (SPLIT ? 8 : 16) * NUM_WARPS;  // keys of this CTA, 16 per warp (SPLIT: per pair)
-  using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM, WGMMA>;  // also stage dk, dv at the end
-  using QTile = SmemTile<T, BLOCK_M, HEAD_DIM, WGMMA>;   // the streamed q and dout tiles
+  // PIECES: float32 on the wgmma path, q, k, v, dout as float16 pieces (split_f32.cu): rows [hi | lo].
+  constexpr bool PIECES = WGMMA && sizeof(T) == 4;
+  using E = typename Select<PIECES, half_t, T>::type;  // the shared tiles' elements
+  constexpr int COLS = PIECES ? 2 * HEAD_DIM : HEAD_DIM;
+  using KVTile = SmemTile<E, BLOCK_N, COLS, WGMMA>;
+  using QTile = SmemTile<E, BLOCK_M, COLS, WGMMA>;      // the streamed q and dout tiles
+  using OutTile = SmemTile<T, BLOCK_N, HEAD_DIM, WGMMA>;  // stages dk, dv at the end, in sK, sV
   constexpr int S_TILES = BLOCK_M / 8;     // S^T tile: 16 keys x BLOCK_M queries per warp
   constexpr int G_TILES = D_CHUNK / 8;     // gradient columns per CTA
   constexpr int N_CHUNKS = HEAD_DIM / D_CHUNK;
   static_assert(HEAD_DIM % D_CHUNK == 0 && D_CHUNK % 16 == 0, "gradient column chunks");
   static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
-  static_assert(!WGMMA || (sizeof(T) == 2 && NUM_WARPS % 4 == 0), "wgmma: 16-bit inputs, whole warpgroups");
+  static_assert(!WGMMA || ((sizeof(T) == 2 || PIECES) && NUM_WARPS % 4 == 0),
+                "wgmma: 16-bit or float32 (pieces) inputs, whole warpgroups");
   static_assert(!SPLIT || (!HAS_MODS && !HAS_DROPOUT && NUM_WARPS % (WGMMA ? 8 : 2) == 0),
                 "split pairs: plain or causal passes, whole pairs of warps (of warpgroups with wgmma)");
+  static_assert(!PIECES || (!HAS_MODS && !HAS_DROPOUT && !SPLIT && HEAD_DIM % 64 == 0 && D_CHUNK % 64 == 0),
+                "pieces: plain or causal, lo pieces and column chunks on (64-element) atom boundaries");
+  static_assert(OutTile::SIZE * sizeof(T) <= KVTile::SIZE * sizeof(E), "dk, dv staged in sK, sV");
   using A = acc_t<T>;  // float; double for float64 inputs
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sK = reinterpret_cast<T*>(WGMMA ? smem_aligned(smem_raw) : smem_raw);
-  T* sV = sK + KVTile::SIZE;
-  T* sQ = sV + KVTile::SIZE;      // [2] QTile, double-buffered stream
-  T* sdO = sQ + 2 * QTile::SIZE;  // [2] QTile
+  E* sK = reinterpret_cast<E*>(WGMMA ? smem_aligned(smem_raw) : smem_raw);
+  E* sV = sK + KVTile::SIZE;
+  E* sQ = sV + KVTile::SIZE;      // [2] QTile, double-buffered stream
+  E* sdO = sQ + 2 * QTile::SIZE;  // [2] QTile
   A* sLse = reinterpret_cast<A*>(sdO + 2 * QTile::SIZE);  // [2][BLOCK_M]
   A* sDelta = sLse + 2 * BLOCK_M;                         // [2][BLOCK_M]
   A* sP = sDelta + 2 * BLOCK_M;                           // SPLIT: [NUM_WARPS / 2][S_TILES * 4][32], P^T per pair
@@ -173,10 +198,12 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   const int role = SPLIT ? (warp / TWIN) & 1 : 0;
   A* sP_pair = sP + pair * (S_TILES * 4 * WARP_SIZE);
 
-  const T* q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p) + seq.q_row * p.q_stride[3];
-  const T* k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p) + (seq.k_row + n0) * p.k_stride[3];
-  const T* v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p) + (seq.k_row + n0) * p.v_stride[3];
-  const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + seq.q_row * p.dout_stride[3];
+  const E* q = static_cast<const E*>(p.q) + batch_offset(p.q_stride, b, p) + seq.q_row * p.q_stride[3];
+  const E* k = static_cast<const E*>(p.k) + batch_offset(p.k_stride, b, p) + (seq.k_row + n0) * p.k_stride[3];
+  const E* v = static_cast<const E*>(p.v) + batch_offset(p.v_stride, b, p) + (seq.k_row + n0) * p.v_stride[3];
+  const E* dout = static_cast<const E*>(p.dout) + batch_offset(p.dout_stride, b, p) + seq.q_row * p.dout_stride[3];
+  const int qk_cols = PIECES ? COLS : p.d_qk, v_cols = PIECES ? COLS : p.d_v;  // pieces are padded with zeros
+  const Pieces<PIECES> pieces(p, b);
   const A* lse_log2 = static_cast<const A*>(p.lse_log2) + seq.q_flat;
   const A* delta = static_cast<const A*>(p.delta) + seq.q_flat;
   const Dropout dropout(p, b);
@@ -211,8 +238,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 
   auto load_stream = [&](int m_block, int buf) {
     const int m0 = m_block * BLOCK_M;
-    load_tile_async<QTile, THREADS>(sQ + buf * QTile::SIZE, q + m0 * p.q_stride[3], p.q_stride[3], seq.nq() - m0, p.d_qk);
-    load_tile_async<QTile, THREADS>(sdO + buf * QTile::SIZE, dout + m0 * p.dout_stride[3], p.dout_stride[3], seq.nq() - m0, p.d_v);
+    load_tile_async<QTile, THREADS>(sQ + buf * QTile::SIZE, q + m0 * p.q_stride[3], p.q_stride[3], seq.nq() - m0, qk_cols);
+    load_tile_async<QTile, THREADS>(sdO + buf * QTile::SIZE, dout + m0 * p.dout_stride[3], p.dout_stride[3], seq.nq() - m0, v_cols);
     for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
       const bool valid = m0 + i < seq.nq();  // rows past nq: P = 0 through lse = +inf
       sLse[buf * BLOCK_M + i] = valid ? lse_log2[m0 + i] : pos_inf();
@@ -220,8 +247,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     }
   };
 
-  load_tile_async<KVTile, THREADS>(sK, k, p.k_stride[3], seq.nk() - n0, p.d_qk);
-  load_tile_async<KVTile, THREADS>(sV, v, p.v_stride[3], seq.nk() - n0, p.d_v);
+  load_tile_async<KVTile, THREADS>(sK, k, p.k_stride[3], seq.nk() - n0, qk_cols);
+  load_tile_async<KVTile, THREADS>(sV, v, p.v_stride[3], seq.nk() - n0, v_cols);
   int m_block = next_on(m_first);
   if (m_block < m_blocks) load_stream(m_block, 0);
   cp_async_commit();
@@ -242,11 +269,20 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     }
     smem_publish<QTile>();
     __syncthreads();
-    const T* sQ_i = sQ + buf * QTile::SIZE;
-    const T* sdO_i = sdO + buf * QTile::SIZE;
+    const E* sQ_i = sQ + buf * QTile::SIZE;
+    const E* sdO_i = sdO + buf * QTile::SIZE;
 
     A acc_s[S_TILES][4], acc_dp[S_TILES][4];
-    if constexpr (SPLIT) {
+    if constexpr (PIECES) {
+      // S^T = K Q_i^T, P^T = exp(scale * S^T - lse) (S^T carries 2^(e_q + e_k)); dV += P^T dO_i;
+      // dP^T = V dO_i^T (carrying 2^(e_v + e_dout)), dS^T = P^T * (dP^T - delta); dK += dS^T Q_i below.
+      gemm_abt_pieces<HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i);
+      if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + warp * 16, m0, lane);
+      probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p) * pieces.scores, lane);
+      gemm_pb_pieces<HEAD_DIM, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0);
+      gemm_abt_pieces<HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i);
+      dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane, pieces.dscores);  // dP^T unscaled on the way
+    } else if constexpr (SPLIT) {
       if (role == 0) {  // S^T = K Q_i^T, P^T = exp(scale * S^T - lse), to the partner too
         gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, row0, sQ_i, lane);
         if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + row0, m0, lane);
@@ -313,31 +349,34 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     }
 
     // dK += dS^T Q_i
-    if constexpr (!SPLIT) gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, lane);
+    if constexpr (PIECES) gemm_pb_pieces<HEAD_DIM, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0);
+    else if constexpr (!SPLIT) gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, lane);
     __syncthreads();  // this buffer (and SPLIT's P^T) is refilled two iterations on
     m_block = m_next;
   }
 
   // dK = scale * dS^T Q (DS_UNSCALED: scale / (1 - p) times the sum of (1 - p) dS^T Q), dV = (Z * P^T) dO /
   // (1 - p); staged through sK / sV for 16-byte stores.
-  const A dv_scale = HAS_DROPOUT ? Reals<A>::dropout_scale(p) : A(1);
-  const A dk_factor = Reals<A>::scale(p) * (DS_UNSCALED ? dv_scale : A(1));
+  const A dv_scale = (HAS_DROPOUT ? Reals<A>::dropout_scale(p) : A(1)) * (PIECES ? pieces.dout : A(1));
+  const A dk_factor = Reals<A>::scale(p) * (DS_UNSCALED ? dv_scale : A(1)) * (PIECES ? pieces.q : A(1));
   const A dk_scale[2] = {dk_factor, dk_factor};
   const A dv_scales[2] = {dv_scale, dv_scale};
   cp_async_wait<0>();  // with no query block to visit, the K/V copies may still be in flight
   __syncthreads();
+  T* sK_out = reinterpret_cast<T*>(sK);
+  T* sV_out = reinterpret_cast<T*>(sV);
   if constexpr (SPLIT) {
-    if (role == 0) acc_to_smem<KVTile, G_TILES>(sV, row0, acc_dk, dv_scales, lane);
-    else acc_to_smem<KVTile, G_TILES>(sK, row0, acc_dk, dk_scale, lane);
+    if (role == 0) acc_to_smem<OutTile, G_TILES>(sV_out, row0, acc_dk, dv_scales, lane);
+    else acc_to_smem<OutTile, G_TILES>(sK_out, row0, acc_dk, dk_scale, lane);
   } else {
-    acc_to_smem<KVTile, G_TILES>(sK, row0, acc_dk, dk_scale, lane);
-    acc_to_smem<KVTile, G_TILES>(sV, row0, acc_dv, dv_scales, lane);
+    acc_to_smem<OutTile, G_TILES>(sK_out, row0, acc_dk, dk_scale, lane);
+    acc_to_smem<OutTile, G_TILES>(sV_out, row0, acc_dv, dv_scales, lane);
   }
   __syncthreads();
   T* dk = static_cast<T*>(p.dk) + (seq.k_flat + n0) * p.d_qk + c0;
   T* dv = static_cast<T*>(p.dv) + (seq.k_flat + n0) * p.d_v + c0;
-  store_tile<KVTile, D_CHUNK, THREADS>(dk, p.d_qk, sK, seq.nk() - n0, p.d_qk - c0);
-  store_tile<KVTile, D_CHUNK, THREADS>(dv, p.d_v, sV, seq.nk() - n0, p.d_v - c0);
+  store_tile<OutTile, D_CHUNK, THREADS>(dk, p.d_qk, sK_out, seq.nk() - n0, p.d_qk - c0);
+  store_tile<OutTile, D_CHUNK, THREADS>(dv, p.d_v, sV_out, seq.nk() - n0, p.d_v - c0);
 }
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, Mods MODS, bool WGMMA,
@@ -347,17 +386,26 @@ attention_bwd_dq_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
   constexpr int BLOCK_M = (SPLIT ? 8 : 16) * NUM_WARPS;  // queries of this CTA, 16 per warp (SPLIT: per pair)
-  using QTile = SmemTile<T, BLOCK_M, HEAD_DIM, WGMMA>;   // q and dout; sQ also stages dq at the end
-  using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM, WGMMA>;  // the streamed k and v tiles
+  // PIECES: float32 on the wgmma path (see the dK/dV pass).
+  constexpr bool PIECES = WGMMA && sizeof(T) == 4;
+  using E = typename Select<PIECES, half_t, T>::type;
+  constexpr int COLS = PIECES ? 2 * HEAD_DIM : HEAD_DIM;
+  using QTile = SmemTile<E, BLOCK_M, COLS, WGMMA>;     // q and dout
+  using KVTile = SmemTile<E, BLOCK_N, COLS, WGMMA>;    // the streamed k and v tiles
+  using OutTile = SmemTile<T, BLOCK_M, HEAD_DIM, WGMMA>;  // stages dq at the end, in sQ
   constexpr int S_TILES = BLOCK_N / 8;
   constexpr int G_TILES = D_CHUNK / 8;
   constexpr int N_CHUNKS = HEAD_DIM / D_CHUNK;
   static_assert(HEAD_DIM % D_CHUNK == 0 && D_CHUNK % 16 == 0, "gradient column chunks");
   static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
-  static_assert(!WGMMA || (sizeof(T) == 2 && NUM_WARPS % 4 == 0), "wgmma: 16-bit inputs, whole warpgroups");
+  static_assert(!WGMMA || ((sizeof(T) == 2 || PIECES) && NUM_WARPS % 4 == 0),
+                "wgmma: 16-bit or float32 (pieces) inputs, whole warpgroups");
   static_assert(!SPLIT || (!HAS_MODS && !HAS_DROPOUT && NUM_WARPS % (WGMMA ? 8 : 2) == 0 && D_CHUNK % 32 == 0),
                 "split pairs: plain or causal passes, whole pairs of warps (of warpgroups with wgmma)");
+  static_assert(!PIECES || (!HAS_MODS && !HAS_DROPOUT && !SPLIT && HEAD_DIM % 64 == 0 && D_CHUNK % 64 == 0),
+                "pieces: plain or causal, lo pieces and column chunks on (64-element) atom boundaries");
+  static_assert(OutTile::SIZE * sizeof(T) <= QTile::SIZE * sizeof(E), "dq staged in sQ");
   using A = acc_t<T>;  // float; double for float64 inputs
   // SPLIT: each 16 queries get a pair of warps (as in the dK/dV pass): role 0 computes S and P, role 1 dP
   // and dS; P goes to role 1 and dS back to role 0 through shared memory, and each accumulates half of
@@ -365,10 +413,10 @@ attention_bwd_dq_kernel(const AttnParams p) {
   constexpr int G_WARP = SPLIT ? G_TILES / 2 : G_TILES;  // dQ n-tiles per warp
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(WGMMA ? smem_aligned(smem_raw) : smem_raw);
-  T* sdO = sQ + QTile::SIZE;
-  T* sK = sdO + QTile::SIZE;       // [2] KVTile, double-buffered stream
-  T* sV = sK + 2 * KVTile::SIZE;   // [2] KVTile
+  E* sQ = reinterpret_cast<E*>(WGMMA ? smem_aligned(smem_raw) : smem_raw);
+  E* sdO = sQ + QTile::SIZE;
+  E* sK = sdO + QTile::SIZE;       // [2] KVTile, double-buffered stream
+  E* sV = sK + 2 * KVTile::SIZE;   // [2] KVTile
   A* sP = reinterpret_cast<A*>(sV + 2 * KVTile::SIZE);  // SPLIT: [NUM_WARPS / 2][S_TILES * 4][32], P then dS
 
   const int b = batch_index();
@@ -386,10 +434,12 @@ attention_bwd_dq_kernel(const AttnParams p) {
   const int g0 = SPLIT ? role * (D_CHUNK / 2) : 0;  // this warp's first dQ column in the chunk
   A* sP_pair = sP + pair * (S_TILES * 4 * WARP_SIZE);
 
-  const T* q = static_cast<const T*>(p.q) + batch_offset(p.q_stride, b, p) + (seq.q_row + m0) * p.q_stride[3];
-  const T* k = static_cast<const T*>(p.k) + batch_offset(p.k_stride, b, p) + seq.k_row * p.k_stride[3];
-  const T* v = static_cast<const T*>(p.v) + batch_offset(p.v_stride, b, p) + seq.k_row * p.v_stride[3];
-  const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + (seq.q_row + m0) * p.dout_stride[3];
+  const E* q = static_cast<const E*>(p.q) + batch_offset(p.q_stride, b, p) + (seq.q_row + m0) * p.q_stride[3];
+  const E* k = static_cast<const E*>(p.k) + batch_offset(p.k_stride, b, p) + seq.k_row * p.k_stride[3];
+  const E* v = static_cast<const E*>(p.v) + batch_offset(p.v_stride, b, p) + seq.k_row * p.v_stride[3];
+  const E* dout = static_cast<const E*>(p.dout) + batch_offset(p.dout_stride, b, p) + (seq.q_row + m0) * p.dout_stride[3];
+  const int qk_cols = PIECES ? COLS : p.d_qk, v_cols = PIECES ? COLS : p.d_v;  // pieces are padded with zeros
+  const Pieces<PIECES> pieces(p, b);
   const Dropout dropout(p, b);
   // As in the dK/dV pass: without modifiers, (1 - p) dS in place of dS, and 1 / (1 - p) in dQ's final scale.
   constexpr bool DS_UNSCALED = HAS_DROPOUT && !HAS_MODS;
@@ -441,12 +491,12 @@ attention_bwd_dq_kernel(const AttnParams p) {
 
   auto load_stream = [&](int n_block, int buf) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_async<KVTile, THREADS>(sK + buf * KVTile::SIZE, k + n0 * p.k_stride[3], p.k_stride[3], seq.nk() - n0, p.d_qk);
-    load_tile_async<KVTile, THREADS>(sV + buf * KVTile::SIZE, v + n0 * p.v_stride[3], p.v_stride[3], seq.nk() - n0, p.d_v);
+    load_tile_async<KVTile, THREADS>(sK + buf * KVTile::SIZE, k + n0 * p.k_stride[3], p.k_stride[3], seq.nk() - n0, qk_cols);
+    load_tile_async<KVTile, THREADS>(sV + buf * KVTile::SIZE, v + n0 * p.v_stride[3], p.v_stride[3], seq.nk() - n0, v_cols);
   };
 
-  load_tile_async<QTile, THREADS>(sQ, q, p.q_stride[3], seq.nq() - m0, p.d_qk);
-  load_tile_async<QTile, THREADS>(sdO, dout, p.dout_stride[3], seq.nq() - m0, p.d_v);
+  load_tile_async<QTile, THREADS>(sQ, q, p.q_stride[3], seq.nq() - m0, qk_cols);
+  load_tile_async<QTile, THREADS>(sdO, dout, p.dout_stride[3], seq.nq() - m0, v_cols);
   int n_block = next_on(n_first);
   if (n_block < n_blocks) load_stream(n_block, 0);
   cp_async_commit();
@@ -465,11 +515,28 @@ attention_bwd_dq_kernel(const AttnParams p) {
     }
     smem_publish<QTile>();
     __syncthreads();
-    const T* sK_j = sK + buf * KVTile::SIZE;
-    const T* sV_j = sV + buf * KVTile::SIZE;
+    const E* sK_j = sK + buf * KVTile::SIZE;
+    const E* sV_j = sV + buf * KVTile::SIZE;
 
     A acc_s[S_TILES][4], acc_dp[S_TILES][4];
-    if constexpr (SPLIT) {
+    if constexpr (PIECES) {
+      // S = Q K_j^T (carrying 2^(e_q + e_k)), P = exp(scale * S - lse); dP = dO V_j^T (carrying
+      // 2^(e_v + e_dout)), dS = P * (dP - delta).
+      gemm_abt_pieces<HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j);
+      if (n_block >= n_unmasked) mask.apply(acc_s, m0 + warp * 16, n0, lane);
+      const A scale_log2 = Reals<A>::scale_log2(p) * pieces.scores;
+#pragma unroll
+      for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[j][e] = fast_exp2(acc_s[j][e] * scale_log2 - row_lse[e >> 1]);
+      }
+      gemm_abt_pieces<HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, warp * 16, sV_j);
+#pragma unroll
+      for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] * pieces.dscores - row_delta[e >> 1]);
+      }
+    } else if constexpr (SPLIT) {
       if (role == 0) {  // S = Q K_j^T, P = exp(scale * S - lse), to the partner
         gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, row0, sK_j, lane);
         if (n_block >= n_unmasked) mask.apply(acc_s, m0 + row0, n0, lane);
@@ -526,19 +593,21 @@ attention_bwd_dq_kernel(const AttnParams p) {
     }
 
     // dQ += dS K_j (SPLIT: this warp's half of the chunk's columns)
-    gemm_pb<T, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0 + g0, lane);
+    if constexpr (PIECES) gemm_pb_pieces<HEAD_DIM, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0);
+    else gemm_pb<T, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0 + g0, lane);
     __syncthreads();  // this buffer is refilled two iterations on
     n_block = n_next;
   }
 
   // dQ = scale * dS K (DS_UNSCALED: scale / (1 - p) times the sum of (1 - p) dS K), staged through sQ (free
   // once the loop is done) for 16-byte stores.
-  const A dq_factor = Reals<A>::scale(p) * (DS_UNSCALED ? Reals<A>::dropout_scale(p) : A(1));
+  const A dq_factor = Reals<A>::scale(p) * (DS_UNSCALED ? Reals<A>::dropout_scale(p) : A(1)) * (PIECES ? pieces.k : A(1));
   const A dq_scale[2] = {dq_factor, dq_factor};
   cp_async_wait<0>();  // with no key block to visit, the Q/dO copies may still be in flight
   __syncthreads();
-  acc_to_smem<QTile, G_WARP>(sQ, row0, acc_dq, dq_scale, lane, g0);
+  T* sQ_out = reinterpret_cast<T*>(sQ);
+  acc_to_smem<OutTile, G_WARP>(sQ_out, row0, acc_dq, dq_scale, lane, g0);
   __syncthreads();
   T* dq = static_cast<T*>(p.dq) + (seq.q_flat + m0) * p.d_qk + c0;
-  store_tile<QTile, D_CHUNK, THREADS>(dq, p.d_qk, sQ, seq.nq() - m0, p.d_qk - c0);
+  store_tile<OutTile, D_CHUNK, THREADS>(dq, p.d_qk, sQ_out, seq.nq() - m0, p.d_qk - c0);
 }

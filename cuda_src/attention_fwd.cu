@@ -323,7 +323,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
     u32 lo[SPLIT ? P_STEPS : 1][4];
   };
   auto pack_p = [&](const float (&acc_s)[S_TILES][4], PFragments& f) {
-    if constexpr (SPLIT) split_fragments<S_TILES>(acc_s, P_FACTOR, f.hi, f.lo);
+    if constexpr (SPLIT) split_fragments<S_TILES>(acc_s, {P_FACTOR, P_FACTOR}, f.hi, f.lo);
     else pack_fragments<E>(acc_s, f.hi);
   };
   // O accumulates in the tensor cores (O += P V), or for split inputs in registers: each block's P V
@@ -331,7 +331,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   float acc_o[O_TILES][4];
   float acc_pv[SPLIT ? O_TILES : 1][4];
   auto issue_pv = [&](PFragments& f, const E* v_tile) {
-    if constexpr (SPLIT) wg_issue_pb_split<E, P_STEPS, O_TILES, KVTile>(acc_pv, f.hi, f.lo, v_tile, HEAD_DIM);
+    if constexpr (SPLIT) wg_issue_pb_split<E, P_STEPS, O_TILES, KVTile>(acc_pv, f.hi, f.lo, v_tile, 0, HEAD_DIM);
     else wg_issue_pb<E, P_STEPS, O_TILES, KVTile>(acc_o, f.hi, v_tile, 0);
   };
   auto finish_pv = [&]() {  // after wgmma_wait: the block's P V is in acc_o
@@ -353,13 +353,9 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   zero_acc(acc_o);
   OnlineSoftmax<S_TILES> softmax;
   softmax.init();
-  // Split inputs: q and k were scaled by 2^(e_q + e_k), v by 2^e_v (per batch entry, split_exponents).
-  float exp_scale = rows.exp_scale(), out_factor = 1.f;
-  if constexpr (SPLIT) {
-    const int2 e = reinterpret_cast<const int2*>(p.split_exponents)[b];
-    exp_scale *= __int_as_float((127 - e.x / 2) << 23) * __int_as_float((127 - (e.x - e.x / 2)) << 23);
-    out_factor = __int_as_float((127 - e.y) << 23) / P_FACTOR;
-  }
+  // Split inputs: S carries the scaling of q and k, P V that of v and P_FACTOR.
+  const Pieces<SPLIT> pieces(p, b);
+  const float exp_scale = rows.exp_scale() * pieces.scores, out_factor = pieces.v / P_FACTOR;
 
   int n_cur = rows.prev_on(rows.n_blocks - 1);  // b_t: the block whose P (p_cur) is pending
   if (n_cur >= rows.n_first) {

@@ -98,8 +98,9 @@ struct AttnParams {
   double softcap_f64;
   double softcap_inv_f64;
   double dropout_scale_f64;
-  // float32 inputs on the forward's wgmma path arrive split into float16 pieces (split_f32.cu), scaled by
-  // powers of two: per flat batch entry, (e_q + e_k, e_v) as int32 pairs. Unused (null) elsewhere.
+  // float32 inputs on the wgmma path arrive split into float16 pieces (split_f32.cu), scaled by powers of
+  // two: per flat batch entry, (e_q, e_k, e_v, e_dout) as four int32 (e_dout 0 in the forward). Unused
+  // (null) elsewhere.
   const int* split_exponents;
 };
 

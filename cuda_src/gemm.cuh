@@ -33,3 +33,49 @@ __device__ __forceinline__ void gemm_pb(acc_t<T> (&c)[N_TILES][4], const acc_t<T
     gemm_acc_b<T, P_TILES, N_TILES, BTile::STRIDE>(c, p, b_tile, n_begin, lane);
   }
 }
+
+// The same two products for float32 inputs on Hopper, as float16 pieces (pieces.cuh): tiles of rows
+// [hi | lo] (K or HEAD_DIM columns each), a register operand split tile by tile.
+//  gemm_abt_pieces: C = A B^T, three float16 products.
+//  gemm_pb_pieces:  C += P B, P of any magnitude: each of a thread's two rows scaled by its own power of
+//                   two, split, multiplied (three products into a fresh accumulator) and added unscaled in
+//                   registers (a chain of additions in the tensor cores would truncate at every step).
+template <int K, int N_TILES, class ATile, class BTile>
+__device__ __forceinline__ void gemm_abt_pieces(float (&c)[N_TILES][4], const half_t* a_tile, int row0, const half_t* b_tile) {
+  wg_issue_abt_split<half_t, K, N_TILES, ATile, BTile>(c, a_tile, row0 & ~63, b_tile);
+  wgmma_wait<0>();
+  fence_operands(c);
+}
+
+template <int HEAD_DIM, int P_TILES, int N_TILES, class BTile>
+__device__ __forceinline__ void gemm_pb_pieces(float (&c)[N_TILES][4], const float (&p)[P_TILES][4], const half_t* b_tile,
+                                               int n_begin) {
+  float largest[2] = {0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < P_TILES; ++j) {
+    largest[0] = fmaxf(largest[0], fmaxf(fabsf(p[j][0]), fabsf(p[j][1])));
+    largest[1] = fmaxf(largest[1], fmaxf(fabsf(p[j][2]), fabsf(p[j][3])));
+  }
+  float up[2], down[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int e = split_exponent(__float_as_uint(quad_max(largest[r])));
+    up[r] = pow2(e);
+    down[r] = pow2(-e);
+  }
+  u32 hi[P_TILES / 2][4], lo[P_TILES / 2][4];
+  split_fragments<P_TILES>(p, up, hi, lo);
+  float t[N_TILES][4];
+  wg_issue_pb_split<half_t, P_TILES / 2, N_TILES, BTile>(t, hi, lo, b_tile, n_begin, HEAD_DIM);
+  wgmma_wait<0>();
+  fence_operands(t);
+  fence_fragments(hi);
+  fence_fragments(lo);
+#pragma unroll
+  for (int j = 0; j < N_TILES; ++j) {
+    c[j][0] += t[j][0] * down[0];
+    c[j][1] += t[j][1] * down[0];
+    c[j][2] += t[j][2] * down[1];
+    c[j][3] += t[j][3] * down[1];
+  }
+}

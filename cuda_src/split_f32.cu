@@ -2,17 +2,15 @@
 // on Hopper (attention_fwd.cu, attention_fwd_wgmma_kernel with T = float).
 //
 // Each matrix ("slice": one (N, D) matrix of a contiguous (slices, N, D) float32 tensor) is scaled by a
-// power of two 2^e that brings its largest magnitude into [2^14, 2^15), then every element is split as
-//   x * 2^e = hi + lo,  hi = float16(x * 2^e),  lo = float16(x * 2^e - hi),
-// which keeps 22 significant bits of every element within 2^17 of the slice's largest (smaller ones keep
-// an absolute error below 2^-39 of it). A product of two split operands then needs three float16
-// products, a_hi b_hi + a_hi b_lo + a_lo b_hi (the dropped a_lo b_lo is 2^-22 relative): float32
-// accuracy at three times the cost of one float16 product, where Hopper's float32 tensor-core path
-// (TF32, split likewise) costs three times that of a TF32 product, i.e. six float16 products.
+// power of two and split into hi + lo (pieces.cuh says how, and what accuracy that keeps). A product of
+// two split operands costs three float16 products: float32 accuracy at three times the cost of one
+// float16 product, where Hopper's float32 tensor-core path (TF32, split likewise) costs three TF32
+// products, i.e. six float16 products.
 // Layout written: (slices, N, 2 * width) float16, row = [hi of D columns, zeros to width | lo likewise],
 // and e per slice (int32). The power of two is exact, so the scaling costs no accuracy; the kernels
 // undo it in the softmax's scale (q and k) and in the output's normalisation (v).
 #include "common.cuh"
+#include "pieces.cuh"
 
 // |x|'s largest value over each slice, as float bits (non-negative floats order like their bits):
 // grid (chunks, slices; grid y wraps past 65535 slices), float4 loads, one atomic per warp. NaNs are
@@ -30,27 +28,6 @@ extern "C" __global__ void split_absmax_kernel(const float4* x, long long vecs_p
     for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
     if (threadIdx.x % WARP_SIZE == 0) atomicMax(max_bits + s, __float_as_uint(m));
   }
-}
-
-// The exponent e that brings a largest magnitude into [2^14, 2^15); 0 for an all-zero slice or a
-// non-finite largest value (whose products are non-finite anyway). |e| <= 126, so 2^e and 2^-e are floats.
-__device__ __forceinline__ int split_exponent(u32 bits) {
-  const int biased = static_cast<int>(bits >> 23);
-  if (bits == 0 || biased >= 255) return 0;
-  const int e = 14 - (biased == 0 ? -127 : biased - 127);
-  return max(-126, min(126, e));
-}
-__device__ __forceinline__ float pow2(int e) { return __int_as_float((127 + e) << 23); }
-
-__device__ __forceinline__ u16 to_half(float x) {
-  u16 h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-  return h;
-}
-__device__ __forceinline__ float from_half(u16 h) {
-  float x;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
-  return x;
 }
 
 // Rows [blockIdx.x * rows_per_block, ...) of slice s.

@@ -19,6 +19,7 @@
 #pragma once
 #include "common.cuh"
 #include "copy.cuh"
+#include "pieces.cuh"
 
 typedef unsigned long long u64;
 
@@ -226,18 +227,18 @@ __device__ __forceinline__ void pack_fragments(const float (&p)[P_TILES][4], u32
   }
 }
 
-// P (accumulator tiles, values in [0, 2^RESCALE_SLACK]) times `factor` as float16 pieces hi + lo in the
-// register A layout (split_f32.cu): hi = float16(x), lo = float16(x - hi).
+// Accumulator tiles P (16 rows x 8*P_TILES) times a factor per row (rows g: factor[0], g + 8: factor[1])
+// as float16 pieces hi + lo in the register A layout (pieces.cuh): hi = float16(x), lo = float16(x - hi).
 template <int P_TILES>
-__device__ __forceinline__ void split_fragments(const float (&p)[P_TILES][4], float factor, u32 (&hi)[P_TILES / 2][4],
-                                                u32 (&lo)[P_TILES / 2][4]) {
+__device__ __forceinline__ void split_fragments(const float (&p)[P_TILES][4], const float (&factor)[2],
+                                                u32 (&hi)[P_TILES / 2][4], u32 (&lo)[P_TILES / 2][4]) {
 #pragma unroll
   for (int kt = 0; kt < P_TILES / 2; ++kt) {
     float x[2][4], r[2][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) x[j][e] = p[2 * kt + j][e] * factor;
+      for (int e = 0; e < 4; ++e) x[j][e] = p[2 * kt + j][e] * factor[e >> 1];
     const typename Mma16<half_t>::A h = Mma16<half_t>::a_from_acc(x);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // h.x[i] packs two of x; r gets what rounding them left out
@@ -286,17 +287,18 @@ __device__ __forceinline__ void wg_issue_pb(float (&c)[N_TILES][4], u32 (&a)[K_S
 }
 
 // C = P B (overwritten) for split float32 inputs as one commit group: P as hi and lo fragments
-// (split_fragments), B's tile with the hi piece in columns [0, lo_col) and the lo piece from lo_col on:
-// P_hi B_lo + P_lo B_hi + P_hi B_hi, small terms first (see wg_issue_abt_split). The caller adds C to
+// (split_fragments), B's tile with the hi piece of column n in column n and its lo piece in n + lo_col,
+// columns [n_begin, n_begin + 8*N_TILES): P_hi B_lo + P_lo B_hi + P_hi B_hi, small terms first (see
+// wg_issue_abt_split). The caller adds C to
 // its running sum in registers: chained across key blocks in the tensor cores, the truncation of every
 // step would add up over the whole sequence. The fragments must stay untouched until wgmma_wait has
 // seen the group complete.
 template <typename E, int K_STEPS, int N_TILES, class BTile>
 __device__ __forceinline__ void wg_issue_pb_split(float (&c)[N_TILES][4], u32 (&a_hi)[K_STEPS][4], u32 (&a_lo)[K_STEPS][4],
-                                                  const E* b_tile, int lo_col) {
+                                                  const E* b_tile, int n_begin, int lo_col) {
   constexpr int WIDTH = BTile::ATOM_COLS;
   static_assert((8 * N_TILES) % WIDTH == 0, "whole atoms");
-  const u64 b_hi = desc_mn_major<BTile>(b_tile, 0), b_lo = desc_mn_major<BTile>(b_tile, lo_col);
+  const u64 b_hi = desc_mn_major<BTile>(b_tile, n_begin), b_lo = desc_mn_major<BTile>(b_tile, n_begin + lo_col);
   wgmma_fence();
   fence_fragments(a_hi);
   fence_fragments(a_lo);

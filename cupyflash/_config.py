@@ -156,13 +156,16 @@ _WGMMA_TABLE = {
     192: ((8, 64, 192), (8, 32, 192, True), (4, 32, 192)),
     256: ((8, 64, 256), (8, 64, 256, True), (8, 64, 256, True)),
 }
-# The float32 forward on the wgmma path (plain and causal): q, k, v split into float16 pieces on the host
-# (cuda_src/split_f32.cu), so its tiles hold rows of 2 * HEAD_DIM float16 elements, the bytes of a float32
-# row; HEAD_DIM by HEAD_DIM -> fwd (warps, BLOCK_N, D_CHUNK). The pieces' second half must start on a
-# swizzle atom (64 float16 columns): HEAD_DIM 64 and 128.
-_WGMMA_SPLIT_FWD = {
-    64: (4, 64, 64),
-    128: (8, 32, 128),
+# float32 on the wgmma path (plain and causal, forward and backward): q, k, v (and dout) split into float16
+# pieces (cuda_src/split_f32.cu, pieces.cuh), so the tiles hold rows of 2 * HEAD_DIM float16 elements, the
+# bytes of a float32 row; same fields as _TABLE. The lo pieces (and column chunks) must start on a swizzle
+# atom (64 float16 columns): HEAD_DIM 64 and 128. The backward adds each product of a register operand
+# into a fresh accumulator (gemm_pb_pieces), so at HEAD_DIM 128 its dK/dV pass takes two column chunks
+# (one spilled). HEAD_DIM 128's 8-warp tiles ran the backward at 76 / 70 TFLOP/s (full / causal, N = 4k,
+# H100) against 60 / 56 with 4 warps; at 64 the 4-warp ones were as fast as any (bench/NOTES.md, v9).
+_WGMMA_PIECES = {
+    64: ((4, 64, 64), (4, 64, 64), (4, 64, 64)),
+    128: ((8, 32, 128), (8, 32, 64), (8, 32, 128)),
 }
 # The modifiers' extra registers per score (bounds, bias, softcap derivative) make these spill with the
 # plain tiles above (whose blocks must also divide the block mask's BLOCK_MASK_TILE = 128).
@@ -216,9 +219,9 @@ def has_wgmma(itemsize: int, head_dim: int) -> bool:
     return itemsize == 2 and head_dim in _WGMMA_TABLE
 
 
-def has_wgmma_split(itemsize: int, head_dim: int, kernel: str, mods: bool = False, dropout: bool = False) -> bool:
-    """Whether a float32 kernel has wgmma tiles over float16 pieces: the forward, plain or causal."""
-    return itemsize == 4 and kernel == "fwd" and head_dim in _WGMMA_SPLIT_FWD and not mods and not dropout
+def has_wgmma_pieces(itemsize: int, head_dim: int, mods: bool = False, dropout: bool = False) -> bool:
+    """Whether float32 kernels have wgmma tiles over float16 pieces: plain or causal, without dropout."""
+    return itemsize == 4 and head_dim in _WGMMA_PIECES and not mods and not dropout
 
 
 def has_large_smem_tiles(itemsize: int, head_dim: int) -> bool:
@@ -240,8 +243,8 @@ def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: 
     if (itemsize, head_dim) not in _TABLE:
         raise ValueError(f"no tiles for {itemsize}-byte elements and head_dim {head_dim}; head dims: {HEAD_DIMS}")
     kernel = _SHARES_TILES.get(kernel, kernel)
-    if wgmma and has_wgmma_split(itemsize, head_dim, kernel, mods, dropout):
-        return Tiles(*_WGMMA_SPLIT_FWD[head_dim])
+    if wgmma and has_wgmma_pieces(itemsize, head_dim, mods, dropout):
+        return Tiles(*_WGMMA_PIECES[head_dim][_KERNELS.index(kernel)])
     if wgmma and not has_wgmma(itemsize, head_dim):
         raise ValueError(f"no wgmma tiles for {itemsize}-byte elements and head_dim {head_dim}")
     if kernel not in _KERNELS:

@@ -188,7 +188,7 @@ def shipped_variants() -> list[Variant]:
     ] + [Variant("probs", ctype, head_dim, False, True) for ctype in ctypes for head_dim in _config.HEAD_DIMS]
     return (variants + [dataclasses.replace(v, wgmma=True) for v in variants
                         if _config.has_wgmma(v.itemsize, v.head_dim)
-                        or _config.has_wgmma_split(v.itemsize, v.head_dim, v.direction, v.mods, v.dropout)]
+                        or (v.direction != "probs" and _config.has_wgmma_pieces(v.itemsize, v.head_dim, v.mods, v.dropout))]
             + [dataclasses.replace(v, large_smem=True) for v in variants
                if _config.has_large_smem_tiles(v.itemsize, v.head_dim)])
 
@@ -579,10 +579,10 @@ def uses_wgmma(itemsize: int, head_dim: int, direction: str | None = None, mods:
                dropout: bool = False) -> bool:
     """Whether calls on the current device take the wgmma path for this element size and HEAD_DIM: on
     compute capability 9.0 where the tile table has wgmma tiles, unless CUPYFLASH_NO_WGMMA=1 asks for the
-    mma.sync kernels (which every other GPU runs). 16-bit inputs in every direction; float32 in the
-    direction (with the modifiers and dropout) given, where _config.has_wgmma_split has tiles."""
+    mma.sync kernels (which every other GPU runs). 16-bit inputs in every direction; float32 (as float16
+    pieces) in "fwd" and "bwd" without modifiers or dropout, where _config.has_wgmma_pieces has tiles."""
     tiles = _config.has_wgmma(itemsize, head_dim) or (
-        direction is not None and _config.has_wgmma_split(itemsize, head_dim, direction, mods, dropout))
+        direction in ("fwd", "bwd") and _config.has_wgmma_pieces(itemsize, head_dim, mods, dropout))
     return tiles and _wgmma_device()
 
 
@@ -772,12 +772,12 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
     return _unpad(out, dv), lse
 
 
-def _split_width(dtype, d: int, dv: int, mods, dropout) -> int:
-    """HEAD_DIM of a forward that runs on float16 pieces of float32 inputs (the wgmma path), else 0."""
+def _split_width(dtype, d: int, dv: int, mods, dropout, direction: str = "fwd") -> int:
+    """HEAD_DIM of a call that runs on float16 pieces of float32 inputs (the wgmma path), else 0."""
     if dtype != numpy.float32:
         return 0
     head_dim = _config.padded_head_dim(max(d, dv))
-    return head_dim if uses_wgmma(4, head_dim, "fwd", mods is not None, dropout is not None) else 0
+    return head_dim if uses_wgmma(4, head_dim, direction, mods is not None, dropout is not None) else 0
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, mods=None, dropout=None):
@@ -800,7 +800,11 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     delta = cupy.empty(batch_shape + (nq,), dtype=acc)
     addresses = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv_, "lse": lse,
                  "lse_log2": lse_log2, "delta": delta, **_slopes(mods)}
-    key = _plan_key("bwd", addresses, scale, causal, mods, dropout) if max(nq, nk) <= _config.CHAIN_ROWS else None
+    # float32 on the wgmma path: the passes read float16 pieces of q, k, v, dout (_split); the preprocess
+    # reads out and dout themselves. (Not planned: the pieces are made per call anyway.)
+    split_width = _split_width(q.dtype, d_w, dv_w, mods, dropout, "bwd")
+    planned = max(nq, nk) <= _config.CHAIN_ROWS and not split_width
+    key = _plan_key("bwd", addresses, scale, causal, mods, dropout) if planned else None
     plan = _plans.get(key) if key is not None else None
     if plan is not None:
         plan.launch(addresses, dropout)
@@ -823,6 +827,12 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
         plan.launch(None, None)
         return _unpad(dq, d), _unpad(dk, d), _unpad(dv_, dv), None
     _launch(functions, variant, "preprocess", nq, batch, params)
+    if split_width:
+        (q, e_q), (k, e_k), (v, e_v), (dout, e_dout) = (_split.split(x, split_width) for x in (q, k, v, dout))
+        arrays, sizes, strides, _ = _layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout})
+        others["split_exponents"] = _split.exponents(e_q, e_k, e_v, e_dout)
+        params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
+                         others=others, causal=causal)
     _launch_summed(functions, variant, "dkdv", nk, batch, params, nq, (dk, dv_))
     _launch_summed(functions, variant, "dq", nq, batch, params, nk, (dq,))
     dbias = None

@@ -88,12 +88,14 @@ def split(x, width: int):
             cupy.broadcast_to(exponents.reshape(tuple(lead)), x.shape[:-2]))
 
 
-def exponents(e_q, e_k, e_v):
-    """(batch, 2) int32, contiguous: (e_q + e_k, e_v) per flat batch entry, from split's exponents."""
+def exponents(e_q, e_k, e_v, e_dout=None):
+    """(batch, 4) int32, contiguous: (e_q, e_k, e_v, e_dout) per flat batch entry, from split's exponents
+    (e_dout 0 without dout: the forward)."""
     import cupy
 
     batch = math.prod(e_q.shape)
-    both = cupy.empty((batch, 2), dtype=numpy.int32)
-    both[:, 0] = (e_q + e_k).reshape(batch)
-    both[:, 1] = e_v.reshape(batch)
-    return both
+    found = cupy.zeros((batch, 4), dtype=numpy.int32)
+    for i, e in enumerate((e_q, e_k, e_v, e_dout)):
+        if e is not None:
+            found[:, i] = e.reshape(batch)
+    return found
