@@ -202,7 +202,9 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   const E* k = static_cast<const E*>(p.k) + batch_offset(p.k_stride, b, p) + (seq.k_row + n0) * p.k_stride[3];
   const E* v = static_cast<const E*>(p.v) + batch_offset(p.v_stride, b, p) + (seq.k_row + n0) * p.v_stride[3];
   const E* dout = static_cast<const E*>(p.dout) + batch_offset(p.dout_stride, b, p) + seq.q_row * p.dout_stride[3];
-  const int qk_cols = PIECES ? COLS : p.d_qk, v_cols = PIECES ? COLS : p.d_v;  // pieces are padded with zeros
+  // Columns to read (pieces: whole rows, padded with zeros), where the loads use them.
+  auto qk_cols = [&]() { return PIECES ? COLS : p.d_qk; };
+  auto v_cols = [&]() { return PIECES ? COLS : p.d_v; };
   const Pieces<PIECES> pieces(p, b);
   const A* lse_log2 = static_cast<const A*>(p.lse_log2) + seq.q_flat;
   const A* delta = static_cast<const A*>(p.delta) + seq.q_flat;
@@ -238,8 +240,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 
   auto load_stream = [&](int m_block, int buf) {
     const int m0 = m_block * BLOCK_M;
-    load_tile_async<QTile, THREADS>(sQ + buf * QTile::SIZE, q + m0 * p.q_stride[3], p.q_stride[3], seq.nq() - m0, qk_cols);
-    load_tile_async<QTile, THREADS>(sdO + buf * QTile::SIZE, dout + m0 * p.dout_stride[3], p.dout_stride[3], seq.nq() - m0, v_cols);
+    load_tile_async<QTile, THREADS>(sQ + buf * QTile::SIZE, q + m0 * p.q_stride[3], p.q_stride[3], seq.nq() - m0, qk_cols());
+    load_tile_async<QTile, THREADS>(sdO + buf * QTile::SIZE, dout + m0 * p.dout_stride[3], p.dout_stride[3], seq.nq() - m0, v_cols());
     for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
       const bool valid = m0 + i < seq.nq();  // rows past nq: P = 0 through lse = +inf
       sLse[buf * BLOCK_M + i] = valid ? lse_log2[m0 + i] : pos_inf();
@@ -247,8 +249,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     }
   };
 
-  load_tile_async<KVTile, THREADS>(sK, k, p.k_stride[3], seq.nk() - n0, qk_cols);
-  load_tile_async<KVTile, THREADS>(sV, v, p.v_stride[3], seq.nk() - n0, v_cols);
+  load_tile_async<KVTile, THREADS>(sK, k, p.k_stride[3], seq.nk() - n0, qk_cols());
+  load_tile_async<KVTile, THREADS>(sV, v, p.v_stride[3], seq.nk() - n0, v_cols());
   int m_block = next_on(m_first);
   if (m_block < m_blocks) load_stream(m_block, 0);
   cp_async_commit();
@@ -438,7 +440,9 @@ attention_bwd_dq_kernel(const AttnParams p) {
   const E* k = static_cast<const E*>(p.k) + batch_offset(p.k_stride, b, p) + seq.k_row * p.k_stride[3];
   const E* v = static_cast<const E*>(p.v) + batch_offset(p.v_stride, b, p) + seq.k_row * p.v_stride[3];
   const E* dout = static_cast<const E*>(p.dout) + batch_offset(p.dout_stride, b, p) + (seq.q_row + m0) * p.dout_stride[3];
-  const int qk_cols = PIECES ? COLS : p.d_qk, v_cols = PIECES ? COLS : p.d_v;  // pieces are padded with zeros
+  // Columns to read (pieces: whole rows, padded with zeros), where the loads use them.
+  auto qk_cols = [&]() { return PIECES ? COLS : p.d_qk; };
+  auto v_cols = [&]() { return PIECES ? COLS : p.d_v; };
   const Pieces<PIECES> pieces(p, b);
   const Dropout dropout(p, b);
   // As in the dK/dV pass: without modifiers, (1 - p) dS in place of dS, and 1 / (1 - p) in dQ's final scale.
@@ -491,12 +495,12 @@ attention_bwd_dq_kernel(const AttnParams p) {
 
   auto load_stream = [&](int n_block, int buf) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_async<KVTile, THREADS>(sK + buf * KVTile::SIZE, k + n0 * p.k_stride[3], p.k_stride[3], seq.nk() - n0, qk_cols);
-    load_tile_async<KVTile, THREADS>(sV + buf * KVTile::SIZE, v + n0 * p.v_stride[3], p.v_stride[3], seq.nk() - n0, v_cols);
+    load_tile_async<KVTile, THREADS>(sK + buf * KVTile::SIZE, k + n0 * p.k_stride[3], p.k_stride[3], seq.nk() - n0, qk_cols());
+    load_tile_async<KVTile, THREADS>(sV + buf * KVTile::SIZE, v + n0 * p.v_stride[3], p.v_stride[3], seq.nk() - n0, v_cols());
   };
 
-  load_tile_async<QTile, THREADS>(sQ, q, p.q_stride[3], seq.nq() - m0, qk_cols);
-  load_tile_async<QTile, THREADS>(sdO, dout, p.dout_stride[3], seq.nq() - m0, v_cols);
+  load_tile_async<QTile, THREADS>(sQ, q, p.q_stride[3], seq.nq() - m0, qk_cols());
+  load_tile_async<QTile, THREADS>(sdO, dout, p.dout_stride[3], seq.nq() - m0, v_cols());
   int n_block = next_on(n_first);
   if (n_block < n_blocks) load_stream(n_block, 0);
   cp_async_commit();

@@ -291,7 +291,9 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
       dropout.drop_rows(s, m0 + warp * 16, n_block * BLOCK_N, lane);
     }
   };
-  const int qk_cols = SPLIT ? COLS : p.d_qk, v_cols = SPLIT ? COLS : p.d_v;  // the pieces are padded with zeros
+  // Columns to read (pieces: whole rows, padded with zeros), where the loads use them.
+  auto qk_cols = [&]() { return SPLIT ? COLS : p.d_qk; };
+  auto v_cols = [&]() { return SPLIT ? COLS : p.d_v; };
 
   // The visited key blocks b_0 > b_1 > ... The copies go in commit groups G_0 = {Q, K(b_0)} and
   // G_t = {K(b_t), V(b_(t-1))}; G_t is waited for at step t and G_(t+2) issued at its end, into the
@@ -299,11 +301,11 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   // counts it all the same.
   auto load_k = [&](int n_block, int t) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_async<KVTile, THREADS>(sK + (t & 1) * KVTile::SIZE, rows.k + n0 * p.k_stride[3], p.k_stride[3], rows.nk() - n0, qk_cols);
+    load_tile_async<KVTile, THREADS>(sK + (t & 1) * KVTile::SIZE, rows.k + n0 * p.k_stride[3], p.k_stride[3], rows.nk() - n0, qk_cols());
   };
   auto load_v = [&](int n_block, int t) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_async<KVTile, THREADS>(sV + (t & 1) * KVTile::SIZE, rows.v + n0 * p.v_stride[3], p.v_stride[3], rows.nk() - n0, v_cols);
+    load_tile_async<KVTile, THREADS>(sV + (t & 1) * KVTile::SIZE, rows.v + n0 * p.v_stride[3], p.v_stride[3], rows.nk() - n0, v_cols());
   };
   auto wait_step = [&]() {  // G_t has landed (G_(t+1) may still be in flight), visible to the tensor cores
     cp_async_wait<1>();
@@ -360,7 +362,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   int n_cur = rows.prev_on(rows.n_blocks - 1);  // b_t: the block whose P (p_cur) is pending
   if (n_cur >= rows.n_first) {
     int n_next = rows.prev_on(n_cur - 1);       // b_(t+1)
-    load_tile_async<QTile, THREADS>(sQ, rows.q, p.q_stride[3], seq.nq() - m0, qk_cols);
+    load_tile_async<QTile, THREADS>(sQ, rows.q, p.q_stride[3], seq.nq() - m0, qk_cols());
     load_k(n_cur, 0);
     cp_async_commit();
     if (n_next >= rows.n_first) load_k(n_next, 1);
