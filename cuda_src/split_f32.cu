@@ -12,9 +12,13 @@
 #include "common.cuh"
 #include "pieces.cuh"
 
-// |x|'s largest value over each slice, as float bits (non-negative floats order like their bits):
-// grid (chunks, slices; grid y wraps past 65535 slices), float4 loads, one atomic per warp. NaNs are
-// skipped here (fmaxf) and propagate through the split itself.
+__device__ __forceinline__ float finite_abs(float x) { return isfinite(x) ? fabsf(x) : 0.f; }
+
+// |x|'s largest finite value over each slice, as float bits (non-negative floats order like their bits):
+// grid (chunks, slices; grid y wraps past 65535 slices), float4 loads, one atomic per warp. NaN and inf
+// are skipped here and propagate through the split itself (inf * 2^e = inf, lo = NaN), so a non-finite
+// element changes no other element's pieces unless it replaced its slice's largest finite one.
+
 extern "C" __global__ void split_absmax_kernel(const float4* x, long long vecs_per_slice, int slices, u32* max_bits) {
   for (int s = blockIdx.y; s < slices; s += gridDim.y) {
     const float4* xs = x + static_cast<long long>(s) * vecs_per_slice;
@@ -22,7 +26,7 @@ extern "C" __global__ void split_absmax_kernel(const float4* x, long long vecs_p
     for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < vecs_per_slice;
          i += static_cast<long long>(gridDim.x) * blockDim.x) {
       const float4 v = xs[i];
-      m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+      m = fmaxf(m, fmaxf(fmaxf(finite_abs(v.x), finite_abs(v.y)), fmaxf(finite_abs(v.z), finite_abs(v.w))));
     }
 #pragma unroll
     for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
