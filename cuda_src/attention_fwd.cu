@@ -409,7 +409,13 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
       finish_pv();
       fence_p(p_cur);
       rescale_rows(acc_o, rescale);  // O = (O + P_(t-1) V) * exp(m_old - m_new)
-      p_cur = p_next;
+#pragma unroll
+      for (int kt = 0; kt < P_STEPS; ++kt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          p_cur.hi[kt][i] = p_next.hi[kt][i];
+          if constexpr (SPLIT) p_cur.lo[kt][i] = p_next.lo[kt][i];
+        }
       __syncthreads();  // every warpgroup is done with K(b_t) and V(b_(t-1))
       const int n_after = rows.prev_on(n_next - 1);  // b_(t+1)
       if (n_after >= rows.n_first) {
@@ -428,6 +434,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
     fence_p(p_cur);
   }
   cp_async_wait<0>();
+  // (16-bit inputs: the scale again from the parameters, as the registers are scarcest there)
   write_out<OutTile, THREADS, HAS_DROPOUT, SPLIT>(rows, reinterpret_cast<T*>(sQ), 0, acc_o, softmax, warp, lane,
-                                                  exp_scale, out_factor);
+                                                  SPLIT ? exp_scale : rows.exp_scale(), out_factor);
 }
