@@ -750,8 +750,8 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
     # float32 on the wgmma path: the kernel reads float16 pieces of q, k, v (_split), not q, k, v.
     split_width = _split_width(q.dtype, d_w, dv_w, mods, dropout)
     if split_width:
-        (q, e_q), (k, e_k), (v, e_v) = (_split.split(x, split_width) for x in (q, k, v))
-        addresses.update(q=q, k=k, v=v, split_exponents=_split.exponents(e_q, e_k, e_v))
+        (q, k, v), exponents = _split.split((q, k, v), split_width, batch_shape)
+        addresses.update(q=q, k=k, v=v, split_exponents=exponents)
     plan = _plans.get(key) if key is not None else None
     if plan is None:
         variant = _variant("fwd", q.dtype if not split_width else numpy.float32, d_w, dv_w, causal, mods, dropout)
@@ -828,9 +828,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
         return _unpad(dq, d), _unpad(dk, d), _unpad(dv_, dv), None
     _launch(functions, variant, "preprocess", nq, batch, params)
     if split_width:
-        (q, e_q), (k, e_k), (v, e_v), (dout, e_dout) = (_split.split(x, split_width) for x in (q, k, v, dout))
+        (q, k, v, dout), others["split_exponents"] = _split.split((q, k, v, dout), split_width, batch_shape)
         arrays, sizes, strides, _ = _layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout})
-        others["split_exponents"] = _split.exponents(e_q, e_k, e_v, e_dout)
         params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
                          others=others, causal=causal)
     _launch_summed(functions, variant, "dkdv", nk, batch, params, nq, (dk, dv_))

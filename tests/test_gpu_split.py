@@ -34,11 +34,12 @@ def test_pieces_hold_each_element_to_22_bits(rng):
     x[1] *= 3e-7
     x[2] *= 5e5
     x[3] = 0
-    pieces, exponents = _split.split(x, 64)
+    (pieces,), exponents = _split.split([x], 64, (4,))
     assert pieces.shape == (4, 37, 128) and pieces.dtype == np.float16
-    assert exponents.shape == (4,) and exponents.dtype == np.int32
+    assert exponents.shape == (4, 4) and exponents.dtype == np.int32
     p = cupy.asnumpy(pieces).astype(np.float64)
-    e = cupy.asnumpy(exponents)
+    e = cupy.asnumpy(exponents)[:, 0]
+    assert not cupy.asnumpy(exponents)[:, 1:].any(), "only one input: the other columns stay 0"
     xs = cupy.asnumpy(x).astype(np.float64)
     assert np.all(p[..., 60:64] == 0) and np.all(p[..., 124:] == 0), "padding columns must be zero"
     for s in range(3):
@@ -53,11 +54,17 @@ def test_pieces_hold_each_element_to_22_bits(rng):
 
 
 def test_pieces_keep_broadcast_dims_unmaterialized(rng):
+    """Grouped heads: k shared by 6 query heads is split once; its exponents reach all 12 batch entries."""
+    q = _random(rng, (2, 6, 40, 64))
     base = _random(rng, (2, 1, 50, 64))
-    x = cupy.broadcast_to(base, (2, 6, 50, 64))
-    pieces, exponents = _split.split(x, 64)
-    assert pieces.shape == (2, 6, 50, 128) and pieces.strides[1] == 0
-    assert exponents.shape == (2, 6) and exponents.strides[1] == 0
+    base[1] *= 1e4
+    k = cupy.broadcast_to(base, (2, 6, 50, 64))
+    (q_pieces, k_pieces), exponents = _split.split([q, k], 64, (2, 6))
+    assert q_pieces.shape == (2, 6, 40, 128) and k_pieces.shape == (2, 6, 50, 128) and k_pieces.strides[1] == 0
+    e = cupy.asnumpy(exponents).reshape(2, 6, 4)
+    assert np.all(e[0, :, 1] == e[0, 0, 1]) and np.all(e[1, :, 1] == e[1, 0, 1]) and e[0, 0, 1] > e[1, 0, 1]
+    largest = np.abs(cupy.asnumpy(q)).max(axis=(-2, -1))
+    assert np.all((2.0**14 <= largest * 2.0 ** e[..., 0]) & (largest * 2.0 ** e[..., 0] < 2.0**15))
 
 
 @pytest.mark.parametrize("causal", [False, True])
