@@ -4,7 +4,8 @@ Sources are read as text and their ``#include "..."`` lines replaced by the file
 CuPy's compile cache (keyed on the source string) sees every byte. A variant is (direction, dtype,
 HEAD_DIM, causal, score modifiers, tensor-core path); its kernels compile as one module (the backward's
 two passes as two, concurrently) with ``name_expressions`` naming their template instantiations,
-memoized per device. The wgmma path (compute capability 9.0, fp16/bf16) is built for sm_90a.
+memoized per device. The wgmma path (compute capability 9.0: fp16/bf16, and float32 as float16 pieces
+made by _split) is built for sm_90a.
 Callers (``_api``) validate, broadcast and handle empty inputs; this module turns arrays into the
 kernels' parameter struct and launches on CuPy's current stream.
 """
@@ -94,7 +95,8 @@ def source(filename: str) -> str:
 class Variant:
     """One compiled module: a direction ("fwd", "bwd" or "probs") for one dtype, HEAD_DIM and mask.
     ``mods``: the score modifiers' instantiation (causal then travels as the window, so never both), which
-    also serves variable-length batches; "probs" always has it. ``wgmma``: the Hopper path (sm_90a; fp16/bf16 head dims with wgmma tiles).
+    also serves variable-length batches; "probs" always has it. ``wgmma``: the Hopper path (sm_90a; fp16/bf16 head dims with wgmma tiles,
+    and float32 plain and causal at HEAD_DIM 64 and 128, on float16 pieces of the inputs).
     ``dropout``: the kernels that regenerate and apply the dropout mask (fwd and bwd only).
     ``large_smem``: float64 tiles that need the shared memory of compute capability >= 9.0 (sm_90 only).
     ``scalar_mods``: the modifiers' instantiation without the per-element arrays (``Mods::scalars``: window,
