@@ -156,62 +156,52 @@ __device__ __forceinline__ float (&tiles_at(float (&acc)[N_TILES][4], int first)
 template <int N_COLS>
 __host__ __device__ constexpr int wgmma_width() { return N_COLS % 128 == 0 ? 128 : N_COLS % 64 == 0 ? 64 : N_COLS % 32 == 0 ? 32 : 16; }
 
+// One k-step of C (+)= A B^T over all of C's columns: A's columns [a_col, a_col + 16), B's [b_col, +16)
+// (both K-major, descriptors a and b at column 0); ZERO: this step overwrites C (scale-d = 0).
+template <typename T, int N_TILES, class ATile, class BTile>
+__device__ __forceinline__ void wg_abt_kstep(float (&c)[N_TILES][4], u64 a, u64 b, int a_col, int b_col, bool zero) {
+  constexpr int WIDTH = wgmma_width<8 * N_TILES>();
+#pragma unroll
+  for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
+    const u64 a_k = a + k_major_step<ATile>(a_col);
+    const u64 b_k = b + k_major_step<BTile>(b_col) + (static_cast<u64>(n0 * BTile::ATOM_BYTES) >> 4);
+    if (zero) WgmmaOp<T, WIDTH>::ss_zero(tiles_at<WIDTH / 8>(c, n0 / 8), a_k, b_k);
+    else WgmmaOp<T, WIDTH>::ss(tiles_at<WIDTH / 8>(c, n0 / 8), a_k, b_k);
+  }
+}
+
 // Start C[64 x 8*N_TILES] = A B^T (whatever C held: the first k-step is ss_zero) for the calling
 // warpgroup, as one commit group: A = rows [row0, row0 + 64) of a_tile, B = rows [0, 8*N_TILES) of b_tile,
 // both K-major over K columns. Each warp gets its 16 rows of C once wgmma_wait has seen the group complete.
 template <typename T, int K, int N_TILES, class ATile, class BTile>
 __device__ __forceinline__ void wg_issue_abt(float (&c)[N_TILES][4], const T* a_tile, int row0, const T* b_tile) {
-  constexpr int WIDTH = wgmma_width<8 * N_TILES>();
   static_assert(K % 16 == 0, "k-steps of 16");
   const u64 a = desc_k_major<ATile>(a_tile, __shfl_sync(0xffffffffu, row0, 0));  // row0: warp-uniform
   const u64 b = desc_k_major<BTile>(b_tile, 0);
   wgmma_fence();
 #pragma unroll
-  for (int k0 = 0; k0 < K; k0 += 16) {
-#pragma unroll
-    for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
-      const u64 a_k = a + k_major_step<ATile>(k0);
-      const u64 b_k = b + k_major_step<BTile>(k0) + (static_cast<u64>(n0 * BTile::ATOM_BYTES) >> 4);
-      if (k0 == 0) WgmmaOp<T, WIDTH>::ss_zero(tiles_at<WIDTH / 8>(c, n0 / 8), a_k, b_k);
-      else WgmmaOp<T, WIDTH>::ss(tiles_at<WIDTH / 8>(c, n0 / 8), a_k, b_k);
-    }
-  }
+  for (int k0 = 0; k0 < K; k0 += 16) wg_abt_kstep<T, N_TILES, ATile, BTile>(c, a, b, k0, k0, k0 == 0);
   wgmma_commit();
 }
 
-// The same product for float32 inputs split into float16 pieces (split_f32.cu): both tiles hold a row's
+// The same product for float32 inputs split into float16 pieces (pieces.cuh): both tiles hold a row's
 // hi piece in columns [0, K) and its lo piece in [K, 2K), and C = A_hi B_lo^T + A_lo B_hi^T + A_hi B_hi^T,
 // three products issued as one commit group, the first k-step overwriting C. The small terms go first:
 // the tensor cores' float32 accumulation truncates each step to the running sum's precision, so the
 // chain loses least while the sum is small (after them, K / 16 steps of A_hi B_hi^T).
 template <typename E, int K, int N_TILES, class ATile, class BTile>
 __device__ __forceinline__ void wg_issue_abt_split(float (&c)[N_TILES][4], const E* a_tile, int row0, const E* b_tile) {
-  constexpr int WIDTH = wgmma_width<8 * N_TILES>();
   static_assert(K % 16 == 0 && ATile::NUM_COLS == 2 * K && BTile::NUM_COLS == 2 * K, "tiles of [hi | lo] rows");
   const u64 a = desc_k_major<ATile>(a_tile, __shfl_sync(0xffffffffu, row0, 0));
   const u64 b = desc_k_major<BTile>(b_tile, 0);
   wgmma_fence();
 #pragma unroll
   for (int k0 = 0; k0 < K; k0 += 16) {
-#pragma unroll
-    for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
-      const u64 n_off = static_cast<u64>(n0 * BTile::ATOM_BYTES) >> 4;
-      const u64 a_hi = a + k_major_step<ATile>(k0), a_lo = a + k_major_step<ATile>(K + k0);
-      const u64 b_hi = b + k_major_step<BTile>(k0) + n_off, b_lo = b + k_major_step<BTile>(K + k0) + n_off;
-      float (&d)[WIDTH / 8][4] = tiles_at<WIDTH / 8>(c, n0 / 8);
-      if (k0 == 0) WgmmaOp<E, WIDTH>::ss_zero(d, a_hi, b_lo);
-      else WgmmaOp<E, WIDTH>::ss(d, a_hi, b_lo);
-      WgmmaOp<E, WIDTH>::ss(d, a_lo, b_hi);
-    }
+    wg_abt_kstep<E, N_TILES, ATile, BTile>(c, a, b, k0, K + k0, k0 == 0);  // A_hi B_lo^T
+    wg_abt_kstep<E, N_TILES, ATile, BTile>(c, a, b, K + k0, k0, false);   // A_lo B_hi^T
   }
 #pragma unroll
-  for (int k0 = 0; k0 < K; k0 += 16) {
-#pragma unroll
-    for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
-      const u64 n_off = static_cast<u64>(n0 * BTile::ATOM_BYTES) >> 4;
-      WgmmaOp<E, WIDTH>::ss(tiles_at<WIDTH / 8>(c, n0 / 8), a + k_major_step<ATile>(k0), b + k_major_step<BTile>(k0) + n_off);
-    }
-  }
+  for (int k0 = 0; k0 < K; k0 += 16) wg_abt_kstep<E, N_TILES, ATile, BTile>(c, a, b, k0, k0, false);  // A_hi B_hi^T
   wgmma_commit();
 }
 
