@@ -27,12 +27,18 @@ struct OnlineSoftmax {
   }
 
   // Turns the score tile S into P in place; returns the factor for the output accumulator.
-  __device__ __forceinline__ void update(A (&s)[N_TILES][4], A scale_log2, A (&rescale)[2]) {
+  // TILE_FACTOR: the tile's raw scores are tile_factor times smaller than the other tiles' (a power of two:
+  // float32 pieces whose keys carry their own row block's scaling, pieces.cuh); its max and its exponents
+  // take the factor on the way, so row_max stays in one unit for every tile.
+  template <bool TILE_FACTOR = false>
+  __device__ __forceinline__ void update(A (&s)[N_TILES][4], A scale_log2, A (&rescale)[2], A tile_factor = A(1)) {
+    const A tile_scale = TILE_FACTOR ? scale_log2 * tile_factor : scale_log2;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       A tile_max = neg_inf();
 #pragma unroll
       for (int j = 0; j < N_TILES; ++j) tile_max = max_of(tile_max, max_of(s[j][2 * r], s[j][2 * r + 1]));
+      if constexpr (TILE_FACTOR) tile_max *= tile_factor;
       const A new_max = max_of(row_max[r], quad_max(tile_max));
       // A row's first finite max always becomes the reference (-inf + slack is -inf).
       if (new_max * scale_log2 > row_max[r] * scale_log2 + A(RESCALE_SLACK)) {
@@ -47,7 +53,7 @@ struct OnlineSoftmax {
       for (int j = 0; j < N_TILES; ++j) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const A p = fast_exp2(s[j][2 * r + c] * scale_log2 - ref);
+          const A p = fast_exp2(s[j][2 * r + c] * tile_scale - ref);
           s[j][2 * r + c] = p;
           tile_sum += p;
         }
