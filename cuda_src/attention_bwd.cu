@@ -28,10 +28,11 @@
 // WGMMA instantiations (Hopper, fp16/bf16) run the same passes on warpgroup products from swizzled tiles
 // (gemm.cuh): each warp still owns 16 rows, now of its warpgroup's 64, in the same accumulator layout.
 // float32 WGMMA instantiations (PIECES: plain and causal) read q, k, v, dout as float16 pieces hi + lo
-// scaled by powers of two (split_f32.cu, pieces.cuh): S and dP take three float16 products each, and
-// the products with P^T or dS (split per row in registers) go into fresh accumulators that are added to
-// dV, dK, dQ in registers; the powers of two come out in the softmax's scale, in dP before dS, and in
-// the gradients' final scales. The preprocess reads out and dout themselves.
+// scaled by a power of two per row block (split_f32.cu, pieces.cuh): S and dP take three float16 products
+// each, and the products with P^T or dS (split per row in registers) go into fresh accumulators that are
+// added to dV, dK, dQ in registers; the powers of two come out per tile, in the softmax's scale, in dP
+// before dS, and in those additions (the streamed tile's) or the final scales (the CTA's own rows). The
+// preprocess reads out and dout themselves.
 // MODS instantiations (HAS_MODS; IS_CAUSAL = false, causality is the window's right edge) rebuild the
 // modified logits (score_mods.cuh), skip the tiles the window band or the block mask hide, and compute
 // dP before S so that each element's P, dS and softcap derivative 1 - tanh^2 come out of one pass.
@@ -170,6 +171,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   static_assert(!PIECES || (!HAS_MODS && !HAS_DROPOUT && !SPLIT && HEAD_DIM % 64 == 0 && D_CHUNK % 64 == 0),
                 "pieces: plain or causal, lo pieces and column chunks on (64-element) atom boundaries");
   static_assert(OutTile::SIZE * sizeof(T) <= KVTile::SIZE * sizeof(E), "dk, dv staged in sK, sV");
+  static_assert(!PIECES || (SPLIT_BLOCK_ROWS % BLOCK_M == 0 && SPLIT_BLOCK_ROWS % BLOCK_N == 0),
+                "pieces: each tile inside one row block");
   using A = acc_t<T>;  // float; double for float64 inputs
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -206,6 +209,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   auto qk_cols = [&]() { return PIECES ? COLS : p.d_qk; };
   auto v_cols = [&]() { return PIECES ? COLS : p.d_v; };
   const Pieces<PIECES> pieces(p, b);
+  const PieceFactors kv_factors = pieces.at(n0);  // of this CTA's k and v rows
   const A* lse_log2 = static_cast<const A*>(p.lse_log2) + seq.q_flat;
   const A* delta = static_cast<const A*>(p.delta) + seq.q_flat;
   const Dropout dropout(p, b);
@@ -273,17 +277,19 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     __syncthreads();
     const E* sQ_i = sQ + buf * QTile::SIZE;
     const E* sdO_i = sdO + buf * QTile::SIZE;
+    const PieceFactors q_factors = pieces.at(m0);  // of Q_i and dO_i
 
     A acc_s[S_TILES][4], acc_dp[S_TILES][4];
     if constexpr (PIECES) {
-      // S^T = K Q_i^T, P^T = exp(scale * S^T - lse) (S^T carries 2^(e_q + e_k)); dV += P^T dO_i;
-      // dP^T = V dO_i^T (carrying 2^(e_v + e_dout)), dS^T = P^T * (dP^T - delta); dK += dS^T Q_i below.
+      // S^T = K Q_i^T, P^T = exp(scale * S^T - lse) (S^T carries 2^(e_q + e_k)); dV += P^T dO_i (carrying
+      // 2^e_dout); dP^T = V dO_i^T (carrying 2^(e_v + e_dout)), dS^T = P^T * (dP^T - delta); dK += dS^T Q_i
+      // below (carrying 2^e_q).
       gemm_abt_pieces<HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i);
       if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + warp * 16, m0, lane);
-      probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p) * pieces.scores, lane);
-      gemm_pb_pieces<HEAD_DIM, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0);
+      probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p) * (q_factors.q * kv_factors.k), lane);
+      gemm_pb_pieces<HEAD_DIM, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, q_factors.dout);
       gemm_abt_pieces<HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i);
-      dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane, pieces.dscores);  // dP^T unscaled on the way
+      dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane, q_factors.dout * kv_factors.v);  // dP^T unscaled on the way
     } else if constexpr (SPLIT) {
       if (role == 0) {  // S^T = K Q_i^T, P^T = exp(scale * S^T - lse), to the partner too
         gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, row0, sQ_i, lane);
@@ -351,7 +357,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     }
 
     // dK += dS^T Q_i
-    if constexpr (PIECES) gemm_pb_pieces<HEAD_DIM, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0);
+    if constexpr (PIECES) gemm_pb_pieces<HEAD_DIM, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, q_factors.q);
     else if constexpr (!SPLIT) gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, lane);
     __syncthreads();  // this buffer (and SPLIT's P^T) is refilled two iterations on
     m_block = m_next;
@@ -359,8 +365,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 
   // dK = scale * dS^T Q (DS_UNSCALED: scale / (1 - p) times the sum of (1 - p) dS^T Q), dV = (Z * P^T) dO /
   // (1 - p); staged through sK / sV for 16-byte stores.
-  const A dv_scale = (HAS_DROPOUT ? Reals<A>::dropout_scale(p) : A(1)) * (PIECES ? pieces.dout : A(1));
-  const A dk_factor = Reals<A>::scale(p) * (DS_UNSCALED ? dv_scale : A(1)) * (PIECES ? pieces.q : A(1));
+  const A dv_scale = HAS_DROPOUT ? Reals<A>::dropout_scale(p) : A(1);
+  const A dk_factor = Reals<A>::scale(p) * (DS_UNSCALED ? dv_scale : A(1));
   const A dk_scale[2] = {dk_factor, dk_factor};
   const A dv_scales[2] = {dv_scale, dv_scale};
   cp_async_wait<0>();  // with no query block to visit, the K/V copies may still be in flight
@@ -408,6 +414,8 @@ attention_bwd_dq_kernel(const AttnParams p) {
   static_assert(!PIECES || (!HAS_MODS && !HAS_DROPOUT && !SPLIT && HEAD_DIM % 64 == 0 && D_CHUNK % 64 == 0),
                 "pieces: plain or causal, lo pieces and column chunks on (64-element) atom boundaries");
   static_assert(OutTile::SIZE * sizeof(T) <= QTile::SIZE * sizeof(E), "dq staged in sQ");
+  static_assert(!PIECES || (SPLIT_BLOCK_ROWS % BLOCK_M == 0 && SPLIT_BLOCK_ROWS % BLOCK_N == 0),
+                "pieces: each tile inside one row block");
   using A = acc_t<T>;  // float; double for float64 inputs
   // SPLIT: each 16 queries get a pair of warps (as in the dK/dV pass): role 0 computes S and P, role 1 dP
   // and dS; P goes to role 1 and dS back to role 0 through shared memory, and each accumulates half of
@@ -444,6 +452,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
   auto qk_cols = [&]() { return PIECES ? COLS : p.d_qk; };
   auto v_cols = [&]() { return PIECES ? COLS : p.d_v; };
   const Pieces<PIECES> pieces(p, b);
+  const PieceFactors q_factors = pieces.at(m0);  // of this CTA's q and dout rows
   const Dropout dropout(p, b);
   // As in the dK/dV pass: without modifiers, (1 - p) dS in place of dS, and 1 / (1 - p) in dQ's final scale.
   constexpr bool DS_UNSCALED = HAS_DROPOUT && !HAS_MODS;
@@ -522,13 +531,14 @@ attention_bwd_dq_kernel(const AttnParams p) {
     const E* sK_j = sK + buf * KVTile::SIZE;
     const E* sV_j = sV + buf * KVTile::SIZE;
 
+    const PieceFactors kv_factors = pieces.at(n0);  // of K_j and V_j
     A acc_s[S_TILES][4], acc_dp[S_TILES][4];
     if constexpr (PIECES) {
       // S = Q K_j^T (carrying 2^(e_q + e_k)), P = exp(scale * S - lse); dP = dO V_j^T (carrying
-      // 2^(e_v + e_dout)), dS = P * (dP - delta).
+      // 2^(e_v + e_dout)), dS = P * (dP - delta); dQ += dS K_j below (carrying 2^e_k).
       gemm_abt_pieces<HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j);
       if (n_block >= n_unmasked) mask.apply(acc_s, m0 + warp * 16, n0, lane);
-      const A scale_log2 = Reals<A>::scale_log2(p) * pieces.scores;
+      const A scale_log2 = Reals<A>::scale_log2(p) * (q_factors.q * kv_factors.k);
 #pragma unroll
       for (int j = 0; j < S_TILES; ++j) {
 #pragma unroll
@@ -538,7 +548,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
 #pragma unroll
       for (int j = 0; j < S_TILES; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] * pieces.dscores - row_delta[e >> 1]);
+        for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] * (q_factors.dout * kv_factors.v) - row_delta[e >> 1]);
       }
     } else if constexpr (SPLIT) {
       if (role == 0) {  // S = Q K_j^T, P = exp(scale * S - lse), to the partner
@@ -597,7 +607,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
     }
 
     // dQ += dS K_j (SPLIT: this warp's half of the chunk's columns)
-    if constexpr (PIECES) gemm_pb_pieces<HEAD_DIM, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0);
+    if constexpr (PIECES) gemm_pb_pieces<HEAD_DIM, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0, kv_factors.k);
     else gemm_pb<T, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0 + g0, lane);
     __syncthreads();  // this buffer is refilled two iterations on
     n_block = n_next;
@@ -605,7 +615,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
 
   // dQ = scale * dS K (DS_UNSCALED: scale / (1 - p) times the sum of (1 - p) dS K), staged through sQ (free
   // once the loop is done) for 16-byte stores.
-  const A dq_factor = Reals<A>::scale(p) * (DS_UNSCALED ? Reals<A>::dropout_scale(p) : A(1)) * (PIECES ? pieces.k : A(1));
+  const A dq_factor = Reals<A>::scale(p) * (DS_UNSCALED ? Reals<A>::dropout_scale(p) : A(1));
   const A dq_scale[2] = {dq_factor, dq_factor};
   cp_async_wait<0>();  // with no key block to visit, the Q/dO copies may still be in flight
   __syncthreads();

@@ -27,10 +27,11 @@
 //    double-buffered one block ahead, and the products of one block overlapping the softmax of the
 //    next: while the tensor cores run S_{j+1} = Q K_{j+1}^T and O += P_j V_j, the warps wait only for
 //    S_{j+1}, run its softmax, and rescale O once P_j V_j is done (FlashAttention-3's intra-warpgroup
-//    pipelining). float32 inputs (T = float, plain and causal) arrive as float16 pieces hi + lo of q, k,
-//    v scaled by powers of two (split_f32.cu, block_info.cuh's split_exponents): S takes three float16
-//    products (Q_hi K_lo^T + Q_lo K_hi^T + Q_hi K_hi^T), P is split likewise, and each block's P V is
-//    added to O in registers, so float32 accuracy holds over any number of key blocks.
+//    pipelining). float32 inputs (T = float, plain and causal): k and v arrive as float16 pieces hi + lo
+//    scaled by a power of two per row block (split_f32.cu, block_info.cuh's split_exponents), and each
+//    CTA splits its own q tile as it loads it (pieces.cuh, split_tile). S takes three float16 products
+//    (Q_hi K_lo^T + Q_lo K_hi^T + Q_hi K_hi^T), P is split likewise, and each block's P V is added to O
+//    in registers, so float32 accuracy holds over any number of key blocks.
 #include "common.cuh"
 #include "block_info.cuh"
 #include "gemm.cuh"
@@ -40,15 +41,17 @@
 #include "dropout.cuh"
 
 // The query rows [m0, m0 + BLOCK_M) of batch entry b that one CTA owns, where its tensors start, and the
-// key blocks those rows see: [n_first, n_blocks), walked downwards with prev_on. q, k, v hold In elements
-// (T's own, or for split float32 inputs their float16 pieces), out holds T.
-template <typename T, int NUM_WARPS, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, Mods MODS, typename In = T>
+// key blocks those rows see: [n_first, n_blocks), walked downwards with prev_on. k, v hold In elements
+// (T's own, or for split float32 inputs their float16 pieces), q holds QIn (the float32 forward splits its
+// own q tile), out holds T.
+template <typename T, int NUM_WARPS, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, Mods MODS, typename In = T,
+          typename QIn = In>
 struct RowBlock {
   static constexpr bool HAS_MODS = MODS != Mods::none;
   const AttnParams& p;
   SeqInfo<HAS_MODS> seq;  // this batch entry's lengths and rows
   int m0;
-  const In* q;  // row m0
+  const QIn* q;  // row m0
   const In* k;
   const In* v;
   T* out;          // row m0
@@ -70,7 +73,7 @@ struct RowBlock {
   __device__ __forceinline__ RowBlock(const AttnParams& params, int b, const SeqInfo<HAS_MODS>& seq_, int m0_,
                                       u32* bitmap_words)
       : p(params), seq(seq_), m0(m0_), mods(params, b) {
-    q = static_cast<const In*>(p.q) + batch_offset(p.q_stride, b, p) + (seq.q_row + m0) * p.q_stride[3];
+    q = static_cast<const QIn*>(p.q) + batch_offset(p.q_stride, b, p) + (seq.q_row + m0) * p.q_stride[3];
     k = static_cast<const In*>(p.k) + batch_offset(p.k_stride, b, p) + seq.k_row * p.k_stride[3];
     v = static_cast<const In*>(p.v) + batch_offset(p.v_stride, b, p) + seq.k_row * p.v_stride[3];
     out = static_cast<T*>(p.out) + batch_offset(p.out_stride, b, p) + (seq.q_row + m0) * p.out_stride[3];
@@ -250,7 +253,8 @@ template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, bool IS_CAUSAL, 
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_fwd_wgmma_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
-  // float32 inputs arrive split into float16 pieces (split_f32.cu): rows of [hi | lo], 2 * HEAD_DIM wide.
+  // float32 inputs: k and v arrive split into float16 pieces (split_f32.cu), q is split here; the shared
+  // tiles hold rows of [hi | lo], 2 * HEAD_DIM wide.
   constexpr bool SPLIT = sizeof(T) == 4;
   using E = typename Select<SPLIT, half_t, T>::type;  // the shared tiles' elements
   constexpr int COLS = SPLIT ? 2 * HEAD_DIM : HEAD_DIM;
@@ -269,9 +273,11 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
   static_assert(!HAS_MODS || (BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0),
                 "tiles inside block-mask tiles");
+  static_assert(!SPLIT || SPLIT_BLOCK_ROWS % BLOCK_N == 0, "split float32: each key tile inside one row block");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ u32 bitmap_words[HAS_MODS ? TILE_BITMAP_WORDS : 1];
+  __shared__ float warp_max[SPLIT ? NUM_WARPS : 1];  // split_tile's reduction
   E* sQ = reinterpret_cast<E*>(smem_aligned(smem_raw));
   E* sK = sQ + QTile::SIZE;      // [2] KVTile: K of the t-th visited block in sK[t % 2]
   E* sV = sK + 2 * KVTile::SIZE;  // [2] KVTile: V likewise
@@ -283,7 +289,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   if (m0 >= seq.nq()) return;  // past a shorter sequence's end (variable-length batches)
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int wg_row0 = (warp / 4) * 64;
-  const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS, E> rows(p, b, seq, m0, bitmap_words);
+  const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS, E, T> rows(p, b, seq, m0, bitmap_words);
   const Dropout dropout(p, b);
   // P_ij -> P_ij * Z_ij, after the softmax has summed P_ij into l_i.
   auto drop = [&](float (&s)[S_TILES][4], int n_block) {
@@ -295,10 +301,10 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   auto qk_cols = [&]() { return SPLIT ? COLS : p.d_qk; };
   auto v_cols = [&]() { return SPLIT ? COLS : p.d_v; };
 
-  // The visited key blocks b_0 > b_1 > ... The copies go in commit groups G_0 = {Q, K(b_0)} and
-  // G_t = {K(b_t), V(b_(t-1))}; G_t is waited for at step t and G_(t+2) issued at its end, into the
-  // buffers step t has just finished with. A group may be empty (past the last block): wait_group
-  // counts it all the same.
+  // The visited key blocks b_0 > b_1 > ... The copies go in commit groups G_0 = {Q, K(b_0)} (split
+  // inputs: {K(b_0)}, Q being split into sQ while G_0 and G_1 are in flight) and G_t = {K(b_t),
+  // V(b_(t-1))}; G_t is waited for at step t and G_(t+2) issued at its end, into the buffers step t has
+  // just finished with. A group may be empty (past the last block): wait_group counts it all the same.
   auto load_k = [&](int n_block, int t) {
     const int n0 = n_block * BLOCK_N;
     load_tile_async<KVTile, THREADS>(sK + (t & 1) * KVTile::SIZE, rows.k + n0 * p.k_stride[3], p.k_stride[3], rows.nk() - n0, qk_cols());
@@ -329,20 +335,21 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
     else pack_fragments<E>(acc_s, f.hi);
   };
   // O accumulates in the tensor cores (O += P V), or for split inputs in registers: each block's P V
-  // comes fresh (acc_pv) and is added with a rounded float32 add (wg_issue_pb_split says why).
+  // comes fresh (acc_pv) and is added with a rounded float32 add (wg_issue_pb_split says why), times the
+  // factor of its v row block (v_factor).
   float acc_o[O_TILES][4];
   float acc_pv[SPLIT ? O_TILES : 1][4];
   auto issue_pv = [&](PFragments& f, const E* v_tile) {
     if constexpr (SPLIT) wg_issue_pb_split<E, P_STEPS, O_TILES, KVTile>(acc_pv, f.hi, f.lo, v_tile, 0, HEAD_DIM);
     else wg_issue_pb<E, P_STEPS, O_TILES, KVTile>(acc_o, f.hi, v_tile, 0);
   };
-  auto finish_pv = [&]() {  // after wgmma_wait: the block's P V is in acc_o
+  auto finish_pv = [&](float v_factor) {  // after wgmma_wait: the block's P V is in acc_o
     if constexpr (SPLIT) {
       fence_operands(acc_pv);
 #pragma unroll
       for (int j = 0; j < O_TILES; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[j][e] += acc_pv[j][e];
+        for (int e = 0; e < 4; ++e) acc_o[j][e] += acc_pv[j][e] * v_factor;
     } else {
       fence_operands(acc_o);
     }
@@ -355,19 +362,23 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   zero_acc(acc_o);
   OnlineSoftmax<S_TILES> softmax;
   softmax.init();
-  // Split inputs: S carries the scaling of q and k, P V that of v and P_FACTOR.
+  // Split inputs: S carries the scaling of the q tile (in exp_scale) and of its key block's k rows (the
+  // softmax's tile factor), P V that of its v rows (finish_pv) and P_FACTOR (out_factor).
   const Pieces<SPLIT> pieces(p, b);
-  const float exp_scale = rows.exp_scale() * pieces.scores, out_factor = pieces.v / P_FACTOR;
+  float exp_scale = rows.exp_scale();
+  const float out_factor = SPLIT ? 1.f / P_FACTOR : 1.f;
 
   int n_cur = rows.prev_on(rows.n_blocks - 1);  // b_t: the block whose P (p_cur) is pending
   if (n_cur >= rows.n_first) {
     int n_next = rows.prev_on(n_cur - 1);       // b_(t+1)
-    load_tile_async<QTile, THREADS>(sQ, rows.q, p.q_stride[3], seq.nq() - m0, qk_cols());
+    if constexpr (!SPLIT) load_tile_async<QTile, THREADS>(sQ, rows.q, p.q_stride[3], seq.nq() - m0, qk_cols());
     load_k(n_cur, 0);
     cp_async_commit();
     if (n_next >= rows.n_first) load_k(n_next, 1);
     load_v(n_cur, 0);
     cp_async_commit();
+    if constexpr (SPLIT) exp_scale *= split_tile<QTile, HEAD_DIM, THREADS>(sQ, rows.q, p.q_stride[3], seq.nq() - m0, p.d_qk, warp_max);
+    PieceFactors f_cur = pieces.at(n_cur * BLOCK_N);  // of b_t's rows
 
     // Step 0: S_0 = Q K(b_0)^T alone; its softmax gives P_0.
     PFragments p_cur;
@@ -379,7 +390,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
       fence_operands(acc_s);
       rows.scores(acc_s, n_cur, warp * 16, lane);
       float rescale[2];  // of an all-zero O: unused
-      softmax.update(acc_s, exp_scale, rescale);
+      softmax.template update<SPLIT>(acc_s, exp_scale, rescale, f_cur.k);
       drop(acc_s, n_cur);
       pack_p(acc_s, p_cur);
       __syncthreads();  // every warpgroup is done with K(b_0)
@@ -393,6 +404,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
     // Steps t = 1, 2, ...: S_t = Q K(b_t)^T and O += P_(t-1) V(b_(t-1)) in flight together.
     int t = 1;
     for (; n_next >= rows.n_first; ++t) {
+      const PieceFactors f_next = pieces.at(n_next * BLOCK_N);
       wait_step();
       float acc_s[S_TILES][4];
       issue_s(acc_s, sK + (t & 1) * KVTile::SIZE);
@@ -401,12 +413,12 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
       fence_operands(acc_s);
       rows.scores(acc_s, n_next, warp * 16, lane);
       float rescale[2];
-      softmax.update(acc_s, exp_scale, rescale);
+      softmax.template update<SPLIT>(acc_s, exp_scale, rescale, f_next.k);
       drop(acc_s, n_next);
       PFragments p_next;
       pack_p(acc_s, p_next);
       wgmma_wait<0>();
-      finish_pv();
+      finish_pv(f_cur.v);
       fence_p(p_cur);
       rescale_rows(acc_o, rescale);  // O = (O + P_(t-1) V) * exp(m_old - m_new)
 #pragma unroll
@@ -425,12 +437,13 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
       }
       cp_async_commit();  // G_(t+2)
       n_next = n_after;
+      f_cur = f_next;
     }
     // The last block's O += P V.
     wait_step();
     issue_pv(p_cur, sV + ((t - 1) & 1) * KVTile::SIZE);
     wgmma_wait<0>();
-    finish_pv();
+    finish_pv(f_cur.v);
     fence_p(p_cur);
   }
   cp_async_wait<0>();

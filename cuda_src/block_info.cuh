@@ -99,8 +99,8 @@ struct AttnParams {
   double softcap_inv_f64;
   double dropout_scale_f64;
   // float32 inputs on the wgmma path arrive split into float16 pieces (split_f32.cu), scaled by powers of
-  // two: per flat batch entry, (e_q, e_k, e_v, e_dout) as four int32 (e_dout 0 in the forward). Unused
-  // (null) elsewhere.
+  // two: per flat batch entry and block of SPLIT_BLOCK_ROWS rows, (e_q, e_k, e_v, e_dout) as four int32
+  // (pieces.cuh, Pieces; the forward reads e_k and e_v only, it splits q itself). Unused (null) elsewhere.
   const int* split_exponents;
 };
 

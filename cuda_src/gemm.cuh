@@ -37,9 +37,10 @@ __device__ __forceinline__ void gemm_pb(acc_t<T> (&c)[N_TILES][4], const acc_t<T
 // The same two products for float32 inputs on Hopper, as float16 pieces (pieces.cuh): tiles of rows
 // [hi | lo] (K or HEAD_DIM columns each), a register operand split tile by tile.
 //  gemm_abt_pieces: C = A B^T, three float16 products.
-//  gemm_pb_pieces:  C += P B, P of any magnitude: each of a thread's two rows scaled by its own power of
-//                   two, split, multiplied (three products into a fresh accumulator) and added unscaled in
-//                   registers (a chain of additions in the tensor cores would truncate at every step).
+//  gemm_pb_pieces:  C += P B * b_factor, P of any magnitude: each of a thread's two rows scaled by its own
+//                   power of two, split, multiplied (three products into a fresh accumulator) and added
+//                   unscaled in registers (a chain of additions in the tensor cores would truncate at every
+//                   step); b_factor (a power of two: the one B's pieces carry) comes out on the way.
 template <int K, int N_TILES, class ATile, class BTile>
 __device__ __forceinline__ void gemm_abt_pieces(float (&c)[N_TILES][4], const half_t* a_tile, int row0, const half_t* b_tile) {
   wg_issue_abt_split<half_t, K, N_TILES, ATile, BTile>(c, a_tile, row0 & ~63, b_tile);
@@ -49,7 +50,7 @@ __device__ __forceinline__ void gemm_abt_pieces(float (&c)[N_TILES][4], const ha
 
 template <int HEAD_DIM, int P_TILES, int N_TILES, class BTile>
 __device__ __forceinline__ void gemm_pb_pieces(float (&c)[N_TILES][4], const float (&p)[P_TILES][4], const half_t* b_tile,
-                                               int n_begin) {
+                                               int n_begin, float b_factor) {
   float largest[2] = {0.f, 0.f};
 #pragma unroll
   for (int j = 0; j < P_TILES; ++j) {
@@ -61,7 +62,7 @@ __device__ __forceinline__ void gemm_pb_pieces(float (&c)[N_TILES][4], const flo
   for (int r = 0; r < 2; ++r) {
     const int e = split_exponent(__float_as_uint(quad_max(largest[r])));
     up[r] = pow2(e);
-    down[r] = pow2(-e);
+    down[r] = pow2(-e) * b_factor;
   }
   u32 hi[P_TILES / 2][4], lo[P_TILES / 2][4];
   split_fragments<P_TILES>(p, up, hi, lo);

@@ -157,7 +157,7 @@ _WGMMA_TABLE = {
     256: ((8, 64, 256), (8, 64, 256, True), (8, 64, 256, True)),
 }
 # float32 on the wgmma path (plain and causal, forward and backward): q, k, v (and dout) split into float16
-# pieces (cuda_src/split_f32.cu, pieces.cuh), so the tiles hold rows of 2 * HEAD_DIM float16 elements, the
+# pieces (cuda_src/split_f32.cu, pieces.cuh; the forward splits its q tiles itself), so the tiles hold rows of 2 * HEAD_DIM float16 elements, the
 # bytes of a float32 row; same fields as _TABLE. The lo pieces (and column chunks) must start on a swizzle
 # atom (64 float16 columns): HEAD_DIM 64 and 128. The backward adds each product of a register operand
 # into a fresh accumulator (gemm_pb_pieces), so at HEAD_DIM 128 its dK/dV pass takes two column chunks

@@ -227,7 +227,7 @@ def _functions(variant: Variant) -> dict[str, object]:
                     f"device {device.id} has {cc / 10:.1f}"
                 )
             built = _build_modules([(variant, kernels) for kernels in variant.modules], device.id)
-            if variant.wgmma and variant.itemsize == 4:  # its inputs' float16 pieces come from _split's kernels
+            if variant.wgmma and variant.itemsize == 4:  # its inputs' float16 pieces come from _split's kernel
                 _split._module(device.id)
             optin = cupy.cuda.runtime.getDeviceProperties(device.id)["sharedMemPerBlockOptin"]
             found = {}
@@ -749,11 +749,12 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
     lse = cupy.empty(batch_shape + (nq,), dtype=lse_dtype(q.dtype))
     addresses = {"q": q, "k": k, "v": v, "out": out, "lse": lse, **_slopes(mods)}
     key = _plan_key("fwd", addresses, scale, causal, mods, dropout)
-    # float32 on the wgmma path: the kernel reads float16 pieces of q, k, v (_split), not q, k, v.
+    # float32 on the wgmma path: the kernel reads float16 pieces of k and v (_split), and q itself (it
+    # splits each q tile as it loads it).
     split_width = _split_width(q.dtype, d_w, dv_w, mods, dropout)
     if split_width:
-        (q, k, v), exponents = _split.split((q, k, v), split_width, batch_shape)
-        addresses.update(q=q, k=k, v=v, split_exponents=exponents)
+        (_, k, v), exponents = _split.split((None, k, v), split_width, batch_shape, max(nq, nk))
+        addresses.update(k=k, v=v, split_exponents=exponents)
     plan = _plans.get(key) if key is not None else None
     if plan is None:
         variant = _variant("fwd", q.dtype if not split_width else numpy.float32, d_w, dv_w, causal, mods, dropout)
@@ -830,7 +831,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
         return _unpad(dq, d), _unpad(dk, d), _unpad(dv_, dv), None
     _launch(functions, variant, "preprocess", nq, batch, params)
     if split_width:
-        (q, k, v, dout), others["split_exponents"] = _split.split((q, k, v, dout), split_width, batch_shape)
+        (q, k, v, dout), others["split_exponents"] = _split.split((q, k, v, dout), split_width, batch_shape, max(nq, nk))
         arrays, sizes, strides, _ = _layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout})
         params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
                          others=others, causal=causal)

@@ -1,9 +1,10 @@
-"""float32 inputs as float16 pieces for the forward's wgmma path (``cuda_src/split_f32.cu``).
+"""float32 inputs as float16 pieces for the wgmma path (``cuda_src/split_f32.cu``).
 
-On Hopper float32 runs on the 16-bit warpgroup products: each of q, k, v (and dout) is scaled per
-(N, D) matrix by a power of two and split into float16 hi and lo pieces, and each product becomes three
-float16 products (hi·hi + hi·lo + lo·hi). ``split`` makes the pieces (a buffer the size of each float32
-input) and the exponents per flat batch entry, as the kernels read them.
+On Hopper float32 runs on the 16-bit warpgroup products: each block of BLOCK_ROWS rows of k, v (and q,
+dout for the backward; the forward splits its q tiles itself) is scaled by a power of two and split into
+float16 hi and lo pieces, and each product becomes three float16 products (hi·hi + hi·lo + lo·hi).
+``split`` makes the pieces (a buffer the size of each float32 input) and the exponents per flat batch
+entry and row block, as the kernels read them, in one launch.
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ _THREADS = 256
 _MAX_GRID_Y = 65535
 _SOURCE = "split_f32.cu"
 _OPTIONS = ("-std=c++17",)
-KERNELS = ("split_absmax_kernel", "split_f32_kernel")
+KERNELS = ("split_f32_kernel",)
+BLOCK_ROWS = 128  # rows per power of two: SPLIT_BLOCK_ROWS (cuda_src/pieces.cuh)
+_MAX_WIDTH = 128  # SPLIT_MAX_WIDTH (cuda_src/split_f32.cu)
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,14 +56,6 @@ def compile_report(arch: str) -> list[dict]:
             for name in KERNELS]
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device_id: int) -> int:
-    """SMs of a device (Device.attributes queries every attribute, ~0.1 ms a call)."""
-    import cupy
-
-    return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
-
-
 def _unbroadcast(x):
     """x without its broadcast (stride-0) leading dims, as a contiguous array."""
     import cupy
@@ -72,60 +67,68 @@ def _unbroadcast(x):
 # Host mirror of `struct SplitJobs` (cuda_src/split_f32.cu), same field order, C alignment.
 _MAX_JOBS = 4
 _JOBS_DTYPE = numpy.dtype(
-    [(name, numpy.uint64, (_MAX_JOBS,)) for name in ("x", "pieces", "max_bits", "exponents")]
-    + [("slices", numpy.int64, (_MAX_JOBS,))]
-    + [(name, numpy.int32, (_MAX_JOBS,)) for name in ("rows", "d", "exponent_stride")]
-    + [("width", numpy.int32), ("rows_per_block", numpy.int32)],
+    [(name, numpy.uint64, (_MAX_JOBS,)) for name in ("x", "pieces", "exponents")]
+    + [(name, numpy.int64, (_MAX_JOBS,)) for name in ("slices", "slice_stride")]
+    + [(name, numpy.int32, (_MAX_JOBS,)) for name in ("block_stride", "rows", "d")]
+    + [("width", numpy.int32)],
     align=True,
 )
 _JOBS_BYTES = numpy.dtype((numpy.void, _JOBS_DTYPE.itemsize))
 
 
-def split(arrays, width: int, batch_shape: tuple):
-    """The float32 inputs of one call (q, k, v, and dout for the backward), each (*batch_shape, N, D) with D a
-    multiple of 4 and any broadcast leading dims -> (pieces, exponents). pieces: per input, (*batch_shape,
-    N, 2 * width) float16 with rows [hi, zeros to width | lo, zeros to width] (broadcast dims stay
-    broadcast); exponents: (batch, 4) int32, per flat batch entry the e of its (N, D) matrix of each input
-    (x * 2^e = hi + lo; 0 for a missing dout), as the kernels read it (AttnParams.split_exponents).
-    Two launches per input, and a copy per broadcast input to spread its exponents over the batch."""
+def split(arrays, width: int, batch_shape: tuple, rows: int | None = None):
+    """The float32 inputs of one call in the kernels' order (q, k, v, and dout for the backward), each
+    (*batch_shape, N, D) with D a multiple of 4 and any broadcast leading dims, or None for one that is
+    not split here (the forward's q) -> (pieces, exponents).
+    pieces: per input, (*batch_shape, N, 2 * width) float16 with rows [hi, zeros to width | lo, zeros to
+    width] (broadcast dims stay broadcast; None for None). exponents: (batch, blocks, 4) int32, per flat
+    batch entry and block of BLOCK_ROWS rows the e of each input, in column j for arrays[j] (x * 2^e = hi +
+    lo), as the kernels read it (AttnParams.split_exponents); blocks covers `rows` (the kernels' max(Nq, Nk);
+    default: the longest input given), and entries past an input's rows, or of a None input, are left
+    unwritten (no kernel reads them).
+    One launch for every input, and a copy per broadcast input to spread its exponents over the batch."""
     import cupy
 
-    absmax, split_kernel = _module(cupy.cuda.Device().id)
+    if not (4 <= width <= _MAX_WIDTH and width & (width - 1) == 0):
+        raise ValueError(f"width must be a power of two from 4 to {_MAX_WIDTH}, got {width}")
+    if len(arrays) > _MAX_JOBS:
+        raise ValueError(f"at most {_MAX_JOBS} arrays, got {len(arrays)}")
     batch = math.prod(batch_shape)
-    bases = [_unbroadcast(x) for x in arrays]
-    slices = [math.prod(b.shape[:-2]) for b in bases]
-    # An input with every batch entry its own matrix writes its exponents straight into its column.
-    spread = [n != batch for n in slices]
-    words = cupy.zeros(4 * batch + sum(slices) + sum(n for n, s in zip(slices, spread) if s), dtype=numpy.int32)
-    exponents = words[: 4 * batch].reshape(batch, 4)
-    sms = _multiprocessors(cupy.cuda.Device().id)
-    rows_per_block = max(1, 4 * _THREADS // (width // 4))
-    pieces, own, offset = [], [], 4 * batch
-    for j, base in enumerate(bases):
-        *lead, rows, d = base.shape
-        piece = cupy.empty(tuple(lead) + (rows, 2 * width), dtype=numpy.float16)
-        pieces.append(piece)
-        # One input per launch pair: its second read (the split) then finds it in L2 more often than when
-        # every input's largest value is found first (measured 5-10% of a float32 forward at N = 1k-4k).
-        job = numpy.zeros(1, dtype=_JOBS_DTYPE)
-        job["x"][0, 0], job["pieces"][0, 0] = base.data.ptr, piece.data.ptr
-        job["max_bits"][0, 0] = words[offset:].data.ptr
-        offset += slices[j]
-        if spread[j]:
-            own.append((j, words[offset: offset + slices[j]].reshape(tuple(lead))))
-            job["exponents"][0, 0], job["exponent_stride"][0, 0] = own[-1][1].data.ptr, 1
-            offset += slices[j]
+    present = [j for j, x in enumerate(arrays) if x is not None]
+    longest = max(arrays[j].shape[-2] for j in present)
+    if rows is None:
+        rows = longest
+    elif rows < longest:
+        raise ValueError(f"rows must cover every input's {longest} rows, got {rows}")
+    blocks = -(-rows // BLOCK_ROWS)
+    bases = {j: _unbroadcast(arrays[j]) for j in present}
+    slices = {j: math.prod(bases[j].shape[:-2]) for j in present}
+    # An input with every batch entry its own matrix writes its exponents straight into its column;
+    # a broadcast one into its own (slices, blocks) array, spread afterwards.
+    spread = [j for j in present if slices[j] != batch]
+    words = cupy.empty(blocks * (4 * batch + sum(slices[j] for j in spread)), dtype=numpy.int32)
+    exponents = words[: 4 * batch * blocks].reshape(batch, blocks, 4)
+    jobs = numpy.zeros(1, dtype=_JOBS_DTYPE)
+    pieces, own, offset = [None] * len(arrays), [], 4 * batch * blocks
+    for i, j in enumerate(present):
+        *lead, n, d = bases[j].shape
+        pieces[j] = cupy.empty(tuple(lead) + (n, 2 * width), dtype=numpy.float16)
+        jobs["x"][0, i], jobs["pieces"][0, i] = bases[j].data.ptr, pieces[j].data.ptr
+        if j in spread:
+            per_slice = words[offset: offset + slices[j] * blocks]
+            own.append((j, per_slice.reshape(tuple(lead) + (blocks,))))
+            offset += slices[j] * blocks
+            jobs["exponents"][0, i], jobs["slice_stride"][0, i], jobs["block_stride"][0, i] = per_slice.data.ptr, blocks, 1
         else:
-            job["exponents"][0, 0], job["exponent_stride"][0, 0] = exponents[:, j].data.ptr, 4
-        job["slices"][0, 0], job["rows"][0, 0], job["d"][0, 0] = slices[j], rows, d
-        job["width"], job["rows_per_block"] = width, rows_per_block
-        grid_y = min(slices[j], _MAX_GRID_Y)
-        if grid_y and rows:
-            vecs = rows * d // 4
-            chunks = max(1, min(-(-vecs // (_THREADS * 4)), -(-4 * sms // grid_y)))
-            args = (job.view(_JOBS_BYTES),)
-            absmax((chunks, grid_y, 1), (_THREADS,), args)
-            split_kernel((-(-rows // rows_per_block), grid_y, 1), (_THREADS,), args)
+            jobs["exponents"][0, i] = exponents[:, :, j].data.ptr
+            jobs["slice_stride"][0, i], jobs["block_stride"][0, i] = 4 * blocks, 4
+        jobs["slices"][0, i], jobs["rows"][0, i], jobs["d"][0, i] = slices[j], n, d
+    jobs["width"] = width
+    grid_y = min(max(slices.values()), _MAX_GRID_Y)
+    if grid_y and blocks:
+        kernel, = _module(cupy.cuda.Device().id)
+        kernel((-(-longest // BLOCK_ROWS), grid_y, len(present)), (_THREADS,), (jobs.view(_JOBS_BYTES),))
     for j, per_slice in own:
-        exponents[:, j] = cupy.broadcast_to(per_slice, batch_shape).reshape(batch)
-    return [cupy.broadcast_to(piece, x.shape[:-1] + (2 * width,)) for piece, x in zip(pieces, arrays)], exponents
+        exponents[:, :, j] = cupy.broadcast_to(per_slice, tuple(batch_shape) + (blocks,)).reshape(batch, blocks)
+    return [None if piece is None else cupy.broadcast_to(piece, x.shape[:-1] + (2 * width,))
+            for piece, x in zip(pieces, arrays)], exponents

@@ -29,48 +29,92 @@ def _is_hopper():
 
 
 def test_pieces_hold_each_element_to_22_bits(rng):
-    # Three slices of very different magnitudes, one all zero; 60 columns padded to 64 per piece.
-    x = _random(rng, (4, 37, 60))
+    """Each block of 128 rows gets its own power of two: slices of very different magnitudes, row blocks of
+    different magnitudes within a slice, an all-zero slice and an all-zero block; 60 columns padded to 64."""
+    x = _random(rng, (4, 300, 60))
     x[1] *= 3e-7
     x[2] *= 5e5
+    x[0, 128:256] *= 1e-6
+    x[1, 256:] = 0
     x[3] = 0
     (pieces,), exponents = _split.split([x], 64, (4,))
-    assert pieces.shape == (4, 37, 128) and pieces.dtype == np.float16
-    assert exponents.shape == (4, 4) and exponents.dtype == np.int32
+    assert pieces.shape == (4, 300, 128) and pieces.dtype == np.float16
+    assert exponents.shape == (4, 3, 4) and exponents.dtype == np.int32
     p = cupy.asnumpy(pieces).astype(np.float64)
-    e = cupy.asnumpy(exponents)[:, 0]
-    assert not cupy.asnumpy(exponents)[:, 1:].any(), "only one input: the other columns stay 0"
+    e = cupy.asnumpy(exponents)[..., 0]
     xs = cupy.asnumpy(x).astype(np.float64)
     assert np.all(p[..., 60:64] == 0) and np.all(p[..., 124:] == 0), "padding columns must be zero"
-    for s in range(3):
-        largest = np.abs(xs[s]).max() * 2.0 ** e[s]
-        assert 2**14 <= largest < 2**15, f"slice {s}: largest scaled magnitude {largest}"
-        scaled = xs[s] * 2.0 ** e[s]
-        rebuilt = p[s, :, :60] + p[s, :, 64:124]
-        # 22 significant bits for elements down to 2^-3 of float16's normal range; an absolute floor below.
-        bound = np.maximum(np.abs(scaled) * 2.0**-22, 2.0**-24)
-        assert np.all(np.abs(rebuilt - scaled) <= bound), f"slice {s}: pieces do not rebuild x * 2^e"
-    assert e[3] == 0 and np.all(p[3] == 0), "an all-zero slice splits into zeros with exponent 0"
+    for s in range(4):
+        for blk in range(3):
+            rows = slice(128 * blk, 128 * (blk + 1))
+            largest = np.abs(xs[s, rows]).max() * 2.0 ** e[s, blk]
+            if largest == 0:
+                assert e[s, blk] == 0 and np.all(p[s, rows] == 0), "an all-zero block splits into zeros, e = 0"
+                continue
+            assert 2**14 <= largest < 2**15, f"slice {s} block {blk}: largest scaled magnitude {largest}"
+            scaled = xs[s, rows] * 2.0 ** e[s, blk]
+            rebuilt = p[s, rows, :60] + p[s, rows, 64:124]
+            # 22 significant bits for elements down to 2^-3 of float16's normal range; an absolute floor below.
+            bound = np.maximum(np.abs(scaled) * 2.0**-22, 2.0**-24)
+            assert np.all(np.abs(rebuilt - scaled) <= bound), f"slice {s} block {blk}: pieces do not rebuild x * 2^e"
+    assert e[0, 1] > e[0, 0] + 15, "a block of small rows gets its own, larger power of two"
 
 
 def test_pieces_keep_broadcast_dims_unmaterialized(rng):
-    """Grouped heads: k shared by 6 query heads is split once; its exponents reach all 12 batch entries."""
+    """Grouped heads: k shared by 6 query heads is split once; its exponents reach all 12 batch entries.
+    A None input (the forward's q, split by the kernel itself) is skipped."""
     q = _random(rng, (2, 6, 40, 64))
-    base = _random(rng, (2, 1, 50, 64))
+    base = _random(rng, (2, 1, 150, 64))
     base[1] *= 1e4
-    k = cupy.broadcast_to(base, (2, 6, 50, 64))
+    base[0, :, 128:] *= 1e-3
+    k = cupy.broadcast_to(base, (2, 6, 150, 64))
     (q_pieces, k_pieces), exponents = _split.split([q, k], 64, (2, 6))
-    assert q_pieces.shape == (2, 6, 40, 128) and k_pieces.shape == (2, 6, 50, 128) and k_pieces.strides[1] == 0
-    e = cupy.asnumpy(exponents).reshape(2, 6, 4)
-    assert np.all(e[0, :, 1] == e[0, 0, 1]) and np.all(e[1, :, 1] == e[1, 0, 1]) and e[0, 0, 1] > e[1, 0, 1]
+    assert q_pieces.shape == (2, 6, 40, 128) and k_pieces.shape == (2, 6, 150, 128) and k_pieces.strides[1] == 0
+    e = cupy.asnumpy(exponents).reshape(2, 6, 2, 4)
+    assert np.all(e[0, :, :, 1] == e[0, 0, :, 1]) and np.all(e[1, :, :, 1] == e[1, 0, :, 1])
+    assert e[0, 0, 0, 1] > e[1, 0, 0, 1] and e[0, 0, 1, 1] > e[0, 0, 0, 1]
     largest = np.abs(cupy.asnumpy(q)).max(axis=(-2, -1))
-    assert np.all((2.0**14 <= largest * 2.0 ** e[..., 0]) & (largest * 2.0 ** e[..., 0] < 2.0**15))
+    assert np.all((2.0**14 <= largest * 2.0 ** e[..., 0, 0]) & (largest * 2.0 ** e[..., 0, 0] < 2.0**15))
+    (none, k_only), exponents = _split.split([None, k], 64, (2, 6), rows=300)
+    assert none is None and cupy.array_equal(k_only, k_pieces)
+    assert exponents.shape == (12, 3, 4), "blocks cover the rows asked for"
+    assert np.array_equal(cupy.asnumpy(exponents).reshape(2, 6, 3, 4)[..., :2, 1], e[..., 1])
+    with pytest.raises(ValueError, match="width"):
+        _split.split([k], 96, (2, 6))
+    with pytest.raises(ValueError, match="rows"):
+        _split.split([k], 64, (2, 6), rows=100)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("nq, nk", [(389, 517), (517, 131)])
+def test_row_blocks_of_very_different_magnitudes(rng, head_dim, causal, nq, nk):
+    """Rows of q, k, v, dout whose magnitudes change by up to 1e6 from one block of 128 rows to the next
+    (and within the forward's q tiles): forward and gradients against float64, relative to each output's
+    largest magnitude. Every tile carries its own row block's power of two; with more queries than keys
+    the exponents still cover every query block (max(Nq, Nk) rows per batch entry)."""
+    q, k, v, dout = (_random(rng, (1, 2, n, head_dim)) for n in (nq, nk, nk, nq))
+    for x, n in ((q, nq), (k, nk), (v, nk), (dout, nq)):
+        scales = 10.0 ** rng.uniform(-3, 3, size=(1, 2, -(-n // 64), 1, 1))
+        x *= cupy.asarray(np.repeat(scales, 64, axis=2)[:, :, :n].reshape(1, 2, n, 1).astype(np.float32))
+    q *= 1.0 / float(cupy.abs(q).max())  # scores of order one: softmax not saturated
+    k *= 4.0 / float(cupy.abs(k).max())
+    out, lse = cupyflash.attention_forward(q, k, v, causal=causal)
+    ref_out, ref_lse = reference.attention(*(cupy.asnumpy(x) for x in (q, k, v)), causal=causal, return_lse=True)
+    error = np.abs(cupy.asnumpy(out) - ref_out).max() / np.abs(ref_out).max()
+    assert error <= FP32_RTOL, f"out: relative error {error:.3g}"
+    seen = np.isfinite(ref_lse)
+    assert np.abs(cupy.asnumpy(lse)[seen] - ref_lse[seen]).max() <= FP32_RTOL * np.abs(ref_lse[seen]).max()
+    grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    for name, x, ref in zip(("dq", "dk", "dv"), grads, _reference_gradients(q, k, v, dout, causal)):
+        error = float(cupy.abs(x - ref).max() / cupy.abs(ref).max())
+        assert error <= FP32_RTOL, f"{name}: relative error {error:.3g}"
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [40, 64, 100, 128])
 def test_heads_of_very_different_magnitudes_keep_float32_accuracy(rng, head_dim, causal):
-    """Each (N, D) matrix gets its own power of two, so every head keeps float32 accuracy relative to
+    """Each head's row blocks get their own powers of two, so every head keeps float32 accuracy relative to
     its own output, not only to the largest head's."""
     q, k, v = (_random(rng, (2, 3, n, head_dim)) for n in (211, 300, 300))
     q[1, 2] *= 1e-5
@@ -133,8 +177,8 @@ def _reference_gradients(q, k, v, dout, causal):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [40, 64, 100, 128])
 def test_backward_of_heads_of_very_different_magnitudes(rng, head_dim, causal):
-    """Gradients per head against float64, with q, k, v and dout heads scaled by up to 1e+-9: each (N, D)
-    matrix and each row of P and dS in registers gets its own power of two. Per head, float32's own
+    """Gradients per head against float64, with q, k, v and dout heads scaled by up to 1e+-9: each block of
+    128 rows of an input and each row of P and dS in registers gets its own power of two. Per head, float32's own
     rounding (of dS = P (dP - delta) in particular) reaches ~1e-5 of a head's largest gradient in either
     tensor-core path, so the bound here is 3e-5 per head (the suite's 1e-5 holds against each result's
     largest magnitude)."""
