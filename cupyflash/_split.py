@@ -125,7 +125,7 @@ def split(arrays, width: int, batch_shape: tuple, rows: int | None = None):
         jobs["slices"][0, i], jobs["rows"][0, i], jobs["d"][0, i] = slices[j], n, d
     jobs["width"] = width
     grid_y = min(max(slices.values()), _MAX_GRID_Y)
-    if grid_y and blocks:
+    if grid_y and longest:
         kernel, = _module(cupy.cuda.Device().id)
         kernel((-(-longest // BLOCK_ROWS), grid_y, len(present)), (_THREADS,), (jobs.view(_JOBS_BYTES),))
     for j, per_slice in own:
