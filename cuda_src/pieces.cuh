@@ -39,6 +39,21 @@ __device__ __forceinline__ float from_half(u16 h) {
   return x;
 }
 
+__device__ __forceinline__ float finite_abs(float x) { return isfinite(x) ? fabsf(x) : 0.f; }
+
+// The largest of every thread's m over the CTA, in every thread (THREADS / 32 floats of shared memory in
+// warp_max; the caller syncs before reusing it).
+template <int THREADS>
+__device__ __forceinline__ float cta_max(float m, float* warp_max) {
+#pragma unroll
+  for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  if (threadIdx.x % WARP_SIZE == 0) warp_max[threadIdx.x / WARP_SIZE] = m;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < THREADS / WARP_SIZE; ++w) m = fmaxf(m, warp_max[w]);
+  return m;
+}
+
 // Two scaled values a, b as float16 pieces, packed in pairs: hi = float16(x), lo = float16(x - hi).
 __device__ __forceinline__ void split_pair(float a, float b, u32& hi, u32& lo) {
   const u16 a_hi = to_half(a), b_hi = to_half(b);
@@ -108,14 +123,8 @@ __device__ __forceinline__ float split_tile(half_t* smem, const float* gmem, i64
 #pragma unroll
   for (int pass = 0; pass < PASSES; ++pass)
 #pragma unroll
-    for (int i = 0; i < 8; ++i) m = fmaxf(m, isfinite(x[pass][i]) ? fabsf(x[pass][i]) : 0.f);
-#pragma unroll
-  for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-  if (threadIdx.x % WARP_SIZE == 0) warp_max[threadIdx.x / WARP_SIZE] = m;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < THREADS / WARP_SIZE; ++w) m = fmaxf(m, warp_max[w]);
-  const int e = split_exponent(__float_as_uint(m));
+    for (int i = 0; i < 8; ++i) m = fmaxf(m, finite_abs(x[pass][i]));
+  const int e = split_exponent(__float_as_uint(cta_max<THREADS>(m, warp_max)));
   const float scale = pow2(e);
 #pragma unroll
   for (int pass = 0; pass < PASSES; ++pass) {

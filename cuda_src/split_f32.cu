@@ -32,8 +32,6 @@ struct SplitJobs {
   int width;  // columns per piece: >= d, a power of two from 4 to SPLIT_MAX_WIDTH
 };
 
-__device__ __forceinline__ float finite_abs(float x) { return isfinite(x) ? fabsf(x) : 0.f; }
-
 // grid (row blocks of the longest input, slices (wrapping past 65535), jobs). Each thread keeps one
 // 4-column group of every (THREADS / (width / 4))-th row of the block: all its loads are in flight before
 // the block's largest finite |x| is known. NaN and inf are left out of that largest value and propagate
@@ -62,12 +60,7 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS, 2) split_f32_kernel(
 #pragma unroll
     for (int u = 0; u < VECS; ++u)
       m = fmaxf(m, fmaxf(fmaxf(finite_abs(v[u].x), finite_abs(v[u].y)), fmaxf(finite_abs(v[u].z), finite_abs(v[u].w))));
-#pragma unroll
-    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    if (threadIdx.x % WARP_SIZE == 0) warp_max[threadIdx.x / WARP_SIZE] = m;
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < SPLIT_THREADS / WARP_SIZE; ++w) m = fmaxf(m, warp_max[w]);
+    m = cta_max<SPLIT_THREADS>(m, warp_max);
     __syncthreads();  // warp_max is rewritten for the next slice
     const int e = split_exponent(__float_as_uint(m));
     if (threadIdx.x == 0) jobs.exponents[j][s * jobs.slice_stride[j] + blockIdx.x * jobs.block_stride[j]] = e;
