@@ -36,7 +36,9 @@ struct SplitJobs {
 // 4-column group of every (THREADS / (width / 4))-th row of the block: all its loads are in flight before
 // the block's largest finite |x| is known. NaN and inf are left out of that largest value and propagate
 // through the split itself (inf * 2^e = inf, lo = NaN), so a non-finite element changes no other
-// element's pieces unless it replaced its block's largest finite one.
+// element's pieces unless it replaced its block's largest finite one. Bounded to two CTAs per SM (128
+// registers, 64 of them the block's values), so that one CTA's loads can run while the other stores;
+// unbounded, ptxas took 145 and one CTA per SM (not timed against it).
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS, 2) split_f32_kernel(const SplitJobs jobs) {
   constexpr int VECS = SPLIT_BLOCK_ROWS * (SPLIT_MAX_WIDTH / 4) / SPLIT_THREADS;  // float4 per thread, widest case
   __shared__ float warp_max[SPLIT_THREADS / WARP_SIZE];
