@@ -32,7 +32,8 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo_bytes, u32 sbo_bytes)
 }
 // K-major operand at rows [row0, ...) of `tile` (row0 a multiple of 8): the descriptor of its first
 // k-step; k-step k0 adds k_major_step(k0). MN-major operand (B stored [k][n]) at column atom n0
-// (a multiple of ATOM_COLS): the descriptor of rows [0, 16); rows [k0, k0 + 16) add mn_major_step(k0).
+// (a multiple of ATOM_COLS): the descriptor of rows [0, 16); rows [k0, k0 + 16) of the column atom n0
+// further on (n0 a multiple of ATOM_COLS) add mn_major_step(k0, n0).
 // The steps are compile-time constants once loops unroll, and the bases are warp-uniform, so the products
 // of one commit group issue back to back (ptxas serializes wgmma whose descriptor registers are
 // computed in between by ordinary instructions).
@@ -50,8 +51,9 @@ __device__ __forceinline__ u64 desc_mn_major(const T* tile, int n0) {
                          8 * Tile::ATOM_BYTES);
 }
 template <class Tile>
-__host__ __device__ constexpr u64 mn_major_step(int k0) {
-  return static_cast<u64>(k0 * Tile::ATOM_COLS) * Tile::VEC_BYTES / Tile::VEC >> 4;
+__host__ __device__ constexpr u64 mn_major_step(int k0, int n0 = 0) {
+  return (static_cast<u64>(k0 * Tile::ATOM_COLS) * Tile::VEC_BYTES / Tile::VEC >> 4) +
+         (static_cast<u64>(n0 / Tile::ATOM_COLS * Tile::ATOM_SIZE) * Tile::VEC_BYTES / Tile::VEC >> 4);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -254,25 +256,31 @@ __device__ __forceinline__ void fence_fragments(u32 (&a)[K_STEPS][4]) {
     for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[kt][i])::"memory");
 }
 
+// The instructions of C += P B, every k-step and column atom (an MN-major instruction spans one atom), B
+// from the descriptor b of its first rows and columns.
+template <typename T, int K_STEPS, int N_TILES, class BTile>
+__device__ __forceinline__ void wg_pb_steps(float (&c)[N_TILES][4], u32 (&a)[K_STEPS][4], u64 b) {
+  constexpr int WIDTH = BTile::ATOM_COLS;
+#pragma unroll
+  for (int kt = 0; kt < K_STEPS; ++kt) {
+#pragma unroll
+    for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
+      WgmmaOp<T, WIDTH>::rs(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt], b + mn_major_step<BTile>(16 * kt, n0));
+    }
+  }
+}
+
 // Start C[64 x 8*N_TILES] += P B for the calling warpgroup, as one commit group: P as packed fragments
 // (pack_fragments), B stored [k][n] in b_tile, columns [n_begin, n_begin + 8*N_TILES). The fragments must
 // stay untouched until wgmma_wait has seen the group complete.
 template <typename T, int K_STEPS, int N_TILES, class BTile>
 __device__ __forceinline__ void wg_issue_pb(float (&c)[N_TILES][4], u32 (&a)[K_STEPS][4], const T* b_tile, int n_begin) {
-  constexpr int WIDTH = BTile::ATOM_COLS;  // an MN-major instruction spans one atom
-  static_assert((8 * N_TILES) % WIDTH == 0, "whole atoms");
+  static_assert((8 * N_TILES) % BTile::ATOM_COLS == 0, "whole atoms");
   const u64 b = desc_mn_major<BTile>(b_tile, n_begin);
   wgmma_fence();
   fence_operands(c);
   fence_fragments(a);
-#pragma unroll
-  for (int kt = 0; kt < K_STEPS; ++kt) {
-#pragma unroll
-    for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
-      WgmmaOp<T, WIDTH>::rs(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt],
-                            b + mn_major_step<BTile>(16 * kt) + (static_cast<u64>(n0 / WIDTH * BTile::ATOM_SIZE * sizeof(T)) >> 4));
-    }
-  }
+  wg_pb_steps<T, K_STEPS, N_TILES, BTile>(c, a, b);
   wgmma_commit();
 }
 
@@ -296,21 +304,14 @@ __device__ __forceinline__ void wg_issue_pb_split(float (&c)[N_TILES][4], u32 (&
   for (int kt = 0; kt < K_STEPS; ++kt) {
 #pragma unroll
     for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
-      const u64 step = mn_major_step<BTile>(16 * kt) + (static_cast<u64>(n0 / WIDTH * BTile::ATOM_SIZE * sizeof(E)) >> 4);
+      const u64 step = mn_major_step<BTile>(16 * kt, n0);
       float (&d)[WIDTH / 8][4] = tiles_at<WIDTH / 8>(c, n0 / 8);
       if (kt == 0) WgmmaOp<E, WIDTH>::rs_zero(d, a_hi[kt], b_lo + step);
       else WgmmaOp<E, WIDTH>::rs(d, a_hi[kt], b_lo + step);
       WgmmaOp<E, WIDTH>::rs(d, a_lo[kt], b_hi + step);
     }
   }
-#pragma unroll
-  for (int kt = 0; kt < K_STEPS; ++kt) {
-#pragma unroll
-    for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
-      const u64 step = mn_major_step<BTile>(16 * kt) + (static_cast<u64>(n0 / WIDTH * BTile::ATOM_SIZE * sizeof(E)) >> 4);
-      WgmmaOp<E, WIDTH>::rs(tiles_at<WIDTH / 8>(c, n0 / 8), a_hi[kt], b_hi + step);
-    }
-  }
+  wg_pb_steps<E, K_STEPS, N_TILES, BTile>(c, a_hi, b_hi);
   wgmma_commit();
 }
 
