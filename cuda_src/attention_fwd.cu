@@ -111,7 +111,7 @@ struct RowBlock {
   }
 
   // Raw scores S of key block n_block, this warp's rows from row0 (CTA-relative) -> what the softmax
-  // takes with exp_scale(): masked, or turned into logits by the modifiers.
+  // takes with exp_scale(): masked, or modified into the modifiers' score units (ScoreMods::unit).
   template <int S_TILES>
   __device__ __forceinline__ void scores(acc_t<T> (&s)[S_TILES][4], int n_block, int row0, int lane) const {
     const int n0 = n_block * BLOCK_N;
@@ -123,8 +123,8 @@ struct RowBlock {
       mask.apply(s, m0 + row0, n0, lane);
     }
   }
-  // Scores that softcap, ALiBi or bias made logits have the scale applied already: only log2(e) is left
-  // for the exponent; raw scores carry the scale into it.
+  // The exponent's scale: log2(e) times the scores' unit (the scale for raw scores, the softcap for
+  // softcapped ones).
   __device__ __forceinline__ acc_t<T> exp_scale() const {
     return HAS_MODS ? mods.exp_scale() : Reals<acc_t<T>>::scale_log2(p);
   }

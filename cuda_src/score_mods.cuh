@@ -13,8 +13,9 @@
 //                or mask[b, i, j] is false.
 // The block mask is not applied per element: kernels skip its false tiles whole (TileBitmap), which
 // needs each kernel tile to lie inside one BLOCK_MASK_TILE x BLOCK_MASK_TILE block (tiles are powers
-// of two <= 128, aligned). Logits come back in natural units; kernels then run the softmax with
-// log2(e) as the exponent's scale instead of scale * log2(e).
+// of two <= 128, aligned). Scores come back in the units of ScoreMods::unit() (logit = unit * score): raw
+// q . k without a softcap, tanh(x / softcap) with one; kernels run the softmax with unit * log2(e) as the
+// exponent's scale (exp_scale()).
 // Every option is a uniform run-time branch; the plain kernels (Mods::none) never see this file's
 // code, so options that are off cost them nothing.
 #pragma once
@@ -23,33 +24,32 @@
 
 constexpr int BLOCK_MASK_TILE = 128;  // must match cupyflash/_modifiers.py
 
-// The softcap's tanh(scale * raw / softcap) of a raw score q . k, and the softcapped logit softcap times
-// that. float32 takes the accurate libdevice tanhf (float32 accuracy is the point of that dtype), float64
-// libdevice's tanh. 16-bit types take 1 - 2 / (2^(k raw) + 1), the three factors of the exponent folded
-// into one (k = 2 log2(e) scale / softcap) and softcap into the last FMA: one multiply, ex2, add, rcp and
-// FMA per score, ~1e-7 absolute error, so the lse stays float32-accurate and tanh saturates cleanly to
-// +-1. (tanh.approx would be one instruction, but its 2^-11 relative error shows in the lse; an exp2
-// evaluated on the FMA pipe instead of the special-function unit measured 10% slower: the issue slots,
-// not that unit, bound a softcapped tile.)
+// The softcap's t = tanh(scale * raw / softcap) of a raw score q . k. With a softcap the kernels keep
+// scores in units of t (the logit is softcap * t: the softcap goes into the exponent's scale, as the scale
+// does for raw scores), so t is all a score costs. 16-bit inputs take the hardware's tanh.approx.f32 (one
+// special-function instruction, as FlashAttention-2 and -3 do): its relative error, documented as at most
+// 2^-11 (measured 2^-16.5 on an H100), puts at most softcap times that on a logit, below the 16-bit
+// rounding of the logits, so out and the gradients keep their 16-bit accuracy and lse carries that
+// absolute error (README, score modifiers). The forward, the backward and attention_probs take the same
+// t, so P is the same function in all three. float32 takes the accurate libdevice tanhf (float32 accuracy
+// is the point of that dtype), float64 libdevice's tanh. (An exact 16-bit tanh, 1 - 2 / (2^(2 log2(e) x)
+// + 1), took five instructions, two of them special-function ones: the softcapped forward ran at 0.70-0.75x
+// of plain, GPU time, against 0.83-0.88x with tanh.approx.)
 template <typename T, typename A>
 struct SoftcapTanh {
-  A scale, inv, cap, k;
+  A k;  // scale / softcap
   __device__ __forceinline__ explicit SoftcapTanh(const AttnParams& p)
-      : scale(Reals<A>::scale(p)), inv(Reals<A>::softcap_inv(p)), cap(Reals<A>::softcap(p)),
-        k(A(2) * log2e<A>() * Reals<A>::scale(p) * Reals<A>::softcap_inv(p)) {}
-  __device__ __forceinline__ static float rcp_of_exp_plus_one(float y) {  // 1 / (2^y + 1)
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fast_exp2(y) + 1.f));
-    return r;
-  }
+      : k(Reals<A>::scale(p) * Reals<A>::softcap_inv(p)) {}
   __device__ __forceinline__ A tanh_of(A raw) const {
-    if constexpr (sizeof(T) == 2) return fmaf(-2.f, rcp_of_exp_plus_one(raw * k), 1.f);
-    else if constexpr (sizeof(T) == 4) return tanhf(raw * scale * inv);
-    else return tanh(raw * scale * inv);
-  }
-  __device__ __forceinline__ A logit(A raw) const {
-    if constexpr (sizeof(T) == 2) return fmaf(-2.f * cap, rcp_of_exp_plus_one(raw * k), cap);
-    else return cap * tanh_of(raw);
+    if constexpr (sizeof(T) == 2) {
+      float t;
+      asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(raw * k));
+      return t;
+    } else if constexpr (sizeof(T) == 4) {
+      return tanhf(raw * k);
+    } else {
+      return tanh(raw * k);
+    }
   }
 };
 
@@ -123,12 +123,12 @@ struct ScoreMods {
   A* dbias;  // the accumulator type (atomic adds); with p.dbias_pairs possibly T or float32 (store_dbias_pairs)
   const unsigned char* mask;
   const unsigned char* block_mask;
-  A add_scale;  // what ALiBi and bias terms are multiplied by: 1 on logits, 1 / scale on raw scores
+  A add_scale;  // what ALiBi and bias terms are multiplied by: 1 / unit()
   A slope;      // this batch entry's ALiBi slope, times add_scale
 
   // The kernel has constructed a SeqInfo<true> (HAS_MODS kernels do): the lengths are in shared memory.
   __device__ __forceinline__ ScoreMods(const AttnParams& params, int b) : p(params) {
-    add_scale = natural() ? A(1) : A(1) / Reals<A>::scale(p);
+    add_scale = A(1) / unit();
     slope = p.alibi_slopes ? A(p.alibi_slopes[batch_offset(p.alibi_stride, b, p)]) * add_scale : A(0);
     bias = nullptr;
     dbias = nullptr;
@@ -149,10 +149,10 @@ struct ScoreMods {
   __device__ __forceinline__ static int nk() { return shared_nk(); }
 
   // Without a softcap the scores keep their raw units (q . k) and the scale stays folded into the
-  // exponent, as in the plain kernels: ALiBi and bias terms are divided by the scale instead (one FMA
-  // each). The softcap needs the scaled score, so with it the scores become logits in natural units.
-  __device__ __forceinline__ bool natural() const { return p.softcap > 0.f; }
-  __device__ __forceinline__ A exp_scale() const { return natural() ? log2e<A>() : Reals<A>::scale_log2(p); }
+  // exponent, as in the plain kernels; with one they are t = tanh(x / softcap) and the softcap is folded
+  // in likewise (SoftcapTanh). ALiBi and bias terms are divided by that unit (one FMA each).
+  __device__ __forceinline__ A unit() const { return p.softcap > 0.f ? Reals<A>::softcap(p) : Reals<A>::scale(p); }
+  __device__ __forceinline__ A exp_scale() const { return unit() * log2e<A>(); }
 
   // Keys [first, last] that some query of rows [r0, r1] may see through the window band and nk.
   __device__ __forceinline__ int first_key(int r0) const { return p.window_left < 0 ? 0 : max(0, r0 + nk() - nq() - p.window_left); }
@@ -371,26 +371,27 @@ struct ScoreMods {
 #pragma unroll
       for (int j = 0; j < N; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] = softcap.logit(s[j][e]);
+        for (int e = 0; e < 4; ++e) s[j][e] = softcap.tanh_of(s[j][e]);
     }
     additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
   }
 
-  // The logit of raw score q_i . k_j, or -inf when hidden, one element at a time; dcap = 1 - tanh^2 of
-  // the softcap (1 without). Used by the backward when it needs dS both with and without the softcap
-  // derivative (softcap and bias together), where the tile passes would have to keep tanh per element.
-  __device__ __forceinline__ A logit(A raw, int i, int key, bool check, A& dcap) const {
-    A x = raw * Reals<A>::scale(p);
+  // The score of raw score q_i . k_j in exp_scale()'s units (what apply() makes of it), or -inf when
+  // hidden, one element at a time; dcap = 1 - tanh^2 of the softcap (1 without). Used by the backward when
+  // it needs dS both with and without the softcap derivative (softcap and bias together), where the tile
+  // passes would have to keep tanh per element.
+  __device__ __forceinline__ A score(A raw, int i, int key, bool check, A& dcap) const {
+    A x = raw;
     dcap = A(1);
     if (p.softcap > 0.f) {
       const A t = SoftcapTanh<T, A>(p).tanh_of(raw);
-      x = Reals<A>::softcap(p) * t;
+      x = t;
       dcap = A(1) - t * t;
     }
     x -= slope * abs_of(static_cast<A>(i + nk() - nq() - key));
     if (check && !visible(i, key)) return neg_inf();
     if (mask && !mask[i * p.mask_stride[3] + key * p.mask_stride[4]]) return neg_inf();
-    if (bias) x += bias_at(i * p.bias_stride[3] + key * p.bias_stride[4]);
+    if (bias) x += add_scale * bias_at(i * p.bias_stride[3] + key * p.bias_stride[4]);
     return x;
   }
 
@@ -402,6 +403,7 @@ struct ScoreMods {
                                            bool check, Lse lse_log2, Delta delta, bool write_dbias) const {
     write_dbias = write_dbias && dbias;
     const A cap = Reals<A>::softcap(p);
+    const A exp_scale_ = exp_scale();
     if (cap > A(0) && write_dbias) {
 #pragma unroll
       for (int j = 0; j < N; ++j)
@@ -410,8 +412,8 @@ struct ScoreMods {
           int i, key;
           coords<TRANSPOSED>(row0, col0, j, e, lane, i, key);
           A dcap;
-          const A x = logit(s[j][e], i, key, check, dcap);
-          const A prob = fast_exp2(x * log2e<A>() - lse_log2(j, e));
+          const A x = score(s[j][e], i, key, check, dcap);
+          const A prob = fast_exp2(x * exp_scale_ - lse_log2(j, e));
           const A ds = prob * (dp[j][e] - delta(j, e));
           if (x != neg_inf()) atomicAdd(dbias + i * p.dbias_stride[3] + key * p.dbias_stride[4], ds);
           s[j][e] = prob;
@@ -429,12 +431,11 @@ struct ScoreMods {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const A t = softcap.tanh_of(s[j][e]);
-          s[j][e] = cap * t;
+          s[j][e] = t;
           dp[j][e] = (dp[j][e] - delta(j, e)) * (A(1) - t * t);
         }
     }
     additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
-    const A exp_scale_ = exp_scale();
 #pragma unroll
     for (int j = 0; j < N; ++j)
 #pragma unroll

@@ -13,7 +13,7 @@ import cupy
 import numpy as np
 
 import cupyflash
-from conftest import _assert_close, _assert_lse_close, _to_host
+from conftest import _assert_close, _assert_lse_close, _to_host, lse_atol
 from cupyflash import reference
 from cupyflash._api import sum_to_shape
 from cupyflash._modifiers import BLOCK_MASK_TILE
@@ -88,7 +88,7 @@ def assert_matches_reference(q, k, v, dout, results, *, causal, scale=None, **op
     ref_grads = reference.attention_backward(host[3], *host[:3], causal=causal, scale=scale, **host_options)
     naive = naive_attention(q, k, v, dout, causal=causal, scale=scale, **options)
 
-    _assert_lse_close(_to_host(lse), ref_lse)
+    _assert_lse_close(_to_host(lse), ref_lse, lse_atol(q.dtype, options.get("softcap")))
     # dbias is held to the inputs' precision too: a float32 bias does not make float16 scores exact.
     for (name, x, *_), ref, naive_x in zip(named, (ref_out, *ref_grads), naive):
         _assert_close(name, _to_host(x), ref, _to_host(naive_x), q.dtype)
