@@ -128,7 +128,7 @@ struct ScoreMods {
 
   // The kernel has constructed a SeqInfo<true> (HAS_MODS kernels do): the lengths are in shared memory.
   __device__ __forceinline__ ScoreMods(const AttnParams& params, int b) : p(params) {
-    add_scale = A(1) / unit();
+    add_scale = p.softcap > 0.f ? Reals<A>::softcap_inv(p) : A(1) / Reals<A>::scale(p);  // 1 / unit()
     slope = p.alibi_slopes ? A(p.alibi_slopes[batch_offset(p.alibi_stride, b, p)]) * add_scale : A(0);
     bias = nullptr;
     dbias = nullptr;
@@ -152,7 +152,9 @@ struct ScoreMods {
   // exponent, as in the plain kernels; with one they are t = tanh(x / softcap) and the softcap is folded
   // in likewise (SoftcapTanh). ALiBi and bias terms are divided by that unit (one FMA each).
   __device__ __forceinline__ A unit() const { return p.softcap > 0.f ? Reals<A>::softcap(p) : Reals<A>::scale(p); }
-  __device__ __forceinline__ A exp_scale() const { return unit() * log2e<A>(); }
+  __device__ __forceinline__ A exp_scale() const {
+    return p.softcap > 0.f ? Reals<A>::softcap(p) * log2e<A>() : Reals<A>::scale_log2(p);
+  }
 
   // Keys [first, last] that some query of rows [r0, r1] may see through the window band and nk.
   __device__ __forceinline__ int first_key(int r0) const { return p.window_left < 0 ? 0 : max(0, r0 + nk() - nq() - p.window_left); }
@@ -403,7 +405,6 @@ struct ScoreMods {
                                            bool check, Lse lse_log2, Delta delta, bool write_dbias) const {
     write_dbias = write_dbias && dbias;
     const A cap = Reals<A>::softcap(p);
-    const A exp_scale_ = exp_scale();
     if (cap > A(0) && write_dbias) {
 #pragma unroll
       for (int j = 0; j < N; ++j)
@@ -413,7 +414,7 @@ struct ScoreMods {
           coords<TRANSPOSED>(row0, col0, j, e, lane, i, key);
           A dcap;
           const A x = score(s[j][e], i, key, check, dcap);
-          const A prob = fast_exp2(x * exp_scale_ - lse_log2(j, e));
+          const A prob = fast_exp2(x * exp_scale() - lse_log2(j, e));
           const A ds = prob * (dp[j][e] - delta(j, e));
           if (x != neg_inf()) atomicAdd(dbias + i * p.dbias_stride[3] + key * p.dbias_stride[4], ds);
           s[j][e] = prob;
@@ -436,6 +437,7 @@ struct ScoreMods {
         }
     }
     additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
+    const A exp_scale_ = exp_scale();
 #pragma unroll
     for (int j = 0; j < N; ++j)
 #pragma unroll
