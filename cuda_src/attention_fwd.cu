@@ -111,7 +111,7 @@ struct RowBlock {
   }
 
   // Raw scores S of key block n_block, this warp's rows from row0 (CTA-relative) -> what the softmax
-  // takes with exp_scale(): masked, or modified into the modifiers' score units (ScoreMods::unit).
+  // takes with exp_scale(): masked, or modified into the modifiers' score units (ScoreMods::exp_scale).
   template <int S_TILES>
   __device__ __forceinline__ void scores(acc_t<T> (&s)[S_TILES][4], int n_block, int row0, int lane) const {
     const int n0 = n_block * BLOCK_N;

@@ -13,9 +13,9 @@
 //                or mask[b, i, j] is false.
 // The block mask is not applied per element: kernels skip its false tiles whole (TileBitmap), which
 // needs each kernel tile to lie inside one BLOCK_MASK_TILE x BLOCK_MASK_TILE block (tiles are powers
-// of two <= 128, aligned). Scores come back in the units of ScoreMods::unit() (logit = unit * score): raw
-// q . k without a softcap, tanh(x / softcap) with one; kernels run the softmax with unit * log2(e) as the
-// exponent's scale (exp_scale()).
+// of two <= 128, aligned). Scores come back in a unit of the logit (logit = unit * score): raw q . k
+// without a softcap, tanh(x / softcap) with one; kernels run the softmax with unit * log2(e) as the
+// exponent's scale (ScoreMods::exp_scale).
 // Every option is a uniform run-time branch; the plain kernels (Mods::none) never see this file's
 // code, so options that are off cost them nothing.
 #pragma once
@@ -123,12 +123,12 @@ struct ScoreMods {
   A* dbias;  // the accumulator type (atomic adds); with p.dbias_pairs possibly T or float32 (store_dbias_pairs)
   const unsigned char* mask;
   const unsigned char* block_mask;
-  A add_scale;  // what ALiBi and bias terms are multiplied by: 1 / unit()
+  A add_scale;  // what ALiBi and bias terms are multiplied by: 1 / the scores' unit (exp_scale)
   A slope;      // this batch entry's ALiBi slope, times add_scale
 
   // The kernel has constructed a SeqInfo<true> (HAS_MODS kernels do): the lengths are in shared memory.
   __device__ __forceinline__ ScoreMods(const AttnParams& params, int b) : p(params) {
-    add_scale = p.softcap > 0.f ? Reals<A>::softcap_inv(p) : A(1) / Reals<A>::scale(p);  // 1 / unit()
+    add_scale = p.softcap > 0.f ? Reals<A>::softcap_inv(p) : A(1) / Reals<A>::scale(p);  // 1 / the unit
     slope = p.alibi_slopes ? A(p.alibi_slopes[batch_offset(p.alibi_stride, b, p)]) * add_scale : A(0);
     bias = nullptr;
     dbias = nullptr;
@@ -148,10 +148,10 @@ struct ScoreMods {
   __device__ __forceinline__ static int nq() { return shared_nq(); }
   __device__ __forceinline__ static int nk() { return shared_nk(); }
 
-  // Without a softcap the scores keep their raw units (q . k) and the scale stays folded into the
-  // exponent, as in the plain kernels; with one they are t = tanh(x / softcap) and the softcap is folded
-  // in likewise (SoftcapTanh). ALiBi and bias terms are divided by that unit (one FMA each).
-  __device__ __forceinline__ A unit() const { return p.softcap > 0.f ? Reals<A>::softcap(p) : Reals<A>::scale(p); }
+  // The scores' unit (logit = unit * score): without a softcap the scores keep their raw units (q . k)
+  // and the scale stays folded into the exponent, as in the plain kernels; with one they are
+  // t = tanh(x / softcap) and the softcap is folded in likewise (SoftcapTanh). The exponent's scale is
+  // unit * log2(e); ALiBi and bias terms are divided by the unit (add_scale: one FMA each).
   __device__ __forceinline__ A exp_scale() const {
     return p.softcap > 0.f ? Reals<A>::softcap(p) * log2e<A>() : Reals<A>::scale_log2(p);
   }
