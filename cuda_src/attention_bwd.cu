@@ -51,22 +51,39 @@
 #include "score_mods.cuh"
 #include "dropout.cuh"
 
-template <typename T, int NUM_WARPS>
+// delta_i = rowsum(dout_i * out_i). LANES lanes share a row (32 / LANES rows per warp), each reading
+// 16-byte chunks of both: the rows are 16-byte aligned and d_v is a whole number of chunks (the host
+// pads the rows with zeros: _kernels._kernel_ready), so a 128-wide bf16 row is one load of each per lane.
+// Reading the rows an element per lane left this memory-bound pass at half the DRAM bandwidth
+// (bench/NOTES.md, v12).
+template <typename T, int NUM_WARPS, int LANES>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_preprocess_kernel(const AttnParams p) {
+  constexpr int VEC = 16 / sizeof(T);  // elements per chunk
+  static_assert(LANES >= 1 && LANES <= WARP_SIZE && WARP_SIZE % LANES == 0, "lanes per row");
   const int b = batch_index();
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-  const int row = blockIdx.x * NUM_WARPS + warp;  // one warp per query row
+  const int row = (blockIdx.x * NUM_WARPS + warp) * (WARP_SIZE / LANES) + lane / LANES;
   if (b >= p.batch) return;
   const SeqInfo<true> seq(p, b);  // one instantiation serves every variant: no registers to save here
-  if (row >= seq.nq()) return;
-  const T* out = static_cast<const T*>(p.out) + batch_offset(p.out_stride, b, p) + (seq.q_row + row) * p.out_stride[3];
-  const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + (seq.q_row + row) * p.dout_stride[3];
+  const bool valid = row < seq.nq();  // (no return before the shuffles: the row's lanes sum together)
   using A = acc_t<T>;
   A dot = A(0);
-  for (int c = lane; c < p.d_v; c += WARP_SIZE) dot += Elem<T>::to_acc(out[c]) * Elem<T>::to_acc(dout[c]);
-  dot = warp_sum(dot);
-  if (lane == 0) {
+  if (valid) {
+    const T* out = static_cast<const T*>(p.out) + batch_offset(p.out_stride, b, p) + (seq.q_row + row) * p.out_stride[3];
+    const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + (seq.q_row + row) * p.dout_stride[3];
+#pragma unroll 1  // (unrolled, float and double rows took 144 registers: one CTA per SM)
+    for (int c = (lane % LANES) * VEC; c < p.d_v; c += LANES * VEC) {
+      const uint4 o4 = *reinterpret_cast<const uint4*>(out + c), d4 = *reinterpret_cast<const uint4*>(dout + c);
+      const T* o = reinterpret_cast<const T*>(&o4);
+      const T* d = reinterpret_cast<const T*>(&d4);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) dot += Elem<T>::to_acc(o[e]) * Elem<T>::to_acc(d[e]);
+    }
+  }
+#pragma unroll
+  for (int offset = LANES / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+  if (valid && lane % LANES == 0) {
     const i64 i = seq.q_flat + row;
     const A lse = static_cast<const A*>(p.lse)[i];
     static_cast<A*>(p.delta)[i] = dot;

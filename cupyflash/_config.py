@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PREPROCESS_WARPS = 8  # one warp per query row in the backward preprocess
+PREPROCESS_WARPS = 8  # warps per CTA of the backward preprocess (delta = rowsum(dout * out))
 SMEM_PAD_BYTES = {2: 16, 4: 16, 8: 32}  # per shared-memory row of a padded tile, by element size; cuda_src/common.cuh
 SMEM_ALIGN = 1024  # wgmma kernels align their swizzled tiles to this (cuda_src/copy.cuh, smem_aligned)
 # The most rows one launch of a backward pass sums a gradient over (queries for dK/dV, keys for dQ). The
@@ -268,6 +268,16 @@ def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: 
     if found.split and (mods or dropout):
         return Tiles(*_UNSPLIT[dropout_key[0], itemsize, head_dim, kernel])
     return found
+
+
+def preprocess_lanes(itemsize: int, head_dim: int) -> int:
+    """Lanes that share one row in the backward preprocess: one per 16-byte chunk of a HEAD_DIM-wide row,
+    rounded up to a power of two, at most a warp (the rest of the warp takes further rows)."""
+    chunks = head_dim * itemsize // 16
+    lanes = 1
+    while lanes < min(chunks, 32):
+        lanes *= 2
+    return lanes
 
 
 def padded_head_dim(d: int) -> int:

@@ -140,7 +140,8 @@ class Variant:
         flags = f"{flag[self.causal]}, {mods}, {flag[self.wgmma]}, {flag[self.dropout]}"
         fwd_flags = f"{flag[self.causal]}, {mods}, {flag[self.dropout]}"
         if kernel == "preprocess":
-            return f"attention_bwd_preprocess_kernel<{c}, {_config.PREPROCESS_WARPS}>"
+            lanes = _config.preprocess_lanes(self.itemsize, hd)
+            return f"attention_bwd_preprocess_kernel<{c}, {_config.PREPROCESS_WARPS}, {lanes}>"
         t = self.tiles(kernel)
         if kernel == "probs":
             return f"attention_probs_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {flag[self.wgmma]}>"
@@ -633,7 +634,8 @@ def _launch_shape(variant: Variant, kernel: str, rows: int, batch: int, cols: in
     """(grid, block, dynamic shared memory) of one kernel over ``rows`` rows of its axis and ``batch`` entries."""
     t = variant.tiles(kernel) if kernel != "preprocess" else None
     if kernel == "preprocess":
-        blocks = -(-rows // _config.PREPROCESS_WARPS)
+        rows_per_block = _config.PREPROCESS_WARPS * (32 // _config.preprocess_lanes(variant.itemsize, variant.head_dim))
+        blocks = -(-rows // rows_per_block)
     elif kernel == "probs":  # one CTA per (row block, key tile)
         blocks = -(-rows // t.rows) * -(-cols // t.block)
     else:
