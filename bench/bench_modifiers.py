@@ -44,7 +44,8 @@ Validation, correctness first: each kind of row runs once on a reduced problem o
 H = 2, N = 512; N = 1024 for the window and the block mask; the softcap problem uses q of std 8 so that
 the cap binds) for every backend, forward and backward (dbias included), against cupyflash.reference in
 float64. A backend that fails is reported "bad" and never timed. Timing: as bench_attention.py, CUDA
-events, --warmup calls, then the median of --repeats (>= 20) calls, L2 flushed before every call; the
+events, --warmup calls, then the median of --repeats (>= 20) calls, L2 flushed before every call
+(--timing call, the default: host time beyond the flush counts; --timing gpu: the GPU's work alone); the
 backward is timed alone (its forward runs once outside the timed region). Torch is optional: without it
 only ours runs.
 """
@@ -625,6 +626,8 @@ def parse_args(argv):
                         "plain rows they are compared with")
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (>= 20)")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--timing", choices=ba.TIMINGS, default="call",
+                        help="as bench_attention.py: call (host time beyond the L2 flush counts) or gpu")
     parser.add_argument("--no-torch", action="store_true", help="time ours only, even when torch is importable")
     parser.add_argument("--json", metavar="PATH", help="also write every result as JSON")
     parser.add_argument("--dry-run", action="store_true",
@@ -642,14 +645,15 @@ def main(argv=None):
         dry_run(rows)
         return
     results = {"environment": ba.environment(),
-               "settings": {"repeats": args.repeats, "warmup": args.warmup, "quick": args.quick,
+               "settings": {"repeats": args.repeats, "warmup": args.warmup, "timing": args.timing, "quick": args.quick,
                             "rows": args.rows, "torch": ba.torch is not None and not args.no_torch}}
     for key, value in results["environment"].items():
         print(f"{key:10} {value}")
     if ba.torch is None or args.no_torch:
         print("torch not used: ours only")
-    print(f"\n{len(rows)} rows, {args.repeats} repeats after {args.warmup} warm-up calls, L2 flushed before each")
-    flush = ba.L2Flush()
+    print(f"\n{len(rows)} rows, {args.repeats} repeats after {args.warmup} warm-up calls, L2 flushed before each, "
+          f"timing {args.timing}")
+    flush = ba.L2Flush(args.timing)
     cache = {}
     results["rows"] = [run_row(row, args, flush, cache) for row in rows]
     add_ratios(results["rows"])

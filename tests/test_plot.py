@@ -120,3 +120,10 @@ def test_bench_plot_flag_skips_in_one_line_without_matplotlib(bench, results_jso
     bench.draw_plots(str(results_json))
     out = capsys.readouterr().out
     assert out.startswith("--plot skipped: plotting needs matplotlib") and out.count("\n") == 1
+
+
+def test_bench_timing_flag(bench):
+    assert bench.parse_args([]).timing == "call"
+    assert bench.parse_args(["--timing", "gpu"]).timing == "gpu"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--timing", "host"])
