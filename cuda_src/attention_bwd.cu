@@ -11,6 +11,7 @@
 //                  dK += dS^T Q; dK is scaled once at the end.
 //  3. dQ pass:     one CTA per block of 16 * NUM_WARPS queries streams all key blocks:
 //                  S = Q K^T, P, dP = dO V^T, dS = P * (dP - delta), dQ += dS K.
+//                  (The host runs it beside the dK/dV pass, on a second stream: they share no output.)
 // P^T and dS^T (or P and dS) go from the accumulator registers straight into the next product.
 // Head dims above 128 split the gradient columns into D_CHUNK-wide CTAs (grid x) so the
 // accumulators fit in registers; each chunk recomputes the same S and dP. SPLIT dK/dV passes (plain and

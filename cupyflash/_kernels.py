@@ -670,6 +670,33 @@ def _launch_summed(functions, variant: Variant, kernel: str, rows: int, batch: i
         out[...] = total.astype(out.dtype)
 
 
+# The backward's dK/dV and dQ passes read the same inputs and write different outputs, so they may run at
+# once: the dQ pass goes on a second stream beside the dK/dV pass, each pass's CTAs filling the SMs the
+# other's last wave leaves idle (1.4-4% of the backward, most where the passes are short: bench/NOTES.md,
+# v12). Both wait for what the current stream had queued (the preprocess), and the current stream waits for
+# both, so to the caller the call is one stream's work as before.
+_side_streams: dict[int, tuple] = {}
+
+
+def _passes_side_by_side(dkdv, dq) -> None:
+    """Run ``dkdv()`` on the current stream and ``dq()`` on this device's side stream, concurrently."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    device = cupy.cuda.runtime.getDevice()
+    if device not in _side_streams:
+        _side_streams[device] = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
+                                 cupy.cuda.Event(disable_timing=True))
+    side, ready, done = _side_streams[device]
+    ready.record(stream)
+    dkdv()
+    side.wait_event(ready)
+    with side:
+        dq()
+    done.record(side)
+    stream.wait_event(done)
+
+
 # ----------------------------------------------------------------------------- launch plans
 # What a dense call launches (kernels, grids, shared memory, and every parameter but the arrays' addresses)
 # depends only on its arrays' shapes, strides and dtype, the scalar options and the device. The first call
@@ -691,9 +718,11 @@ class _Plan:
     def __init__(self, functions: dict, variant: Variant, params, launches):
         # The parameters as 64-bit words (a plain copy, and an address is one word's write).
         self.words = params.view(numpy.uint64).copy()
-        # (function, grid, block, dynamic shared memory) per launch of (kernel, rows, batch)
+        # (function, grid, block, dynamic shared memory) per launch of (kernel, rows, batch); a backward's
+        # last two (dK/dV, dQ) run side by side.
         self.launches = [(functions[kernel],) + _launch_shape(variant, kernel, rows, batch)
                          for kernel, rows, batch in launches]
+        self.side_by_side = [kernel for kernel, _, _ in launches[-2:]] == ["dkdv", "dq"]
 
     def launch(self, addresses: dict | None, dropout) -> None:
         """Launch with these arrays' addresses and this dropout key (None: the ones the plan was made with)."""
@@ -705,8 +734,16 @@ class _Plan:
             if dropout is not None:
                 words.view(numpy.uint32)[_KEY_WORDS] = dropout.round_keys
         args = (words.view(_PARAMS_BYTES),)
-        for function, grid, block, smem in self.launches:
-            function(grid, block, args, shared_mem=smem)
+
+        def run(launches):
+            for function, grid, block, smem in launches:
+                function(grid, block, args, shared_mem=smem)
+
+        if self.side_by_side:
+            run(self.launches[:-2])
+            _passes_side_by_side(lambda: run(self.launches[-2:-1]), lambda: run(self.launches[-1:]))
+        else:
+            run(self.launches)
 
 
 def _plan_key(direction: str, arrays: dict, scale: float, causal: bool, mods, dropout) -> tuple | None:
@@ -837,8 +874,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
         arrays, sizes, strides, _ = _layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout})
         params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
                          others=others, causal=causal)
-    _launch_summed(functions, variant, "dkdv", nk, batch, params, nq, (dk, dv_))
-    _launch_summed(functions, variant, "dq", nq, batch, params, nk, (dq,))
+    _passes_side_by_side(lambda: _launch_summed(functions, variant, "dkdv", nk, batch, params, nq, (dk, dv_)),
+                         lambda: _launch_summed(functions, variant, "dq", nq, batch, params, nk, (dq,)))
     dbias = None
     if accumulator is not None:
         from ._api import sum_to_shape
@@ -937,8 +974,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale: float, 
                             causal=causal, mods=mods, dropout=dropout, others=others, cu_q=cu_q, cu_k=cu_k)
     functions, batch = _functions(variant), packed.batch * h
     _launch(functions, variant, "preprocess", packed.max_q, batch, params)
-    _launch_summed(functions, variant, "dkdv", packed.max_k, batch, params, packed.max_q, (dk, dv_))
-    _launch_summed(functions, variant, "dq", packed.max_q, batch, params, packed.max_k, (dq,))
+    _passes_side_by_side(
+        lambda: _launch_summed(functions, variant, "dkdv", packed.max_k, batch, params, packed.max_q, (dk, dv_)),
+        lambda: _launch_summed(functions, variant, "dq", packed.max_q, batch, params, packed.max_k, (dq,)))
 
     def packed_rows(x, width, groups):  # (H, total, w) -> (total, H // groups, width), summed over groups
         if groups > 1:

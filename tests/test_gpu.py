@@ -199,6 +199,25 @@ def test_non_default_stream(rng):
     _assert_bitwise_equal(on_stream, on_default)
 
 
+def test_backward_joins_its_second_stream(rng):
+    """The backward's dQ pass runs on a second stream beside the dK/dV pass and must join the caller's
+    stream before the call returns: under CUDA graph capture an unjoined stream is an error, and replaying
+    the captured call gives the eager call's bits."""
+    q, k, v, dout = _random_problem(rng, (2, 3, 300, 64), (2, 3, 400, 64), (2, 3, 400, 64), ml_dtypes.bfloat16)
+    out, lse = cupyflash.attention_forward(q, k, v, causal=True)
+    eager = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    cupy.cuda.Device().synchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)  # the pool then has blocks to reuse
+        stream.begin_capture()
+        captured = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+        graph = stream.end_capture()
+        graph.launch()
+    stream.synchronize()
+    _assert_bitwise_equal(captured, eager)
+
+
 def test_rows_that_see_no_key_are_zero(rng):
     """Causal with Nq > Nk: the first Nq - Nk queries see no key: out 0, lse -inf, dq 0, never NaN."""
     nq, nk = 300, 100
