@@ -13,6 +13,10 @@
 // (score_mods.cuh: window, softcap, ALiBi; with Mods::all bias and mask too) to each score tile and skip
 // key tiles outside the window band or off in the block mask; they run with IS_CAUSAL = false,
 // causality arriving as the window's right edge.
+// BOUNDED instantiations (wgmma, bfloat16, Mods::scalars) serve softcapped scores without ALiBi, which are
+// tanh values in [-1, 1]: with the softcap at most 62 ln 2 (~43), exp2 of the lowest one against 1 is still
+// a normal float, so the softmax takes 1 as every row's max (softmax.cuh, update_bounded) and skips the row
+// max's reductions, ~10-17% of the softcapped forward (bench/NOTES.md, v12). The host picks them.
 // HAS_DROPOUT instantiations zero the dropped elements of each P tile after the softmax has summed
 // it (dropout.cuh: the mask is regenerated from the seed, never stored) and scale out by 1 / (1 - p)
 // once at the end; lse is that of the scores, unchanged.
@@ -249,7 +253,8 @@ attention_fwd_kernel(const AttnParams p) {
   write_out<QTile, THREADS, HAS_DROPOUT>(rows, sQ, c0, acc_o, softmax, warp, lane, rows.exp_scale());
 }
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, bool IS_CAUSAL, Mods MODS, bool HAS_DROPOUT>
+template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, bool IS_CAUSAL, Mods MODS, bool HAS_DROPOUT,
+          bool BOUNDED>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_fwd_wgmma_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
@@ -274,6 +279,8 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   static_assert(!HAS_MODS || (BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0),
                 "tiles inside block-mask tiles");
   static_assert(!SPLIT || SPLIT_BLOCK_ROWS % BLOCK_N == 0, "split float32: each key tile inside one row block");
+  static_assert(!BOUNDED || (MODS == Mods::scalars && IsBfloat16<T>::value && !HAS_DROPOUT),
+                "bounded scores: softcapped bfloat16 with the scalar modifiers");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ u32 bitmap_words[HAS_MODS ? TILE_BITMAP_WORDS : 1];
@@ -367,6 +374,11 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   const Pieces<SPLIT> pieces(p, b);
   float exp_scale = rows.exp_scale();
   const float out_factor = SPLIT ? 1.f / P_FACTOR : 1.f;
+  // BOUNDED: the scores are at most 1, and 1 stands for every row's max (update_bounded).
+  auto softmax_update = [&](float (&acc_s)[S_TILES][4], float (&rescale)[2], float tile_factor) {
+    if constexpr (BOUNDED) softmax.update_bounded(acc_s, exp_scale, rescale, 1.f);
+    else softmax.template update<SPLIT>(acc_s, exp_scale, rescale, tile_factor);
+  };
 
   int n_cur = rows.prev_on(rows.n_blocks - 1);  // b_t: the block whose P (p_cur) is pending
   if (n_cur >= rows.n_first) {
@@ -390,7 +402,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
       fence_operands(acc_s);
       rows.scores(acc_s, n_cur, warp * 16, lane);
       float rescale[2];  // of an all-zero O: unused
-      softmax.template update<SPLIT>(acc_s, exp_scale, rescale, f_cur.k);
+      softmax_update(acc_s, rescale, f_cur.k);
       drop(acc_s, n_cur);
       pack_p(acc_s, p_cur);
       __syncthreads();  // every warpgroup is done with K(b_0)
@@ -413,7 +425,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
       fence_operands(acc_s);
       rows.scores(acc_s, n_next, warp * 16, lane);
       float rescale[2];
-      softmax.template update<SPLIT>(acc_s, exp_scale, rescale, f_next.k);
+      softmax_update(acc_s, rescale, f_next.k);
       drop(acc_s, n_next);
       PFragments p_next;
       pack_p(acc_s, p_next);

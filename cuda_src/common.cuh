@@ -49,6 +49,8 @@ __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(
 
 struct half_t { u16 bits; };
 struct bfloat16_t { u16 bits; };
+template <typename T> struct IsBfloat16 { static constexpr bool value = false; };
+template <> struct IsBfloat16<bfloat16_t> { static constexpr bool value = true; };
 
 // Per-element-type conversions. `to_acc` widens an element to the accumulator type (float; double for
 // double). `pack2` rounds two floats into the register layout that mma.sync expects for a pair of

@@ -62,6 +62,32 @@ struct OnlineSoftmax {
     }
   }
 
+  // update() for scores known to be at most max_bound, whose exponentials relative to it stay normal
+  // floats (ScoreMods::scores_within_one): max_bound is every row's reference from the start, so no row
+  // max is taken and nothing is rescaled, which takes the max's reductions and their latency off the path
+  // from S to P. P carries a constant factor against update()'s, which out = O / l cancels and lse = c *
+  // max_bound + log2(l) accounts for. (A row's largest P is then not exactly 1 and is rounded to 16 bits
+  // like the others: the callers keep it to bfloat16, whose range holds every P down to 2^-126.)
+  __device__ __forceinline__ void update_bounded(A (&s)[N_TILES][4], A scale_log2, A (&rescale)[2], A max_bound) {
+    const A ref = max_bound * scale_log2;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_max[r] = max_bound;
+      rescale[r] = A(1);
+      A tile_sum = A(0);
+#pragma unroll
+      for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const A p = fast_exp2(s[j][2 * r + c] * scale_log2 - ref);
+          s[j][2 * r + c] = p;
+          tile_sum += p;
+        }
+      }
+      row_sum[r] += tile_sum;
+    }
+  }
+
   // 1 / l_i (0 when the row saw no key) and lse_i = scale * m_i + log(l_i) in natural log.
   __device__ __forceinline__ void finalize(A scale_log2, A (&inv_sum)[2], A (&lse)[2]) const {
 #pragma unroll

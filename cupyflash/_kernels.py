@@ -101,7 +101,8 @@ class Variant:
     ``large_smem``: float64 tiles that need the shared memory of compute capability >= 9.0 (sm_90 only).
     ``scalar_mods``: the modifiers' instantiation without the per-element arrays (``Mods::scalars``: window,
     softcap, ALiBi; fwd and bwd without dropout; 16-bit and float32), whose freed registers allow larger
-    tiles in places."""
+    tiles in places. ``bounded``: its wgmma bfloat16 forward for softcapped scores without ALiBi, at most 1,
+    whose softmax takes 1 as every row's max (cuda_src/attention_fwd.cu; _variant picks it)."""
 
     direction: str
     ctype: str
@@ -112,6 +113,7 @@ class Variant:
     dropout: bool = False
     large_smem: bool = False
     scalar_mods: bool = False
+    bounded: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -146,7 +148,7 @@ class Variant:
         if kernel == "probs":
             return f"attention_probs_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {flag[self.wgmma]}>"
         if kernel == "fwd" and self.wgmma:  # no column chunks: the whole head dim per CTA
-            return f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {fwd_flags}>"
+            return f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {fwd_flags}, {flag[self.bounded]}>"
         if kernel == "fwd":
             return f"attention_fwd_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {fwd_flags}>"
         return f"attention_bwd_{kernel}_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {flags}, {flag[t.split]}>"
@@ -189,9 +191,12 @@ def shipped_variants() -> list[Variant]:
         for direction in ("fwd", "bwd") for ctype in ctypes for head_dim in _config.HEAD_DIMS
         if _ITEMSIZE[ctype] in _config.SCALAR_MODS_ITEMSIZES
     ] + [Variant("probs", ctype, head_dim, False, True) for ctype in ctypes for head_dim in _config.HEAD_DIMS]
-    return (variants + [dataclasses.replace(v, wgmma=True) for v in variants
-                        if _config.has_wgmma(v.itemsize, v.head_dim)
-                        or (v.direction != "probs" and _config.has_wgmma_pieces(v.itemsize, v.head_dim, v.mods, v.dropout))]
+    wgmma = [dataclasses.replace(v, wgmma=True) for v in variants
+             if _config.has_wgmma(v.itemsize, v.head_dim)
+             or (v.direction != "probs" and _config.has_wgmma_pieces(v.itemsize, v.head_dim, v.mods, v.dropout))]
+    return (variants + wgmma
+            + [dataclasses.replace(v, bounded=True) for v in wgmma
+               if v.direction == "fwd" and v.scalar_mods and v.ctype == "bfloat16_t"]
             + [dataclasses.replace(v, large_smem=True) for v in variants
                if _config.has_large_smem_tiles(v.itemsize, v.head_dim)])
 
@@ -555,8 +560,17 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
     scalar = (has_mods and direction != "probs" and dropout is None and (mods is None or _scalars_only(mods))
               and _ITEMSIZE[ctype] in _config.SCALAR_MODS_ITEMSIZES)
     wgmma = uses_wgmma(_ITEMSIZE[ctype], head_dim, direction, has_mods, dropout is not None)
+    bounded = (direction == "fwd" and scalar and wgmma and ctype == "bfloat16_t" and mods is not None
+               and mods.alibi_slopes is None and 0.0 < mods.softcap <= BOUNDED_SOFTCAP_MAX)
     return Variant(direction, ctype, head_dim, bool(causal) and not has_mods, has_mods, wgmma, dropout is not None,
-                   uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar)
+                   uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar, bounded)
+
+
+# Softcapped scores are tanh values in [-1, 1]. Without ALiBi, exp2(c * (t - 1)) with c = softcap * log2(e)
+# is at least 2^(-2c): a normal float (the exponentials are flushed to zero below 2^-126) for c <= 62, which
+# leaves a factor 2^2 for the rounding of c and of tanh. Up to this softcap the bfloat16 forward takes 1 as
+# every row's max (Variant.bounded).
+BOUNDED_SOFTCAP_MAX = 62.0 * math.log(2.0)
 
 
 def _scalars_only(mods) -> bool:

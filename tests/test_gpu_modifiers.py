@@ -145,6 +145,26 @@ def test_fully_masked_rows(rng):
     assert_matches_reference(q, k, v, dout, results, causal=False, mask=mask, bias=bias)
 
 
+@pytest.mark.parametrize("softcap", [42.9, 44.0])
+@pytest.mark.parametrize("window", [None, (100, 0)])
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bfloat16", "float16"])
+def test_softcap_with_every_logit_near_its_floor(rng, dtype, window, softcap):
+    """The bfloat16 forward of softcapped rows without ALiBi takes 1 as their max score (Variant.bounded) up to
+    softcap 62 ln 2 (42.98), where exp2 of the lowest score against 1 is still a normal float: rows whose
+    every logit sits near -softcap (q against k's common direction) are the extreme case, at 42.9 on that
+    path and at 44 past it, and in float16 (never on it) alike."""
+    nq, nk, d = 190, 260, 64
+    direction = rng.standard_normal(d).astype(np.float32)
+    direction /= np.linalg.norm(direction)
+    q = cupy.asarray((-40.0 * direction + 0.3 * rng.standard_normal((2, nq, d))).astype(np.float32).astype(dtype))
+    k = cupy.asarray((40.0 * direction + 0.3 * rng.standard_normal((2, nk, d))).astype(np.float32).astype(dtype))
+    v, dout = (_random(rng, (2, n, d), dtype) for n in (nk, nq))
+    options = dict(softcap=softcap) if window is None else dict(softcap=softcap, window=window)
+    results = _run(q, k, v, dout, causal=window is not None, **options)
+    assert float(results[1].max()) < np.log(nk) - 0.99 * softcap, "every logit should sit near -softcap"
+    assert_matches_reference(q, k, v, dout, results, causal=window is not None, **options)
+
+
 def test_block_mask_that_skips_every_tile_of_some_rows(rng):
     nq, nk = 400, 300
     q, k, v, dout = _random_problem(rng, (2, nq, 64), (2, nk, 64), (2, nk, 64), np.float16)

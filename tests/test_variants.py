@@ -1,5 +1,6 @@
 """Which kernel variant a call selects, and with which tiles (no GPU needed: selection only)."""
 
+import ml_dtypes
 import numpy as np
 
 from cupyflash import _config, _dropout, _kernels, _modifiers
@@ -48,7 +49,36 @@ def test_every_scalars_variant_is_shipped_beside_its_full_one():
     scalars = [v for v in shipped if v.scalar_mods]
     assert scalars and all(v.mods and not v.dropout and v.direction in ("fwd", "bwd") for v in scalars)
     for v in scalars:
-        assert _kernels.dataclasses.replace(v, scalar_mods=False) in shipped
+        assert _kernels.dataclasses.replace(v, scalar_mods=False, bounded=False) in shipped
+
+
+def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward(monkeypatch):
+    """On the wgmma path the bfloat16 forward with a softcap of at most BOUNDED_SOFTCAP_MAX and no ALiBi (window
+    or not) takes 1 as every row's max; anything else keeps the row max."""
+    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
+    bf16, slopes = np.dtype(ml_dtypes.bfloat16), np.ones((3,), dtype=np.float32)
+    limit = _kernels.BOUNDED_SOFTCAP_MAX
+    assert 42.9 < limit < 43.0  # 62 ln 2: exp2(-2 * 62) stays a normal float
+
+    def variant(dtype=bf16, direction="fwd", dropout=None, **options):
+        mods = _modifiers.resolve(np, np.dtype(dtype), (2, 3), 100, 120, **options)
+        return _kernels._variant(direction, dtype, 128, 128, True, mods, dropout)
+
+    for options in (dict(softcap=2.0), dict(softcap=limit), dict(softcap=30.0, window=(10, 0))):
+        chosen = variant(**options)
+        assert chosen.bounded and chosen.scalar_mods and chosen.wgmma, options
+        assert chosen.name_expression("fwd").endswith("Mods::scalars, false, true>")
+        assert chosen in set(_kernels.shipped_variants())
+    assert not variant(softcap=float(np.nextafter(limit, np.inf))).bounded
+    assert not variant(softcap=50.0).bounded
+    assert not variant(softcap=30.0, alibi_slopes=slopes).bounded
+    assert not variant(window=(10, 0)).bounded
+    assert not variant(dtype=np.float16, softcap=30.0).bounded
+    assert not variant(direction="bwd", softcap=30.0).bounded
+    assert not variant(softcap=30.0, dropout=_dropout.Dropout(0.1, 1)).bounded
+    assert not variant(softcap=30.0, bias=np.zeros((100, 120), bf16)).bounded
+    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: False)
+    assert not variant(softcap=30.0).bounded  # the mma.sync forward has no bounded instantiation
 
 
 def test_scalars_tiles_are_the_plain_ones_only_where_listed():
