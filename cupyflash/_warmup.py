@@ -29,10 +29,13 @@ DTypeLike = Union[str, np.dtype, type]
 _DTYPE_ALIASES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64"}
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")  # the kernels' dtypes: the keys of _kernels._CTYPES
 ROW_ALIGN_BYTES = 16  # the API pads head dims to 16-byte rows before picking a HEAD_DIM (cp.async width)
-# Stand-ins for resolved modifiers: _kernels._variant asks whether any is on, and whether a per-element array
-# is among them (the instantiation with the arrays) or not (the scalars one: window, softcap, ALiBi).
-_SCALAR_MODIFIERS = types.SimpleNamespace(bias=None, mask=None, block_mask=None)
-_ARRAY_MODIFIERS = types.SimpleNamespace(bias=True, mask=None, block_mask=None)
+# Stand-ins for resolved modifiers: _kernels._variant asks whether any is on, whether a per-element array is
+# among them (the instantiation with the arrays) or not (the scalars one: window, softcap, ALiBi), and for
+# the scalars whether a softcap of at most BOUNDED_SOFTCAP_MAX comes without ALiBi (bfloat16 on Hopper: the
+# bounded forward).
+_SCALAR_MODIFIERS = types.SimpleNamespace(bias=None, mask=None, block_mask=None, softcap=0.0, alibi_slopes=None)
+_SOFTCAP_MODIFIERS = types.SimpleNamespace(bias=None, mask=None, block_mask=None, softcap=1.0, alibi_slopes=None)
+_ARRAY_MODIFIERS = types.SimpleNamespace(bias=True, mask=None, block_mask=None, softcap=0.0, alibi_slopes=None)
 _SOME_DROPOUT = object()  # likewise for dropout
 _DEFAULT_CACHE_DIR = os.path.join("~", ".cupy", "kernel_cache")  # CuPy's default for CUPY_CACHE_DIR
 
@@ -61,7 +64,8 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPE_NAMES,
         The masks to warm; default both.
     modifiers : bool, optional
         Also warm the score modifiers' kernels: those of ``window``, ``softcap`` and ``alibi_slopes``
-        alone, and those that also take ``bias``, ``mask`` or ``block_mask`` (each serves causal and not). ``attention_probs`` always
+        alone (and on Hopper the bfloat16 forward for a softcap without ALiBi), and those that also take
+        ``bias``, ``mask`` or ``block_mask`` (each serves causal and not). ``attention_probs`` always
         compiles its own kernel on first use.
     backward : bool, optional
         Also warm the backward's kernels (default True).
@@ -114,7 +118,8 @@ def select_variants(dtypes, head_dims, causal, modifiers, backward, dropout=Fals
     dims = _config.HEAD_DIMS if head_dims is None else [_check_head_dim(d) for d in _as_list("head_dims", head_dims)]
     causals = [_check_bool("causal", c) for c in _as_list("causal", causal)]
     directions = ("fwd", "bwd") if _check_bool("backward", backward) else ("fwd",)
-    mods_options = (None, _SCALAR_MODIFIERS, _ARRAY_MODIFIERS) if _check_bool("modifiers", modifiers) else (None,)
+    mods_options = ((None, _SCALAR_MODIFIERS, _SOFTCAP_MODIFIERS, _ARRAY_MODIFIERS) if _check_bool("modifiers", modifiers)
+                    else (None,))
     dropout_options = (None, _SOME_DROPOUT) if _check_bool("dropout", dropout) else (None,)
     variants = []
     for dtype in dtypes:
@@ -133,8 +138,8 @@ def describe(variant) -> str:
     from cupyflash import _kernels
 
     dtype = {ctype: name for name, ctype in _kernels._CTYPES.items()}[variant.ctype]
-    kind = ("modifiers (window, softcap, ALiBi)" if variant.scalar_mods else "modifiers") if variant.mods else \
-        "causal" if variant.causal else "plain"
+    kind = ("modifiers (softcap without ALiBi)" if variant.bounded else "modifiers (window, softcap, ALiBi)"
+            if variant.scalar_mods else "modifiers") if variant.mods else "causal" if variant.causal else "plain"
     return (f"{variant.direction} {dtype} HEAD_DIM={variant.head_dim} {kind}" + (" dropout" if variant.dropout else "")
             + (" (wgmma)" if variant.wgmma else "") + (" (large shared memory)" if variant.large_smem else ""))
 

@@ -130,7 +130,8 @@ class Case:
         vec = 16 // dtype.itemsize
         d_w, dv_w = (-(-x // vec) * vec for x in (self.d, self.dv))
         # What _kernels._variant asks of the modifiers: whether there are any, and which per-element arrays.
-        mods = SimpleNamespace(bias=self.bias, mask=self.mask, block_mask=self.block_mask) if self.has_mods else None
+        mods = SimpleNamespace(bias=self.bias, mask=self.mask, block_mask=self.block_mask, softcap=float(self.softcap or 0.0),
+                               alibi_slopes=self.alibi) if self.has_mods else None
         return {_kernels._variant(direction, dtype, d_w, dv_w, self.causal, mods) for direction in ("fwd", "bwd")}
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash import _config, _kernels, _warmup
+from cupyflash import _config, _kernels, _modifiers, _warmup
 
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 # Head dim as passed -> the kernel HEAD_DIM that serves it: the smallest shipped one that holds it.
@@ -69,6 +69,19 @@ def test_selection_follows_causal_backward_and_modifiers(recorder):
                              {_kernels.Variant(d, "half_t", 64, False, True, wgmma, scalar_mods=scalars)
                               for d in ("fwd", "bwd") for scalars in (False, True)}
     assert len(with_mods) == len(set(with_mods)) == 8
+
+
+def test_modifiers_include_the_bounded_softcap_forward_on_hopper(recorder, monkeypatch):
+    """On the wgmma path, bfloat16 with modifiers also warms the forward that a softcap without ALiBi takes
+    (Variant.bounded), the one such a call then finds loaded."""
+    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
+    warmed = cupyflash.warmup(dtypes="bf16", head_dims=128, causal=True, modifiers=True)
+    bounded = [v for v in warmed if v.bounded]
+    assert len(bounded) == 1 and bounded[0].direction == "fwd" and bounded[0] in _kernels.shipped_variants()
+    assert "softcap without ALiBi" in _warmup.describe(bounded[0])
+    mods = _modifiers.resolve(np, np.dtype(ml_dtypes.bfloat16), (2, 3), 100, 120, softcap=30.0)
+    assert _kernels._variant("fwd", ml_dtypes.bfloat16, 128, 128, False, mods) == bounded[0]
+    assert not any(v.bounded for v in cupyflash.warmup(dtypes="fp16", head_dims=128, modifiers=True))
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.dtype(np.float16), "half", "fp16", cupy.float16])
