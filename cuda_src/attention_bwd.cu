@@ -593,6 +593,24 @@ attention_bwd_dq_kernel(const AttnParams p) {
       }
       __syncthreads();  // dS has reached role 0
       if (role == 0) tile_from_smem(acc_dp, sP_pair, lane);
+    } else if constexpr (MODS == Mods::scalars && WGMMA && BLOCK_N <= 64) {
+      // S = Q K_j^T and dP = dO V_j^T issued together: P times the softcap derivative comes out of S
+      // while the tensor cores still compute dP, then dS times the derivative = that * (dP - delta).
+      // (The derivative's tile of registers made the 128-key tiles spill.)
+      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, (warp * 16) & ~63, sK_j);
+      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, (warp * 16) & ~63, sV_j);
+      wgmma_wait<1>();
+      fence_operands(acc_s);
+      const bool check = n_block < n_free_first || n_block > n_free_last;
+      mods.probs_times_derivative(acc_s, m0 + warp * 16, n0, lane, check, [&](int, int e) { return row_lse[e >> 1]; });
+      wgmma_wait<0>();
+      fence_operands(acc_dp);
+      drop_dp(acc_dp, n0);
+#pragma unroll
+      for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] - row_delta[e >> 1]);
+      }
     } else if constexpr (HAS_MODS) {
       // dP = dO V_j^T and S = Q K_j^T first; then per element the logit, P, dS (into dbias) and
       // dS times the softcap derivative.

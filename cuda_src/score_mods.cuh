@@ -455,6 +455,37 @@ struct ScoreMods {
     if (write_dbias && store_pairs) store_dbias_pairs(dp, row0, col0, lane, check);
   }
 
+  // The dQ pass's part of backward() that needs S alone (Mods::scalars: no bias, so dS itself is never
+  // stored): P times the softcap derivative 1 - t^2 (1 without a softcap) into s, from which dS times the
+  // derivative is s * (dP - delta) once dP has landed. It runs while the tensor cores still compute dP.
+  template <int N, typename Lse>
+  __device__ __forceinline__ void probs_times_derivative(A (&s)[N][4], int row0, int col0, int lane, bool check,
+                                                         Lse lse_log2) const {
+    static_assert(!ARRAYS, "the scalars' instantiation");
+    const bool capped = p.softcap > 0.f;
+    A dcap[N][4];
+    if (capped) {
+      const SoftcapTanh<T, A> softcap(p);
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const A t = softcap.tanh_of(s[j][e]);
+          s[j][e] = t;
+          dcap[j][e] = A(1) - t * t;
+        }
+    }
+    additive_and_hide<false>(s, row0, col0, lane, check);
+    const A exp_scale_ = exp_scale();
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const A prob = fast_exp2(s[j][e] * exp_scale_ - lse_log2(j, e));
+        s[j][e] = capped ? prob * dcap[j][e] : prob;
+      }
+  }
+
   // A bias broadcast along no dim gets each dS exactly once: plain stores of two adjacent keys in the
   // bias's dtype, no atomics, no accumulator buffer (hidden elements store their dS = 0). The host sets
   // dbias_pairs only with an even Nk, so a pair never straddles nk.
