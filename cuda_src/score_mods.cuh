@@ -365,6 +365,23 @@ struct ScoreMods {
     span = empty ? 0u : static_cast<u32>(hi - lo);
   }
 
+  // The backward's softcap (capped: the caller's test of it): raw scores -> t = tanh(scale * raw / softcap)
+  // over the tile, each element's t also handed to keep(j, e, t), which keeps the derivative 1 - t^2.
+  template <int N, typename Keep>
+  __device__ __forceinline__ void softcap_tile(A (&s)[N][4], bool capped, Keep keep) const {
+    if (capped) {
+      const SoftcapTanh<T, A> softcap(p);
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const A t = softcap.tanh_of(s[j][e]);
+          s[j][e] = t;
+          keep(j, e, t);
+        }
+    }
+  }
+
   // Forward (and probs): raw scores -> what the online softmax takes with exp_scale().
   template <bool TRANSPOSED, int N>
   __device__ __forceinline__ void apply(A (&s)[N][4], int row0, int col0, int lane, bool check) const {
@@ -425,17 +442,7 @@ struct ScoreMods {
     // Otherwise in passes. With a softcap, dS * (1 - t^2) = P * ((dP - delta) * (1 - t^2)): the
     // derivative is folded into dp while t is at hand. (Without a softcap dp ends as dS itself.)
     const bool store_pairs = !TRANSPOSED && p.dbias_pairs;  // the host never sets it with a softcap
-    if (cap > A(0)) {
-      const SoftcapTanh<T, A> softcap(p);
-#pragma unroll
-      for (int j = 0; j < N; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const A t = softcap.tanh_of(s[j][e]);
-          s[j][e] = t;
-          dp[j][e] = (dp[j][e] - delta(j, e)) * (A(1) - t * t);
-        }
-    }
+    softcap_tile(s, cap > A(0), [&](int j, int e, A t) { dp[j][e] = (dp[j][e] - delta(j, e)) * (A(1) - t * t); });
     additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
     const A exp_scale_ = exp_scale();
 #pragma unroll
@@ -464,17 +471,7 @@ struct ScoreMods {
     static_assert(!ARRAYS, "the scalars' instantiation");
     const bool capped = p.softcap > 0.f;
     A dcap[N][4];
-    if (capped) {
-      const SoftcapTanh<T, A> softcap(p);
-#pragma unroll
-      for (int j = 0; j < N; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const A t = softcap.tanh_of(s[j][e]);
-          s[j][e] = t;
-          dcap[j][e] = A(1) - t * t;
-        }
-    }
+    softcap_tile(s, capped, [&](int j, int e, A t) { dcap[j][e] = A(1) - t * t; });
     additive_and_hide<false>(s, row0, col0, lane, check);
     const A exp_scale_ = exp_scale();
 #pragma unroll

@@ -48,17 +48,7 @@ struct OnlineSoftmax {
         rescale[r] = A(1);  // exactly: a tile with every key hidden then changes nothing, bit for bit
       }
       const A ref = row_max[r] == neg_inf() ? A(0) : row_max[r] * scale_log2;
-      A tile_sum = A(0);
-#pragma unroll
-      for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const A p = fast_exp2(s[j][2 * r + c] * tile_scale - ref);
-          s[j][2 * r + c] = p;
-          tile_sum += p;
-        }
-      }
-      row_sum[r] = row_sum[r] * rescale[r] + tile_sum;
+      row_sum[r] = row_sum[r] * rescale[r] + exponentials(s, r, tile_scale, ref);
     }
   }
 
@@ -74,18 +64,23 @@ struct OnlineSoftmax {
     for (int r = 0; r < 2; ++r) {
       row_max[r] = max_bound;
       rescale[r] = A(1);
-      A tile_sum = A(0);
-#pragma unroll
-      for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const A p = fast_exp2(s[j][2 * r + c] * scale_log2 - ref);
-          s[j][2 * r + c] = p;
-          tile_sum += p;
-        }
-      }
-      row_sum[r] += tile_sum;
+      row_sum[r] += exponentials(s, r, scale_log2, ref);
     }
+  }
+
+  // P = exp2(scale * S - ref) in place over row r (of the thread's two) of the tile; returns their sum.
+  __device__ __forceinline__ static A exponentials(A (&s)[N_TILES][4], int r, A scale, A ref) {
+    A sum = A(0);
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const A p = fast_exp2(s[j][2 * r + c] * scale - ref);
+        s[j][2 * r + c] = p;
+        sum += p;
+      }
+    }
+    return sum;
   }
 
   // 1 / l_i (0 when the row saw no key) and lse_i = scale * m_i + log(l_i) in natural log.
