@@ -124,9 +124,28 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, i64 row_
 
 // Copy rows [0, NUM_ROWS) x cols [0, COLS) of a shared tile to global memory, skipping rows >= valid_rows
 // and chunks at or past valid_cols.
+// Swizzled tiles that the CTA covers in whole rows per pass: each thread keeps one column chunk and steps
+// down the rows by constant offsets, as load_tile_async does (the generic loop's index math per chunk cost
+// more instructions than the copy).
 template <class Tile, int COLS, int THREADS, typename T>
 __device__ __forceinline__ void store_tile(T* gmem, i64 row_stride, const T* smem, int valid_rows, int valid_cols) {
   constexpr int VEC = Tile::VEC, CHUNKS = COLS / VEC, ROWS = Tile::NUM_ROWS;
+  constexpr int ROW_STEP = THREADS / CHUNKS;  // rows per pass
+  if constexpr (Tile::SWIZZLED && THREADS % CHUNKS == 0 && ROW_STEP % Tile::ROW_PERIOD == 0) {
+    const int r0 = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * VEC;
+    if (c >= valid_cols) return;
+    const T* from = smem + Tile::offset(r0, c);
+    T* to = gmem + r0 * row_stride + c;
+#pragma unroll
+    for (int pass = 0; pass * ROW_STEP < ROWS; ++pass) {
+      const int r = r0 + pass * ROW_STEP;
+      if ((ROWS % ROW_STEP == 0 || r < ROWS) && r < valid_rows) {
+        *reinterpret_cast<uint4*>(to + pass * ROW_STEP * row_stride) =
+            *reinterpret_cast<const uint4*>(from + pass * Tile::row_shift(ROW_STEP));
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
     const int r = i / CHUNKS;
@@ -139,10 +158,29 @@ __device__ __forceinline__ void store_tile(T* gmem, i64 row_stride, const T* sme
 
 // Write one warp's accumulator tile (16 rows x 8*N_TILES cols) into shared memory as T, at rows row0..
 // and columns col0.. of a tile; row g is multiplied by row_scale[0], row g+8 by [1].
+// Swizzled 16-bit tiles (col0 a multiple of 8): rows g and g + 8 share their swizzle, which repeats every 8
+// rows and only flips the chunk bits (4 and up) of a byte offset within an atom row, where a thread's 4t
+// sits below them. So a column tile's offset is atom base + row * ATOM_BYTES + (chunk bytes ^ (swizzle | 4t)):
+// one XOR per column tile for both rows, where Tile::offset's index math per element was most of the
+// epilogue's instructions.
 template <class Tile, int N_TILES, typename T, typename A>
 __device__ __forceinline__ void acc_to_smem(T* smem, int row0, const A (&acc)[N_TILES][4],
                                             const A (&row_scale)[2], int lane, int col0 = 0) {
   const int g = lane >> 2, t = lane & 3;
+  if constexpr (Tile::SWIZZLED && sizeof(T) == 2) {
+    constexpr int ATOM_COLS = Tile::ATOM_COLS, ATOM_BYTES = Tile::ATOM_BYTES;
+    const int r = row0 + g;
+    const int mix = (((r * ATOM_BYTES) >> 7) & ((1 << Tile::SWIZZLE_BITS) - 1)) << 4 | 4 * t;
+    char* row = reinterpret_cast<char*>(smem) + r * ATOM_BYTES;
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j) {
+      const int c = col0 + j * 8;
+      char* at = row + (c / ATOM_COLS) * Tile::ATOM_SIZE * 2 + (((c % ATOM_COLS) * 2) ^ mix);
+      Elem<T>::store2(reinterpret_cast<T*>(at), acc[j][0] * row_scale[0], acc[j][1] * row_scale[0]);
+      Elem<T>::store2(reinterpret_cast<T*>(at + 8 * ATOM_BYTES), acc[j][2] * row_scale[1], acc[j][3] * row_scale[1]);
+    }
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < N_TILES; ++j) {
     const int c = col0 + j * 8 + 2 * t;

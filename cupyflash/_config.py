@@ -115,7 +115,7 @@ SCALAR_MODS_ITEMSIZES = (2, 4)
 # (4, 192, fwd), (2, 256, dkdv); wgmma (2, 192, fwd), (2, 96, dkdv).
 _SCALAR_MODS_PLAIN = frozenset({
     ("mma", 2, 64, "dkdv"), ("mma", 2, 256, "fwd"),
-    ("wgmma", 2, 16, "fwd"), ("wgmma", 2, 32, "fwd"), ("wgmma", 2, 256, "fwd"), ("wgmma", 2, 64, "dkdv"),
+    ("wgmma", 2, 16, "fwd"), ("wgmma", 2, 32, "fwd"), ("wgmma", 2, 64, "fwd"), ("wgmma", 2, 256, "fwd"), ("wgmma", 2, 64, "dkdv"),
     ("wgmma", 2, 128, "dkdv"), ("wgmma", 2, 64, "dq"),
 })
 # The tiles of the modifiers' and dropout instantiations where the table's are split: (path, element bytes,
@@ -171,6 +171,7 @@ _WGMMA_PIECES = {
 # plain tiles above (whose blocks must also divide the block mask's BLOCK_MASK_TILE = 128).
 _WGMMA_MODS_TABLE = {
     (2, 16, "fwd"): (4, 64, 16),
+    (2, 64, "fwd"): (4, 64, 64),
     (2, 32, "fwd"): (4, 64, 32),
     (2, 192, "fwd"): (8, 32, 192),
     (2, 256, "fwd"): (8, 32, 256),
