@@ -262,8 +262,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 
   auto load_stream = [&](int m_block, int buf) {
     const int m0 = m_block * BLOCK_M;
-    load_tile_async<QTile, THREADS>(sQ + buf * QTile::SIZE, q + m0 * p.q_stride[3], p.q_stride[3], seq.nq() - m0, qk_cols());
-    load_tile_async<QTile, THREADS>(sdO + buf * QTile::SIZE, dout + m0 * p.dout_stride[3], p.dout_stride[3], seq.nq() - m0, v_cols());
+    load_tile_async<QTile, THREADS, true>(sQ + buf * QTile::SIZE, q + m0 * p.q_stride[3], p.q_stride[3], seq.nq() - m0, qk_cols());
+    load_tile_async<QTile, THREADS, true>(sdO + buf * QTile::SIZE, dout + m0 * p.dout_stride[3], p.dout_stride[3], seq.nq() - m0, v_cols());
     for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
       const bool valid = m0 + i < seq.nq();  // rows past nq: P = 0 through lse = +inf
       sLse[buf * BLOCK_M + i] = valid ? lse_log2[m0 + i] : pos_inf();
@@ -271,8 +271,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     }
   };
 
-  load_tile_async<KVTile, THREADS>(sK, k, p.k_stride[3], seq.nk() - n0, qk_cols());
-  load_tile_async<KVTile, THREADS>(sV, v, p.v_stride[3], seq.nk() - n0, v_cols());
+  load_tile_async<KVTile, THREADS, true>(sK, k, p.k_stride[3], seq.nk() - n0, qk_cols());
+  load_tile_async<KVTile, THREADS, true>(sV, v, p.v_stride[3], seq.nk() - n0, v_cols());
   int m_block = next_on(m_first);
   if (m_block < m_blocks) load_stream(m_block, 0);
   cp_async_commit();
@@ -522,12 +522,12 @@ attention_bwd_dq_kernel(const AttnParams p) {
 
   auto load_stream = [&](int n_block, int buf) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_async<KVTile, THREADS>(sK + buf * KVTile::SIZE, k + n0 * p.k_stride[3], p.k_stride[3], seq.nk() - n0, qk_cols());
-    load_tile_async<KVTile, THREADS>(sV + buf * KVTile::SIZE, v + n0 * p.v_stride[3], p.v_stride[3], seq.nk() - n0, v_cols());
+    load_tile_async<KVTile, THREADS, true>(sK + buf * KVTile::SIZE, k + n0 * p.k_stride[3], p.k_stride[3], seq.nk() - n0, qk_cols());
+    load_tile_async<KVTile, THREADS, true>(sV + buf * KVTile::SIZE, v + n0 * p.v_stride[3], p.v_stride[3], seq.nk() - n0, v_cols());
   };
 
-  load_tile_async<QTile, THREADS>(sQ, q, p.q_stride[3], seq.nq() - m0, qk_cols());
-  load_tile_async<QTile, THREADS>(sdO, dout, p.dout_stride[3], seq.nq() - m0, v_cols());
+  load_tile_async<QTile, THREADS, true>(sQ, q, p.q_stride[3], seq.nq() - m0, qk_cols());
+  load_tile_async<QTile, THREADS, true>(sdO, dout, p.dout_stride[3], seq.nq() - m0, v_cols());
   int n_block = next_on(n_first);
   if (n_block < n_blocks) load_stream(n_block, 0);
   cp_async_commit();

@@ -83,7 +83,11 @@ __device__ __forceinline__ void smem_publish() {
 // with the products (it would serialize them); when the CTA covers whole rows per pass, each thread keeps
 // one column chunk and steps down the rows by constant offsets. Padded (mma.sync) tiles: a plain loop,
 // lighter on registers, which those kernels have fewer of to spare.
-template <class Tile, int THREADS, typename T>
+// FULL_TILE_BRANCH (swizzled, whole rows per pass): a tile whose rows all lie inside the sequence (every
+// tile but a sequence's last) skips the per-row test and selects, most of the copy's instructions: the
+// backward's passes take it (-1 to -6%, bench/NOTES.md, v13). The forward does not: that branch inside its
+// pipelined loop makes ptxas serialize its warpgroup products (C7513), 20% slower.
+template <class Tile, int THREADS, bool FULL_TILE_BRANCH = false, typename T>
 __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, i64 row_stride, int valid_rows, int valid_cols) {
   constexpr int VEC = Tile::VEC, CHUNKS = Tile::NUM_COLS / VEC, ROWS = Tile::NUM_ROWS;
   constexpr int ROW_STEP = THREADS / CHUNKS;  // rows per pass
@@ -100,6 +104,17 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, i64 row_
     const u32 dst = smem_u32(smem + Tile::offset(r0, c));
     const T* src = gmem + r0 * row_stride + c;
     const i64 src_step = ROW_STEP * row_stride;
+    if (FULL_TILE_BRANCH && valid_rows >= ROWS) {  // every row inside the sequence: no per-row test or select
+      const T* from = col_ok ? src : gmem;
+      const i64 step = col_ok ? src_step : 0;
+#pragma unroll
+      for (int pass = 0; pass * ROW_STEP < ROWS; ++pass) {
+        if (ROWS % ROW_STEP == 0 || r0 + pass * ROW_STEP < ROWS) {
+          cp_async_16(dst + pass * Tile::row_shift(ROW_STEP) * static_cast<int>(sizeof(T)), from + pass * step, col_ok);
+        }
+      }
+      return;
+    }
 #pragma unroll
     for (int pass = 0; pass * ROW_STEP < ROWS; ++pass) {
       const int r = r0 + pass * ROW_STEP;
