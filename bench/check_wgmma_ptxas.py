@@ -8,8 +8,9 @@ things are reported per variant, and the exit status is 1 if any appears:
 - register spills (``bytes spill stores``): CUDA 13.0's ptxas, which cupy-cuda13x's NVRTC embeds, needs
   more registers for some wgmma kernels than CUDA 12.9's, which tests/test_compile.py checks in CI;
 - ptxas' performance notes C7510-C7515, "wgmma.mma_async instructions are serialized due to ...": the
-  kernel still computes the right thing, at a fraction of the speed, and nothing else reports it (the
-  NVRTC 12.9 log does not print these notes). bench/NOTES.md ("v2") tells what caused them.
+  kernel still computes the right thing, at a fraction of the speed. CI's compile report fails on the
+  notes that NVRTC 12.9's ptxas prints (bench/NOTES.md, v13); this checks CUDA 13.0's, which the
+  device's cupy-cuda13x uses. bench/NOTES.md ("v2") tells what caused them.
 No GPU is needed. ptxas ships with the CUDA toolkit and in the nvidia-cuda-nvcc wheels.
 """
 import argparse

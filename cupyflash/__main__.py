@@ -7,7 +7,8 @@ float64, causal and not, against :mod:`cupyflash.reference`; then a short timing
 Without a GPU: the CPU path (NumPy inputs) against the reference, and every shipped kernel variant compiled
 through NVRTC for sm_80 and sm_90, with ptxas' registers, shared memory, spills and stack per kernel.
 
-Exits with status 1 if any check fails or any kernel variant spills or uses a stack frame.
+Exits with status 1 if any check fails or any kernel variant spills, uses a stack frame, or has its
+warpgroup products (wgmma) serialized by ptxas (notes C7510-C7519).
 """
 
 import argparse
@@ -416,6 +417,8 @@ def _compile_table(report, arches, *, required):
             report.record(spill == 0 and r["stack_frame"] == 0,
                           f"{name} on {arch}: spill stores {r['spill_stores']} B, spill loads "
                           f"{r['spill_loads']} B, stack {r['stack_frame']} B")
+            report.record(r["serialized_wgmma"] == 0,
+                          f"{name} on {arch}: ptxas serialized its warpgroup products ({r['serialized_wgmma']} notes C751x)")
         print(f"{name:{width}} | " + " | ".join(cells))
 
 

@@ -284,16 +284,25 @@ def nvrtc_version() -> tuple[int, int]:
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
 _PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+# ptxas' C7510-C7519 notes: it serialized a kernel's warpgroup products (wgmma), naming the function. Each
+# such kernel loses the overlap of its products with everything else (the forward ran 20% slower when a
+# branch in its pipelined loop caused one: bench/NOTES.md, v13).
+_PTXAS_SERIALIZED = re.compile(r"\(C751\d\).*?function '(\w+)'")
 
 
 def _parse_ptxas(log: str) -> dict[str, dict[str, int]]:
-    """Per mangled entry: registers, spills, stack frame and static shared memory."""
+    """Per mangled entry: registers, spills, stack frame, static shared memory, and the ptxas notes that its
+    warpgroup products were serialized (``serialized_wgmma``, a count)."""
     found: dict[str, dict[str, int]] = {}
     current = None
     for line in log.splitlines():
-        if m := _PTXAS_ENTRY.search(line):
+        if m := _PTXAS_SERIALIZED.search(line):
+            entry = found.setdefault(m.group(1), {"registers": -1, "spill_stores": -1, "spill_loads": -1,
+                                                  "stack_frame": -1, "static_smem": 0, "serialized_wgmma": 0})
+            entry["serialized_wgmma"] += 1
+        elif m := _PTXAS_ENTRY.search(line):
             current = found.setdefault(m.group(1), {"registers": -1, "spill_stores": -1, "spill_loads": -1,
-                                                    "stack_frame": -1, "static_smem": 0})
+                                                    "stack_frame": -1, "static_smem": 0, "serialized_wgmma": 0})
         elif current is not None and (m := _PTXAS_FRAME.search(line)):
             current.update(stack_frame=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
         elif current is not None and (m := _PTXAS_USED.search(line)):

@@ -1,4 +1,5 @@
-"""Every shipped kernel variant compiles through NVRTC for sm_80 and sm_90, with no spills and no stack.
+"""Every shipped kernel variant compiles through NVRTC for sm_80 and sm_90, with no spills, no stack and no
+serialized wgmma.
 
 The mma.sync variants build for both; the wgmma ones (Hopper) for sm_90a, reported under sm_90. No GPU is
 needed: ``cupyflash._kernels.compile_report(arch)`` runs NVRTC with ``-Xptxas -v`` and parses ptxas' report. Each arch is compiled once per session (module-scoped fixture); the assertions are
@@ -22,7 +23,7 @@ REGISTER_ALLOCATION_UNIT = 8  # registers per thread are allocated in steps of 8
 MAX_REGISTERS_PER_THREAD = 255
 REPORT_FIELDS = {
     "kernel": str, "arch": str, "target": str, "registers": int, "spill_stores": int, "spill_loads": int,
-    "stack_frame": int, "static_smem": int, "dynamic_smem": int, "threads": int,
+    "stack_frame": int, "static_smem": int, "dynamic_smem": int, "threads": int, "serialized_wgmma": int,
 }
 
 
@@ -109,6 +110,16 @@ def test_no_register_spills(report):
     assert not offenders, f"{arch}: {len(offenders)} of {len(rows)} kernels spill:\n{_table(offenders)}"
 
 
+def test_no_serialized_wgmma(report):
+    """ptxas notes C7510-C7519 (wgmma serialized, e.g. by a branch inside a pipelined loop) cost a wgmma
+    kernel its overlap of products and softmax: none may have them."""
+    arch, rows = report
+    offenders = [r for r in rows if r["serialized_wgmma"]]
+    assert not offenders, (
+        f"{arch}: {len(offenders)} of {len(rows)} kernels have serialized wgmma:\n{_table(offenders)}"
+    )
+
+
 def test_no_stack_frame(report):
     arch, rows = report
     offenders = [r for r in rows if r["stack_frame"]]
@@ -129,3 +140,26 @@ def test_fits_on_one_sm(report):
         f"{arch}: kernels over the per-block limits (shared memory {MAX_SMEM_PER_BLOCK[arch]} B, "
         f"{REGISTERS_PER_BLOCK} registers per block):\n{_table(offenders)}"
     )
+
+
+def test_serialized_wgmma_is_detected(kernels):
+    """The check above sees what it guards against: the wgmma forward with the loads' whole-tile branch
+    (which only the backward takes, cuda_src/copy.cuh) is reported serialized; the shipped one is not."""
+    from cupy.cuda import nvrtc
+
+    variant = kernels.Variant("fwd", "bfloat16_t", 128, True, wgmma=True)
+    name = variant.name_expression("fwd")
+    shipped = variant.code()
+    branchy = shipped.replace("load_tile_async<KVTile, THREADS>(", "load_tile_async<KVTile, THREADS, true>(")
+    assert branchy != shipped, "the forward's K/V loads are no longer spelled as this test expects"
+    found = {}
+    for label, code in (("shipped", shipped), ("branchy", branchy)):
+        program = nvrtc.createProgram(code, "fwd.cu", [], [])
+        try:
+            nvrtc.addNameExpression(program, name)
+            nvrtc.compileProgram(program, [*kernels._OPTIONS, "-arch=sm_90a", "-Xptxas", "-v"])
+            stats = kernels._parse_ptxas(nvrtc.getProgramLog(program))
+            found[label] = stats[nvrtc.getLoweredName(program, name)]["serialized_wgmma"]
+        finally:
+            nvrtc.destroyProgram(program)
+    assert found["shipped"] == 0 and found["branchy"] > 0, found
