@@ -27,9 +27,10 @@ bf16, D = 128, FlashAttention's shapes (B = 16384 // N, H = 2048 // D = 16), one
 
 FLOPs. Dense rows use bench_attention.py's convention: forward 4·B·H·N²·D (halved for causal),
 backward 2.5 × forward. The window row and the plain causal row it is compared with are counted on the
-tiles our kernels visit, from the tile table (``cupyflash._config.tiles(2, 128, kernel)``): a CTA of
-``rows = 16·num_warps`` rows streams tiles of ``block`` columns, and the kernels' own loop bounds (mirrored
-in ``_key_tiles`` / ``_query_tiles``, Nq = Nk) decide which tiles it visits. With A_k the visited area
+tiles our kernels visit, with the tiles of the variant the call runs on this device (``kernel_tiles``: the
+wgmma ones on Hopper, and for the window the modifiers' instantiation): a CTA of ``rows = 16·num_warps``
+rows streams tiles of ``block`` columns, and the kernels' own loop bounds (mirrored in ``_key_tiles`` /
+``_query_tiles``, Nq = Nk) decide which tiles it visits. With A_k the visited area
 (rows × block per visited tile, summed over CTAs, heads and batch) of kernel k:
 
     forward  FLOPs = 4·D·A_fwd                       (S = Q Kᵀ and O += P V on every visited tile)
@@ -66,11 +67,10 @@ import bench_attention as ba  # noqa: E402  (also finds cupyflash in a checkout 
 
 import cupy  # noqa: E402
 import cupyflash  # noqa: E402
-from cupyflash import _config, reference  # noqa: E402
+from cupyflash import _kernels, _modifiers, reference  # noqa: E402
 
 DTYPE, HEAD_DIM = "bf16", 128
 BF16 = ba.DTYPES[DTYPE]
-ITEMSIZE = BF16.itemsize
 SEQLENS, WINDOW_SEQLENS, BLOCK_MASK_SEQLEN = (2048, 8192), (2048, 8192, 16384), 16384
 QUICK_SEQLEN = 2048
 WINDOW = (256, 0)  # with causal=True
@@ -225,9 +225,19 @@ def _query_tiles(n0, n, rows, block, causal, window):
     return i_first // block, np.where(i_last >= i_first, i_last // block + 1, 0)
 
 
+def kernel_tiles(case, kernel, *, window=None, block_mask=None):
+    """The tiles of ``kernel`` ("fwd", "dkdv", "dq") in the variant cupyflash picks for this row on the
+    current device: the wgmma tiles on Hopper, the mma.sync ones elsewhere (and without a GPU, as in
+    --dry-run); the modifiers' instantiation for a window or block mask, the plain one otherwise."""
+    mods = None if window is None else _modifiers.resolve(np, BF16, (case.b, case.h), case.n, case.n,
+                                                          window=window, block_mask=block_mask)
+    variant = _kernels._variant("fwd" if kernel == "fwd" else "bwd", BF16, case.d, case.d, case.causal, mods)
+    return variant.tiles(kernel)
+
+
 def visited_area(case, kernel, *, window=None, block_mask=None):
     """Score elements (rows x block per visited tile) kernel ``kernel`` covers, summed over B and H."""
-    t = _config.tiles(ITEMSIZE, _config.padded_head_dim(case.d), kernel)
+    t = kernel_tiles(case, kernel, window=window, block_mask=block_mask)
     n = case.n
     starts = np.arange(0, n, t.rows)
     ranges = _query_tiles if kernel == "dkdv" else _key_tiles
@@ -593,9 +603,10 @@ def print_notes(cache):
 
 
 def dry_run(rows):
-    print(f"{len(rows)} rows, bf16, D = {HEAD_DIM}; tiles (rows x block): " + ", ".join(
-        f"{k} {t.rows}x{t.block}" for k in ("fwd", "dkdv", "dq")
-        for t in [_config.tiles(ITEMSIZE, _config.padded_head_dim(HEAD_DIM), k)]))
+    window_case = ba.Case(DTYPE, HEAD_DIM, WINDOW_SEQLENS[0], True)
+    print(f"{len(rows)} rows, bf16, D = {HEAD_DIM}; tiles (rows x block) on this device, plain causal / window: "
+          + ", ".join(f"{k} {t.rows}x{t.block} / {w.rows}x{w.block}" for k in ("fwd", "dkdv", "dq")
+                      for t, w in [(kernel_tiles(window_case, k), kernel_tiles(window_case, k, window=WINDOW))]))
     header = (f"{'row':20} {'B':>3} {'H':>3} {'N':>6} {'causal':>6}  {'options':40} {'fwd GFLOP':>10} "
               f"{'bwd GFLOP':>10}  {'counted on':13} against (target)")
     print(header)
