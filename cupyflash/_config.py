@@ -115,8 +115,8 @@ SCALAR_MODS_ITEMSIZES = (2, 4)
 # (4, 192, fwd), (2, 256, dkdv); wgmma (2, 192, fwd), (2, 96, dkdv).
 _SCALAR_MODS_PLAIN = frozenset({
     ("mma", 2, 64, "dkdv"), ("mma", 2, 256, "fwd"),
-    ("wgmma", 2, 16, "fwd"), ("wgmma", 2, 32, "fwd"), ("wgmma", 2, 64, "fwd"), ("wgmma", 2, 256, "fwd"), ("wgmma", 2, 64, "dkdv"),
-    ("wgmma", 2, 128, "dkdv"), ("wgmma", 2, 64, "dq"),
+    ("wgmma", 2, 16, "fwd"), ("wgmma", 2, 32, "fwd"), ("wgmma", 2, 64, "fwd"), ("wgmma", 2, 256, "fwd"),
+    ("wgmma", 2, 64, "dkdv"), ("wgmma", 2, 128, "dkdv"), ("wgmma", 2, 64, "dq"),
 })
 # The tiles of the modifiers' and dropout instantiations where the table's are split: (path, element bytes,
 # HEAD_DIM, kernel) -> tiles (the modifiers' own table may still override them).
