@@ -417,8 +417,8 @@ def _compile_table(report, arches, *, required):
             report.record(spill == 0 and r["stack_frame"] == 0,
                           f"{name} on {arch}: spill stores {r['spill_stores']} B, spill loads "
                           f"{r['spill_loads']} B, stack {r['stack_frame']} B")
-            report.record(r["serialized_wgmma"] == 0,
-                          f"{name} on {arch}: ptxas serialized its warpgroup products ({r['serialized_wgmma']} notes C751x)")
+            report.record(r["serialized_wgmma"] == 0, f"{name} on {arch}: ptxas serialized its warpgroup "
+                                                      f"products ({r['serialized_wgmma']} notes C751x)")
         print(f"{name:{width}} | " + " | ".join(cells))
 
 
