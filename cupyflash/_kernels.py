@@ -294,15 +294,17 @@ def _parse_ptxas(log: str) -> dict[str, dict[str, int]]:
     """Per mangled entry: registers, spills, stack frame, static shared memory, and the ptxas notes that its
     warpgroup products were serialized (``serialized_wgmma``, a count)."""
     found: dict[str, dict[str, int]] = {}
+
+    def entry(name: str) -> dict[str, int]:
+        return found.setdefault(name, {"registers": -1, "spill_stores": -1, "spill_loads": -1, "stack_frame": -1,
+                                       "static_smem": 0, "serialized_wgmma": 0})
+
     current = None
     for line in log.splitlines():
         if m := _PTXAS_SERIALIZED.search(line):
-            entry = found.setdefault(m.group(1), {"registers": -1, "spill_stores": -1, "spill_loads": -1,
-                                                  "stack_frame": -1, "static_smem": 0, "serialized_wgmma": 0})
-            entry["serialized_wgmma"] += 1
+            entry(m.group(1))["serialized_wgmma"] += 1
         elif m := _PTXAS_ENTRY.search(line):
-            current = found.setdefault(m.group(1), {"registers": -1, "spill_stores": -1, "spill_loads": -1,
-                                                    "stack_frame": -1, "static_smem": 0, "serialized_wgmma": 0})
+            current = entry(m.group(1))
         elif current is not None and (m := _PTXAS_FRAME.search(line)):
             current.update(stack_frame=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
         elif current is not None and (m := _PTXAS_USED.search(line)):
@@ -341,11 +343,12 @@ def compile_variant(variant: Variant, arch: str) -> list[dict]:
              "dynamic_smem": variant.smem(kernel), "threads": variant.threads(kernel)} for kernel, name in names.items()]
 
 
-def _compile_for_report(variant: Variant, target: str, options: list, names: dict) -> dict:
-    """kernel -> ptxas' registers, spills, stack and static shared memory for it, from one NVRTC compile."""
+def _compile_for_report(variant: Variant, target: str, options: list, names: dict, code: str | None = None) -> dict:
+    """kernel -> ptxas' registers, spills, stack, static shared memory and serialized-wgmma notes for it, from
+    one NVRTC compile of the variant's source (or of ``code``, a variation of it)."""
     from cupy.cuda import nvrtc
 
-    program = nvrtc.createProgram(variant.code(), f"{variant.direction}.cu", [], [])
+    program = nvrtc.createProgram(variant.code() if code is None else code, f"{variant.direction}.cu", [], [])
     try:
         for name in names.values():
             nvrtc.addNameExpression(program, name)

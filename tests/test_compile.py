@@ -145,21 +145,12 @@ def test_fits_on_one_sm(report):
 def test_serialized_wgmma_is_detected(kernels):
     """The check above sees what it guards against: the wgmma forward with the loads' whole-tile branch
     (which only the backward takes, cuda_src/copy.cuh) is reported serialized; the shipped one is not."""
-    from cupy.cuda import nvrtc
-
     variant = kernels.Variant("fwd", "bfloat16_t", 128, True, wgmma=True)
-    name = variant.name_expression("fwd")
+    names = {"fwd": variant.name_expression("fwd")}
     shipped = variant.code()
     branchy = shipped.replace("load_tile_async<KVTile, THREADS>(", "load_tile_async<KVTile, THREADS, true>(")
     assert branchy != shipped, "the forward's K/V loads are no longer spelled as this test expects"
-    found = {}
-    for label, code in (("shipped", shipped), ("branchy", branchy)):
-        program = nvrtc.createProgram(code, "fwd.cu", [], [])
-        try:
-            nvrtc.addNameExpression(program, name)
-            nvrtc.compileProgram(program, [*kernels._OPTIONS, "-arch=sm_90a", "-Xptxas", "-v"])
-            stats = kernels._parse_ptxas(nvrtc.getProgramLog(program))
-            found[label] = stats[nvrtc.getLoweredName(program, name)]["serialized_wgmma"]
-        finally:
-            nvrtc.destroyProgram(program)
+    options = [*kernels._OPTIONS, "-arch=sm_90a", "-Xptxas", "-v"]
+    found = {label: kernels._compile_for_report(variant, "sm_90a", options, names, code)["fwd"]["serialized_wgmma"]
+             for label, code in (("shipped", shipped), ("branchy", branchy))}
     assert found["shipped"] == 0 and found["branchy"] > 0, found
