@@ -126,10 +126,10 @@ template <typename T, int N> struct WgmmaOp;
                                  CF_WGMMA_SS_PRED##N, "p, 1, 1, 0, 0")                                         \
                    : CF_OUT_N##N : "l"(a), "l"(b), "r"(0) : "memory");                                          \
     }                                                                                                           \
-    __device__ __forceinline__ static void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {                \
+    __device__ __forceinline__ static void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b, int scale_d = 1) { \
       asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_RS_SRC##N, \
                                  CF_WGMMA_RS_PRED##N, "p, 1, 1, 1")                                            \
-                   : CF_ACC_N##N : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1) : "memory");     \
+                   : CF_ACC_N##N : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d) : "memory"); \
     }                                                                                                           \
     __device__ __forceinline__ static void rs_zero(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {           \
       asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_RS_SRC##N, \
@@ -259,28 +259,30 @@ __device__ __forceinline__ void fence_fragments(u32 (&a)[K_STEPS][4]) {
 // The instructions of C += P B, every k-step and column atom (an MN-major instruction spans one atom), B
 // from the descriptor b of its first rows and columns.
 template <typename T, int K_STEPS, int N_TILES, class BTile>
-__device__ __forceinline__ void wg_pb_steps(float (&c)[N_TILES][4], u32 (&a)[K_STEPS][4], u64 b) {
+__device__ __forceinline__ void wg_pb_steps(float (&c)[N_TILES][4], u32 (&a)[K_STEPS][4], u64 b, bool accumulate = true) {
   constexpr int WIDTH = BTile::ATOM_COLS;
 #pragma unroll
   for (int kt = 0; kt < K_STEPS; ++kt) {
 #pragma unroll
     for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
-      WgmmaOp<T, WIDTH>::rs(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt], b + mn_major_step<BTile>(16 * kt, n0));
+      WgmmaOp<T, WIDTH>::rs(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt], b + mn_major_step<BTile>(16 * kt, n0), kt > 0 || accumulate);
     }
   }
 }
 
 // Start C[64 x 8*N_TILES] += P B for the calling warpgroup, as one commit group: P as packed fragments
 // (pack_fragments), B stored [k][n] in b_tile, columns [n_begin, n_begin + 8*N_TILES). The fragments must
-// stay untouched until wgmma_wait has seen the group complete.
+// stay untouched until wgmma_wait has seen the group complete. accumulate = false: C = P B, whatever C
+// held (a sum's first term, with no zeroed registers to feed in).
 template <typename T, int K_STEPS, int N_TILES, class BTile>
-__device__ __forceinline__ void wg_issue_pb(float (&c)[N_TILES][4], u32 (&a)[K_STEPS][4], const T* b_tile, int n_begin) {
+__device__ __forceinline__ void wg_issue_pb(float (&c)[N_TILES][4], u32 (&a)[K_STEPS][4], const T* b_tile, int n_begin,
+                                            bool accumulate = true) {
   static_assert((8 * N_TILES) % BTile::ATOM_COLS == 0, "whole atoms");
   const u64 b = desc_mn_major<BTile>(b_tile, n_begin);
   wgmma_fence();
   fence_operands(c);
   fence_fragments(a);
-  wg_pb_steps<T, K_STEPS, N_TILES, BTile>(c, a, b);
+  wg_pb_steps<T, K_STEPS, N_TILES, BTile>(c, a, b, accumulate);
   wgmma_commit();
 }
 
