@@ -182,6 +182,17 @@ struct ScoreMods {
     if (r1 >= nq()) last = first - 1;
   }
 
+  // The same for the dK/dV pass: the query blocks [first, last] (of BLOCK queries) whose tiles for key
+  // columns [c0, c1] need no bound checks.
+  template <int BLOCK>
+  __device__ __forceinline__ void unchecked_query_blocks(int c0, int c1, int& first, int& last) const {
+    const int offset = nk() - nq(), left = p.window_left, right = p.window_right;
+    first = right < 0 ? 0 : -floor_div(-(c1 - offset - right), BLOCK);              // r0 >= c1 - offset - right
+    last = nq() / BLOCK - 1;                                                          // r1 < nq
+    if (left >= 0) last = min(last, floor_div(c0 - offset + left + 1, BLOCK) - 1);  // r1 <= c0 - offset + left
+    if (c1 >= nk()) last = first - 1;
+  }
+
   // This CTA's line of the block mask along its streamed axis: keys of query row i (KEYS), or
   // queries of key j. Empty (all on) without a block mask.
   template <int NUM_WARPS, bool KEYS>
@@ -439,19 +450,75 @@ struct ScoreMods {
         }
       return;
     }
-    // Otherwise in passes. With a softcap, dS * (1 - t^2) = P * ((dP - delta) * (1 - t^2)): the
-    // derivative is folded into dp while t is at hand. (Without a softcap dp ends as dS itself.)
+    // Otherwise in passes: the softcap's tanh, then the rest.
+    softcap_scores(s);
+    backward_softcapped<TRANSPOSED>(s, dp, row0, col0, lane, check, lse_log2, delta, write_dbias);
+  }
+
+  // backward() in two halves: raw scores -> t = tanh(scale * raw / softcap) (nothing without a softcap),
+  // which needs S alone (the pipelined dK/dV pass computes it while the tensor cores compute dP)...
+  template <int N>
+  __device__ __forceinline__ void softcap_scores(A (&s)[N][4]) const {
+    softcap_tile(s, p.softcap > 0.f, [](int, int, A) {});
+  }
+
+  // ... and from those scores (t with a softcap) and dP, backward()'s P into s and dS times the softcap
+  // derivative into dp. With a softcap, dS * (1 - t^2) = P * ((dP - delta) * (1 - t^2)): the derivative
+  // is folded into dp while t is still in s. (Without a softcap dp ends as dS itself.)
+  template <bool TRANSPOSED, int N, typename Lse, typename Delta>
+  __device__ __forceinline__ void backward_softcapped(A (&s)[N][4], A (&dp)[N][4], int row0, int col0, int lane,
+                                                      bool check, Lse lse_log2, Delta delta, bool write_dbias) const {
+    write_dbias = write_dbias && dbias;
+    const A cap = Reals<A>::softcap(p);
     const bool store_pairs = !TRANSPOSED && p.dbias_pairs;  // the host never sets it with a softcap
-    softcap_tile(s, cap > A(0), [&](int j, int e, A t) { dp[j][e] = (dp[j][e] - delta(j, e)) * (A(1) - t * t); });
+    fold_derivative(s, dp, delta);
     additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
+    // One loop per case, not a select per element.
+    if (cap > A(0)) probs_and_dscores<true, TRANSPOSED>(s, dp, row0, col0, lane, lse_log2, delta, write_dbias && !store_pairs);
+    else probs_and_dscores<false, TRANSPOSED>(s, dp, row0, col0, lane, lse_log2, delta, write_dbias && !store_pairs);
+    if (write_dbias && store_pairs) store_dbias_pairs(dp, row0, col0, lane, check);
+  }
+
+  // With a softcap, dp -> (dP - delta) * (1 - t^2) from t in s (what dS times the derivative is P times).
+  template <int N, typename Delta>
+  __device__ __forceinline__ void fold_derivative(const A (&s)[N][4], A (&dp)[N][4], Delta delta) const {
+    if (p.softcap > 0.f) {
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[j][e] = (dp[j][e] - delta(j, e)) * (A(1) - s[j][e] * s[j][e]);
+    }
+  }
+
+  // backward_softcapped() up to P, for the dK/dV pass (Mods::scalars), which issues dV += P^T dO before it
+  // computes dS: from t (softcap_scores) and dP, P into s and dp folded (fold_derivative). dS times the
+  // derivative is then s * dp with a softcap, s * (dp - delta) without.
+  template <bool TRANSPOSED, int N, typename Lse, typename Delta>
+  __device__ __forceinline__ void probs_folded(A (&s)[N][4], A (&dp)[N][4], int row0, int col0, int lane, bool check,
+                                               Lse lse_log2, Delta delta) const {
+    static_assert(!ARRAYS, "the scalars' instantiation");
+    fold_derivative(s, dp, delta);
+    additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
+    const A exp_scale_ = exp_scale();
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = fast_exp2(s[j][e] * exp_scale_ - lse_log2(j, e));
+  }
+
+  // backward_softcapped()'s last pass: logits -> P into s, and dS (CAPPED: dp already holds
+  // (dP - delta) * (1 - t^2)) into dp, also added into dbias when atomic_dbias.
+  template <bool CAPPED, bool TRANSPOSED, int N, typename Lse, typename Delta>
+  __device__ __forceinline__ void probs_and_dscores(A (&s)[N][4], A (&dp)[N][4], int row0, int col0, int lane,
+                                                    Lse lse_log2, Delta delta, bool atomic_dbias) const {
     const A exp_scale_ = exp_scale();
 #pragma unroll
     for (int j = 0; j < N; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const A prob = fast_exp2(s[j][e] * exp_scale_ - lse_log2(j, e));
-        const A ds = cap > A(0) ? prob * dp[j][e] : prob * (dp[j][e] - delta(j, e));
-        if (write_dbias && !store_pairs && s[j][e] != neg_inf()) {
+        const A ds = CAPPED ? prob * dp[j][e] : prob * (dp[j][e] - delta(j, e));
+        if (atomic_dbias && s[j][e] != neg_inf()) {
           int i, key;
           coords<TRANSPOSED>(row0, col0, j, e, lane, i, key);
           atomicAdd(dbias + i * p.dbias_stride[3] + key * p.dbias_stride[4], ds);
@@ -459,28 +526,37 @@ struct ScoreMods {
         dp[j][e] = ds;
         s[j][e] = prob;
       }
-    if (write_dbias && store_pairs) store_dbias_pairs(dp, row0, col0, lane, check);
   }
 
-  // The dQ pass's part of backward() that needs S alone (Mods::scalars: no bias, so dS itself is never
-  // stored): P times the softcap derivative 1 - t^2 (1 without a softcap) into s, from which dS times the
-  // derivative is s * (dP - delta) once dP has landed. It runs while the tensor cores still compute dP.
-  template <int N, typename Lse>
-  __device__ __forceinline__ void probs_times_derivative(A (&s)[N][4], int row0, int col0, int lane, bool check,
-                                                         Lse lse_log2) const {
+  // backward()'s part that needs S alone (Mods::scalars: no bias, so dS itself is never stored), for the
+  // passes that compute it while the tensor cores still compute dP: P into s and the softcap derivative
+  // 1 - t^2 into dcap (untouched without a softcap).
+  template <bool TRANSPOSED, int N, typename Lse>
+  __device__ __forceinline__ void probs_and_derivative(A (&s)[N][4], A (&dcap)[N][4], int row0, int col0, int lane,
+                                                       bool check, Lse lse_log2) const {
     static_assert(!ARRAYS, "the scalars' instantiation");
-    const bool capped = p.softcap > 0.f;
-    A dcap[N][4];
-    softcap_tile(s, capped, [&](int j, int e, A t) { dcap[j][e] = A(1) - t * t; });
-    additive_and_hide<false>(s, row0, col0, lane, check);
+    softcap_tile(s, p.softcap > 0.f, [&](int j, int e, A t) { dcap[j][e] = A(1) - t * t; });
+    additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
     const A exp_scale_ = exp_scale();
 #pragma unroll
     for (int j = 0; j < N; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const A prob = fast_exp2(s[j][e] * exp_scale_ - lse_log2(j, e));
-        s[j][e] = capped ? prob * dcap[j][e] : prob;
-      }
+      for (int e = 0; e < 4; ++e) s[j][e] = fast_exp2(s[j][e] * exp_scale_ - lse_log2(j, e));
+  }
+
+  // The dQ pass's form: P times the derivative (P without a softcap) into s, from which dS times the
+  // derivative is s * (dP - delta) once dP has landed.
+  template <int N, typename Lse>
+  __device__ __forceinline__ void probs_times_derivative(A (&s)[N][4], int row0, int col0, int lane, bool check,
+                                                         Lse lse_log2) const {
+    A dcap[N][4];
+    probs_and_derivative<false>(s, dcap, row0, col0, lane, check, lse_log2);
+    if (p.softcap > 0.f) {
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] *= dcap[j][e];
+    }
   }
 
   // A bias broadcast along no dim gets each dS exactly once: plain stores of two adjacent keys in the
