@@ -28,6 +28,9 @@
 // in the accumulator type.
 // WGMMA instantiations (Hopper, fp16/bf16) run the same passes on warpgroup products from swizzled tiles
 // (gemm.cuh): each warp still owns 16 rows, now of its warpgroup's 64, in the same accumulator layout.
+// Their plain, causal and scalar-modifier passes (PIPELINED) issue S and dP together, compute P while
+// the tensor cores compute dP, and leave the gradient products in flight while the next tile's S and dP
+// are issued, so the tensor cores wait on neither the elementwise work nor the loop's turn.
 // float32 WGMMA instantiations (PIECES: plain and causal) read q, k, v, dout as float16 pieces hi + lo
 // scaled by a power of two per row block (split_f32.cu, pieces.cuh): S and dP take three float16 products
 // each, and the products with P^T or dS (split per row in registers) go into fresh accumulators that are
@@ -192,6 +195,13 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   static_assert(!PIECES || (SPLIT_BLOCK_ROWS % BLOCK_M == 0 && SPLIT_BLOCK_ROWS % BLOCK_N == 0),
                 "pieces: each tile inside one row block");
   using A = acc_t<T>;  // float; double for float64 inputs
+  // PIPELINED: 16-bit wgmma passes, plain, causal or the scalar modifiers without dropout, whose products
+  // stay in flight two or three at a time (the loop below); across the loop's turn too (ACROSS_TURN) at
+  // HEAD_DIM 128, where the registers hold the next tile's S^T and dP^T beside the operands of dV and dK
+  // in flight. (HEAD_DIM 96 spilled with either; at 64 the scalars' 32-query tiles had ptxas serialize
+  // the products across the turn, C7513.)
+  constexpr bool PIPELINED = WGMMA && !PIECES && !SPLIT && !HAS_DROPOUT && MODS != Mods::all && HEAD_DIM != 96;
+  constexpr bool ACROSS_TURN = PIPELINED && HEAD_DIM == 128 && BLOCK_M <= 64;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   E* sK = reinterpret_cast<E*>(WGMMA ? smem_aligned(smem_raw) : smem_raw);
@@ -250,6 +260,10 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   }
   m_first = max(m_first, p.stream_begin / BLOCK_M);  // this launch's part of the queries
   m_blocks = min(m_blocks, ceil_div(p.stream_end, BLOCK_M));
+  // The pipelined Mods::scalars pass: the query blocks that need no bound checks, worked out once (as the
+  // dQ pass does).
+  int m_free_first = 0, m_free_last = -1;
+  if constexpr (PIPELINED && HAS_MODS) mods.template unchecked_query_blocks<BLOCK_M>(n0, n0 + BLOCK_N - 1, m_free_first, m_free_last);
   TileBitmap tile_bitmap;
   if constexpr (HAS_MODS) {
     __shared__ u32 bitmap_words[TILE_BITMAP_WORDS];
@@ -279,106 +293,186 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 
   // SPLIT: acc_dk holds this warp's one gradient, dV (role 0) or dK (role 1); acc_dv is unused.
   A acc_dk[G_TILES][4], acc_dv[SPLIT ? 1 : G_TILES][4];
-  zero_acc(acc_dk);
-  zero_acc(acc_dv);
-  for (int buf = 0; m_block < m_blocks; buf ^= 1) {
-    const int m0 = m_block * BLOCK_M;
-    const int m_next = next_on(m_block + 1);
-    if (m_next < m_blocks) {
-      load_stream(m_next, buf ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
+  if constexpr (PIPELINED) {
+    // S^T_i = K Q_i^T and dP^T_i = V dO_i^T go to the tensor cores right behind the previous tile's dV and
+    // dK products, without waiting for them. What needs S^T alone (P^T; with modifiers the softcap's tanh)
+    // runs while they compute dP^T; dV += P^T dO_i is issued as soon as P^T is packed, dK += dS^T Q_i
+    // right behind it. Q_{i+1} and dO_{i+1} are copied meanwhile into the buffer the previous tile's
+    // products read. The first products overwrite dV and dK (zeroed registers would have made ptxas
+    // serialize the products: C7515).
+    u32 p_frag[S_TILES / 2][4], ds_frag[S_TILES / 2][4];
+    bool first = true;
+    for (int buf = 0; m_block < m_blocks; buf ^= 1) {
+      const int m0 = m_block * BLOCK_M;
       cp_async_wait<0>();
-    }
-    smem_publish<QTile>();
-    __syncthreads();
-    const E* sQ_i = sQ + buf * QTile::SIZE;
-    const E* sdO_i = sdO + buf * QTile::SIZE;
-    const PieceFactors q_factors = pieces.at(m0);  // of Q_i and dO_i
-
-    A acc_s[S_TILES][4], acc_dp[S_TILES][4];
-    if constexpr (PIECES) {
-      // S^T = K Q_i^T, P^T = exp(scale * S^T - lse) (S^T carries 2^(e_q + e_k)); dV += P^T dO_i (carrying
-      // 2^e_dout); dP^T = V dO_i^T (carrying 2^(e_v + e_dout)), dS^T = P^T * (dP^T - delta); dK += dS^T Q_i
-      // below (carrying 2^e_q).
-      gemm_abt_pieces<HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i);
-      if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + warp * 16, m0, lane);
-      probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p) * (q_factors.q * kv_factors.k), lane);
-      gemm_pb_pieces<HEAD_DIM, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, q_factors.dout);
-      gemm_abt_pieces<HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i);
-      dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane, q_factors.dout * kv_factors.v);  // dP^T unscaled on the way
-    } else if constexpr (SPLIT) {
-      if (role == 0) {  // S^T = K Q_i^T, P^T = exp(scale * S^T - lse), to the partner too
-        gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, row0, sQ_i, lane);
-        if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + row0, m0, lane);
-        probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p), lane);
-        tile_to_smem(sP_pair, acc_s, lane);
-      } else {  // dP^T = V dO_i^T
-        gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, row0, sdO_i, lane);
+      smem_publish<QTile>();
+      __syncthreads();
+      const E* sQ_i = sQ + buf * QTile::SIZE;
+      const E* sdO_i = sdO + buf * QTile::SIZE;
+      A acc_s[S_TILES][4], acc_dp[S_TILES][4];
+      wg_issue_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, (warp * 16) & ~63, sQ_i);
+      wg_issue_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, (warp * 16) & ~63, sdO_i);
+      wgmma_wait<1>();  // S^T_i, and the previous tile's dV and dK before it
+      fence_operands(acc_s);
+      fence_operands(acc_dv);
+      fence_operands(acc_dk);
+      fence_fragments(p_frag);
+      fence_fragments(ds_frag);
+      __syncthreads();  // every warp is done with buffer buf ^ 1
+      const int m_next = next_on(m_block + 1);
+      if (m_next < m_blocks) {
+        load_stream(m_next, buf ^ 1);
+        cp_async_commit();
       }
-      __syncthreads();  // P^T has reached the partners
-      if (role == 0) {  // dV += P^T dO_i
-        gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_s, sdO_i, c0, lane);
-      } else {  // dS^T = P^T * (dP^T - delta);  dK += dS^T Q_i
-        tile_from_smem(acc_s, sP_pair, lane);
-        dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
-        gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, lane);
-      }
-    } else if constexpr (HAS_MODS) {
-      // dP^T = V dO_i^T and S^T = K Q_i^T first; then per element the logit, P^T = exp(logit - lse),
-      // dS^T = P^T * (dP^T - delta) times the softcap derivative.
-      gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
-      gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i, lane);
-      u64 keep = 0;
-      if constexpr (HAS_DROPOUT) {  // dP^T -> Z * dP^T / (1 - p)
-        keep = dropout.keep_cols<S_TILES, sizeof(T) == 2 ? S_TILES / 2 : 1>(n0 + warp * 16, m0, lane);
-        apply_keep(acc_dp, keep, Reals<A>::dropout_scale(p));
-      }
-      // The tile is S^T: queries along the columns, their lse and delta in shared memory.
-      const A* lse_i = sLse + buf * BLOCK_M;
-      const A* delta_i = sDelta + buf * BLOCK_M;
-      const int t = lane & 3;
-      mods.template backward<true>(acc_s, acc_dp, n0 + warp * 16, m0, lane,
-                                   mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1),
-                                   [&](int j, int e) { return lse_i[j * 8 + 2 * t + (e & 1)]; },
-                                   [&](int j, int e) { return delta_i[j * 8 + 2 * t + (e & 1)]; }, false);
-      if constexpr (HAS_DROPOUT) apply_keep(acc_s, keep);
-      // dV += (Z * P^T) dO_i
-      gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, lane);
-    } else {
-      // S^T = K Q_i^T, then P^T = exp(scale * S^T - lse)
-      gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i, lane);
-      if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + warp * 16, m0, lane);
-      probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p), lane);
-
-      if constexpr (HAS_DROPOUT) {
-        // dP^T = V dO_i^T;  (1 - p) dS^T = (Z P^T) dP^T - P^T (1 - p) delta;  dV += (Z P^T) dO_i
-        gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
-        const u64 keep = dropout.keep_cols<S_TILES, sizeof(T) == 2 ? S_TILES / 2 : 1>(n0 + warp * 16, m0, lane);
-        if constexpr (sizeof(T) == 8) {  // float64: Z applied twice, one step at a time (sm_90 spilled fused)
-          apply_keep(acc_dp, keep);
-          dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
-          apply_keep(acc_s, keep);
+      if constexpr (HAS_MODS) {
+        // The softcap's tanh while dP^T is computed; P^T and dP^T folded with the derivative once it has
+        // landed (the derivative's own tile of registers made these tiles spill), then dV, then dS^T.
+        mods.softcap_scores(acc_s);
+        wgmma_wait<0>();
+        fence_operands(acc_dp);
+        const A* lse_i = sLse + buf * BLOCK_M;
+        const A* delta_i = sDelta + buf * BLOCK_M;
+        const int t = lane & 3;
+        mods.template probs_folded<true>(acc_s, acc_dp, n0 + warp * 16, m0, lane,
+                                         m_block < m_free_first || m_block > m_free_last,
+                                         [&](int j, int e) { return lse_i[j * 8 + 2 * t + (e & 1)]; },
+                                         [&](int j, int e) { return delta_i[j * 8 + 2 * t + (e & 1)]; });
+        pack_fragments<T>(acc_s, p_frag);
+        wg_issue_pb<T, S_TILES / 2, G_TILES, QTile>(acc_dv, p_frag, sdO_i, c0, !first);
+        if (p.softcap > 0.f) {
+#pragma unroll
+          for (int j = 0; j < S_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dp[j][e] *= acc_s[j][e];
         } else {
-          dscores_kept_cols(acc_dp, acc_s, keep, sDelta + buf * BLOCK_M, lane);
+          dscores_cols(acc_dp, acc_s, delta_i, lane);
         }
+      } else {
+        if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + warp * 16, m0, lane);
+        probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p), lane);
+        pack_fragments<T>(acc_s, p_frag);
+        wg_issue_pb<T, S_TILES / 2, G_TILES, QTile>(acc_dv, p_frag, sdO_i, c0, !first);
+        wgmma_wait<1>();  // dP^T_i has landed; dV may still run
+        fence_operands(acc_dp);
+        dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
+      }
+      pack_fragments<T>(acc_dp, ds_frag);
+      wg_issue_pb<T, S_TILES / 2, G_TILES, QTile>(acc_dk, ds_frag, sQ_i, c0, !first);
+      if constexpr (!ACROSS_TURN) wgmma_wait<0>();
+      first = false;
+      m_block = m_next;
+    }
+    wgmma_wait<0>();
+    fence_operands(acc_dv);
+    fence_operands(acc_dk);
+    fence_fragments(p_frag);
+    fence_fragments(ds_frag);
+    if (first) {  // no query block to visit
+      zero_acc(acc_dk);
+      zero_acc(acc_dv);
+    }
+  } else {
+    zero_acc(acc_dk);
+    zero_acc(acc_dv);
+    for (int buf = 0; m_block < m_blocks; buf ^= 1) {
+      const int m0 = m_block * BLOCK_M;
+      const int m_next = next_on(m_block + 1);
+      if (m_next < m_blocks) {
+        load_stream(m_next, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      smem_publish<QTile>();
+      __syncthreads();
+      const E* sQ_i = sQ + buf * QTile::SIZE;
+      const E* sdO_i = sdO + buf * QTile::SIZE;
+      const PieceFactors q_factors = pieces.at(m0);  // of Q_i and dO_i
+
+      A acc_s[S_TILES][4], acc_dp[S_TILES][4];
+      if constexpr (PIECES) {
+        // S^T = K Q_i^T, P^T = exp(scale * S^T - lse) (S^T carries 2^(e_q + e_k)); dV += P^T dO_i (carrying
+        // 2^e_dout); dP^T = V dO_i^T (carrying 2^(e_v + e_dout)), dS^T = P^T * (dP^T - delta); dK += dS^T Q_i
+        // below (carrying 2^e_q).
+        gemm_abt_pieces<HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i);
+        if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + warp * 16, m0, lane);
+        probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p) * (q_factors.q * kv_factors.k), lane);
+        gemm_pb_pieces<HEAD_DIM, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, q_factors.dout);
+        gemm_abt_pieces<HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i);
+        dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane, q_factors.dout * kv_factors.v);  // dP^T unscaled on the way
+      } else if constexpr (SPLIT) {
+        if (role == 0) {  // S^T = K Q_i^T, P^T = exp(scale * S^T - lse), to the partner too
+          gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, row0, sQ_i, lane);
+          if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + row0, m0, lane);
+          probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p), lane);
+          tile_to_smem(sP_pair, acc_s, lane);
+        } else {  // dP^T = V dO_i^T
+          gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, row0, sdO_i, lane);
+        }
+        __syncthreads();  // P^T has reached the partners
+        if (role == 0) {  // dV += P^T dO_i
+          gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_s, sdO_i, c0, lane);
+        } else {  // dS^T = P^T * (dP^T - delta);  dK += dS^T Q_i
+          tile_from_smem(acc_s, sP_pair, lane);
+          dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
+          gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, lane);
+        }
+      } else if constexpr (HAS_MODS) {
+        // dP^T = V dO_i^T and S^T = K Q_i^T first; then per element the logit, P^T = exp(logit - lse),
+        // dS^T = P^T * (dP^T - delta) times the softcap derivative.
+        gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
+        gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i, lane);
+        u64 keep = 0;
+        if constexpr (HAS_DROPOUT) {  // dP^T -> Z * dP^T / (1 - p)
+          keep = dropout.keep_cols<S_TILES, sizeof(T) == 2 ? S_TILES / 2 : 1>(n0 + warp * 16, m0, lane);
+          apply_keep(acc_dp, keep, Reals<A>::dropout_scale(p));
+        }
+        // The tile is S^T: queries along the columns, their lse and delta in shared memory.
+        const A* lse_i = sLse + buf * BLOCK_M;
+        const A* delta_i = sDelta + buf * BLOCK_M;
+        const int t = lane & 3;
+        mods.template backward<true>(acc_s, acc_dp, n0 + warp * 16, m0, lane,
+                                     mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1),
+                                     [&](int j, int e) { return lse_i[j * 8 + 2 * t + (e & 1)]; },
+                                     [&](int j, int e) { return delta_i[j * 8 + 2 * t + (e & 1)]; }, false);
+        if constexpr (HAS_DROPOUT) apply_keep(acc_s, keep);
+        // dV += (Z * P^T) dO_i
         gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, lane);
       } else {
-        // dV += P^T dO_i
-        gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, lane);
+        // S^T = K Q_i^T, then P^T = exp(scale * S^T - lse)
+        gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i, lane);
+        if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + warp * 16, m0, lane);
+        probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p), lane);
 
-        // dP^T = V dO_i^T;  dS^T = P^T * (dP^T - delta)
-        gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
-        dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
+        if constexpr (HAS_DROPOUT) {
+          // dP^T = V dO_i^T;  (1 - p) dS^T = (Z P^T) dP^T - P^T (1 - p) delta;  dV += (Z P^T) dO_i
+          gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
+          const u64 keep = dropout.keep_cols<S_TILES, sizeof(T) == 2 ? S_TILES / 2 : 1>(n0 + warp * 16, m0, lane);
+          if constexpr (sizeof(T) == 8) {  // float64: Z applied twice, one step at a time (sm_90 spilled fused)
+            apply_keep(acc_dp, keep);
+            dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
+            apply_keep(acc_s, keep);
+          } else {
+            dscores_kept_cols(acc_dp, acc_s, keep, sDelta + buf * BLOCK_M, lane);
+          }
+          gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, lane);
+        } else {
+          // dV += P^T dO_i
+          gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, lane);
+
+          // dP^T = V dO_i^T;  dS^T = P^T * (dP^T - delta)
+          gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i, lane);
+          dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane);
+        }
       }
-    }
 
-    // dK += dS^T Q_i
-    if constexpr (PIECES) gemm_pb_pieces<HEAD_DIM, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, q_factors.q);
-    else if constexpr (!SPLIT) gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, lane);
-    __syncthreads();  // this buffer (and SPLIT's P^T) is refilled two iterations on
-    m_block = m_next;
+      // dK += dS^T Q_i
+      if constexpr (PIECES) gemm_pb_pieces<HEAD_DIM, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, q_factors.q);
+      else if constexpr (!SPLIT) gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, lane);
+      __syncthreads();  // this buffer (and SPLIT's P^T) is refilled two iterations on
+      m_block = m_next;
+    }
   }
 
   // dK = scale * dS^T Q (DS_UNSCALED: scale / (1 - p) times the sum of (1 - p) dS^T Q), dV = (Z * P^T) dO /
@@ -435,6 +529,12 @@ attention_bwd_dq_kernel(const AttnParams p) {
   static_assert(!PIECES || (SPLIT_BLOCK_ROWS % BLOCK_M == 0 && SPLIT_BLOCK_ROWS % BLOCK_N == 0),
                 "pieces: each tile inside one row block");
   using A = acc_t<T>;  // float; double for float64 inputs
+  // PIPELINED: 16-bit wgmma passes, plain, causal or the scalar modifiers without dropout (these at most 64
+  // keys per tile: the softcap derivative's tile of registers made 128-key tiles spill), whose S and dP
+  // are issued together (the loop below); across the loop's turn too (ACROSS_TURN) where the registers
+  // hold the next tile's S and dP beside dQ's operands in flight.
+  constexpr bool PIPELINED = WGMMA && !PIECES && !SPLIT && !HAS_DROPOUT && (MODS == Mods::none || (MODS == Mods::scalars && BLOCK_N <= 64));
+  constexpr bool ACROSS_TURN = PIPELINED && BLOCK_N <= 64;
   // SPLIT: each 16 queries get a pair of warps (as in the dK/dV pass): role 0 computes S and P, role 1 dP
   // and dS; P goes to role 1 and dS back to role 0 through shared memory, and each accumulates half of
   // the D_CHUNK columns of dQ += dS K, so the chunk needs half the registers and no second S and dP.
@@ -533,120 +633,158 @@ attention_bwd_dq_kernel(const AttnParams p) {
   cp_async_commit();
 
   A acc_dq[G_WARP][4];
-  zero_acc(acc_dq);
-  for (int buf = 0; n_block < n_blocks; buf ^= 1) {
-    const int n0 = n_block * BLOCK_N;
-    const int n_next = next_on(n_block + 1);
-    if (n_next < n_blocks) {
-      load_stream(n_next, buf ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
+  if constexpr (PIPELINED) {
+    // Software-pipelined over key blocks: S_j = Q K_j^T and dP_j go to the tensor cores right behind
+    // dQ += dS_{j-1} K_{j-1}, without waiting for it, so they do not idle through the loop's turn. K_{j+1} and
+    // V_{j+1} are copied while tile j's P and dS are computed, into the buffer that dQ_{j-1} read.
+    // (One issue site for S and dP: two, before the loop and at its end, made ptxas move the accumulators
+    // between them and serialize the products, C7515.)
+    u32 ds_frag[S_TILES / 2][4];
+    bool first = true;  // the first dQ product overwrites acc_dq: zeroed registers there made ptxas serialize
+    for (int buf = 0; n_block < n_blocks; buf ^= 1) {
+      const int n0 = n_block * BLOCK_N;
       cp_async_wait<0>();
-    }
-    smem_publish<QTile>();
-    __syncthreads();
-    const E* sK_j = sK + buf * KVTile::SIZE;
-    const E* sV_j = sV + buf * KVTile::SIZE;
-
-    const PieceFactors kv_factors = pieces.at(n0);  // of K_j and V_j
-    A acc_s[S_TILES][4], acc_dp[S_TILES][4];
-    if constexpr (PIECES) {
-      // S = Q K_j^T (carrying 2^(e_q + e_k)), P = exp(scale * S - lse); dP = dO V_j^T (carrying
-      // 2^(e_v + e_dout)), dS = P * (dP - delta); dQ += dS K_j below (carrying 2^e_k).
-      gemm_abt_pieces<HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j);
-      if (n_block >= n_unmasked) mask.apply(acc_s, m0 + warp * 16, n0, lane);
-      const A scale_log2 = Reals<A>::scale_log2(p) * (q_factors.q * kv_factors.k);
-#pragma unroll
-      for (int j = 0; j < S_TILES; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_s[j][e] = fast_exp2(acc_s[j][e] * scale_log2 - row_lse[e >> 1]);
+      smem_publish<QTile>();
+      __syncthreads();
+      A acc_s[S_TILES][4], acc_dp[S_TILES][4];
+      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, (warp * 16) & ~63, sK + buf * KVTile::SIZE);
+      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, (warp * 16) & ~63, sV + buf * KVTile::SIZE);
+      wgmma_wait<1>();  // S_j, and dQ_{j-1} before it
+      fence_operands(acc_s);
+      fence_operands(acc_dq);
+      fence_fragments(ds_frag);
+      __syncthreads();  // every warp is done with buffer buf ^ 1
+      const int n_next = next_on(n_block + 1);
+      if (n_next < n_blocks) {
+        load_stream(n_next, buf ^ 1);
+        cp_async_commit();
       }
-      gemm_abt_pieces<HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, warp * 16, sV_j);
-#pragma unroll
-      for (int j = 0; j < S_TILES; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] * (q_factors.dout * kv_factors.v) - row_delta[e >> 1]);
-      }
-    } else if constexpr (SPLIT) {
-      if (role == 0) {  // S = Q K_j^T, P = exp(scale * S - lse), to the partner
-        gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, row0, sK_j, lane);
-        if (n_block >= n_unmasked) mask.apply(acc_s, m0 + row0, n0, lane);
+      if constexpr (HAS_MODS) {
+        const bool check = n_block < n_free_first || n_block > n_free_last;
+        mods.probs_times_derivative(acc_s, m0 + warp * 16, n0, lane, check, [&](int, int e) { return row_lse[e >> 1]; });
+      } else {
+        if (n_block >= n_unmasked) mask.apply(acc_s, m0 + warp * 16, n0, lane);
 #pragma unroll
         for (int j = 0; j < S_TILES; ++j) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc_s[j][e] = fast_exp2(acc_s[j][e] * Reals<A>::scale_log2(p) - row_lse[e >> 1]);
         }
-        tile_to_smem(sP_pair, acc_s, lane);
-      } else {  // dP = dO V_j^T
-        gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, row0, sV_j, lane);
       }
-      __syncthreads();  // P has reached role 1
-      if (role == 1) {  // dS = P * (dP - delta), back to role 0
-        tile_from_smem(acc_s, sP_pair, lane);
+      wgmma_wait<0>();
+      fence_operands(acc_dp);
+#pragma unroll
+      for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] - row_delta[e >> 1]);
+      }
+      pack_fragments<T>(acc_dp, ds_frag);
+      wg_issue_pb<T, S_TILES / 2, G_WARP, KVTile>(acc_dq, ds_frag, sK + buf * KVTile::SIZE, c0, !first);
+      if constexpr (!ACROSS_TURN) wgmma_wait<0>();
+      first = false;
+      n_block = n_next;
+    }
+    wgmma_wait<0>();
+    fence_operands(acc_dq);
+    fence_fragments(ds_frag);
+    if (first) zero_acc(acc_dq);  // no key block to visit
+  } else {
+    zero_acc(acc_dq);
+    for (int buf = 0; n_block < n_blocks; buf ^= 1) {
+      const int n0 = n_block * BLOCK_N;
+      const int n_next = next_on(n_block + 1);
+      if (n_next < n_blocks) {
+        load_stream(n_next, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      smem_publish<QTile>();
+      __syncthreads();
+      const E* sK_j = sK + buf * KVTile::SIZE;
+      const E* sV_j = sV + buf * KVTile::SIZE;
+
+      const PieceFactors kv_factors = pieces.at(n0);  // of K_j and V_j
+      A acc_s[S_TILES][4], acc_dp[S_TILES][4];
+      if constexpr (PIECES) {
+        // S = Q K_j^T (carrying 2^(e_q + e_k)), P = exp(scale * S - lse); dP = dO V_j^T (carrying
+        // 2^(e_v + e_dout)), dS = P * (dP - delta); dQ += dS K_j below (carrying 2^e_k).
+        gemm_abt_pieces<HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j);
+        if (n_block >= n_unmasked) mask.apply(acc_s, m0 + warp * 16, n0, lane);
+        const A scale_log2 = Reals<A>::scale_log2(p) * (q_factors.q * kv_factors.k);
+#pragma unroll
+        for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_s[j][e] = fast_exp2(acc_s[j][e] * scale_log2 - row_lse[e >> 1]);
+        }
+        gemm_abt_pieces<HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, warp * 16, sV_j);
+#pragma unroll
+        for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] * (q_factors.dout * kv_factors.v) - row_delta[e >> 1]);
+        }
+      } else if constexpr (SPLIT) {
+        if (role == 0) {  // S = Q K_j^T, P = exp(scale * S - lse), to the partner
+          gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, row0, sK_j, lane);
+          if (n_block >= n_unmasked) mask.apply(acc_s, m0 + row0, n0, lane);
+#pragma unroll
+          for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_s[j][e] = fast_exp2(acc_s[j][e] * Reals<A>::scale_log2(p) - row_lse[e >> 1]);
+          }
+          tile_to_smem(sP_pair, acc_s, lane);
+        } else {  // dP = dO V_j^T
+          gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, row0, sV_j, lane);
+        }
+        __syncthreads();  // P has reached role 1
+        if (role == 1) {  // dS = P * (dP - delta), back to role 0
+          tile_from_smem(acc_s, sP_pair, lane);
+#pragma unroll
+          for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] - row_delta[e >> 1]);
+          }
+          tile_to_smem(sP_pair, acc_dp, lane);
+        }
+        __syncthreads();  // dS has reached role 0
+        if (role == 0) tile_from_smem(acc_dp, sP_pair, lane);
+      } else if constexpr (HAS_MODS) {
+        // dP = dO V_j^T and S = Q K_j^T first; then per element the logit, P, dS (into dbias) and
+        // dS times the softcap derivative.
+        gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, warp * 16, sV_j, lane);
+        gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j, lane);
+        drop_dp(acc_dp, n0);
+        const bool check = MODS == Mods::scalars ? n_block < n_free_first || n_block > n_free_last
+                                                 : mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1);
+        mods.template backward<false>(acc_s, acc_dp, m0 + warp * 16, n0, lane, check,
+                                      [&](int, int e) { return row_lse[e >> 1]; },
+                                      [&](int, int e) { return row_delta[e >> 1]; }, c0 == 0);
+      } else {
+        // S = Q K_j^T, P = exp(scale * S - lse)
+        gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j, lane);
+        if (n_block >= n_unmasked) mask.apply(acc_s, m0 + warp * 16, n0, lane);
+#pragma unroll
+        for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_s[j][e] = fast_exp2(acc_s[j][e] * Reals<A>::scale_log2(p) - row_lse[e >> 1]);
+        }
+
+        // dP = dO V_j^T;  dS = P * (dP - delta)
+        gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, warp * 16, sV_j, lane);
+        drop_dp(acc_dp, n0);
 #pragma unroll
         for (int j = 0; j < S_TILES; ++j) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] - row_delta[e >> 1]);
         }
-        tile_to_smem(sP_pair, acc_dp, lane);
-      }
-      __syncthreads();  // dS has reached role 0
-      if (role == 0) tile_from_smem(acc_dp, sP_pair, lane);
-    } else if constexpr (MODS == Mods::scalars && WGMMA && BLOCK_N <= 64) {
-      // S = Q K_j^T and dP = dO V_j^T issued together: P times the softcap derivative comes out of S
-      // while the tensor cores still compute dP, then dS times the derivative = that * (dP - delta).
-      // (The derivative's tile of registers made the 128-key tiles spill.)
-      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, (warp * 16) & ~63, sK_j);
-      wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, (warp * 16) & ~63, sV_j);
-      wgmma_wait<1>();
-      fence_operands(acc_s);
-      const bool check = n_block < n_free_first || n_block > n_free_last;
-      mods.probs_times_derivative(acc_s, m0 + warp * 16, n0, lane, check, [&](int, int e) { return row_lse[e >> 1]; });
-      wgmma_wait<0>();
-      fence_operands(acc_dp);
-      drop_dp(acc_dp, n0);
-#pragma unroll
-      for (int j = 0; j < S_TILES; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] - row_delta[e >> 1]);
-      }
-    } else if constexpr (HAS_MODS) {
-      // dP = dO V_j^T and S = Q K_j^T first; then per element the logit, P, dS (into dbias) and
-      // dS times the softcap derivative.
-      gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, warp * 16, sV_j, lane);
-      gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j, lane);
-      drop_dp(acc_dp, n0);
-      const bool check = MODS == Mods::scalars ? n_block < n_free_first || n_block > n_free_last
-                                               : mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1);
-      mods.template backward<false>(acc_s, acc_dp, m0 + warp * 16, n0, lane, check,
-                                    [&](int, int e) { return row_lse[e >> 1]; },
-                                    [&](int, int e) { return row_delta[e >> 1]; }, c0 == 0);
-    } else {
-      // S = Q K_j^T, P = exp(scale * S - lse)
-      gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j, lane);
-      if (n_block >= n_unmasked) mask.apply(acc_s, m0 + warp * 16, n0, lane);
-#pragma unroll
-      for (int j = 0; j < S_TILES; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_s[j][e] = fast_exp2(acc_s[j][e] * Reals<A>::scale_log2(p) - row_lse[e >> 1]);
       }
 
-      // dP = dO V_j^T;  dS = P * (dP - delta)
-      gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, warp * 16, sV_j, lane);
-      drop_dp(acc_dp, n0);
-#pragma unroll
-      for (int j = 0; j < S_TILES; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] - row_delta[e >> 1]);
-      }
+      // dQ += dS K_j (SPLIT: this warp's half of the chunk's columns)
+      if constexpr (PIECES) gemm_pb_pieces<HEAD_DIM, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0, kv_factors.k);
+      else gemm_pb<T, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0 + g0, lane);
+      __syncthreads();  // this buffer is refilled two iterations on
+      n_block = n_next;
     }
-
-    // dQ += dS K_j (SPLIT: this warp's half of the chunk's columns)
-    if constexpr (PIECES) gemm_pb_pieces<HEAD_DIM, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0, kv_factors.k);
-    else gemm_pb<T, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0 + g0, lane);
-    __syncthreads();  // this buffer is refilled two iterations on
-    n_block = n_next;
   }
 
   // dQ = scale * dS K (DS_UNSCALED: scale / (1 - p) times the sum of (1 - p) dS K), staged through sQ (free
