@@ -499,6 +499,12 @@ struct ScoreMods {
     static_assert(!ARRAYS, "the scalars' instantiation");
     fold_derivative(s, dp, delta);
     additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
+    logits_to_probs(s, lse_log2);
+  }
+
+  // Logits (in exp_scale()'s units) -> P = exp(logit - lse).
+  template <int N, typename Lse>
+  __device__ __forceinline__ void logits_to_probs(A (&s)[N][4], Lse lse_log2) const {
     const A exp_scale_ = exp_scale();
 #pragma unroll
     for (int j = 0; j < N; ++j)
@@ -537,11 +543,7 @@ struct ScoreMods {
     static_assert(!ARRAYS, "the scalars' instantiation");
     softcap_tile(s, p.softcap > 0.f, [&](int j, int e, A t) { dcap[j][e] = A(1) - t * t; });
     additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
-    const A exp_scale_ = exp_scale();
-#pragma unroll
-    for (int j = 0; j < N; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = fast_exp2(s[j][e] * exp_scale_ - lse_log2(j, e));
+    logits_to_probs(s, lse_log2);
   }
 
   // The dQ pass's form: P times the derivative (P without a softcap) into s, from which dS times the
