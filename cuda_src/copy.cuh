@@ -63,9 +63,20 @@ __device__ __forceinline__ unsigned char* smem_aligned(unsigned char* raw) {
   return raw + (misalign ? 1024u - misalign : 0u);
 }
 
+// One 16-byte chunk, or zeros when !valid: cp.async's ignore-src predicate then reads nothing from src
+// (which may point past the tensor). So the swizzled copies below pass each chunk's own address, with no
+// select of address or size per chunk: the wgmma forward -6 to -13%, the backward -1 to -4% (bench/NOTES.md,
+// v15). The padded (mma.sync) copies still select the address: without it six sm_80 variants spilled.
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;  // 0 bytes read: the destination is zero-filled
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+  asm volatile("{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, ignore;\n}\n"
+               ::"r"(dst), "l"(src), "r"(static_cast<u32>(valid)));
+}
+// BYTES (4 or 8: one float or double) into shared memory, or zeros when !valid (as cp_async_16).
+template <int BYTES>
+__device__ __forceinline__ void cp_async_small(u32 dst, const void* src, bool valid) {
+  static_assert(BYTES == 4 || BYTES == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+  asm volatile("{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n cp.async.ca.shared.global [%0], [%1], %3, ignore;\n}\n"
+               ::"r"(dst), "l"(src), "r"(static_cast<u32>(valid)), "n"(BYTES));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int PENDING>
@@ -105,12 +116,10 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, i64 row_
     const T* src = gmem + r0 * row_stride + c;
     const i64 src_step = ROW_STEP * row_stride;
     if (FULL_TILE_BRANCH && valid_rows >= ROWS) {  // every row inside the sequence: no per-row test or select
-      const T* from = col_ok ? src : gmem;
-      const i64 step = col_ok ? src_step : 0;
 #pragma unroll
       for (int pass = 0; pass * ROW_STEP < ROWS; ++pass) {
         if (ROWS % ROW_STEP == 0 || r0 + pass * ROW_STEP < ROWS) {
-          cp_async_16(dst + pass * Tile::row_shift(ROW_STEP) * static_cast<int>(sizeof(T)), from + pass * step, col_ok);
+          cp_async_16(dst + pass * Tile::row_shift(ROW_STEP) * static_cast<int>(sizeof(T)), src + pass * src_step, col_ok);
         }
       }
       return;
@@ -119,8 +128,8 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, i64 row_
     for (int pass = 0; pass * ROW_STEP < ROWS; ++pass) {
       const int r = r0 + pass * ROW_STEP;
       if (ROWS % ROW_STEP == 0 || r < ROWS) {
-        const bool valid = col_ok && r < valid_rows;
-        cp_async_16(dst + pass * Tile::row_shift(ROW_STEP) * static_cast<int>(sizeof(T)), valid ? src + pass * src_step : gmem, valid);
+        cp_async_16(dst + pass * Tile::row_shift(ROW_STEP) * static_cast<int>(sizeof(T)), src + pass * src_step,
+                    col_ok && r < valid_rows);
       }
     }
   } else {
