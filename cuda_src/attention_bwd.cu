@@ -246,6 +246,9 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   // element. (The modifiers' passes keep dS itself: the dQ pass adds it into dbias.)
   constexpr bool DS_UNSCALED = HAS_DROPOUT && !HAS_MODS;
   const A delta_scale = DS_UNSCALED ? A(1) / Reals<A>::dropout_scale(p) : A(1);
+  // lse and delta reach shared memory by cp.async (load_stream), except where delta needs that scale, and
+  // in the mma.sync Mods::all pass (at HEAD_DIM 128 it spilled 16 bytes on sm_90 with the copies).
+  constexpr bool LSE_BY_COPY = !DS_UNSCALED && (WGMMA || MODS != Mods::all);
 
   // Only query rows i with i + nk - nq >= n0 see a key of this block under the causal mask.
   int m_first = IS_CAUSAL ? max(0, n0 - offset) / BLOCK_M : 0;
@@ -278,10 +281,22 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
     const int m0 = m_block * BLOCK_M;
     load_tile_async<QTile, THREADS, true>(sQ + buf * QTile::SIZE, q + m0 * p.q_stride[3], p.q_stride[3], seq.nq() - m0, qk_cols());
     load_tile_async<QTile, THREADS, true>(sdO + buf * QTile::SIZE, dout + m0 * p.dout_stride[3], p.dout_stride[3], seq.nq() - m0, v_cols());
-    for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
-      const bool valid = m0 + i < seq.nq();  // rows past nq: P = 0 through lse = +inf
-      sLse[buf * BLOCK_M + i] = valid ? lse_log2[m0 + i] : pos_inf();
-      sDelta[buf * BLOCK_M + i] = valid ? delta[m0 + i] * delta_scale : A(0);
+    if constexpr (!LSE_BY_COPY) {
+      for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
+        const bool valid = m0 + i < seq.nq();  // rows past nq: P = 0 through lse = +inf
+        sLse[buf * BLOCK_M + i] = valid ? lse_log2[m0 + i] : pos_inf();
+        sDelta[buf * BLOCK_M + i] = valid ? delta[m0 + i] * delta_scale : A(0);
+      }
+    } else {
+      // lse and delta copied like the tiles, so no thread waits on global memory here (plain loads put
+      // that wait into the loop of the warps that stored them). Rows past nq get lse = delta = 0: their q
+      // and dout rows are zeros, so S^T = dP^T = 0 there, P^T = 1 meets a zero dout row in dV, and dS^T = 0.
+      for (int i = threadIdx.x; i < 2 * BLOCK_M; i += THREADS) {
+        const bool is_delta = i >= BLOCK_M;
+        const int r = is_delta ? i - BLOCK_M : i;
+        cp_async_small<sizeof(A)>(smem_u32((is_delta ? sDelta : sLse) + buf * BLOCK_M + r), (is_delta ? delta : lse_log2) + m0 + r,
+                                  m0 + r < seq.nq());
+      }
     }
   };
 
