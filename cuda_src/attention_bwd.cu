@@ -267,10 +267,11 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   // dQ pass does).
   int m_free_first = 0, m_free_last = -1;
   if constexpr (PIPELINED && HAS_MODS) mods.template unchecked_query_blocks<BLOCK_M>(n0, n0 + BLOCK_N - 1, m_free_first, m_free_last);
-  TileBitmap tile_bitmap;
+  TileBitmap own_bitmap;  // Mods::all's; Mods::scalars use the shared one
+  TileBitmap& tile_bitmap = tile_bitmap_for<MODS>(own_bitmap);
   if constexpr (HAS_MODS) {
     __shared__ u32 bitmap_words[TILE_BITMAP_WORDS];
-    mods.template load_tile_bitmap<NUM_WARPS, false>(tile_bitmap, bitmap_words, n0);
+    mods.template load_tile_bitmap<NUM_WARPS, false>(tile_bitmap, bitmap_words, b, n0);
   }
   auto next_on = [&](int m_block) {
     if constexpr (HAS_MODS) m_block = mods.template next_on<BLOCK_M>(tile_bitmap, m_block, m_blocks);
@@ -625,10 +626,11 @@ attention_bwd_dq_kernel(const AttnParams p) {
   // tile from nq and nk in shared memory; Mods::all has no registers to spare for them.
   int n_free_first = 0, n_free_last = -1;
   if constexpr (MODS == Mods::scalars) mods.template unchecked_key_blocks<BLOCK_N>(m0, m0 + BLOCK_M - 1, n_free_first, n_free_last);
-  TileBitmap tile_bitmap;
+  TileBitmap own_bitmap;  // Mods::all's; Mods::scalars use the shared one
+  TileBitmap& tile_bitmap = tile_bitmap_for<MODS>(own_bitmap);
   if constexpr (HAS_MODS) {
     __shared__ u32 bitmap_words[TILE_BITMAP_WORDS];
-    mods.template load_tile_bitmap<NUM_WARPS, true>(tile_bitmap, bitmap_words, m0);
+    mods.template load_tile_bitmap<NUM_WARPS, true>(tile_bitmap, bitmap_words, b, m0);
   }
   auto next_on = [&](int n_block) {
     if constexpr (HAS_MODS) n_block = mods.template next_on<BLOCK_N>(tile_bitmap, n_block, n_blocks);

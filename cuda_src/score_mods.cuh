@@ -1,5 +1,5 @@
 // score_mods.cuh — the score modifiers, for kernels instantiated with MODS = Mods::scalars (window, softcap,
-// ALiBi) or Mods::all (also bias with dbias, mask, block mask): ScoreMods<T, ARRAYS = MODS == Mods::all>.
+// ALiBi, block mask) or Mods::all (also bias with dbias, mask): ScoreMods<T, ARRAYS = MODS == Mods::all>.
 //
 // Semantics (cupyflash/_modifiers.py is the authority; off = offset = nk - nq of this batch entry's
 // sequence, SeqInfo):
@@ -56,6 +56,10 @@ struct SoftcapTanh {
 // The block mask along the axis a kernel streams (keys for the forward and dQ, queries for dK/dV), as
 // a bitmap in shared memory: finding the next tile that is on is then a word scan, not a chain of
 // dependent global loads. Longer axes than the bitmap holds read global memory tile by tile.
+// The TileBitmap object itself (where the words are, the line, its stride and count) lives in registers
+// in the Mods::all kernels and in shared memory in the Mods::scalars ones (tile_bitmap_for): held in
+// registers through their loops it made the scalars' HEAD_DIM 128 dK/dV pass spill, and moving it for
+// Mods::all too made eighteen of those kernels, already at 255 registers, spill on sm_90.
 constexpr int TILE_BITMAP_WORDS = 64;  // 2048 tiles of 128: 262,144 keys (or queries)
 
 struct TileBitmap {
@@ -111,6 +115,20 @@ struct TileBitmap {
   }
 };
 
+// The Mods::scalars kernels' TileBitmap (module-scope shared memory is allocated only for the kernels that
+// use it). Every thread of the CTA writes the same values into it (TileBitmap::load) and reads it back.
+__shared__ TileBitmap scalars_tile_bitmap;
+
+// The TileBitmap a MODS kernel works with: `in_registers` (its own local object) or the shared one.
+template <Mods MODS, class Bitmap>
+__device__ __forceinline__ Bitmap& tile_bitmap_for(Bitmap& in_registers) {
+  if constexpr (MODS == Mods::scalars) {
+    return scalars_tile_bitmap;
+  } else {
+    return in_registers;
+  }
+}
+
 // Per CTA it keeps only its batch entry's base pointers and slope in registers; sizes, strides and
 // flags are read from the kernel's parameter struct (constant memory operands, no registers).
 // Tile transforms run as passes over the whole accumulator tile, one uniform branch per option and
@@ -141,6 +159,16 @@ struct ScoreMods {
       }
       if (p.mask) mask = p.mask + batch_offset(p.mask_stride, b, p);
       if (p.block_mask) block_mask = p.block_mask + batch_offset(p.block_mask_stride, b, p);
+    }
+  }
+
+  // Whether a block mask is on. Mods::scalars serves it too (it skips tiles and touches no score), but
+  // asks the parameters, keeping no pointer in a register; its line is found once, in load_tile_bitmap.
+  __device__ __forceinline__ bool has_block_mask() const {
+    if constexpr (ARRAYS) {
+      return block_mask != nullptr;
+    } else {
+      return p.block_mask != nullptr;
     }
   }
 
@@ -196,14 +224,15 @@ struct ScoreMods {
   // This CTA's line of the block mask along its streamed axis: keys of query row i (KEYS), or
   // queries of key j. Empty (all on) without a block mask.
   template <int NUM_WARPS, bool KEYS>
-  __device__ __forceinline__ void load_tile_bitmap(TileBitmap& bitmap, u32* smem_words, int fixed) const {
+  __device__ __forceinline__ void load_tile_bitmap(TileBitmap& bitmap, u32* smem_words, int b, int fixed) const {
     bitmap.words = nullptr; bitmap.line = nullptr; bitmap.count = 0; bitmap.stride = 0;
-    if (!block_mask) return;
+    if (!has_block_mask()) return;
+    const unsigned char* lines = ARRAYS ? block_mask : p.block_mask + batch_offset(p.block_mask_stride, b, p);
     const int t = fixed / BLOCK_MASK_TILE;
     if (KEYS) {
-      bitmap.load<NUM_WARPS>(smem_words, block_mask + t * p.block_mask_stride[3], p.block_mask_stride[4], ceil_div(nk(), BLOCK_MASK_TILE));
+      bitmap.load<NUM_WARPS>(smem_words, lines + t * p.block_mask_stride[3], p.block_mask_stride[4], ceil_div(nk(), BLOCK_MASK_TILE));
     } else {
-      bitmap.load<NUM_WARPS>(smem_words, block_mask + t * p.block_mask_stride[4], p.block_mask_stride[3], ceil_div(nq(), BLOCK_MASK_TILE));
+      bitmap.load<NUM_WARPS>(smem_words, lines + t * p.block_mask_stride[4], p.block_mask_stride[3], ceil_div(nq(), BLOCK_MASK_TILE));
     }
   }
 
@@ -211,7 +240,7 @@ struct ScoreMods {
   // block-mask tile is on, or first - 1; and the first one >= n (< end) that is on, or end.
   template <int BLOCK>
   __device__ __forceinline__ int prev_on(const TileBitmap& bitmap, int n, int first) const {
-    if (!block_mask || n < first) return n;
+    if (!has_block_mask() || n < first) return n;
     constexpr int PER = BLOCK_MASK_TILE / BLOCK;
     const int t = bitmap.prev_on(n / PER);
     const int found = t == n / PER ? n : t * PER + PER - 1;
@@ -219,7 +248,7 @@ struct ScoreMods {
   }
   template <int BLOCK>
   __device__ __forceinline__ int next_on(const TileBitmap& bitmap, int n, int end) const {
-    if (!block_mask || n >= end) return n;
+    if (!has_block_mask() || n >= end) return n;
     constexpr int PER = BLOCK_MASK_TILE / BLOCK;
     const int t = bitmap.next_on(n / PER);
     const int found = t == n / PER ? n : t * PER;

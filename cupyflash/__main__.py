@@ -47,7 +47,7 @@ def _bnhd_to_bhnd(x):
 class Case:
     """One check: the physical (allocated) shapes of q, k, v and a view that makes them (..., N, D);
     ``modifiers``: also every score modifier at once (window, softcap, ALiBi, bias, mask, block mask), or
-    "scalars": window, softcap and ALiBi alone (the kernels compiled without the modifiers' arrays)."""
+    "scalars": window, softcap, ALiBi and block mask alone (the kernels compiled without the modifiers' arrays)."""
 
     def __init__(self, name, q, k, v, view=_identity, modifiers=False):
         self.name, self.shapes, self.view, self.modifiers = name, (q, k, v), view, modifiers
@@ -64,7 +64,7 @@ GPU_CASES = [
     Case("GQA Hk2 G3 N96 D64", (1, 2, 3, 96, 64), (1, 2, 1, 96, 64), (1, 2, 1, 96, 64)),
     Case("BNHD view B2 N100 H4 D32", (2, 100, 4, 32), (2, 100, 4, 32), (2, 100, 4, 32), _bnhd_to_bhnd),
     Case("modifiers Nq150 Nk170 D64", (2, 3, 150, 64), (2, 3, 170, 64), (2, 3, 170, 64), modifiers=True),
-    Case("window softcap ALiBi Nq150 Nk170 D128", (2, 3, 150, 128), (2, 3, 170, 128), (2, 3, 170, 128),
+    Case("window softcap ALiBi block mask Nq150 Nk170 D128", (2, 3, 150, 128), (2, 3, 170, 128), (2, 3, 170, 128),
          modifiers="scalars"),
 ]
 CPU_CASES = [
@@ -223,7 +223,7 @@ def _check_one(case, dtype_name, causal, xp, rng):
     dout = rng.standard_normal(batch + (q.shape[-2], v.shape[-1]), dtype=np.float32).astype(dtype)
     options = _modifier_options(rng, batch, q.shape[-2], k.shape[-2], dtype) if case.modifiers else {}
     if case.modifiers == "scalars":
-        options = {name: options[name] for name in ("window", "softcap", "alibi_slopes")}
+        options = {name: options[name] for name in ("window", "softcap", "alibi_slopes", "block_mask")}
     try:
         if xp is np:
             dev, dev_options = [q, k, v, dout], options

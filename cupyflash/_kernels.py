@@ -100,7 +100,7 @@ class Variant:
     ``dropout``: the kernels that regenerate and apply the dropout mask (fwd and bwd only).
     ``large_smem``: float64 tiles that need the shared memory of compute capability >= 9.0 (sm_90 only).
     ``scalar_mods``: the modifiers' instantiation without the per-element arrays (``Mods::scalars``: window,
-    softcap, ALiBi; fwd and bwd without dropout; 16-bit and float32), whose freed registers allow larger
+    softcap, ALiBi, block mask; fwd and bwd without dropout; 16-bit and float32), whose freed registers allow larger
     tiles in places. ``bounded``: its wgmma bfloat16 forward for softcapped scores without ALiBi, at most 1,
     whose softmax takes 1 as every row's max (cuda_src/attention_fwd.cu; _variant picks it)."""
 
@@ -586,8 +586,9 @@ BOUNDED_SOFTCAP_MAX = 62.0 * math.log(2.0)
 
 
 def _scalars_only(mods) -> bool:
-    """Whether the modifiers need no per-element array (ALiBi's slopes are one number per batch entry)."""
-    return mods.bias is None and mods.mask is None and mods.block_mask is None
+    """Whether the modifiers need no per-element array (ALiBi's slopes are one number per batch entry; the
+    block mask skips whole tiles, read once per CTA into shared memory)."""
+    return mods.bias is None and mods.mask is None
 
 
 def uses_large_smem(itemsize: int, head_dim: int) -> bool:

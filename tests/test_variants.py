@@ -14,10 +14,11 @@ def _variant(mods, dropout=None, direction="fwd"):
     return _kernels._variant(direction, np.float16, 64, 64, True, mods, dropout)
 
 
-def test_window_softcap_and_alibi_take_the_scalars_instantiation():
+def test_window_softcap_alibi_and_block_mask_take_the_scalars_instantiation():
     slopes = np.ones((3,), dtype=np.float32)
-    for options in (dict(window=(10, 0)), dict(softcap=5.0), dict(alibi_slopes=slopes),
-                    dict(window=(10, 5), softcap=5.0, alibi_slopes=slopes)):
+    block_mask = np.ones((1, 1), bool)
+    for options in (dict(window=(10, 0)), dict(softcap=5.0), dict(alibi_slopes=slopes), dict(block_mask=block_mask),
+                    dict(window=(10, 5), softcap=5.0, alibi_slopes=slopes, block_mask=block_mask)):
         for direction in ("fwd", "bwd"):
             variant = _variant(_mods(**options), direction=direction)
             assert variant.mods and variant.scalar_mods and not variant.causal, options
@@ -25,10 +26,9 @@ def test_window_softcap_and_alibi_take_the_scalars_instantiation():
 
 
 def test_arrays_or_dropout_take_the_full_instantiation():
-    arrays = dict(bias=np.zeros((100, 120), np.float16), mask=np.ones((100, 120), bool),
-                  block_mask=np.ones((1, 1), bool))
+    arrays = dict(bias=np.zeros((100, 120), np.float16), mask=np.ones((100, 120), bool))
     for name, array in arrays.items():
-        variant = _variant(_mods(window=(10, 0), **{name: array}))
+        variant = _variant(_mods(window=(10, 0), block_mask=np.ones((1, 1), bool), **{name: array}))
         assert variant.mods and not variant.scalar_mods, name
         assert "Mods::all" in variant.name_expression("fwd")
     with_dropout = _variant(_mods(window=(10, 0)), _dropout.Dropout(0.1, 1))
