@@ -69,14 +69,17 @@ struct TileBitmap {
   int count;                  // block-mask tiles along the axis
 
   // Fill `smem_words` (TILE_BITMAP_WORDS) from block-mask line `line`; every thread of the CTA calls it.
+  // Until the barrier each thread reads only its arguments, never the members: in shared memory (the
+  // scalars' object) other warps may still be writing them, the reset to null included.
   template <int NUM_WARPS>
   __device__ __forceinline__ void load(u32* smem_words, const unsigned char* line_, i64 stride_, int count_) {
+    const bool in_words = count_ <= 32 * TILE_BITMAP_WORDS;
     line = line_; stride = stride_; count = count_;
-    words = count <= 32 * TILE_BITMAP_WORDS ? smem_words : nullptr;
+    words = in_words ? smem_words : nullptr;
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    if (words) {
-      for (int base = warp * WARP_SIZE; base < count; base += NUM_WARPS * WARP_SIZE) {
-        const bool on = base + lane < count && line[(base + lane) * stride];
+    if (in_words) {
+      for (int base = warp * WARP_SIZE; base < count_; base += NUM_WARPS * WARP_SIZE) {
+        const bool on = base + lane < count_ && line_[(base + lane) * stride_];
         const u32 word = __ballot_sync(0xffffffffu, on);
         if (lane == 0) smem_words[base / WARP_SIZE] = word;
       }
@@ -116,7 +119,8 @@ struct TileBitmap {
 };
 
 // The Mods::scalars kernels' TileBitmap (module-scope shared memory is allocated only for the kernels that
-// use it). Every thread of the CTA writes the same values into it (TileBitmap::load) and reads it back.
+// use it). Every thread of the CTA writes the same final values into it (load_tile_bitmap) and reads it
+// only after TileBitmap::load's barrier.
 __shared__ TileBitmap scalars_tile_bitmap;
 
 // The TileBitmap a MODS kernel works with: `in_registers` (its own local object) or the shared one.
