@@ -19,11 +19,11 @@
 #include "common.cuh"
 
 // Which score modifiers a kernel is instantiated for. none: the plain and causal kernels. scalars: window
-// (causal travels in it), softcap and ALiBi, whose terms come from a few numbers per batch entry, and the
-// block mask, which skips whole tiles and touches no score. all: also the per-element arrays (bias and its
-// gradient, mask). Each instantiation still checks at run time which of its options are on; leaving the
-// arrays out of `scalars` frees the registers their addresses and index math hold, so those kernels can
-// take larger tiles.
+// (causal travels in it), softcap and ALiBi, whose terms come from a few numbers per batch entry, and in
+// the backward the block mask, which skips whole tiles and touches no score. all: also the per-element
+// arrays (bias and its gradient, mask) and the forward's block mask. Each instantiation still checks at run
+// time which of its options are on; leaving the arrays out of `scalars` frees the registers their
+// addresses and index math hold, so those kernels can take larger tiles.
 enum class Mods { none, scalars, all };
 
 struct AttnParams {

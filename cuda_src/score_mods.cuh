@@ -1,5 +1,6 @@
 // score_mods.cuh — the score modifiers, for kernels instantiated with MODS = Mods::scalars (window, softcap,
-// ALiBi, block mask) or Mods::all (also bias with dbias, mask): ScoreMods<T, ARRAYS = MODS == Mods::all>.
+// ALiBi; the backward's block mask) or Mods::all (also bias with dbias, mask, block mask):
+// ScoreMods<T, ARRAYS = MODS == Mods::all>.
 //
 // Semantics (cupyflash/_modifiers.py is the authority; off = offset = nk - nq of this batch entry's
 // sequence, SeqInfo):

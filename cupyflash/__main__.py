@@ -47,7 +47,8 @@ def _bnhd_to_bhnd(x):
 class Case:
     """One check: the physical (allocated) shapes of q, k, v and a view that makes them (..., N, D);
     ``modifiers``: also every score modifier at once (window, softcap, ALiBi, bias, mask, block mask), or
-    "scalars": window, softcap, ALiBi and block mask alone (the kernels compiled without the modifiers' arrays)."""
+    "scalars": window, softcap, ALiBi and block mask alone (the backward's kernels compiled without the
+    modifiers' arrays; the forward with a block mask runs the full ones)."""
 
     def __init__(self, name, q, k, v, view=_identity, modifiers=False):
         self.name, self.shapes, self.view, self.modifiers = name, (q, k, v), view, modifiers

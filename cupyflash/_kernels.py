@@ -100,7 +100,7 @@ class Variant:
     ``dropout``: the kernels that regenerate and apply the dropout mask (fwd and bwd only).
     ``large_smem``: float64 tiles that need the shared memory of compute capability >= 9.0 (sm_90 only).
     ``scalar_mods``: the modifiers' instantiation without the per-element arrays (``Mods::scalars``: window,
-    softcap, ALiBi, block mask; fwd and bwd without dropout; 16-bit and float32), whose freed registers allow larger
+    softcap, ALiBi, and in bwd the block mask; fwd and bwd without dropout; 16-bit and float32), whose freed registers allow larger
     tiles in places. ``bounded``: its wgmma bfloat16 forward for softcapped scores without ALiBi, at most 1,
     whose softmax takes 1 as every row's max (cuda_src/attention_fwd.cu; _variant picks it)."""
 
@@ -569,7 +569,7 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
     name = numpy.dtype(dtype).name
     has_mods = mods is not None or direction == "probs" or packed
     ctype, head_dim = _CTYPES[name], _config.padded_head_dim(max(d, dv))
-    scalar = (has_mods and direction != "probs" and dropout is None and (mods is None or _scalars_only(mods))
+    scalar = (has_mods and direction != "probs" and dropout is None and (mods is None or _scalars_only(mods, direction))
               and _ITEMSIZE[ctype] in _config.SCALAR_MODS_ITEMSIZES)
     wgmma = uses_wgmma(_ITEMSIZE[ctype], head_dim, direction, has_mods, dropout is not None)
     bounded = (direction == "fwd" and scalar and wgmma and ctype == "bfloat16_t" and mods is not None
@@ -585,10 +585,11 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
 BOUNDED_SOFTCAP_MAX = 62.0 * math.log(2.0)
 
 
-def _scalars_only(mods) -> bool:
-    """Whether the modifiers need no per-element array (ALiBi's slopes are one number per batch entry; the
-    block mask skips whole tiles, read once per CTA into shared memory)."""
-    return mods.bias is None and mods.mask is None
+def _scalars_only(mods, direction: str) -> bool:
+    """Whether the modifiers need no per-element array (ALiBi's slopes are one number per batch entry). The
+    block mask skips whole tiles (a bitmap read once per CTA): the scalars' backward walks it, their forward
+    does not (walking it there slowed the ALiBi and window forwards; bench/NOTES.md, v15)."""
+    return mods.bias is None and mods.mask is None and (mods.block_mask is None or direction == "bwd")
 
 
 def uses_large_smem(itemsize: int, head_dim: int) -> bool:
@@ -777,7 +778,7 @@ def _plan_key(direction: str, arrays: dict, scale: float, causal: bool, mods, dr
     """What a dense call's launches depend on, or None when it is not planned (the modifiers' arrays)."""
     import cupy
 
-    if mods is not None and not _scalars_only(mods):
+    if mods is not None and not (mods.bias is None and mods.mask is None and mods.block_mask is None):
         return None
     # The inputs' layouts; outputs and workspaces are allocated contiguous from their shapes.
     layout = tuple((arrays[name].shape, arrays[name].strides) for name in _STRIDED if name in arrays)

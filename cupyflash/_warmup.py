@@ -30,7 +30,7 @@ _DTYPE_ALIASES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp6
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")  # the kernels' dtypes: the keys of _kernels._CTYPES
 ROW_ALIGN_BYTES = 16  # the API pads head dims to 16-byte rows before picking a HEAD_DIM (cp.async width)
 # Stand-ins for resolved modifiers: _kernels._variant asks whether any is on, whether a per-element array is
-# among them (the instantiation with the arrays) or not (the scalars one: window, softcap, ALiBi, block mask), and for
+# among them (the instantiation with the arrays) or not (the scalars one: window, softcap, ALiBi), and for
 # the scalars whether a softcap of at most BOUNDED_SOFTCAP_MAX comes without ALiBi (bfloat16 on Hopper: the
 # bounded forward).
 _SCALAR_MODIFIERS = types.SimpleNamespace(bias=None, mask=None, block_mask=None, softcap=0.0, alibi_slopes=None)

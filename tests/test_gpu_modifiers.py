@@ -279,6 +279,19 @@ def test_options_that_are_off_run_the_plain_kernels(rng):
         assert cupy.array_equal(x.view(np.uint8), y.view(np.uint8))
 
 
+def test_block_mask_calls_read_their_own_block_mask(rng):
+    """A block mask is an array, like bias and mask: calls with one are never planned, so a second call of
+    the same layout with another block mask reads the new one (forward and backward)."""
+    from cupyflash import _kernels
+
+    q, k, v, dout = _random_problem(rng, (2, 300, 64), (2, 300, 64), (2, 300, 64), ml_dtypes.bfloat16)
+    plans = set(_kernels._plans)
+    for block_mask in (cupy.ones((2, 3, 3), dtype=bool), cupy.asarray(np.broadcast_to(np.eye(3, dtype=bool), (2, 3, 3)))):
+        results = _run(q, k, v, dout, causal=False, block_mask=block_mask)
+        assert_matches_reference(q, k, v, dout, results, causal=False, block_mask=block_mask)
+    assert set(_kernels._plans) == plans, "block-mask calls should not be planned"
+
+
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_repeated_layout_with_new_slopes_and_arrays(rng, dtype):
     """The second call of a window + softcap + ALiBi layout reuses the first call's launch plan: it must read

@@ -14,15 +14,21 @@ def _variant(mods, dropout=None, direction="fwd"):
     return _kernels._variant(direction, np.float16, 64, 64, True, mods, dropout)
 
 
-def test_window_softcap_alibi_and_block_mask_take_the_scalars_instantiation():
+def test_window_softcap_and_alibi_take_the_scalars_instantiation():
     slopes = np.ones((3,), dtype=np.float32)
-    block_mask = np.ones((1, 1), bool)
-    for options in (dict(window=(10, 0)), dict(softcap=5.0), dict(alibi_slopes=slopes), dict(block_mask=block_mask),
-                    dict(window=(10, 5), softcap=5.0, alibi_slopes=slopes, block_mask=block_mask)):
+    for options in (dict(window=(10, 0)), dict(softcap=5.0), dict(alibi_slopes=slopes),
+                    dict(window=(10, 5), softcap=5.0, alibi_slopes=slopes)):
         for direction in ("fwd", "bwd"):
             variant = _variant(_mods(**options), direction=direction)
             assert variant.mods and variant.scalar_mods and not variant.causal, options
             assert "Mods::scalars" in variant.name_expression(direction if direction == "fwd" else "dq")
+
+
+def test_a_block_mask_takes_the_scalars_backward_and_the_full_forward():
+    for options in (dict(block_mask=np.ones((1, 1), bool)), dict(window=(10, 5), softcap=5.0, block_mask=np.ones((1, 1), bool))):
+        forward, backward = (_variant(_mods(**options), direction=direction) for direction in ("fwd", "bwd"))
+        assert forward.mods and not forward.scalar_mods and "Mods::all" in forward.name_expression("fwd"), options
+        assert backward.mods and backward.scalar_mods and "Mods::scalars" in backward.name_expression("dq"), options
 
 
 def test_arrays_or_dropout_take_the_full_instantiation():
