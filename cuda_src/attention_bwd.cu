@@ -37,9 +37,10 @@
 // added to dV, dK, dQ in registers; the powers of two come out per tile, in the softmax's scale, in dP
 // before dS, and in those additions (the streamed tile's) or the final scales (the CTA's own rows). The
 // preprocess reads out and dout themselves.
-// MODS instantiations (HAS_MODS; IS_CAUSAL = false, causality is the window's right edge) rebuild the
-// modified logits (score_mods.cuh), skip the tiles the window band or the block mask hide, and compute
-// dP before S so that each element's P, dS and softcap derivative 1 - tanh^2 come out of one pass.
+// MODS instantiations (HAS_MODS; IS_CAUSAL = false, causality is the window's right edge, except in
+// Mods::softcap, which takes it as the plain kernels do) rebuild the modified logits (score_mods.cuh), skip
+// the tiles the window band or the block mask hide, and compute dP before S so that each element's P, dS
+// and softcap derivative 1 - tanh^2 come out of one pass.
 // The bias gradient dS is added (atomics in the accumulator type) into a zeroed buffer of the bias's own
 // shape by the dQ pass, the first chunk of columns only; broadcast bias dims have stride 0 there, so
 // the adds sum over them. The atomics are the one thing here whose order can vary between runs.
@@ -183,7 +184,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   constexpr int G_TILES = D_CHUNK / 8;     // gradient columns per CTA
   constexpr int N_CHUNKS = HEAD_DIM / D_CHUNK;
   static_assert(HEAD_DIM % D_CHUNK == 0 && D_CHUNK % 16 == 0, "gradient column chunks");
-  static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
+  static_assert(!(HAS_MODS && IS_CAUSAL) || MODS == Mods::softcap, "with modifiers, causal is the window's right edge");
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
   static_assert(!WGMMA || ((sizeof(T) == 2 || PIECES) && NUM_WARPS % 4 == 0),
                 "wgmma: 16-bit or float32 (pieces) inputs, whole warpgroups");
@@ -216,7 +217,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   if (b >= p.batch) return;
   const int c0 = (blockIdx.x % N_CHUNKS) * D_CHUNK;
   const int n0 = (blockIdx.x / N_CHUNKS) * BLOCK_N;
-  const SeqInfo<HAS_MODS> seq(p, b);
+  const SeqInfo<may_be_packed(MODS)> seq(p, b);
   if (n0 >= seq.nk()) return;  // past a shorter sequence's end (variable-length batches)
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int offset = seq.causal_offset();
@@ -255,7 +256,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   int m_blocks = ceil_div(seq.nq(), BLOCK_M);
   const Mask<IS_CAUSAL> mask{seq.nk(), offset};
   // With modifiers: the query blocks of the window band whose block-mask tile is on (next_on).
-  const ScoreMods<T, MODS == Mods::all> mods(p, b);
+  const ScoreMods<T, MODS, IS_CAUSAL> mods(p, b);
   if constexpr (HAS_MODS) {
     const int i_first = mods.first_query(n0), i_last = mods.last_query(min(n0 + BLOCK_N, seq.nk()) - 1);
     m_first = i_first / BLOCK_M;
@@ -355,7 +356,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
                                          [&](int j, int e) { return delta_i[j * 8 + 2 * t + (e & 1)]; });
         pack_fragments<T>(acc_s, p_frag);
         wg_issue_pb<T, S_TILES / 2, G_TILES, QTile>(acc_dv, p_frag, sdO_i, c0, !first);
-        if (p.softcap > 0.f) {
+        if (mods.capped()) {
 #pragma unroll
           for (int j = 0; j < S_TILES; ++j)
 #pragma unroll
@@ -533,7 +534,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
   constexpr int G_TILES = D_CHUNK / 8;
   constexpr int N_CHUNKS = HEAD_DIM / D_CHUNK;
   static_assert(HEAD_DIM % D_CHUNK == 0 && D_CHUNK % 16 == 0, "gradient column chunks");
-  static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
+  static_assert(!(HAS_MODS && IS_CAUSAL) || MODS == Mods::softcap, "with modifiers, causal is the window's right edge");
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
   static_assert(!WGMMA || ((sizeof(T) == 2 || PIECES) && NUM_WARPS % 4 == 0),
                 "wgmma: 16-bit or float32 (pieces) inputs, whole warpgroups");
@@ -549,7 +550,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
   // keys per tile: the softcap derivative's tile of registers made 128-key tiles spill), whose S and dP
   // are issued together (the loop below); across the loop's turn too (ACROSS_TURN) where the registers
   // hold the next tile's S and dP beside dQ's operands in flight.
-  constexpr bool PIPELINED = WGMMA && !PIECES && !SPLIT && !HAS_DROPOUT && (MODS == Mods::none || (MODS == Mods::scalars && BLOCK_N <= 64));
+  constexpr bool PIPELINED = WGMMA && !PIECES && !SPLIT && !HAS_DROPOUT && (MODS == Mods::none || (MODS != Mods::all && BLOCK_N <= 64));
   constexpr bool ACROSS_TURN = PIPELINED && BLOCK_N <= 64;
   // SPLIT: each 16 queries get a pair of warps (as in the dK/dV pass): role 0 computes S and P, role 1 dP
   // and dS; P goes to role 1 and dS back to role 0 through shared memory, and each accumulates half of
@@ -567,7 +568,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
   if (b >= p.batch) return;
   const int c0 = (blockIdx.x % N_CHUNKS) * D_CHUNK;
   const int m0 = (gridDim.x / N_CHUNKS - 1 - blockIdx.x / N_CHUNKS) * BLOCK_M;  // longest rows first
-  const SeqInfo<HAS_MODS> seq(p, b);
+  const SeqInfo<may_be_packed(MODS)> seq(p, b);
   if (m0 >= seq.nq()) return;  // past a shorter sequence's end (variable-length batches)
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int offset = seq.causal_offset();
@@ -613,7 +614,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
   if (IS_CAUSAL) n_unmasked = min(n_unmasked, max(0, m0 + offset + 1) / BLOCK_N);
   const Mask<IS_CAUSAL> mask{seq.nk(), offset};
   // With modifiers: the key blocks of the window band whose block-mask tile is on (next_on).
-  const ScoreMods<T, MODS == Mods::all> mods(p, b);
+  const ScoreMods<T, MODS, IS_CAUSAL> mods(p, b);
   int n_first = 0;
   if constexpr (HAS_MODS) {
     const int k_first = mods.first_key(m0), k_last = mods.last_key(min(m0 + BLOCK_M, seq.nq()) - 1);
@@ -622,10 +623,10 @@ attention_bwd_dq_kernel(const AttnParams p) {
   }
   n_first = max(n_first, p.stream_begin / BLOCK_N);  // this launch's part of the keys
   n_blocks = min(n_blocks, ceil_div(p.stream_end, BLOCK_N));
-  // Mods::scalars: the key blocks that need no bound checks, worked out once (as the forward does), not per
-  // tile from nq and nk in shared memory; Mods::all has no registers to spare for them.
+  // Mods::scalars and ::softcap: the key blocks that need no bound checks, worked out once (as the forward
+  // does), not per tile from nq and nk; Mods::all has no registers to spare for them.
   int n_free_first = 0, n_free_last = -1;
-  if constexpr (MODS == Mods::scalars) mods.template unchecked_key_blocks<BLOCK_N>(m0, m0 + BLOCK_M - 1, n_free_first, n_free_last);
+  if constexpr (HAS_MODS && MODS != Mods::all) mods.template unchecked_key_blocks<BLOCK_N>(m0, m0 + BLOCK_M - 1, n_free_first, n_free_last);
   TileBitmap own_bitmap;  // Mods::all's; Mods::scalars use the shared one
   TileBitmap& tile_bitmap = tile_bitmap_for<MODS>(own_bitmap);
   if constexpr (HAS_MODS) {
@@ -771,7 +772,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
         gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_dp, sdO, warp * 16, sV_j, lane);
         gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j, lane);
         drop_dp(acc_dp, n0);
-        const bool check = MODS == Mods::scalars ? n_block < n_free_first || n_block > n_free_last
+        const bool check = MODS != Mods::all ? n_block < n_free_first || n_block > n_free_last
                                                  : mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1);
         mods.template backward<false>(acc_s, acc_dp, m0 + warp * 16, n0, lane, check,
                                       [&](int, int e) { return row_lse[e >> 1]; },

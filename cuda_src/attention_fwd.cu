@@ -53,7 +53,7 @@ template <typename T, int NUM_WARPS, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, M
 struct RowBlock {
   static constexpr bool HAS_MODS = MODS != Mods::none;
   const AttnParams& p;
-  SeqInfo<HAS_MODS> seq;  // this batch entry's lengths and rows
+  SeqInfo<may_be_packed(MODS)> seq;  // this batch entry's lengths and rows
   int m0;
   const QIn* q;  // row m0
   const In* k;
@@ -69,12 +69,12 @@ struct RowBlock {
   int n_free_first = 0, n_free_last = -1;
   static constexpr bool KEYS_IN_REGISTERS = MODS != Mods::all;
   Mask<IS_CAUSAL> mask;
-  ScoreMods<T, MODS == Mods::all> mods;
+  ScoreMods<T, MODS> mods;
   TileBitmap tile_bitmap;  // Mods::all's block-mask walk (see the constructor)
 
   // Every thread of the CTA constructs it (the block-mask bitmap is loaded cooperatively), after
   // checking m0 < seq.nq().
-  __device__ __forceinline__ RowBlock(const AttnParams& params, int b, const SeqInfo<HAS_MODS>& seq_, int m0_,
+  __device__ __forceinline__ RowBlock(const AttnParams& params, int b, const SeqInfo<may_be_packed(MODS)>& seq_, int m0_,
                                       u32* bitmap_words)
       : p(params), seq(seq_), m0(m0_), mods(params, b) {
     q = static_cast<const QIn*>(p.q) + batch_offset(p.q_stride, b, p) + (seq.q_row + m0) * p.q_stride[3];
@@ -184,6 +184,7 @@ attention_fwd_kernel(const AttnParams p) {
   using A = acc_t<T>;  // float; double for float64 inputs
   static_assert(HEAD_DIM % D_CHUNK == 0 && D_CHUNK % 16 == 0, "output column chunks");
   static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
+  static_assert(MODS != Mods::softcap, "Mods::softcap: the backward's passes only");
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -196,7 +197,7 @@ attention_fwd_kernel(const AttnParams p) {
   if (b >= p.batch) return;
   // Reverse order: under the causal mask the last query blocks see the most keys; start them first.
   const int m0 = (gridDim.x / N_CHUNKS - 1 - blockIdx.x / N_CHUNKS) * BLOCK_M;
-  const SeqInfo<HAS_MODS> seq(p, b);
+  const SeqInfo<may_be_packed(MODS)> seq(p, b);
   if (m0 >= seq.nq()) return;  // past a shorter sequence's end (variable-length batches)
   const int c0 = (blockIdx.x % N_CHUNKS) * D_CHUNK;  // this CTA's output columns
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
@@ -278,6 +279,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
                 "split float32: plain and causal, the lo pieces on an atom boundary");
   static_assert(OutTile::SIZE * sizeof(T) <= QTile::SIZE * sizeof(E), "out staged in sQ");
   static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
+  static_assert(MODS != Mods::softcap, "Mods::softcap: the backward's passes only");
   static_assert(!HAS_MODS || (BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0),
                 "tiles inside block-mask tiles");
   static_assert(!SPLIT || SPLIT_BLOCK_ROWS % BLOCK_N == 0, "split float32: each key tile inside one row block");
@@ -294,7 +296,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   const int b = batch_index();
   if (b >= p.batch) return;
   const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // longest causal rows first
-  const SeqInfo<HAS_MODS> seq(p, b);
+  const SeqInfo<may_be_packed(MODS)> seq(p, b);
   if (m0 >= seq.nq()) return;  // past a shorter sequence's end (variable-length batches)
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int wg_row0 = (warp / 4) * 64;

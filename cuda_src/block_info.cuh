@@ -21,10 +21,16 @@
 // Which score modifiers a kernel is instantiated for. none: the plain and causal kernels. scalars: window
 // (causal travels in it), softcap and ALiBi, whose terms come from a few numbers per batch entry, and in
 // the backward the block mask, which skips whole tiles and touches no score. all: also the per-element
-// arrays (bias and its gradient, mask) and the forward's block mask. Each instantiation still checks at run
+// arrays (bias and its gradient, mask) and the forward's block mask. Each of those two still checks at run
 // time which of its options are on; leaving the arrays out of `scalars` frees the registers their
-// addresses and index math hold, so those kernels can take larger tiles.
-enum class Mods { none, scalars, all };
+// addresses and index math hold, so those kernels can take larger tiles. softcap: the scalars' backward
+// passes for a softcap alone, causal or not (IS_CAUSAL, as the plain kernels), on dense batches: the
+// window, ALiBi, block mask and packed lengths are compile-time constants there, so none of the scalars'
+// per-tile tests and shared-memory lengths remain (the softcapped backward ran 6% faster: bench/NOTES.md, v16).
+enum class Mods { none, softcap, scalars, all };
+
+// Whether a MODS kernel reads cu_seqlens (packed batches; SeqInfo's MAY_BE_PACKED).
+__host__ __device__ constexpr bool may_be_packed(Mods mods) { return mods == Mods::scalars || mods == Mods::all; }
 
 struct AttnParams {
   void* q;

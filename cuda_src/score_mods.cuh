@@ -1,6 +1,6 @@
 // score_mods.cuh — the score modifiers, for kernels instantiated with MODS = Mods::scalars (window, softcap,
-// ALiBi; the backward's block mask) or Mods::all (also bias with dbias, mask, block mask):
-// ScoreMods<T, ARRAYS = MODS == Mods::all>.
+// ALiBi; the backward's block mask), Mods::all (also bias with dbias, mask, block mask) or Mods::softcap
+// (the softcap alone, causal as IS_CAUSAL): ScoreMods<T, MODS, IS_CAUSAL>.
 //
 // Semantics (cupyflash/_modifiers.py is the authority; off = offset = nk - nq of this batch entry's
 // sequence, SeqInfo):
@@ -17,7 +17,9 @@
 // of two <= 128, aligned). Scores come back in a unit of the logit (logit = unit * score): raw q . k
 // without a softcap, tanh(x / softcap) with one; kernels run the softmax with unit * log2(e) as the
 // exponent's scale (ScoreMods::exp_scale).
-// Every option is a uniform run-time branch; the plain kernels (Mods::none) never see this file's
+// Every option is a uniform run-time branch, except in Mods::softcap, where each is a compile-time
+// constant (softcap on; window (-1, 0) if IS_CAUSAL, else none; no ALiBi, block mask or packed lengths), so
+// the same code folds down to the softcap's own work. The plain kernels (Mods::none) never see this file's
 // code, so options that are off cost them nothing.
 #pragma once
 #include "common.cuh"
@@ -138,21 +140,24 @@ __device__ __forceinline__ Bitmap& tile_bitmap_for(Bitmap& in_registers) {
 // flags are read from the kernel's parameter struct (constant memory operands, no registers).
 // Tile transforms run as passes over the whole accumulator tile, one uniform branch per option and
 // tile, so the element loops stay straight-line code the scheduler can interleave with the MMAs.
-template <typename T, bool ARRAYS = true>
+template <typename T, Mods MODS = Mods::all, bool IS_CAUSAL = false>
 struct ScoreMods {
   using A = acc_t<T>;
+  static constexpr bool ARRAYS = MODS == Mods::all;
+  static constexpr bool ALONE = MODS == Mods::softcap;  // the softcap alone: every other option is off
   const AttnParams& p;
   const void* bias;
   A* dbias;  // the accumulator type (atomic adds); with p.dbias_pairs possibly T or float32 (store_dbias_pairs)
   const unsigned char* mask;
   const unsigned char* block_mask;
   A add_scale;  // what ALiBi and bias terms are multiplied by: 1 / the scores' unit (exp_scale)
-  A slope;      // this batch entry's ALiBi slope, times add_scale
+  A slope;      // this batch entry's ALiBi slope, times add_scale (0 when ALONE)
 
-  // The kernel has constructed a SeqInfo<true> (HAS_MODS kernels do): the lengths are in shared memory.
+  // The kernel has constructed its SeqInfo (HAS_MODS kernels do): the lengths are in shared memory, or
+  // ALONE (dense batches only) in the parameters.
   __device__ __forceinline__ ScoreMods(const AttnParams& params, int b) : p(params) {
-    add_scale = p.softcap > 0.f ? Reals<A>::softcap_inv(p) : A(1) / Reals<A>::scale(p);  // 1 / the unit
-    slope = p.alibi_slopes ? A(p.alibi_slopes[batch_offset(p.alibi_stride, b, p)]) * add_scale : A(0);
+    add_scale = capped() ? Reals<A>::softcap_inv(p) : A(1) / Reals<A>::scale(p);  // 1 / the unit
+    slope = !ALONE && p.alibi_slopes ? A(p.alibi_slopes[batch_offset(p.alibi_stride, b, p)]) * add_scale : A(0);
     bias = nullptr;
     dbias = nullptr;
     mask = block_mask = nullptr;
@@ -170,36 +175,44 @@ struct ScoreMods {
   // Whether a block mask is on. Mods::scalars serves it too (it skips tiles and touches no score), but
   // asks the parameters, keeping no pointer in a register; its line is found once, in load_tile_bitmap.
   __device__ __forceinline__ bool has_block_mask() const {
-    if constexpr (ARRAYS) {
+    if constexpr (ALONE) {
+      return false;
+    } else if constexpr (ARRAYS) {
       return block_mask != nullptr;
     } else {
       return p.block_mask != nullptr;
     }
   }
 
-  // This batch entry's sequence lengths (SeqInfo<true>).
-  __device__ __forceinline__ static int nq() { return shared_nq(); }
-  __device__ __forceinline__ static int nk() { return shared_nk(); }
+  // This batch entry's sequence lengths (the kernel's SeqInfo: in shared memory, or ALONE the parameters).
+  __device__ __forceinline__ int nq() const { return ALONE ? p.nq : shared_nq(); }
+  __device__ __forceinline__ int nk() const { return ALONE ? p.nk : shared_nk(); }
+
+  // The options: is the softcap on; the window's edges (-1 = unbounded; causal is right = 0); is ALiBi on.
+  __device__ __forceinline__ bool capped() const { return ALONE || p.softcap > 0.f; }
+  __device__ __forceinline__ int window_left() const { return ALONE ? -1 : p.window_left; }
+  __device__ __forceinline__ int window_right() const { return ALONE ? (IS_CAUSAL ? 0 : -1) : p.window_right; }
+  __device__ __forceinline__ bool has_slope() const { return !ALONE && slope != A(0); }
 
   // The scores' unit (logit = unit * score): without a softcap the scores keep their raw units (q . k)
   // and the scale stays folded into the exponent, as in the plain kernels; with one they are
   // t = tanh(x / softcap) and the softcap is folded in likewise (SoftcapTanh). The exponent's scale is
   // unit * log2(e); ALiBi and bias terms are divided by the unit (add_scale: one FMA each).
   __device__ __forceinline__ A exp_scale() const {
-    return p.softcap > 0.f ? Reals<A>::softcap(p) * log2e<A>() : Reals<A>::scale_log2(p);
+    return capped() ? Reals<A>::softcap(p) * log2e<A>() : Reals<A>::scale_log2(p);
   }
 
   // Keys [first, last] that some query of rows [r0, r1] may see through the window band and nk.
-  __device__ __forceinline__ int first_key(int r0) const { return p.window_left < 0 ? 0 : max(0, r0 + nk() - nq() - p.window_left); }
-  __device__ __forceinline__ int last_key(int r1) const { return p.window_right < 0 ? nk() - 1 : min(nk() - 1, r1 + nk() - nq() + p.window_right); }
+  __device__ __forceinline__ int first_key(int r0) const { return window_left() < 0 ? 0 : max(0, r0 + nk() - nq() - window_left()); }
+  __device__ __forceinline__ int last_key(int r1) const { return window_right() < 0 ? nk() - 1 : min(nk() - 1, r1 + nk() - nq() + window_right()); }
   // Queries [first, last] that may see some key of columns [c0, c1] (clipped to [0, nq - 1]).
-  __device__ __forceinline__ int first_query(int c0) const { return p.window_right < 0 ? 0 : max(0, c0 - (nk() - nq()) - p.window_right); }
-  __device__ __forceinline__ int last_query(int c1) const { return p.window_left < 0 ? nq() - 1 : min(nq() - 1, c1 - (nk() - nq()) + p.window_left); }
+  __device__ __forceinline__ int first_query(int c0) const { return window_right() < 0 ? 0 : max(0, c0 - (nk() - nq()) - window_right()); }
+  __device__ __forceinline__ int last_query(int c1) const { return window_left() < 0 ? nq() - 1 : min(nq() - 1, c1 - (nk() - nq()) + window_left()); }
 
   // Does the tile rows [r0, r1] x cols [c0, c1] need per-element bound checks? Interior tiles of the
   // band that lie inside nq x nk do not.
   __device__ __forceinline__ bool needs_bounds(int r0, int r1, int c0, int c1) const {
-    const int offset = nk() - nq(), left = p.window_left, right = p.window_right;
+    const int offset = nk() - nq(), left = window_left(), right = window_right();
     return r1 >= nq() || c1 >= nk() || (right >= 0 && c1 > r0 + offset + right) || (left >= 0 && c0 < r1 + offset - left);
   }
 
@@ -208,7 +221,7 @@ struct ScoreMods {
   // the forward's tiles test two registers instead of re-deriving the band from nq and nk.
   template <int BLOCK>
   __device__ __forceinline__ void unchecked_key_blocks(int r0, int r1, int& first, int& last) const {
-    const int offset = nk() - nq(), left = p.window_left, right = p.window_right;
+    const int offset = nk() - nq(), left = window_left(), right = window_right();
     first = left < 0 ? 0 : -floor_div(-(r1 + offset - left), BLOCK);          // c0 >= r1 + offset - left
     last = nk() / BLOCK - 1;                                                    // c1 < nk
     if (right >= 0) last = min(last, floor_div(r0 + offset + right + 1, BLOCK) - 1);  // c1 <= r0 + offset + right
@@ -219,7 +232,7 @@ struct ScoreMods {
   // columns [c0, c1] need no bound checks.
   template <int BLOCK>
   __device__ __forceinline__ void unchecked_query_blocks(int c0, int c1, int& first, int& last) const {
-    const int offset = nk() - nq(), left = p.window_left, right = p.window_right;
+    const int offset = nk() - nq(), left = window_left(), right = window_right();
     first = right < 0 ? 0 : -floor_div(-(c1 - offset - right), BLOCK);              // r0 >= c1 - offset - right
     last = nq() / BLOCK - 1;                                                          // r1 < nq
     if (left >= 0) last = min(last, floor_div(c0 - offset + left + 1, BLOCK) - 1);  // r1 <= c0 - offset + left
@@ -302,7 +315,7 @@ struct ScoreMods {
   }
 
   __device__ __forceinline__ bool visible(int i, int key) const {
-    const int offset = nk() - nq(), left = p.window_left, right = p.window_right;
+    const int offset = nk() - nq(), left = window_left(), right = window_right();
     return i < nq() && key < nk() && (left < 0 || key >= i + offset - left) && (right < 0 || key <= i + offset + right);
   }
 
@@ -310,7 +323,7 @@ struct ScoreMods {
   // needs its derivative), then hidden keys -> -inf. Bias and mask are read only inside nq x nk.
   template <bool TRANSPOSED, int N>
   __device__ __forceinline__ void additive_and_hide(A (&s)[N][4], int row0, int col0, int lane, bool check) const {
-    if (slope != A(0)) {
+    if (has_slope()) {
       // |i + nk - nq - key| as a float offset from this thread's first element: one add and one FMA
       // per element (exact: integers far below 2^24).
       int i0, key0;
@@ -397,7 +410,7 @@ struct ScoreMods {
   // range comes back as first = 2^31, span = 0, which no column index reaches.
   template <bool TRANSPOSED>
   __device__ __forceinline__ void visible_columns(int row, u32& first, u32& span) const {
-    const int offset = nk() - nq(), left = p.window_left, right = p.window_right;
+    const int offset = nk() - nq(), left = window_left(), right = window_right();
     const int rows = TRANSPOSED ? nk() : nq(), cols = TRANSPOSED ? nq() : nk();
     // query i sees keys [i + offset - left, i + offset + right]; key j is seen by queries
     // [j - offset - right, j - offset + left]
@@ -430,7 +443,7 @@ struct ScoreMods {
   // Forward (and probs): raw scores -> what the online softmax takes with exp_scale().
   template <bool TRANSPOSED, int N>
   __device__ __forceinline__ void apply(A (&s)[N][4], int row0, int col0, int lane, bool check) const {
-    if (p.softcap > 0.f) {
+    if (capped()) {
       const SoftcapTanh<T, A> softcap(p);
 #pragma unroll
       for (int j = 0; j < N; ++j)
@@ -447,7 +460,7 @@ struct ScoreMods {
   __device__ __forceinline__ A score(A raw, int i, int key, bool check, A& dcap) const {
     A x = raw;
     dcap = A(1);
-    if (p.softcap > 0.f) {
+    if (capped()) {
       const A t = SoftcapTanh<T, A>(p).tanh_of(raw);
       x = t;
       dcap = A(1) - t * t;
@@ -493,7 +506,7 @@ struct ScoreMods {
   // which needs S alone (the pipelined dK/dV pass computes it while the tensor cores compute dP)...
   template <int N>
   __device__ __forceinline__ void softcap_scores(A (&s)[N][4]) const {
-    softcap_tile(s, p.softcap > 0.f, [](int, int, A) {});
+    softcap_tile(s, capped(), [](int, int, A) {});
   }
 
   // ... and from those scores (t with a softcap) and dP, backward()'s P into s and dS times the softcap
@@ -516,7 +529,7 @@ struct ScoreMods {
   // With a softcap, dp -> (dP - delta) * (1 - t^2) from t in s (what dS times the derivative is P times).
   template <int N, typename Delta>
   __device__ __forceinline__ void fold_derivative(const A (&s)[N][4], A (&dp)[N][4], Delta delta) const {
-    if (p.softcap > 0.f) {
+    if (capped()) {
 #pragma unroll
       for (int j = 0; j < N; ++j)
 #pragma unroll
@@ -575,7 +588,7 @@ struct ScoreMods {
   __device__ __forceinline__ void probs_and_derivative(A (&s)[N][4], A (&dcap)[N][4], int row0, int col0, int lane,
                                                        bool check, Lse lse_log2) const {
     static_assert(!ARRAYS, "the scalars' instantiation");
-    softcap_tile(s, p.softcap > 0.f, [&](int j, int e, A t) { dcap[j][e] = A(1) - t * t; });
+    softcap_tile(s, capped(), [&](int j, int e, A t) { dcap[j][e] = A(1) - t * t; });
     additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
     logits_to_probs(s, lse_log2);
   }
@@ -587,7 +600,7 @@ struct ScoreMods {
                                                          Lse lse_log2) const {
     A dcap[N][4];
     probs_and_derivative<false>(s, dcap, row0, col0, lane, check, lse_log2);
-    if (p.softcap > 0.f) {
+    if (capped()) {
 #pragma unroll
       for (int j = 0; j < N; ++j)
 #pragma unroll

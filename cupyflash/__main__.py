@@ -48,7 +48,8 @@ class Case:
     """One check: the physical (allocated) shapes of q, k, v and a view that makes them (..., N, D);
     ``modifiers``: also every score modifier at once (window, softcap, ALiBi, bias, mask, block mask), or
     "scalars": window, softcap, ALiBi and block mask alone (the backward's kernels compiled without the
-    modifiers' arrays; the forward with a block mask runs the full ones)."""
+    modifiers' arrays; the forward with a block mask runs the full ones), or "softcap": the softcap alone
+    (on Hopper its backward's Mods::softcap passes, causal included)."""
 
     def __init__(self, name, q, k, v, view=_identity, modifiers=False):
         self.name, self.shapes, self.view, self.modifiers = name, (q, k, v), view, modifiers
@@ -67,6 +68,7 @@ GPU_CASES = [
     Case("modifiers Nq150 Nk170 D64", (2, 3, 150, 64), (2, 3, 170, 64), (2, 3, 170, 64), modifiers=True),
     Case("window softcap ALiBi block mask Nq150 Nk170 D128", (2, 3, 150, 128), (2, 3, 170, 128), (2, 3, 170, 128),
          modifiers="scalars"),
+    Case("softcap alone Nq150 Nk130 D96", (2, 3, 150, 96), (2, 3, 130, 96), (2, 3, 130, 96), modifiers="softcap"),
 ]
 CPU_CASES = [
     Case("B2 H2 N64 D32", (2, 2, 64, 32), (2, 2, 64, 32), (2, 2, 64, 32)),
@@ -223,8 +225,9 @@ def _check_one(case, dtype_name, causal, xp, rng):
     batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     dout = rng.standard_normal(batch + (q.shape[-2], v.shape[-1]), dtype=np.float32).astype(dtype)
     options = _modifier_options(rng, batch, q.shape[-2], k.shape[-2], dtype) if case.modifiers else {}
-    if case.modifiers == "scalars":
-        options = {name: options[name] for name in ("window", "softcap", "alibi_slopes", "block_mask")}
+    if case.modifiers in ("scalars", "softcap"):
+        kept = ("window", "softcap", "alibi_slopes", "block_mask") if case.modifiers == "scalars" else ("softcap",)
+        options = {name: options[name] for name in kept}
     try:
         if xp is np:
             dev, dev_options = [q, k, v, dout], options

@@ -102,7 +102,10 @@ class Variant:
     ``scalar_mods``: the modifiers' instantiation without the per-element arrays (``Mods::scalars``: window,
     softcap, ALiBi, and in bwd the block mask; fwd and bwd without dropout; 16-bit and float32), whose freed registers allow larger
     tiles in places. ``bounded``: its wgmma bfloat16 forward for softcapped scores without ALiBi, at most 1,
-    whose softmax takes 1 as every row's max (cuda_src/attention_fwd.cu; _variant picks it)."""
+    whose softmax takes 1 as every row's max (cuda_src/attention_fwd.cu; _variant picks it).
+    ``softcap_alone``: its wgmma backward for a softcap and nothing else (``Mods::softcap``: no window,
+    ALiBi, block mask or packed batch; ``causal`` as the plain kernels take it), where those options are
+    compile-time constants; same tiles as the scalars'."""
 
     direction: str
     ctype: str
@@ -114,6 +117,7 @@ class Variant:
     large_smem: bool = False
     scalar_mods: bool = False
     bounded: bool = False
+    softcap_alone: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -138,7 +142,8 @@ class Variant:
     def name_expression(self, kernel: str) -> str:
         c, hd = self.ctype, self.head_dim
         flag = {True: "true", False: "false"}
-        mods = "Mods::scalars" if self.scalar_mods else "Mods::all" if self.mods else "Mods::none"
+        mods = ("Mods::softcap" if self.softcap_alone else "Mods::scalars" if self.scalar_mods else "Mods::all" if self.mods
+                else "Mods::none")
         flags = f"{flag[self.causal]}, {mods}, {flag[self.wgmma]}, {flag[self.dropout]}"
         fwd_flags = f"{flag[self.causal]}, {mods}, {flag[self.dropout]}"
         if kernel == "preprocess":
@@ -177,7 +182,8 @@ def shipped_variants() -> list[Variant]:
     """Every module the library can compile: (fwd, bwd) x dtypes x head dims x (plain, causal,
     modifiers) x (without, with dropout), plus the scalar modifiers without dropout, and probs x dtypes x
     head dims, on the mma.sync path; and the same again on the wgmma path for the (dtype, head dim) pairs
-    that have wgmma tiles."""
+    that have wgmma tiles, with the bfloat16 bounded forwards and the softcap-alone backwards (plain and
+    causal) there."""
     ctypes = ("half_t", "bfloat16_t", "float", "double")
     variants = [
         Variant(direction, ctype, head_dim, causal, mods, dropout=dropout)
@@ -197,6 +203,8 @@ def shipped_variants() -> list[Variant]:
     return (variants + wgmma
             + [dataclasses.replace(v, bounded=True) for v in wgmma
                if v.direction == "fwd" and v.scalar_mods and v.ctype == "bfloat16_t"]
+            + [dataclasses.replace(v, causal=causal, softcap_alone=True) for v in wgmma
+               if v.direction == "bwd" and v.scalar_mods and v.itemsize == 2 for causal in (False, True)]
             + [dataclasses.replace(v, large_smem=True) for v in variants
                if _config.has_large_smem_tiles(v.itemsize, v.head_dim)])
 
@@ -565,7 +573,8 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
              packed: bool = False) -> Variant:
     """With modifiers, causal travels in the window: one instantiation serves both. Packed (variable-length)
     batches run the modifiers' instantiation, the one that reads cu_seqlens. Without the modifiers' arrays
-    and without dropout, the scalar instantiation (Variant.scalar_mods) serves."""
+    and without dropout, the scalar instantiation (Variant.scalar_mods) serves; a 16-bit wgmma backward with
+    a softcap alone takes its Mods::softcap form (Variant.softcap_alone), causal as the plain kernels."""
     name = numpy.dtype(dtype).name
     has_mods = mods is not None or direction == "probs" or packed
     ctype, head_dim = _CTYPES[name], _config.padded_head_dim(max(d, dv))
@@ -574,8 +583,11 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
     wgmma = uses_wgmma(_ITEMSIZE[ctype], head_dim, direction, has_mods, dropout is not None)
     bounded = (direction == "fwd" and scalar and wgmma and ctype == "bfloat16_t" and mods is not None
                and mods.alibi_slopes is None and 0.0 < mods.softcap <= BOUNDED_SOFTCAP_MAX)
-    return Variant(direction, ctype, head_dim, bool(causal) and not has_mods, has_mods, wgmma, dropout is not None,
-                   uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar, bounded)
+    alone = (direction == "bwd" and scalar and wgmma and _ITEMSIZE[ctype] == 2 and not packed and mods is not None
+             and mods.softcap > 0.0 and mods.window == (-1, -1) and mods.alibi_slopes is None
+             and mods.block_mask is None)
+    return Variant(direction, ctype, head_dim, bool(causal) and (not has_mods or alone), has_mods, wgmma,
+                   dropout is not None, uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar, bounded, alone)
 
 
 # Softcapped scores are tanh values in [-1, 1]. Without ALiBi, exp2(c * (t - 1)) with c = softcap * log2(e)

@@ -32,10 +32,14 @@ ROW_ALIGN_BYTES = 16  # the API pads head dims to 16-byte rows before picking a 
 # Stand-ins for resolved modifiers: _kernels._variant asks whether any is on, whether a per-element array is
 # among them (the instantiation with the arrays) or not (the scalars one: window, softcap, ALiBi), and for
 # the scalars whether a softcap of at most BOUNDED_SOFTCAP_MAX comes without ALiBi (bfloat16 on Hopper: the
-# bounded forward).
-_SCALAR_MODIFIERS = types.SimpleNamespace(bias=None, mask=None, block_mask=None, softcap=0.0, alibi_slopes=None)
-_SOFTCAP_MODIFIERS = types.SimpleNamespace(bias=None, mask=None, block_mask=None, softcap=1.0, alibi_slopes=None)
-_ARRAY_MODIFIERS = types.SimpleNamespace(bias=True, mask=None, block_mask=None, softcap=0.0, alibi_slopes=None)
+# bounded forward) and whether it comes alone (16-bit on Hopper: the Mods::softcap backward). The scalars'
+# stand-in has a window, so its backward is the scalars' one.
+_SCALAR_MODIFIERS = types.SimpleNamespace(bias=None, mask=None, block_mask=None, softcap=0.0, alibi_slopes=None,
+                                          window=(1, -1))
+_SOFTCAP_MODIFIERS = types.SimpleNamespace(bias=None, mask=None, block_mask=None, softcap=1.0, alibi_slopes=None,
+                                           window=(-1, -1))
+_ARRAY_MODIFIERS = types.SimpleNamespace(bias=True, mask=None, block_mask=None, softcap=0.0, alibi_slopes=None,
+                                         window=(-1, -1))
 _SOME_DROPOUT = object()  # likewise for dropout
 _DEFAULT_CACHE_DIR = os.path.join("~", ".cupy", "kernel_cache")  # CuPy's default for CUPY_CACHE_DIR
 
@@ -138,8 +142,10 @@ def describe(variant) -> str:
     from cupyflash import _kernels
 
     dtype = {ctype: name for name, ctype in _kernels._CTYPES.items()}[variant.ctype]
-    kind = ("modifiers (softcap without ALiBi)" if variant.bounded else "modifiers (window, softcap, ALiBi)"
-            if variant.scalar_mods else "modifiers") if variant.mods else "causal" if variant.causal else "plain"
+    kind = ("modifiers (softcap without ALiBi)" if variant.bounded else
+            f"modifiers (softcap alone{', causal' if variant.causal else ''})" if variant.softcap_alone else
+            "modifiers (window, softcap, ALiBi)" if variant.scalar_mods else "modifiers") if variant.mods else (
+            "causal" if variant.causal else "plain")
     return (f"{variant.direction} {dtype} HEAD_DIM={variant.head_dim} {kind}" + (" dropout" if variant.dropout else "")
             + (" (wgmma)" if variant.wgmma else "") + (" (large shared memory)" if variant.large_smem else ""))
 

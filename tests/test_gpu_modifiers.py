@@ -18,7 +18,7 @@ import pytest
 import cupyflash
 from _modifier_checks import OPTIONS, assert_matches_reference, block_grid, random_options, run
 from _problems import random_array, random_problem
-from cupyflash import reference
+from cupyflash import _kernels, _modifiers, reference
 from test_gpu import _nan_filled_allocations
 
 pytestmark = pytest.mark.gpu
@@ -55,6 +55,18 @@ def test_each_option_alone(rng, dtype, causal, option):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_all_options_combined(rng, dtype, causal, head_dim):
     _check(rng, dtype, (2, 2), 300, 457, head_dim, causal, OPTIONS)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 72, 96, 128, 160, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+def test_softcap_alone_at_every_head_dim(rng, dtype, causal, head_dim):
+    """A softcap and no other option: on Hopper the backward runs the Mods::softcap passes (causal as the plain
+    kernels take it), pipelined or not by head dim; Nq > Nk leaves causal rows that see no key."""
+    _check(rng, dtype, (1, 2), 197, 130, head_dim, causal, ["softcap"])
+    mods = _modifiers.resolve(cupy, np.dtype(dtype), (1, 2), 197, 130, softcap=5.0)
+    variant = _kernels._variant("bwd", dtype, head_dim, head_dim, causal, mods)
+    assert variant.softcap_alone == _kernels.uses_wgmma(2, variant.head_dim, "bwd", True)
 
 
 @pytest.mark.parametrize(

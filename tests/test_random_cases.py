@@ -129,9 +129,11 @@ class Case:
         dtype = np.dtype(DTYPES[self.dtype])
         vec = 16 // dtype.itemsize
         d_w, dv_w = (-(-x // vec) * vec for x in (self.d, self.dv))
-        # What _kernels._variant asks of the modifiers: whether there are any, and which per-element arrays.
+        # What _kernels._variant asks of the modifiers: whether there are any, which per-element arrays, and
+        # whether a softcap comes alone (the window as resolve() gives it: (-1, -1) when off).
+        window = (-1, -1) if self.window is None else tuple(int(x) for x in self.window)
         mods = SimpleNamespace(bias=self.bias, mask=self.mask, block_mask=self.block_mask, softcap=float(self.softcap or 0.0),
-                               alibi_slopes=self.alibi) if self.has_mods else None
+                               alibi_slopes=self.alibi, window=window) if self.has_mods else None
         return {_kernels._variant(direction, dtype, d_w, dv_w, self.causal, mods) for direction in ("fwd", "bwd")}
 
 

@@ -14,7 +14,8 @@ def _variant(mods, dropout=None, direction="fwd"):
     return _kernels._variant(direction, np.float16, 64, 64, True, mods, dropout)
 
 
-def test_window_softcap_and_alibi_take_the_scalars_instantiation():
+def test_window_softcap_and_alibi_take_the_scalars_instantiation(monkeypatch):
+    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: False)  # (a softcap alone: the test below)
     slopes = np.ones((3,), dtype=np.float32)
     for options in (dict(window=(10, 0)), dict(softcap=5.0), dict(alibi_slopes=slopes),
                     dict(window=(10, 5), softcap=5.0, alibi_slopes=slopes)):
@@ -55,7 +56,37 @@ def test_every_scalars_variant_is_shipped_beside_its_full_one():
     scalars = [v for v in shipped if v.scalar_mods]
     assert scalars and all(v.mods and not v.dropout and v.direction in ("fwd", "bwd") for v in scalars)
     for v in scalars:
-        assert _kernels.dataclasses.replace(v, scalar_mods=False, bounded=False) in shipped
+        assert _kernels.dataclasses.replace(v, scalar_mods=False, bounded=False, softcap_alone=False, causal=False) in shipped
+
+
+def test_a_softcap_alone_takes_the_softcap_backward_on_the_wgmma_path(monkeypatch):
+    """A 16-bit wgmma backward whose only modifier is a softcap runs Mods::softcap, causal as the plain kernels
+    take it; anything more (or its forward, float32, dropout, a packed batch, the mma.sync path) does not."""
+    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
+    shipped = set(_kernels.shipped_variants())
+    slopes = np.ones((3,), dtype=np.float32)
+
+    def variant(dtype=np.float16, direction="bwd", causal=True, dropout=None, packed=False, **options):
+        mods = _modifiers.resolve(np, np.dtype(dtype), (2, 3), 100, 120, **options)
+        return _kernels._variant(direction, dtype, 128, 128, causal, mods, dropout, packed=packed)
+
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        for causal in (False, True):
+            chosen = variant(dtype, causal=causal, softcap=5.0)
+            assert chosen.softcap_alone and chosen.scalar_mods and chosen.wgmma and chosen.causal == causal
+            assert f"{'true' if causal else 'false'}, Mods::softcap, true" in chosen.name_expression("dkdv")
+            assert chosen in shipped
+    for options in (dict(softcap=5.0, window=(10, 0)), dict(softcap=5.0, window=(-1, 0)),
+                    dict(softcap=5.0, alibi_slopes=slopes), dict(softcap=5.0, block_mask=np.ones((1, 1), bool)),
+                    dict(softcap=5.0, bias=np.zeros((100, 120), np.float16)), dict(window=(10, 0))):
+        chosen = variant(**options)
+        assert not chosen.softcap_alone and not chosen.causal, options
+    assert not variant(direction="fwd", softcap=5.0).softcap_alone
+    assert not variant(np.float32, softcap=5.0).softcap_alone
+    assert not variant(softcap=5.0, dropout=_dropout.Dropout(0.1, 1)).softcap_alone
+    assert not variant(softcap=5.0, packed=True).softcap_alone
+    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: False)
+    assert not variant(softcap=5.0).softcap_alone
 
 
 def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward(monkeypatch):
