@@ -1,8 +1,9 @@
 """The one table of kernel variants: tile shapes per (path, element size, head dim, kernel).
 
 Every kernel is a template over (dtype, HEAD_DIM, tiles, IS_CAUSAL, MODS, WGMMA, HAS_DROPOUT), MODS being
-Mods::none, ::scalars (window, softcap, ALiBi; the backward's block mask) or ::all (also bias, mask, block mask); the score modifiers'
-kernels use the same tiles as the plain ones unless noted. A problem's head dims D and Dv are padded up to
+Mods::none, ::scalars (window, softcap, ALiBi; the backward's block mask), ::softcap (the backward of a softcap
+alone, with the scalars' tiles) or ::all (also bias, mask, block mask); the score modifiers' kernels use the
+same tiles as the plain ones unless noted. A problem's head dims D and Dv are padded up to
 the smallest HEAD_DIM in ``HEAD_DIMS`` that holds both (the padding is zero-filled inside the kernel,
 never read from memory). fp16 and bf16 share tiles; float32 needs twice the shared memory per element
 and gets smaller ones, float64 (FP64 tensor cores, float64 accumulators) twice that again. The float64
