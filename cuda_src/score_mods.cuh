@@ -153,8 +153,8 @@ struct ScoreMods {
   A add_scale;  // what ALiBi and bias terms are multiplied by: 1 / the scores' unit (exp_scale)
   A slope;      // this batch entry's ALiBi slope, times add_scale (0 when ALONE)
 
-  // The kernel has constructed its SeqInfo (HAS_MODS kernels do): the lengths are in shared memory, or
-  // ALONE (dense batches only) in the parameters.
+  // The kernel has constructed its SeqInfo (HAS_MODS kernels do): nq() and nk() read the lengths where it
+  // keeps them (in shared memory when the kernel may see packed batches, else the parameters).
   __device__ __forceinline__ ScoreMods(const AttnParams& params, int b) : p(params) {
     add_scale = capped() ? Reals<A>::softcap_inv(p) : A(1) / Reals<A>::scale(p);  // 1 / the unit
     slope = !ALONE && p.alibi_slopes ? A(p.alibi_slopes[batch_offset(p.alibi_stride, b, p)]) * add_scale : A(0);
@@ -184,9 +184,9 @@ struct ScoreMods {
     }
   }
 
-  // This batch entry's sequence lengths (the kernel's SeqInfo: in shared memory, or ALONE the parameters).
-  __device__ __forceinline__ int nq() const { return ALONE ? p.nq : shared_nq(); }
-  __device__ __forceinline__ int nk() const { return ALONE ? p.nk : shared_nk(); }
+  // This batch entry's sequence lengths, as the kernel's SeqInfo<may_be_packed(MODS)> keeps them.
+  __device__ __forceinline__ int nq() const { return may_be_packed(MODS) ? shared_nq() : p.nq; }
+  __device__ __forceinline__ int nk() const { return may_be_packed(MODS) ? shared_nk() : p.nk; }
 
   // The options: is the softcap on; the window's edges (-1 = unbounded; causal is right = 0); is ALiBi on.
   __device__ __forceinline__ bool capped() const { return ALONE || p.softcap > 0.f; }
