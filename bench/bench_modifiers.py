@@ -17,6 +17,9 @@ bf16, D = 128, FlashAttention's shapes (B = 16384 // N, H = 2048 // D = 16), one
 2. ``window-n{2k,8k,16k}``: ``window=(256, 0), causal=True`` against our plain causal kernel. Ratio:
    TFLOP/s / TFLOP/s, both counted on visited tiles (below); target >= 0.85. Since B * N is constant,
    the band's time stays flat in N while the causal kernel's grows with N (the "window vs N" table).
+   Peer: torch FlexAttention (``torch.nn.attention.flex_attention``, compiled to Triton kernels), the
+   one torch API that runs a sliding window as skipped tiles (SDPA has no window), with the same band as
+   its block mask; ratio time(flex) / time(ours), no target.
 3. ``softcap-{full,causal}-*`` (softcap = 30) and ``alibi-{full,causal}-*`` (slopes 2^(-8 (h + 1) / H),
    shape (H,), which broadcasts against the leading dims (B, H)): TFLOP/s against our plain kernel of the
    same causality; target >= 0.9.
@@ -79,6 +82,7 @@ BLOCK_MASK_DENSITY = 0.10
 BLOCK_MASK_TILE = cupyflash.BLOCK_MASK_TILE
 TARGETS = {"bias": None, "window": 0.85, "softcap": 0.9, "alibi": 0.9, "block-mask": 5.0}
 PEERS = ("efficient", "cudnn")  # torch SDPA backends for the bias rows
+WINDOW_PEERS = ("flex",)  # torch FlexAttention for the window rows
 VALIDATION_HEADS, VALIDATION_N, VALIDATION_N_BANDED = 2, 512, 1024
 SOFTCAP_VALIDATION_Q_STD = 8.0  # scores of std ~8, so that softcap = 30 changes them
 SEED = 0
@@ -153,8 +157,9 @@ def build_rows(args):
         info = {"visited_area": areas, "plain_causal_visited_area": base_areas, "band_pairs": pairs,
                 "band_flops_fwd": 4 * HEAD_DIM * pairs, "band_flops_bwd": 10 * HEAD_DIM * pairs,
                 "plain_causal_visited_flops_fwd": base_fwd, "plain_causal_visited_flops_bwd": base_bwd}
+        compare = [(base.name, "tflops", base_fwd, base_bwd)] + [(peer, "peer", fwd, bwd) for peer in WINDOW_PEERS]
         rows.append(Row(f"window-{seqlen_tag(n)}", "window", "window", case, fwd, bwd, "visited tiles",
-                        [(base.name, "tflops", base_fwd, base_bwd)], TARGETS["window"], info=info))
+                        compare, TARGETS["window"], WINDOW_PEERS, info=info))
     for group in ("softcap", "alibi"):
         for causal in (False, True):
             for n in seqlens:
@@ -351,11 +356,60 @@ def torch_bias_backend(peer, q, k, v, dout, causal, scale, bias, bias_grad):
     return TorchBias()
 
 
+class FlexWindow:
+    """torch FlexAttention with ``window`` (and ``causal``, its right edge) as a mask_mod, turned into a block
+    mask, so that tiles outside the band are skipped as ours are; compiled (torch.compile) as FlexAttention
+    is meant to run. forward() / prepare_backward() / backward() as bench_attention.TorchSDPA."""
+
+    _compiled = None
+
+    def __init__(self, q, k, v, dout, causal, scale, window):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        torch = ba.torch
+        if FlexWindow._compiled is None:
+            FlexWindow._compiled = torch.compile(flex_attention, dynamic=False)
+        self.q, self.k, self.v, self.dout = (torch.from_dlpack(x) for x in (q, k, v, dout))
+        nq, nk = self.q.shape[-2], self.k.shape[-2]
+        left, right = window
+        if causal:
+            right = 0 if right == -1 else min(right, 0)
+        offset = nk - nq  # bottom-right alignment, as cupyflash's window and causal
+
+        def keep(b, h, i, j):  # key j of query i: i + offset - left <= j <= i + offset + right
+            rel = j - i - offset
+            seen = rel == rel
+            if left >= 0:
+                seen = seen & (rel >= -left)
+            if right >= 0:
+                seen = seen & (rel <= right)
+            return seen
+
+        self.block_mask = create_block_mask(keep, None, None, nq, nk, device=self.q.device)
+        self.scale = scale
+
+    def _flex(self, q, k, v):
+        return FlexWindow._compiled(q, k, v, block_mask=self.block_mask, scale=self.scale)
+
+    def forward(self):
+        with ba.torch.no_grad():
+            return self._flex(self.q, self.k, self.v)
+
+    def prepare_backward(self):
+        self.leaves = [x.detach().requires_grad_() for x in (self.q, self.k, self.v)]
+        self.out = self._flex(*self.leaves)
+
+    def backward(self):
+        return ba.torch.autograd.grad(self.out, self.leaves, self.dout, retain_graph=True)
+
+
 def make_backend(name, q, k, v, dout, causal, scale, options, bias_grad=True):
     if name == "ours":
         return Ours(q, k, v, dout, causal, scale, options)
     if ba.torch is None:
         raise RuntimeError("torch is not importable")
+    if name == "flex":
+        return FlexWindow(q, k, v, dout, causal, scale, options["window"])
     return torch_bias_backend(name, q, k, v, dout, causal, scale, options["bias"], bias_grad)
 
 
@@ -392,14 +446,14 @@ def validate(row, name, cache):
     tol = ba.TOLERANCES[DTYPE]
     notes = []
     result = None
-    for bias_grad in ((True, False) if name != "ours" else (True,)):
-        attempt = "" if name == "ours" else f"{'with' if bias_grad else 'without'} the bias gradient: "
+    for bias_grad in ((True, False) if name in PEERS else (True,)):  # the bias peers: with dbias, else without
+        attempt = f"{'with' if bias_grad else 'without'} the bias gradient: " if name in PEERS else ""
         try:
             backend = make_backend(name, *device, causal, scale, dev_options, bias_grad)
             fwd_err = ba.rel_err(ba.to_float64(backend.forward()), want_out)
             backend.prepare_backward()
             grads = [ba.to_float64(g) for g in backend.backward()]
-            if len(grads) != len(want_grads) and not (name != "ours" and not bias_grad):
+            if len(grads) != len(want_grads) and not (name in PEERS and not bias_grad):
                 raise RuntimeError(f"backward returned {len(grads)} gradients, expected {len(want_grads)}")
             bwd_err = max(ba.rel_err(g, w) for g, w in zip(grads, want_grads))
         except Exception as exc:
