@@ -9,7 +9,7 @@
 // into the P V product, and writes out and lse once. Nothing of size nq x nk exists anywhere.
 // Key blocks are visited last to first: under the causal mask (and at the end of nk) the masked
 // blocks are the last ones, so they come first and every later block runs without a mask.
-// MODS instantiations (HAS_MODS: Mods::scalars or Mods::all, block_info.cuh) apply the score modifiers
+// MODS instantiations (HAS_MODS: Mods::scalars, Mods::window or Mods::all, block_info.cuh) apply the score modifiers
 // (score_mods.cuh: window, softcap, ALiBi; with Mods::all bias and mask too) to each score tile and skip
 // key tiles outside the window band or off in the block mask; they run with IS_CAUSAL = false,
 // causality arriving as the window's right edge.

@@ -27,7 +27,9 @@
 // passes for a softcap alone, causal or not (IS_CAUSAL, as the plain kernels), on dense batches: the
 // window, ALiBi, block mask and packed lengths are compile-time constants there, so none of the scalars'
 // per-tile tests and shared-memory lengths remain (the softcapped backward ran 6% faster: bench/NOTES.md, v16).
-enum class Mods { none, softcap, scalars, all };
+// window: the scalars' forward and backward for a window alone (causal travels in it, as in scalars), on
+// dense batches: softcap, ALiBi, block mask and packed lengths are compile-time constants likewise.
+enum class Mods { none, softcap, window, scalars, all };
 
 // Whether a MODS kernel reads cu_seqlens (packed batches; SeqInfo's MAY_BE_PACKED).
 __host__ __device__ constexpr bool may_be_packed(Mods mods) { return mods == Mods::scalars || mods == Mods::all; }

@@ -1,6 +1,6 @@
 // score_mods.cuh — the score modifiers, for kernels instantiated with MODS = Mods::scalars (window, softcap,
-// ALiBi; the backward's block mask), Mods::all (also bias with dbias, mask, block mask) or Mods::softcap
-// (the softcap alone, causal as IS_CAUSAL): ScoreMods<T, MODS, IS_CAUSAL>.
+// ALiBi; the backward's block mask), Mods::all (also bias with dbias, mask, block mask), Mods::softcap
+// (the softcap alone, causal as IS_CAUSAL) or Mods::window (the window alone): ScoreMods<T, MODS, IS_CAUSAL>.
 //
 // Semantics (cupyflash/_modifiers.py is the authority; off = offset = nk - nq of this batch entry's
 // sequence, SeqInfo):
@@ -17,10 +17,11 @@
 // of two <= 128, aligned). Scores come back in a unit of the logit (logit = unit * score): raw q . k
 // without a softcap, tanh(x / softcap) with one; kernels run the softmax with unit * log2(e) as the
 // exponent's scale (ScoreMods::exp_scale).
-// Every option is a uniform run-time branch, except in Mods::softcap, where each is a compile-time
-// constant (softcap on; window (-1, 0) if IS_CAUSAL, else none; no ALiBi, block mask or packed lengths), so
-// the same code folds down to the softcap's own work. The plain kernels (Mods::none) never see this file's
-// code, so options that are off cost them nothing.
+// Every option is a uniform run-time branch, except in Mods::softcap and Mods::window, where all but their
+// own are compile-time constants (Mods::softcap: softcap on; window (-1, 0) if IS_CAUSAL, else none;
+// Mods::window: no softcap; both: no ALiBi, block mask or packed lengths), so the same code folds down to
+// that one option's work. The plain kernels (Mods::none) never see this file's code, so options that are
+// off cost them nothing.
 #pragma once
 #include "common.cuh"
 #include "block_info.cuh"
@@ -144,7 +145,9 @@ template <typename T, Mods MODS = Mods::all, bool IS_CAUSAL = false>
 struct ScoreMods {
   using A = acc_t<T>;
   static constexpr bool ARRAYS = MODS == Mods::all;
-  static constexpr bool ALONE = MODS == Mods::softcap;  // the softcap alone: every other option is off
+  // One option alone, every other off at compile time: the softcap (window none, or causal's) or the window.
+  static constexpr bool SOFTCAP_ALONE = MODS == Mods::softcap, WINDOW_ALONE = MODS == Mods::window;
+  static constexpr bool ALONE = SOFTCAP_ALONE || WINDOW_ALONE;
   const AttnParams& p;
   const void* bias;
   A* dbias;  // the accumulator type (atomic adds); with p.dbias_pairs possibly T or float32 (store_dbias_pairs)
@@ -189,9 +192,9 @@ struct ScoreMods {
   __device__ __forceinline__ int nk() const { return may_be_packed(MODS) ? shared_nk() : p.nk; }
 
   // The options: is the softcap on; the window's edges (-1 = unbounded; causal is right = 0); is ALiBi on.
-  __device__ __forceinline__ bool capped() const { return ALONE || p.softcap > 0.f; }
-  __device__ __forceinline__ int window_left() const { return ALONE ? -1 : p.window_left; }
-  __device__ __forceinline__ int window_right() const { return ALONE ? (IS_CAUSAL ? 0 : -1) : p.window_right; }
+  __device__ __forceinline__ bool capped() const { return SOFTCAP_ALONE || (!WINDOW_ALONE && p.softcap > 0.f); }
+  __device__ __forceinline__ int window_left() const { return SOFTCAP_ALONE ? -1 : p.window_left; }
+  __device__ __forceinline__ int window_right() const { return SOFTCAP_ALONE ? (IS_CAUSAL ? 0 : -1) : p.window_right; }
   __device__ __forceinline__ bool has_slope() const { return !ALONE && slope != A(0); }
 
   // The scores' unit (logit = unit * score): without a softcap the scores keep their raw units (q . k)

@@ -49,7 +49,8 @@ class Case:
     ``modifiers``: also every score modifier at once (window, softcap, ALiBi, bias, mask, block mask), or
     "scalars": window, softcap, ALiBi and block mask alone (the backward's kernels compiled without the
     modifiers' arrays; the forward with a block mask runs the full ones), or "softcap": the softcap alone
-    (on Hopper its backward's Mods::softcap passes, causal included)."""
+    (on Hopper its backward's Mods::softcap passes, causal included), or "window": the window alone (on
+    Hopper the Mods::window forward and backward)."""
 
     def __init__(self, name, q, k, v, view=_identity, modifiers=False):
         self.name, self.shapes, self.view, self.modifiers = name, (q, k, v), view, modifiers
@@ -69,6 +70,7 @@ GPU_CASES = [
     Case("window softcap ALiBi block mask Nq150 Nk170 D128", (2, 3, 150, 128), (2, 3, 170, 128), (2, 3, 170, 128),
          modifiers="scalars"),
     Case("softcap alone Nq150 Nk130 D96", (2, 3, 150, 96), (2, 3, 130, 96), (2, 3, 130, 96), modifiers="softcap"),
+    Case("window alone Nq170 Nk150 D128", (2, 3, 170, 128), (2, 3, 150, 128), (2, 3, 150, 128), modifiers="window"),
 ]
 CPU_CASES = [
     Case("B2 H2 N64 D32", (2, 2, 64, 32), (2, 2, 64, 32), (2, 2, 64, 32)),
@@ -225,8 +227,9 @@ def _check_one(case, dtype_name, causal, xp, rng):
     batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     dout = rng.standard_normal(batch + (q.shape[-2], v.shape[-1]), dtype=np.float32).astype(dtype)
     options = _modifier_options(rng, batch, q.shape[-2], k.shape[-2], dtype) if case.modifiers else {}
-    if case.modifiers in ("scalars", "softcap"):
-        kept = ("window", "softcap", "alibi_slopes", "block_mask") if case.modifiers == "scalars" else ("softcap",)
+    if case.modifiers in ("scalars", "softcap", "window"):
+        kept = {"scalars": ("window", "softcap", "alibi_slopes", "block_mask"), "softcap": ("softcap",),
+                "window": ("window",)}[case.modifiers]
         options = {name: options[name] for name in kept}
     try:
         if xp is np:

@@ -2,8 +2,8 @@
 
 Every kernel is a template over (dtype, HEAD_DIM, tiles, IS_CAUSAL, MODS, WGMMA, HAS_DROPOUT), MODS being
 Mods::none, ::scalars (window, softcap, ALiBi; the backward's block mask), ::softcap (the backward of a softcap
-alone, with the scalars' tiles) or ::all (also bias, mask, block mask); the score modifiers' kernels use the
-same tiles as the plain ones unless noted. A problem's head dims D and Dv are padded up to
+alone), ::window (a window alone; both with the scalars' tiles) or ::all (also bias, mask, block mask); the score
+modifiers' kernels use the same tiles as the plain ones unless noted. A problem's head dims D and Dv are padded up to
 the smallest HEAD_DIM in ``HEAD_DIMS`` that holds both (the padding is zero-filled inside the kernel,
 never read from memory). fp16 and bf16 share tiles; float32 needs twice the shared memory per element
 and gets smaller ones, float64 (FP64 tensor cores, float64 accumulators) twice that again. The float64
@@ -110,6 +110,10 @@ _LARGE_SMEM_TABLE = {
 # 16-bit and float32. Not float64: two of its backward passes (HEAD_DIM 32 and 64, same tiles as the full
 # instantiation's) spilled on sm_90, and float64 has no speed target with modifiers.
 SCALAR_MODS_ITEMSIZES = (2, 4)
+# The window-alone instantiation (Mods::window: 16-bit, wgmma, the scalars' tiles) is shipped for every
+# wgmma (direction, HEAD_DIM) but these: its dQ pass at HEAD_DIM 64 (128-key tiles) spilled 4 bytes with
+# NVRTC 12.9 where the scalars' does not, so that backward keeps the scalars' kernels.
+_WINDOW_ALONE_SKIPPED = {("bwd", 64)}
 # Where that instantiation fits the plain tiles that the modifiers' tables replace: (path, element bytes,
 # HEAD_DIM, kernel). Every 16-bit and float32 entry of those tables was tried; these compile with zero
 # spills (NVRTC 12.9 for sm_80 and sm_90, CUDA 13.0 ptxas for sm_90a); the others still spill: mma
@@ -220,6 +224,11 @@ _SHARES_TILES = {"probs": "fwd"}
 def has_wgmma(itemsize: int, head_dim: int) -> bool:
     """Whether (element size, HEAD_DIM) has wgmma tiles: the path taken on compute capability 9.0."""
     return itemsize == 2 and head_dim in _WGMMA_TABLE
+
+
+def has_window_alone(direction: str, head_dim: int) -> bool:
+    """Whether the window-alone instantiation is shipped for this direction and HEAD_DIM (16-bit, wgmma)."""
+    return (direction, head_dim) not in _WINDOW_ALONE_SKIPPED
 
 
 def has_wgmma_pieces(itemsize: int, head_dim: int, mods: bool = False, dropout: bool = False) -> bool:

@@ -105,7 +105,9 @@ class Variant:
     whose softmax takes 1 as every row's max (cuda_src/attention_fwd.cu; _variant picks it).
     ``softcap_alone``: its wgmma backward for a softcap and nothing else (``Mods::softcap``: no window,
     ALiBi, block mask or packed batch; ``causal`` as the plain kernels take it), where those options are
-    compile-time constants; same tiles as the scalars'."""
+    compile-time constants; same tiles as the scalars'. ``window_alone``: its wgmma forward and backward for a
+    window and nothing else (``Mods::window``: causal travels in the window as in the scalars'; no softcap,
+    ALiBi, block mask or packed batch), likewise."""
 
     direction: str
     ctype: str
@@ -118,6 +120,7 @@ class Variant:
     scalar_mods: bool = False
     bounded: bool = False
     softcap_alone: bool = False
+    window_alone: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -142,8 +145,8 @@ class Variant:
     def name_expression(self, kernel: str) -> str:
         c, hd = self.ctype, self.head_dim
         flag = {True: "true", False: "false"}
-        mods = ("Mods::softcap" if self.softcap_alone else "Mods::scalars" if self.scalar_mods else "Mods::all" if self.mods
-                else "Mods::none")
+        mods = ("Mods::softcap" if self.softcap_alone else "Mods::window" if self.window_alone else
+                "Mods::scalars" if self.scalar_mods else "Mods::all" if self.mods else "Mods::none")
         flags = f"{flag[self.causal]}, {mods}, {flag[self.wgmma]}, {flag[self.dropout]}"
         fwd_flags = f"{flag[self.causal]}, {mods}, {flag[self.dropout]}"
         if kernel == "preprocess":
@@ -182,8 +185,8 @@ def shipped_variants() -> list[Variant]:
     """Every module the library can compile: (fwd, bwd) x dtypes x head dims x (plain, causal,
     modifiers) x (without, with dropout), plus the scalar modifiers without dropout, and probs x dtypes x
     head dims, on the mma.sync path; and the same again on the wgmma path for the (dtype, head dim) pairs
-    that have wgmma tiles, with the bfloat16 bounded forwards and the softcap-alone backwards (plain and
-    causal) there."""
+    that have wgmma tiles, with the bfloat16 bounded forwards, the softcap-alone backwards (plain and
+    causal) and the 16-bit window-alone forwards and backwards there."""
     ctypes = ("half_t", "bfloat16_t", "float", "double")
     variants = [
         Variant(direction, ctype, head_dim, causal, mods, dropout=dropout)
@@ -205,6 +208,8 @@ def shipped_variants() -> list[Variant]:
                if v.direction == "fwd" and v.scalar_mods and v.ctype == "bfloat16_t"]
             + [dataclasses.replace(v, causal=causal, softcap_alone=True) for v in wgmma
                if v.direction == "bwd" and v.scalar_mods and v.itemsize == 2 for causal in (False, True)]
+            + [dataclasses.replace(v, window_alone=True) for v in wgmma
+               if v.scalar_mods and v.itemsize == 2 and _config.has_window_alone(v.direction, v.head_dim)]
             + [dataclasses.replace(v, large_smem=True) for v in variants
                if _config.has_large_smem_tiles(v.itemsize, v.head_dim)])
 
@@ -573,8 +578,10 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
              packed: bool = False) -> Variant:
     """With modifiers, causal travels in the window: one instantiation serves both. Packed (variable-length)
     batches run the modifiers' instantiation, the one that reads cu_seqlens. Without the modifiers' arrays
-    and without dropout, the scalar instantiation (Variant.scalar_mods) serves; a 16-bit wgmma backward with
-    a softcap alone takes its Mods::softcap form (Variant.softcap_alone), causal as the plain kernels."""
+    and without dropout, the scalar instantiation (Variant.scalar_mods) serves; on the 16-bit wgmma path a
+    backward with a softcap alone takes its Mods::softcap form (Variant.softcap_alone), causal as the plain
+    kernels, and a forward or backward with a window alone (causal travelling in it) its Mods::window form
+    (Variant.window_alone)."""
     name = numpy.dtype(dtype).name
     has_mods = mods is not None or direction == "probs" or packed
     ctype, head_dim = _CTYPES[name], _config.padded_head_dim(max(d, dv))
@@ -583,11 +590,14 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
     wgmma = uses_wgmma(_ITEMSIZE[ctype], head_dim, direction, has_mods, dropout is not None)
     bounded = (direction == "fwd" and scalar and wgmma and ctype == "bfloat16_t" and mods is not None
                and mods.alibi_slopes is None and 0.0 < mods.softcap <= BOUNDED_SOFTCAP_MAX)
-    alone = (direction == "bwd" and scalar and wgmma and _ITEMSIZE[ctype] == 2 and not packed and mods is not None
-             and mods.softcap > 0.0 and mods.window == (-1, -1) and mods.alibi_slopes is None
-             and mods.block_mask is None)
+    # One option alone, every other off: the instantiations that fix the others at compile time.
+    single = (scalar and wgmma and _ITEMSIZE[ctype] == 2 and not packed and mods is not None
+              and mods.alibi_slopes is None and mods.block_mask is None)
+    alone = direction == "bwd" and single and mods.softcap > 0.0 and mods.window == (-1, -1)
+    window_alone = single and mods.softcap == 0.0 and _config.has_window_alone(direction, head_dim)
     return Variant(direction, ctype, head_dim, bool(causal) and (not has_mods or alone), has_mods, wgmma,
-                   dropout is not None, uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar, bounded, alone)
+                   dropout is not None, uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar, bounded, alone,
+                   window_alone)
 
 
 # Softcapped scores are tanh values in [-1, 1]. Without ALiBi, exp2(c * (t - 1)) with c = softcap * log2(e)

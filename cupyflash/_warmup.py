@@ -32,9 +32,12 @@ ROW_ALIGN_BYTES = 16  # the API pads head dims to 16-byte rows before picking a 
 # Stand-ins for resolved modifiers: _kernels._variant asks whether any is on, whether a per-element array is
 # among them (the instantiation with the arrays) or not (the scalars one: window, softcap, ALiBi), and for
 # the scalars whether a softcap of at most BOUNDED_SOFTCAP_MAX comes without ALiBi (bfloat16 on Hopper: the
-# bounded forward) and whether it comes alone (16-bit on Hopper: the Mods::softcap backward). The scalars'
-# stand-in has a window, so its backward is the scalars' one.
-_SCALAR_MODIFIERS = types.SimpleNamespace(bias=None, mask=None, block_mask=None, softcap=0.0, alibi_slopes=None,
+# bounded forward), whether it comes alone (16-bit on Hopper: the Mods::softcap backward), and whether a
+# window comes alone (16-bit on Hopper: Mods::window). The scalars' stand-in has a window and ALiBi (its
+# slopes stand-in is only tested against None), so it takes the scalars' kernels themselves.
+_SCALAR_MODIFIERS = types.SimpleNamespace(bias=None, mask=None, block_mask=None, softcap=0.0, alibi_slopes=True,
+                                          window=(1, -1))
+_WINDOW_MODIFIERS = types.SimpleNamespace(bias=None, mask=None, block_mask=None, softcap=0.0, alibi_slopes=None,
                                           window=(1, -1))
 _SOFTCAP_MODIFIERS = types.SimpleNamespace(bias=None, mask=None, block_mask=None, softcap=1.0, alibi_slopes=None,
                                            window=(-1, -1))
@@ -122,7 +125,8 @@ def select_variants(dtypes, head_dims, causal, modifiers, backward, dropout=Fals
     dims = _config.HEAD_DIMS if head_dims is None else [_check_head_dim(d) for d in _as_list("head_dims", head_dims)]
     causals = [_check_bool("causal", c) for c in _as_list("causal", causal)]
     directions = ("fwd", "bwd") if _check_bool("backward", backward) else ("fwd",)
-    mods_options = ((None, _SCALAR_MODIFIERS, _SOFTCAP_MODIFIERS, _ARRAY_MODIFIERS) if _check_bool("modifiers", modifiers)
+    mods_options = ((None, _SCALAR_MODIFIERS, _WINDOW_MODIFIERS, _SOFTCAP_MODIFIERS, _ARRAY_MODIFIERS)
+                    if _check_bool("modifiers", modifiers)
                     else (None,))
     dropout_options = (None, _SOME_DROPOUT) if _check_bool("dropout", dropout) else (None,)
     variants = []
@@ -144,6 +148,7 @@ def describe(variant) -> str:
     dtype = {ctype: name for name, ctype in _kernels._CTYPES.items()}[variant.ctype]
     kind = ("modifiers (softcap without ALiBi)" if variant.bounded else
             f"modifiers (softcap alone{', causal' if variant.causal else ''})" if variant.softcap_alone else
+            "modifiers (window alone)" if variant.window_alone else
             "modifiers (window, softcap, ALiBi)" if variant.scalar_mods else "modifiers") if variant.mods else (
             "causal" if variant.causal else "plain")
     return (f"{variant.direction} {dtype} HEAD_DIM={variant.head_dim} {kind}" + (" dropout" if variant.dropout else "")

@@ -18,7 +18,7 @@ import pytest
 import cupyflash
 from _modifier_checks import OPTIONS, assert_matches_reference, block_grid, random_options, run
 from _problems import random_array, random_problem
-from cupyflash import _kernels, _modifiers, reference
+from cupyflash import _config, _kernels, _modifiers, reference
 from test_gpu import _nan_filled_allocations
 
 pytestmark = pytest.mark.gpu
@@ -67,6 +67,20 @@ def test_softcap_alone_at_every_head_dim(rng, dtype, causal, head_dim):
     mods = _modifiers.resolve(cupy, np.dtype(dtype), (1, 2), 197, 130, softcap=5.0)
     variant = _kernels._variant("bwd", dtype, head_dim, head_dim, causal, mods)
     assert variant.softcap_alone == _kernels.uses_wgmma(2, variant.head_dim, "bwd", True)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 72, 96, 128, 160, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+def test_window_alone_at_every_head_dim(rng, dtype, causal, head_dim):
+    """A window and no other option: on Hopper the forward and backward run Mods::window (causal as its right
+    edge). Nq > Nk with a band: rows that see no key, and tiles on both sides of the band."""
+    _check(rng, dtype, (1, 2), 197, 130, head_dim, causal, ["window"])
+    mods = _modifiers.resolve(cupy, np.dtype(dtype), (1, 2), 197, 130, window=(40, 9))
+    for direction in ("fwd", "bwd"):
+        variant = _kernels._variant(direction, dtype, head_dim, head_dim, causal, mods)
+        assert variant.window_alone == (_kernels.uses_wgmma(2, variant.head_dim, direction, True)
+                                        and _config.has_window_alone(direction, variant.head_dim))
 
 
 @pytest.mark.parametrize(

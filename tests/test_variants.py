@@ -56,7 +56,8 @@ def test_every_scalars_variant_is_shipped_beside_its_full_one():
     scalars = [v for v in shipped if v.scalar_mods]
     assert scalars and all(v.mods and not v.dropout and v.direction in ("fwd", "bwd") for v in scalars)
     for v in scalars:
-        assert _kernels.dataclasses.replace(v, scalar_mods=False, bounded=False, softcap_alone=False, causal=False) in shipped
+        assert _kernels.dataclasses.replace(v, scalar_mods=False, bounded=False, softcap_alone=False, window_alone=False,
+                                            causal=False) in shipped
 
 
 def test_a_softcap_alone_takes_the_softcap_backward_on_the_wgmma_path(monkeypatch):
@@ -87,6 +88,44 @@ def test_a_softcap_alone_takes_the_softcap_backward_on_the_wgmma_path(monkeypatc
     assert not variant(softcap=5.0, packed=True).softcap_alone
     monkeypatch.setattr(_kernels, "_wgmma_device", lambda: False)
     assert not variant(softcap=5.0).softcap_alone
+
+
+def test_a_window_alone_takes_the_window_instantiation_on_the_wgmma_path(monkeypatch):
+    """A 16-bit wgmma forward or backward whose only modifier is a window (causal travelling in it) runs
+    Mods::window; a softcap, ALiBi, a block mask, an array, dropout, float32, a packed batch or the mma.sync
+    path take the other instantiations."""
+    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
+    shipped = set(_kernels.shipped_variants())
+    slopes = np.ones((3,), dtype=np.float32)
+
+    def variant(dtype=np.float16, direction="bwd", causal=True, dropout=None, packed=False, **options):
+        mods = _modifiers.resolve(np, np.dtype(dtype), (2, 3), 100, 120, **options)
+        return _kernels._variant(direction, dtype, 128, 128, causal, mods, dropout, packed=packed)
+
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        for direction in ("fwd", "bwd"):
+            for causal, window in ((True, (10, 0)), (False, (5, 17)), (False, (-1, 3)), (True, (0, -1))):
+                chosen = variant(dtype, direction, causal, window=window)
+                assert chosen.window_alone and chosen.scalar_mods and chosen.wgmma and not chosen.causal, window
+                assert not chosen.softcap_alone and not chosen.bounded
+                name = chosen.name_expression(direction if direction == "fwd" else "dkdv")
+                assert "false, Mods::window" in name and chosen in shipped, name
+    for options in (dict(window=(10, 0), softcap=5.0), dict(window=(10, 0), alibi_slopes=slopes),
+                    dict(window=(10, 0), block_mask=np.ones((1, 1), bool)),
+                    dict(window=(10, 0), bias=np.zeros((100, 120), np.float16)),
+                    dict(window=(10, 0), mask=np.ones((100, 120), bool)), dict(softcap=5.0)):
+        for direction in ("fwd", "bwd"):
+            assert not variant(direction=direction, **options).window_alone, (direction, options)
+    assert not variant(np.float32, window=(10, 0)).window_alone
+    assert not variant(window=(10, 0), dropout=_dropout.Dropout(0.1, 1)).window_alone
+    assert not variant(window=(10, 0), packed=True).window_alone
+    mods = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, window=(10, 0))
+    for direction in ("fwd", "bwd"):  # (the dQ pass at HEAD_DIM 64 spilled: that backward keeps the scalars')
+        at_64 = _kernels._variant(direction, np.float16, 64, 64, True, mods)
+        assert at_64.window_alone == _config.has_window_alone(direction, 64) == (direction == "fwd")
+        assert at_64.scalar_mods and at_64 in shipped
+    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: False)
+    assert not variant(window=(10, 0)).window_alone
 
 
 def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward(monkeypatch):
