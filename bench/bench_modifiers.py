@@ -356,14 +356,15 @@ def torch_bias_backend(peer, q, k, v, dout, causal, scale, bias, bias_grad):
     return TorchBias()
 
 
-class FlexWindow:
+class FlexWindow(ba.TorchSDPA if ba.torch is not None else object):
     """torch FlexAttention with ``window`` (and ``causal``, its right edge) as a mask_mod, turned into a block
     mask, so that tiles outside the band are skipped as ours are; compiled (torch.compile) as FlexAttention
-    is meant to run. forward() / prepare_backward() / backward() as bench_attention.TorchSDPA."""
+    is meant to run. forward() / prepare_backward() / backward() are bench_attention.TorchSDPA's, around
+    _sdpa."""
 
     _compiled = None
 
-    def __init__(self, q, k, v, dout, causal, scale, window):
+    def __init__(self, q, k, v, dout, causal, scale, window):  # (not TorchSDPA's: no SDPA backend here)
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         torch = ba.torch
@@ -388,19 +389,8 @@ class FlexWindow:
         self.block_mask = create_block_mask(keep, None, None, nq, nk, device=self.q.device)
         self.scale = scale
 
-    def _flex(self, q, k, v):
+    def _sdpa(self, q, k, v):
         return FlexWindow._compiled(q, k, v, block_mask=self.block_mask, scale=self.scale)
-
-    def forward(self):
-        with ba.torch.no_grad():
-            return self._flex(self.q, self.k, self.v)
-
-    def prepare_backward(self):
-        self.leaves = [x.detach().requires_grad_() for x in (self.q, self.k, self.v)]
-        self.out = self._flex(*self.leaves)
-
-    def backward(self):
-        return ba.torch.autograd.grad(self.out, self.leaves, self.dout, retain_graph=True)
 
 
 def make_backend(name, q, k, v, dout, causal, scale, options, bias_grad=True):

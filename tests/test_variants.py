@@ -60,6 +60,12 @@ def test_every_scalars_variant_is_shipped_beside_its_full_one():
                                             causal=False) in shipped
 
 
+def _at_128(dtype=np.float16, direction="bwd", causal=True, dropout=None, packed=False, **options):
+    """The variant of a (2, 3, 100 x 120) call at HEAD_DIM 128 with these options."""
+    mods = _modifiers.resolve(np, np.dtype(dtype), (2, 3), 100, 120, **options)
+    return _kernels._variant(direction, dtype, 128, 128, causal, mods, dropout, packed=packed)
+
+
 def test_a_softcap_alone_takes_the_softcap_backward_on_the_wgmma_path(monkeypatch):
     """A 16-bit wgmma backward whose only modifier is a softcap runs Mods::softcap, causal as the plain kernels
     take it; anything more (or its forward, float32, dropout, a packed batch, the mma.sync path) does not."""
@@ -67,27 +73,23 @@ def test_a_softcap_alone_takes_the_softcap_backward_on_the_wgmma_path(monkeypatc
     shipped = set(_kernels.shipped_variants())
     slopes = np.ones((3,), dtype=np.float32)
 
-    def variant(dtype=np.float16, direction="bwd", causal=True, dropout=None, packed=False, **options):
-        mods = _modifiers.resolve(np, np.dtype(dtype), (2, 3), 100, 120, **options)
-        return _kernels._variant(direction, dtype, 128, 128, causal, mods, dropout, packed=packed)
-
     for dtype in (np.float16, ml_dtypes.bfloat16):
         for causal in (False, True):
-            chosen = variant(dtype, causal=causal, softcap=5.0)
+            chosen = _at_128(dtype, causal=causal, softcap=5.0)
             assert chosen.softcap_alone and chosen.scalar_mods and chosen.wgmma and chosen.causal == causal
             assert f"{'true' if causal else 'false'}, Mods::softcap, true" in chosen.name_expression("dkdv")
             assert chosen in shipped
     for options in (dict(softcap=5.0, window=(10, 0)), dict(softcap=5.0, window=(-1, 0)),
                     dict(softcap=5.0, alibi_slopes=slopes), dict(softcap=5.0, block_mask=np.ones((1, 1), bool)),
                     dict(softcap=5.0, bias=np.zeros((100, 120), np.float16)), dict(window=(10, 0))):
-        chosen = variant(**options)
+        chosen = _at_128(**options)
         assert not chosen.softcap_alone and not chosen.causal, options
-    assert not variant(direction="fwd", softcap=5.0).softcap_alone
-    assert not variant(np.float32, softcap=5.0).softcap_alone
-    assert not variant(softcap=5.0, dropout=_dropout.Dropout(0.1, 1)).softcap_alone
-    assert not variant(softcap=5.0, packed=True).softcap_alone
+    assert not _at_128(direction="fwd", softcap=5.0).softcap_alone
+    assert not _at_128(np.float32, softcap=5.0).softcap_alone
+    assert not _at_128(softcap=5.0, dropout=_dropout.Dropout(0.1, 1)).softcap_alone
+    assert not _at_128(softcap=5.0, packed=True).softcap_alone
     monkeypatch.setattr(_kernels, "_wgmma_device", lambda: False)
-    assert not variant(softcap=5.0).softcap_alone
+    assert not _at_128(softcap=5.0).softcap_alone
 
 
 def test_a_window_alone_takes_the_window_instantiation_on_the_wgmma_path(monkeypatch):
@@ -98,14 +100,10 @@ def test_a_window_alone_takes_the_window_instantiation_on_the_wgmma_path(monkeyp
     shipped = set(_kernels.shipped_variants())
     slopes = np.ones((3,), dtype=np.float32)
 
-    def variant(dtype=np.float16, direction="bwd", causal=True, dropout=None, packed=False, **options):
-        mods = _modifiers.resolve(np, np.dtype(dtype), (2, 3), 100, 120, **options)
-        return _kernels._variant(direction, dtype, 128, 128, causal, mods, dropout, packed=packed)
-
     for dtype in (np.float16, ml_dtypes.bfloat16):
         for direction in ("fwd", "bwd"):
             for causal, window in ((True, (10, 0)), (False, (5, 17)), (False, (-1, 3)), (True, (0, -1))):
-                chosen = variant(dtype, direction, causal, window=window)
+                chosen = _at_128(dtype, direction, causal, window=window)
                 assert chosen.window_alone and chosen.scalar_mods and chosen.wgmma and not chosen.causal, window
                 assert not chosen.softcap_alone and not chosen.bounded
                 name = chosen.name_expression(direction if direction == "fwd" else "dkdv")
@@ -115,17 +113,17 @@ def test_a_window_alone_takes_the_window_instantiation_on_the_wgmma_path(monkeyp
                     dict(window=(10, 0), bias=np.zeros((100, 120), np.float16)),
                     dict(window=(10, 0), mask=np.ones((100, 120), bool)), dict(softcap=5.0)):
         for direction in ("fwd", "bwd"):
-            assert not variant(direction=direction, **options).window_alone, (direction, options)
-    assert not variant(np.float32, window=(10, 0)).window_alone
-    assert not variant(window=(10, 0), dropout=_dropout.Dropout(0.1, 1)).window_alone
-    assert not variant(window=(10, 0), packed=True).window_alone
+            assert not _at_128(direction=direction, **options).window_alone, (direction, options)
+    assert not _at_128(np.float32, window=(10, 0)).window_alone
+    assert not _at_128(window=(10, 0), dropout=_dropout.Dropout(0.1, 1)).window_alone
+    assert not _at_128(window=(10, 0), packed=True).window_alone
     mods = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, window=(10, 0))
     for direction in ("fwd", "bwd"):  # (the dQ pass at HEAD_DIM 64 spilled: that backward keeps the scalars')
         at_64 = _kernels._variant(direction, np.float16, 64, 64, True, mods)
         assert at_64.window_alone == _config.has_window_alone(direction, 64) == (direction == "fwd")
         assert at_64.scalar_mods and at_64 in shipped
     monkeypatch.setattr(_kernels, "_wgmma_device", lambda: False)
-    assert not variant(window=(10, 0)).window_alone
+    assert not _at_128(window=(10, 0)).window_alone
 
 
 def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward(monkeypatch):
