@@ -71,9 +71,10 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPE_NAMES,
         The masks to warm; default both.
     modifiers : bool, optional
         Also warm the score modifiers' kernels: those of ``window``, ``softcap`` and ``alibi_slopes``
-        alone (and on Hopper the bfloat16 forward for a softcap without ALiBi), and those that also take
-        ``bias``, ``mask`` or ``block_mask`` (each serves causal and not). ``attention_probs`` always
-        compiles its own kernel on first use.
+        (and on Hopper the 16-bit ones for a window alone and for a softcap alone's backward, and the
+        bfloat16 forward for a softcap without ALiBi), and those that also take ``bias``, ``mask`` or
+        ``block_mask`` (each serves causal and not). ``attention_probs`` always compiles its own kernel on
+        first use.
     backward : bool, optional
         Also warm the backward's kernels (default True).
     dropout : bool, optional
