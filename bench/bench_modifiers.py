@@ -259,10 +259,16 @@ def visited_area(case, kernel, *, window=None, block_mask=None):
     return int((visit & on).sum()) * t.rows * t.block * (case.b * case.h // entries)
 
 
+def band(window, causal):
+    """``window`` with causal folded in as its right edge, as the modifiers' kernels take it (the library's
+    own rule: _modifiers.Modifiers.window_with_causal)."""
+    return _modifiers.Modifiers(tuple(window), 0.0, None, None, None, None, None).window_with_causal(causal)
+
+
 def visited_flops(case, *, window=None, block_mask=None):
     """(forward FLOPs, backward FLOPs, areas per kernel) counted on visited tiles (module docstring)."""
-    if window is not None and case.causal:  # the HAS_MODS kernels get causal as the window's right edge
-        window = (window[0], 0 if window[1] == -1 else min(window[1], 0))
+    if window is not None:  # the HAS_MODS kernels get causal as the window's right edge
+        window = band(window, case.causal)
     areas = {k: visited_area(case, k, window=window, block_mask=block_mask) for k in ("fwd", "dkdv", "dq")}
     d = case.d
     return 4 * d * areas["fwd"], ba.BWD_FLOPS_FACTOR * 4 * d * (areas["dkdv"] + areas["dq"]) / 2, areas
@@ -372,9 +378,7 @@ class FlexWindow(ba.TorchSDPA if ba.torch is not None else object):
             FlexWindow._compiled = torch.compile(flex_attention, dynamic=False)
         self.q, self.k, self.v, self.dout = (torch.from_dlpack(x) for x in (q, k, v, dout))
         nq, nk = self.q.shape[-2], self.k.shape[-2]
-        left, right = window
-        if causal:
-            right = 0 if right == -1 else min(right, 0)
+        left, right = band(window, causal)
         offset = nk - nq  # bottom-right alignment, as cupyflash's window and causal
 
         def keep(b, h, i, j):  # key j of query i: i + offset - left <= j <= i + offset + right
