@@ -35,7 +35,9 @@
 //    scaled by a power of two per row block (split_f32.cu, block_info.cuh's split_exponents), and each
 //    CTA splits its own q tile as it loads it (pieces.cuh, split_tile). S takes three float16 products
 //    (Q_hi K_lo^T + Q_lo K_hi^T + Q_hi K_hi^T), P is split likewise, and each block's P V is added to O
-//    in registers, so float32 accuracy holds over any number of key blocks.
+//    in registers, so float32 accuracy holds over any number of key blocks. CTAS_PER_SM is its launch
+//    bounds' minimum of resident CTAs (the tile table's ctas_per_sm): more than one where short CTAs (a
+//    window's few key blocks) hide each other's setup, first copies and epilogue.
 #include "common.cuh"
 #include "block_info.cuh"
 #include "gemm.cuh"
@@ -257,8 +259,8 @@ attention_fwd_kernel(const AttnParams p) {
 }
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, bool IS_CAUSAL, Mods MODS, bool HAS_DROPOUT,
-          bool BOUNDED>
-__global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
+          bool BOUNDED, int CTAS_PER_SM>
+__global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM)
 attention_fwd_wgmma_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
   // float32 inputs: k and v arrive split into float16 pieces (split_f32.cu), q is split here; the shared

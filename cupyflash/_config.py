@@ -25,6 +25,7 @@ memory stays within the 163 KiB an sm_80 CTA can have (227 KiB on sm_90: the wgm
         D_CHUNK output columns per CTA.
   dkdv: NUM_WARPS (16 keys each), BLOCK_M queries per streamed tile, D_CHUNK gradient columns per CTA.
   dq:   NUM_WARPS (16 queries each), BLOCK_N keys per streamed tile, D_CHUNK gradient columns per CTA.
+  ctas_per_sm (wgmma forward; 1 unless listed): the resident CTAs per SM its launch bounds ask for.
 """
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ class Tiles:
     block: int  # the streamed tile: BLOCK_N keys (fwd, dq) or BLOCK_M queries (dkdv)
     d_chunk: int  # output (fwd) or gradient (dkdv, dq) columns per CTA
     split: bool = False  # dkdv, dq: pairs of warps share 16 rows, dividing the work (attention_bwd.cu)
+    # The CTAs per SM the kernel is compiled for (its launch bounds' minimum): ptxas then keeps the
+    # registers within 65536 / (threads * ctas_per_sm). 1: no bound beyond the 255 registers of a thread.
+    ctas_per_sm: int = 1
 
     @property
     def threads(self) -> int:
@@ -114,6 +118,14 @@ SCALAR_MODS_ITEMSIZES = (2, 4)
 # wgmma (direction, HEAD_DIM) but these: its dQ pass at HEAD_DIM 64 (128-key tiles) spilled 4 bytes with
 # NVRTC 12.9 where the scalars' does not, so that backward keeps the scalars' kernels.
 _WINDOW_ALONE_SKIPPED = {("bwd", 64)}
+# The window-alone forward's own tiles, by HEAD_DIM (same fields as _TABLE, then split and ctas_per_sm).
+# A short band leaves each CTA a few key blocks, so its fixed costs (setup, the first copies' latency,
+# the epilogue: over a third of a window CTA's cycles at HEAD_DIM 128) are hidden by the other CTAs of its
+# SM, not by its own loop: 32-key tiles at four CTAs per SM (124 registers, 49 KiB of shared memory) ran
+# the window (256, 0) forward 4% faster than the scalars' 64-key tiles at two (bench/NOTES.md, v18).
+_WGMMA_WINDOW_FWD = {
+    128: (4, 32, 128, False, 4),
+}
 # Where that instantiation fits the plain tiles that the modifiers' tables replace: (path, element bytes,
 # HEAD_DIM, kernel). Every 16-bit and float32 entry of those tables was tried; these compile with zero
 # spills (NVRTC 12.9 for sm_80 and sm_90, CUDA 13.0 ptxas for sm_90a); the others still spill: mma
@@ -247,14 +259,18 @@ def needs_large_smem(itemsize: int, head_dim: int, direction: str) -> bool:
 
 
 def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: bool = False,
-          dropout: bool = False, large_smem: bool = False, scalar_mods: bool = False) -> Tiles:
+          dropout: bool = False, large_smem: bool = False, scalar_mods: bool = False,
+          window_alone: bool = False) -> Tiles:
     """Tile shape for one kernel ("fwd", "dkdv", "dq" or "probs") of one variant; ``mods``: the
     score modifiers' instantiation; ``wgmma``: the Hopper path; ``dropout``: the dropout instantiation;
     ``large_smem``: the float64 tiles for GPUs with 227 KiB of shared memory per CTA; ``scalar_mods``
-    (with ``mods``): the instantiation without the modifiers' arrays (``_SCALAR_MODS_PLAIN``)."""
+    (with ``mods``): the instantiation without the modifiers' arrays (``_SCALAR_MODS_PLAIN``);
+    ``window_alone`` (with ``scalar_mods``, wgmma): the window-alone instantiation (``_WGMMA_WINDOW_FWD``)."""
     if (itemsize, head_dim) not in _TABLE:
         raise ValueError(f"no tiles for {itemsize}-byte elements and head_dim {head_dim}; head dims: {HEAD_DIMS}")
     kernel = _SHARES_TILES.get(kernel, kernel)
+    if window_alone and wgmma and kernel == "fwd" and head_dim in _WGMMA_WINDOW_FWD:
+        return Tiles(*_WGMMA_WINDOW_FWD[head_dim])
     if wgmma and has_wgmma_pieces(itemsize, head_dim, mods, dropout):
         return Tiles(*_WGMMA_PIECES[head_dim][_KERNELS.index(kernel)])
     if wgmma and not has_wgmma(itemsize, head_dim):
@@ -300,10 +316,11 @@ def padded_head_dim(d: int) -> int:
 
 
 def smem_bytes(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: bool = False,
-               dropout: bool = False, large_smem: bool = False, scalar_mods: bool = False) -> int:
+               dropout: bool = False, large_smem: bool = False, scalar_mods: bool = False,
+               window_alone: bool = False) -> int:
     """Dynamic shared memory of a kernel; mirrors the carve-up at the top of each kernel (swizzled wgmma
     tiles have unpadded rows and start on a SMEM_ALIGN boundary the kernel finds itself)."""
-    t = tiles(itemsize, head_dim, kernel, mods, wgmma, dropout, large_smem, scalar_mods)
+    t = tiles(itemsize, head_dim, kernel, mods, wgmma, dropout, large_smem, scalar_mods, window_alone)
     row = head_dim * itemsize + (0 if wgmma else SMEM_PAD_BYTES[itemsize])
     return (SMEM_ALIGN if wgmma else 0) + _tile_bytes(kernel, t, row, wgmma, 8 if itemsize == 8 else 4)
 

@@ -128,12 +128,12 @@ class Variant:
 
     def tiles(self, kernel: str) -> _config.Tiles:
         return _config.tiles(self.itemsize, self.head_dim, kernel, self.mods, self.wgmma, self.dropout,
-                             self.large_smem, self.scalar_mods)
+                             self.large_smem, self.scalar_mods, self.window_alone)
 
     def smem(self, kernel: str) -> int:
         return 0 if kernel == "preprocess" else _config.smem_bytes(self.itemsize, self.head_dim, kernel, self.mods,
                                                                    self.wgmma, self.dropout, self.large_smem,
-                                                                   self.scalar_mods)
+                                                                   self.scalar_mods, self.window_alone)
 
     def threads(self, kernel: str) -> int:
         return 32 * _config.PREPROCESS_WARPS if kernel == "preprocess" else self.tiles(kernel).threads
@@ -156,7 +156,8 @@ class Variant:
         if kernel == "probs":
             return f"attention_probs_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {flag[self.wgmma]}>"
         if kernel == "fwd" and self.wgmma:  # no column chunks: the whole head dim per CTA
-            return f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {fwd_flags}, {flag[self.bounded]}>"
+            return (f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {fwd_flags}, "
+                    f"{flag[self.bounded]}, {t.ctas_per_sm}>")
         if kernel == "fwd":
             return f"attention_fwd_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {fwd_flags}>"
         return f"attention_bwd_{kernel}_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {flags}, {flag[t.split]}>"

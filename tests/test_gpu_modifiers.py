@@ -83,6 +83,21 @@ def test_window_alone_at_every_head_dim(rng, dtype, causal, head_dim):
                                         and _config.has_window_alone(direction, variant.head_dim))
 
 
+@pytest.mark.parametrize("window, causal", [((300, 0), True), ((257, 31), False), ((-1, 40), False)])
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+def test_window_alone_long_bands_at_head_dim_128(rng, dtype, window, causal):
+    """Bands of many key blocks through the window-alone forward's own tiles (on Hopper at HEAD_DIM 128:
+    _config._WGMMA_WINDOW_FWD), with sizes off every tile and Nq != Nk."""
+    q, k, v, dout = _random_problem(rng, (2, 2, 701, 128), (2, 2, 650, 128), (2, 2, 650, 128), dtype)
+    results = _run(q, k, v, dout, causal=causal, window=window)
+    assert_matches_reference(q, k, v, dout, results, causal=causal, window=window)
+    mods = _modifiers.resolve(cupy, np.dtype(dtype), (2, 2), 701, 650, window=window)
+    variant = _kernels._variant("fwd", dtype, 128, 128, causal, mods)
+    assert variant.window_alone == variant.wgmma
+    if variant.wgmma:
+        assert variant.tiles("fwd") == _config.Tiles(*_config._WGMMA_WINDOW_FWD[128])
+
+
 @pytest.mark.parametrize(
     "batch, nq, nk", [((1, 2), 1, 1), ((1, 2), 1, 300), ((2, 2), 203, 113), ((2, 2), 113, 203), ((1, 2), 1023, 1024)]
 )

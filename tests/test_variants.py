@@ -1,5 +1,6 @@
 """Which kernel variant a call selects, and with which tiles (no GPU needed: selection only)."""
 
+import dataclasses
 import ml_dtypes
 import numpy as np
 
@@ -126,6 +127,40 @@ def test_a_window_alone_takes_the_window_instantiation_on_the_wgmma_path(monkeyp
     assert not _at_128(window=(10, 0)).window_alone
 
 
+def test_the_window_alone_forward_takes_its_own_tiles_and_ctas_per_sm(monkeypatch):
+    """At the head dims of _WGMMA_WINDOW_FWD the window-alone forward launches and names that table's tiles,
+    CTAs per SM included (its launch bounds); every other forward keeps one CTA's bound, and the scalars'
+    forward keeps its tiles."""
+    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
+    for head_dim, entry in _config._WGMMA_WINDOW_FWD.items():
+        mods = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, window=(10, 0))
+        chosen = _kernels._variant("fwd", np.float16, head_dim, head_dim, True, mods)
+        assert chosen.window_alone and chosen.tiles("fwd") == _config.Tiles(*entry)
+        assert chosen.name_expression("fwd").endswith(f"Mods::window, false, false, {entry[4]}>")
+        scalars = dataclasses.replace(chosen, window_alone=False)
+        assert scalars.tiles("fwd").ctas_per_sm == 1 and scalars.tiles("fwd") != chosen.tiles("fwd")
+    for variant in _kernels.shipped_variants():
+        own = variant.window_alone and variant.head_dim in _config._WGMMA_WINDOW_FWD
+        if variant.direction == "fwd" and variant.wgmma and not own:
+            assert variant.name_expression("fwd").endswith(", 1>"), variant
+
+
+def test_ctas_per_sm_fit_the_shared_memory_of_an_sm():
+    """A kernel compiled for n CTAs per SM must also leave room for them in shared memory: n times its
+    dynamic shared memory, its static (under 1 KiB: the block-mask bitmap and a few words) and the 1 KiB the
+    hardware reserves per CTA, within Hopper's 228 KiB per SM (the registers are ptxas' part of the bound:
+    tests/test_compile.py checks that nothing spills)."""
+    checked = 0
+    for variant in _kernels.shipped_variants():
+        for kernel in variant.kernels:
+            if kernel == "preprocess" or variant.tiles(kernel).ctas_per_sm == 1:
+                continue
+            ctas = variant.tiles(kernel).ctas_per_sm
+            assert ctas * (variant.smem(kernel) + 2048) <= 228 * 1024, (variant, kernel)
+            checked += 1
+    assert checked >= 2  # the window-alone forwards at HEAD_DIM 128, fp16 and bf16
+
+
 def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward(monkeypatch):
     """On the wgmma path the bfloat16 forward with a softcap of at most BOUNDED_SOFTCAP_MAX and no ALiBi (window
     or not) takes 1 as every row's max; anything else keeps the row max."""
@@ -141,7 +176,7 @@ def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward(monkeypatch
     for options in (dict(softcap=2.0), dict(softcap=limit), dict(softcap=30.0, window=(10, 0))):
         chosen = variant(**options)
         assert chosen.bounded and chosen.scalar_mods and chosen.wgmma, options
-        assert chosen.name_expression("fwd").endswith("Mods::scalars, false, true>")
+        assert chosen.name_expression("fwd").endswith("Mods::scalars, false, true, 1>")
         assert chosen in set(_kernels.shipped_variants())
     assert not variant(softcap=float(np.nextafter(limit, np.inf))).bounded
     assert not variant(softcap=50.0).bounded
