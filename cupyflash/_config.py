@@ -121,9 +121,16 @@ _WINDOW_ALONE_SKIPPED = {("bwd", 64)}
 # The window-alone forward's own tiles, by HEAD_DIM (same fields as _TABLE, then split and ctas_per_sm).
 # A short band leaves each CTA a few key blocks, so its fixed costs (setup, the first copies' latency,
 # the epilogue: over a third of a window CTA's cycles at HEAD_DIM 128) are hidden by the other CTAs of its
-# SM, not by its own loop: 32-key tiles at four CTAs per SM (124 registers, 49 KiB of shared memory) ran
-# the window (256, 0) forward 4% faster than the scalars' 64-key tiles at two (bench/NOTES.md, v18).
+# SM, not by its own loop; and 128-key tiles spend more on the band's edges. Against the scalars' tiles
+# (window (256, 0) forward, bench/NOTES.md, v18): 64-key tiles at four CTAs per SM -28% at HEAD_DIM 16
+# (128-key tiles at two before), -13% at 32 and -25% at 64 (likewise); 64-key at three -13% at 96 (two
+# before; 32-key at four: -9%); 32-key at four -4% at 128 (64-key at two before). Wider heads keep the
+# scalars' tiles.
 _WGMMA_WINDOW_FWD = {
+    16: (4, 64, 16, False, 4),
+    32: (4, 64, 32, False, 4),
+    64: (4, 64, 64, False, 4),
+    96: (4, 64, 96, False, 3),
     128: (4, 32, 128, False, 4),
 }
 # Where that instantiation fits the plain tiles that the modifiers' tables replace: (path, element bytes,

@@ -83,19 +83,20 @@ def test_window_alone_at_every_head_dim(rng, dtype, causal, head_dim):
                                         and _config.has_window_alone(direction, variant.head_dim))
 
 
+@pytest.mark.parametrize("head_dim", sorted(_config._WGMMA_WINDOW_FWD))
 @pytest.mark.parametrize("window, causal", [((300, 0), True), ((257, 31), False), ((-1, 40), False)])
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
-def test_window_alone_long_bands_at_head_dim_128(rng, dtype, window, causal):
-    """Bands of many key blocks through the window-alone forward's own tiles (on Hopper at HEAD_DIM 128:
+def test_window_alone_long_bands(rng, dtype, window, causal, head_dim):
+    """Bands of many key blocks through the window-alone forward's own tiles (on Hopper at the head dims of
     _config._WGMMA_WINDOW_FWD), with sizes off every tile and Nq != Nk."""
-    q, k, v, dout = _random_problem(rng, (2, 2, 701, 128), (2, 2, 650, 128), (2, 2, 650, 128), dtype)
+    q, k, v, dout = _random_problem(rng, (2, 2, 701, head_dim), (2, 2, 650, head_dim), (2, 2, 650, head_dim), dtype)
     results = _run(q, k, v, dout, causal=causal, window=window)
     assert_matches_reference(q, k, v, dout, results, causal=causal, window=window)
     mods = _modifiers.resolve(cupy, np.dtype(dtype), (2, 2), 701, 650, window=window)
-    variant = _kernels._variant("fwd", dtype, 128, 128, causal, mods)
+    variant = _kernels._variant("fwd", dtype, head_dim, head_dim, causal, mods)
     assert variant.window_alone == variant.wgmma
     if variant.wgmma:
-        assert variant.tiles("fwd") == _config.Tiles(*_config._WGMMA_WINDOW_FWD[128])
+        assert variant.tiles("fwd") == _config.Tiles(*_config._WGMMA_WINDOW_FWD[head_dim])
 
 
 @pytest.mark.parametrize(
