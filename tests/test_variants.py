@@ -132,8 +132,8 @@ def test_the_window_alone_forward_takes_its_own_tiles_and_ctas_per_sm(monkeypatc
     CTAs per SM included (its launch bounds); every other forward keeps one CTA's bound, and the scalars'
     forward keeps its tiles."""
     monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
+    mods = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, window=(10, 0))
     for head_dim, entry in _config._WGMMA_WINDOW_FWD.items():
-        mods = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, window=(10, 0))
         chosen = _kernels._variant("fwd", np.float16, head_dim, head_dim, True, mods)
         assert chosen.window_alone and chosen.tiles("fwd") == _config.Tiles(*entry)
         assert chosen.name_expression("fwd").endswith(f"Mods::window, false, false, {entry[4]}>")
