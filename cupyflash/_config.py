@@ -2,7 +2,7 @@
 
 Every kernel is a template over (dtype, HEAD_DIM, tiles, IS_CAUSAL, MODS, WGMMA, HAS_DROPOUT), MODS being
 Mods::none, ::scalars (window, softcap, ALiBi; the backward's block mask), ::softcap (the backward of a softcap
-alone), ::window (a window alone; both with the scalars' tiles) or ::all (also bias, mask, block mask); the score
+alone), ::window (a window alone; both with the scalars' tiles but where the window has its own) or ::all (also bias, mask, block mask); the score
 modifiers' kernels use the same tiles as the plain ones unless noted. A problem's head dims D and Dv are padded up to
 the smallest HEAD_DIM in ``HEAD_DIMS`` that holds both (the padding is zero-filled inside the kernel,
 never read from memory). fp16 and bf16 share tiles; float32 needs twice the shared memory per element
@@ -114,10 +114,6 @@ _LARGE_SMEM_TABLE = {
 # 16-bit and float32. Not float64: two of its backward passes (HEAD_DIM 32 and 64, same tiles as the full
 # instantiation's) spilled on sm_90, and float64 has no speed target with modifiers.
 SCALAR_MODS_ITEMSIZES = (2, 4)
-# The window-alone instantiation (Mods::window: 16-bit, wgmma, the scalars' tiles) is shipped for every
-# wgmma (direction, HEAD_DIM) but these: its dQ pass at HEAD_DIM 64 (128-key tiles) spilled 4 bytes with
-# NVRTC 12.9 where the scalars' does not, so that backward keeps the scalars' kernels.
-_WINDOW_ALONE_SKIPPED = {("bwd", 64)}
 # The window-alone forward's own tiles, by HEAD_DIM (same fields as _TABLE, then split and ctas_per_sm).
 # A short band leaves each CTA a few key blocks, so its fixed costs (setup, the first copies' latency,
 # the epilogue: over a third of a window CTA's cycles at HEAD_DIM 128) are hidden by the other CTAs of its
@@ -132,6 +128,13 @@ _WGMMA_WINDOW_FWD = {
     64: (4, 64, 64, False, 4),
     96: (4, 64, 96, False, 3),
     128: (4, 32, 128, False, 4),
+}
+# The window-alone backward's own tiles, by HEAD_DIM: (dkdv, dq), same fields as _TABLE. At HEAD_DIM 64 the
+# scalars' passes stream 128-wide tiles (their dQ pass on them spilled 4 bytes in this instantiation with
+# NVRTC 12.9); a band of 256 keys leaves such a tile mostly masked. 64-wide tiles: -17% (window (256, 0)
+# backward, bench/NOTES.md, v19). 32-wide ones were slower or level at every head dim (16 to 128).
+_WGMMA_WINDOW_BWD = {
+    64: ((4, 64, 64), (4, 64, 64)),
 }
 # Where that instantiation fits the plain tiles that the modifiers' tables replace: (path, element bytes,
 # HEAD_DIM, kernel). Every 16-bit and float32 entry of those tables was tried; these compile with zero
@@ -245,11 +248,6 @@ def has_wgmma(itemsize: int, head_dim: int) -> bool:
     return itemsize == 2 and head_dim in _WGMMA_TABLE
 
 
-def has_window_alone(direction: str, head_dim: int) -> bool:
-    """Whether the window-alone instantiation is shipped for this direction and HEAD_DIM (16-bit, wgmma)."""
-    return (direction, head_dim) not in _WINDOW_ALONE_SKIPPED
-
-
 def has_wgmma_pieces(itemsize: int, head_dim: int, mods: bool = False, dropout: bool = False) -> bool:
     """Whether float32 kernels have wgmma tiles over float16 pieces: plain or causal, without dropout."""
     return itemsize == 4 and head_dim in _WGMMA_PIECES and not mods and not dropout
@@ -272,12 +270,15 @@ def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: 
     score modifiers' instantiation; ``wgmma``: the Hopper path; ``dropout``: the dropout instantiation;
     ``large_smem``: the float64 tiles for GPUs with 227 KiB of shared memory per CTA; ``scalar_mods``
     (with ``mods``): the instantiation without the modifiers' arrays (``_SCALAR_MODS_PLAIN``);
-    ``window_alone`` (with ``scalar_mods``, wgmma): the window-alone instantiation (``_WGMMA_WINDOW_FWD``)."""
+    ``window_alone`` (with ``scalar_mods``, wgmma): the window-alone instantiation (``_WGMMA_WINDOW_FWD``,
+    ``_WGMMA_WINDOW_BWD``)."""
     if (itemsize, head_dim) not in _TABLE:
         raise ValueError(f"no tiles for {itemsize}-byte elements and head_dim {head_dim}; head dims: {HEAD_DIMS}")
     kernel = _SHARES_TILES.get(kernel, kernel)
     if window_alone and wgmma and kernel == "fwd" and head_dim in _WGMMA_WINDOW_FWD:
         return Tiles(*_WGMMA_WINDOW_FWD[head_dim])
+    if window_alone and wgmma and kernel in ("dkdv", "dq") and head_dim in _WGMMA_WINDOW_BWD:
+        return Tiles(*_WGMMA_WINDOW_BWD[head_dim][kernel == "dq"])
     if wgmma and has_wgmma_pieces(itemsize, head_dim, mods, dropout):
         return Tiles(*_WGMMA_PIECES[head_dim][_KERNELS.index(kernel)])
     if wgmma and not has_wgmma(itemsize, head_dim):

@@ -107,7 +107,8 @@ class Variant:
     ALiBi, block mask or packed batch; ``causal`` as the plain kernels take it), where those options are
     compile-time constants; same tiles as the scalars'. ``window_alone``: its wgmma forward and backward for a
     window and nothing else (``Mods::window``: causal travels in the window as in the scalars'; no softcap,
-    ALiBi, block mask or packed batch), likewise."""
+    ALiBi, block mask or packed batch), likewise, but with its own tiles where _config lists them
+    (``_WGMMA_WINDOW_FWD``, ``_WGMMA_WINDOW_BWD``)."""
 
     direction: str
     ctype: str
@@ -210,7 +211,7 @@ def shipped_variants() -> list[Variant]:
             + [dataclasses.replace(v, causal=causal, softcap_alone=True) for v in wgmma
                if v.direction == "bwd" and v.scalar_mods and v.itemsize == 2 for causal in (False, True)]
             + [dataclasses.replace(v, window_alone=True) for v in wgmma
-               if v.scalar_mods and v.itemsize == 2 and _config.has_window_alone(v.direction, v.head_dim)]
+               if v.scalar_mods and v.itemsize == 2]
             + [dataclasses.replace(v, large_smem=True) for v in variants
                if _config.has_large_smem_tiles(v.itemsize, v.head_dim)])
 
@@ -595,7 +596,7 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
     single = (scalar and wgmma and _ITEMSIZE[ctype] == 2 and not packed and mods is not None
               and mods.alibi_slopes is None and mods.block_mask is None)
     alone = direction == "bwd" and single and mods.softcap > 0.0 and mods.window == (-1, -1)
-    window_alone = single and mods.softcap == 0.0 and _config.has_window_alone(direction, head_dim)
+    window_alone = single and mods.softcap == 0.0
     return Variant(direction, ctype, head_dim, bool(causal) and (not has_mods or alone), has_mods, wgmma,
                    dropout is not None, uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar, bounded, alone,
                    window_alone)

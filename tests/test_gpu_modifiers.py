@@ -79,24 +79,26 @@ def test_window_alone_at_every_head_dim(rng, dtype, causal, head_dim):
     mods = _modifiers.resolve(cupy, np.dtype(dtype), (1, 2), 197, 130, window=(40, 9))
     for direction in ("fwd", "bwd"):
         variant = _kernels._variant(direction, dtype, head_dim, head_dim, causal, mods)
-        assert variant.window_alone == (_kernels.uses_wgmma(2, variant.head_dim, direction, True)
-                                        and _config.has_window_alone(direction, variant.head_dim))
+        assert variant.window_alone == _kernels.uses_wgmma(2, variant.head_dim, direction, True)
 
 
-@pytest.mark.parametrize("head_dim", sorted(_config._WGMMA_WINDOW_FWD))
+@pytest.mark.parametrize("head_dim", sorted(set(_config._WGMMA_WINDOW_FWD) | set(_config._WGMMA_WINDOW_BWD)))
 @pytest.mark.parametrize("window, causal", [((300, 0), True), ((257, 31), False), ((-1, 40), False)])
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
 def test_window_alone_long_bands(rng, dtype, window, causal, head_dim):
-    """Bands of many key blocks through the window-alone forward's own tiles (on Hopper at the head dims of
-    _config._WGMMA_WINDOW_FWD), with sizes off every tile and Nq != Nk."""
+    """Bands of many key blocks through the window-alone kernels' own tiles (on Hopper at the head dims of
+    _config._WGMMA_WINDOW_FWD and _WGMMA_WINDOW_BWD), with sizes off every tile and Nq != Nk."""
     q, k, v, dout = _random_problem(rng, (2, 2, 701, head_dim), (2, 2, 650, head_dim), (2, 2, 650, head_dim), dtype)
     results = _run(q, k, v, dout, causal=causal, window=window)
     assert_matches_reference(q, k, v, dout, results, causal=causal, window=window)
     mods = _modifiers.resolve(cupy, np.dtype(dtype), (2, 2), 701, 650, window=window)
-    variant = _kernels._variant("fwd", dtype, head_dim, head_dim, causal, mods)
-    assert variant.window_alone == variant.wgmma
-    if variant.wgmma:
-        assert variant.tiles("fwd") == _config.Tiles(*_config._WGMMA_WINDOW_FWD[head_dim])
+    forward, backward = (_kernels._variant(d, dtype, head_dim, head_dim, causal, mods) for d in ("fwd", "bwd"))
+    assert forward.window_alone == forward.wgmma and backward.window_alone == backward.wgmma
+    if forward.wgmma and head_dim in _config._WGMMA_WINDOW_FWD:
+        assert forward.tiles("fwd") == _config.Tiles(*_config._WGMMA_WINDOW_FWD[head_dim])
+    if backward.wgmma and head_dim in _config._WGMMA_WINDOW_BWD:
+        dkdv, dq = _config._WGMMA_WINDOW_BWD[head_dim]
+        assert (backward.tiles("dkdv"), backward.tiles("dq")) == (_config.Tiles(*dkdv), _config.Tiles(*dq))
 
 
 @pytest.mark.parametrize(

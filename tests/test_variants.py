@@ -119,10 +119,10 @@ def test_a_window_alone_takes_the_window_instantiation_on_the_wgmma_path(monkeyp
     assert not _at_128(window=(10, 0), dropout=_dropout.Dropout(0.1, 1)).window_alone
     assert not _at_128(window=(10, 0), packed=True).window_alone
     mods = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, window=(10, 0))
-    for direction in ("fwd", "bwd"):  # (the dQ pass at HEAD_DIM 64 spilled: that backward keeps the scalars')
-        at_64 = _kernels._variant(direction, np.float16, 64, 64, True, mods)
-        assert at_64.window_alone == _config.has_window_alone(direction, 64) == (direction == "fwd")
-        assert at_64.scalar_mods and at_64 in shipped
+    for head_dim in sorted({v.head_dim for v in shipped if v.wgmma and v.itemsize == 2}):  # every wgmma head dim
+        for direction in ("fwd", "bwd"):
+            chosen = _kernels._variant(direction, np.float16, head_dim, head_dim, True, mods)
+            assert chosen.window_alone and chosen.scalar_mods and chosen in shipped, (head_dim, direction)
     monkeypatch.setattr(_kernels, "_wgmma_device", lambda: False)
     assert not _at_128(window=(10, 0)).window_alone
 
@@ -143,6 +143,23 @@ def test_the_window_alone_forward_takes_its_own_tiles_and_ctas_per_sm(monkeypatc
         own = variant.window_alone and variant.head_dim in _config._WGMMA_WINDOW_FWD
         if variant.direction == "fwd" and variant.wgmma and not own:
             assert variant.name_expression("fwd").endswith(", 1>"), variant
+
+
+def test_the_window_alone_backward_takes_its_own_tiles(monkeypatch):
+    """At the head dims of _WGMMA_WINDOW_BWD both window-alone backward passes launch and name that table's
+    tiles, and the scalars' backward keeps its own."""
+    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
+    mods = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, window=(10, 0))
+    assert _config._WGMMA_WINDOW_BWD
+    for head_dim, entries in _config._WGMMA_WINDOW_BWD.items():
+        chosen = _kernels._variant("bwd", np.float16, head_dim, head_dim, True, mods)
+        scalars = dataclasses.replace(chosen, window_alone=False)
+        assert chosen.window_alone and chosen.wgmma
+        for kernel, entry in zip(("dkdv", "dq"), entries):
+            tiles = _config.Tiles(*entry)
+            assert chosen.tiles(kernel) == tiles and scalars.tiles(kernel) != tiles, (head_dim, kernel)
+            expected = f"<half_t, {head_dim}, {tiles.num_warps}, {tiles.block}, {tiles.d_chunk}, false, Mods::window,"
+            assert expected in chosen.name_expression(kernel), chosen.name_expression(kernel)
 
 
 def test_ctas_per_sm_fit_the_shared_memory_of_an_sm():
