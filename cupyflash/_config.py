@@ -136,6 +136,15 @@ _WGMMA_WINDOW_FWD = {
 _WGMMA_WINDOW_BWD = {
     64: ((4, 64, 64), (4, 64, 64)),
 }
+# The warp-specialized forward (cuda_src/attention_fwd_ws.cu: one warpgroup copying with TMA for two that
+# compute, 128 rows per tile, one persistent CTA per SM) by HEAD_DIM: (BLOCK_N, STAGES), the keys of a
+# K/V tile and the slots of their ring. The host sends the window-alone forward there (16-bit, Hopper,
+# dense batches whose q, k, v a tensor map can describe: cupyflash/_tma.py). Against the window-alone
+# forward's own tiles above (window (256, 0), bench/NOTES.md, v19): -6 to -10% at HEAD_DIM 128 (2k to 16k);
+# 64-key tiles in 4 slots beat 3 slots and 128-key tiles in 2.
+WS_FWD = {128: (64, 4)}
+WS_WARPS = 12  # three warpgroups
+WS_ROWS = 128  # query rows per tile (64 per computing warpgroup)
 # Where that instantiation fits the plain tiles that the modifiers' tables replace: (path, element bytes,
 # HEAD_DIM, kernel). Every 16-bit and float32 entry of those tables was tried; these compile with zero
 # spills (NVRTC 12.9 for sm_80 and sm_90, CUDA 13.0 ptxas for sm_90a); the others still spill: mma
@@ -265,13 +274,18 @@ def needs_large_smem(itemsize: int, head_dim: int, direction: str) -> bool:
 
 def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: bool = False,
           dropout: bool = False, large_smem: bool = False, scalar_mods: bool = False,
-          window_alone: bool = False) -> Tiles:
+          window_alone: bool = False, warp_specialized: bool = False) -> Tiles:
     """Tile shape for one kernel ("fwd", "dkdv", "dq" or "probs") of one variant; ``mods``: the
     score modifiers' instantiation; ``wgmma``: the Hopper path; ``dropout``: the dropout instantiation;
     ``large_smem``: the float64 tiles for GPUs with 227 KiB of shared memory per CTA; ``scalar_mods``
     (with ``mods``): the instantiation without the modifiers' arrays (``_SCALAR_MODS_PLAIN``);
     ``window_alone`` (with ``scalar_mods``, wgmma): the window-alone instantiation (``_WGMMA_WINDOW_FWD``,
-    ``_WGMMA_WINDOW_BWD``)."""
+    ``_WGMMA_WINDOW_BWD``); ``warp_specialized`` (its forward): the warp-specialized kernel (``WS_FWD``:
+    WS_WARPS warps, BLOCK_N keys per K/V tile)."""
+    if warp_specialized:
+        if kernel != "fwd" or not window_alone or head_dim not in WS_FWD:
+            raise ValueError(f"no warp-specialized {kernel} at head_dim {head_dim}; head dims: {tuple(WS_FWD)}")
+        return Tiles(WS_WARPS, WS_FWD[head_dim][0], head_dim)
     if (itemsize, head_dim) not in _TABLE:
         raise ValueError(f"no tiles for {itemsize}-byte elements and head_dim {head_dim}; head dims: {HEAD_DIMS}")
     kernel = _SHARES_TILES.get(kernel, kernel)
@@ -325,9 +339,12 @@ def padded_head_dim(d: int) -> int:
 
 def smem_bytes(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: bool = False,
                dropout: bool = False, large_smem: bool = False, scalar_mods: bool = False,
-               window_alone: bool = False) -> int:
+               window_alone: bool = False, warp_specialized: bool = False) -> int:
     """Dynamic shared memory of a kernel; mirrors the carve-up at the top of each kernel (swizzled wgmma
     tiles have unpadded rows and start on a SMEM_ALIGN boundary the kernel finds itself)."""
+    if warp_specialized:  # two q buffers of WS_ROWS rows, STAGES slots of a K and a V tile
+        block_n, stages = WS_FWD[head_dim]
+        return SMEM_ALIGN + itemsize * head_dim * (2 * WS_ROWS + 2 * stages * block_n)
     t = tiles(itemsize, head_dim, kernel, mods, wgmma, dropout, large_smem, scalar_mods, window_alone)
     row = head_dim * itemsize + (0 if wgmma else SMEM_PAD_BYTES[itemsize])
     return (SMEM_ALIGN if wgmma else 0) + _tile_bytes(kernel, t, row, wgmma, 8 if itemsize == 8 else 4)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy
 
-from . import _config, _split
+from . import _config, _split, _tma
 from ._types import lse_dtype
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -33,6 +33,7 @@ _WGMMA_ARCH = "sm_90a"
 _CTYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float", "float64": "double"}
 _ITEMSIZE = {"half_t": 2, "bfloat16_t": 2, "float": 4, "double": 8}
 _SOURCES = {"fwd": "attention_fwd.cu", "bwd": "attention_bwd.cu", "probs": "attention_probs.cu"}
+_WS_SOURCE = "attention_fwd_ws.cu"  # the warp-specialized forward (Variant.warp_specialized)
 
 # Host mirror of `struct AttnParams` (cuda_src/block_info.cuh), same field order, C alignment.
 PARAMS_DTYPE = numpy.dtype(
@@ -108,7 +109,8 @@ class Variant:
     compile-time constants; same tiles as the scalars'. ``window_alone``: its wgmma forward and backward for a
     window and nothing else (``Mods::window``: causal travels in the window as in the scalars'; no softcap,
     ALiBi, block mask or packed batch), likewise, but with its own tiles where _config lists them
-    (``_WGMMA_WINDOW_FWD``, ``_WGMMA_WINDOW_BWD``)."""
+    (``_WGMMA_WINDOW_FWD``, ``_WGMMA_WINDOW_BWD``). ``warp_specialized``: that forward as the
+    warp-specialized kernel (cuda_src/attention_fwd_ws.cu; _config.WS_FWD), where TMA can read the inputs."""
 
     direction: str
     ctype: str
@@ -122,6 +124,7 @@ class Variant:
     bounded: bool = False
     softcap_alone: bool = False
     window_alone: bool = False
+    warp_specialized: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -129,12 +132,13 @@ class Variant:
 
     def tiles(self, kernel: str) -> _config.Tiles:
         return _config.tiles(self.itemsize, self.head_dim, kernel, self.mods, self.wgmma, self.dropout,
-                             self.large_smem, self.scalar_mods, self.window_alone)
+                             self.large_smem, self.scalar_mods, self.window_alone, self.warp_specialized)
 
     def smem(self, kernel: str) -> int:
         return 0 if kernel == "preprocess" else _config.smem_bytes(self.itemsize, self.head_dim, kernel, self.mods,
                                                                    self.wgmma, self.dropout, self.large_smem,
-                                                                   self.scalar_mods, self.window_alone)
+                                                                   self.scalar_mods, self.window_alone,
+                                                                   self.warp_specialized)
 
     def threads(self, kernel: str) -> int:
         return 32 * _config.PREPROCESS_WARPS if kernel == "preprocess" else self.tiles(kernel).threads
@@ -156,6 +160,9 @@ class Variant:
         t = self.tiles(kernel)
         if kernel == "probs":
             return f"attention_probs_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {flag[self.wgmma]}>"
+        if kernel == "fwd" and self.warp_specialized:
+            return (f"attention_fwd_ws_kernel<{c}, {hd}, {t.block}, {_config.WS_FWD[hd][1]}, {flag[self.causal]}, "
+                    f"{mods}>")
         if kernel == "fwd" and self.wgmma:  # no column chunks: the whole head dim per CTA
             return (f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {fwd_flags}, "
                     f"{flag[self.bounded]}, {t.ctas_per_sm}>")
@@ -174,7 +181,7 @@ class Variant:
         # The instantiated names (tiles included) lead the source, so each module, and each change of
         # the tile table, gets its own entry in CuPy's compile cache.
         names = ", ".join(self.name_expression(kernel) for kernel in (kernels or self.kernels))
-        return f"// cupyflash module: {names}\n" + source(_SOURCES[self.direction])
+        return f"// cupyflash module: {names}\n" + source(_WS_SOURCE if self.warp_specialized else _SOURCES[self.direction])
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -188,7 +195,8 @@ def shipped_variants() -> list[Variant]:
     modifiers) x (without, with dropout), plus the scalar modifiers without dropout, and probs x dtypes x
     head dims, on the mma.sync path; and the same again on the wgmma path for the (dtype, head dim) pairs
     that have wgmma tiles, with the bfloat16 bounded forwards, the softcap-alone backwards (plain and
-    causal) and the 16-bit window-alone forwards and backwards there."""
+    causal) and the 16-bit window-alone forwards and backwards there, and that forward's warp-specialized
+    kernel at the head dims of _config.WS_FWD."""
     ctypes = ("half_t", "bfloat16_t", "float", "double")
     variants = [
         Variant(direction, ctype, head_dim, causal, mods, dropout=dropout)
@@ -210,8 +218,9 @@ def shipped_variants() -> list[Variant]:
                if v.direction == "fwd" and v.scalar_mods and v.ctype == "bfloat16_t"]
             + [dataclasses.replace(v, causal=causal, softcap_alone=True) for v in wgmma
                if v.direction == "bwd" and v.scalar_mods and v.itemsize == 2 for causal in (False, True)]
-            + [dataclasses.replace(v, window_alone=True) for v in wgmma
-               if v.scalar_mods and v.itemsize == 2]
+            + [dataclasses.replace(v, window_alone=True, warp_specialized=ws) for v in wgmma
+               if v.scalar_mods and v.itemsize == 2
+               for ws in ((False, True) if v.direction == "fwd" and v.head_dim in _config.WS_FWD else (False,))]
             + [dataclasses.replace(v, large_smem=True) for v in variants
                if _config.has_large_smem_tiles(v.itemsize, v.head_dim)])
 
@@ -597,9 +606,11 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
               and mods.alibi_slopes is None and mods.block_mask is None)
     alone = direction == "bwd" and single and mods.softcap > 0.0 and mods.window == (-1, -1)
     window_alone = single and mods.softcap == 0.0
+    # (attention_forward falls back to the window-alone kernel where TMA cannot read the inputs)
+    warp_specialized = window_alone and direction == "fwd" and head_dim in _config.WS_FWD
     return Variant(direction, ctype, head_dim, bool(causal) and (not has_mods or alone), has_mods, wgmma,
                    dropout is not None, uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar, bounded, alone,
-                   window_alone)
+                   window_alone, warp_specialized)
 
 
 # Softcapped scores are tanh values in [-1, 1]. Without ALiBi, exp2(c * (t - 1)) with c = softcap * log2(e)
@@ -685,6 +696,9 @@ def compile_ahead(variants, max_workers: int = 16) -> list[str]:
 def _launch_shape(variant: Variant, kernel: str, rows: int, batch: int, cols: int = 0):
     """(grid, block, dynamic shared memory) of one kernel over ``rows`` rows of its axis and ``batch`` entries."""
     t = variant.tiles(kernel) if kernel != "preprocess" else None
+    if variant.warp_specialized:  # persistent: one CTA per SM, at most one per tile
+        tiles = -(-rows // _config.WS_ROWS) * batch
+        return (min(tiles, _sm_count()), 1, 1), (variant.threads(kernel),), variant.smem(kernel)
     if kernel == "preprocess":
         rows_per_block = _config.PREPROCESS_WARPS * (32 // _config.preprocess_lanes(variant.itemsize, variant.head_dim))
         blocks = -(-rows // rows_per_block)
@@ -693,6 +707,19 @@ def _launch_shape(variant: Variant, kernel: str, rows: int, batch: int, cols: in
     else:
         blocks = -(-rows // t.rows) * (variant.head_dim // t.d_chunk)
     return _grid(blocks, batch), (variant.threads(kernel),), variant.smem(kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(device_id: int) -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
+
+
+def _sm_count() -> int:
+    import cupy
+
+    return _sm_count_of(cupy.cuda.runtime.getDevice())
 
 
 def _launch(functions, variant: Variant, kernel: str, rows: int, batch: int, params, cols: int = 0) -> None:
@@ -767,9 +794,13 @@ _plans: dict[tuple, "_Plan"] = {}
 
 
 class _Plan:
-    def __init__(self, functions: dict, variant: Variant, params, launches):
+    def __init__(self, functions: dict, variant: Variant, params, launches, tensor_maps=None, arrays=None):
         # The parameters as 64-bit words (a plain copy, and an address is one word's write).
         self.words = params.view(numpy.uint64).copy()
+        # The warp-specialized forward's second argument: q, k, v's tensor maps (_tma), encoded per call
+        # from the addresses (by default those of ``arrays``, the ones the plan was made with).
+        self.tensor_maps = tensor_maps
+        self.map_addresses = {name: arrays[name].data.ptr for name in ("q", "k", "v")} if tensor_maps else None
         # (function, grid, block, dynamic shared memory) per launch of (kernel, rows, batch); a backward's
         # last two (dK/dV, dQ) run side by side.
         self.launches = [(functions[kernel],) + _launch_shape(variant, kernel, rows, batch)
@@ -786,6 +817,9 @@ class _Plan:
             if dropout is not None:
                 words.view(numpy.uint32)[_KEY_WORDS] = dropout.round_keys
         args = (words.view(_PARAMS_BYTES),)
+        if self.tensor_maps is not None:
+            found = self.map_addresses if addresses is None else {name: addresses[name].data.ptr for name in ("q", "k", "v")}
+            args += (self.tensor_maps.encode(found),)
 
         def run(launches):
             for function, grid, block, smem in launches:
@@ -856,7 +890,14 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
             others["split_exponents"] = addresses["split_exponents"]
         params = _params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
                          others=others, mods=mods, causal=causal, dropout=dropout)
-        plan = _Plan(_functions(variant), variant, params, [("fwd", nq, batch)])
+        maps = None
+        if variant.warp_specialized:
+            if _tma.available() and all(_tma.describable(arrays[name], sizes, strides[name]) for name in ("q", "k", "v")):
+                block = variant.tiles("fwd").block
+                maps = _tma.TensorMaps(arrays, sizes, strides, {"q": _config.WS_ROWS // 2, "k": block, "v": block})
+            else:
+                variant = dataclasses.replace(variant, warp_specialized=False)
+        plan = _Plan(_functions(variant), variant, params, [("fwd", nq, batch)], maps, arrays)
         if copied:  # the parameters point at copies made for this call
             plan.launch(None, None)
             return _unpad(arrays["out"], dv), lse

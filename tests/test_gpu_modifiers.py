@@ -94,11 +94,71 @@ def test_window_alone_long_bands(rng, dtype, window, causal, head_dim):
     mods = _modifiers.resolve(cupy, np.dtype(dtype), (2, 2), 701, 650, window=window)
     forward, backward = (_kernels._variant(d, dtype, head_dim, head_dim, causal, mods) for d in ("fwd", "bwd"))
     assert forward.window_alone == forward.wgmma and backward.window_alone == backward.wgmma
-    if forward.wgmma and head_dim in _config._WGMMA_WINDOW_FWD:
+    assert forward.warp_specialized == (forward.wgmma and head_dim in _config.WS_FWD)
+    if forward.warp_specialized:
+        assert forward.tiles("fwd") == _config.Tiles(_config.WS_WARPS, _config.WS_FWD[head_dim][0], head_dim)
+    elif forward.wgmma and head_dim in _config._WGMMA_WINDOW_FWD:
         assert forward.tiles("fwd") == _config.Tiles(*_config._WGMMA_WINDOW_FWD[head_dim])
     if backward.wgmma and head_dim in _config._WGMMA_WINDOW_BWD:
         dkdv, dq = _config._WGMMA_WINDOW_BWD[head_dim]
         assert (backward.tiles("dkdv"), backward.tiles("dq")) == (_config.Tiles(*dkdv), _config.Tiles(*dq))
+
+
+class _CountTensorMaps:
+    """Counts the tensor maps attention_forward builds (one per planned warp-specialized forward)."""
+
+    def __init__(self, monkeypatch):
+        self.built = 0
+        original = _kernels._tma.TensorMaps.__init__
+
+        def counted(maps, *args, **kwargs):
+            self.built += 1
+            original(maps, *args, **kwargs)
+
+        monkeypatch.setattr(_kernels._tma.TensorMaps, "__init__", counted)
+
+
+@pytest.mark.parametrize("window, causal", [((256, 0), True), ((100, 17), False), ((-1, 0), True)])
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+def test_warp_specialized_forward_many_tiles_per_cta(rng, monkeypatch, dtype, window, causal):
+    """The warp-specialized window forward (on Hopper at the head dims of _config.WS_FWD) with more tiles than
+    SMs, so that every persistent CTA runs several and its q buffers and K/V ring carry over from one tile to
+    the next; sizes off every tile, Nq != Nk, and rows past the band's start that see no key."""
+    if not _kernels._wgmma_device():
+        pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
+    head_dim = min(_config.WS_FWD)
+    batch, nq, nk = (16, 4), 601, 650
+    tiles = batch[0] * batch[1] * -(-nq // _config.WS_ROWS)
+    assert tiles > 2 * _kernels._sm_count(), "every CTA runs several tiles"
+    q, k, v, dout = _random_problem(rng, batch + (nq, head_dim), batch + (nk, head_dim), batch + (nk, head_dim), dtype)
+    counter = _CountTensorMaps(monkeypatch)
+    _kernels._plans.clear()
+    results = _run(q, k, v, dout, causal=causal, window=window)
+    assert counter.built == 1
+    assert_matches_reference(q, k, v, dout, results, causal=causal, window=window)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+def test_warp_specialized_forward_falls_back_where_tma_cannot_read(rng, monkeypatch, dtype):
+    """Shared k and v heads (a broadcast batch dim, stride 0, that a tensor map cannot step through) take
+    the window-alone kernel instead, with the same results; a q sliced from wider rows (strided, its rows
+    16-byte aligned) stays on the warp-specialized one."""
+    if not _kernels._wgmma_device():
+        pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
+    head_dim = min(_config.WS_FWD)
+    counter = _CountTensorMaps(monkeypatch)
+    q, k, v, dout = _random_problem(rng, (2, 4, 300, head_dim), (2, 1, 333, head_dim), (2, 1, 333, head_dim), dtype)
+    _kernels._plans.clear()
+    results = _run(q, k, v, dout, causal=True, window=(50, 0))
+    assert counter.built == 0
+    assert_matches_reference(q, k, v, dout, results, causal=True, window=(50, 0))
+    wide = _random(rng, (2, 3, 300, head_dim + 8), dtype)  # rows of 136 elements: 272 bytes, 16-byte aligned
+    q = wide[..., :head_dim]
+    k, v, dout = (_random(rng, shape, dtype) for shape in ((2, 3, 280, head_dim), (2, 3, 280, head_dim),
+                                                           (2, 3, 300, head_dim)))
+    results = _run(q, k, v, dout, causal=False, window=(40, 40))
+    assert counter.built == 1
+    assert_matches_reference(q, k, v, dout, results, causal=False, window=(40, 40))
 
 
 @pytest.mark.parametrize(

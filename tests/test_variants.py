@@ -58,7 +58,7 @@ def test_every_scalars_variant_is_shipped_beside_its_full_one():
     assert scalars and all(v.mods and not v.dropout and v.direction in ("fwd", "bwd") for v in scalars)
     for v in scalars:
         assert _kernels.dataclasses.replace(v, scalar_mods=False, bounded=False, softcap_alone=False, window_alone=False,
-                                            causal=False) in shipped
+                                            warp_specialized=False, causal=False) in shipped
 
 
 def _at_128(dtype=np.float16, direction="bwd", causal=True, dropout=None, packed=False, **options):
@@ -134,7 +134,9 @@ def test_the_window_alone_forward_takes_its_own_tiles_and_ctas_per_sm(monkeypatc
     monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
     mods = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, window=(10, 0))
     for head_dim, entry in _config._WGMMA_WINDOW_FWD.items():
-        chosen = _kernels._variant("fwd", np.float16, head_dim, head_dim, True, mods)
+        # (where the warp-specialized forward serves, this one remains for inputs TMA cannot read)
+        chosen = dataclasses.replace(_kernels._variant("fwd", np.float16, head_dim, head_dim, True, mods),
+                                     warp_specialized=False)
         assert chosen.window_alone and chosen.tiles("fwd") == _config.Tiles(*entry)
         assert chosen.name_expression("fwd").endswith(f"Mods::window, false, false, {entry[4]}>")
         scalars = dataclasses.replace(chosen, window_alone=False)
@@ -160,6 +162,59 @@ def test_the_window_alone_backward_takes_its_own_tiles(monkeypatch):
             assert chosen.tiles(kernel) == tiles and scalars.tiles(kernel) != tiles, (head_dim, kernel)
             expected = f"<half_t, {head_dim}, {tiles.num_warps}, {tiles.block}, {tiles.d_chunk}, false, Mods::window,"
             assert expected in chosen.name_expression(kernel), chosen.name_expression(kernel)
+
+
+def test_the_window_alone_forward_is_warp_specialized_where_listed(monkeypatch):
+    """At the head dims of _config.WS_FWD the 16-bit window-alone forward on Hopper is the warp-specialized
+    kernel: its name, three warpgroups, its shared memory within an sm_90 CTA's 227 KiB; its backward, the
+    other head dims, the plain and causal forwards and the mma.sync path are not. Both forms are shipped."""
+    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
+    shipped = set(_kernels.shipped_variants())
+    mods = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, window=(10, 0))
+    assert _config.WS_FWD
+    for dtype, ctype in ((np.float16, "half_t"), (ml_dtypes.bfloat16, "bfloat16_t")):
+        for head_dim in _config.HEAD_DIMS:
+            if not _config.has_wgmma(2, head_dim):
+                continue
+            chosen = _kernels._variant("fwd", dtype, head_dim, head_dim, True, mods)
+            assert chosen.warp_specialized == (head_dim in _config.WS_FWD), head_dim
+            assert not _kernels._variant("bwd", dtype, head_dim, head_dim, True, mods).warp_specialized
+            assert not _kernels._variant("fwd", dtype, head_dim, head_dim, True).warp_specialized
+            if not chosen.warp_specialized:
+                continue
+            block, stages = _config.WS_FWD[head_dim]
+            assert chosen.name_expression("fwd") == (
+                f"attention_fwd_ws_kernel<{ctype}, {head_dim}, {block}, {stages}, false, Mods::window>")
+            assert chosen.threads("fwd") == 3 * 128
+            assert chosen.smem("fwd") + 1024 <= 227 * 1024
+            assert "attention_fwd_ws.cu" in chosen.code() and "attention_fwd_ws_kernel" in chosen.code()
+            assert chosen in shipped and dataclasses.replace(chosen, warp_specialized=False) in shipped
+    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: False)
+    assert not _kernels._variant("fwd", np.float16, 128, 128, True, mods).warp_specialized
+    assert all(v.window_alone and v.direction == "fwd" and v.head_dim in _config.WS_FWD
+               for v in shipped if v.warp_specialized)
+
+
+class _FakeArray:
+    def __init__(self, shape, strides, ptr=1 << 20, itemsize=2):
+        self.shape, self.strides = shape, strides
+        self.dtype = np.dtype(np.float16) if itemsize == 2 else np.dtype(np.float32)
+        self.data = type("Pointer", (), {"ptr": ptr})()
+
+
+def test_tensor_maps_describe_aligned_strided_inputs_but_not_broadcast_ones():
+    """_tma.describable: a 16-byte aligned start and strides, and no batch dim of several entries at stride 0."""
+    from cupyflash import _tma
+
+    dense = _FakeArray((2, 3, 100, 128), (2 * 3 * 100 * 256, 3 * 100 * 256, 256, 2))
+    assert _tma.describable(dense, [1, 2, 3], [0, 300 * 128, 100 * 128])
+    sliced = _FakeArray((2, 3, 100, 128), (2 * 3 * 100 * 272, 3 * 100 * 272, 272, 2))  # rows of 136 elements
+    assert _tma.describable(sliced, [1, 2, 3], [0, 300 * 136, 100 * 136])
+    assert not _tma.describable(dense, [1, 2, 3], [0, 300 * 128, 0])  # heads broadcast
+    assert _tma.describable(dense, [1, 1, 3], [0, 0, 100 * 128])  # a dim of one entry: any stride
+    assert not _tma.describable(_FakeArray((2, 100, 128), (100 * 256, 256, 2), ptr=(1 << 20) + 8), [1, 1, 2],
+                                [0, 0, 100 * 128])
+    assert not _tma.describable(_FakeArray((2, 100, 128), (100 * 264, 264, 2)), [1, 1, 2], [0, 0, 100 * 132])
 
 
 def test_ctas_per_sm_fit_the_shared_memory_of_an_sm():

@@ -1,0 +1,222 @@
+// attention_fwd_ws.cu — the warp-specialized fused attention forward (Hopper, fp16/bf16): out =
+// softmax(scale * q k^T) v and its log-sum-exp, as attention_fwd.cu computes them, in FlashAttention-3's
+// layout.
+//
+// Layout: q (b, nq, d), k (b, nk, d), v (b, nk, dv) of one dense batch, read through TMA tensor maps
+// (tma.cuh; the host checks that the strides allow them); out (b, nq, dv) and lse (b, nq) float32,
+// contiguous. Saved for the backward: lse only.
+//
+// A CTA of three warpgroups, one per SM, persistent: CTA c runs the row blocks (tiles of BLOCK_M = 128
+// query rows of one batch entry) c, c + gridDim.x, ...
+//  - Warpgroup 0 copies: one thread issues every TMA copy and the others leave. Per tile, q goes into one
+//    of two buffers (the next tile's q lands while this one runs), then the K and V tiles of the key
+//    blocks its rows see, last to first, into a ring of STAGES (K, V) slots that runs on across tiles, so
+//    the next tile's first copies overlap this one's last products and its epilogue. It gives its
+//    registers to the others (setmaxnreg).
+//  - Warpgroups 1 and 2 each own 64 of the tile's rows and run attention_fwd_wgmma_kernel's loop on them:
+//    S_j = Q K_j^T issued beside the previous block's O += P V, the online softmax of S_j under that
+//    product. Both read every slot of the ring, so each K/V tile crosses L2 once per 128 rows; each
+//    computes only the key blocks of its own rows' band (a window's two halves differ by a block), waits
+//    for and releases the others. Their epilogue stages out through their own half of the q buffer.
+// Barriers (tma.cuh): q_full[2] (the copy's bytes), q_empty[2] (8 consumer warps, after their epilogue
+// read the buffer), k_full / v_full[STAGES] (bytes), kv_empty[STAGES] (8 consumer warps, after their last
+// product from the slot). Nothing waits on a __syncthreads after the start, so the warpgroups drift
+// apart and one's softmax and epilogue overlap the other's products.
+// MODS: Mods::none (IS_CAUSAL as the plain kernels) or Mods::window (the window alone, causal travelling in
+// it as the right edge). The host sends the window-alone forward at the head dims of _config.WS_FWD here.
+#include "common.cuh"
+#include "block_info.cuh"
+#include "copy.cuh"
+#include "gemm.cuh"
+#include "wgmma.cuh"
+#include "softmax.cuh"
+#include "score_mods.cuh"
+#include "row_block.cuh"
+#include "tma.cuh"
+
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, Mods MODS>
+__global__ void __launch_bounds__(3 * 128, 1)
+attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps maps) {
+  constexpr int BLOCK_M = 128, WG_ROWS = 64;
+  using QTile = SwizzledTile<T, WG_ROWS, HEAD_DIM>;  // one warpgroup's q rows; stages its out at the end
+  using KVTile = SwizzledTile<T, BLOCK_N, HEAD_DIM>;
+  constexpr int S_TILES = BLOCK_N / 8, O_TILES = HEAD_DIM / 8, P_STEPS = S_TILES / 2;
+  static_assert(sizeof(T) == 2 && (MODS == Mods::none || MODS == Mods::window), "16-bit; plain or a window alone");
+  static_assert(!(IS_CAUSAL && MODS != Mods::none), "with the window, causal is its right edge");
+  static_assert(STAGES >= 2, "S_j is issued beside P_(j-1) V: two slots at least");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ __align__(8) u64 bars[4 + 3 * STAGES];
+  T* sQ = reinterpret_cast<T*>(smem_aligned(smem_raw));  // [2 buffers][2 warpgroups] QTile
+  T* sK = sQ + 4 * QTile::SIZE;                           // [STAGES] KVTile
+  T* sV = sK + STAGES * KVTile::SIZE;                     // [STAGES] KVTile
+  auto q_full = [&](int buffer) { return smem_u32(&bars[buffer]); };
+  auto q_empty = [&](int buffer) { return smem_u32(&bars[2 + buffer]); };
+  auto k_full = [&](int slot) { return smem_u32(&bars[4 + slot]); };
+  auto v_full = [&](int slot) { return smem_u32(&bars[4 + STAGES + slot]); };
+  auto kv_empty = [&](int slot) { return smem_u32(&bars[4 + 2 * STAGES + slot]); };
+  constexpr u32 CONSUMER_WARPS = 8;
+  if (threadIdx.x == 0) {
+    for (int buffer = 0; buffer < 2; ++buffer) {
+      mbar_init(q_full(buffer), 1);
+      mbar_init(q_empty(buffer), CONSUMER_WARPS);
+    }
+    for (int slot = 0; slot < STAGES; ++slot) {
+      mbar_init(k_full(slot), 1);
+      mbar_init(v_full(slot), 1);
+      mbar_init(kv_empty(slot), CONSUMER_WARPS);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int row_blocks = ceil_div(p.nq, BLOCK_M);
+  const int tiles = p.batch * row_blocks;
+  // Tile w: batch entry w % batch, row blocks from the last (with causal rows, the longest first).
+  auto tile_at = [&](int w, int& b, int& m0) {
+    b = w % p.batch;
+    m0 = (row_blocks - 1 - w / p.batch) * BLOCK_M;
+  };
+  // A slot's t-th use (t counted over the CTA's whole stream) completes phase t / STAGES of its barriers.
+  auto parity = [](int t) { return static_cast<u32>((t / STAGES) & 1); };
+
+  if (threadIdx.x < 128) {  // the copies
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    if (threadIdx.x != 0) return;
+    int t = 0;  // K/V tiles issued so far
+    for (int w = blockIdx.x, j = 0; w < tiles; w += gridDim.x, ++j) {
+      int b, m0;
+      tile_at(w, b, m0);
+      const int b2 = b % p.batch2, b1 = (b / p.batch2) % p.batch1, b0 = b / p.batch2 / p.batch1;
+      const SeqInfo<false> seq(p, b);
+      const RowBlock<T, 8, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS> rows(p, b, seq, m0, nullptr);
+      const int buffer = j & 1;
+      if (j >= 2) mbar_wait(q_empty(buffer), ((j >> 1) - 1) & 1);
+      mbar_expect(q_full(buffer), 2 * QTile::SIZE * sizeof(T));
+      tma_load_tile<QTile>(sQ + 2 * buffer * QTile::SIZE, maps.q, m0, b0, b1, b2, q_full(buffer));
+      tma_load_tile<QTile>(sQ + (2 * buffer + 1) * QTile::SIZE, maps.q, m0 + WG_ROWS, b0, b1, b2, q_full(buffer));
+      for (int n = rows.n_blocks - 1; n >= rows.n_first; --n, ++t) {
+        const int slot = t % STAGES;
+        if (t >= STAGES) mbar_wait(kv_empty(slot), parity(t - STAGES));
+        mbar_expect(k_full(slot), KVTile::SIZE * sizeof(T));
+        tma_load_tile<KVTile>(sK + slot * KVTile::SIZE, maps.k, n * BLOCK_N, b0, b1, b2, k_full(slot));
+        mbar_expect(v_full(slot), KVTile::SIZE * sizeof(T));
+        tma_load_tile<KVTile>(sV + slot * KVTile::SIZE, maps.v, n * BLOCK_N, b0, b1, b2, v_full(slot));
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+  // The warpgroup through a shuffle: warp-uniform as the compiler sees it, so the branches around the
+  // products stay convergent (ptxas serializes wgmma on a path it thinks divergent).
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0) - 1;
+  const int warp = (threadIdx.x / WARP_SIZE) % 4, lane = threadIdx.x % WARP_SIZE;
+  int t = 0;  // K/V tiles consumed so far
+  for (int w = blockIdx.x, j = 0; w < tiles; w += gridDim.x, ++j) {
+    int b, m0;
+    tile_at(w, b, m0);
+    const SeqInfo<false> seq(p, b);
+    const RowBlock<T, 8, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS> tile(p, b, seq, m0, nullptr);  // the copies' blocks
+    const RowBlock<T, 4, WG_ROWS, BLOCK_N, IS_CAUSAL, MODS> rows(p, b, seq, m0 + WG_ROWS * wg, nullptr);
+    const int buffer = j & 1;
+    T* sQ_wg = sQ + (2 * buffer + wg) * QTile::SIZE;
+    float acc_o[O_TILES][4];
+    zero_acc(acc_o);
+    OnlineSoftmax<S_TILES> softmax;
+    softmax.init();
+    const float exp_scale = rows.exp_scale();
+    // This warpgroup's key blocks [lo, hi] among the tile's [tile.n_first, tile.n_blocks).
+    const bool has_rows = rows.m0 < seq.nq();
+    const int hi = has_rows ? min(rows.n_blocks, tile.n_blocks) - 1 : -1;
+    const int lo = max(rows.n_first, tile.n_first);
+    auto pass_over = [&](int count) {  // another warpgroup's blocks: wait for them, release them
+      for (int i = 0; i < count; ++i, ++t) {
+        mbar_wait(k_full(t % STAGES), parity(t));
+        mbar_wait(v_full(t % STAGES), parity(t));
+        if (lane == 0) mbar_arrive(kv_empty(t % STAGES));
+      }
+    };
+    mbar_wait(q_full(buffer), (j >> 1) & 1);
+    if (hi < lo) {
+      pass_over(tile.n_blocks - tile.n_first);
+    } else {
+      pass_over(tile.n_blocks - 1 - hi);
+      // Block hi: S alone, its softmax gives P.
+      u32 p_cur[P_STEPS][4];
+      int t_cur = t;  // the slot use whose V the pending P V reads
+      {
+        mbar_wait(k_full(t % STAGES), parity(t));
+        float acc_s[S_TILES][4];
+        wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ_wg, 0, sK + (t % STAGES) * KVTile::SIZE);
+        wgmma_wait<0>();
+        fence_operands(acc_s);
+        rows.scores(acc_s, hi, warp * 16, lane);
+        float rescale[2];  // of an all-zero O: unused
+        softmax.update(acc_s, exp_scale, rescale);
+        pack_fragments<T>(acc_s, p_cur);
+        ++t;
+      }
+      // Blocks hi - 1 .. lo: S_n beside the previous block's P V.
+      for (int n = hi - 1; n >= lo; --n, ++t) {
+        mbar_wait(k_full(t % STAGES), parity(t));
+        float acc_s[S_TILES][4];
+        wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ_wg, 0, sK + (t % STAGES) * KVTile::SIZE);
+        mbar_wait(v_full(t_cur % STAGES), parity(t_cur));
+        wg_issue_pb<T, P_STEPS, O_TILES, KVTile>(acc_o, p_cur, sV + (t_cur % STAGES) * KVTile::SIZE, 0);
+        wgmma_wait<1>();  // S_n is done; the P V is still running
+        fence_operands(acc_s);
+        rows.scores(acc_s, n, warp * 16, lane);
+        float rescale[2];
+        softmax.update(acc_s, exp_scale, rescale);
+        u32 p_next[P_STEPS][4];
+        pack_fragments<T>(acc_s, p_next);
+        wgmma_wait<0>();
+        fence_operands(acc_o);
+        fence_fragments(p_cur);
+        if (lane == 0) mbar_arrive(kv_empty(t_cur % STAGES));  // the previous slot is read out
+        rescale_rows(acc_o, rescale);  // O = (O + P_prev V) * exp(m_old - m_new)
+#pragma unroll
+        for (int kt = 0; kt < P_STEPS; ++kt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) p_cur[kt][i] = p_next[kt][i];
+        t_cur = t;
+      }
+      // The last block's P V.
+      mbar_wait(v_full(t_cur % STAGES), parity(t_cur));
+      wg_issue_pb<T, P_STEPS, O_TILES, KVTile>(acc_o, p_cur, sV + (t_cur % STAGES) * KVTile::SIZE, 0);
+      wgmma_wait<0>();
+      fence_operands(acc_o);
+      fence_fragments(p_cur);
+      if (lane == 0) mbar_arrive(kv_empty(t_cur % STAGES));
+      pass_over(lo - tile.n_first);
+    }
+    // Epilogue: out = O / l through this warpgroup's q rows (its products are done with them), and lse.
+    float inv_sum[2], row_lse[2];
+    softmax.finalize(exp_scale, inv_sum, row_lse);
+    acc_to_smem<QTile, O_TILES>(sQ_wg, warp * 16, acc_o, inv_sum, lane);
+    if ((lane & 3) == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = warp * 16 + (lane >> 2) + 8 * r;
+        if (rows.m0 + row < seq.nq()) rows.lse[row] = row_lse[r];
+      }
+    }
+    asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");  // this warpgroup's rows are staged
+    constexpr int CHUNKS = HEAD_DIM / 8, ROW_STEP = 128 / CHUNKS;  // 16-byte chunks of a row; rows per pass
+    const int r0 = (threadIdx.x % 128) / CHUNKS, c = (threadIdx.x % CHUNKS) * 8;
+    const int valid_rows = seq.nq() - rows.m0;
+    if (c < p.d_v) {
+#pragma unroll
+      for (int pass = 0; pass < WG_ROWS / ROW_STEP; ++pass) {
+        const int r = r0 + pass * ROW_STEP;
+        if (r < valid_rows)
+          *reinterpret_cast<uint4*>(rows.out + r * p.out_stride[3] + c) =
+              *reinterpret_cast<const uint4*>(sQ_wg + QTile::offset(r, c));
+      }
+    }
+    fence_async_shared();  // these reads of the buffer come before the copy of a later tile's q into it
+    __syncwarp();
+    if (lane == 0) mbar_arrive(q_empty(buffer));
+  }
+}
