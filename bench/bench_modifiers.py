@@ -70,7 +70,7 @@ import bench_attention as ba  # noqa: E402  (also finds cupyflash in a checkout 
 
 import cupy  # noqa: E402
 import cupyflash  # noqa: E402
-from cupyflash import _kernels, _modifiers, reference  # noqa: E402
+from cupyflash import _config, _kernels, _modifiers, reference  # noqa: E402
 
 DTYPE, HEAD_DIM = "bf16", 128
 BF16 = ba.DTYPES[DTYPE]
@@ -231,32 +231,35 @@ def _query_tiles(n0, n, rows, block, causal, window):
 
 
 def kernel_tiles(case, kernel, *, window=None, block_mask=None):
-    """The tiles of ``kernel`` ("fwd", "dkdv", "dq") in the variant cupyflash picks for this row on the
-    current device: the wgmma tiles on Hopper, the mma.sync ones elsewhere (and without a GPU, as in
-    --dry-run); the modifiers' instantiation for a window or block mask, the plain one otherwise."""
+    """(rows, block) of ``kernel`` ("fwd", "dkdv", "dq") in the variant cupyflash picks for this row on the
+    current device: the rows that visit a band together and the streamed tile's width. The wgmma tiles on
+    Hopper, the mma.sync ones elsewhere (and without a GPU, as in --dry-run); the modifiers' instantiation
+    for a window or block mask, the plain one otherwise. The warp-specialized forward's computing
+    warpgroups each visit their own 64 rows' key tiles (attention_fwd_ws.cu)."""
     mods = None if window is None else _modifiers.resolve(np, BF16, (case.b, case.h), case.n, case.n,
                                                           window=window, block_mask=block_mask)
     variant = _kernels._variant("fwd" if kernel == "fwd" else "bwd", BF16, case.d, case.d, case.causal, mods)
-    return variant.tiles(kernel)
+    t = variant.tiles(kernel)
+    return (_config.WS_ROWS // 2 if variant.warp_specialized else t.rows), t.block
 
 
 def visited_area(case, kernel, *, window=None, block_mask=None):
     """Score elements (rows x block per visited tile) kernel ``kernel`` covers, summed over B and H."""
-    t = kernel_tiles(case, kernel, window=window, block_mask=block_mask)
+    rows, block = kernel_tiles(case, kernel, window=window, block_mask=block_mask)
     n = case.n
-    starts = np.arange(0, n, t.rows)
+    starts = np.arange(0, n, rows)
     ranges = _query_tiles if kernel == "dkdv" else _key_tiles
-    first, end = ranges(starts, n, t.rows, t.block, case.causal, window)
-    tiles = np.arange(-(-n // t.block))
+    first, end = ranges(starts, n, rows, block, case.causal, window)
+    tiles = np.arange(-(-n // block))
     visit = (tiles[None, :] >= first[:, None]) & (tiles[None, :] < end[:, None])  # (CTAs, tiles)
     if block_mask is None:
-        return int(visit.sum()) * t.rows * t.block * case.b * case.h
-    r, c = starts // BLOCK_MASK_TILE, tiles * t.block // BLOCK_MASK_TILE
+        return int(visit.sum()) * rows * block * case.b * case.h
+    r, c = starts // BLOCK_MASK_TILE, tiles * block // BLOCK_MASK_TILE
     # tile_on(row block of the CTA, column of the tile); the dK/dV pass's CTAs own keys, its tiles queries
     grid = np.swapaxes(block_mask, -1, -2) if kernel == "dkdv" else block_mask
     on = grid[..., r[:, None], c[None, :]]
     entries = math.prod(block_mask.shape[:-2])
-    return int((visit & on).sum()) * t.rows * t.block * (case.b * case.h // entries)
+    return int((visit & on).sum()) * rows * block * (case.b * case.h // entries)
 
 
 def band(window, causal):
@@ -653,7 +656,7 @@ def print_notes(cache):
 def dry_run(rows):
     window_case = ba.Case(DTYPE, HEAD_DIM, WINDOW_SEQLENS[0], True)
     print(f"{len(rows)} rows, bf16, D = {HEAD_DIM}; tiles (rows x block) on this device, plain causal / window: "
-          + ", ".join(f"{k} {t.rows}x{t.block} / {w.rows}x{w.block}" for k in ("fwd", "dkdv", "dq")
+          + ", ".join(f"{k} {t[0]}x{t[1]} / {w[0]}x{w[1]}" for k in ("fwd", "dkdv", "dq")
                       for t, w in [(kernel_tiles(window_case, k), kernel_tiles(window_case, k, window=WINDOW))]))
     header = (f"{'row':20} {'B':>3} {'H':>3} {'N':>6} {'causal':>6}  {'options':40} {'fwd GFLOP':>10} "
               f"{'bwd GFLOP':>10}  {'counted on':13} against (target)")

@@ -138,6 +138,21 @@ def test_warp_specialized_forward_many_tiles_per_cta(rng, monkeypatch, dtype, wi
     assert_matches_reference(q, k, v, dout, results, causal=causal, window=window)
 
 
+@pytest.mark.parametrize("d, dv", [(100, 120), (128, 104), (97, 97)])
+def test_warp_specialized_forward_narrower_heads(rng, monkeypatch, d, dv):
+    """Head dims padded up to a HEAD_DIM of _config.WS_FWD: the tensor maps' zero fill supplies the columns
+    past d (and dv), and only dv columns of out are written."""
+    if not _kernels._wgmma_device():
+        pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
+    assert _config.padded_head_dim(max(d, dv)) in _config.WS_FWD
+    counter = _CountTensorMaps(monkeypatch)
+    _kernels._plans.clear()
+    q, k, v, dout = _random_problem(rng, (1, 3, 333, d), (1, 3, 400, d), (1, 3, 400, dv), ml_dtypes.bfloat16)
+    results = _run(q, k, v, dout, causal=True, window=(200, 0))
+    assert counter.built == 1
+    assert_matches_reference(q, k, v, dout, results, causal=True, window=(200, 0))
+
+
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
 def test_warp_specialized_forward_falls_back_where_tma_cannot_read(rng, monkeypatch, dtype):
     """Shared k and v heads (a broadcast batch dim, stride 0, that a tensor map cannot step through) take
