@@ -5,7 +5,7 @@ library CuPy itself runs on, so no new dependency.
 Each input is described as a 5-d tensor (columns, rows, batch2, batch1, batch0) over the collapsed batch
 layout (_kernels._layout) with a box of one 128-byte swizzle atom's columns by a tile's rows: the hardware
 writes SwizzledTile's layout (copy.cuh) and fills rows and columns past the tensor's end with zeros. The
-maps hold the arrays' addresses, so a call with new arrays encodes new maps (a few microseconds each)."""
+maps hold the arrays' addresses, so every call encodes its own (on the host: the driver touches no GPU)."""
 from __future__ import annotations
 
 import ctypes
