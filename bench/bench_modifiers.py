@@ -240,7 +240,7 @@ def kernel_tiles(case, kernel, *, window=None, block_mask=None):
                                                           window=window, block_mask=block_mask)
     variant = _kernels._variant("fwd" if kernel == "fwd" else "bwd", BF16, case.d, case.d, case.causal, mods)
     t = variant.tiles(kernel)
-    return (_config.WS_ROWS // 2 if variant.warp_specialized else t.rows), t.block
+    return (_config.WS_WARPGROUP_ROWS if variant.warp_specialized else t.rows), t.block
 
 
 def visited_area(case, kernel, *, window=None, block_mask=None):

@@ -50,6 +50,7 @@ class Tiles:
     # The CTAs per SM the kernel is compiled for (its launch bounds' minimum): ptxas then keeps the
     # registers within 65536 / (threads * ctas_per_sm). 1: no bound beyond the 255 registers of a thread.
     ctas_per_sm: int = 1
+    copy_warps: int = 0  # warps that only copy and own no rows (the warp-specialized forward's first warpgroup)
 
     @property
     def threads(self) -> int:
@@ -57,8 +58,8 @@ class Tiles:
 
     @property
     def rows(self) -> int:
-        """Rows owned by the CTA: 16 per warp (per pair of warps when split)."""
-        return (8 if self.split else 16) * self.num_warps
+        """Rows owned by the CTA: 16 per computing warp (per pair of warps when split)."""
+        return (8 if self.split else 16) * (self.num_warps - self.copy_warps)
 
 
 # (element bytes, HEAD_DIM): fwd (warps, BLOCK_N, D_CHUNK), dkdv (warps, BLOCK_M, D_CHUNK[, split]), dq (warps,
@@ -143,8 +144,9 @@ _WGMMA_WINDOW_BWD = {
 # forward's own tiles above (window (256, 0), bench/NOTES.md, v19): -6 to -10% at HEAD_DIM 128 (2k to 16k);
 # 64-key tiles in 4 slots beat 3 slots and 128-key tiles in 2.
 WS_FWD = {128: (64, 4)}
-WS_WARPS = 12  # three warpgroups
-WS_ROWS = 128  # query rows per tile (64 per computing warpgroup)
+WS_WARPS, WS_COPY_WARPS = 12, 4  # three warpgroups, the first of which copies
+WS_ROWS = 128  # query rows per tile: Tiles.rows of those warps
+WS_WARPGROUP_ROWS = 64  # each computing warpgroup's rows, which visit their own key blocks
 # Where that instantiation fits the plain tiles that the modifiers' tables replace: (path, element bytes,
 # HEAD_DIM, kernel). Every 16-bit and float32 entry of those tables was tried; these compile with zero
 # spills (NVRTC 12.9 for sm_80 and sm_90, CUDA 13.0 ptxas for sm_90a); the others still spill: mma
@@ -285,7 +287,7 @@ def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: 
     if warp_specialized:
         if kernel != "fwd" or not window_alone or head_dim not in WS_FWD:
             raise ValueError(f"no warp-specialized {kernel} at head_dim {head_dim}; head dims: {tuple(WS_FWD)}")
-        return Tiles(WS_WARPS, WS_FWD[head_dim][0], head_dim)
+        return Tiles(WS_WARPS, WS_FWD[head_dim][0], head_dim, copy_warps=WS_COPY_WARPS)
     if (itemsize, head_dim) not in _TABLE:
         raise ValueError(f"no tiles for {itemsize}-byte elements and head_dim {head_dim}; head dims: {HEAD_DIMS}")
     kernel = _SHARES_TILES.get(kernel, kernel)

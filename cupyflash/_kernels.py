@@ -697,7 +697,7 @@ def _launch_shape(variant: Variant, kernel: str, rows: int, batch: int, cols: in
     """(grid, block, dynamic shared memory) of one kernel over ``rows`` rows of its axis and ``batch`` entries."""
     t = variant.tiles(kernel) if kernel != "preprocess" else None
     if variant.warp_specialized:  # persistent: one CTA per SM, at most one per tile
-        tiles = -(-rows // _config.WS_ROWS) * batch
+        tiles = -(-rows // t.rows) * batch
         return (min(tiles, _sm_count()), 1, 1), (variant.threads(kernel),), variant.smem(kernel)
     if kernel == "preprocess":
         rows_per_block = _config.PREPROCESS_WARPS * (32 // _config.preprocess_lanes(variant.itemsize, variant.head_dim))
@@ -894,7 +894,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
         if variant.warp_specialized:
             if _tma.available() and all(_tma.describable(arrays[name], sizes, strides[name]) for name in ("q", "k", "v")):
                 block = variant.tiles("fwd").block
-                maps = _tma.TensorMaps(arrays, sizes, strides, {"q": _config.WS_ROWS // 2, "k": block, "v": block})
+                maps = _tma.TensorMaps(arrays, sizes, strides, {"q": _config.WS_WARPGROUP_ROWS, "k": block, "v": block})
             else:
                 variant = dataclasses.replace(variant, warp_specialized=False)
         plan = _Plan(_functions(variant), variant, params, [("fwd", nq, batch)], maps, arrays)

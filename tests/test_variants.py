@@ -166,7 +166,8 @@ def test_the_window_alone_backward_takes_its_own_tiles(monkeypatch):
 
 def test_the_window_alone_forward_is_warp_specialized_where_listed(monkeypatch):
     """At the head dims of _config.WS_FWD the 16-bit window-alone forward on Hopper is the warp-specialized
-    kernel: its name, three warpgroups, its shared memory within an sm_90 CTA's 227 KiB; its backward, the
+    kernel: its name, three warpgroups owning WS_ROWS rows, its persistent grid (one CTA per SM, at most one
+    per tile), its shared memory within an sm_90 CTA's 227 KiB; its backward, the
     other head dims, the plain and causal forwards and the mma.sync path are not. Both forms are shipped."""
     monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
     shipped = set(_kernels.shipped_variants())
@@ -185,7 +186,11 @@ def test_the_window_alone_forward_is_warp_specialized_where_listed(monkeypatch):
             block, stages = _config.WS_FWD[head_dim]
             assert chosen.name_expression("fwd") == (
                 f"attention_fwd_ws_kernel<{ctype}, {head_dim}, {block}, {stages}, false, Mods::window>")
-            assert chosen.threads("fwd") == 3 * 128
+            assert chosen.threads("fwd") == 3 * 128 and chosen.tiles("fwd").rows == _config.WS_ROWS
+            monkeypatch.setattr(_kernels, "_sm_count", lambda: 132)
+            for rows, batch, ctas in ((1000, 3, 24), (8192, 32, 132), (1, 1, 1)):
+                grid, block, smem = _kernels._launch_shape(chosen, "fwd", rows, batch)
+                assert (grid, block, smem) == ((ctas, 1, 1), (384,), chosen.smem("fwd")), (rows, batch)
             assert chosen.smem("fwd") + 1024 <= 227 * 1024
             assert "attention_fwd_ws.cu" in chosen.code() and "attention_fwd_ws_kernel" in chosen.code()
             assert chosen in shipped and dataclasses.replace(chosen, warp_specialized=False) in shipped
