@@ -69,13 +69,7 @@ __device__ __forceinline__ void write_out(const Rows& rows, T* sQ, int c0, const
   }
   __syncthreads();
   acc_to_smem<QTile, O_TILES>(sQ, warp * 16, acc_o, inv_sum, lane);
-  if (c0 == 0 && (lane & 3) == 0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = warp * 16 + (lane >> 2) + 8 * r;
-      if (rows.m0 + row < rows.seq.nq()) rows.lse[row] = row_lse[r];
-    }
-  }
+  if (c0 == 0) rows.write_lse(warp * 16, row_lse, lane);
   __syncthreads();
   store_tile<QTile, 8 * O_TILES, THREADS>(rows.out + c0, p.out_stride[3], sQ, rows.seq.nq() - rows.m0, p.d_v - c0);
 }

@@ -195,26 +195,9 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
     float inv_sum[2], row_lse[2];
     softmax.finalize(exp_scale, inv_sum, row_lse);
     acc_to_smem<QTile, O_TILES>(sQ_wg, warp * 16, acc_o, inv_sum, lane);
-    if ((lane & 3) == 0) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = warp * 16 + (lane >> 2) + 8 * r;
-        if (rows.m0 + row < seq.nq()) rows.lse[row] = row_lse[r];
-      }
-    }
+    rows.write_lse(warp * 16, row_lse, lane);
     asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");  // this warpgroup's rows are staged
-    constexpr int CHUNKS = HEAD_DIM / 8, ROW_STEP = 128 / CHUNKS;  // 16-byte chunks of a row; rows per pass
-    const int r0 = (threadIdx.x % 128) / CHUNKS, c = (threadIdx.x % CHUNKS) * 8;
-    const int valid_rows = seq.nq() - rows.m0;
-    if (c < p.d_v) {
-#pragma unroll
-      for (int pass = 0; pass < WG_ROWS / ROW_STEP; ++pass) {
-        const int r = r0 + pass * ROW_STEP;
-        if (r < valid_rows)
-          *reinterpret_cast<uint4*>(rows.out + r * p.out_stride[3] + c) =
-              *reinterpret_cast<const uint4*>(sQ_wg + QTile::offset(r, c));
-      }
-    }
+    store_tile<QTile, HEAD_DIM, 128>(rows.out, p.out_stride[3], sQ_wg, seq.nq() - rows.m0, p.d_v, threadIdx.x % 128);
     fence_async_shared();  // these reads of the buffer come before the copy of a later tile's q into it
     __syncwarp();
     if (lane == 0) mbar_arrive(q_empty(buffer));

@@ -147,16 +147,18 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, i64 row_
 }
 
 // Copy rows [0, NUM_ROWS) x cols [0, COLS) of a shared tile to global memory, skipping rows >= valid_rows
-// and chunks at or past valid_cols.
+// and chunks at or past valid_cols, by THREADS threads numbered `thread` (the CTA's, or one warpgroup's
+// when it stores its own rows: attention_fwd_ws.cu).
 // Swizzled tiles that the CTA covers in whole rows per pass: each thread keeps one column chunk and steps
 // down the rows by constant offsets, as load_tile_async does (the generic loop's index math per chunk cost
 // more instructions than the copy).
 template <class Tile, int COLS, int THREADS, typename T>
-__device__ __forceinline__ void store_tile(T* gmem, i64 row_stride, const T* smem, int valid_rows, int valid_cols) {
+__device__ __forceinline__ void store_tile(T* gmem, i64 row_stride, const T* smem, int valid_rows, int valid_cols,
+                                           u32 thread = threadIdx.x) {
   constexpr int VEC = Tile::VEC, CHUNKS = COLS / VEC, ROWS = Tile::NUM_ROWS;
   constexpr int ROW_STEP = THREADS / CHUNKS;  // rows per pass
   if constexpr (Tile::SWIZZLED && THREADS % CHUNKS == 0 && ROW_STEP % Tile::ROW_PERIOD == 0) {
-    const int r0 = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * VEC;
+    const int r0 = thread / CHUNKS, c = (thread % CHUNKS) * VEC;
     if (c >= valid_cols) return;
     const T* from = smem + Tile::offset(r0, c);
     T* to = gmem + r0 * row_stride + c;
@@ -171,7 +173,7 @@ __device__ __forceinline__ void store_tile(T* gmem, i64 row_stride, const T* sme
     return;
   }
 #pragma unroll
-  for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
+  for (int i = thread; i < ROWS * CHUNKS; i += THREADS) {
     const int r = i / CHUNKS;
     const int c = (i % CHUNKS) * VEC;
     if (r < valid_rows && c < valid_cols) {

@@ -91,6 +91,17 @@ struct RowBlock {
       mask.apply(s, m0 + row0, n0, lane);
     }
   }
+  // lse of one warp's two accumulator rows, row0 + lane / 4 and 8 below it (CTA-relative), by the lanes
+  // that hold them, within the sequence's rows.
+  template <typename A>
+  __device__ __forceinline__ void write_lse(int row0, const A (&row_lse)[2], int lane) const {
+    if ((lane & 3) != 0) return;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + (lane >> 2) + 8 * r;
+      if (m0 + row < seq.nq()) lse[row] = row_lse[r];
+    }
+  }
   // The exponent's scale: log2(e) times the scores' unit (the scale for raw scores, the softcap for
   // softcapped ones).
   __device__ __forceinline__ acc_t<T> exp_scale() const {
