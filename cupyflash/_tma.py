@@ -5,7 +5,8 @@ library CuPy itself runs on, so no new dependency.
 Each input is described as a 5-d tensor (columns, rows, batch2, batch1, batch0) over the collapsed batch
 layout (_kernels._layout) with a box of one 128-byte swizzle atom's columns by a tile's rows: the hardware
 writes SwizzledTile's layout (copy.cuh) and fills rows and columns past the tensor's end with zeros. The
-maps hold the arrays' addresses, so every call encodes its own (on the host: the driver touches no GPU)."""
+maps hold the arrays' addresses, so a call encodes its own (on the host: the driver touches no GPU) unless
+its addresses are the previous call's (TensorMaps.encode keeps that one)."""
 from __future__ import annotations
 
 import ctypes
@@ -81,19 +82,28 @@ class TensorMaps:
             self._fields[name] = (code, dims, strides, box)
         self._element_strides = (ctypes.c_uint32 * 5)(1, 1, 1, 1, 1)
         self._arg_dtype = numpy.dtype((numpy.void, MAP_BYTES * len(self._names)))
+        self._last = (None, None)  # (addresses, argument) of the last encoding
 
     def encode(self, addresses: dict):
-        """The kernel argument (a struct of the maps, by value) for arrays at these addresses."""
-        buffer = ctypes.create_string_buffer(MAP_BYTES + 64)  # per call: plans may launch from several threads
-        at = (ctypes.addressof(buffer) + 63) // 64 * 64  # CUtensorMap is 64-byte aligned
-        arg = numpy.zeros(1, dtype=self._arg_dtype)
-        raw = arg.view(numpy.uint8)
+        """The kernel argument (a struct of the maps, by value) for arrays at these addresses: the last
+        call's when they are the same (the argument is never written after it is made)."""
+        found = tuple(addresses[name] for name in self._names)
+        last, arg = self._last
+        if found == last:
+            return arg
+        # Encoded straight into the argument's bytes, at a 64-byte boundary (CUtensorMap's alignment); a new
+        # buffer per encoding, as plans may launch from several threads.
+        size = MAP_BYTES * len(self._names)
+        raw = numpy.empty(size + 64, dtype=numpy.uint8)
+        offset = -raw.ctypes.data % 64
+        at = raw.ctypes.data + offset
         for i, name in enumerate(self._names):
             code, dims, strides, box = self._fields[name]
-            error = self._function(at, code, 5, addresses[name], dims, strides, box, self._element_strides,
+            error = self._function(at + i * MAP_BYTES, code, 5, found[i], dims, strides, box, self._element_strides,
                                    0, _SWIZZLE_128B, _L2_PROMOTION_128B, 0)
             if error:
                 raise RuntimeError(f"cupyflash: cuTensorMapEncodeTiled failed for {name} (CUresult {error}): "
                                    f"dims {tuple(dims)}, strides {tuple(strides)} bytes, box {tuple(box)}")
-            raw[i * MAP_BYTES:(i + 1) * MAP_BYTES] = numpy.frombuffer(ctypes.string_at(at, MAP_BYTES), numpy.uint8)
+        arg = raw[offset:offset + size].view(self._arg_dtype)
+        self._last = (found, arg)
         return arg

@@ -222,6 +222,40 @@ def test_tensor_maps_describe_aligned_strided_inputs_but_not_broadcast_ones():
     assert not _tma.describable(_FakeArray((2, 100, 128), (100 * 264, 264, 2)), [1, 1, 2], [0, 0, 100 * 132])
 
 
+def test_tensor_maps_are_encoded_once_per_set_of_addresses(monkeypatch):
+    """TensorMaps.encode: the maps of q, k, v in order, each at a 64-byte aligned address of the argument's
+    bytes; a call with the previous call's addresses returns the previous argument without encoding, any
+    other encodes every map again. (A stand-in for the driver's encoder writes each map's address and its
+    rows of box.)"""
+    import ctypes
+
+    from cupyflash import _tma
+
+    calls = []
+
+    def encode(at, code, rank, address, dims, strides, box, element_strides, *flags):
+        calls.append((at % 64, address))
+        words = (ctypes.c_uint64 * 16)(address, box[1], *([0] * 14))
+        ctypes.memmove(at, words, _tma.MAP_BYTES)
+        return 0
+
+    monkeypatch.setattr(_tma, "_encoder", lambda: encode)
+    dense = _FakeArray((2, 3, 100, 128), (2 * 3 * 100 * 256, 3 * 100 * 256, 256, 2))
+    arrays = {"q": dense, "k": dense, "v": dense}
+    strides = {name: [0, 300 * 128, 100 * 128] for name in arrays}
+    maps = _tma.TensorMaps(arrays, [1, 2, 3], strides, {"q": 64, "k": 32, "v": 32})
+    first = maps.encode({"q": 1 << 20, "k": 2 << 20, "v": 3 << 20})
+    assert [offset for offset, _ in calls] == [0, 0, 0] and len(calls) == 3
+    assert first.dtype.itemsize == 3 * _tma.MAP_BYTES and first.shape == (1,)
+    words = first.view(np.uint64).reshape(3, 16)
+    assert words[:, 0].tolist() == [1 << 20, 2 << 20, 3 << 20] and words[:, 1].tolist() == [64, 32, 32]
+    assert maps.encode({"q": 1 << 20, "k": 2 << 20, "v": 3 << 20}) is first and len(calls) == 3
+    second = maps.encode({"q": 1 << 20, "k": 2 << 20, "v": 4 << 20})
+    assert len(calls) == 6 and second is not first
+    assert second.view(np.uint64).reshape(3, 16)[:, 0].tolist() == [1 << 20, 2 << 20, 4 << 20]
+    assert words[2, 0] == 3 << 20, "an argument once made is never written again"
+
+
 def test_ctas_per_sm_fit_the_shared_memory_of_an_sm():
     """Only the wgmma forward takes ctas_per_sm (its launch bounds), and a kernel compiled for n CTAs per SM
     must also leave room for them in shared memory: n times its dynamic shared memory, its static (under
