@@ -6,8 +6,10 @@
 // (tma.cuh; the host checks that the strides allow them); out (b, nq, dv) and lse (b, nq) float32,
 // contiguous. Saved for the backward: lse only.
 //
-// A CTA of three warpgroups, one per SM, persistent: CTA c runs the row blocks (tiles of BLOCK_M = 128
-// query rows of one batch entry) c, c + gridDim.x, ...
+// A CTA of three warpgroups, one per SM, persistent. Tiles (BLOCK_M = 128 query rows of one batch entry) are
+// numbered in sections of batch entries whose K and V fit in L2 together; in a section, row blocks from the
+// last (with causal rows, the longest first). CTA c runs tile c first, then whichever tile the launch's
+// counter hands it next, so CTAs that drew short tiles draw more.
 //  - Warpgroup 0 copies: one thread issues every TMA copy and the others leave. Per tile, q goes into one
 //    of two buffers (the next tile's q lands while this one runs), then the K and V tiles of the key
 //    blocks its rows see, last to first, into a ring of STAGES (K, V) slots that runs on across tiles, so
@@ -18,12 +20,15 @@
 //    product. Both read every slot of the ring, so each K/V tile crosses L2 once per 128 rows; each
 //    computes only the key blocks of its own rows' band (a window's two halves differ by a block), waits
 //    for and releases the others. Their epilogue stages out through their own half of the q buffer.
-// Barriers (tma.cuh): q_full[2] (the copy's bytes), q_empty[2] (8 consumer warps, after their epilogue
-// read the buffer), k_full / v_full[STAGES] (bytes), kv_empty[STAGES] (8 consumer warps, after their last
-// product from the slot). Nothing waits on a __syncthreads after the start, so the warpgroups drift
-// apart and one's softmax and epilogue overlap the other's products.
+// Barriers (tma.cuh): q_full[2] (the copy's bytes, or the copier's arrival alone once no tile is left),
+// q_empty[2] (8 consumer warps, after their epilogue read the buffer), k_full / v_full[STAGES] (bytes),
+// kv_empty[STAGES] (8 consumer warps, after their last product from the slot). Nothing waits on a
+// __syncthreads after the start, so the warpgroups drift apart and one's softmax and epilogue overlap the
+// other's products.
 // MODS: Mods::none (IS_CAUSAL as the plain kernels) or Mods::window (the window alone, causal travelling in
-// it as the right edge). The host sends the window-alone forward at the head dims of _config.WS_FWD here.
+// it as the right edge). The host sends the plain, causal and window-alone 16-bit forwards at the head dims
+// of _config.WS_FWD here. tile_counter: one int, zero at launch; the launch's last draw zeroes it for the
+// next launch on the stream (the host keeps one per stream).
 #include "common.cuh"
 #include "block_info.cuh"
 #include "copy.cuh"
@@ -36,7 +41,7 @@
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, Mods MODS>
 __global__ void __launch_bounds__(3 * 128, 1)
-attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps maps) {
+attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps maps, int* tile_counter) {
   constexpr int BLOCK_M = 128, WG_ROWS = 64;
   using QTile = SwizzledTile<T, WG_ROWS, HEAD_DIM>;  // one warpgroup's q rows; stages its out at the end
   using KVTile = SwizzledTile<T, BLOCK_N, HEAD_DIM>;
@@ -47,6 +52,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) u64 bars[4 + 3 * STAGES];
+  __shared__ int tile_ids[2];  // the tile whose q is in each buffer (>= tiles: none left), published by q_full
   T* sQ = reinterpret_cast<T*>(smem_aligned(smem_raw));  // [2 buffers][2 warpgroups] QTile
   T* sK = sQ + 4 * QTile::SIZE;                           // [STAGES] KVTile
   T* sV = sK + STAGES * KVTile::SIZE;                     // [STAGES] KVTile
@@ -72,26 +78,49 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
 
   const int row_blocks = ceil_div(p.nq, BLOCK_M);
   const int tiles = p.batch * row_blocks;
-  // Tile w: batch entry w % batch, row blocks from the last (with causal rows, the longest first).
+  // Sections of `group` batch entries whose K and V take at most L2_SECTION_BYTES (H100's L2 holds 50 MB: the
+  // rest is left to q and out): the CTAs at work at any time share their K/V tiles through L2. With row
+  // blocks outermost across the whole batch, the causal 2k forward took 1.5x as long (bench/NOTES.md, v20).
+  constexpr i64 L2_SECTION_BYTES = i64(32) << 20;
+  const i64 kv_bytes = static_cast<i64>(p.nk) * (p.d_qk + p.d_v) * static_cast<i64>(sizeof(T));
+  const int group = static_cast<int>(max(i64(1), min(static_cast<i64>(p.batch), L2_SECTION_BYTES / max(i64(1), kv_bytes))));
+  // Tile w: its section, then in the section row blocks from the last, batch entries inside a row block.
   auto tile_at = [&](int w, int& b, int& m0) {
-    b = w % p.batch;
-    m0 = (row_blocks - 1 - w / p.batch) * BLOCK_M;
+    const int section = w / (group * row_blocks), r = w - section * group * row_blocks;
+    const int entries = min(group, p.batch - section * group);  // the last section may hold fewer
+    b = section * group + r % entries;
+    m0 = (row_blocks - 1 - r / entries) * BLOCK_M;
   };
   // A slot's t-th use (t counted over the CTA's whole stream) completes phase t / STAGES of its barriers.
   auto parity = [](int t) { return static_cast<u32>((t / STAGES) & 1); };
 
+  // Registers: 32 for the copies, 232 for each computing warpgroup (24 / 240 spilled with the tile counter).
   if (threadIdx.x < 128) {  // the copies
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
     if (threadIdx.x != 0) return;
     int t = 0;  // K/V tiles issued so far
-    for (int w = blockIdx.x, j = 0; w < tiles; w += gridDim.x, ++j) {
+    for (int j = 0;; ++j) {
+      const int buffer = j & 1;
+      if (j >= 2) mbar_wait(q_empty(buffer), ((j >> 1) - 1) & 1);
+      // The CTA's first tile is its index; the others come from the counter, in tile order. Each CTA draws
+      // until one draw lands past the last tile: tiles - gridDim.x draws land on tiles and gridDim.x past
+      // them, tiles draws in all, so the one that returns tiles - 1 is the launch's last.
+      int w = blockIdx.x;
+      if (j > 0) {
+        const int drawn = atomicAdd(tile_counter, 1);
+        if (drawn == tiles - 1) atomicExch(tile_counter, 0);
+        w = drawn + gridDim.x;
+      }
+      tile_ids[buffer] = w;
+      if (w >= tiles) {
+        mbar_arrive(q_full(buffer));  // the computing warpgroups read tile_ids and leave
+        break;
+      }
       int b, m0;
       tile_at(w, b, m0);
       const int b2 = b % p.batch2, b1 = (b / p.batch2) % p.batch1, b0 = b / p.batch2 / p.batch1;
       const SeqInfo<false> seq(p, b);
       const RowBlock<T, 8, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS> rows(p, b, seq, m0, nullptr);
-      const int buffer = j & 1;
-      if (j >= 2) mbar_wait(q_empty(buffer), ((j >> 1) - 1) & 1);
       mbar_expect(q_full(buffer), 2 * QTile::SIZE * sizeof(T));
       tma_load_tile<QTile>(sQ + 2 * buffer * QTile::SIZE, maps.q, m0, b0, b1, b2, q_full(buffer));
       tma_load_tile<QTile>(sQ + (2 * buffer + 1) * QTile::SIZE, maps.q, m0 + WG_ROWS, b0, b1, b2, q_full(buffer));
@@ -107,19 +136,22 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   // The warpgroup through a shuffle: warp-uniform as the compiler sees it, so the branches around the
   // products stay convergent (ptxas serializes wgmma on a path it thinks divergent).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0) - 1;
   const int warp = (threadIdx.x / WARP_SIZE) % 4, lane = threadIdx.x % WARP_SIZE;
   int t = 0;  // K/V tiles consumed so far
-  for (int w = blockIdx.x, j = 0; w < tiles; w += gridDim.x, ++j) {
+  for (int j = 0;; ++j) {
+    const int buffer = j & 1;
+    mbar_wait(q_full(buffer), (j >> 1) & 1);  // also publishes tile_ids[buffer]
+    const int w = *static_cast<volatile int*>(&tile_ids[buffer]);
+    if (w >= tiles) break;
     int b, m0;
     tile_at(w, b, m0);
     const SeqInfo<false> seq(p, b);
     const RowBlock<T, 8, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS> tile(p, b, seq, m0, nullptr);  // the copies' blocks
     const RowBlock<T, 4, WG_ROWS, BLOCK_N, IS_CAUSAL, MODS> rows(p, b, seq, m0 + WG_ROWS * wg, nullptr);
-    const int buffer = j & 1;
     T* sQ_wg = sQ + (2 * buffer + wg) * QTile::SIZE;
     float acc_o[O_TILES][4];
     zero_acc(acc_o);
@@ -137,7 +169,6 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
         if (lane == 0) mbar_arrive(kv_empty(t % STAGES));
       }
     };
-    mbar_wait(q_full(buffer), (j >> 1) & 1);
     if (hi < lo) {
       pass_over(tile.n_blocks - tile.n_first);
     } else {

@@ -139,10 +139,11 @@ _WGMMA_WINDOW_BWD = {
 }
 # The warp-specialized forward (cuda_src/attention_fwd_ws.cu: one warpgroup copying with TMA for two that
 # compute, 128 rows per tile, one persistent CTA per SM) by HEAD_DIM: (BLOCK_N, STAGES), the keys of a
-# K/V tile and the slots of their ring. The host sends the window-alone forward there (16-bit, Hopper,
-# dense batches whose q, k, v a tensor map can describe: cupyflash/_tma.py). Against the window-alone
-# forward's own tiles above (window (256, 0), bench/NOTES.md, v19): -6 to -10% at HEAD_DIM 128 (2k to 16k);
-# 64-key tiles in 4 slots beat 3 slots and 128-key tiles in 2.
+# K/V tile and the slots of their ring. The host sends the plain, causal and window-alone forwards there
+# (16-bit, Hopper, no dropout, dense batches whose q, k, v a tensor map can describe: cupyflash/_tma.py).
+# At HEAD_DIM 128 (bench/NOTES.md, v19, v20), against the wgmma forward's tiles: window (256, 0) -6 to -10%
+# (2k to 16k), causal -18 / -21% (2k / 8k), full -15% (8k). 64-key tiles in 4 slots beat 3 slots, 5 slots
+# and 128-key tiles in 2.
 WS_FWD = {128: (64, 4)}
 WS_WARPS, WS_COPY_WARPS = 12, 4  # three warpgroups, the first of which copies
 WS_ROWS = 128  # query rows per tile: Tiles.rows of those warps
@@ -285,8 +286,10 @@ def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: 
     ``_WGMMA_WINDOW_BWD``); ``warp_specialized`` (its forward): the warp-specialized kernel (``WS_FWD``:
     WS_WARPS warps, BLOCK_N keys per K/V tile)."""
     if warp_specialized:
-        if kernel != "fwd" or not window_alone or head_dim not in WS_FWD:
-            raise ValueError(f"no warp-specialized {kernel} at head_dim {head_dim}; head dims: {tuple(WS_FWD)}")
+        if kernel != "fwd" or itemsize != 2 or dropout or (mods and not window_alone) or head_dim not in WS_FWD:
+            raise ValueError(f"no warp-specialized {kernel} for {itemsize}-byte elements at head_dim {head_dim} with "
+                             f"these options: it serves the 16-bit plain, causal and window-alone forwards at "
+                             f"head dims {tuple(WS_FWD)}")
         return Tiles(WS_WARPS, WS_FWD[head_dim][0], head_dim, copy_warps=WS_COPY_WARPS)
     if (itemsize, head_dim) not in _TABLE:
         raise ValueError(f"no tiles for {itemsize}-byte elements and head_dim {head_dim}; head dims: {HEAD_DIMS}")

@@ -109,8 +109,9 @@ class Variant:
     compile-time constants; same tiles as the scalars'. ``window_alone``: its wgmma forward and backward for a
     window and nothing else (``Mods::window``: causal travels in the window as in the scalars'; no softcap,
     ALiBi, block mask or packed batch), likewise, but with its own tiles where _config lists them
-    (``_WGMMA_WINDOW_FWD``, ``_WGMMA_WINDOW_BWD``). ``warp_specialized``: that forward as the
-    warp-specialized kernel (cuda_src/attention_fwd_ws.cu; _config.WS_FWD), where TMA can read the inputs."""
+    (``_WGMMA_WINDOW_FWD``, ``_WGMMA_WINDOW_BWD``). ``warp_specialized``: a 16-bit wgmma forward, plain,
+    causal or window-alone, as the warp-specialized kernel (cuda_src/attention_fwd_ws.cu; _config.WS_FWD),
+    where TMA can read the inputs."""
 
     direction: str
     ctype: str
@@ -195,8 +196,8 @@ def shipped_variants() -> list[Variant]:
     modifiers) x (without, with dropout), plus the scalar modifiers without dropout, and probs x dtypes x
     head dims, on the mma.sync path; and the same again on the wgmma path for the (dtype, head dim) pairs
     that have wgmma tiles, with the bfloat16 bounded forwards, the softcap-alone backwards (plain and
-    causal) and the 16-bit window-alone forwards and backwards there, and that forward's warp-specialized
-    kernel at the head dims of _config.WS_FWD."""
+    causal) and the 16-bit window-alone forwards and backwards there, and the warp-specialized kernel of
+    the 16-bit plain, causal and window-alone forwards at the head dims of _config.WS_FWD."""
     ctypes = ("half_t", "bfloat16_t", "float", "double")
     variants = [
         Variant(direction, ctype, head_dim, causal, mods, dropout=dropout)
@@ -221,6 +222,9 @@ def shipped_variants() -> list[Variant]:
             + [dataclasses.replace(v, window_alone=True, warp_specialized=ws) for v in wgmma
                if v.scalar_mods and v.itemsize == 2
                for ws in ((False, True) if v.direction == "fwd" and v.head_dim in _config.WS_FWD else (False,))]
+            + [dataclasses.replace(v, warp_specialized=True) for v in wgmma
+               if v.direction == "fwd" and not v.mods and not v.dropout and v.itemsize == 2
+               and v.head_dim in _config.WS_FWD]
             + [dataclasses.replace(v, large_smem=True) for v in variants
                if _config.has_large_smem_tiles(v.itemsize, v.head_dim)])
 
@@ -606,8 +610,10 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
               and mods.alibi_slopes is None and mods.block_mask is None)
     alone = direction == "bwd" and single and mods.softcap > 0.0 and mods.window == (-1, -1)
     window_alone = single and mods.softcap == 0.0
-    # (attention_forward falls back to the window-alone kernel where TMA cannot read the inputs)
-    warp_specialized = window_alone and direction == "fwd" and head_dim in _config.WS_FWD
+    # The plain, causal and window-alone 16-bit forwards; attention_forward falls back to their other kernel
+    # where TMA cannot read the inputs.
+    warp_specialized = (direction == "fwd" and wgmma and _ITEMSIZE[ctype] == 2 and head_dim in _config.WS_FWD
+                        and (window_alone or (not has_mods and dropout is None)))
     return Variant(direction, ctype, head_dim, bool(causal) and (not has_mods or alone), has_mods, wgmma,
                    dropout is not None, uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar, bounded, alone,
                    window_alone, warp_specialized)
@@ -806,6 +812,19 @@ class _Plan:
         self.launches = [(functions[kernel],) + _launch_shape(variant, kernel, rows, batch)
                          for kernel, rows, batch in launches]
         self.side_by_side = [kernel for kernel, _, _ in launches[-2:]] == ["dkdv", "dq"]
+        self.tile_counters = {}  # the warp-specialized forward's, by stream
+
+    def _tile_counter(self):
+        """The warp-specialized forward's tile counter (one int, zero at launch; the launch's last draw zeroes
+        it again: attention_fwd_ws.cu) for launches on the current stream, which run one after another. One
+        per stream: launches on two streams may run at once."""
+        import cupy
+
+        stream = cupy.cuda.get_current_stream().ptr
+        counter = self.tile_counters.get(stream)
+        if counter is None:
+            counter = self.tile_counters.setdefault(stream, cupy.zeros(1, dtype=numpy.int32))
+        return counter
 
     def launch(self, addresses: dict | None, dropout) -> None:
         """Launch with these arrays' addresses and this dropout key (None: the ones the plan was made with)."""
@@ -819,7 +838,7 @@ class _Plan:
         args = (words.view(_PARAMS_BYTES),)
         if self.tensor_maps is not None:
             found = self.map_addresses if addresses is None else {name: addresses[name].data.ptr for name in ("q", "k", "v")}
-            args += (self.tensor_maps.encode(found),)
+            args += (self.tensor_maps.encode(found), self._tile_counter())
 
         def run(launches):
             for function, grid, block, smem in launches:

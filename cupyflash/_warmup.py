@@ -153,6 +153,7 @@ def describe(variant) -> str:
             "modifiers (window alone)" if variant.window_alone else
             "modifiers (window, softcap, ALiBi)" if variant.scalar_mods else "modifiers") if variant.mods else (
             "causal" if variant.causal else "plain")
+    kind += " (warp-specialized)" if variant.warp_specialized and not variant.mods else ""
     return (f"{variant.direction} {dtype} HEAD_DIM={variant.head_dim} {kind}" + (" dropout" if variant.dropout else "")
             + (" (wgmma)" if variant.wgmma else "") + (" (large shared memory)" if variant.large_smem else ""))
 

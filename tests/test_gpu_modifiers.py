@@ -119,12 +119,15 @@ class _CountTensorMaps:
         monkeypatch.setattr(_kernels._tma.TensorMaps, "__init__", counted)
 
 
-@pytest.mark.parametrize("window, causal", [((256, 0), True), ((100, 17), False), ((-1, 0), True)])
+@pytest.mark.parametrize("window, causal", [((256, 0), True), ((100, 17), False), ((-1, 0), True), (None, True),
+                                            (None, False)])
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
 def test_warp_specialized_forward_many_tiles_per_cta(rng, monkeypatch, dtype, window, causal):
-    """The warp-specialized window forward (on Hopper at the head dims of _config.WS_FWD) with more tiles than
-    SMs, so that every persistent CTA runs several and its q buffers and K/V ring carry over from one tile to
-    the next; sizes off every tile, Nq != Nk, and rows past the band's start that see no key."""
+    """The warp-specialized forward (on Hopper at the head dims of _config.WS_FWD: windows, causal, plain) with
+    more tiles than SMs, so that every persistent CTA runs several, drawn from the tile counter, and its q
+    buffers and K/V ring carry over from one tile to the next; sizes off every tile, Nq != Nk, and rows
+    past the band's start that see no key. The same plan called again (its counter zeroed per call) gives
+    the same out and lse."""
     if not _kernels._wgmma_device():
         pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
     head_dim = min(_config.WS_FWD)
@@ -132,11 +135,48 @@ def test_warp_specialized_forward_many_tiles_per_cta(rng, monkeypatch, dtype, wi
     tiles = batch[0] * batch[1] * -(-nq // _config.WS_ROWS)
     assert tiles > 2 * _kernels._sm_count(), "every CTA runs several tiles"
     q, k, v, dout = _random_problem(rng, batch + (nq, head_dim), batch + (nk, head_dim), batch + (nk, head_dim), dtype)
+    options = {} if window is None else {"window": window}
     counter = _CountTensorMaps(monkeypatch)
     _kernels._plans.clear()
-    results = _run(q, k, v, dout, causal=causal, window=window)
+    results = _run(q, k, v, dout, causal=causal, **options)
     assert counter.built == 1
-    assert_matches_reference(q, k, v, dout, results, causal=causal, window=window)
+    assert_matches_reference(q, k, v, dout, results, causal=causal, **options)
+    with _nan_filled_allocations():
+        again = cupyflash.attention_forward(q, k, v, causal=causal, **options)
+    assert counter.built == 1, "the second call reuses the plan"
+    for first, second in zip(results[:2], again):
+        assert bool(cupy.array_equal(first, second))
+    plan = next(p for p in _kernels._plans.values() if p.tensor_maps is not None)
+    assert [int(c.get()[0]) for c in plan.tile_counters.values()] == [0], "each launch leaves its counter at zero"
+
+
+def test_warp_specialized_forward_on_two_streams_at_once(rng):
+    """One plan launched on two streams whose launches overlap: each stream draws tiles from its own counter,
+    and both results match the reference."""
+    if not _kernels._wgmma_device():
+        pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
+    head_dim = min(_config.WS_FWD)
+    shape = (16, 4, 601, head_dim)
+    problems = [_random_problem(rng, shape, shape, shape, ml_dtypes.bfloat16) for _ in range(2)]
+    _kernels._plans.clear()
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in problems]
+    cupy.cuda.Device().synchronize()
+    outs = []
+    for _ in range(3):
+        for stream, (q, k, v, _) in zip(streams, problems):
+            with stream:
+                outs.append(cupyflash.attention_forward(q, k, v, causal=True))
+    for stream in streams:
+        stream.synchronize()
+    plan = next(p for p in _kernels._plans.values() if p.tensor_maps is not None)
+    assert len(plan.tile_counters) == 2 and all(int(c.get()[0]) == 0 for c in plan.tile_counters.values())
+    for i, (out, lse) in enumerate(outs):
+        q, k, v, dout = problems[i % 2]
+        expected_out, expected_lse = outs[i % 2]
+        assert bool(cupy.array_equal(out, expected_out)) and bool(cupy.array_equal(lse, expected_lse))
+    for (q, k, v, dout), (out, lse) in zip(problems, outs[:2]):
+        grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+        assert_matches_reference(q, k, v, dout, (out, lse, *grads), causal=True)
 
 
 @pytest.mark.parametrize("d, dv", [(100, 120), (128, 104), (97, 97)])
@@ -157,8 +197,8 @@ def test_warp_specialized_forward_narrower_heads(rng, monkeypatch, d, dv):
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
 def test_warp_specialized_forward_falls_back_where_tma_cannot_read(rng, monkeypatch, dtype):
     """Shared k and v heads (a broadcast batch dim, stride 0, that a tensor map cannot step through) take
-    the window-alone kernel instead, with the same results; a q sliced from wider rows (strided, its rows
-    16-byte aligned) stays on the warp-specialized one."""
+    the window-alone kernel, or for causal the wgmma forward, instead, with the same results; a q sliced from
+    wider rows (strided, its rows 16-byte aligned) stays on the warp-specialized one."""
     if not _kernels._wgmma_device():
         pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
     head_dim = min(_config.WS_FWD)
@@ -168,6 +208,9 @@ def test_warp_specialized_forward_falls_back_where_tma_cannot_read(rng, monkeypa
     results = _run(q, k, v, dout, causal=True, window=(50, 0))
     assert counter.built == 0
     assert_matches_reference(q, k, v, dout, results, causal=True, window=(50, 0))
+    results = _run(q, k, v, dout, causal=True)
+    assert counter.built == 0
+    assert_matches_reference(q, k, v, dout, results, causal=True)
     wide = _random(rng, (2, 3, 300, head_dim + 8), dtype)  # rows of 136 elements: 272 bytes, 16-byte aligned
     q = wide[..., :head_dim]
     k, v, dout = (_random(rng, shape, dtype) for shape in ((2, 3, 280, head_dim), (2, 3, 280, head_dim),

@@ -3,6 +3,7 @@
 import dataclasses
 import ml_dtypes
 import numpy as np
+import pytest
 
 from cupyflash import _config, _dropout, _kernels, _modifiers
 
@@ -143,7 +144,7 @@ def test_the_window_alone_forward_takes_its_own_tiles_and_ctas_per_sm(monkeypatc
         assert scalars.tiles("fwd").ctas_per_sm == 1 and scalars.tiles("fwd") != chosen.tiles("fwd")
     for variant in _kernels.shipped_variants():
         own = variant.window_alone and variant.head_dim in _config._WGMMA_WINDOW_FWD
-        if variant.direction == "fwd" and variant.wgmma and not own:
+        if variant.direction == "fwd" and variant.wgmma and not own and not variant.warp_specialized:
             assert variant.name_expression("fwd").endswith(", 1>"), variant
 
 
@@ -164,40 +165,53 @@ def test_the_window_alone_backward_takes_its_own_tiles(monkeypatch):
             assert expected in chosen.name_expression(kernel), chosen.name_expression(kernel)
 
 
-def test_the_window_alone_forward_is_warp_specialized_where_listed(monkeypatch):
-    """At the head dims of _config.WS_FWD the 16-bit window-alone forward on Hopper is the warp-specialized
-    kernel: its name, three warpgroups owning WS_ROWS rows, its persistent grid (one CTA per SM, at most one
-    per tile), its shared memory within an sm_90 CTA's 227 KiB; its backward, the
-    other head dims, the plain and causal forwards and the mma.sync path are not. Both forms are shipped."""
+def test_the_warp_specialized_forward_serves_plain_causal_and_window_alone_where_listed(monkeypatch):
+    """At the head dims of _config.WS_FWD the 16-bit plain, causal and window-alone forwards on Hopper are the
+    warp-specialized kernel: its name, three warpgroups owning WS_ROWS rows, its persistent grid (one CTA per
+    SM, at most one per tile), its shared memory within an sm_90 CTA's 227 KiB. Backwards, dropout, float32,
+    other modifiers, other head dims and the mma.sync path are not. Both forms of each are shipped."""
     monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
+    monkeypatch.setattr(_kernels, "_sm_count", lambda: 132)
     shipped = set(_kernels.shipped_variants())
-    mods = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, window=(10, 0))
+    window = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, window=(10, 0))
+    softcap = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, softcap=20.0)
+    dropout = _dropout.Dropout(0.1, 1)
     assert _config.WS_FWD
     for dtype, ctype in ((np.float16, "half_t"), (ml_dtypes.bfloat16, "bfloat16_t")):
         for head_dim in _config.HEAD_DIMS:
             if not _config.has_wgmma(2, head_dim):
                 continue
-            chosen = _kernels._variant("fwd", dtype, head_dim, head_dim, True, mods)
-            assert chosen.warp_specialized == (head_dim in _config.WS_FWD), head_dim
-            assert not _kernels._variant("bwd", dtype, head_dim, head_dim, True, mods).warp_specialized
-            assert not _kernels._variant("fwd", dtype, head_dim, head_dim, True).warp_specialized
-            if not chosen.warp_specialized:
+            listed = head_dim in _config.WS_FWD
+            forwards = {(causal, "Mods::none"): _kernels._variant("fwd", dtype, head_dim, head_dim, causal)
+                        for causal in (False, True)}
+            forwards[(False, "Mods::window")] = _kernels._variant("fwd", dtype, head_dim, head_dim, True, window)
+            assert all(chosen.warp_specialized == listed for chosen in forwards.values()), head_dim
+            assert not _kernels._variant("bwd", dtype, head_dim, head_dim, True, window).warp_specialized
+            assert not _kernels._variant("bwd", dtype, head_dim, head_dim, True).warp_specialized
+            assert not _kernels._variant("fwd", dtype, head_dim, head_dim, True, softcap).warp_specialized
+            assert not _kernels._variant("fwd", dtype, head_dim, head_dim, True, dropout=dropout).warp_specialized
+            if not listed:
                 continue
             block, stages = _config.WS_FWD[head_dim]
-            assert chosen.name_expression("fwd") == (
-                f"attention_fwd_ws_kernel<{ctype}, {head_dim}, {block}, {stages}, false, Mods::window>")
-            assert chosen.threads("fwd") == 3 * 128 and chosen.tiles("fwd").rows == _config.WS_ROWS
-            monkeypatch.setattr(_kernels, "_sm_count", lambda: 132)
-            for rows, batch, ctas in ((1000, 3, 24), (8192, 32, 132), (1, 1, 1)):
-                grid, block, smem = _kernels._launch_shape(chosen, "fwd", rows, batch)
-                assert (grid, block, smem) == ((ctas, 1, 1), (384,), chosen.smem("fwd")), (rows, batch)
-            assert chosen.smem("fwd") + 1024 <= 227 * 1024
-            assert "attention_fwd_ws.cu" in chosen.code() and "attention_fwd_ws_kernel" in chosen.code()
-            assert chosen in shipped and dataclasses.replace(chosen, warp_specialized=False) in shipped
+            for (causal, mods), chosen in forwards.items():
+                assert chosen.name_expression("fwd") == (
+                    f"attention_fwd_ws_kernel<{ctype}, {head_dim}, {block}, {stages}, {str(causal).lower()}, {mods}>")
+                assert chosen.threads("fwd") == 3 * 128 and chosen.tiles("fwd").rows == _config.WS_ROWS
+                for rows, batch, ctas in ((1000, 3, 24), (8192, 32, 132), (1, 1, 1)):
+                    grid, block_shape, smem = _kernels._launch_shape(chosen, "fwd", rows, batch)
+                    assert (grid, block_shape, smem) == ((ctas, 1, 1), (384,), chosen.smem("fwd")), (rows, batch)
+                assert chosen.smem("fwd") + 1024 <= 227 * 1024
+                assert "attention_fwd_ws.cu" in chosen.code() and "attention_fwd_ws_kernel" in chosen.code()
+                assert chosen in shipped and dataclasses.replace(chosen, warp_specialized=False) in shipped
+    assert not _kernels._variant("fwd", np.float32, 128, 128, True).warp_specialized
     monkeypatch.setattr(_kernels, "_wgmma_device", lambda: False)
-    assert not _kernels._variant("fwd", np.float16, 128, 128, True, mods).warp_specialized
-    assert all(v.window_alone and v.direction == "fwd" and v.head_dim in _config.WS_FWD
-               for v in shipped if v.warp_specialized)
+    assert not _kernels._variant("fwd", np.float16, 128, 128, True, window).warp_specialized
+    assert not _kernels._variant("fwd", np.float16, 128, 128, True).warp_specialized
+    ws = [v for v in shipped if v.warp_specialized]
+    assert ws and all(v.direction == "fwd" and v.itemsize == 2 and v.wgmma and not v.dropout
+                      and v.head_dim in _config.WS_FWD and (v.window_alone or not v.mods) for v in ws)
+    with pytest.raises(ValueError, match="16-bit plain, causal and window-alone forwards"):
+        _config.tiles(2, 128, "fwd", mods=True, wgmma=True, scalar_mods=True, warp_specialized=True)
 
 
 class _FakeArray:
