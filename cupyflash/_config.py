@@ -142,8 +142,8 @@ _WGMMA_WINDOW_BWD = {
 # K/V tile and the slots of their ring. The host sends the plain, causal and window-alone forwards there
 # (16-bit, Hopper, no dropout, dense batches whose q, k, v a tensor map can describe: cupyflash/_tma.py).
 # At HEAD_DIM 128 (bench/NOTES.md, v19, v20), against the wgmma forward's tiles: window (256, 0) -6 to -10%
-# (2k to 16k), causal -18 / -21% (2k / 8k), full -15% (8k). 64-key tiles in 4 slots beat 3 slots, 5 slots
-# and 128-key tiles in 2.
+# (2k to 16k), causal -18 to -22% and full -12 to -16% (2k, 8k). 64-key tiles in 4 slots beat 3 slots,
+# 5 slots and 128-key tiles in 2.
 WS_FWD = {128: (64, 4)}
 WS_WARPS, WS_COPY_WARPS = 12, 4  # three warpgroups, the first of which copies
 WS_ROWS = 128  # query rows per tile: Tiles.rows of those warps
