@@ -126,8 +126,8 @@ def test_warp_specialized_forward_many_tiles_per_cta(rng, monkeypatch, dtype, wi
     """The warp-specialized forward (on Hopper at the head dims of _config.WS_FWD: windows, causal, plain) with
     more tiles than SMs, so that every persistent CTA runs several, drawn from the tile counter, and its q
     buffers and K/V ring carry over from one tile to the next; sizes off every tile, Nq != Nk, and rows
-    past the band's start that see no key. The same plan called again (its counter zeroed per call) gives
-    the same out and lse."""
+    past the band's start that see no key. The same plan called again gives the same out and lse, and each
+    launch leaves its tile counter at zero for the next."""
     if not _kernels._wgmma_device():
         pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
     head_dim = min(_config.WS_FWD)
@@ -151,8 +151,8 @@ def test_warp_specialized_forward_many_tiles_per_cta(rng, monkeypatch, dtype, wi
 
 
 def test_warp_specialized_forward_on_two_streams_at_once(rng):
-    """One plan launched on two streams whose launches overlap: each stream draws tiles from its own counter,
-    and both results match the reference."""
+    """One plan launched in turn on two streams, whose launches may run at once: each stream draws tiles from
+    its own counter, every launch on a stream gives the same out and lse, and both match the reference."""
     if not _kernels._wgmma_device():
         pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
     head_dim = min(_config.WS_FWD)
