@@ -799,6 +799,9 @@ _KEY_WORDS = slice(_KEYS_OFFSET // 4, _KEYS_OFFSET // 4 + _KEYS_DTYPE.shape[0]) 
 _plans: dict[tuple, "_Plan"] = {}
 
 
+_PER_THREAD_STREAM = 2  # cudaStreamPerThread: CuPy's Stream.ptds
+
+
 class _Plan:
     def __init__(self, functions: dict, variant: Variant, params, launches, tensor_maps=None, arrays=None):
         # The parameters as 64-bit words (a plain copy, and an address is one word's write).
@@ -817,10 +820,14 @@ class _Plan:
     def _tile_counter(self):
         """The warp-specialized forward's tile counter (one int, zero at launch; the launch's last draw zeroes
         it again: attention_fwd_ws.cu) for launches on the current stream, which run one after another. One
-        per stream: launches on two streams may run at once."""
+        per stream: launches on two streams may run at once. The per-thread default stream has one handle
+        (cudaStreamPerThread) for a different stream in each thread, and a thread's launches may outlive it:
+        there every launch gets a new zeroed counter (6.8 us of host time on an H100, bench/NOTES.md v20)."""
         import cupy
 
         stream = cupy.cuda.get_current_stream().ptr
+        if stream == _PER_THREAD_STREAM:
+            return cupy.zeros(1, dtype=numpy.int32)
         counter = self.tile_counters.get(stream)
         if counter is None:
             counter = self.tile_counters.setdefault(stream, cupy.zeros(1, dtype=numpy.int32))
