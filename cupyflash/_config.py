@@ -146,7 +146,7 @@ _WGMMA_WINDOW_BWD = {
 # 5 slots and 128-key tiles in 2.
 WS_FWD = {128: (64, 4)}
 WS_WARPS, WS_COPY_WARPS = 12, 4  # three warpgroups, the first of which copies
-WS_ROWS = 128  # query rows per tile: Tiles.rows of those warps
+WS_ROWS = 16 * (WS_WARPS - WS_COPY_WARPS)  # query rows per tile: Tiles.rows of those warps (128)
 WS_WARPGROUP_ROWS = 64  # each computing warpgroup's rows, which visit their own key blocks
 # Where that instantiation fits the plain tiles that the modifiers' tables replace: (path, element bytes,
 # HEAD_DIM, kernel). Every 16-bit and float32 entry of those tables was tried; these compile with zero

@@ -800,6 +800,7 @@ _plans: dict[tuple, "_Plan"] = {}
 
 
 _PER_THREAD_STREAM = 2  # cudaStreamPerThread: CuPy's Stream.ptds
+_MAPPED = ("q", "k", "v")  # the warp-specialized forward's inputs, read through tensor maps (_tma)
 
 
 class _Plan:
@@ -809,7 +810,7 @@ class _Plan:
         # The warp-specialized forward's second argument: q, k, v's tensor maps (_tma), encoded per call
         # from the addresses (by default those of ``arrays``, the ones the plan was made with).
         self.tensor_maps = tensor_maps
-        self.map_addresses = {name: arrays[name].data.ptr for name in ("q", "k", "v")} if tensor_maps else None
+        self.map_addresses = {name: arrays[name].data.ptr for name in _MAPPED} if tensor_maps else None
         # (function, grid, block, dynamic shared memory) per launch of (kernel, rows, batch); a backward's
         # last two (dK/dV, dQ) run side by side.
         self.launches = [(functions[kernel],) + _launch_shape(variant, kernel, rows, batch)
@@ -844,7 +845,7 @@ class _Plan:
                 words.view(numpy.uint32)[_KEY_WORDS] = dropout.round_keys
         args = (words.view(_PARAMS_BYTES),)
         if self.tensor_maps is not None:
-            found = self.map_addresses if addresses is None else {name: addresses[name].data.ptr for name in ("q", "k", "v")}
+            found = self.map_addresses if addresses is None else {name: addresses[name].data.ptr for name in _MAPPED}
             args += (self.tensor_maps.encode(found), self._tile_counter())
 
         def run(launches):
@@ -918,7 +919,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
                          others=others, mods=mods, causal=causal, dropout=dropout)
         maps = None
         if variant.warp_specialized:
-            if _tma.available() and all(_tma.describable(arrays[name], sizes, strides[name]) for name in ("q", "k", "v")):
+            if _tma.available() and all(_tma.describable(arrays[name], sizes, strides[name]) for name in _MAPPED):
                 block = variant.tiles("fwd").block
                 maps = _tma.TensorMaps(arrays, sizes, strides, {"q": _config.WS_WARPGROUP_ROWS, "k": block, "v": block})
             else:

@@ -149,11 +149,10 @@ def describe(variant) -> str:
     dtype = {ctype: name for name, ctype in _kernels._CTYPES.items()}[variant.ctype]
     kind = ("modifiers (softcap without ALiBi)" if variant.bounded else
             f"modifiers (softcap alone{', causal' if variant.causal else ''})" if variant.softcap_alone else
-            "modifiers (window alone, warp-specialized)" if variant.warp_specialized else
             "modifiers (window alone)" if variant.window_alone else
             "modifiers (window, softcap, ALiBi)" if variant.scalar_mods else "modifiers") if variant.mods else (
             "causal" if variant.causal else "plain")
-    kind += " (warp-specialized)" if variant.warp_specialized and not variant.mods else ""
+    kind += " (warp-specialized)" if variant.warp_specialized else ""
     return (f"{variant.direction} {dtype} HEAD_DIM={variant.head_dim} {kind}" + (" dropout" if variant.dropout else "")
             + (" (wgmma)" if variant.wgmma else "") + (" (large shared memory)" if variant.large_smem else ""))
 
