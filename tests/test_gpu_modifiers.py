@@ -9,6 +9,7 @@ every allocation poisoned with NaN so that an element the kernels never write fa
 
 import functools
 import itertools
+import threading
 
 import cupy
 import ml_dtypes
@@ -177,6 +178,50 @@ def test_warp_specialized_forward_on_two_streams_at_once(rng):
     for (q, k, v, dout), (out, lse) in zip(problems, outs[:2]):
         grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
         assert_matches_reference(q, k, v, dout, (out, lse, *grads), causal=True)
+
+
+def test_warp_specialized_forward_on_the_per_thread_default_stream_from_threads(rng):
+    """Three threads at once on the per-thread default stream, whose one handle names a different stream in
+    each thread, so their launches of one plan may run at once: each launch gets its own zeroed tile counter
+    (none is kept for that handle), and every thread's calls give the out and lse of the same problem run
+    alone on the legacy stream, bit for bit."""
+    if not _kernels._wgmma_device():
+        pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
+    head_dim = min(_config.WS_FWD)
+    shape = (16, 4, 601, head_dim)
+    problems = [_random_problem(rng, shape, shape, shape, ml_dtypes.bfloat16) for _ in range(3)]
+    _kernels._plans.clear()
+    expected = [cupyflash.attention_forward(q, k, v, causal=True) for q, k, v, _ in problems]
+    cupy.cuda.Device().synchronize()
+    barrier = threading.Barrier(len(problems))
+    results, errors = {}, []
+
+    def work(i):
+        q, k, v, _ = problems[i]
+        try:
+            with cupy.cuda.Stream.ptds:
+                barrier.wait(timeout=120)
+                results[i] = [cupyflash.attention_forward(q, k, v, causal=True) for _ in range(4)]
+                cupy.cuda.Stream.ptds.synchronize()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(problems))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert not any(thread.is_alive() for thread in threads), "a thread is still running after 10 minutes"
+    if errors:
+        raise errors[0]
+    plan = next(p for p in _kernels._plans.values() if p.tensor_maps is not None)
+    assert _kernels._PER_THREAD_STREAM not in plan.tile_counters
+    for i, (expected_out, expected_lse) in enumerate(expected):
+        for out, lse in results[i]:
+            assert bool(cupy.array_equal(out, expected_out)) and bool(cupy.array_equal(lse, expected_lse))
+    q, k, v, dout = problems[0]
+    grads = cupyflash.attention_backward(dout, q, k, v, *expected[0], causal=True)
+    assert_matches_reference(q, k, v, dout, (*expected[0], *grads), causal=True)
 
 
 @pytest.mark.parametrize("d, dv", [(100, 120), (128, 104), (97, 97)])
