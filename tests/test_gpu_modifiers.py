@@ -151,15 +151,20 @@ def test_warp_specialized_forward_many_tiles_per_cta(rng, monkeypatch, dtype, wi
     assert [int(c.get()[0]) for c in plan.tile_counters.values()] == [0], "each launch leaves its counter at zero"
 
 
+def _warp_specialized_problems(rng, count):
+    """``count`` bf16 problems of more tiles than SMs for the warp-specialized forward, with no plan cached
+    (skips where that forward does not run)."""
+    if not _kernels._wgmma_device():
+        pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
+    shape = (16, 4, 601, min(_config.WS_FWD))
+    _kernels._plans.clear()
+    return [_random_problem(rng, shape, shape, shape, ml_dtypes.bfloat16) for _ in range(count)]
+
+
 def test_warp_specialized_forward_on_two_streams_at_once(rng):
     """One plan launched in turn on two streams, whose launches may run at once: each stream draws tiles from
     its own counter, every launch on a stream gives the same out and lse, and both match the reference."""
-    if not _kernels._wgmma_device():
-        pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
-    head_dim = min(_config.WS_FWD)
-    shape = (16, 4, 601, head_dim)
-    problems = [_random_problem(rng, shape, shape, shape, ml_dtypes.bfloat16) for _ in range(2)]
-    _kernels._plans.clear()
+    problems = _warp_specialized_problems(rng, 2)
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in problems]
     cupy.cuda.Device().synchronize()
     outs = []
@@ -185,12 +190,7 @@ def test_warp_specialized_forward_on_the_per_thread_default_stream_from_threads(
     each thread, so their launches of one plan may run at once: each launch gets its own zeroed tile counter
     (none is kept for that handle), and every thread's calls give the out and lse of the same problem run
     alone on the legacy stream, bit for bit."""
-    if not _kernels._wgmma_device():
-        pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
-    head_dim = min(_config.WS_FWD)
-    shape = (16, 4, 601, head_dim)
-    problems = [_random_problem(rng, shape, shape, shape, ml_dtypes.bfloat16) for _ in range(3)]
-    _kernels._plans.clear()
+    problems = _warp_specialized_problems(rng, 3)
     expected = [cupyflash.attention_forward(q, k, v, causal=True) for q, k, v, _ in problems]
     cupy.cuda.Device().synchronize()
     barrier = threading.Barrier(len(problems))
