@@ -14,15 +14,18 @@
 //    of two buffers (the next tile's q lands while this one runs), then the K and V tiles of the key
 //    blocks its rows see, last to first, into a ring of STAGES (K, V) slots that runs on across tiles, so
 //    the next tile's first copies overlap this one's last products and its epilogue. It gives its
-//    registers to the others (setmaxnreg).
+//    registers to the others (setmaxnreg). With a window, its warps 1 and 2 store out for computing
+//    warpgroups 1 and 2.
 //  - Warpgroups 1 and 2 each own 64 of the tile's rows and run attention_fwd_wgmma_kernel's loop on them:
 //    S_j = Q K_j^T issued beside the previous block's O += P V, the online softmax of S_j under that
 //    product. Both read every slot of the ring, so each K/V tile crosses L2 once per 128 rows; each
 //    computes only the key blocks of its own rows' band (a window's two halves differ by a block), waits
-//    for and releases the others. Their epilogue stages out through their own half of the q buffer.
+//    for and releases the others. Their epilogue stages out through their own half of the q buffer and
+//    stores it; with a window it hands the staged rows to its storing warp and goes on to the next tile.
 // Barriers (tma.cuh): q_full[2] (the copy's bytes, or the copier's arrival alone once no tile is left),
-// q_empty[2] (8 consumer warps, after their epilogue read the buffer), k_full / v_full[STAGES] (bytes),
-// kv_empty[STAGES] (8 consumer warps, after their last product from the slot). Nothing waits on a
+// q_empty[2] (8 consumer warps, or the 2 storing warps, after the epilogue read the buffer), k_full /
+// v_full[STAGES] (bytes), kv_empty[STAGES] (8 consumer warps, after their last product from the slot), and
+// a window's out_full[2][2] (a computing warpgroup's 128 threads, once its out is staged). Nothing waits on a
 // __syncthreads after the start, so the warpgroups drift apart and one's softmax and epilogue overlap the
 // other's products.
 // MODS: Mods::none (IS_CAUSAL as the plain kernels) or Mods::window (the window alone, causal travelling in
@@ -51,7 +54,11 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   static_assert(STAGES >= 2, "S_j is issued beside P_(j-1) V: two slots at least");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ __align__(8) u64 bars[4 + 3 * STAGES];
+  // The window's epilogue (a few key blocks per tile) hands the store of out to two warps of the copying
+  // warpgroup, so that its computing warps go on to the next tile as soon as out is staged: window forward
+  // -2 to -5% (bench/NOTES.md, v21). The long rows of plain and causal tiles lost 1-2% with it.
+  constexpr bool STORE_WARPS = MODS == Mods::window;
+  __shared__ __align__(8) u64 bars[(STORE_WARPS ? 8 : 4) + 3 * STAGES];
   __shared__ int tile_ids[2];  // the tile whose q is in each buffer (>= tiles: none left), published by q_full
   T* sQ = reinterpret_cast<T*>(smem_aligned(smem_raw));  // [2 buffers][2 warpgroups] QTile
   T* sK = sQ + 4 * QTile::SIZE;                           // [STAGES] KVTile
@@ -61,11 +68,17 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   auto k_full = [&](int slot) { return smem_u32(&bars[4 + slot]); };
   auto v_full = [&](int slot) { return smem_u32(&bars[4 + STAGES + slot]); };
   auto kv_empty = [&](int slot) { return smem_u32(&bars[4 + 2 * STAGES + slot]); };
+  // A computing warpgroup's out staged in its half of a q buffer, for its storing warp.
+  auto out_full = [&](int buffer, int group) { return smem_u32(&bars[4 + 3 * STAGES + 2 * buffer + group]); };
   constexpr u32 CONSUMER_WARPS = 8;
   if (threadIdx.x == 0) {
     for (int buffer = 0; buffer < 2; ++buffer) {
       mbar_init(q_full(buffer), 1);
-      mbar_init(q_empty(buffer), CONSUMER_WARPS);
+      mbar_init(q_empty(buffer), STORE_WARPS ? 2 : CONSUMER_WARPS);  // the storing warps, or the computing ones
+      if constexpr (STORE_WARPS) {
+        mbar_init(out_full(buffer, 0), 128);
+        mbar_init(out_full(buffer, 1), 128);
+      }
     }
     for (int slot = 0; slot < STAGES; ++slot) {
       mbar_init(k_full(slot), 1);
@@ -94,9 +107,39 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   // A slot's t-th use (t counted over the CTA's whole stream) completes phase t / STAGES of its barriers.
   auto parity = [](int t) { return static_cast<u32>((t / STAGES) & 1); };
 
-  // Registers: 32 for the copies, 232 for each computing warpgroup (24 / 240 spilled with the tile counter).
+  // Registers: 32 for the copies, 232 for each computing warpgroup (24 / 240 spilled with the tile counter);
+  // with the storing warps 40 / 224 (32 / 232 spilled).
+  constexpr int COPY_REGISTERS = STORE_WARPS ? 40 : 32, COMPUTE_REGISTERS = STORE_WARPS ? 224 : 232;
   if (threadIdx.x < 128) {  // the copies
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(COPY_REGISTERS) : "memory");
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    if (STORE_WARPS && (warp == 1 || warp == 2)) {  // warp 1 + g stores computing warpgroup g's out
+      const int group = warp - 1;
+      for (int j = 0;; ++j) {
+        const int buffer = j & 1;
+        mbar_wait(q_full(buffer), (j >> 1) & 1);
+        const int w = *static_cast<volatile int*>(&tile_ids[buffer]);
+        if (w >= tiles) break;
+        int b, m0;
+        tile_at(w, b, m0);
+        const int row0 = m0 + WG_ROWS * group;  // a dense batch: its rows start at 0
+        T* out = static_cast<T*>(p.out) + batch_offset(p.out_stride, b, p) + row0 * p.out_stride[3];
+        mbar_wait(out_full(buffer, group), (j >> 1) & 1);
+        const T* staged = sQ + (2 * buffer + group) * QTile::SIZE;
+        constexpr int CHUNKS = HEAD_DIM / QTile::VEC, ROW_STEP = WARP_SIZE / CHUNKS;
+        const int c = (lane % CHUNKS) * QTile::VEC, rows = min(WG_ROWS, p.nq - row0);
+        if (c < p.d_v) {
+#pragma unroll 1
+          for (int r = lane / CHUNKS; r < rows; r += ROW_STEP)
+            *reinterpret_cast<uint4*>(out + r * p.out_stride[3] + c) =
+                *reinterpret_cast<const uint4*>(staged + QTile::offset(r, c));
+        }
+        fence_async_shared();  // these reads of the buffer come before the copy of a later tile's q into it
+        __syncwarp();
+        if (lane == 0) mbar_arrive(q_empty(buffer));
+      }
+      return;
+    }
     if (threadIdx.x != 0) return;
     int t = 0;  // K/V tiles issued so far
     for (int j = 0;; ++j) {
@@ -136,7 +179,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(COMPUTE_REGISTERS) : "memory");
   // The warpgroup through a shuffle: warp-uniform as the compiler sees it, so the branches around the
   // products stay convergent (ptxas serializes wgmma on a path it thinks divergent).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0) - 1;
@@ -227,10 +270,14 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
     softmax.finalize(exp_scale, inv_sum, row_lse);
     acc_to_smem<QTile, O_TILES>(sQ_wg, warp * 16, acc_o, inv_sum, lane);
     rows.write_lse(warp * 16, row_lse, lane);
-    asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");  // this warpgroup's rows are staged
-    store_tile<QTile, HEAD_DIM, 128>(rows.out, p.out_stride[3], sQ_wg, seq.nq() - rows.m0, p.d_v, threadIdx.x % 128);
-    fence_async_shared();  // these reads of the buffer come before the copy of a later tile's q into it
-    __syncwarp();
-    if (lane == 0) mbar_arrive(q_empty(buffer));
+    if constexpr (STORE_WARPS) {
+      mbar_arrive(out_full(buffer, wg));  // each thread's staged rows, for the storing warp
+    } else {
+      asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");  // this warpgroup's rows are staged
+      store_tile<QTile, HEAD_DIM, 128>(rows.out, p.out_stride[3], sQ_wg, seq.nq() - rows.m0, p.d_v, threadIdx.x % 128);
+      fence_async_shared();  // these reads of the buffer come before the copy of a later tile's q into it
+      __syncwarp();
+      if (lane == 0) mbar_arrive(q_empty(buffer));
+    }
   }
 }
