@@ -56,7 +56,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // The window's epilogue (a few key blocks per tile) hands the store of out to two warps of the copying
   // warpgroup, so that its computing warps go on to the next tile as soon as out is staged: window forward
-  // -2 to -5% (bench/NOTES.md, v21). The long rows of plain and causal tiles lost 1-2% with it.
+  // -2 to -4% (bench/NOTES.md, v21). The long rows of plain and causal tiles lost 1-2% with it.
   constexpr bool STORE_WARPS = MODS == Mods::window;
   __shared__ __align__(8) u64 bars[(STORE_WARPS ? 8 : 4) + 3 * STAGES];
   __shared__ int tile_ids[2];  // the tile whose q is in each buffer (>= tiles: none left), published by q_full
