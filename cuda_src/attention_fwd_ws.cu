@@ -125,6 +125,8 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
         const int row0 = m0 + WG_ROWS * group;  // a dense batch: its rows start at 0
         T* out = static_cast<T*>(p.out) + batch_offset(p.out_stride, b, p) + row0 * p.out_stride[3];
         mbar_wait(out_full(buffer, group), (j >> 1) & 1);
+        // One 16-byte chunk per lane, a row pair per step, not rolled out: store_tile's loop for 32 threads
+        // (its generic one, unrolled) spilled 128 bytes within these warps' 40 registers.
         const T* staged = sQ + (2 * buffer + group) * QTile::SIZE;
         constexpr int CHUNKS = HEAD_DIM / QTile::VEC, ROW_STEP = WARP_SIZE / CHUNKS;
         const int c = (lane % CHUNKS) * QTile::VEC, rows = min(WG_ROWS, p.nq - row0);
