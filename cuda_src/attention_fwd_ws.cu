@@ -91,10 +91,12 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
 
   const int row_blocks = ceil_div(p.nq, BLOCK_M);
   const int tiles = p.batch * row_blocks;
-  // Sections of `group` batch entries whose K and V take at most L2_SECTION_BYTES (H100's L2 holds 50 MB: the
-  // rest is left to q and out): the CTAs at work at any time share their K/V tiles through L2. With row
-  // blocks outermost across the whole batch, the causal 2k forward took 1.5x as long (bench/NOTES.md, v20).
-  constexpr i64 L2_SECTION_BYTES = i64(32) << 20;
+  // Sections of `group` batch entries whose K and V take at most L2_SECTION_BYTES: the CTAs at work at any time
+  // share their K/V tiles through L2. With row blocks outermost across the whole batch, the causal 2k forward
+  // took 1.5x as long (bench/NOTES.md, v20). H100's L2 holds 50 MB, but 32 MB sections spread a head's row
+  // blocks so far apart in time that K and V were read from DRAM two to three times over: with 8 MB the full
+  // forward at N = 512 took a quarter less time, and 4 MB cost the causal 8k 5% (v22, v23).
+  constexpr i64 L2_SECTION_BYTES = i64(8) << 20;
   const i64 kv_bytes = static_cast<i64>(p.nk) * (p.d_qk + p.d_v) * static_cast<i64>(sizeof(T));
   const int group = static_cast<int>(max(i64(1), min(static_cast<i64>(p.batch), L2_SECTION_BYTES / max(i64(1), kv_bytes))));
   // Tile w: its section, then in the section row blocks from the last, batch entries inside a row block.

@@ -151,6 +151,30 @@ def test_warp_specialized_forward_many_tiles_per_cta(rng, monkeypatch, dtype, wi
     assert [int(c.get()[0]) for c in plan.tile_counters.values()] == [0], "each launch leaves its counter at zero"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch, nq, nk", [((40, 4), 600, 600), ((1, 2), 256, 66_000)],
+                         ids=["sections-short-last", "one-head-per-section"])
+def test_warp_specialized_forward_tile_order_over_l2_sections(rng, batch, nq, nk, causal):
+    """The warp-specialized forward hands out tiles section by section, each section holding the heads whose
+    k and v fit its L2 budget (8 MB; at most 32 MB would still make these cases what they are): 160 heads of
+    600 keys make several sections and a shorter last one; 66,000 keys (33.8 MB of k and v per head) make a
+    section of one head at either budget. Each tile's rows are then found from its section again, so
+    every row block of every head must come out once, right."""
+    if not _kernels._wgmma_device():
+        pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
+    head_dim = min(_config.WS_FWD)
+    heads, kv_bytes = batch[0] * batch[1], nk * 2 * head_dim * 2  # k and v of one head in bf16
+    for budget in (8 << 20, 32 << 20):  # the test's premise at the kernel's budget and at four times it
+        group = max(1, min(heads, budget // kv_bytes))
+        assert group < heads and (group == 1 or heads % group), "several sections: one head each, or a short last"
+    q, k, v, dout = _random_problem(rng, batch + (nq, head_dim), batch + (nk, head_dim), batch + (nk, head_dim),
+                                    ml_dtypes.bfloat16)
+    _kernels._plans.clear()
+    results = _run(q, k, v, dout, causal=causal)
+    assert any(p.tensor_maps is not None for p in _kernels._plans.values()), "the warp-specialized forward ran"
+    assert_matches_reference(q, k, v, dout, results, causal=causal)
+
+
 def _warp_specialized_problems(rng, count):
     """``count`` bf16 problems of more tiles than SMs for the warp-specialized forward, with no plan cached
     (skips where that forward does not run)."""
