@@ -28,9 +28,11 @@
 // a window's out_full[2][2] (a computing warpgroup's 128 threads, once its out is staged). Nothing waits on a
 // __syncthreads after the start, so the warpgroups drift apart and one's softmax and epilogue overlap the
 // other's products.
-// MODS: Mods::none (IS_CAUSAL as the plain kernels) or Mods::window (the window alone, causal travelling in
-// it as the right edge). The host sends the plain, causal and window-alone 16-bit forwards at the head dims
-// of _config.WS_FWD here. tile_counter: one int, zero at launch; the launch's last draw zeroes it for the
+// MODS: Mods::none (IS_CAUSAL as the plain kernels), Mods::window (the window alone, causal travelling in
+// it as the right edge) or Mods::dense_scalars (window, softcap and ALiBi, as Mods::scalars' forward takes
+// them, on a dense batch). BOUNDED (bfloat16 dense_scalars): softcapped scores without ALiBi, whose softmax
+// takes 1 as every row's max, as attention_fwd.cu's BOUNDED instantiations do. The host sends the plain,
+// causal and scalar-modifier 16-bit forwards of dense batches at the head dims of _config.WS_FWD here. tile_counter: one int, zero at launch; the launch's last draw zeroes it for the
 // next launch on the stream (the host keeps one per stream).
 #include "common.cuh"
 #include "block_info.cuh"
@@ -42,16 +44,18 @@
 #include "row_block.cuh"
 #include "tma.cuh"
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, Mods MODS>
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, Mods MODS, bool BOUNDED>
 __global__ void __launch_bounds__(3 * 128, 1)
 attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps maps, int* tile_counter) {
   constexpr int BLOCK_M = 128, WG_ROWS = 64;
   using QTile = SwizzledTile<T, WG_ROWS, HEAD_DIM>;  // one warpgroup's q rows; stages its out at the end
   using KVTile = SwizzledTile<T, BLOCK_N, HEAD_DIM>;
   constexpr int S_TILES = BLOCK_N / 8, O_TILES = HEAD_DIM / 8, P_STEPS = S_TILES / 2;
-  static_assert(sizeof(T) == 2 && (MODS == Mods::none || MODS == Mods::window), "16-bit; plain or a window alone");
-  static_assert(!(IS_CAUSAL && MODS != Mods::none), "with the window, causal is its right edge");
+  static_assert(sizeof(T) == 2 && (MODS == Mods::none || MODS == Mods::window || MODS == Mods::dense_scalars),
+                "16-bit; plain, a window alone, or the scalar modifiers on a dense batch");
+  static_assert(!(IS_CAUSAL && MODS != Mods::none), "with modifiers, causal is the window's right edge");
   static_assert(STAGES >= 2, "S_j is issued beside P_(j-1) V: two slots at least");
+  static_assert(!BOUNDED || (MODS == Mods::dense_scalars && IsBfloat16<T>::value), "bounded: bfloat16 scalars");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // The window's epilogue (a few key blocks per tile) hands the store of out to two warps of the copying
@@ -205,6 +209,11 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
     OnlineSoftmax<S_TILES> softmax;
     softmax.init();
     const float exp_scale = rows.exp_scale();
+    // BOUNDED: the scores are at most 1, and 1 stands for every row's max (update_bounded).
+    auto softmax_update = [&](float (&acc_s)[S_TILES][4], float (&rescale)[2]) {
+      if constexpr (BOUNDED) softmax.update_bounded(acc_s, exp_scale, rescale, 1.f);
+      else softmax.update(acc_s, exp_scale, rescale);
+    };
     // This warpgroup's key blocks [lo, hi] among the tile's [tile.n_first, tile.n_blocks).
     const bool has_rows = rows.m0 < seq.nq();
     const int hi = has_rows ? min(rows.n_blocks, tile.n_blocks) - 1 : -1;
@@ -231,7 +240,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
         fence_operands(acc_s);
         rows.scores(acc_s, hi, warp * 16, lane);
         float rescale[2];  // of an all-zero O: unused
-        softmax.update(acc_s, exp_scale, rescale);
+        softmax_update(acc_s, rescale);
         pack_fragments<T>(acc_s, p_cur);
         ++t;
       }
@@ -246,7 +255,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
         fence_operands(acc_s);
         rows.scores(acc_s, n, warp * 16, lane);
         float rescale[2];
-        softmax.update(acc_s, exp_scale, rescale);
+        softmax_update(acc_s, rescale);
         u32 p_next[P_STEPS][4];
         pack_fragments<T>(acc_s, p_next);
         wgmma_wait<0>();

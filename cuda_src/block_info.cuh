@@ -29,7 +29,9 @@
 // per-tile tests and shared-memory lengths remain (the softcapped backward ran 6% faster: bench/NOTES.md, v16).
 // window: the scalars' forward and backward for a window alone (causal travels in it, as in scalars), on
 // dense batches: softcap, ALiBi, block mask and packed lengths are compile-time constants likewise.
-enum class Mods { none, softcap, window, scalars, all };
+// dense_scalars: the scalars' forward on dense batches (the warp-specialized forward, whose warpgroups share
+// no barrier after the start, and so cannot keep a packed entry's lengths in shared memory as SeqInfo does).
+enum class Mods { none, softcap, window, scalars, all, dense_scalars };
 
 // Whether a MODS kernel reads cu_seqlens (packed batches; SeqInfo's MAY_BE_PACKED).
 __host__ __device__ constexpr bool may_be_packed(Mods mods) { return mods == Mods::scalars || mods == Mods::all; }

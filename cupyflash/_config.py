@@ -139,8 +139,9 @@ _WGMMA_WINDOW_BWD = {
 }
 # The warp-specialized forward (cuda_src/attention_fwd_ws.cu: one warpgroup copying with TMA for two that
 # compute, 128 rows per tile, one persistent CTA per SM) by HEAD_DIM: (BLOCK_N, STAGES), the keys of a
-# K/V tile and the slots of their ring. The host sends the plain, causal and window-alone forwards there
-# (16-bit, Hopper, no dropout, dense batches whose q, k, v a tensor map can describe: cupyflash/_tma.py).
+# K/V tile and the slots of their ring. The host sends the plain, causal and scalar-modifier (window,
+# softcap, ALiBi) forwards there (16-bit, Hopper, no dropout, dense batches whose q, k, v a tensor map can
+# describe: cupyflash/_tma.py).
 # At HEAD_DIM 128 (bench/NOTES.md, v19, v20), against the wgmma forward's tiles: window (256, 0) -6 to -10%
 # (2k to 16k), causal -18 to -22% and full -12 to -16% (2k, 8k). 64-key tiles in 4 slots beat 3 slots,
 # 5 slots and 128-key tiles in 2.
@@ -283,13 +284,13 @@ def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: 
     ``large_smem``: the float64 tiles for GPUs with 227 KiB of shared memory per CTA; ``scalar_mods``
     (with ``mods``): the instantiation without the modifiers' arrays (``_SCALAR_MODS_PLAIN``);
     ``window_alone`` (with ``scalar_mods``, wgmma): the window-alone instantiation (``_WGMMA_WINDOW_FWD``,
-    ``_WGMMA_WINDOW_BWD``); ``warp_specialized`` (its forward): the warp-specialized kernel (``WS_FWD``:
-    WS_WARPS warps, BLOCK_N keys per K/V tile)."""
+    ``_WGMMA_WINDOW_BWD``); ``warp_specialized`` (its forward, plain or with ``scalar_mods``): the
+    warp-specialized kernel (``WS_FWD``: WS_WARPS warps, BLOCK_N keys per K/V tile)."""
     if warp_specialized:
-        if kernel != "fwd" or itemsize != 2 or dropout or (mods and not window_alone) or head_dim not in WS_FWD:
+        if kernel != "fwd" or itemsize != 2 or dropout or (mods and not scalar_mods) or head_dim not in WS_FWD:
             raise ValueError(f"no warp-specialized {kernel} for {itemsize}-byte elements at head_dim {head_dim} with "
-                             f"these options: it serves the 16-bit plain, causal and window-alone forwards at "
-                             f"head dims {tuple(WS_FWD)}")
+                             f"these options: it serves the 16-bit plain, causal and scalar-modifier forwards "
+                             f"at head dims {tuple(WS_FWD)}")
         return Tiles(WS_WARPS, WS_FWD[head_dim][0], head_dim, copy_warps=WS_COPY_WARPS)
     if (itemsize, head_dim) not in _TABLE:
         raise ValueError(f"no tiles for {itemsize}-byte elements and head_dim {head_dim}; head dims: {HEAD_DIMS}")

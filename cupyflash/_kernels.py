@@ -110,8 +110,8 @@ class Variant:
     window and nothing else (``Mods::window``: causal travels in the window as in the scalars'; no softcap,
     ALiBi, block mask or packed batch), likewise, but with its own tiles where _config lists them
     (``_WGMMA_WINDOW_FWD``, ``_WGMMA_WINDOW_BWD``). ``warp_specialized``: a 16-bit wgmma forward, plain,
-    causal or window-alone, as the warp-specialized kernel (cuda_src/attention_fwd_ws.cu; _config.WS_FWD),
-    where TMA can read the inputs."""
+    causal or with the scalar modifiers on a dense batch (window alone or not; bounded or not), as the
+    warp-specialized kernel (cuda_src/attention_fwd_ws.cu; _config.WS_FWD), where TMA can read the inputs."""
 
     direction: str
     ctype: str
@@ -161,9 +161,10 @@ class Variant:
         t = self.tiles(kernel)
         if kernel == "probs":
             return f"attention_probs_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {flag[self.wgmma]}>"
-        if kernel == "fwd" and self.warp_specialized:
+        if kernel == "fwd" and self.warp_specialized:  # the scalars there: a dense batch's (no cu_seqlens)
+            mods = "Mods::dense_scalars" if mods == "Mods::scalars" else mods
             return (f"attention_fwd_ws_kernel<{c}, {hd}, {t.block}, {_config.WS_FWD[hd][1]}, {flag[self.causal]}, "
-                    f"{mods}>")
+                    f"{mods}, {flag[self.bounded]}>")
         if kernel == "fwd" and self.wgmma:  # no column chunks: the whole head dim per CTA
             return (f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {fwd_flags}, "
                     f"{flag[self.bounded]}, {t.ctas_per_sm}>")
@@ -197,7 +198,8 @@ def shipped_variants() -> list[Variant]:
     head dims, on the mma.sync path; and the same again on the wgmma path for the (dtype, head dim) pairs
     that have wgmma tiles, with the bfloat16 bounded forwards, the softcap-alone backwards (plain and
     causal) and the 16-bit window-alone forwards and backwards there, and the warp-specialized kernel of
-    the 16-bit plain, causal and window-alone forwards at the head dims of _config.WS_FWD."""
+    the 16-bit plain, causal and scalar-modifier forwards (window-alone and bounded ones included) at the
+    head dims of _config.WS_FWD."""
     ctypes = ("half_t", "bfloat16_t", "float", "double")
     variants = [
         Variant(direction, ctype, head_dim, causal, mods, dropout=dropout)
@@ -214,16 +216,16 @@ def shipped_variants() -> list[Variant]:
     wgmma = [dataclasses.replace(v, wgmma=True) for v in variants
              if _config.has_wgmma(v.itemsize, v.head_dim)
              or (v.direction != "probs" and _config.has_wgmma_pieces(v.itemsize, v.head_dim, v.mods, v.dropout))]
-    return (variants + wgmma
-            + [dataclasses.replace(v, bounded=True) for v in wgmma
-               if v.direction == "fwd" and v.scalar_mods and v.ctype == "bfloat16_t"]
+    bounded = [dataclasses.replace(v, bounded=True) for v in wgmma
+                if v.direction == "fwd" and v.scalar_mods and v.ctype == "bfloat16_t"]
+    return (variants + wgmma + bounded
             + [dataclasses.replace(v, causal=causal, softcap_alone=True) for v in wgmma
                if v.direction == "bwd" and v.scalar_mods and v.itemsize == 2 for causal in (False, True)]
             + [dataclasses.replace(v, window_alone=True, warp_specialized=ws) for v in wgmma
                if v.scalar_mods and v.itemsize == 2
                for ws in ((False, True) if v.direction == "fwd" and v.head_dim in _config.WS_FWD else (False,))]
-            + [dataclasses.replace(v, warp_specialized=True) for v in wgmma
-               if v.direction == "fwd" and not v.mods and not v.dropout and v.itemsize == 2
+            + [dataclasses.replace(v, warp_specialized=True) for v in wgmma + bounded
+               if v.direction == "fwd" and (not v.mods or v.scalar_mods) and not v.dropout and v.itemsize == 2
                and v.head_dim in _config.WS_FWD]
             + [dataclasses.replace(v, large_smem=True) for v in variants
                if _config.has_large_smem_tiles(v.itemsize, v.head_dim)])
@@ -596,7 +598,8 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
     and without dropout, the scalar instantiation (Variant.scalar_mods) serves; on the 16-bit wgmma path a
     backward with a softcap alone takes its Mods::softcap form (Variant.softcap_alone), causal as the plain
     kernels, and a forward or backward with a window alone (causal travelling in it) its Mods::window form
-    (Variant.window_alone)."""
+    (Variant.window_alone). The 16-bit forwards of plain, causal and scalar-modifier calls on dense batches
+    are warp-specialized at the head dims of _config.WS_FWD (Variant.warp_specialized)."""
     name = numpy.dtype(dtype).name
     has_mods = mods is not None or direction == "probs" or packed
     ctype, head_dim = _CTYPES[name], _config.padded_head_dim(max(d, dv))
@@ -610,10 +613,10 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
               and mods.alibi_slopes is None and mods.block_mask is None)
     alone = direction == "bwd" and single and mods.softcap > 0.0 and mods.window == (-1, -1)
     window_alone = single and mods.softcap == 0.0
-    # The plain, causal and window-alone 16-bit forwards; attention_forward falls back to their other kernel
-    # where TMA cannot read the inputs.
+    # The plain, causal and scalar-modifier 16-bit forwards of dense batches (the window alone in its own
+    # form); attention_forward falls back to their other kernel where TMA cannot read the inputs.
     warp_specialized = (direction == "fwd" and wgmma and _ITEMSIZE[ctype] == 2 and head_dim in _config.WS_FWD
-                        and (window_alone or (not has_mods and dropout is None)))
+                        and ((scalar and not packed) or (not has_mods and dropout is None)))
     return Variant(direction, ctype, head_dim, bool(causal) and (not has_mods or alone), has_mods, wgmma,
                    dropout is not None, uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar, bounded, alone,
                    window_alone, warp_specialized)

@@ -120,15 +120,19 @@ class _CountTensorMaps:
         monkeypatch.setattr(_kernels._tma.TensorMaps, "__init__", counted)
 
 
-@pytest.mark.parametrize("window, causal", [((256, 0), True), ((100, 17), False), ((-1, 0), True), (None, True),
-                                            (None, False)])
+@pytest.mark.parametrize("options, causal", [
+    ({"window": (256, 0)}, True), ({"window": (100, 17)}, False), ({"window": (-1, 0)}, True), ({}, True), ({}, False),
+    ({"softcap": 30.0}, True), ({"softcap": 3.0}, False), ({"alibi_slopes": "drawn"}, False),
+    ({"alibi_slopes": "drawn", "softcap": 50.0, "window": (300, 20)}, True)],
+    ids=["window-causal", "window", "left-unbounded", "causal", "plain", "softcap-causal", "softcap", "alibi",
+         "all-scalars-causal"])
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
-def test_warp_specialized_forward_many_tiles_per_cta(rng, monkeypatch, dtype, window, causal):
-    """The warp-specialized forward (on Hopper at the head dims of _config.WS_FWD: windows, causal, plain) with
-    more tiles than SMs, so that every persistent CTA runs several, drawn from the tile counter, and its q
-    buffers and K/V ring carry over from one tile to the next; sizes off every tile, Nq != Nk, and rows
-    past the band's start that see no key. The same plan called again gives the same out and lse, and each
-    launch leaves its tile counter at zero for the next."""
+def test_warp_specialized_forward_many_tiles_per_cta(rng, monkeypatch, dtype, options, causal):
+    """The warp-specialized forward (on Hopper at the head dims of _config.WS_FWD: plain, causal, windows and
+    the other scalar modifiers) with more tiles than SMs, so that every persistent CTA runs several, drawn
+    from the tile counter, and its q buffers and K/V ring carry over from one tile to the next; sizes off
+    every tile, Nq != Nk, and rows past the band's start that see no key. The same plan called again gives
+    the same out and lse, and each launch leaves its tile counter at zero for the next."""
     if not _kernels._wgmma_device():
         pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
     head_dim = min(_config.WS_FWD)
@@ -136,7 +140,8 @@ def test_warp_specialized_forward_many_tiles_per_cta(rng, monkeypatch, dtype, wi
     tiles = batch[0] * batch[1] * -(-nq // _config.WS_ROWS)
     assert tiles > 2 * _kernels._sm_count(), "every CTA runs several tiles"
     q, k, v, dout = _random_problem(rng, batch + (nq, head_dim), batch + (nk, head_dim), batch + (nk, head_dim), dtype)
-    options = {} if window is None else {"window": window}
+    if "alibi_slopes" in options:  # a slope per head, broadcast over the batch
+        options = {**options, "alibi_slopes": cupy.asarray(rng.uniform(0.01, 0.3, (1, batch[1])), dtype=cupy.float32)}
     counter = _CountTensorMaps(monkeypatch)
     _kernels._plans.clear()
     results = _run(q, k, v, dout, causal=causal, **options)
@@ -266,8 +271,9 @@ def test_warp_specialized_forward_narrower_heads(rng, monkeypatch, d, dv):
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
 def test_warp_specialized_forward_falls_back_where_tma_cannot_read(rng, monkeypatch, dtype):
     """Shared k and v heads (a broadcast batch dim, stride 0, that a tensor map cannot step through) take
-    the window-alone kernel, or for causal the wgmma forward, instead, with the same results; a q sliced from
-    wider rows (strided, its rows 16-byte aligned) stays on the warp-specialized one."""
+    the window-alone kernel, for causal the wgmma forward, and for a softcap the scalars' one (bounded in
+    bfloat16), instead, with the same results; a q sliced from wider rows (strided, its rows 16-byte aligned)
+    stays on the warp-specialized one."""
     if not _kernels._wgmma_device():
         pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
     head_dim = min(_config.WS_FWD)
@@ -280,6 +286,14 @@ def test_warp_specialized_forward_falls_back_where_tma_cannot_read(rng, monkeypa
     results = _run(q, k, v, dout, causal=True)
     assert counter.built == 0
     assert_matches_reference(q, k, v, dout, results, causal=True)
+    loaded = []  # the variants whose kernels the calls ask for
+    functions = _kernels._functions
+    monkeypatch.setattr(_kernels, "_functions", lambda variant: loaded.append(variant) or functions(variant))
+    results = _run(q, k, v, dout, causal=True, softcap=20.0)
+    assert counter.built == 0
+    forward = next(variant for variant in loaded if variant.direction == "fwd")
+    assert not forward.warp_specialized and forward.bounded == (dtype is ml_dtypes.bfloat16)
+    assert_matches_reference(q, k, v, dout, results, causal=True, softcap=20.0)
     wide = _random(rng, (2, 3, 300, head_dim + 8), dtype)  # rows of 136 elements: 272 bytes, 16-byte aligned
     q = wide[..., :head_dim]
     k, v, dout = (_random(rng, shape, dtype) for shape in ((2, 3, 280, head_dim), (2, 3, 280, head_dim),
@@ -379,17 +393,20 @@ def test_fully_masked_rows(rng):
 
 @pytest.mark.parametrize("softcap", [42.9, 44.0])
 @pytest.mark.parametrize("window", [None, (100, 0)])
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bfloat16", "float16"])
-def test_softcap_with_every_logit_near_its_floor(rng, dtype, window, softcap):
+def test_softcap_with_every_logit_near_its_floor(rng, dtype, d, window, softcap):
     """The bfloat16 forward of softcapped rows without ALiBi takes 1 as their max score (Variant.bounded) up to
     softcap 62 ln 2 (42.98), where exp2 of the lowest score against 1 is still a normal float: rows whose
     every logit sits near -softcap (q against k's common direction) are the extreme case, at 42.9 on that
-    path and at 44 past it, and in float16 (never on it) alike."""
-    nq, nk, d = 190, 260, 64
+    path and at 44 past it, and in float16 (never on it) alike; at D = 128 on Hopper in the warp-specialized
+    forward."""
+    nq, nk = 190, 260
     direction = rng.standard_normal(d).astype(np.float32)
     direction /= np.linalg.norm(direction)
-    q = cupy.asarray((-40.0 * direction + 0.3 * rng.standard_normal((2, nq, d))).astype(np.float32).astype(dtype))
-    k = cupy.asarray((40.0 * direction + 0.3 * rng.standard_normal((2, nk, d))).astype(np.float32).astype(dtype))
+    size = 40.0 * (d / 64) ** 0.25  # the same scaled score q . k / sqrt(d) at every d
+    q = cupy.asarray((-size * direction + 0.3 * rng.standard_normal((2, nq, d))).astype(np.float32).astype(dtype))
+    k = cupy.asarray((size * direction + 0.3 * rng.standard_normal((2, nk, d))).astype(np.float32).astype(dtype))
     v, dout = (_random(rng, (2, n, d), dtype) for n in (nk, nq))
     options = dict(softcap=softcap) if window is None else dict(softcap=softcap, window=window)
     results = _run(q, k, v, dout, causal=window is not None, **options)

@@ -165,16 +165,21 @@ def test_the_window_alone_backward_takes_its_own_tiles(monkeypatch):
             assert expected in chosen.name_expression(kernel), chosen.name_expression(kernel)
 
 
-def test_the_warp_specialized_forward_serves_plain_causal_and_window_alone_where_listed(monkeypatch):
-    """At the head dims of _config.WS_FWD the 16-bit plain, causal and window-alone forwards on Hopper are the
-    warp-specialized kernel: its name, three warpgroups owning WS_ROWS rows, its persistent grid (one CTA per
-    SM, at most one per tile), its shared memory within an sm_90 CTA's 227 KiB. Backwards, dropout, float32,
-    other modifiers, other head dims and the mma.sync path are not. Both forms of each are shipped."""
+def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_where_listed(monkeypatch):
+    """At the head dims of _config.WS_FWD the 16-bit plain, causal, window-alone and scalar-modifier (window,
+    softcap, ALiBi) forwards of dense batches on Hopper are the warp-specialized kernel: its name (the
+    scalars as Mods::dense_scalars, bounded for a bfloat16 softcap without ALiBi), three warpgroups owning
+    WS_ROWS rows, its persistent grid (one CTA per SM, at most one per tile), its shared memory within an
+    sm_90 CTA's 227 KiB. Backwards, dropout, float32, the modifiers' arrays, packed batches, other head dims
+    and the mma.sync path are not. Both forms of each are shipped."""
     monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
     monkeypatch.setattr(_kernels, "_sm_count", lambda: 132)
     shipped = set(_kernels.shipped_variants())
     window = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, window=(10, 0))
     softcap = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, softcap=20.0)
+    scalars = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, softcap=20.0, window=(50, 3),
+                                 alibi_slopes=np.ones(3, np.float32))
+    bias = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, bias=np.zeros((100, 120), np.float16))
     dropout = _dropout.Dropout(0.1, 1)
     assert _config.WS_FWD
     for dtype, ctype in ((np.float16, "half_t"), (ml_dtypes.bfloat16, "bfloat16_t")):
@@ -182,20 +187,26 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_window_alone_where
             if not _config.has_wgmma(2, head_dim):
                 continue
             listed = head_dim in _config.WS_FWD
-            forwards = {(causal, "Mods::none"): _kernels._variant("fwd", dtype, head_dim, head_dim, causal)
-                        for causal in (False, True)}
-            forwards[(False, "Mods::window")] = _kernels._variant("fwd", dtype, head_dim, head_dim, True, window)
-            assert all(chosen.warp_specialized == listed for chosen in forwards.values()), head_dim
+            # (causal as the kernel takes it, its Mods, the options, the variant chosen for a causal call)
+            forwards = [(causal, "Mods::none", None, _kernels._variant("fwd", dtype, head_dim, head_dim, causal))
+                        for causal in (False, True)]
+            forwards += [(False, mods, options, _kernels._variant("fwd", dtype, head_dim, head_dim, True, options))
+                         for mods, options in (("Mods::window", window), ("Mods::dense_scalars", softcap),
+                                               ("Mods::dense_scalars", scalars))]
+            assert all(chosen.warp_specialized == listed for *_, chosen in forwards), head_dim
             assert not _kernels._variant("bwd", dtype, head_dim, head_dim, True, window).warp_specialized
             assert not _kernels._variant("bwd", dtype, head_dim, head_dim, True).warp_specialized
-            assert not _kernels._variant("fwd", dtype, head_dim, head_dim, True, softcap).warp_specialized
+            assert not _kernels._variant("bwd", dtype, head_dim, head_dim, True, softcap).warp_specialized
+            assert not _kernels._variant("fwd", dtype, head_dim, head_dim, True, bias).warp_specialized
+            assert not _kernels._variant("fwd", dtype, head_dim, head_dim, True, softcap, packed=True).warp_specialized
             assert not _kernels._variant("fwd", dtype, head_dim, head_dim, True, dropout=dropout).warp_specialized
             if not listed:
                 continue
             block, stages = _config.WS_FWD[head_dim]
-            for (causal, mods), chosen in forwards.items():
+            for causal, mods, options, chosen in forwards:
                 assert chosen.name_expression("fwd") == (
-                    f"attention_fwd_ws_kernel<{ctype}, {head_dim}, {block}, {stages}, {str(causal).lower()}, {mods}>")
+                    f"attention_fwd_ws_kernel<{ctype}, {head_dim}, {block}, {stages}, {str(causal).lower()}, {mods}, "
+                    f"{str(chosen.bounded).lower()}>")
                 assert chosen.threads("fwd") == 3 * 128 and chosen.tiles("fwd").rows == _config.WS_ROWS
                 for rows, batch, ctas in ((1000, 3, 24), (8192, 32, 132), (1, 1, 1)):
                     grid, block_shape, smem = _kernels._launch_shape(chosen, "fwd", rows, batch)
@@ -203,15 +214,16 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_window_alone_where
                 assert chosen.smem("fwd") + 1024 <= 227 * 1024
                 assert "attention_fwd_ws.cu" in chosen.code() and "attention_fwd_ws_kernel" in chosen.code()
                 assert chosen in shipped and dataclasses.replace(chosen, warp_specialized=False) in shipped
+                assert chosen.bounded == (options is softcap and ctype == "bfloat16_t")
     assert not _kernels._variant("fwd", np.float32, 128, 128, True).warp_specialized
     monkeypatch.setattr(_kernels, "_wgmma_device", lambda: False)
     assert not _kernels._variant("fwd", np.float16, 128, 128, True, window).warp_specialized
     assert not _kernels._variant("fwd", np.float16, 128, 128, True).warp_specialized
     ws = [v for v in shipped if v.warp_specialized]
     assert ws and all(v.direction == "fwd" and v.itemsize == 2 and v.wgmma and not v.dropout
-                      and v.head_dim in _config.WS_FWD and (v.window_alone or not v.mods) for v in ws)
-    with pytest.raises(ValueError, match="16-bit plain, causal and window-alone forwards"):
-        _config.tiles(2, 128, "fwd", mods=True, wgmma=True, scalar_mods=True, warp_specialized=True)
+                      and v.head_dim in _config.WS_FWD and (v.scalar_mods or not v.mods) for v in ws)
+    with pytest.raises(ValueError, match="16-bit plain, causal and scalar-modifier forwards"):
+        _config.tiles(2, 128, "fwd", mods=True, wgmma=True, warp_specialized=True)
 
 
 class _FakeArray:
@@ -290,21 +302,26 @@ def test_ctas_per_sm_fit_the_shared_memory_of_an_sm():
 
 def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward(monkeypatch):
     """On the wgmma path the bfloat16 forward with a softcap of at most BOUNDED_SOFTCAP_MAX and no ALiBi (window
-    or not) takes 1 as every row's max; anything else keeps the row max."""
+    or not) takes 1 as every row's max, in the warp-specialized forward too (and in the one it falls back
+    to); anything else keeps the row max."""
     monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
     bf16, slopes = np.dtype(ml_dtypes.bfloat16), np.ones((3,), dtype=np.float32)
     limit = _kernels.BOUNDED_SOFTCAP_MAX
     assert 42.9 < limit < 43.0  # 62 ln 2: exp2(-2 * 62) stays a normal float
+    shipped = set(_kernels.shipped_variants())
 
-    def variant(dtype=bf16, direction="fwd", dropout=None, **options):
+    def variant(dtype=bf16, direction="fwd", dropout=None, head_dim=128, **options):
         mods = _modifiers.resolve(np, np.dtype(dtype), (2, 3), 100, 120, **options)
-        return _kernels._variant(direction, dtype, 128, 128, True, mods, dropout)
+        return _kernels._variant(direction, dtype, head_dim, head_dim, True, mods, dropout)
 
     for options in (dict(softcap=2.0), dict(softcap=limit), dict(softcap=30.0, window=(10, 0))):
-        chosen = variant(**options)
-        assert chosen.bounded and chosen.scalar_mods and chosen.wgmma, options
-        assert chosen.name_expression("fwd").endswith("Mods::scalars, false, true, 1>")
-        assert chosen in set(_kernels.shipped_variants())
+        for head_dim in (64, 128):
+            chosen = variant(head_dim=head_dim, **options)
+            assert chosen.bounded and chosen.scalar_mods and chosen.wgmma, options
+            assert chosen.warp_specialized == (head_dim in _config.WS_FWD)
+            expected = "Mods::dense_scalars, true>" if chosen.warp_specialized else "Mods::scalars, false, true, 1>"
+            assert chosen.name_expression("fwd").endswith(expected), chosen.name_expression("fwd")
+            assert chosen in shipped and dataclasses.replace(chosen, warp_specialized=False) in shipped
     assert not variant(softcap=float(np.nextafter(limit, np.inf))).bounded
     assert not variant(softcap=50.0).bounded
     assert not variant(softcap=30.0, alibi_slopes=slopes).bounded
