@@ -32,8 +32,9 @@
 // it as the right edge) or Mods::dense_scalars (window, softcap and ALiBi, as Mods::scalars' forward takes
 // them, on a dense batch). BOUNDED (bfloat16 dense_scalars): softcapped scores without ALiBi, whose softmax
 // takes 1 as every row's max, as attention_fwd.cu's BOUNDED instantiations do. The host sends the plain,
-// causal and scalar-modifier 16-bit forwards of dense batches at the head dims of _config.WS_FWD here. tile_counter: one int, zero at launch; the launch's last draw zeroes it for the
-// next launch on the stream (the host keeps one per stream).
+// causal and scalar-modifier 16-bit forwards of dense batches at the head dims of _config.WS_FWD here.
+// tile_counter: one int, zero at launch; the launch's last draw zeroes it for the next launch on the stream
+// (the host keeps one per stream).
 #include "common.cuh"
 #include "block_info.cuh"
 #include "copy.cuh"
