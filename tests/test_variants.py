@@ -187,7 +187,7 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
             if not _config.has_wgmma(2, head_dim):
                 continue
             listed = head_dim in _config.WS_FWD
-            # (causal as the kernel takes it, its Mods, the options, the variant chosen for a causal call)
+            # (causal as the kernel takes it, its Mods, the options, the variant chosen)
             forwards = [(causal, "Mods::none", None, _kernels._variant("fwd", dtype, head_dim, head_dim, causal))
                         for causal in (False, True)]
             forwards += [(False, mods, options, _kernels._variant("fwd", dtype, head_dim, head_dim, True, options))
