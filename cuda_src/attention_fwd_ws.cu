@@ -31,8 +31,11 @@
 // MODS: Mods::none (IS_CAUSAL as the plain kernels), Mods::window (the window alone, causal travelling in
 // it as the right edge) or Mods::dense_scalars (window, softcap and ALiBi, as Mods::scalars' forward takes
 // them, on a dense batch). BOUNDED (bfloat16 dense_scalars): softcapped scores without ALiBi, whose softmax
-// takes 1 as every row's max, as attention_fwd.cu's BOUNDED instantiations do. The host sends the plain,
-// causal and scalar-modifier 16-bit forwards of dense batches at the head dims of _config.WS_FWD here.
+// takes 1 as every row's max, as attention_fwd.cu's BOUNDED instantiations do, and takes half its
+// exponentials on the FMA units (poly_exp2). ALIBI (dense_scalars with slopes): the slopes' column term
+// fused with the exponent's scale and their row term a shift of the softmax (ScoreMods::alibi_log2). The
+// host sends the plain, causal and scalar-modifier 16-bit forwards of dense batches at the head dims of
+// _config.WS_FWD here.
 // tile_counter: one int, zero at launch; the launch's last draw zeroes it for the next launch on the stream
 // (the host keeps one per stream).
 #include "common.cuh"
@@ -45,18 +48,21 @@
 #include "row_block.cuh"
 #include "tma.cuh"
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, Mods MODS, bool BOUNDED>
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, Mods MODS, bool BOUNDED, bool ALIBI>
 __global__ void __launch_bounds__(3 * 128, 1)
 attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps maps, int* tile_counter) {
   constexpr int BLOCK_M = 128, WG_ROWS = 64;
   using QTile = SwizzledTile<T, WG_ROWS, HEAD_DIM>;  // one warpgroup's q rows; stages its out at the end
   using KVTile = SwizzledTile<T, BLOCK_N, HEAD_DIM>;
   constexpr int S_TILES = BLOCK_N / 8, O_TILES = HEAD_DIM / 8, P_STEPS = S_TILES / 2;
+  // The bounded softcap's exponentials on the FMA units: every other n-tile of S (bench/NOTES.md, v24).
+  constexpr unsigned SOFTCAP_POLY_TILES = 0xAAAAAAAAu & ((1u << S_TILES) - 1u);
   static_assert(sizeof(T) == 2 && (MODS == Mods::none || MODS == Mods::window || MODS == Mods::dense_scalars),
                 "16-bit; plain, a window alone, or the scalar modifiers on a dense batch");
   static_assert(!(IS_CAUSAL && MODS != Mods::none), "with modifiers, causal is the window's right edge");
   static_assert(STAGES >= 2, "S_j is issued beside P_(j-1) V: two slots at least");
   static_assert(!BOUNDED || (MODS == Mods::dense_scalars && IsBfloat16<T>::value), "bounded: bfloat16 scalars");
+  static_assert(!ALIBI || (MODS == Mods::dense_scalars && !BOUNDED), "ALiBi folded: the scalars, row max");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // The window's epilogue (a few key blocks per tile) hands the store of out to two warps of the copying
@@ -209,11 +215,25 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
     zero_acc(acc_o);
     OnlineSoftmax<S_TILES> softmax;
     softmax.init();
-    const float exp_scale = rows.exp_scale();
-    // BOUNDED: the scores are at most 1, and 1 stands for every row's max (update_bounded).
-    auto softmax_update = [&](float (&acc_s)[S_TILES][4], float (&rescale)[2]) {
-      if constexpr (BOUNDED) softmax.update_bounded(acc_s, exp_scale, rescale, 1.f);
-      else softmax.update(acc_s, exp_scale, rescale);
+    // ALIBI: scores in log2 units (RowBlock::alibi_scores), so the softmax's scale is 1.
+    const float exp_scale = ALIBI ? 1.f : rows.exp_scale();
+    float alibi_cols[S_TILES][2];  // ALIBI: the slope times this thread's column offsets in a key block
+    if constexpr (ALIBI) rows.mods.alibi_columns(alibi_cols, lane);
+    // Key block n's scores -> P, and the factor for O. BOUNDED: the scores are at most 1, and 1 stands for
+    // every row's max (update_bounded). With a softcap the tanh and the exponential both take the
+    // special-function unit, 16 results per cycle and SM, whose queue then stalls the warps (ncu: "MIO
+    // throttle", bench/NOTES.md v24): in the bounded form the n-tiles of SOFTCAP_POLY_TILES take poly_exp2 on
+    // the FMA units instead. (In the row-max form it cost time.)
+    auto scores_to_probs = [&](float (&acc_s)[S_TILES][4], int n, float (&rescale)[2]) {
+      if constexpr (ALIBI) {
+        float shift[2];
+        rows.alibi_scores(acc_s, n, warp * 16, lane, alibi_cols, shift);
+        softmax.template update<false, true>(acc_s, 1.f, rescale, 1.f, shift);
+      } else {
+        rows.scores(acc_s, n, warp * 16, lane);
+        if constexpr (BOUNDED) softmax.template update_bounded<SOFTCAP_POLY_TILES>(acc_s, exp_scale, rescale, 1.f);
+        else softmax.update(acc_s, exp_scale, rescale);
+      }
     };
     // This warpgroup's key blocks [lo, hi] among the tile's [tile.n_first, tile.n_blocks).
     const bool has_rows = rows.m0 < seq.nq();
@@ -239,9 +259,8 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
         wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ_wg, 0, sK + (t % STAGES) * KVTile::SIZE);
         wgmma_wait<0>();
         fence_operands(acc_s);
-        rows.scores(acc_s, hi, warp * 16, lane);
         float rescale[2];  // of an all-zero O: unused
-        softmax_update(acc_s, rescale);
+        scores_to_probs(acc_s, hi, rescale);
         pack_fragments<T>(acc_s, p_cur);
         ++t;
       }
@@ -254,9 +273,8 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
         wg_issue_pb<T, P_STEPS, O_TILES, KVTile>(acc_o, p_cur, sV + (t_cur % STAGES) * KVTile::SIZE, 0);
         wgmma_wait<1>();  // S_n is done; the P V is still running
         fence_operands(acc_s);
-        rows.scores(acc_s, n, warp * 16, lane);
         float rescale[2];
-        softmax_update(acc_s, rescale);
+        scores_to_probs(acc_s, n, rescale);
         u32 p_next[P_STEPS][4];
         pack_fragments<T>(acc_s, p_next);
         wgmma_wait<0>();

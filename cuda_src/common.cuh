@@ -37,12 +37,33 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // the point of float64.
 __device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
 
+// exp2 on the FMA units, for kernels whose special-function unit is the bottleneck (FlashAttention-4 moves
+// part of its exponentials there the same way): 2^x = 2^j * 2^f with j = rint(x) and f = x - j in
+// [-1/2, 1/2], 2^f a degree-3 polynomial (minimax in relative error: 7.5e-5 = 2^-13.7, a sixth of float16's
+// rounding and far below bfloat16's), 2^j built in the exponent field. Nine instructions against ex2's one,
+// none of them on the special-function unit. x + 1.5 * 2^23 rounds x to an integer held in the low mantissa
+// bits. x below -127 gives 0 (2^j's exponent field is then 0), as ex2.approx.ftz flushes such results; NaN
+// stays NaN (max.NaN keeps it and the product carries it). Inputs are <= 127: the softmax's are <= its
+// rescaling slack.
+__device__ __forceinline__ float poly_exp2(float x) {
+  constexpr float ROUND = 12582912.f;  // 1.5 * 2^23
+  float xc;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(xc) : "f"(x), "f"(-127.f));
+  const float t = __fadd_rn(xc, ROUND);
+  const float f = __fsub_rn(xc, __fsub_rn(t, ROUND));
+  const float p = fmaf(fmaf(fmaf(0.0551716685f, f, 0.242611140f), f, 0.693260968f), f, 0.999928057f);
+  // t's bits are those of ROUND plus j, and ROUND's bits shifted by 23 leave 0 in 32 bits: (j + 127) << 23.
+  return p * __int_as_float((__float_as_int(t) + 127) << 23);
+}
+
 // The few float operations the kernels spell out, for both accumulator types.
 __device__ __forceinline__ float max_of(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_of(double a, double b) { return fmax(a, b); }
 __device__ __forceinline__ float log2_of(float x) { return __log2f(x); }
 __device__ __forceinline__ double log2_of(double x) { return log2(x); }
 __device__ __forceinline__ float abs_of(float x) { return fabsf(x); }
+__device__ __forceinline__ float fma_of(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double fma_of(double a, double b, double c) { return fma(a, b, c); }
 __device__ __forceinline__ double abs_of(double x) { return fabs(x); }
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }  // never fused into an FMA
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }

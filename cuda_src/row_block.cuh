@@ -91,6 +91,18 @@ struct RowBlock {
       mask.apply(s, m0 + row0, n0, lane);
     }
   }
+  // scores() with the ALiBi slopes folded into the softmax (ScoreMods::alibi_log2, the warp-specialized
+  // forward's ALIBI instantiation): which side of the rows' diagonal positions [m0, m0 + BLOCK_M) + off the
+  // key block lies on, from the block's first and last rows, so the same for all its warps.
+  template <int S_TILES>
+  __device__ __forceinline__ void alibi_scores(acc_t<T> (&s)[S_TILES][4], int n_block, int row0, int lane,
+                                               const acc_t<T> (&cols)[S_TILES][2], acc_t<T> (&shift)[2]) const {
+    static_assert(KEYS_IN_REGISTERS, "the scalars' bound checks");
+    const int n0 = n_block * BLOCK_N, offset = nk_ - seq.nq();
+    const int side = n0 + BLOCK_N - 1 <= m0 + offset ? 1 : n0 >= m0 + BLOCK_M - 1 + offset ? -1 : 0;
+    const bool check = n_block < n_free_first || n_block > n_free_last;
+    mods.alibi_log2(s, cols, side, m0 + row0, n0, lane, check, shift);
+  }
   // lse of one warp's two accumulator rows, row0 + lane / 4 and 8 below it (CTA-relative), by the lanes
   // that hold them, within the sequence's rows.
   template <typename A>

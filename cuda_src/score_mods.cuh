@@ -380,6 +380,12 @@ struct ScoreMods {
           if (!check || (i < nq() && key < nk())) s[j][e] += add_scale * bias_at(i * p.bias_stride[3] + key * p.bias_stride[4]);
         }
     }
+    hide<TRANSPOSED>(s, row0, col0, lane, check);
+  }
+
+  // Hidden keys -> -inf: outside nq x nk and the window band (when check), or masked out.
+  template <bool TRANSPOSED, int N>
+  __device__ __forceinline__ void hide(A (&s)[N][4], int row0, int col0, int lane, bool check) const {
     if (check || mask) {
       // Mods::scalars works out the columns each of this thread's two rows sees once per tile
       // (visible_columns): col - first in [0, span] as unsigned numbers, one subtraction and one compare
@@ -406,6 +412,68 @@ struct ScoreMods {
           if (!seen) s[j][e] = neg_inf();
         }
     }
+  }
+
+  // ALiBi folded into the softmax, for the warp-specialized forward (Mods::dense_scalars, its ALIBI
+  // instantiation; rows not transposed). Over a tile that lies on one side of every row's diagonal position
+  // i + off, -slope |i + off - j| = side * slope * (c_j - r_i), side = +1 where j <= i + off and -1 where
+  // j >= i + off, with r_i = i + off - col0 and c_j = j - col0 in [0, N * 8): the column part is one FFMA
+  // per score, fused with the exponent's scale, from this thread's slope * c_j (alibi_columns: the same for
+  // every tile), and the row part comes back as shift[r], which OnlineSoftmax::update (SHIFTED) adds to the
+  // tile's max and takes out of its reference. additive_and_hide spends an FADD and an FFMA per score on it,
+  // and the exponent another FFMA. Scores come back in log2 units (exp_scale() applied), the row part left
+  // out: the softmax's scale is then 1. A tile across the diagonal (side 0) takes |.| per score, shift 0.
+  template <int N>
+  __device__ __forceinline__ void alibi_columns(A (&cols)[N][2], int lane) const {
+    const A slope_log2 = slope * exp_scale();
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) cols[j][c] = slope_log2 * static_cast<A>(j * 8 + 2 * (lane & 3) + c);
+  }
+
+  template <int N>
+  __device__ __forceinline__ void alibi_log2(A (&s)[N][4], const A (&cols)[N][2], int side, int row0, int col0,
+                                             int lane, bool check, A (&shift)[2]) const {
+    static_assert(MODS == Mods::dense_scalars, "the warp-specialized forward's scalars");
+    if (capped()) {
+      const SoftcapTanh<T, A> softcap(p);
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = softcap.tanh_of(s[j][e]);
+    }
+    const A scale = exp_scale(), slope_log2 = slope * scale;
+    A r[2];  // r_i of this thread's two rows
+#pragma unroll
+    for (int h = 0; h < 2; ++h) r[h] = static_cast<A>(row0 + (lane >> 2) + 8 * h + nk() - nq() - col0);
+    if (side > 0) {
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = fma_of(s[j][e], scale, cols[j][e & 1]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) shift[h] = -slope_log2 * r[h];
+    } else if (side < 0) {
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = fma_of(s[j][e], scale, -cols[j][e & 1]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) shift[h] = slope_log2 * r[h];
+    } else {
+      // r_i - c_j from r_i less this thread's first column: one FADD of a constant per score.
+      const A first = static_cast<A>(2 * (lane & 3));
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const A d = (r[e >> 1] - first) - static_cast<A>(j * 8 + (e & 1));
+          s[j][e] = fma_of(s[j][e], scale, -slope_log2 * abs_of(d));
+        }
+      shift[0] = shift[1] = A(0);
+    }
+    hide<false>(s, row0, col0, lane, check);
   }
 
   // The columns [first, first + span] that row `row` of a tile sees through nq x nk and the window band

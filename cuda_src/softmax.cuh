@@ -30,8 +30,12 @@ struct OnlineSoftmax {
   // TILE_FACTOR: the tile's raw scores are tile_factor times smaller than the other tiles' (a power of two:
   // float32 pieces whose keys carry their own row block's scaling, pieces.cuh); its max and its exponents
   // take the factor on the way, so row_max stays in one unit for every tile.
-  template <bool TILE_FACTOR = false>
-  __device__ __forceinline__ void update(A (&s)[N_TILES][4], A scale_log2, A (&rescale)[2], A tile_factor = A(1)) {
+  // SHIFTED: row r of the tile holds its scores minus shift[r] (ALiBi's row term, ScoreMods::alibi_log2): the
+  // shift goes into the tile's max and comes out of the exponentials' reference, a few operations per row
+  // instead of one per score.
+  template <bool TILE_FACTOR = false, bool SHIFTED = false>
+  __device__ __forceinline__ void update(A (&s)[N_TILES][4], A scale_log2, A (&rescale)[2], A tile_factor = A(1),
+                                         const A* shift = nullptr) {
     const A tile_scale = TILE_FACTOR ? scale_log2 * tile_factor : scale_log2;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -39,7 +43,9 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int j = 0; j < N_TILES; ++j) tile_max = max_of(tile_max, max_of(s[j][2 * r], s[j][2 * r + 1]));
       if constexpr (TILE_FACTOR) tile_max *= tile_factor;
-      const A new_max = max_of(row_max[r], quad_max(tile_max));
+      tile_max = quad_max(tile_max);
+      if constexpr (SHIFTED) tile_max += shift[r];
+      const A new_max = max_of(row_max[r], tile_max);
       // A row's first finite max always becomes the reference (-inf + slack is -inf).
       if (new_max * scale_log2 > row_max[r] * scale_log2 + A(RESCALE_SLACK)) {
         rescale[r] = fast_exp2(mul_rn(row_max[r], scale_log2) - new_max * scale_log2);
@@ -47,7 +53,8 @@ struct OnlineSoftmax {
       } else {
         rescale[r] = A(1);  // exactly: a tile with every key hidden then changes nothing, bit for bit
       }
-      const A ref = row_max[r] == neg_inf() ? A(0) : row_max[r] * scale_log2;
+      A ref = row_max[r] == neg_inf() ? A(0) : row_max[r] * scale_log2;
+      if constexpr (SHIFTED) ref -= shift[r] * scale_log2;
       row_sum[r] = row_sum[r] * rescale[r] + exponentials(s, r, tile_scale, ref);
     }
   }
@@ -58,24 +65,31 @@ struct OnlineSoftmax {
   // from S to P. P carries a constant factor against update()'s, which out = O / l cancels and lse = c *
   // max_bound + log2(l) accounts for. (A row's largest P is then not exactly 1 and is rounded to 16 bits
   // like the others: the callers keep it to bfloat16, whose range holds every P down to 2^-126.)
+  // POLY_TILES: a bit per n-tile j of S whose exponentials take poly_exp2 instead of the special-function unit.
+  template <unsigned POLY_TILES = 0u>
   __device__ __forceinline__ void update_bounded(A (&s)[N_TILES][4], A scale_log2, A (&rescale)[2], A max_bound) {
     const A ref = max_bound * scale_log2;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       row_max[r] = max_bound;
       rescale[r] = A(1);
-      row_sum[r] += exponentials(s, r, scale_log2, ref);
+      row_sum[r] += exponentials<POLY_TILES>(s, r, scale_log2, ref);
     }
   }
 
   // P = exp2(scale * S - ref) in place over row r (of the thread's two) of the tile; returns their sum.
+  template <unsigned POLY_TILES = 0u>
   __device__ __forceinline__ static A exponentials(A (&s)[N_TILES][4], int r, A scale, A ref) {
+    static_assert(POLY_TILES == 0u || sizeof(A) == 4, "poly_exp2 is float32's");
     A sum = A(0);
 #pragma unroll
     for (int j = 0; j < N_TILES; ++j) {
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const A p = fast_exp2(s[j][2 * r + c] * scale - ref);
+        const A x = s[j][2 * r + c] * scale - ref;
+        A p;
+        if constexpr (POLY_TILES != 0u) p = (POLY_TILES >> j & 1u) ? poly_exp2(x) : fast_exp2(x);
+        else p = fast_exp2(x);
         s[j][2 * r + c] = p;
         sum += p;
       }

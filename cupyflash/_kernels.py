@@ -111,7 +111,9 @@ class Variant:
     ALiBi, block mask or packed batch), likewise, but with its own tiles where _config lists them
     (``_WGMMA_WINDOW_FWD``, ``_WGMMA_WINDOW_BWD``). ``warp_specialized``: a 16-bit wgmma forward, plain,
     causal or with the scalar modifiers on a dense batch (window alone or not; bounded or not), as the
-    warp-specialized kernel (cuda_src/attention_fwd_ws.cu; _config.WS_FWD), where TMA can read the inputs."""
+    warp-specialized kernel (cuda_src/attention_fwd_ws.cu; _config.WS_FWD), where TMA can read the inputs.
+    ``alibi``: that kernel's instantiation for the scalar modifiers with ALiBi slopes, whose softmax takes
+    the slopes' row and column terms apart (cuda_src/score_mods.cuh, ``alibi_log2``)."""
 
     direction: str
     ctype: str
@@ -126,6 +128,7 @@ class Variant:
     softcap_alone: bool = False
     window_alone: bool = False
     warp_specialized: bool = False
+    alibi: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -164,7 +167,7 @@ class Variant:
         if kernel == "fwd" and self.warp_specialized:  # the scalars there: a dense batch's (no cu_seqlens)
             mods = "Mods::dense_scalars" if mods == "Mods::scalars" else mods
             return (f"attention_fwd_ws_kernel<{c}, {hd}, {t.block}, {_config.WS_FWD[hd][1]}, {flag[self.causal]}, "
-                    f"{mods}, {flag[self.bounded]}>")
+                    f"{mods}, {flag[self.bounded]}, {flag[self.alibi]}>")
         if kernel == "fwd" and self.wgmma:  # no column chunks: the whole head dim per CTA
             return (f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {fwd_flags}, "
                     f"{flag[self.bounded]}, {t.ctas_per_sm}>")
@@ -198,8 +201,8 @@ def shipped_variants() -> list[Variant]:
     head dims, on the mma.sync path; and the same again on the wgmma path for the (dtype, head dim) pairs
     that have wgmma tiles, with the bfloat16 bounded forwards, the softcap-alone backwards (plain and
     causal) and the 16-bit window-alone forwards and backwards there, and the warp-specialized kernel of
-    the 16-bit plain, causal and scalar-modifier forwards (window-alone and bounded ones included) at the
-    head dims of _config.WS_FWD."""
+    the 16-bit plain, causal and scalar-modifier forwards (window-alone, bounded and ALiBi ones included) at
+    the head dims of _config.WS_FWD."""
     ctypes = ("half_t", "bfloat16_t", "float", "double")
     variants = [
         Variant(direction, ctype, head_dim, causal, mods, dropout=dropout)
@@ -224,9 +227,10 @@ def shipped_variants() -> list[Variant]:
             + [dataclasses.replace(v, window_alone=True, warp_specialized=ws) for v in wgmma
                if v.scalar_mods and v.itemsize == 2
                for ws in ((False, True) if v.direction == "fwd" and v.head_dim in _config.WS_FWD else (False,))]
-            + [dataclasses.replace(v, warp_specialized=True) for v in wgmma + bounded
+            + [dataclasses.replace(v, warp_specialized=True, alibi=alibi) for v in wgmma + bounded
                if v.direction == "fwd" and (not v.mods or v.scalar_mods) and not v.dropout and v.itemsize == 2
-               and v.head_dim in _config.WS_FWD]
+               and v.head_dim in _config.WS_FWD
+               for alibi in ((False, True) if v.scalar_mods and not v.bounded else (False,))]
             + [dataclasses.replace(v, large_smem=True) for v in variants
                if _config.has_large_smem_tiles(v.itemsize, v.head_dim)])
 
@@ -617,9 +621,10 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
     # form); attention_forward falls back to their other kernel where TMA cannot read the inputs.
     warp_specialized = (direction == "fwd" and wgmma and _ITEMSIZE[ctype] == 2 and head_dim in _config.WS_FWD
                         and ((scalar and not packed) or (not has_mods and dropout is None)))
+    alibi = warp_specialized and scalar and mods is not None and mods.alibi_slopes is not None
     return Variant(direction, ctype, head_dim, bool(causal) and (not has_mods or alone), has_mods, wgmma,
                    dropout is not None, uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar, bounded, alone,
-                   window_alone, warp_specialized)
+                   window_alone, warp_specialized, alibi)
 
 
 # Softcapped scores are tanh values in [-1, 1]. Without ALiBi, exp2(c * (t - 1)) with c = softcap * log2(e)
@@ -810,6 +815,7 @@ class _Plan:
     def __init__(self, functions: dict, variant: Variant, params, launches, tensor_maps=None, arrays=None):
         # The parameters as 64-bit words (a plain copy, and an address is one word's write).
         self.words = params.view(numpy.uint64).copy()
+        self.variant = variant
         # The warp-specialized forward's second argument: q, k, v's tensor maps (_tma), encoded per call
         # from the addresses (by default those of ``arrays``, the ones the plan was made with).
         self.tensor_maps = tensor_maps
@@ -926,7 +932,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
                 block = variant.tiles("fwd").block
                 maps = _tma.TensorMaps(arrays, sizes, strides, {"q": _config.WS_WARPGROUP_ROWS, "k": block, "v": block})
             else:
-                variant = dataclasses.replace(variant, warp_specialized=False)
+                variant = dataclasses.replace(variant, warp_specialized=False, alibi=False)
         plan = _Plan(_functions(variant), variant, params, [("fwd", nq, batch)], maps, arrays)
         if copied:  # the parameters point at copies made for this call
             plan.launch(None, None)

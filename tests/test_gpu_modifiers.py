@@ -180,6 +180,30 @@ def test_warp_specialized_forward_tile_order_over_l2_sections(rng, batch, nq, nk
     assert_matches_reference(q, k, v, dout, results, causal=causal)
 
 
+@pytest.mark.parametrize("nq, nk", [(700, 700), (300, 1000), (1000, 300)], ids=["square", "more-keys", "more-queries"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+def test_warp_specialized_alibi_on_either_side_of_the_diagonal(rng, dtype, causal, nq, nk):
+    """The warp-specialized forward's ALiBi form (Variant.alibi) splits the slope term into a column part,
+    fused with the exponent's scale, and a shift per row, on key blocks that lie wholly on one side of every
+    row's diagonal position i + Nk - Nq, and takes |i + Nk - Nq - j| per score on blocks across it. Full rows
+    see blocks on both sides; Nq != Nk moves the diagonal off the tile grid either way; slopes from 2^-8
+    (blocks far from the diagonal still count) to 1 (only the nearest keys do); alone, then with a window
+    and a softcap."""
+    if not _kernels._wgmma_device():
+        pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
+    batch, head_dim = (2, 4), min(_config.WS_FWD)
+    slopes = cupy.asarray([2.0 ** -8, 2.0 ** -4, 0.25, 1.0], dtype=cupy.float32)
+    for extra in ({}, {"window": (200, 50), "softcap": 20.0}):
+        options = {"alibi_slopes": slopes, **extra}
+        q, k, v, dout = _random_problem(rng, batch + (nq, head_dim), batch + (nk, head_dim), batch + (nk, head_dim),
+                                        dtype)
+        _kernels._plans.clear()
+        results = _run(q, k, v, dout, causal=causal, **options)
+        assert any(p.variant.alibi and p.tensor_maps is not None for p in _kernels._plans.values()), "the ALiBi form ran"
+        assert_matches_reference(q, k, v, dout, results, causal=causal, **options)
+
+
 def _warp_specialized_problems(rng, count):
     """``count`` bf16 problems of more tiles than SMs for the warp-specialized forward, with no plan cached
     (skips where that forward does not run)."""

@@ -59,7 +59,7 @@ def test_every_scalars_variant_is_shipped_beside_its_full_one():
     assert scalars and all(v.mods and not v.dropout and v.direction in ("fwd", "bwd") for v in scalars)
     for v in scalars:
         assert _kernels.dataclasses.replace(v, scalar_mods=False, bounded=False, softcap_alone=False, window_alone=False,
-                                            warp_specialized=False, causal=False) in shipped
+                                            warp_specialized=False, alibi=False, causal=False) in shipped
 
 
 def _at_128(dtype=np.float16, direction="bwd", causal=True, dropout=None, packed=False, **options):
@@ -168,7 +168,8 @@ def test_the_window_alone_backward_takes_its_own_tiles(monkeypatch):
 def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_where_listed(monkeypatch):
     """At the head dims of _config.WS_FWD the 16-bit plain, causal, window-alone and scalar-modifier (window,
     softcap, ALiBi) forwards of dense batches on Hopper are the warp-specialized kernel: its name (the
-    scalars as Mods::dense_scalars, bounded for a bfloat16 softcap without ALiBi), three warpgroups owning
+    scalars as Mods::dense_scalars, bounded for a bfloat16 softcap without ALiBi, its ALiBi form wherever there
+    are slopes), three warpgroups owning
     WS_ROWS rows, its persistent grid (one CTA per SM, at most one per tile), its shared memory within an
     sm_90 CTA's 227 KiB. Backwards, dropout, float32, the modifiers' arrays, packed batches, other head dims
     and the mma.sync path are not. Both forms of each are shipped."""
@@ -206,15 +207,16 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
             for causal, mods, options, chosen in forwards:
                 assert chosen.name_expression("fwd") == (
                     f"attention_fwd_ws_kernel<{ctype}, {head_dim}, {block}, {stages}, {str(causal).lower()}, {mods}, "
-                    f"{str(chosen.bounded).lower()}>")
+                    f"{str(chosen.bounded).lower()}, {str(chosen.alibi).lower()}>")
                 assert chosen.threads("fwd") == 3 * 128 and chosen.tiles("fwd").rows == _config.WS_ROWS
                 for rows, batch, ctas in ((1000, 3, 24), (8192, 32, 132), (1, 1, 1)):
                     grid, block_shape, smem = _kernels._launch_shape(chosen, "fwd", rows, batch)
                     assert (grid, block_shape, smem) == ((ctas, 1, 1), (384,), chosen.smem("fwd")), (rows, batch)
                 assert chosen.smem("fwd") + 1024 <= 227 * 1024
                 assert "attention_fwd_ws.cu" in chosen.code() and "attention_fwd_ws_kernel" in chosen.code()
-                assert chosen in shipped and dataclasses.replace(chosen, warp_specialized=False) in shipped
+                assert chosen in shipped and dataclasses.replace(chosen, warp_specialized=False, alibi=False) in shipped
                 assert chosen.bounded == (options is softcap and ctype == "bfloat16_t")
+                assert chosen.alibi == (options is scalars)
     assert not _kernels._variant("fwd", np.float32, 128, 128, True).warp_specialized
     monkeypatch.setattr(_kernels, "_wgmma_device", lambda: False)
     assert not _kernels._variant("fwd", np.float16, 128, 128, True, window).warp_specialized
@@ -222,6 +224,9 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
     ws = [v for v in shipped if v.warp_specialized]
     assert ws and all(v.direction == "fwd" and v.itemsize == 2 and v.wgmma and not v.dropout
                       and v.head_dim in _config.WS_FWD and (v.scalar_mods or not v.mods) for v in ws)
+    assert {(v.ctype, v.head_dim) for v in ws if v.alibi} == {(c, d) for c in ("half_t", "bfloat16_t") for d in _config.WS_FWD}
+    assert all(v.scalar_mods and not v.bounded and not v.window_alone for v in ws if v.alibi)
+    assert not any(v.alibi for v in shipped if not v.warp_specialized)
     with pytest.raises(ValueError, match="16-bit plain, causal and scalar-modifier forwards"):
         _config.tiles(2, 128, "fwd", mods=True, wgmma=True, warp_specialized=True)
 
@@ -319,7 +324,7 @@ def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward(monkeypatch
             chosen = variant(head_dim=head_dim, **options)
             assert chosen.bounded and chosen.scalar_mods and chosen.wgmma, options
             assert chosen.warp_specialized == (head_dim in _config.WS_FWD)
-            expected = "Mods::dense_scalars, true>" if chosen.warp_specialized else "Mods::scalars, false, true, 1>"
+            expected = "Mods::dense_scalars, true, false>" if chosen.warp_specialized else "Mods::scalars, false, true, 1>"
             assert chosen.name_expression("fwd").endswith(expected), chosen.name_expression("fwd")
             assert chosen in shipped and dataclasses.replace(chosen, warp_specialized=False) in shipped
     assert not variant(softcap=float(np.nextafter(limit, np.inf))).bounded
