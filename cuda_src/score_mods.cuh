@@ -436,13 +436,7 @@ struct ScoreMods {
   __device__ __forceinline__ void alibi_log2(A (&s)[N][4], const A (&cols)[N][2], int side, int row0, int col0,
                                              int lane, bool check, A (&shift)[2]) const {
     static_assert(MODS == Mods::dense_scalars, "the warp-specialized forward's scalars");
-    if (capped()) {
-      const SoftcapTanh<T, A> softcap(p);
-#pragma unroll
-      for (int j = 0; j < N; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] = softcap.tanh_of(s[j][e]);
-    }
+    softcap_scores(s);
     const A scale = exp_scale(), slope_log2 = slope * scale;
     A r[2];  // r_i of this thread's two rows
 #pragma unroll
