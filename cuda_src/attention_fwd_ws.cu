@@ -57,6 +57,11 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   constexpr int S_TILES = BLOCK_N / 8, O_TILES = HEAD_DIM / 8, P_STEPS = S_TILES / 2;
   // The bounded softcap's exponentials on the FMA units: every other n-tile of S (bench/NOTES.md, v24).
   constexpr unsigned SOFTCAP_POLY_TILES = 0xAAAAAAAAu & ((1u << S_TILES) - 1u);
+  // Where a block's P is rounded to 16 bits: after the wait for the previous block's P V, straight into
+  // p_cur (which that product reads), or before it into p_next, copied over after the wait. ptxas schedules
+  // the two differently: the ALiBi forward is 1-3% faster with the first, the plain and softcap forwards up
+  // to 4% and 5% slower (bench/NOTES.md, v25).
+  constexpr bool PACK_AFTER_WAIT = ALIBI;
   static_assert(sizeof(T) == 2 && (MODS == Mods::none || MODS == Mods::window || MODS == Mods::dense_scalars),
                 "16-bit; plain, a window alone, or the scalar modifiers on a dense batch");
   static_assert(!(IS_CAUSAL && MODS != Mods::none), "with modifiers, causal is the window's right edge");
@@ -276,16 +281,21 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
         float rescale[2];
         scores_to_probs(acc_s, n, rescale);
         u32 p_next[P_STEPS][4];
-        pack_fragments<T>(acc_s, p_next);
+        if constexpr (PACK_AFTER_WAIT) fence_operands(acc_s);  // P in float32 before the wait
+        else pack_fragments<T>(acc_s, p_next);
         wgmma_wait<0>();
         fence_operands(acc_o);
         fence_fragments(p_cur);
         if (lane == 0) mbar_arrive(kv_empty(t_cur % STAGES));  // the previous slot is read out
         rescale_rows(acc_o, rescale);  // O = (O + P_prev V) * exp(m_old - m_new)
+        if constexpr (PACK_AFTER_WAIT) {
+          pack_fragments<T>(acc_s, p_cur);
+        } else {
 #pragma unroll
-        for (int kt = 0; kt < P_STEPS; ++kt)
+          for (int kt = 0; kt < P_STEPS; ++kt)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) p_cur[kt][i] = p_next[kt][i];
+            for (int i = 0; i < 4; ++i) p_cur[kt][i] = p_next[kt][i];
+        }
         t_cur = t;
       }
       // The last block's P V.
