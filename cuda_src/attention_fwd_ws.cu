@@ -13,7 +13,10 @@
 //  - Warpgroup 0 copies: one thread issues every TMA copy and the others leave. Per tile, q goes into one
 //    of two buffers (the next tile's q lands while this one runs), then the K and V tiles of the key
 //    blocks its rows see, last to first, into a ring of STAGES (K, V) slots that runs on across tiles, so
-//    the next tile's first copies overlap this one's last products and its epilogue. It gives its
+//    the next tile's first copies overlap this one's last products and its epilogue. A slot's K and V are
+//    released apart: K once both warpgroups' S = Q K^T from it is done, V after their P V, so that the
+//    next K lands while the previous block's P V still reads its V (with two slots of 128-key tiles and
+//    one release per slot, every block waited for its K: bench/NOTES.md, v19 and v26). It gives its
 //    registers to the others (setmaxnreg). With a window, its warps 1 and 2 store out for computing
 //    warpgroups 1 and 2.
 //  - Warpgroups 1 and 2 each own 64 of the tile's rows and run attention_fwd_wgmma_kernel's loop on them:
@@ -24,7 +27,7 @@
 //    stores it; with a window it hands the staged rows to its storing warp and goes on to the next tile.
 // Barriers (tma.cuh): q_full[2] (the copy's bytes, or the copier's arrival alone once no tile is left),
 // q_empty[2] (8 consumer warps, or the 2 storing warps, after the epilogue read the buffer), k_full /
-// v_full[STAGES] (bytes), kv_empty[STAGES] (8 consumer warps, after their last product from the slot), and
+// v_full[STAGES] (bytes), k_empty / v_empty[STAGES] (8 consumer warps, after their S, or P V, from the slot), and
 // a window's out_full[2][2] (a computing warpgroup's 128 threads, once its out is staged). Nothing waits on a
 // __syncthreads after the start, so the warpgroups drift apart and one's softmax and epilogue overlap the
 // other's products.
@@ -59,9 +62,10 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   constexpr unsigned SOFTCAP_POLY_TILES = 0xAAAAAAAAu & ((1u << S_TILES) - 1u);
   // Where a block's P is rounded to 16 bits: after the wait for the previous block's P V, straight into
   // p_cur (which that product reads), or before it into p_next, copied over after the wait. ptxas schedules
-  // the two differently: the ALiBi forward is 1-3% faster with the first, the plain and softcap forwards up
-  // to 4% and 5% slower (bench/NOTES.md, v25).
-  constexpr bool PACK_AFTER_WAIT = ALIBI;
+  // the two differently: on 128-key tiles the plain and causal forwards are up to 2% faster with the first
+  // (on 64-key tiles up to 4% slower), the ALiBi forward 1-3% faster (v25), the softcap's up to 6% slower
+  // (bench/NOTES.md, v26).
+  constexpr bool PACK_AFTER_WAIT = ALIBI || MODS == Mods::none;
   static_assert(sizeof(T) == 2 && (MODS == Mods::none || MODS == Mods::window || MODS == Mods::dense_scalars),
                 "16-bit; plain, a window alone, or the scalar modifiers on a dense batch");
   static_assert(!(IS_CAUSAL && MODS != Mods::none), "with modifiers, causal is the window's right edge");
@@ -74,7 +78,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   // warpgroup, so that its computing warps go on to the next tile as soon as out is staged: window forward
   // -2 to -4% (bench/NOTES.md, v21). The long rows of plain and causal tiles lost 1-2% with it.
   constexpr bool STORE_WARPS = MODS == Mods::window;
-  __shared__ __align__(8) u64 bars[(STORE_WARPS ? 8 : 4) + 3 * STAGES];
+  __shared__ __align__(8) u64 bars[(STORE_WARPS ? 8 : 4) + 4 * STAGES];
   __shared__ int tile_ids[2];  // the tile whose q is in each buffer (>= tiles: none left), published by q_full
   T* sQ = reinterpret_cast<T*>(smem_aligned(smem_raw));  // [2 buffers][2 warpgroups] QTile
   T* sK = sQ + 4 * QTile::SIZE;                           // [STAGES] KVTile
@@ -83,9 +87,10 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   auto q_empty = [&](int buffer) { return smem_u32(&bars[2 + buffer]); };
   auto k_full = [&](int slot) { return smem_u32(&bars[4 + slot]); };
   auto v_full = [&](int slot) { return smem_u32(&bars[4 + STAGES + slot]); };
-  auto kv_empty = [&](int slot) { return smem_u32(&bars[4 + 2 * STAGES + slot]); };
+  auto k_empty = [&](int slot) { return smem_u32(&bars[4 + 2 * STAGES + slot]); };
+  auto v_empty = [&](int slot) { return smem_u32(&bars[4 + 3 * STAGES + slot]); };
   // A computing warpgroup's out staged in its half of a q buffer, for its storing warp.
-  auto out_full = [&](int buffer, int group) { return smem_u32(&bars[4 + 3 * STAGES + 2 * buffer + group]); };
+  auto out_full = [&](int buffer, int group) { return smem_u32(&bars[4 + 4 * STAGES + 2 * buffer + group]); };
   constexpr u32 CONSUMER_WARPS = 8;
   if (threadIdx.x == 0) {
     for (int buffer = 0; buffer < 2; ++buffer) {
@@ -99,7 +104,8 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
     for (int slot = 0; slot < STAGES; ++slot) {
       mbar_init(k_full(slot), 1);
       mbar_init(v_full(slot), 1);
-      mbar_init(kv_empty(slot), CONSUMER_WARPS);
+      mbar_init(k_empty(slot), CONSUMER_WARPS);
+      mbar_init(v_empty(slot), CONSUMER_WARPS);
     }
     mbar_init_fence();
   }
@@ -189,9 +195,10 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
       tma_load_tile<QTile>(sQ + (2 * buffer + 1) * QTile::SIZE, maps.q, m0 + WG_ROWS, b0, b1, b2, q_full(buffer));
       for (int n = rows.n_blocks - 1; n >= rows.n_first; --n, ++t) {
         const int slot = t % STAGES;
-        if (t >= STAGES) mbar_wait(kv_empty(slot), parity(t - STAGES));
+        if (t >= STAGES) mbar_wait(k_empty(slot), parity(t - STAGES));
         mbar_expect(k_full(slot), KVTile::SIZE * sizeof(T));
         tma_load_tile<KVTile>(sK + slot * KVTile::SIZE, maps.k, n * BLOCK_N, b0, b1, b2, k_full(slot));
+        if (t >= STAGES) mbar_wait(v_empty(slot), parity(t - STAGES));
         mbar_expect(v_full(slot), KVTile::SIZE * sizeof(T));
         tma_load_tile<KVTile>(sV + slot * KVTile::SIZE, maps.v, n * BLOCK_N, b0, b1, b2, v_full(slot));
       }
@@ -248,7 +255,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
       for (int i = 0; i < count; ++i, ++t) {
         mbar_wait(k_full(t % STAGES), parity(t));
         mbar_wait(v_full(t % STAGES), parity(t));
-        if (lane == 0) mbar_arrive(kv_empty(t % STAGES));
+        if (lane == 0) { mbar_arrive(k_empty(t % STAGES)); mbar_arrive(v_empty(t % STAGES)); }
       }
     };
     if (hi < lo) {
@@ -264,6 +271,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
         wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ_wg, 0, sK + (t % STAGES) * KVTile::SIZE);
         wgmma_wait<0>();
         fence_operands(acc_s);
+        if (lane == 0) mbar_arrive(k_empty(t % STAGES));  // K is read out
         float rescale[2];  // of an all-zero O: unused
         scores_to_probs(acc_s, hi, rescale);
         pack_fragments<T>(acc_s, p_cur);
@@ -278,6 +286,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
         wg_issue_pb<T, P_STEPS, O_TILES, KVTile>(acc_o, p_cur, sV + (t_cur % STAGES) * KVTile::SIZE, 0);
         wgmma_wait<1>();  // S_n is done; the P V is still running
         fence_operands(acc_s);
+        if (lane == 0) mbar_arrive(k_empty(t % STAGES));  // K is read out
         float rescale[2];
         scores_to_probs(acc_s, n, rescale);
         u32 p_next[P_STEPS][4];
@@ -286,7 +295,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
         wgmma_wait<0>();
         fence_operands(acc_o);
         fence_fragments(p_cur);
-        if (lane == 0) mbar_arrive(kv_empty(t_cur % STAGES));  // the previous slot is read out
+        if (lane == 0) mbar_arrive(v_empty(t_cur % STAGES));  // the previous V is read out
         rescale_rows(acc_o, rescale);  // O = (O + P_prev V) * exp(m_old - m_new)
         if constexpr (PACK_AFTER_WAIT) {
           pack_fragments<T>(acc_s, p_cur);
@@ -304,7 +313,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
       wgmma_wait<0>();
       fence_operands(acc_o);
       fence_fragments(p_cur);
-      if (lane == 0) mbar_arrive(kv_empty(t_cur % STAGES));
+      if (lane == 0) mbar_arrive(v_empty(t_cur % STAGES));
       pass_over(lo - tile.n_first);
     }
     // Epilogue: out = O / l through this warpgroup's q rows (its products are done with them), and lse.

@@ -143,9 +143,12 @@ _WGMMA_WINDOW_BWD = {
 # softcap, ALiBi) forwards there (16-bit, Hopper, no dropout, dense batches whose q, k, v a tensor map can
 # describe: cupyflash/_tma.py).
 # At HEAD_DIM 128 (bench/NOTES.md, v19, v20), against the wgmma forward's tiles: window (256, 0) -6 to -10%
-# (2k to 16k), causal -18 to -22% and full -12 to -16% (2k, 8k). 64-key tiles in 4 slots beat 3 slots,
-# 5 slots and 128-key tiles in 2.
-WS_FWD = {128: (64, 4)}
+# (2k to 16k), causal -18 to -22% and full -12 to -16% (2k, 8k). 128-key tiles in 2 slots, whose K is
+# released apart from V (v26), against 64-key tiles in 4: plain and causal -1 to -5%, softcap -5 to -7%
+# and ALiBi -4 to -9% but for causal 2k (+1%). The window alone (WS_WINDOW_FWD), whose tiles visit a few
+# key blocks each, keeps 64-key tiles in 4 slots: 8-9% faster than 128-key ones.
+WS_FWD = {128: (128, 2)}
+WS_WINDOW_FWD = {128: (64, 4)}
 WS_WARPS, WS_COPY_WARPS = 12, 4  # three warpgroups, the first of which copies
 WS_ROWS = 16 * (WS_WARPS - WS_COPY_WARPS)  # query rows per tile: Tiles.rows of those warps (128)
 WS_WARPGROUP_ROWS = 64  # each computing warpgroup's rows, which visit their own key blocks
@@ -276,6 +279,12 @@ def needs_large_smem(itemsize: int, head_dim: int, direction: str) -> bool:
     return (itemsize, head_dim, direction) in _LARGE_SMEM_ONLY
 
 
+def ws_blocks(head_dim: int, window_alone: bool = False) -> tuple[int, int]:
+    """(BLOCK_N, STAGES) of the warp-specialized forward at ``head_dim`` (one of WS_FWD's): the window-alone
+    instantiation's from WS_WINDOW_FWD, every other one's from WS_FWD."""
+    return (WS_WINDOW_FWD if window_alone else WS_FWD)[head_dim]
+
+
 def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: bool = False,
           dropout: bool = False, large_smem: bool = False, scalar_mods: bool = False,
           window_alone: bool = False, warp_specialized: bool = False) -> Tiles:
@@ -291,7 +300,7 @@ def tiles(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wgmma: 
             raise ValueError(f"no warp-specialized {kernel} for {itemsize}-byte elements at head_dim {head_dim} with "
                              f"these options: it serves the 16-bit plain, causal and scalar-modifier forwards "
                              f"at head dims {tuple(WS_FWD)}")
-        return Tiles(WS_WARPS, WS_FWD[head_dim][0], head_dim, copy_warps=WS_COPY_WARPS)
+        return Tiles(WS_WARPS, ws_blocks(head_dim, window_alone)[0], head_dim, copy_warps=WS_COPY_WARPS)
     if (itemsize, head_dim) not in _TABLE:
         raise ValueError(f"no tiles for {itemsize}-byte elements and head_dim {head_dim}; head dims: {HEAD_DIMS}")
     kernel = _SHARES_TILES.get(kernel, kernel)
@@ -349,7 +358,7 @@ def smem_bytes(itemsize: int, head_dim: int, kernel: str, mods: bool = False, wg
     """Dynamic shared memory of a kernel; mirrors the carve-up at the top of each kernel (swizzled wgmma
     tiles have unpadded rows and start on a SMEM_ALIGN boundary the kernel finds itself)."""
     if warp_specialized:  # two q buffers of WS_ROWS rows, STAGES slots of a K and a V tile
-        block_n, stages = WS_FWD[head_dim]
+        block_n, stages = ws_blocks(head_dim, window_alone)
         return SMEM_ALIGN + itemsize * head_dim * (2 * WS_ROWS + 2 * stages * block_n)
     t = tiles(itemsize, head_dim, kernel, mods, wgmma, dropout, large_smem, scalar_mods, window_alone)
     row = head_dim * itemsize + (0 if wgmma else SMEM_PAD_BYTES[itemsize])

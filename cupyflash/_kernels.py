@@ -166,7 +166,8 @@ class Variant:
             return f"attention_probs_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {flag[self.wgmma]}>"
         if kernel == "fwd" and self.warp_specialized:  # the scalars there: a dense batch's (no cu_seqlens)
             mods = "Mods::dense_scalars" if mods == "Mods::scalars" else mods
-            return (f"attention_fwd_ws_kernel<{c}, {hd}, {t.block}, {_config.WS_FWD[hd][1]}, {flag[self.causal]}, "
+            stages = _config.ws_blocks(hd, self.window_alone)[1]
+            return (f"attention_fwd_ws_kernel<{c}, {hd}, {t.block}, {stages}, {flag[self.causal]}, "
                     f"{mods}, {flag[self.bounded]}, {flag[self.alibi]}>")
         if kernel == "fwd" and self.wgmma:  # no column chunks: the whole head dim per CTA
             return (f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {fwd_flags}, "

@@ -97,8 +97,8 @@ def test_window_alone_long_bands(rng, dtype, window, causal, head_dim):
     assert forward.window_alone == forward.wgmma and backward.window_alone == backward.wgmma
     assert forward.warp_specialized == (forward.wgmma and head_dim in _config.WS_FWD)
     if forward.warp_specialized:
-        assert forward.tiles("fwd") == _config.Tiles(_config.WS_WARPS, _config.WS_FWD[head_dim][0], head_dim,
-                                                     copy_warps=_config.WS_COPY_WARPS)
+        block = _config.WS_WINDOW_FWD[head_dim][0]
+        assert forward.tiles("fwd") == _config.Tiles(_config.WS_WARPS, block, head_dim, copy_warps=_config.WS_COPY_WARPS)
     elif forward.wgmma and head_dim in _config._WGMMA_WINDOW_FWD:
         assert forward.tiles("fwd") == _config.Tiles(*_config._WGMMA_WINDOW_FWD[head_dim])
     if backward.wgmma and head_dim in _config._WGMMA_WINDOW_BWD:

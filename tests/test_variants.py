@@ -182,7 +182,7 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
                                  alibi_slopes=np.ones(3, np.float32))
     bias = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, bias=np.zeros((100, 120), np.float16))
     dropout = _dropout.Dropout(0.1, 1)
-    assert _config.WS_FWD
+    assert _config.WS_FWD and set(_config.WS_WINDOW_FWD) == set(_config.WS_FWD)
     for dtype, ctype in ((np.float16, "half_t"), (ml_dtypes.bfloat16, "bfloat16_t")):
         for head_dim in _config.HEAD_DIMS:
             if not _config.has_wgmma(2, head_dim):
@@ -203,8 +203,8 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
             assert not _kernels._variant("fwd", dtype, head_dim, head_dim, True, dropout=dropout).warp_specialized
             if not listed:
                 continue
-            block, stages = _config.WS_FWD[head_dim]
             for causal, mods, options, chosen in forwards:
+                block, stages = (_config.WS_WINDOW_FWD if mods == "Mods::window" else _config.WS_FWD)[head_dim]
                 assert chosen.name_expression("fwd") == (
                     f"attention_fwd_ws_kernel<{ctype}, {head_dim}, {block}, {stages}, {str(causal).lower()}, {mods}, "
                     f"{str(chosen.bounded).lower()}, {str(chosen.alibi).lower()}>")
