@@ -144,9 +144,10 @@ _WGMMA_WINDOW_BWD = {
 # describe: cupyflash/_tma.py).
 # At HEAD_DIM 128 (bench/NOTES.md, v19, v20), against the wgmma forward's tiles: window (256, 0) -6 to -10%
 # (2k to 16k), causal -18 to -22% and full -12 to -16% (2k, 8k). 128-key tiles in 2 slots, whose K is
-# released apart from V (v26), against 64-key tiles in 4: plain and causal -1 to -5%, softcap -5 to -7%
-# and ALiBi -4 to -9% but for causal 2k (+1%). The window alone (WS_WINDOW_FWD), whose tiles visit a few
-# key blocks each, keeps 64-key tiles in 4 slots: 8-9% faster than 128-key ones.
+# released apart from V (v26), against 64-key tiles in 4 (causal 2k / 8k, full 2k / 8k): plain and causal
+# -1.6 to -5.7%, softcap -0.1 to -7.2%, ALiBi -4.8 to -8.8% but for causal 2k (+1.6%: a warpgroup's
+# diagonal block is half masked). The window alone (WS_WINDOW_FWD), whose tiles visit a few key blocks
+# each, keeps 64-key tiles in 4 slots: 8-9% faster than 128-key ones.
 WS_FWD = {128: (128, 2)}
 WS_WINDOW_FWD = {128: (64, 4)}
 WS_WARPS, WS_COPY_WARPS = 12, 4  # three warpgroups, the first of which copies
