@@ -39,9 +39,7 @@ struct OnlineSoftmax {
     const A tile_scale = TILE_FACTOR ? scale_log2 * tile_factor : scale_log2;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      A tile_max = neg_inf();
-#pragma unroll
-      for (int j = 0; j < N_TILES; ++j) tile_max = max_of(tile_max, max_of(s[j][2 * r], s[j][2 * r + 1]));
+      A tile_max = row_tile_max(s, r);
       if constexpr (TILE_FACTOR) tile_max *= tile_factor;
       tile_max = quad_max(tile_max);
       if constexpr (SHIFTED) tile_max += shift[r];
@@ -77,11 +75,35 @@ struct OnlineSoftmax {
     }
   }
 
+  // The max of row r (of the thread's two) over the tile, as a tree: one or two computing warps share an SM
+  // sub-partition in these kernels, so little hides the latency of a chain of N_TILES dependent maxes.
+  // (The warp-specialized forward at HEAD_DIM 128, with the four sums below: plain 4-6% faster,
+  // bench/NOTES.md v27.)
+  __device__ __forceinline__ static A row_tile_max(const A (&s)[N_TILES][4], int r) {
+    A m[N_TILES];
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j) m[j] = max_of(s[j][2 * r], s[j][2 * r + 1]);
+#pragma unroll
+    for (int w = 1; w < N_TILES; w *= 2)
+#pragma unroll
+      for (int j = 0; j + w < N_TILES; j += 2 * w) m[j] = max_of(m[j], m[j + w]);
+    return m[0];
+  }
+
+  // The sum of row r over the tile, in four independent partial sums (the same reason).
+  __device__ __forceinline__ static A row_tile_sum(const A (&s)[N_TILES][4], int r) {
+    A part[4] = {A(0), A(0), A(0), A(0)};
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) part[2 * (j & 1) + c] += s[j][2 * r + c];
+    return (part[0] + part[1]) + (part[2] + part[3]);
+  }
+
   // P = exp2(scale * S - ref) in place over row r (of the thread's two) of the tile; returns their sum.
   template <unsigned POLY_TILES = 0u>
   __device__ __forceinline__ static A exponentials(A (&s)[N_TILES][4], int r, A scale, A ref) {
     static_assert(POLY_TILES == 0u || sizeof(A) == 4, "poly_exp2 is float32's");
-    A sum = A(0);
 #pragma unroll
     for (int j = 0; j < N_TILES; ++j) {
 #pragma unroll
@@ -91,10 +113,9 @@ struct OnlineSoftmax {
         if constexpr (POLY_TILES != 0u) p = (POLY_TILES >> j & 1u) ? poly_exp2(x) : fast_exp2(x);
         else p = fast_exp2(x);
         s[j][2 * r + c] = p;
-        sum += p;
       }
     }
-    return sum;
+    return row_tile_sum(s, r);
   }
 
   // 1 / l_i (0 when the row saw no key) and lse_i = scale * m_i + log(l_i) in natural log.
