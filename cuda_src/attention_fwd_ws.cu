@@ -34,8 +34,8 @@
 // MODS: Mods::none (IS_CAUSAL as the plain kernels), Mods::window (the window alone, causal travelling in
 // it as the right edge) or Mods::dense_scalars (window, softcap and ALiBi, as Mods::scalars' forward takes
 // them, on a dense batch). BOUNDED (bfloat16 dense_scalars): softcapped scores without ALiBi, whose softmax
-// takes 1 as every row's max, as attention_fwd.cu's BOUNDED instantiations do, and takes half its
-// exponentials on the FMA units (poly_exp2). ALIBI (dense_scalars with slopes): the slopes' column term
+// takes 1 as every row's max, as attention_fwd.cu's BOUNDED instantiations do, computes each score's
+// tanh and exponential in one pass, and takes one exponential in eight on the FMA units (poly_exp2). ALIBI (dense_scalars with slopes): the slopes' column term
 // fused with the exponent's scale and their row term a shift of the softmax (ScoreMods::alibi_log2). The
 // host sends the plain, causal and scalar-modifier 16-bit forwards of dense batches at the head dims of
 // _config.WS_FWD here.
@@ -58,8 +58,10 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   using QTile = SwizzledTile<T, WG_ROWS, HEAD_DIM>;  // one warpgroup's q rows; stages its out at the end
   using KVTile = SwizzledTile<T, BLOCK_N, HEAD_DIM>;
   constexpr int S_TILES = BLOCK_N / 8, O_TILES = HEAD_DIM / 8, P_STEPS = S_TILES / 2;
-  // The bounded softcap's exponentials on the FMA units: every other n-tile of S (bench/NOTES.md, v24).
-  constexpr unsigned SOFTCAP_POLY_TILES = 0xAAAAAAAAu & ((1u << S_TILES) - 1u);
+  // The bounded softcap's exponentials on the FMA units: one n-tile of S in eight. With the tanh and the
+  // exponential in one pass, 1 in 8 beat 1 in 4 by 0.6-1.4%, 1 in 2 by 4-5%, and none by 3-6%
+  // (bench/NOTES.md, v24, v27).
+  constexpr unsigned SOFTCAP_POLY_TILES = 0x80808080u & ((1u << S_TILES) - 1u);
   // Where a block's P is rounded to 16 bits: after the wait for the previous block's P V, straight into
   // p_cur (which that product reads), or before it into p_next, copied over after the wait. ptxas schedules
   // the two differently: on 128-key tiles the plain and causal forwards are up to 2% faster with the first
@@ -235,16 +237,26 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
     // every row's max (update_bounded). With a softcap the tanh and the exponential both take the
     // special-function unit, 16 results per cycle and SM, whose queue then stalls the warps (ncu: "MIO
     // throttle", bench/NOTES.md v24): in the bounded form the n-tiles of SOFTCAP_POLY_TILES take poly_exp2 on
-    // the FMA units instead. (In the row-max form it cost time.)
+    // the FMA units instead (in the row-max form it cost time), and each score's tanh and exponential come
+    // in one pass, so that the FMA units' work fills the special-function unit's queue waits: 5-6% faster
+    // than a pass of tanh, the window's mask, then a pass of exponentials (v27).
     auto scores_to_probs = [&](float (&acc_s)[S_TILES][4], int n, float (&rescale)[2]) {
       if constexpr (ALIBI) {
         float shift[2];
         rows.alibi_scores(acc_s, n, warp * 16, lane, alibi_cols, shift);
         softmax.template update<false, true>(acc_s, 1.f, rescale, 1.f, shift);
       } else {
-        rows.scores(acc_s, n, warp * 16, lane);
-        if constexpr (BOUNDED) softmax.template update_bounded<SOFTCAP_POLY_TILES>(acc_s, exp_scale, rescale, 1.f);
-        else softmax.update(acc_s, exp_scale, rescale);
+        if constexpr (BOUNDED) {
+          // The tanh and the exponential in one pass (no slopes here: Variant.bounded); the window hides
+          // keys after it, on P.
+          const SoftcapTanh<T, float> softcap(p);
+          softmax.template update_bounded<SOFTCAP_POLY_TILES>(
+              acc_s, exp_scale, rescale, 1.f, [&](float raw) { return softcap.tanh_of(raw); },
+              [&](float (&probs)[S_TILES][4]) { rows.hide_probs(probs, n, warp * 16, lane); });
+        } else {
+          rows.scores(acc_s, n, warp * 16, lane);
+          softmax.update(acc_s, exp_scale, rescale);
+        }
       }
     };
     // This warpgroup's key blocks [lo, hi] among the tile's [tile.n_first, tile.n_blocks).

@@ -44,11 +44,13 @@ __device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
 // none of them on the special-function unit. x + 1.5 * 2^23 rounds x to an integer held in the low mantissa
 // bits. x below -127 gives 0 (2^j's exponent field is then 0), as ex2.approx.ftz flushes such results; NaN
 // stays NaN (max.NaN keeps it and the product carries it). Inputs are <= 127: the softmax's are <= its
-// rescaling slack.
+// rescaling slack. CLAMP = false: the caller's inputs are known to be >= -127 or NaN (the bounded
+// softcap's exponents, from finite scores: -inf never reaches it), one instruction less.
+template <bool CLAMP = true>
 __device__ __forceinline__ float poly_exp2(float x) {
   constexpr float ROUND = 12582912.f;  // 1.5 * 2^23
-  float xc;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(xc) : "f"(x), "f"(-127.f));
+  float xc = x;
+  if constexpr (CLAMP) asm("max.NaN.f32 %0, %1, %2;" : "=f"(xc) : "f"(x), "f"(-127.f));
   const float t = __fadd_rn(xc, ROUND);
   const float f = __fsub_rn(xc, __fsub_rn(t, ROUND));
   const float p = fmaf(fmaf(fmaf(0.0551716685f, f, 0.242611140f), f, 0.693260968f), f, 0.999928057f);

@@ -91,6 +91,15 @@ struct RowBlock {
       mask.apply(s, m0 + row0, n0, lane);
     }
   }
+  // The bounded softcap's P of key block n_block (OnlineSoftmax::update_bounded from raw scores): hidden
+  // keys' P -> 0, where scores() would have set their scores to -inf. With the scalar modifiers, whose only
+  // per-score option with a softcap and no slopes is the window.
+  template <int S_TILES>
+  __device__ __forceinline__ void hide_probs(acc_t<T> (&s)[S_TILES][4], int n_block, int row0, int lane) const {
+    static_assert(KEYS_IN_REGISTERS && HAS_MODS, "the scalars' bound checks");
+    const bool check = n_block < n_free_first || n_block > n_free_last;
+    mods.template hide<false>(s, m0 + row0, n_block * BLOCK_N, lane, check, acc_t<T>(0));
+  }
   // scores() with the ALiBi slopes folded into the softmax (ScoreMods::alibi_log2, the warp-specialized
   // forward's ALIBI instantiation): which side of the rows' diagonal positions [m0, m0 + BLOCK_M) + off the
   // key block lies on, from the block's first and last rows, so the same for all its warps.

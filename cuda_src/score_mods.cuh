@@ -383,9 +383,10 @@ struct ScoreMods {
     hide<TRANSPOSED>(s, row0, col0, lane, check);
   }
 
-  // Hidden keys -> -inf: outside nq x nk and the window band (when check), or masked out.
+  // Hidden keys -> -inf (or hidden: 0 for probabilities): outside nq x nk and the window band (when
+  // check), or masked out.
   template <bool TRANSPOSED, int N>
-  __device__ __forceinline__ void hide(A (&s)[N][4], int row0, int col0, int lane, bool check) const {
+  __device__ __forceinline__ void hide(A (&s)[N][4], int row0, int col0, int lane, bool check, A hidden = neg_inf()) const {
     if (check || mask) {
       // Mods::scalars works out the columns each of this thread's two rows sees once per tile
       // (visible_columns): col - first in [0, span] as unsigned numbers, one subtraction and one compare
@@ -409,7 +410,7 @@ struct ScoreMods {
           } else {
             seen = static_cast<u32>(col0 + j * 8 + 2 * (lane & 3) + (e & 1)) - first[e >> 1] <= span[e >> 1];
           }
-          if (!seen) s[j][e] = neg_inf();
+          if (!seen) s[j][e] = hidden;
         }
     }
   }

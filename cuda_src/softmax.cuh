@@ -100,6 +100,32 @@ struct OnlineSoftmax {
     return (part[0] + part[1]) + (part[2] + part[3]);
   }
 
+  // update_bounded() from raw scores in one pass: score(raw) (the softcap's tanh) and its exponential per
+  // element, so that the special-function unit's tanh and the FMA units' poly_exp2 interleave in one block
+  // of straight-line code; then hide(P) sets hidden keys' P to 0 (no -inf ever reaches the exponentials,
+  // which lets poly_exp2 skip its clamp), and the sums. Scores from score() must be at most max_bound and
+  // keep exp2(scale_log2 * (score - max_bound)) >= 2^-127 (Variant.bounded's softcaps).
+  template <unsigned POLY_TILES, class Score, class Hide>
+  __device__ __forceinline__ void update_bounded(A (&s)[N_TILES][4], A scale_log2, A (&rescale)[2], A max_bound,
+                                                 Score score, Hide hide) {
+    static_assert(sizeof(A) == 4, "the 16-bit forwards' softcap");
+    const A ref = max_bound * scale_log2;
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const A x = score(s[j][e]) * scale_log2 - ref;
+        s[j][e] = (POLY_TILES >> j & 1u) ? poly_exp2<false>(x) : fast_exp2(x);
+      }
+    hide(s);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_max[r] = max_bound;
+      rescale[r] = A(1);
+      row_sum[r] += row_tile_sum(s, r);
+    }
+  }
+
   // P = exp2(scale * S - ref) in place over row r (of the thread's two) of the tile; returns their sum.
   template <unsigned POLY_TILES = 0u>
   __device__ __forceinline__ static A exponentials(A (&s)[N_TILES][4], int r, A scale, A ref) {
