@@ -63,11 +63,14 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   // (bench/NOTES.md, v24, v27).
   constexpr unsigned SOFTCAP_POLY_TILES = 0x80808080u & ((1u << S_TILES) - 1u);
   // Where a block's P is rounded to 16 bits: after the wait for the previous block's P V, straight into
-  // p_cur (which that product reads), or before it into p_next, copied over after the wait. ptxas schedules
-  // the two differently: on 128-key tiles the plain and causal forwards are up to 2% faster with the first
-  // (on 64-key tiles up to 4% slower), the ALiBi forward 1-3% faster (v25), the softcap's up to 6% slower
-  // (bench/NOTES.md, v26).
-  constexpr bool PACK_AFTER_WAIT = ALIBI || MODS == Mods::none;
+  // p_cur (which that product reads), or before it into p_next, copied over after the wait. After the wait,
+  // P V takes one instruction per k-step over all of V's columns (wg_issue_pb's WIDE: P's fragments read
+  // once per k-step, not once per 64-column atom), which the copy of p_next into p_cur made ptxas serialize
+  // (C7513). Every form but the window's rounds after the wait. Measured on 128-key tiles against the
+  // two-instruction P V: alone, plain and causal 4-6% faster, ALiBi 2-4%; with softmax.cuh's tree max, whose
+  // gain it mostly shares, plain 0-1% and ALiBi 4-7%; the softcap within 1% (bench/NOTES.md, v25-v27). The
+  // window alone, on 64-key tiles, keeps the copy.
+  constexpr bool PACK_AFTER_WAIT = MODS != Mods::window;
   static_assert(sizeof(T) == 2 && (MODS == Mods::none || MODS == Mods::window || MODS == Mods::dense_scalars),
                 "16-bit; plain, a window alone, or the scalar modifiers on a dense batch");
   static_assert(!(IS_CAUSAL && MODS != Mods::none), "with modifiers, causal is the window's right edge");
@@ -295,7 +298,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
         float acc_s[S_TILES][4];
         wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ_wg, 0, sK + (t % STAGES) * KVTile::SIZE);
         mbar_wait(v_full(t_cur % STAGES), parity(t_cur));
-        wg_issue_pb<T, P_STEPS, O_TILES, KVTile>(acc_o, p_cur, sV + (t_cur % STAGES) * KVTile::SIZE, 0);
+        wg_issue_pb<T, P_STEPS, O_TILES, KVTile, PACK_AFTER_WAIT>(acc_o, p_cur, sV + (t_cur % STAGES) * KVTile::SIZE, 0);
         wgmma_wait<1>();  // S_n is done; the P V is still running
         fence_operands(acc_s);
         if (lane == 0) mbar_arrive(k_empty(t % STAGES));  // K is read out
@@ -321,7 +324,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
       }
       // The last block's P V.
       mbar_wait(v_full(t_cur % STAGES), parity(t_cur));
-      wg_issue_pb<T, P_STEPS, O_TILES, KVTile>(acc_o, p_cur, sV + (t_cur % STAGES) * KVTile::SIZE, 0);
+      wg_issue_pb<T, P_STEPS, O_TILES, KVTile, PACK_AFTER_WAIT>(acc_o, p_cur, sV + (t_cur % STAGES) * KVTile::SIZE, 0);
       wgmma_wait<0>();
       fence_operands(acc_o);
       fence_fragments(p_cur);

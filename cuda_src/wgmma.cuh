@@ -257,10 +257,11 @@ __device__ __forceinline__ void fence_fragments(u32 (&a)[K_STEPS][4]) {
 }
 
 // The instructions of C += P B, every k-step and column atom (an MN-major instruction spans one atom), B
-// from the descriptor b of its first rows and columns.
-template <typename T, int K_STEPS, int N_TILES, class BTile>
+// from the descriptor b of its first rows and columns. WIDE: one instruction spans every column, its atoms
+// LBO apart (desc_mn_major), so P's fragments are read once per k-step.
+template <typename T, int K_STEPS, int N_TILES, class BTile, bool WIDE = false>
 __device__ __forceinline__ void wg_pb_steps(float (&c)[N_TILES][4], u32 (&a)[K_STEPS][4], u64 b, bool accumulate = true) {
-  constexpr int WIDTH = BTile::ATOM_COLS;
+  constexpr int WIDTH = WIDE ? wgmma_width<8 * N_TILES>() : BTile::ATOM_COLS;
 #pragma unroll
   for (int kt = 0; kt < K_STEPS; ++kt) {
 #pragma unroll
@@ -274,7 +275,7 @@ __device__ __forceinline__ void wg_pb_steps(float (&c)[N_TILES][4], u32 (&a)[K_S
 // (pack_fragments), B stored [k][n] in b_tile, columns [n_begin, n_begin + 8*N_TILES). The fragments must
 // stay untouched until wgmma_wait has seen the group complete. accumulate = false: C = P B, whatever C
 // held (a sum's first term, with no zeroed registers to feed in).
-template <typename T, int K_STEPS, int N_TILES, class BTile>
+template <typename T, int K_STEPS, int N_TILES, class BTile, bool WIDE = false>
 __device__ __forceinline__ void wg_issue_pb(float (&c)[N_TILES][4], u32 (&a)[K_STEPS][4], const T* b_tile, int n_begin,
                                             bool accumulate = true) {
   static_assert((8 * N_TILES) % BTile::ATOM_COLS == 0, "whole atoms");
@@ -282,7 +283,7 @@ __device__ __forceinline__ void wg_issue_pb(float (&c)[N_TILES][4], u32 (&a)[K_S
   wgmma_fence();
   fence_operands(c);
   fence_fragments(a);
-  wg_pb_steps<T, K_STEPS, N_TILES, BTile>(c, a, b, accumulate);
+  wg_pb_steps<T, K_STEPS, N_TILES, BTile, WIDE>(c, a, b, accumulate);
   wgmma_commit();
 }
 
