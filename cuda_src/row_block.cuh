@@ -108,7 +108,12 @@ struct RowBlock {
                                                const acc_t<T> (&cols)[S_TILES][2], acc_t<T> (&shift)[2]) const {
     static_assert(KEYS_IN_REGISTERS, "the scalars' bound checks");
     const int n0 = n_block * BLOCK_N, offset = nk_ - seq.nq();
-    const int side = n0 + BLOCK_N - 1 <= m0 + offset ? 1 : n0 >= m0 + BLOCK_M - 1 + offset ? -1 : 0;
+    // A window whose right edge is the diagonal (causal) shows each row only keys j <= i + off, so every
+    // block takes side 1 (the hidden keys' terms are thrown away); likewise side -1 with a left edge of 0.
+    // That spares the blocks across the diagonal the |.| per score, and a causal tile's first block, the
+    // diagonal one, is the one no product overlaps.
+    const int side = mods.window_right() == 0 || n0 + BLOCK_N - 1 <= m0 + offset ? 1
+                     : mods.window_left() == 0 || n0 >= m0 + BLOCK_M - 1 + offset ? -1 : 0;
     const bool check = n_block < n_free_first || n_block > n_free_last;
     mods.alibi_log2(s, cols, side, m0 + row0, n0, lane, check, shift);
   }
