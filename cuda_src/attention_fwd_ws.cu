@@ -35,10 +35,10 @@
 // it as the right edge) or Mods::dense_scalars (window, softcap and ALiBi, as Mods::scalars' forward takes
 // them, on a dense batch). BOUNDED (bfloat16 dense_scalars): softcapped scores without ALiBi, whose softmax
 // takes 1 as every row's max, as attention_fwd.cu's BOUNDED instantiations do, computes each score's
-// tanh and exponential in one pass, and takes one exponential in eight on the FMA units (poly_exp2). ALIBI (dense_scalars with slopes): the slopes' column term
-// fused with the exponent's scale and their row term a shift of the softmax (ScoreMods::alibi_log2). The
-// host sends the plain, causal and scalar-modifier 16-bit forwards of dense batches at the head dims of
-// _config.WS_FWD here.
+// tanh and exponential in one pass, and takes one exponential in eight on the FMA units (poly_exp2). ALIBI
+// (dense_scalars with slopes): the slopes' column term fused with the exponent's scale and their row term a
+// shift of the softmax (ScoreMods::alibi_log2). The host sends the plain, causal and scalar-modifier
+// 16-bit forwards of dense batches at the head dims of _config.WS_FWD here.
 // tile_counter: one int, zero at launch; the launch's last draw zeroes it for the next launch on the stream
 // (the host keeps one per stream).
 #include "common.cuh"
@@ -59,8 +59,8 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   using KVTile = SwizzledTile<T, BLOCK_N, HEAD_DIM>;
   constexpr int S_TILES = BLOCK_N / 8, O_TILES = HEAD_DIM / 8, P_STEPS = S_TILES / 2;
   // The bounded softcap's exponentials on the FMA units: one n-tile of S in eight. With the tanh and the
-  // exponential in one pass, 1 in 8 beat 1 in 4 by 0.6-1.4%, 1 in 2 by 4-5%, and none by 3-6%
-  // (bench/NOTES.md, v24, v27).
+  // exponential in one pass, 1 in 8 ran 0.6-1.4% faster than 1 in 4, which ran 4-5% faster than 1 in 2;
+  // none ran 3-6% slower than 1 in 4 (bench/NOTES.md, v24, v27).
   constexpr unsigned SOFTCAP_POLY_TILES = 0x80808080u & ((1u << S_TILES) - 1u);
   // Where a block's P is rounded to 16 bits: after the wait for the previous block's P V, straight into
   // p_cur (which that product reads), or before it into p_next, copied over after the wait. After the wait,
@@ -241,7 +241,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
     // special-function unit, 16 results per cycle and SM, whose queue then stalls the warps (ncu: "MIO
     // throttle", bench/NOTES.md v24): in the bounded form the n-tiles of SOFTCAP_POLY_TILES take poly_exp2 on
     // the FMA units instead (in the row-max form it cost time), and each score's tanh and exponential come
-    // in one pass, so that the FMA units' work fills the special-function unit's queue waits: 5-6% faster
+    // in one pass, so that the FMA units' work fills the special-function unit's queue waits: 4-5% faster
     // than a pass of tanh, the window's mask, then a pass of exponentials (v27).
     auto scores_to_probs = [&](float (&acc_s)[S_TILES][4], int n, float (&rescale)[2]) {
       if constexpr (ALIBI) {
@@ -298,7 +298,8 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
         float acc_s[S_TILES][4];
         wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ_wg, 0, sK + (t % STAGES) * KVTile::SIZE);
         mbar_wait(v_full(t_cur % STAGES), parity(t_cur));
-        wg_issue_pb<T, P_STEPS, O_TILES, KVTile, PACK_AFTER_WAIT>(acc_o, p_cur, sV + (t_cur % STAGES) * KVTile::SIZE, 0);
+        const T* v_prev = sV + (t_cur % STAGES) * KVTile::SIZE;
+        wg_issue_pb<T, P_STEPS, O_TILES, KVTile, PACK_AFTER_WAIT>(acc_o, p_cur, v_prev, 0);
         wgmma_wait<1>();  // S_n is done; the P V is still running
         fence_operands(acc_s);
         if (lane == 0) mbar_arrive(k_empty(t % STAGES));  // K is read out

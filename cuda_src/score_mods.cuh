@@ -386,7 +386,8 @@ struct ScoreMods {
   // Hidden keys -> -inf (or hidden: 0 for probabilities): outside nq x nk and the window band (when
   // check), or masked out.
   template <bool TRANSPOSED, int N>
-  __device__ __forceinline__ void hide(A (&s)[N][4], int row0, int col0, int lane, bool check, A hidden = neg_inf()) const {
+  __device__ __forceinline__ void hide(A (&s)[N][4], int row0, int col0, int lane, bool check,
+                                       A hidden = neg_inf()) const {
     if (check || mask) {
       // Mods::scalars works out the columns each of this thread's two rows sees once per tile
       // (visible_columns): col - first in [0, span] as unsigned numbers, one subtraction and one compare
