@@ -78,13 +78,19 @@ struct RowBlock {
     return n_block;
   }
 
+  // Whether key block n_block needs the modifiers' bound checks (KEYS_IN_REGISTERS: from the block range
+  // the constructor found free of them).
+  __device__ __forceinline__ bool needs_checks(int n_block) const {
+    return n_block < n_free_first || n_block > n_free_last;
+  }
+
   // Raw scores S of key block n_block, this warp's rows from row0 (CTA-relative) -> what the softmax
   // takes with exp_scale(): masked, or modified into the modifiers' score units (ScoreMods::exp_scale).
   template <int S_TILES>
   __device__ __forceinline__ void scores(acc_t<T> (&s)[S_TILES][4], int n_block, int row0, int lane) const {
     const int n0 = n_block * BLOCK_N;
     if constexpr (HAS_MODS) {
-      const bool check = KEYS_IN_REGISTERS ? n_block < n_free_first || n_block > n_free_last
+      const bool check = KEYS_IN_REGISTERS ? needs_checks(n_block)
                                            : mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1);
       mods.template apply<false>(s, m0 + row0, n0, lane, check);
     } else if (n_block >= n_unmasked) {
@@ -97,7 +103,7 @@ struct RowBlock {
   template <int S_TILES>
   __device__ __forceinline__ void hide_probs(acc_t<T> (&s)[S_TILES][4], int n_block, int row0, int lane) const {
     static_assert(KEYS_IN_REGISTERS && HAS_MODS, "the scalars' bound checks");
-    const bool check = n_block < n_free_first || n_block > n_free_last;
+    const bool check = needs_checks(n_block);
     mods.template hide<false>(s, m0 + row0, n_block * BLOCK_N, lane, check, acc_t<T>(0));
   }
   // scores() with the ALiBi slopes folded into the softmax (ScoreMods::alibi_log2, the warp-specialized
@@ -114,7 +120,7 @@ struct RowBlock {
     // diagonal one, is the one no product overlaps.
     const int side = mods.window_right() == 0 || n0 + BLOCK_N - 1 <= m0 + offset ? 1
                      : mods.window_left() == 0 || n0 >= m0 + BLOCK_M - 1 + offset ? -1 : 0;
-    const bool check = n_block < n_free_first || n_block > n_free_last;
+    const bool check = needs_checks(n_block);
     mods.alibi_log2(s, cols, side, m0 + row0, n0, lane, check, shift);
   }
   // lse of one warp's two accumulator rows, row0 + lane / 4 and 8 below it (CTA-relative), by the lanes

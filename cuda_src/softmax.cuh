@@ -15,6 +15,12 @@
 
 constexpr float RESCALE_SLACK = 8.f;  // P <= 2^8 between rescalings: far from overflow in any type P is rounded to
 
+// The identity, as update_bounded's default score and hide steps.
+struct Unchanged {
+  template <typename X>
+  __device__ __forceinline__ X&& operator()(X&& x) const { return static_cast<X&&>(x); }
+};
+
 // A: the accumulator type (float; double for float64 inputs, with libdevice's exp2 and log2).
 template <int N_TILES, typename A = float>
 struct OnlineSoftmax {
@@ -57,24 +63,6 @@ struct OnlineSoftmax {
     }
   }
 
-  // update() for scores known to be at most max_bound, whose exponentials relative to it stay normal
-  // floats (ScoreMods::scores_within_one): max_bound is every row's reference from the start, so no row
-  // max is taken and nothing is rescaled, which takes the max's reductions and their latency off the path
-  // from S to P. P carries a constant factor against update()'s, which out = O / l cancels and lse = c *
-  // max_bound + log2(l) accounts for. (A row's largest P is then not exactly 1 and is rounded to 16 bits
-  // like the others: the callers keep it to bfloat16, whose range holds every P down to 2^-126.)
-  // POLY_TILES: a bit per n-tile j of S whose exponentials take poly_exp2 instead of the special-function unit.
-  template <unsigned POLY_TILES = 0u>
-  __device__ __forceinline__ void update_bounded(A (&s)[N_TILES][4], A scale_log2, A (&rescale)[2], A max_bound) {
-    const A ref = max_bound * scale_log2;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      row_max[r] = max_bound;
-      rescale[r] = A(1);
-      row_sum[r] += exponentials<POLY_TILES>(s, r, scale_log2, ref);
-    }
-  }
-
   // The max of row r (of the thread's two) over the tile, as a tree: one or two computing warps share an SM
   // sub-partition in these kernels, so little hides the latency of a chain of N_TILES dependent maxes.
   // (The warp-specialized forward at HEAD_DIM 128, with the four sums below: plain 4-6% faster,
@@ -100,22 +88,28 @@ struct OnlineSoftmax {
     return (part[0] + part[1]) + (part[2] + part[3]);
   }
 
-  // update_bounded() from raw scores in one pass: score(raw) (the softcap's tanh) and its exponential per
-  // element, so that the special-function unit's tanh and the FMA units' poly_exp2 interleave in one block
-  // of straight-line code; then hide(P) sets hidden keys' P to 0 (no -inf ever reaches the exponentials,
-  // which lets poly_exp2 skip its clamp), and the sums. Scores from score() must be at most max_bound and
-  // keep exp2(scale_log2 * (score - max_bound)) >= 2^-127 (Variant.bounded's softcaps).
-  template <unsigned POLY_TILES, class Score, class Hide>
+  // update() for scores known to be at most max_bound, whose exponentials relative to it stay normal
+  // floats (ScoreMods::scores_within_one): max_bound is every row's reference from the start, so no row
+  // max is taken and nothing is rescaled, which takes the max's reductions and their latency off the path
+  // from S to P. P carries a constant factor against update()'s, which out = O / l cancels and lse = c *
+  // max_bound + log2(l) accounts for. (A row's largest P is then not exactly 1 and is rounded to 16 bits
+  // like the others: the callers keep it to bfloat16, whose range holds every P down to 2^-126.)
+  // score(s) turns each element into its score first (the warp-specialized forward passes the softcap's
+  // tanh, so that the special-function unit's tanh and the FMA units' poly_exp2 interleave in one block of
+  // straight-line code), and hide(P) runs on the probabilities before the sums (there: hidden keys' P -> 0).
+  // POLY_TILES: a bit per n-tile j of S whose exponentials take poly_exp2 instead of the special-function
+  // unit; those must see no -inf (poly_exp2 takes inputs >= -127), so hidden keys then come through hide.
+  template <unsigned POLY_TILES = 0u, class Score = Unchanged, class Hide = Unchanged>
   __device__ __forceinline__ void update_bounded(A (&s)[N_TILES][4], A scale_log2, A (&rescale)[2], A max_bound,
-                                                 Score score, Hide hide) {
-    static_assert(sizeof(A) == 4, "the 16-bit forwards' softcap");
+                                                 Score score = {}, Hide hide = {}) {
+    static_assert(POLY_TILES == 0u || sizeof(A) == 4, "poly_exp2 is float32's");
     const A ref = max_bound * scale_log2;
 #pragma unroll
     for (int j = 0; j < N_TILES; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const A x = score(s[j][e]) * scale_log2 - ref;
-        s[j][e] = (POLY_TILES >> j & 1u) ? poly_exp2<false>(x) : fast_exp2(x);
+        s[j][e] = (POLY_TILES >> j & 1u) ? poly_exp2(x) : fast_exp2(x);
       }
     hide(s);
 #pragma unroll
@@ -127,20 +121,11 @@ struct OnlineSoftmax {
   }
 
   // P = exp2(scale * S - ref) in place over row r (of the thread's two) of the tile; returns their sum.
-  template <unsigned POLY_TILES = 0u>
   __device__ __forceinline__ static A exponentials(A (&s)[N_TILES][4], int r, A scale, A ref) {
-    static_assert(POLY_TILES == 0u || sizeof(A) == 4, "poly_exp2 is float32's");
 #pragma unroll
-    for (int j = 0; j < N_TILES; ++j) {
+    for (int j = 0; j < N_TILES; ++j)
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const A x = s[j][2 * r + c] * scale - ref;
-        A p;
-        if constexpr (POLY_TILES != 0u) p = (POLY_TILES >> j & 1u) ? poly_exp2(x) : fast_exp2(x);
-        else p = fast_exp2(x);
-        s[j][2 * r + c] = p;
-      }
-    }
+      for (int c = 0; c < 2; ++c) s[j][2 * r + c] = fast_exp2(s[j][2 * r + c] * scale - ref);
     return row_tile_sum(s, r);
   }
 
