@@ -51,10 +51,10 @@
 // and lse_i = scale * m_i + log(l_i), columns [c0, c0 + 8*O_TILES) (lse by the c0 = 0 CTA); exp_scale is
 // the factor the softmax ran with. Staged through sQ for 16-byte stores: every warp must be done with
 // its products first.
-template <class QTile, int THREADS, bool HAS_DROPOUT, bool SCALED = false, typename T, int O_TILES, int S_TILES,
-          typename A, class Rows>
+template <class QTile, int THREADS, bool HAS_DROPOUT, bool SCALED = false, typename T, int O_TILES, typename A,
+          class Rows>
 __device__ __forceinline__ void write_out(const Rows& rows, T* sQ, int c0, const A (&acc_o)[O_TILES][4],
-                                          const OnlineSoftmax<S_TILES, A>& softmax, int warp, int lane,
+                                          const OnlineSoftmax<A>& softmax, int warp, int lane,
                                           A exp_scale, A out_factor = A(1)) {
   const AttnParams& p = rows.p;
   A inv_sum[2], row_lse[2];
@@ -117,7 +117,7 @@ attention_fwd_kernel(const AttnParams p) {
 
   A acc_o[O_TILES][4];
   zero_acc(acc_o);
-  OnlineSoftmax<S_TILES, A> softmax;
+  OnlineSoftmax<A> softmax;
   softmax.init();
 
   int n_block = rows.prev_on(rows.n_blocks - 1);
@@ -276,7 +276,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   };
 
   zero_acc(acc_o);
-  OnlineSoftmax<S_TILES> softmax;
+  OnlineSoftmax<> softmax;
   softmax.init();
   // Split inputs: S carries the scaling of the q tile (in exp_scale) and of its key block's k rows (the
   // softmax's tile factor), P V that of its v rows (finish_pv) and P_FACTOR (out_factor).

@@ -230,7 +230,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
     T* sQ_wg = sQ + (2 * buffer + wg) * QTile::SIZE;
     float acc_o[O_TILES][4];
     zero_acc(acc_o);
-    OnlineSoftmax<S_TILES> softmax;
+    OnlineSoftmax<> softmax;
     softmax.init();
     // ALIBI: scores in log2 units (RowBlock::alibi_scores), so the softmax's scale is 1.
     const float exp_scale = ALIBI ? 1.f : rows.exp_scale();

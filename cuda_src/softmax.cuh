@@ -21,8 +21,9 @@ struct Unchanged {
   __device__ __forceinline__ X&& operator()(X&& x) const { return static_cast<X&&>(x); }
 };
 
-// A: the accumulator type (float; double for float64 inputs, with libdevice's exp2 and log2).
-template <int N_TILES, typename A = float>
+// A: the accumulator type (float; double for float64 inputs, with libdevice's exp2 and log2). Its tile
+// functions take any number N of n-tiles (a warp-specialized forward's half-width first block: half of them).
+template <typename A = float>
 struct OnlineSoftmax {
   A row_max[2];  // m_i, in raw score units (q . k, before the scale)
   A row_sum[2];  // this thread's part of l_i; the quad's parts are added in finalize
@@ -39,8 +40,8 @@ struct OnlineSoftmax {
   // SHIFTED: row r of the tile holds its scores minus shift[r] (ALiBi's row term, ScoreMods::alibi_log2): the
   // shift goes into the tile's max and comes out of the exponentials' reference, a few operations per row
   // instead of one per score.
-  template <bool TILE_FACTOR = false, bool SHIFTED = false>
-  __device__ __forceinline__ void update(A (&s)[N_TILES][4], A scale_log2, A (&rescale)[2], A tile_factor = A(1),
+  template <bool TILE_FACTOR = false, bool SHIFTED = false, int N>
+  __device__ __forceinline__ void update(A (&s)[N][4], A scale_log2, A (&rescale)[2], A tile_factor = A(1),
                                          const A* shift = nullptr) {
     const A tile_scale = TILE_FACTOR ? scale_log2 * tile_factor : scale_log2;
 #pragma unroll
@@ -64,25 +65,27 @@ struct OnlineSoftmax {
   }
 
   // The max of row r (of the thread's two) over the tile, as a tree: one or two computing warps share an SM
-  // sub-partition in these kernels, so little hides the latency of a chain of N_TILES dependent maxes.
+  // sub-partition in these kernels, so little hides the latency of a chain of N dependent maxes.
   // (The warp-specialized forward at HEAD_DIM 128, with the four sums below: plain 4-6% faster,
   // bench/NOTES.md v27.)
-  __device__ __forceinline__ static A row_tile_max(const A (&s)[N_TILES][4], int r) {
-    A m[N_TILES];
+  template <int N>
+  __device__ __forceinline__ static A row_tile_max(const A (&s)[N][4], int r) {
+    A m[N];
 #pragma unroll
-    for (int j = 0; j < N_TILES; ++j) m[j] = max_of(s[j][2 * r], s[j][2 * r + 1]);
+    for (int j = 0; j < N; ++j) m[j] = max_of(s[j][2 * r], s[j][2 * r + 1]);
 #pragma unroll
-    for (int w = 1; w < N_TILES; w *= 2)
+    for (int w = 1; w < N; w *= 2)
 #pragma unroll
-      for (int j = 0; j + w < N_TILES; j += 2 * w) m[j] = max_of(m[j], m[j + w]);
+      for (int j = 0; j + w < N; j += 2 * w) m[j] = max_of(m[j], m[j + w]);
     return m[0];
   }
 
   // The sum of row r over the tile, in four independent partial sums (the same reason).
-  __device__ __forceinline__ static A row_tile_sum(const A (&s)[N_TILES][4], int r) {
+  template <int N>
+  __device__ __forceinline__ static A row_tile_sum(const A (&s)[N][4], int r) {
     A part[4] = {A(0), A(0), A(0), A(0)};
 #pragma unroll
-    for (int j = 0; j < N_TILES; ++j)
+    for (int j = 0; j < N; ++j)
 #pragma unroll
       for (int c = 0; c < 2; ++c) part[2 * (j & 1) + c] += s[j][2 * r + c];
     return (part[0] + part[1]) + (part[2] + part[3]);
@@ -99,13 +102,13 @@ struct OnlineSoftmax {
   // straight-line code), and hide(P) runs on the probabilities before the sums (there: hidden keys' P -> 0).
   // POLY_TILES: a bit per n-tile j of S whose exponentials take poly_exp2 instead of the special-function
   // unit; those must see no -inf (poly_exp2 takes inputs >= -127), so hidden keys then come through hide.
-  template <unsigned POLY_TILES = 0u, class Score = Unchanged, class Hide = Unchanged>
-  __device__ __forceinline__ void update_bounded(A (&s)[N_TILES][4], A scale_log2, A (&rescale)[2], A max_bound,
+  template <unsigned POLY_TILES = 0u, class Score = Unchanged, class Hide = Unchanged, int N>
+  __device__ __forceinline__ void update_bounded(A (&s)[N][4], A scale_log2, A (&rescale)[2], A max_bound,
                                                  Score score = {}, Hide hide = {}) {
     static_assert(POLY_TILES == 0u || sizeof(A) == 4, "poly_exp2 is float32's");
     const A ref = max_bound * scale_log2;
 #pragma unroll
-    for (int j = 0; j < N_TILES; ++j)
+    for (int j = 0; j < N; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const A x = score(s[j][e]) * scale_log2 - ref;
@@ -121,9 +124,10 @@ struct OnlineSoftmax {
   }
 
   // P = exp2(scale * S - ref) in place over row r (of the thread's two) of the tile; returns their sum.
-  __device__ __forceinline__ static A exponentials(A (&s)[N_TILES][4], int r, A scale, A ref) {
+  template <int N>
+  __device__ __forceinline__ static A exponentials(A (&s)[N][4], int r, A scale, A ref) {
 #pragma unroll
-    for (int j = 0; j < N_TILES; ++j)
+    for (int j = 0; j < N; ++j)
 #pragma unroll
       for (int c = 0; c < 2; ++c) s[j][2 * r + c] = fast_exp2(s[j][2 * r + c] * scale - ref);
     return row_tile_sum(s, r);
