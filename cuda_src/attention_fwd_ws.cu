@@ -37,7 +37,11 @@
 // takes 1 as every row's max, as attention_fwd.cu's BOUNDED instantiations do, computes each score's
 // tanh and exponential in one pass, and takes one exponential in eight on the FMA units (poly_exp2). ALIBI
 // (dense_scalars with slopes): the slopes' column term fused with the exponent's scale and their row term a
-// shift of the softmax (ScoreMods::alibi_log2). The host sends the plain, causal and scalar-modifier
+// shift of the softmax (ScoreMods::alibi_log2). HALF_FIRST (ALIBI with a window that has a right edge,
+// causal among them): a tile's first key block, whose S and softmax nothing overlaps, runs over its first 64
+// keys only where a warpgroup's rows see none in its second half (warpgroup 0 on a causal diagonal block):
+// ALiBi causal 2k 3% faster; the paths that never take it lost up to 1% with it (bench/NOTES.md, v28), so
+// the others compile without it. The host sends the plain, causal and scalar-modifier
 // 16-bit forwards of dense batches at the head dims of _config.WS_FWD here.
 // tile_counter: one int, zero at launch; the launch's last draw zeroes it for the next launch on the stream
 // (the host keeps one per stream).
@@ -51,7 +55,60 @@
 #include "row_block.cuh"
 #include "tma.cuh"
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, Mods MODS, bool BOUNDED, bool ALIBI>
+// Key block n's raw scores S of one warpgroup's rows (N n-tiles of 8 keys: a whole block, or a half-width
+// first block's first half) -> P in place, and the factor for O. BOUNDED: the scores are at most 1, and 1
+// stands for every row's max (update_bounded). With a softcap the tanh and the exponential both take the
+// special-function unit, 16 results per cycle and SM, whose queue then stalls the warps (ncu: "MIO
+// throttle", bench/NOTES.md v24): in the bounded form the n-tiles of POLY_TILES take poly_exp2 on the FMA
+// units instead (in the row-max form it cost time), and each score's tanh and exponential come in one
+// pass, so that the FMA units' work fills the special-function unit's queue waits: 4-5% faster than a pass
+// of tanh, the window's mask, then a pass of exponentials (v27). ALIBI: scores in log2 units
+// (RowBlock::alibi_scores), so the softmax's scale is 1.
+template <bool BOUNDED, bool ALIBI, unsigned POLY_TILES, class Rows, int N, int COL_TILES>
+__device__ __forceinline__ void block_probs(const Rows& rows, OnlineSoftmax<>& softmax, float (&acc_s)[N][4],
+                                            const float (&alibi_cols)[COL_TILES][2], int n, int warp, int lane,
+                                            float exp_scale, float (&rescale)[2]) {
+  if constexpr (ALIBI) {
+    float shift[2];
+    rows.alibi_scores(acc_s, n, warp * 16, lane, alibi_cols, shift);
+    softmax.template update<false, true>(acc_s, 1.f, rescale, 1.f, shift);
+  } else if constexpr (BOUNDED) {
+    // The tanh and the exponential in one pass (no slopes here: Variant.bounded); the window hides keys
+    // after it, on P.
+    const SoftcapTanh<typename Rows::Element, float> softcap(rows.p);
+    softmax.template update_bounded<POLY_TILES>(
+        acc_s, exp_scale, rescale, 1.f, [&](float raw) { return softcap.tanh_of(raw); },
+        [&](float (&probs)[N][4]) { rows.hide_probs(probs, n, warp * 16, lane); });
+  } else {
+    rows.scores(acc_s, n, warp * 16, lane);
+    softmax.update(acc_s, exp_scale, rescale);
+  }
+}
+
+// A warpgroup's S over the first N n-tiles of the K tile k_tile, with nothing beside it; then K's release.
+template <typename T, int HEAD_DIM, class QTile, class KVTile, int N>
+__device__ __forceinline__ void scores_alone(float (&acc_s)[N][4], const T* sQ_wg, const T* k_tile, u32 k_empty,
+                                             int lane) {
+  wg_issue_abt<T, HEAD_DIM, N, QTile, KVTile>(acc_s, sQ_wg, 0, k_tile);
+  wgmma_wait<0>();
+  fence_operands(acc_s);
+  if (lane == 0) mbar_arrive(k_empty);  // K is read out
+}
+
+// Batch entries per L2 section of tiles (tile_at): the CTAs at work at any time share their K/V tiles through
+// L2. With row blocks outermost across the whole batch, the causal 2k forward took 1.5x as long (bench/NOTES.md,
+// v20). H100's L2 holds 50 MB, but 32 MB sections spread a head's row blocks so far apart in time that K and V
+// were read from DRAM two to three times over: with 8 MB the full forward at N = 512 took a quarter less time,
+// and 4 MB cost the causal 8k 5% (v22, v23).
+template <typename T>
+__device__ __forceinline__ int l2_section_entries(const AttnParams& p) {
+  constexpr i64 L2_SECTION_BYTES = i64(8) << 20;
+  const i64 kv_bytes = static_cast<i64>(p.nk) * (p.d_qk + p.d_v) * static_cast<i64>(sizeof(T));
+  return static_cast<int>(max(i64(1), min(static_cast<i64>(p.batch), L2_SECTION_BYTES / max(i64(1), kv_bytes))));
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, Mods MODS, bool BOUNDED, bool ALIBI,
+          bool HALF_FIRST>
 __global__ void __launch_bounds__(3 * 128, 1)
 attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps maps, int* tile_counter) {
   constexpr int BLOCK_M = 128, WG_ROWS = 64;
@@ -77,6 +134,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   static_assert(STAGES >= 2, "S_j is issued beside P_(j-1) V: two slots at least");
   static_assert(!BOUNDED || (MODS == Mods::dense_scalars && IsBfloat16<T>::value), "bounded: bfloat16 scalars");
   static_assert(!ALIBI || (MODS == Mods::dense_scalars && !BOUNDED), "ALiBi folded: the scalars, row max");
+  static_assert(!HALF_FIRST || ALIBI, "the half-width first block: ALiBi's form");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // The window's epilogue (a few key blocks per tile) hands the store of out to two warps of the copying
@@ -85,6 +143,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   constexpr bool STORE_WARPS = MODS == Mods::window;
   __shared__ __align__(8) u64 bars[(STORE_WARPS ? 8 : 4) + 4 * STAGES];
   __shared__ int tile_ids[2];  // the tile whose q is in each buffer (>= tiles: none left), published by q_full
+  __shared__ int section_entries;  // HALF_FIRST: l2_section_entries, read per tile
   T* sQ = reinterpret_cast<T*>(smem_aligned(smem_raw));  // [2 buffers][2 warpgroups] QTile
   T* sK = sQ + 4 * QTile::SIZE;                           // [STAGES] KVTile
   T* sV = sK + STAGES * KVTile::SIZE;                     // [STAGES] KVTile
@@ -113,21 +172,19 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
       mbar_init(v_empty(slot), CONSUMER_WARPS);
     }
     mbar_init_fence();
+    if constexpr (HALF_FIRST) section_entries = l2_section_entries<T>(p);
   }
   __syncthreads();
 
   const int row_blocks = ceil_div(p.nq, BLOCK_M);
   const int tiles = p.batch * row_blocks;
-  // Sections of `group` batch entries whose K and V take at most L2_SECTION_BYTES: the CTAs at work at any time
-  // share their K/V tiles through L2. With row blocks outermost across the whole batch, the causal 2k forward
-  // took 1.5x as long (bench/NOTES.md, v20). H100's L2 holds 50 MB, but 32 MB sections spread a head's row
-  // blocks so far apart in time that K and V were read from DRAM two to three times over: with 8 MB the full
-  // forward at N = 512 took a quarter less time, and 4 MB cost the causal 8k 5% (v22, v23).
-  constexpr i64 L2_SECTION_BYTES = i64(8) << 20;
-  const i64 kv_bytes = static_cast<i64>(p.nk) * (p.d_qk + p.d_v) * static_cast<i64>(sizeof(T));
-  const int group = static_cast<int>(max(i64(1), min(static_cast<i64>(p.batch), L2_SECTION_BYTES / max(i64(1), kv_bytes))));
+  // Sections of `group` batch entries (l2_section_entries). HALF_FIRST reads it from shared memory per tile:
+  // 1% faster at causal 2k than holding it in a register across the computing warps' loop (bench/NOTES.md,
+  // v28).
+  const int section_group = HALF_FIRST ? 0 : l2_section_entries<T>(p);
   // Tile w: its section, then in the section row blocks from the last, batch entries inside a row block.
   auto tile_at = [&](int w, int& b, int& m0) {
+    const int group = HALF_FIRST ? section_entries : section_group;
     const int section = w / (group * row_blocks), r = w - section * group * row_blocks;
     const int entries = min(group, p.batch - section * group);  // the last section may hold fewer
     b = section * group + r % entries;
@@ -228,39 +285,16 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
     const RowBlock<T, 8, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS> tile(p, b, seq, m0, nullptr);  // the copies' blocks
     const RowBlock<T, 4, WG_ROWS, BLOCK_N, IS_CAUSAL, MODS> rows(p, b, seq, m0 + WG_ROWS * wg, nullptr);
     T* sQ_wg = sQ + (2 * buffer + wg) * QTile::SIZE;
-    float acc_o[O_TILES][4];
-    zero_acc(acc_o);
+    float acc_o[O_TILES][4];  // HALF_FIRST: zeroed once the first block's softmax, which can use its registers, is done
+    if constexpr (!HALF_FIRST) zero_acc(acc_o);
     OnlineSoftmax<> softmax;
     softmax.init();
-    // ALIBI: scores in log2 units (RowBlock::alibi_scores), so the softmax's scale is 1.
     const float exp_scale = ALIBI ? 1.f : rows.exp_scale();
     float alibi_cols[S_TILES][2];  // ALIBI: the slope times this thread's column offsets in a key block
     if constexpr (ALIBI) rows.mods.alibi_columns(alibi_cols, lane);
-    // Key block n's scores -> P, and the factor for O. BOUNDED: the scores are at most 1, and 1 stands for
-    // every row's max (update_bounded). With a softcap the tanh and the exponential both take the
-    // special-function unit, 16 results per cycle and SM, whose queue then stalls the warps (ncu: "MIO
-    // throttle", bench/NOTES.md v24): in the bounded form the n-tiles of SOFTCAP_POLY_TILES take poly_exp2 on
-    // the FMA units instead (in the row-max form it cost time), and each score's tanh and exponential come
-    // in one pass, so that the FMA units' work fills the special-function unit's queue waits: 4-5% faster
-    // than a pass of tanh, the window's mask, then a pass of exponentials (v27).
-    auto scores_to_probs = [&](float (&acc_s)[S_TILES][4], int n, float (&rescale)[2]) {
-      if constexpr (ALIBI) {
-        float shift[2];
-        rows.alibi_scores(acc_s, n, warp * 16, lane, alibi_cols, shift);
-        softmax.template update<false, true>(acc_s, 1.f, rescale, 1.f, shift);
-      } else {
-        if constexpr (BOUNDED) {
-          // The tanh and the exponential in one pass (no slopes here: Variant.bounded); the window hides
-          // keys after it, on P.
-          const SoftcapTanh<T, float> softcap(p);
-          softmax.template update_bounded<SOFTCAP_POLY_TILES>(
-              acc_s, exp_scale, rescale, 1.f, [&](float raw) { return softcap.tanh_of(raw); },
-              [&](float (&probs)[S_TILES][4]) { rows.hide_probs(probs, n, warp * 16, lane); });
-        } else {
-          rows.scores(acc_s, n, warp * 16, lane);
-          softmax.update(acc_s, exp_scale, rescale);
-        }
-      }
+    auto scores_to_probs = [&](float (&acc_s)[S_TILES][4], int n, float (&rescale)[2]) {  // block_probs
+      block_probs<BOUNDED, ALIBI, SOFTCAP_POLY_TILES>(rows, softmax, acc_s, alibi_cols, n, warp, lane, exp_scale,
+                                                       rescale);
     };
     // This warpgroup's key blocks [lo, hi] among the tile's [tile.n_first, tile.n_blocks).
     const bool has_rows = rows.m0 < seq.nq();
@@ -274,24 +308,39 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
       }
     };
     if (hi < lo) {
+      if constexpr (HALF_FIRST) zero_acc(acc_o);
       pass_over(tile.n_blocks - tile.n_first);
     } else {
       pass_over(tile.n_blocks - 1 - hi);
-      // Block hi: S alone, its softmax gives P.
+      // Block hi: S alone, its softmax gives P. HALF_FIRST: where these rows see no key in the block's
+      // second half, both over its first half only, and P's second half is 0.
       u32 p_cur[P_STEPS][4];
       int t_cur = t;  // the slot use whose V the pending P V reads
       {
         mbar_wait(k_full(t % STAGES), parity(t));
-        float acc_s[S_TILES][4];
-        wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ_wg, 0, sK + (t % STAGES) * KVTile::SIZE);
-        wgmma_wait<0>();
-        fence_operands(acc_s);
-        if (lane == 0) mbar_arrive(k_empty(t % STAGES));  // K is read out
+        const T* k_tile = sK + (t % STAGES) * KVTile::SIZE;
         float rescale[2];  // of an all-zero O: unused
-        scores_to_probs(acc_s, hi, rescale);
-        pack_fragments<T>(acc_s, p_cur);
+        bool half = false;
+        if constexpr (HALF_FIRST) half = rows.keys_end <= hi * BLOCK_N + BLOCK_N / 2;
+        if (half) {
+          float acc_s[S_TILES / 2][4];
+          scores_alone<T, HEAD_DIM, QTile, KVTile>(acc_s, sQ_wg, k_tile, k_empty(t % STAGES), lane);
+          block_probs<BOUNDED, ALIBI, SOFTCAP_POLY_TILES>(rows, softmax, acc_s, alibi_cols, hi, warp, lane, exp_scale,
+                                                           rescale);
+          pack_fragments<T>(acc_s, reinterpret_cast<u32 (&)[P_STEPS / 2][4]>(p_cur));
+#pragma unroll
+          for (int kt = P_STEPS / 2; kt < P_STEPS; ++kt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) p_cur[kt][i] = 0u;
+        } else {
+          float acc_s[S_TILES][4];
+          scores_alone<T, HEAD_DIM, QTile, KVTile>(acc_s, sQ_wg, k_tile, k_empty(t % STAGES), lane);
+          scores_to_probs(acc_s, hi, rescale);
+          pack_fragments<T>(acc_s, p_cur);
+        }
         ++t;
       }
+      if constexpr (HALF_FIRST) zero_acc(acc_o);
       // Blocks hi - 1 .. lo: S_n beside the previous block's P V.
       for (int n = hi - 1; n >= lo; --n, ++t) {
         mbar_wait(k_full(t % STAGES), parity(t));

@@ -13,6 +13,7 @@
 template <typename T, int NUM_WARPS, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, Mods MODS, typename In = T,
           typename QIn = In>
 struct RowBlock {
+  using Element = T;
   static constexpr bool HAS_MODS = MODS != Mods::none;
   const AttnParams& p;
   SeqInfo<may_be_packed(MODS)> seq;  // this batch entry's lengths and rows
@@ -23,6 +24,7 @@ struct RowBlock {
   T* out;          // row m0
   acc_t<T>* lse;   // row m0
   int n_first = 0, n_blocks, n_unmasked;
+  int keys_end;  // one past the last key any of these rows sees (n_blocks' last block may end before it)
   // This entry's keys, and with the scalar modifiers the key blocks that need no bound checks, in
   // registers: seq.nk() reads shared memory with modifiers, and deriving the checks from it per tile put
   // that latency between each S and its softmax. (Mods::all keeps reading: its widest tiles have no
@@ -50,6 +52,7 @@ struct RowBlock {
     // Keys this row block can see: all of them, or up to the causal limit of its last row.
     const int key_end = IS_CAUSAL ? min(nk_, m0 + BLOCK_M + offset) : nk_;
     n_blocks = key_end > 0 ? ceil_div(key_end, BLOCK_N) : 0;
+    keys_end = key_end;
     // Key blocks [0, n_unmasked) need no mask: fully inside nk and on or below every row's diagonal.
     n_unmasked = nk_ / BLOCK_N;
     if (IS_CAUSAL) n_unmasked = min(n_unmasked, max(0, m0 + offset + 1) / BLOCK_N);
@@ -60,6 +63,7 @@ struct RowBlock {
       const int k_first = mods.first_key(m0), k_last = mods.last_key(last_row);
       n_first = k_first / BLOCK_N;
       n_blocks = k_last >= k_first ? k_last / BLOCK_N + 1 : 0;
+      keys_end = k_last + 1;
       if constexpr (KEYS_IN_REGISTERS) mods.template unchecked_key_blocks<BLOCK_N>(m0, m0 + BLOCK_M - 1, n_free_first, n_free_last);
       // The block mask: Mods::all only. (Walking it in the scalars' forward cost the ALiBi forward 6% and
       // the window's 4%: the host sends block-mask forwards to Mods::all, their backward to the scalars.)
@@ -109,9 +113,9 @@ struct RowBlock {
   // scores() with the ALiBi slopes folded into the softmax (ScoreMods::alibi_log2, the warp-specialized
   // forward's ALIBI instantiation): which side of the rows' diagonal positions [m0, m0 + BLOCK_M) + off the
   // key block lies on, from the block's first and last rows, so the same for all its warps.
-  template <int S_TILES>
+  template <int S_TILES, int COL_TILES>
   __device__ __forceinline__ void alibi_scores(acc_t<T> (&s)[S_TILES][4], int n_block, int row0, int lane,
-                                               const acc_t<T> (&cols)[S_TILES][2], acc_t<T> (&shift)[2]) const {
+                                               const acc_t<T> (&cols)[COL_TILES][2], acc_t<T> (&shift)[2]) const {
     static_assert(KEYS_IN_REGISTERS, "the scalars' bound checks");
     const int n0 = n_block * BLOCK_N, offset = nk_ - seq.nq();
     // A window whose right edge is the diagonal (causal) shows each row only keys j <= i + off, so every

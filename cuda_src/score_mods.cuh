@@ -434,10 +434,12 @@ struct ScoreMods {
       for (int c = 0; c < 2; ++c) cols[j][c] = slope_log2 * static_cast<A>(j * 8 + 2 * (lane & 3) + c);
   }
 
-  template <int N>
-  __device__ __forceinline__ void alibi_log2(A (&s)[N][4], const A (&cols)[N][2], int side, int row0, int col0,
+  // cols may cover more n-tiles than s (a half-width block takes the first N).
+  template <int N, int NC>
+  __device__ __forceinline__ void alibi_log2(A (&s)[N][4], const A (&cols)[NC][2], int side, int row0, int col0,
                                              int lane, bool check, A (&shift)[2]) const {
     static_assert(MODS == Mods::dense_scalars, "the warp-specialized forward's scalars");
+    static_assert(NC >= N, "a column term per n-tile");
     softcap_scores(s);
     const A scale = exp_scale(), slope_log2 = slope * scale;
     A r[2];  // r_i of this thread's two rows

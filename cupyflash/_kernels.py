@@ -113,7 +113,9 @@ class Variant:
     causal or with the scalar modifiers on a dense batch (window alone or not; bounded or not), as the
     warp-specialized kernel (cuda_src/attention_fwd_ws.cu; _config.WS_FWD), where TMA can read the inputs.
     ``alibi``: that kernel's instantiation for the scalar modifiers with ALiBi slopes, whose softmax takes
-    the slopes' row and column terms apart (cuda_src/score_mods.cuh, ``alibi_log2``)."""
+    the slopes' row and column terms apart (cuda_src/score_mods.cuh, ``alibi_log2``). ``half_first``: its
+    form for a window with a right edge (causal among them), whose tiles' first key blocks run over their
+    first half alone where a warpgroup's rows see nothing in the second (the kernel's HALF_FIRST)."""
 
     direction: str
     ctype: str
@@ -129,6 +131,7 @@ class Variant:
     window_alone: bool = False
     warp_specialized: bool = False
     alibi: bool = False
+    half_first: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -168,7 +171,7 @@ class Variant:
             mods = "Mods::dense_scalars" if mods == "Mods::scalars" else mods
             stages = _config.ws_blocks(hd, self.window_alone)[1]
             return (f"attention_fwd_ws_kernel<{c}, {hd}, {t.block}, {stages}, {flag[self.causal]}, "
-                    f"{mods}, {flag[self.bounded]}, {flag[self.alibi]}>")
+                    f"{mods}, {flag[self.bounded]}, {flag[self.alibi]}, {flag[self.half_first]}>")
         if kernel == "fwd" and self.wgmma:  # no column chunks: the whole head dim per CTA
             return (f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {fwd_flags}, "
                     f"{flag[self.bounded]}, {t.ctas_per_sm}>")
@@ -228,10 +231,11 @@ def shipped_variants() -> list[Variant]:
             + [dataclasses.replace(v, window_alone=True, warp_specialized=ws) for v in wgmma
                if v.scalar_mods and v.itemsize == 2
                for ws in ((False, True) if v.direction == "fwd" and v.head_dim in _config.WS_FWD else (False,))]
-            + [dataclasses.replace(v, warp_specialized=True, alibi=alibi) for v in wgmma + bounded
+            + [dataclasses.replace(v, warp_specialized=True, alibi=alibi, half_first=half) for v in wgmma + bounded
                if v.direction == "fwd" and (not v.mods or v.scalar_mods) and not v.dropout and v.itemsize == 2
                and v.head_dim in _config.WS_FWD
-               for alibi in ((False, True) if v.scalar_mods and not v.bounded else (False,))]
+               for alibi, half in (((False, False), (True, False), (True, True)) if v.scalar_mods and not v.bounded
+                                   else ((False, False),))]
             + [dataclasses.replace(v, large_smem=True) for v in variants
                if _config.has_large_smem_tiles(v.itemsize, v.head_dim)])
 
@@ -623,9 +627,10 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
     warp_specialized = (direction == "fwd" and wgmma and _ITEMSIZE[ctype] == 2 and head_dim in _config.WS_FWD
                         and ((scalar and not packed) or (not has_mods and dropout is None)))
     alibi = warp_specialized and mods is not None and mods.alibi_slopes is not None  # mods there: the scalars
+    half_first = alibi and mods.window_with_causal(causal)[1] >= 0
     return Variant(direction, ctype, head_dim, bool(causal) and (not has_mods or alone), has_mods, wgmma,
                    dropout is not None, uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar, bounded, alone,
-                   window_alone, warp_specialized, alibi)
+                   window_alone, warp_specialized, alibi, half_first)
 
 
 # Softcapped scores are tanh values in [-1, 1]. Without ALiBi, exp2(c * (t - 1)) with c = softcap * log2(e)
@@ -933,7 +938,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
                 block = variant.tiles("fwd").block
                 maps = _tma.TensorMaps(arrays, sizes, strides, {"q": _config.WS_WARPGROUP_ROWS, "k": block, "v": block})
             else:
-                variant = dataclasses.replace(variant, warp_specialized=False, alibi=False)
+                variant = dataclasses.replace(variant, warp_specialized=False, alibi=False, half_first=False)
         plan = _Plan(_functions(variant), variant, params, [("fwd", nq, batch)], maps, arrays)
         if copied:  # the parameters point at copies made for this call
             plan.launch(None, None)

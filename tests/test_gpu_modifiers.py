@@ -189,7 +189,8 @@ def test_warp_specialized_alibi_on_either_side_of_the_diagonal(rng, dtype, causa
     row's diagonal position i + Nk - Nq, and takes |i + Nk - Nq - j| per score on blocks across it. Full rows
     see blocks on both sides; Nq != Nk moves the diagonal off the tile grid either way; slopes from 2^-8
     (blocks far from the diagonal still count) to 1 (only the nearest keys do); alone, then with a window
-    and a softcap."""
+    and a softcap. With a right edge (causal, the window's) its half-width first block runs: for warpgroup 0
+    of the square problem's causal diagonal blocks, for warpgroup 1 where Nk = Nq + 700."""
     if not _kernels._wgmma_device():
         pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
     batch, head_dim = (2, 4), min(_config.WS_FWD)
@@ -200,7 +201,10 @@ def test_warp_specialized_alibi_on_either_side_of_the_diagonal(rng, dtype, causa
                                         dtype)
         _kernels._plans.clear()
         results = _run(q, k, v, dout, causal=causal, **options)
-        assert any(p.variant.alibi and p.tensor_maps is not None for p in _kernels._plans.values()), "the ALiBi form ran"
+        ran = [p.variant for p in _kernels._plans.values() if p.variant.alibi and p.tensor_maps is not None]
+        assert ran, "the ALiBi form ran"
+        # causal, or the window's right edge 50: the half-width first block (Variant.half_first)
+        assert all(v.half_first == (causal or "window" in extra) for v in ran), ran
         assert_matches_reference(q, k, v, dout, results, causal=causal, **options)
 
 

@@ -59,7 +59,8 @@ def test_every_scalars_variant_is_shipped_beside_its_full_one():
     assert scalars and all(v.mods and not v.dropout and v.direction in ("fwd", "bwd") for v in scalars)
     for v in scalars:
         assert _kernels.dataclasses.replace(v, scalar_mods=False, bounded=False, softcap_alone=False, window_alone=False,
-                                            warp_specialized=False, alibi=False, causal=False) in shipped
+                                            warp_specialized=False, alibi=False, half_first=False,
+                                            causal=False) in shipped
 
 
 def _at_128(dtype=np.float16, direction="bwd", causal=True, dropout=None, packed=False, **options):
@@ -207,16 +208,26 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
                 block, stages = (_config.WS_WINDOW_FWD if mods == "Mods::window" else _config.WS_FWD)[head_dim]
                 assert chosen.name_expression("fwd") == (
                     f"attention_fwd_ws_kernel<{ctype}, {head_dim}, {block}, {stages}, {str(causal).lower()}, {mods}, "
-                    f"{str(chosen.bounded).lower()}, {str(chosen.alibi).lower()}>")
+                    f"{str(chosen.bounded).lower()}, {str(chosen.alibi).lower()}, {str(chosen.half_first).lower()}>")
                 assert chosen.threads("fwd") == 3 * 128 and chosen.tiles("fwd").rows == _config.WS_ROWS
                 for rows, batch, ctas in ((1000, 3, 24), (8192, 32, 132), (1, 1, 1)):
                     grid, block_shape, smem = _kernels._launch_shape(chosen, "fwd", rows, batch)
                     assert (grid, block_shape, smem) == ((ctas, 1, 1), (384,), chosen.smem("fwd")), (rows, batch)
                 assert chosen.smem("fwd") + 1024 <= 227 * 1024
                 assert "attention_fwd_ws.cu" in chosen.code() and "attention_fwd_ws_kernel" in chosen.code()
-                assert chosen in shipped and dataclasses.replace(chosen, warp_specialized=False, alibi=False) in shipped
+                assert chosen in shipped
+                assert dataclasses.replace(chosen, warp_specialized=False, alibi=False, half_first=False) in shipped
                 assert chosen.bounded == (options is softcap and ctype == "bfloat16_t")
                 assert chosen.alibi == (options is scalars)
+                assert chosen.half_first == chosen.alibi  # scalars' window (50, 3) with causal: right edge 0
+                # ALiBi's half-width first block where the window has a right edge (causal or not), only there
+                for window_, causal_, half in (((-1, -1), False, False), ((-1, -1), True, True), ((50, 3), False, True),
+                                               ((50, -1), False, False), ((50, -1), True, True)):
+                    alibi_mods = _modifiers.resolve(np, np.dtype(dtype), (2, 3), 100, 120, window=window_,
+                                                    alibi_slopes=np.ones(3, np.float32))
+                    alibi_variant = _kernels._variant("fwd", dtype, head_dim, head_dim, causal_, alibi_mods)
+                    assert alibi_variant.alibi and alibi_variant.half_first == half, (window_, causal_)
+                    assert alibi_variant in shipped
     assert not _kernels._variant("fwd", np.float32, 128, 128, True).warp_specialized
     monkeypatch.setattr(_kernels, "_wgmma_device", lambda: False)
     assert not _kernels._variant("fwd", np.float16, 128, 128, True, window).warp_specialized
@@ -226,6 +237,8 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
                       and v.head_dim in _config.WS_FWD and (v.scalar_mods or not v.mods) for v in ws)
     assert {(v.ctype, v.head_dim) for v in ws if v.alibi} == {(c, d) for c in ("half_t", "bfloat16_t") for d in _config.WS_FWD}
     assert all(v.scalar_mods and not v.bounded and not v.window_alone for v in ws if v.alibi)
+    assert {v for v in ws if v.half_first} == {dataclasses.replace(v, half_first=True) for v in ws if v.alibi}
+    assert not any(v.half_first for v in shipped if not v.alibi)
     assert not any(v.alibi for v in shipped if not v.warp_specialized)
     with pytest.raises(ValueError, match="16-bit plain, causal and scalar-modifier forwards"):
         _config.tiles(2, 128, "fwd", mods=True, wgmma=True, warp_specialized=True)
@@ -324,7 +337,7 @@ def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward(monkeypatch
             chosen = variant(head_dim=head_dim, **options)
             assert chosen.bounded and chosen.scalar_mods and chosen.wgmma, options
             assert chosen.warp_specialized == (head_dim in _config.WS_FWD)
-            expected = "Mods::dense_scalars, true, false>" if chosen.warp_specialized else "Mods::scalars, false, true, 1>"
+            expected = "Mods::dense_scalars, true, false, false>" if chosen.warp_specialized else "Mods::scalars, false, true, 1>"
             assert chosen.name_expression("fwd").endswith(expected), chosen.name_expression("fwd")
             assert chosen in shipped and dataclasses.replace(chosen, warp_specialized=False) in shipped
     assert not variant(softcap=float(np.nextafter(limit, np.inf))).bounded
