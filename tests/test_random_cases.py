@@ -130,7 +130,8 @@ class Case:
         vec = 16 // dtype.itemsize
         d_w, dv_w = (-(-x // vec) * vec for x in (self.d, self.dv))
         # What _kernels._variant asks of the modifiers: whether there are any, which per-element arrays, and
-        # whether a softcap comes alone (the window as resolve() gives it: (-1, -1) when off).
+        # whether a softcap comes alone, whether the window has a right edge (the window as resolve() gives it:
+        # (-1, -1) when off). tests/test_variants.py checks that _variant reads nothing else.
         window = (-1, -1) if self.window is None else tuple(int(x) for x in self.window)
         mods = SimpleNamespace(bias=self.bias, mask=self.mask, block_mask=self.block_mask, softcap=float(self.softcap or 0.0),
                                alibi_slopes=self.alibi, window=window) if self.has_mods else None
