@@ -627,7 +627,7 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
     warp_specialized = (direction == "fwd" and wgmma and _ITEMSIZE[ctype] == 2 and head_dim in _config.WS_FWD
                         and ((scalar and not packed) or (not has_mods and dropout is None)))
     alibi = warp_specialized and mods is not None and mods.alibi_slopes is not None  # mods there: the scalars
-    half_first = alibi and (bool(causal) or mods.window[1] >= 0)  # the window has a right edge (causal: 0)
+    half_first = alibi and mods.window_with_causal(causal)[1] >= 0  # the window has a right edge
     return Variant(direction, ctype, head_dim, bool(causal) and (not has_mods or alone), has_mods, wgmma,
                    dropout is not None, uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar, bounded, alone,
                    window_alone, warp_specialized, alibi, half_first)

@@ -38,7 +38,6 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import cupy
 import ml_dtypes
@@ -47,7 +46,7 @@ import pytest
 
 from _modifier_checks import assert_matches_reference, run
 from cupyflash import _kernels
-from cupyflash._modifiers import BLOCK_MASK_TILE
+from cupyflash._modifiers import BLOCK_MASK_TILE, Modifiers
 from test_gpu import _nan_filled_allocations
 
 pytestmark = pytest.mark.gpu
@@ -130,11 +129,11 @@ class Case:
         vec = 16 // dtype.itemsize
         d_w, dv_w = (-(-x // vec) * vec for x in (self.d, self.dv))
         # What _kernels._variant asks of the modifiers: whether there are any, which per-element arrays, and
-        # whether a softcap comes alone, whether the window has a right edge (the window as resolve() gives it:
-        # (-1, -1) when off). tests/test_variants.py checks that _variant reads nothing else.
+        # the softcap and window as resolve() gives them (window (-1, -1) when off). A Modifiers holding the
+        # case's option specs where resolve() puts arrays: the selection only asks whether each is given.
         window = (-1, -1) if self.window is None else tuple(int(x) for x in self.window)
-        mods = SimpleNamespace(bias=self.bias, mask=self.mask, block_mask=self.block_mask, softcap=float(self.softcap or 0.0),
-                               alibi_slopes=self.alibi, window=window) if self.has_mods else None
+        mods = Modifiers(window=window, softcap=float(self.softcap or 0.0), alibi_slopes=self.alibi, bias=self.bias,
+                         bias_shape=None, mask=self.mask, block_mask=self.block_mask) if self.has_mods else None
         return {_kernels._variant(direction, dtype, d_w, dv_w, self.causal, mods) for direction in ("fwd", "bwd")}
 
 

@@ -1,8 +1,6 @@
 """Which kernel variant a call selects, and with which tiles (no GPU needed: selection only)."""
 
 import dataclasses
-from types import SimpleNamespace
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -53,27 +51,6 @@ def test_plain_calls_take_no_modifiers():
     variant = _variant(None)
     assert not variant.mods and not variant.scalar_mods and variant.causal
     assert "Mods::none" in variant.name_expression("fwd")
-
-
-def test_variant_choice_reads_only_the_fields_random_cases_predict_it_from(monkeypatch):
-    """tests/test_random_cases.py compiles each case's modules ahead from a namespace of six fields standing
-    for the modifiers; _variant must choose from those alone (ALiBi's half_first from the window's right edge
-    among them)."""
-    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
-    slopes = np.ones(3, np.float32)
-    for options in ({"softcap": 20.0}, {"window": (50, 3)}, {"window": (50, -1), "softcap": 5.0},
-                    {"alibi_slopes": slopes}, {"alibi_slopes": slopes, "window": (50, -1)},
-                    {"alibi_slopes": slopes, "window": (-1, 7), "softcap": 5.0},
-                    {"bias": np.zeros((100, 120), np.float16)}, {"block_mask": np.ones((1, 1), bool)}):
-        mods = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, **options)
-        fields = SimpleNamespace(**{name: getattr(mods, name) for name in ("bias", "mask", "block_mask", "softcap",
-                                                                          "alibi_slopes", "window")})
-        for direction in ("fwd", "bwd"):
-            for causal in (False, True):
-                chosen = _kernels._variant(direction, np.float16, 128, 128, causal, mods)
-                assert _kernels._variant(direction, np.float16, 128, 128, causal, fields) == chosen, options
-                assert chosen.half_first == (direction == "fwd" and "alibi_slopes" in options
-                                             and (causal or mods.window[1] >= 0)), (options, causal)
 
 
 def test_every_scalars_variant_is_shipped_beside_its_full_one():
