@@ -12,13 +12,13 @@ from __future__ import annotations
 import numbers
 import os
 import time
-import types
 from collections.abc import Iterable
 from typing import Union
 
 import numpy as np
 
 from cupyflash import _config
+from cupyflash._modifiers import Modifiers
 
 # cupyflash._kernels is imported inside the functions, as _api does: importing cupyflash (and running
 # NumPy inputs) must not load the GPU side.
@@ -32,17 +32,19 @@ ROW_ALIGN_BYTES = 16  # the API pads head dims to 16-byte rows before picking a 
 # Stand-ins for resolved modifiers: _kernels._variant asks whether any is on, whether a per-element array is
 # among them (the instantiation with the arrays) or not (the scalars one: window, softcap, ALiBi), and for
 # the scalars whether a softcap of at most BOUNDED_SOFTCAP_MAX comes without ALiBi (bfloat16 on Hopper: the
-# bounded forward), whether it comes alone (16-bit on Hopper: the Mods::softcap backward), and whether a
-# window comes alone (16-bit on Hopper: Mods::window). The scalars' stand-in has a window and ALiBi (its
-# slopes stand-in is only tested against None), so it takes the scalars' kernels themselves.
-_SCALAR_MODIFIERS = types.SimpleNamespace(bias=None, mask=None, block_mask=None, softcap=0.0, alibi_slopes=True,
-                                          window=(1, -1))
-_WINDOW_MODIFIERS = types.SimpleNamespace(bias=None, mask=None, block_mask=None, softcap=0.0, alibi_slopes=None,
-                                          window=(1, -1))
-_SOFTCAP_MODIFIERS = types.SimpleNamespace(bias=None, mask=None, block_mask=None, softcap=1.0, alibi_slopes=None,
-                                           window=(-1, -1))
-_ARRAY_MODIFIERS = types.SimpleNamespace(bias=True, mask=None, block_mask=None, softcap=0.0, alibi_slopes=None,
-                                         window=(-1, -1))
+# bounded forward), whether it comes alone (16-bit on Hopper: the Mods::softcap backward), whether a window
+# comes alone (16-bit on Hopper: Mods::window), and with ALiBi whether the window, causal folded in, has a
+# right edge (Variant.half_first). Each is a Modifiers whose arrays are stood in for by True (only tested
+# against None). The scalars' stand-in has a window without a right edge and ALiBi, so it takes the scalars'
+# kernels themselves, and both ALiBi forms where causal is warmed and not.
+_SCALAR_MODIFIERS = Modifiers(window=(1, -1), softcap=0.0, alibi_slopes=True, bias=None, bias_shape=None, mask=None,
+                              block_mask=None)
+_WINDOW_MODIFIERS = Modifiers(window=(1, -1), softcap=0.0, alibi_slopes=None, bias=None, bias_shape=None, mask=None,
+                              block_mask=None)
+_SOFTCAP_MODIFIERS = Modifiers(window=(-1, -1), softcap=1.0, alibi_slopes=None, bias=None, bias_shape=None,
+                               mask=None, block_mask=None)
+_ARRAY_MODIFIERS = Modifiers(window=(-1, -1), softcap=0.0, alibi_slopes=None, bias=True, bias_shape=None, mask=None,
+                             block_mask=None)
 _SOME_DROPOUT = object()  # likewise for dropout
 _DEFAULT_CACHE_DIR = os.path.join("~", ".cupy", "kernel_cache")  # CuPy's default for CUPY_CACHE_DIR
 
@@ -152,7 +154,8 @@ def describe(variant) -> str:
             "modifiers (window alone)" if variant.window_alone else
             "modifiers (window, softcap, ALiBi)" if variant.scalar_mods else "modifiers") if variant.mods else (
             "causal" if variant.causal else "plain")
-    kind += " (warp-specialized)" if variant.warp_specialized else ""
+    kind += (" (warp-specialized" + ("; ALiBi, the window with a right edge" if variant.half_first else "") + ")"
+             if variant.warp_specialized else "")
     return (f"{variant.direction} {dtype} HEAD_DIM={variant.head_dim} {kind}" + (" dropout" if variant.dropout else "")
             + (" (wgmma)" if variant.wgmma else "") + (" (large shared memory)" if variant.large_smem else ""))
 

@@ -84,6 +84,22 @@ def test_modifiers_include_the_bounded_softcap_forward_on_hopper(recorder, monke
     assert not any(v.bounded for v in cupyflash.warmup(dtypes="fp16", head_dims=128, modifiers=True))
 
 
+def test_modifiers_warm_the_alibi_form_each_mask_takes_on_hopper(recorder, monkeypatch):
+    """ALiBi's warp-specialized forward has a form for windows with a right edge (Variant.half_first, causal
+    calls among them) and one without: warmup loads the one each warmed mask's ALiBi calls then find."""
+    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
+    slopes = np.ones(3, np.float32)
+    for causal, forms in ((True, {True}), (False, {False}), ((False, True), {False, True})):
+        warmed = cupyflash.warmup(dtypes="bf16", head_dims=128, causal=causal, modifiers=True, backward=False)
+        alibi = [v for v in warmed if v.alibi]
+        assert len(alibi) == len(forms) and {v.half_first for v in alibi} == forms, causal
+    for is_causal in (False, True):
+        mods = _modifiers.resolve(np, np.dtype(ml_dtypes.bfloat16), (2, 3), 100, 120, alibi_slopes=slopes)
+        assert _kernels._variant("fwd", ml_dtypes.bfloat16, 128, 128, is_causal, mods) in alibi
+    assert "the window with a right edge" in _warmup.describe(next(v for v in alibi if v.half_first))
+    assert "right edge" not in _warmup.describe(next(v for v in alibi if not v.half_first))
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.dtype(np.float16), "half", "fp16", cupy.float16])
 def test_accepts_dtypes_in_any_spelling(recorder, dtype):
     assert cupyflash.warmup(dtypes=dtype, head_dims=32) == cupyflash.warmup(dtypes="float16", head_dims=32)
