@@ -165,6 +165,30 @@ def test_without_a_gpu_warmup_raises_runtime_error():
         cupyflash.warmup()
 
 
+def _no_compiling(*args, **kwargs):
+    raise AssertionError("a kernel was compiled after warmup")
+
+
+@pytest.mark.gpu
+def test_after_warmup_with_modifiers_their_forwards_compile_nothing(monkeypatch):
+    """warmup(modifiers=True) loads the forwards that window, softcap and ALiBi calls pick, causal and not:
+    on Hopper at HEAD_DIM 128 the warp-specialized forms, ALiBi's two (with and without a right edge) among
+    them."""
+    monkeypatch.setattr(_kernels, "_modules", {})
+    cupyflash.warmup(dtypes="bfloat16", head_dims=128, causal=(False, True), modifiers=True, backward=False)
+    monkeypatch.setattr(cupy, "RawModule", _no_compiling)
+    rng = np.random.default_rng(0)
+    q, k, v = (cupy.asarray(rng.standard_normal((1, 2, 200, 128), dtype=np.float32).astype(ml_dtypes.bfloat16))
+               for _ in range(3))
+    slopes = cupy.asarray([0.5, 0.25], dtype=cupy.float32)
+    for causal in (False, True):
+        for options in ({"alibi_slopes": slopes}, {"alibi_slopes": slopes, "window": (64, 16)},
+                        {"alibi_slopes": slopes, "window": (64, -1)}, {"softcap": 30.0}, {"window": (64, 0)},
+                        {"softcap": 30.0, "window": (64, -1)}):
+            cupyflash.attention_forward(q, k, v, causal=causal, **options)
+    cupy.cuda.Device().synchronize()
+
+
 @pytest.mark.gpu
 def test_after_warmup_calls_compile_nothing(monkeypatch, capsys):
     monkeypatch.setattr(_kernels, "_modules", {})  # start cold in this process (CuPy's disk cache may be warm)
@@ -173,11 +197,7 @@ def test_after_warmup_calls_compile_nothing(monkeypatch, capsys):
     device = cupy.cuda.Device().id
     assert all((device, v) in _kernels._modules for v in warmed)
     assert first.count("(compiled)") + first.count("(disk cache)") == len(warmed) == 4
-
-    def no_compiling(*args, **kwargs):
-        raise AssertionError("a kernel was compiled after warmup")
-
-    monkeypatch.setattr(cupy, "RawModule", no_compiling)
+    monkeypatch.setattr(cupy, "RawModule", _no_compiling)
     rng = np.random.default_rng(0)
     q, k, v = (cupy.asarray(rng.standard_normal((1, 2, 70, 36), dtype=np.float32).astype(np.float16))
                for _ in range(3))  # D = 36 and 40 both run on HEAD_DIM 64
