@@ -19,7 +19,10 @@ bf16, D = 128, FlashAttention's shapes (B = 16384 // N, H = 2048 // D = 16), one
    the band's time stays flat in N while the causal kernel's grows with N (the "window vs N" table).
    Peer: torch FlexAttention (``torch.nn.attention.flex_attention``, compiled to Triton kernels), the
    one torch API that runs a sliding window as skipped tiles (SDPA has no window), with the same band as
-   its block mask; ratio time(flex) / time(ours), no target.
+   its block mask; ratio time(flex) / time(ours), no target. The rows' DRAM floor (dram_floor.py): the
+   time of the fastest kernel that only moves the call's bytes (forward: q, k, v in, out out; backward:
+   q, k, v, out, dout in, dq, dk, dv out), against the time the target asks; below the floor, the
+   target is out of this GPU's reach.
 3. ``softcap-{full,causal}-*`` (softcap = 30) and ``alibi-{full,causal}-*`` (slopes 2^(-8 (h + 1) / H),
    shape (H,), which broadcasts against the leading dims (B, H)): TFLOP/s against our plain kernel of the
    same causality; target >= 0.9.
@@ -67,6 +70,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention as ba  # noqa: E402  (also finds cupyflash in a checkout that is not installed)
+import dram_floor  # noqa: E402
 
 import cupy  # noqa: E402
 import cupyflash  # noqa: E402
@@ -642,6 +646,57 @@ def print_window_scaling(results):
               f"{r['flops_fwd'] / 1e9:10.1f} / {r['flops_bwd'] / 1e9:9.1f} | {share:18.2f}")
 
 
+def add_window_floors(results, args):
+    """Each window row's DRAM floor (dram_floor.py: the fastest kernel that only reads the call's inputs
+    and writes its outputs, GPU time after an L2 flush whatever --timing says, so the floor is never
+    overstated) and the time its target asks (the row's time scaled by ratio / target). Below the floor,
+    no kernel meets the target on this GPU. One measurement per problem size."""
+    floors = {}
+    for r in results:
+        if r["group"] != "window" or not r["ratios"]:
+            continue
+        elements = r["b"] * r["h"] * r["n"] * r["d"]
+        if elements not in floors:
+            flush = ba.L2Flush("gpu")
+            floors[elements] = dram_floor.attention_floors(elements, np.dtype(BF16).itemsize,
+                                                           lambda fn: ba.median_ms(fn, args, flush))
+        entry, r["dram_floor"] = r["ratios"][0], {}
+        for phase in ("fwd", "bwd"):
+            ours, ratio = r[phase].get("ours", {}), entry.get(phase)
+            floor = dict(floors[elements][phase])
+            if ours.get("status") == "ok" and ratio is not None:
+                floor["target_ms"] = dram_floor.time_at_target(ours["ms"], ratio, entry["target"])
+                floor["target_over_floor"] = floor["target_ms"] / floor["ms"]
+                floor["ours_over_floor"] = ours["ms"] / floor["ms"]
+            r["dram_floor"][phase] = floor
+
+
+def print_window_floors(results):
+    windows = [r for r in results if r.get("dram_floor")]
+    if not windows:
+        return
+    print("\nwindow rows against this GPU's DRAM: floor = the fastest kernel that only reads q, k, v and writes "
+          "out (fwd), or reads q, k, v, out, dout and writes dq, dk, dv (bwd); target = the time the row's "
+          "target asks")
+    print(f"{'N':>6} | {'fwd MB':>6} {'floor ms':>8} {'TB/s':>5} {'target ms':>9} {'target/floor':>12} "
+          f"{'ours/floor':>10} | {'bwd MB':>6} {'floor ms':>8} {'TB/s':>5} {'target ms':>9} {'target/floor':>12} "
+          f"{'ours/floor':>10}")
+    below = False
+    for r in windows:
+        cells = []
+        for phase in ("fwd", "bwd"):
+            f = r["dram_floor"][phase]
+            if "target_ms" in f:
+                below |= f["target_over_floor"] < 1
+                tail = f"{f['target_ms']:9.4f} {f['target_over_floor']:12.2f} {f['ours_over_floor']:10.2f}"
+            else:
+                tail = f"{'-':>9} {'-':>12} {'-':>10}"
+            cells.append(f"{f['bytes'] / 1e6:6.0f} {f['ms']:8.4f} {f['tb_per_s']:5.2f} {tail}")
+        print(f"{r['n']:>6} | {cells[0]} | {cells[1]}")
+    if below:
+        print("target/floor < 1: the target asks for less time than moving the call's bytes takes on this GPU")
+
+
 def print_notes(cache):
     notes = [check["note"] for check in cache.values() if check.get("note")]
     for note in notes:
@@ -721,6 +776,8 @@ def main(argv=None):
     add_ratios(results["rows"])
     print_table(results["rows"])
     print_window_scaling(results["rows"])
+    add_window_floors(results["rows"], args)
+    print_window_floors(results["rows"])
     results["notes"] = print_notes(cache)
     results["validation"] = [{"kind": kind, "backend": name, **check} for (kind, name), check in cache.items()]
     if args.json:
