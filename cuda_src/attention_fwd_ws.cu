@@ -41,8 +41,12 @@
 // causal among them): a tile's first key block, whose S and softmax nothing overlaps, runs over its first 64
 // keys only where a warpgroup's rows see none in its second half (warpgroup 0 on a causal diagonal block):
 // ALiBi causal 2k 3% faster; the paths that never take it lost up to 1% with it (bench/NOTES.md, v28), so
-// the others compile without it. The host sends the plain, causal and scalar-modifier
-// 16-bit forwards of dense batches at the head dims of _config.WS_FWD here.
+// the others compile without it. BLOCK_MASK (dense_scalars with a block mask and no other array): a tile of
+// 128 rows is one line of the block mask and a key block one of its tiles; the copier fills the line's bits
+// for the tile's q buffer (fill_on_blocks) before q_full publishes it, copies only the blocks that are on,
+// and every computing warp walks the same blocks (block-mask row at N = 16k, 10% on: 0.67 -> 0.51 ms
+// against Mods::all's forward, v29). The host sends the plain, causal and scalar-modifier 16-bit forwards
+// of dense batches at the head dims of _config.WS_FWD here.
 // tile_counter: one int, zero at launch; the launch's last draw zeroes it for the next launch on the stream
 // (the host keeps one per stream).
 #include "common.cuh"
@@ -107,8 +111,53 @@ __device__ __forceinline__ int l2_section_entries(const AttnParams& p) {
   return static_cast<int>(max(i64(1), min(static_cast<i64>(p.batch), L2_SECTION_BYTES / max(i64(1), kv_bytes))));
 }
 
+// BLOCK_MASK: which of a tile's key blocks [lo, end) have their block-mask tile on, in shared memory, one set
+// per q buffer, which the copier fills per tile (fill_on_blocks) and every warp of the CTA walks: as bits
+// (bit n % 32 of word n / 32 from a base word), which count_on_blocks counts, and as the largest block on
+// at or below each block (-1 or a block below lo if none), which prev_on_block looks up. At module scope, so
+// only the kernels that use them allocate them, and indexed from offsets: a bit scan in the computing warps'
+// loop, or a pointer held across it, made the ALiBi form spill.
+__shared__ u32 ws_on_words[2 * TILE_BITMAP_WORDS];
+__shared__ short ws_prev_on[2 * 32 * TILE_BITMAP_WORDS];
+// The largest block in [lo, n] that is on, or a value below lo.
+__device__ __forceinline__ int prev_on_block(int base, int n, int lo) { return n >= lo ? ws_prev_on[base + n] : lo - 1; }
+// How many blocks in [lo, hi] are on.
+__device__ __forceinline__ int count_on_blocks(int base, int lo, int hi) {
+  int count = 0;
+  for (int w = lo / 32; lo <= hi && w <= hi / 32; ++w) {
+    u32 bits = ws_on_words[base + w];
+    if (w == lo / 32) bits &= ~0u << (lo % 32);
+    if (w == hi / 32) bits &= (2u << (hi % 32)) - 1u;
+    count += __popc(bits);
+  }
+  return count;
+}
+// The copier's fill for blocks [lo, end) from batch entry b's block-mask line of query tile m0 /
+// BLOCK_MASK_TILE (a key block is a block-mask tile), at base words (base * 32 entries). One thread, eight
+// independent loads in flight (a line of 128 tiles is one trip to L2, then L1 hits); all 32 of a word
+// spilled the copier's registers.
+__device__ __forceinline__ void fill_on_blocks(int base, const AttnParams& p, int b, int m0, int lo, int end) {
+  const unsigned char* line = p.block_mask + batch_offset(p.block_mask_stride, b, p) + (m0 / BLOCK_MASK_TILE) * p.block_mask_stride[3];
+  int last = -1;
+  for (int w = lo / 32; w * 32 < end; ++w) {
+    u32 bits = 0u;
+#pragma unroll 8
+    for (int i = 0; i < 32; ++i) {
+      const int n = w * 32 + i;
+      if (n >= lo && n < end) {
+        if (line[n * p.block_mask_stride[4]]) {
+          bits |= 1u << i;
+          last = n;
+        }
+        ws_prev_on[base * 32 + n] = static_cast<short>(last);
+      }
+    }
+    ws_on_words[base + w] = bits;
+  }
+}
+
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, Mods MODS, bool BOUNDED, bool ALIBI,
-          bool HALF_FIRST>
+          bool HALF_FIRST, bool BLOCK_MASK>
 __global__ void __launch_bounds__(3 * 128, 1)
 attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps maps, int* tile_counter) {
   constexpr int BLOCK_M = 128, WG_ROWS = 64;
@@ -135,6 +184,8 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   static_assert(!BOUNDED || (MODS == Mods::dense_scalars && IsBfloat16<T>::value), "bounded: bfloat16 scalars");
   static_assert(!ALIBI || (MODS == Mods::dense_scalars && !BOUNDED), "ALiBi folded: the scalars, row max");
   static_assert(!HALF_FIRST || ALIBI, "the half-width first block: ALiBi's form");
+  static_assert(!BLOCK_MASK || (MODS == Mods::dense_scalars && BLOCK_M == BLOCK_MASK_TILE && BLOCK_N == BLOCK_MASK_TILE),
+                "the block mask: the scalars, a tile and a key block per block-mask tile");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // The window's epilogue (a few key blocks per tile) hands the store of out to two warps of the copying
@@ -192,6 +243,10 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   };
   // A slot's t-th use (t counted over the CTA's whole stream) completes phase t / STAGES of its barriers.
   auto parity = [](int t) { return static_cast<u32>((t / STAGES) & 1); };
+  // The key blocks a tile visits (copier and computing warps alike): its range, and with BLOCK_MASK only the
+  // blocks that are on. The largest visited block in [lo, n], or lo - 1; how many are visited in [lo, hi].
+  auto prev_visited = [&](int words, int n, int lo) { return BLOCK_MASK ? prev_on_block(words * 32, n, lo) : n; };
+  auto visited = [&](int words, int lo, int hi) { return BLOCK_MASK ? count_on_blocks(words, lo, hi) : hi - lo + 1; };
 
   // Registers: 32 for the copies, 232 for each computing warpgroup (24 / 240 spilled with the tile counter);
   // with the storing warps 40 / 224 (32 / 232 spilled).
@@ -252,10 +307,13 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
       const int b2 = b % p.batch2, b1 = (b / p.batch2) % p.batch1, b0 = b / p.batch2 / p.batch1;
       const SeqInfo<false> seq(p, b);
       const RowBlock<T, 8, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS> rows(p, b, seq, m0, nullptr);
+      const int words = buffer * TILE_BITMAP_WORDS;  // ws_on_words, published with tile_ids by q_full's arrival
+      if constexpr (BLOCK_MASK) fill_on_blocks(words, p, b, m0, rows.n_first, rows.n_blocks);
       mbar_expect(q_full(buffer), 2 * QTile::SIZE * sizeof(T));
       tma_load_tile<QTile>(sQ + 2 * buffer * QTile::SIZE, maps.q, m0, b0, b1, b2, q_full(buffer));
       tma_load_tile<QTile>(sQ + (2 * buffer + 1) * QTile::SIZE, maps.q, m0 + WG_ROWS, b0, b1, b2, q_full(buffer));
-      for (int n = rows.n_blocks - 1; n >= rows.n_first; --n, ++t) {
+      for (int n = prev_visited(words, rows.n_blocks - 1, rows.n_first); n >= rows.n_first;
+           n = prev_visited(words, n - 1, rows.n_first), ++t) {
         const int slot = t % STAGES;
         if (t >= STAGES) mbar_wait(k_empty(slot), parity(t - STAGES));
         mbar_expect(k_full(slot), KVTile::SIZE * sizeof(T));
@@ -285,6 +343,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
     const RowBlock<T, 8, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS> tile(p, b, seq, m0, nullptr);  // the copies' blocks
     const RowBlock<T, 4, WG_ROWS, BLOCK_N, IS_CAUSAL, MODS> rows(p, b, seq, m0 + WG_ROWS * wg, nullptr);
     T* sQ_wg = sQ + (2 * buffer + wg) * QTile::SIZE;
+    const int words = buffer * TILE_BITMAP_WORDS;  // this tile's ws_on_words (BLOCK_MASK)
     float acc_o[O_TILES][4];  // HALF_FIRST: zeroed once the first block's softmax, which can use its registers, is done
     if constexpr (!HALF_FIRST) zero_acc(acc_o);
     OnlineSoftmax<> softmax;
@@ -296,10 +355,12 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
       block_probs<BOUNDED, ALIBI, SOFTCAP_POLY_TILES>(rows, softmax, acc_s, alibi_cols, n, warp, lane, exp_scale,
                                                        rescale);
     };
-    // This warpgroup's key blocks [lo, hi] among the tile's [tile.n_first, tile.n_blocks).
+    // This warpgroup's key blocks [lo, hi] among the tile's [tile.n_first, tile.n_blocks), the first one it
+    // visits (hi's, if no block mask turns it off).
     const bool has_rows = rows.m0 < seq.nq();
-    const int hi = has_rows ? min(rows.n_blocks, tile.n_blocks) - 1 : -1;
+    const int last = has_rows ? min(rows.n_blocks, tile.n_blocks) - 1 : -1;
     const int lo = max(rows.n_first, tile.n_first);
+    const int hi = prev_visited(words, last, lo);
     auto pass_over = [&](int count) {  // another warpgroup's blocks: wait for them, release them
       for (int i = 0; i < count; ++i, ++t) {
         mbar_wait(k_full(t % STAGES), parity(t));
@@ -309,9 +370,9 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
     };
     if (hi < lo) {
       if constexpr (HALF_FIRST) zero_acc(acc_o);
-      pass_over(tile.n_blocks - tile.n_first);
+      pass_over(visited(words, tile.n_first, tile.n_blocks - 1));
     } else {
-      pass_over(tile.n_blocks - 1 - hi);
+      pass_over(visited(words, hi + 1, tile.n_blocks - 1));
       // Block hi: S alone, its softmax gives P. HALF_FIRST: where these rows see no key in the block's
       // second half, both over its first half only, and P's second half is 0.
       u32 p_cur[P_STEPS][4];
@@ -343,6 +404,10 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
       if constexpr (HALF_FIRST) zero_acc(acc_o);
       // Blocks hi - 1 .. lo: S_n beside the previous block's P V.
       for (int n = hi - 1; n >= lo; --n, ++t) {
+        if constexpr (BLOCK_MASK) {  // the next block that is on
+          n = prev_visited(words, n, lo);
+          if (n < lo) break;
+        }
         mbar_wait(k_full(t % STAGES), parity(t));
         float acc_s[S_TILES][4];
         wg_issue_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ_wg, 0, sK + (t % STAGES) * KVTile::SIZE);
@@ -379,7 +444,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
       fence_operands(acc_o);
       fence_fragments(p_cur);
       if (lane == 0) mbar_arrive(v_empty(t_cur % STAGES));
-      pass_over(lo - tile.n_first);
+      pass_over(visited(words, tile.n_first, lo - 1));
     }
     // Epilogue: out = O / l through this warpgroup's q rows (its products are done with them), and lse.
     float inv_sum[2], row_lse[2];

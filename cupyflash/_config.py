@@ -152,6 +152,9 @@ WS_FWD = {128: (128, 2)}
 WS_WINDOW_FWD = {128: (64, 4)}
 WS_WARPS, WS_COPY_WARPS = 12, 4  # three warpgroups, the first of which copies
 WS_ROWS = 16 * (WS_WARPS - WS_COPY_WARPS)  # query rows per tile: Tiles.rows of those warps (128)
+# The key tiles of 128 a warp-specialized forward's block-mask walk holds per tile, as bits in shared memory
+# (cuda_src: TILE_BITMAP_WORDS * 32, 262,144 keys); a block mask with more takes the Mods::all forward.
+WS_BLOCK_MASK_TILES = 2048
 WS_WARPGROUP_ROWS = 64  # each computing warpgroup's rows, which visit their own key blocks
 # Where that instantiation fits the plain tiles that the modifiers' tables replace: (path, element bytes,
 # HEAD_DIM, kernel). Every 16-bit and float32 entry of those tables was tried; these compile with zero

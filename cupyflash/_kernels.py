@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy
 
-from . import _config, _split, _tma
+from . import _config, _modifiers, _split, _tma
 from ._types import lse_dtype
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -115,7 +115,10 @@ class Variant:
     ``alibi``: that kernel's instantiation for the scalar modifiers with ALiBi slopes, whose softmax takes
     the slopes' row and column terms apart (cuda_src/score_mods.cuh, ``alibi_log2``). ``half_first``: its
     form for a window with a right edge (causal among them), whose tiles' first key blocks run over their
-    first half alone where a warpgroup's rows see nothing in the second (the kernel's HALF_FIRST)."""
+    first half alone where a warpgroup's rows see nothing in the second (the kernel's HALF_FIRST).
+    ``block_mask``: its form for the scalar modifiers with a block mask (and no bias or mask), which skips the
+    key blocks whose block-mask tile is off (the kernel's BLOCK_MASK; other forwards with a block mask take
+    the ``Mods::all`` instantiation)."""
 
     direction: str
     ctype: str
@@ -132,6 +135,7 @@ class Variant:
     warp_specialized: bool = False
     alibi: bool = False
     half_first: bool = False
+    block_mask: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -171,7 +175,8 @@ class Variant:
             mods = "Mods::dense_scalars" if mods == "Mods::scalars" else mods
             stages = _config.ws_blocks(hd, self.window_alone)[1]
             return (f"attention_fwd_ws_kernel<{c}, {hd}, {t.block}, {stages}, {flag[self.causal]}, "
-                    f"{mods}, {flag[self.bounded]}, {flag[self.alibi]}, {flag[self.half_first]}>")
+                    f"{mods}, {flag[self.bounded]}, {flag[self.alibi]}, {flag[self.half_first]}, "
+                    f"{flag[self.block_mask]}>")
         if kernel == "fwd" and self.wgmma:  # no column chunks: the whole head dim per CTA
             return (f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {fwd_flags}, "
                     f"{flag[self.bounded]}, {t.ctas_per_sm}>")
@@ -231,11 +236,13 @@ def shipped_variants() -> list[Variant]:
             + [dataclasses.replace(v, window_alone=True, warp_specialized=ws) for v in wgmma
                if v.scalar_mods and v.itemsize == 2
                for ws in ((False, True) if v.direction == "fwd" and v.head_dim in _config.WS_FWD else (False,))]
-            + [dataclasses.replace(v, warp_specialized=True, alibi=alibi, half_first=half) for v in wgmma + bounded
+            + [dataclasses.replace(v, warp_specialized=True, alibi=alibi, half_first=half, block_mask=block_mask)
+               for v in wgmma + bounded
                if v.direction == "fwd" and (not v.mods or v.scalar_mods) and not v.dropout and v.itemsize == 2
                and v.head_dim in _config.WS_FWD
                for alibi, half in (((False, False), (True, False), (True, True)) if v.scalar_mods and not v.bounded
-                                   else ((False, False),))]
+                                   else ((False, False),))
+               for block_mask in ((False, True) if v.scalar_mods else (False,))]
             + [dataclasses.replace(v, large_smem=True) for v in variants
                if _config.has_large_smem_tiles(v.itemsize, v.head_dim)])
 
@@ -601,20 +608,28 @@ def _grid(blocks: int, batch: int) -> tuple[int, int, int]:
 
 
 def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dropout=None,
-             packed: bool = False) -> Variant:
+             packed: bool = False, ws: bool = True) -> Variant:
     """With modifiers, causal travels in the window: one instantiation serves both. Packed (variable-length)
     batches run the modifiers' instantiation, the one that reads cu_seqlens. Without the modifiers' arrays
     and without dropout, the scalar instantiation (Variant.scalar_mods) serves; on the 16-bit wgmma path a
     backward with a softcap alone takes its Mods::softcap form (Variant.softcap_alone), causal as the plain
     kernels, and a forward or backward with a window alone (causal travelling in it) its Mods::window form
     (Variant.window_alone). The 16-bit forwards of plain, causal and scalar-modifier calls on dense batches
-    are warp-specialized at the head dims of _config.WS_FWD (Variant.warp_specialized)."""
+    are warp-specialized at the head dims of _config.WS_FWD (Variant.warp_specialized), those with a block
+    mask (and no other array) included (Variant.block_mask). ``ws=False``: not that kernel (attention_forward:
+    where TMA cannot read the inputs, or the block mask has more key tiles than the kernel's walk holds)."""
     name = numpy.dtype(dtype).name
     has_mods = mods is not None or direction == "probs" or packed
     ctype, head_dim = _CTYPES[name], _config.padded_head_dim(max(d, dv))
-    scalar = (has_mods and direction != "probs" and dropout is None and (mods is None or _scalars_only(mods, direction))
-              and _ITEMSIZE[ctype] in _config.SCALAR_MODS_ITEMSIZES)
     wgmma = uses_wgmma(_ITEMSIZE[ctype], head_dim, direction, has_mods, dropout is not None)
+    ws_path = (direction == "fwd" and wgmma and _ITEMSIZE[ctype] == 2 and head_dim in _config.WS_FWD and ws
+               and dropout is None and not packed)
+    # A block mask alone among the arrays: its forward walks it on the warp-specialized kernel (BLOCK_MASK),
+    # its backward on the scalars' passes; other forwards with one take Mods::all (_scalars_only).
+    block_mask = ws_path and mods is not None and mods.block_mask is not None and mods.bias is None and mods.mask is None
+    scalar = (has_mods and direction != "probs" and dropout is None
+              and (mods is None or block_mask or _scalars_only(mods, direction))
+              and _ITEMSIZE[ctype] in _config.SCALAR_MODS_ITEMSIZES)
     bounded = (direction == "fwd" and scalar and wgmma and ctype == "bfloat16_t" and mods is not None
                and mods.alibi_slopes is None and 0.0 < mods.softcap <= BOUNDED_SOFTCAP_MAX)
     # One option alone, every other off: the instantiations that fix the others at compile time.
@@ -624,13 +639,12 @@ def _variant(direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dr
     window_alone = single and mods.softcap == 0.0
     # The plain, causal and scalar-modifier 16-bit forwards of dense batches (the window alone in its own
     # form); attention_forward falls back to their other kernel where TMA cannot read the inputs.
-    warp_specialized = (direction == "fwd" and wgmma and _ITEMSIZE[ctype] == 2 and head_dim in _config.WS_FWD
-                        and ((scalar and not packed) or (not has_mods and dropout is None)))
+    warp_specialized = ws_path and (scalar or not has_mods)
     alibi = warp_specialized and mods is not None and mods.alibi_slopes is not None  # mods there: the scalars
     half_first = alibi and mods.window_with_causal(causal)[1] >= 0  # the window has a right edge
     return Variant(direction, ctype, head_dim, bool(causal) and (not has_mods or alone), has_mods, wgmma,
                    dropout is not None, uses_large_smem(_ITEMSIZE[ctype], head_dim), scalar, bounded, alone,
-                   window_alone, warp_specialized, alibi, half_first)
+                   window_alone, warp_specialized, alibi, half_first, block_mask)
 
 
 # Softcapped scores are tanh values in [-1, 1]. Without ALiBi, exp2(c * (t - 1)) with c = softcap * log2(e)
@@ -924,7 +938,8 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
         addresses.update(k=k, v=v, split_exponents=exponents)
     plan = _plans.get(key) if key is not None else None
     if plan is None:
-        variant = _variant("fwd", q.dtype if not split_width else numpy.float32, d_w, dv_w, causal, mods, dropout)
+        dtype = q.dtype if not split_width else numpy.float32
+        variant = _variant("fwd", dtype, d_w, dv_w, causal, mods, dropout)
         arrays, sizes, strides, copied = _layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, **_mod_arrays(mods)})
         batch = math.prod(batch_shape)
         others = {"lse": lse}
@@ -934,11 +949,12 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
                          others=others, mods=mods, causal=causal, dropout=dropout)
         maps = None
         if variant.warp_specialized:
-            if _tma.available() and all(_tma.describable(arrays[name], sizes, strides[name]) for name in _MAPPED):
+            if (_tma.available() and all(_tma.describable(arrays[name], sizes, strides[name]) for name in _MAPPED)
+                    and (not variant.block_mask or _ws_block_mask_fits(nk))):
                 block = variant.tiles("fwd").block
                 maps = _tma.TensorMaps(arrays, sizes, strides, {"q": _config.WS_WARPGROUP_ROWS, "k": block, "v": block})
             else:
-                variant = dataclasses.replace(variant, warp_specialized=False, alibi=False, half_first=False)
+                variant = _variant("fwd", dtype, d_w, dv_w, causal, mods, dropout, ws=False)
         plan = _Plan(_functions(variant), variant, params, [("fwd", nq, batch)], maps, arrays)
         if copied:  # the parameters point at copies made for this call
             plan.launch(None, None)
@@ -947,6 +963,12 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
             _remember(key, plan)
     plan.launch(addresses, dropout)
     return _unpad(out, dv), lse
+
+
+def _ws_block_mask_fits(nk: int) -> bool:
+    """Whether the warp-specialized forward's block-mask walk holds a key axis of nk keys (its key tiles, as
+    bits and entries in shared memory: _config.WS_BLOCK_MASK_TILES)."""
+    return -(-nk // _modifiers.BLOCK_MASK_TILE) <= _config.WS_BLOCK_MASK_TILES
 
 
 def _split_width(dtype, d: int, dv: int, mods, dropout, direction: str = "fwd") -> int:

@@ -9,6 +9,7 @@ loads it, in milliseconds.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import os
 import time
@@ -36,7 +37,9 @@ ROW_ALIGN_BYTES = 16  # the API pads head dims to 16-byte rows before picking a 
 # comes alone (16-bit on Hopper: Mods::window), and with ALiBi whether the window, causal folded in, has a
 # right edge (Variant.half_first). Each is a Modifiers whose arrays are stood in for by True (only tested
 # against None). The scalars' stand-in has a window without a right edge and ALiBi, so it takes the scalars'
-# kernels themselves, and both ALiBi forms where causal is warmed and not.
+# kernels themselves, and both ALiBi forms where causal is warmed and not. A block mask with no other array
+# takes, in the 16-bit forward on Hopper, the warp-specialized kernel's block-mask forms (Variant.block_mask):
+# alone, with a softcap (bounded in bfloat16) and with ALiBi, each stood in for below.
 _SCALAR_MODIFIERS = Modifiers(window=(1, -1), softcap=0.0, alibi_slopes=True, bias=None, bias_shape=None, mask=None,
                               block_mask=None)
 _WINDOW_MODIFIERS = Modifiers(window=(1, -1), softcap=0.0, alibi_slopes=None, bias=None, bias_shape=None, mask=None,
@@ -45,6 +48,9 @@ _SOFTCAP_MODIFIERS = Modifiers(window=(-1, -1), softcap=1.0, alibi_slopes=None, 
                                mask=None, block_mask=None)
 _ARRAY_MODIFIERS = Modifiers(window=(-1, -1), softcap=0.0, alibi_slopes=None, bias=True, bias_shape=None, mask=None,
                              block_mask=None)
+_BLOCK_MASK_MODIFIERS = tuple(dataclasses.replace(mods, block_mask=True) for mods in (
+    Modifiers(window=(-1, -1), softcap=0.0, alibi_slopes=None, bias=None, bias_shape=None, mask=None, block_mask=None),
+    _SCALAR_MODIFIERS, _SOFTCAP_MODIFIERS))
 _SOME_DROPOUT = object()  # likewise for dropout
 _DEFAULT_CACHE_DIR = os.path.join("~", ".cupy", "kernel_cache")  # CuPy's default for CUPY_CACHE_DIR
 
@@ -75,7 +81,9 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPE_NAMES,
         Also warm the score modifiers' kernels: those of ``window``, ``softcap`` and ``alibi_slopes``
         (and on Hopper the 16-bit ones for a window alone and for a softcap alone's backward, and the
         bfloat16 forward for a softcap without ALiBi), and those that also take ``bias``, ``mask`` or
-        ``block_mask`` (each serves causal and not). ``attention_probs`` always compiles its own kernel on
+        ``block_mask`` (each serves causal and not; on Hopper the 16-bit forwards of a ``block_mask``
+        without ``bias`` or ``mask``, alone, with a softcap or with ALiBi, which walk it on the
+        warp-specialized kernel). ``attention_probs`` always compiles its own kernel on
         first use.
     backward : bool, optional
         Also warm the backward's kernels (default True).
@@ -128,7 +136,8 @@ def select_variants(dtypes, head_dims, causal, modifiers, backward, dropout=Fals
     dims = _config.HEAD_DIMS if head_dims is None else [_check_head_dim(d) for d in _as_list("head_dims", head_dims)]
     causals = [_check_bool("causal", c) for c in _as_list("causal", causal)]
     directions = ("fwd", "bwd") if _check_bool("backward", backward) else ("fwd",)
-    mods_options = ((None, _SCALAR_MODIFIERS, _WINDOW_MODIFIERS, _SOFTCAP_MODIFIERS, _ARRAY_MODIFIERS)
+    mods_options = ((None, _SCALAR_MODIFIERS, _WINDOW_MODIFIERS, _SOFTCAP_MODIFIERS, _ARRAY_MODIFIERS,
+                     *_BLOCK_MASK_MODIFIERS)
                     if _check_bool("modifiers", modifiers)
                     else (None,))
     dropout_options = (None, _SOME_DROPOUT) if _check_bool("dropout", dropout) else (None,)
@@ -154,8 +163,8 @@ def describe(variant) -> str:
             "modifiers (window alone)" if variant.window_alone else
             "modifiers (window, softcap, ALiBi)" if variant.scalar_mods else "modifiers") if variant.mods else (
             "causal" if variant.causal else "plain")
-    kind += (" (warp-specialized" + ("; ALiBi, the window with a right edge" if variant.half_first else "") + ")"
-             if variant.warp_specialized else "")
+    kind += (" (warp-specialized" + ("; ALiBi, the window with a right edge" if variant.half_first else "")
+             + ("; block mask" if variant.block_mask else "") + ")" if variant.warp_specialized else "")
     return (f"{variant.direction} {dtype} HEAD_DIM={variant.head_dim} {kind}" + (" dropout" if variant.dropout else "")
             + (" (wgmma)" if variant.wgmma else "") + (" (large shared memory)" if variant.large_smem else ""))
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cupyflash
-from _modifier_checks import OPTIONS, assert_matches_reference, block_grid, random_options, run
+from _modifier_checks import OPTIONS, alibi_slopes, assert_matches_reference, block_grid, random_options, run
 from _problems import random_array, random_problem
 from cupyflash import _config, _kernels, _modifiers, reference
 from test_gpu import _nan_filled_allocations
@@ -498,6 +498,59 @@ def test_block_mask_alone_on_long_sequences_matches_the_dense_mask(rng):
         for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), scalars, full):
             x, y = x.astype(np.float32), y.astype(np.float32)
             assert float(cupy.abs(x - y).max()) <= 1e-2 * float(cupy.abs(y).max()), name
+
+
+_WS_BLOCK_MASK_OPTIONS = {  # (causal, options): each form of the warp-specialized forward with a block mask
+    "alone": (False, {}), "causal": (True, {}), "window": (True, dict(window=(300, 0))),
+    "window-both-sides": (False, dict(window=(200, 150))), "softcap": (False, dict(softcap=2.0)),
+    "alibi-causal": (True, dict(alibi_slopes=True)), "alibi": (False, dict(alibi_slopes=True)),
+}
+
+
+@pytest.mark.skipif(not _kernels._wgmma_device(), reason="the warp-specialized forward runs on Hopper only")
+@pytest.mark.parametrize("name", _WS_BLOCK_MASK_OPTIONS)
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+def test_block_mask_on_the_warp_specialized_forward(rng, dtype, name):
+    """A block mask with no other array at HEAD_DIM 128 on Hopper: the warp-specialized forward's BLOCK_MASK
+    form walks it (the route is asserted). Against float64 on Nq != Nk with a key axis of two bit words (36 key
+    tiles), query tiles whose whole line is off (no key at all: out 0, lse -inf) and a line with one tile on;
+    then against the Mods::all forward (its dense mask beside it) at 256 tiles, so that each persistent CTA
+    runs several tiles and both q buffers' bits are in use."""
+    causal, options = _WS_BLOCK_MASK_OPTIONS[name]
+    heads = 2
+    if options.get("alibi_slopes"):
+        options = dict(options, alibi_slopes=cupy.asarray(alibi_slopes(heads)))
+    nq, nk = 700, 4500
+    q, k, v, dout = _random_problem(rng, (1, heads, nq, 120), (1, heads, nk, 120), (1, heads, nk, 120), dtype)
+    tiles = rng.random((1, heads) + block_grid(nq, nk)) < 0.3
+    tiles[..., 0, :] = False  # queries 0..127 see nothing
+    tiles[..., 2, :] = False
+    tiles[..., 2, 33] = True  # queries 256..383: keys 4224..4351 only (word 1)
+    tiles[..., 3:, -1] = True  # the last (partial) key tile
+    block_mask = cupy.asarray(tiles)
+    mods = _modifiers.resolve(cupy, np.dtype(dtype), (1, heads), nq, nk, block_mask=block_mask, **options)
+    variant = _kernels._variant("fwd", dtype, 120, 120, causal, mods)
+    assert variant.block_mask and variant.warp_specialized, variant
+    results = _run(q, k, v, dout, causal=causal, block_mask=block_mask, **options)
+    out, lse = results[:2]
+    assert not out[..., :128, :].any() and cupy.isneginf(lse[..., :128]).all()
+    assert_matches_reference(q, k, v, dout, results, causal=causal, block_mask=block_mask, **options)
+
+    batch, n = (2, 8), 2048  # 2 * 8 * 16 = 256 tiles
+    q, k, v = (_random(rng, batch + (n, 128), dtype) for _ in range(3))
+    if options.get("alibi_slopes") is not None:
+        options = dict(options, alibi_slopes=cupy.asarray(alibi_slopes(batch[-1])))
+    tiles = rng.random(batch + block_grid(n, n)) < 0.2
+    block_mask = cupy.asarray(tiles)
+    dense = cupy.repeat(cupy.repeat(block_mask, 128, axis=-2), 128, axis=-1)
+    with _nan_filled_allocations():
+        walked = cupyflash.attention_forward(q, k, v, causal=causal, block_mask=block_mask, **options)
+        full = cupyflash.attention_forward(q, k, v, causal=causal, mask=dense, block_mask=block_mask, **options)
+    seen = cupy.isfinite(full[1])
+    assert cupy.array_equal(seen, cupy.isfinite(walked[1])) and not walked[0][~seen].any()
+    for x, y in zip(walked, full):
+        x, y = x.astype(np.float32)[seen], y.astype(np.float32)[seen]
+        assert float(cupy.abs(x - y).max()) <= 1e-2 * max(1.0, float(cupy.abs(y).max()))
 
 
 def test_block_mask_at_the_benchmark_shape(rng):

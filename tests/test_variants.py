@@ -1,6 +1,7 @@
 """Which kernel variant a call selects, and with which tiles (no GPU needed: selection only)."""
 
 import dataclasses
+import re
 import ml_dtypes
 import numpy as np
 import pytest
@@ -59,7 +60,7 @@ def test_every_scalars_variant_is_shipped_beside_its_full_one():
     assert scalars and all(v.mods and not v.dropout and v.direction in ("fwd", "bwd") for v in scalars)
     for v in scalars:
         assert _kernels.dataclasses.replace(v, scalar_mods=False, bounded=False, softcap_alone=False, window_alone=False,
-                                            warp_specialized=False, alibi=False, half_first=False,
+                                            warp_specialized=False, alibi=False, half_first=False, block_mask=False,
                                             causal=False) in shipped
 
 
@@ -208,7 +209,8 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
                 block, stages = (_config.WS_WINDOW_FWD if mods == "Mods::window" else _config.WS_FWD)[head_dim]
                 assert chosen.name_expression("fwd") == (
                     f"attention_fwd_ws_kernel<{ctype}, {head_dim}, {block}, {stages}, {str(causal).lower()}, {mods}, "
-                    f"{str(chosen.bounded).lower()}, {str(chosen.alibi).lower()}, {str(chosen.half_first).lower()}>")
+                    f"{str(chosen.bounded).lower()}, {str(chosen.alibi).lower()}, {str(chosen.half_first).lower()}, "
+                    "false>")
                 assert chosen.threads("fwd") == 3 * 128 and chosen.tiles("fwd").rows == _config.WS_ROWS
                 for rows, batch, ctas in ((1000, 3, 24), (8192, 32, 132), (1, 1, 1)):
                     grid, block_shape, smem = _kernels._launch_shape(chosen, "fwd", rows, batch)
@@ -217,6 +219,7 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
                 assert "attention_fwd_ws.cu" in chosen.code() and "attention_fwd_ws_kernel" in chosen.code()
                 assert chosen in shipped
                 assert dataclasses.replace(chosen, warp_specialized=False, alibi=False, half_first=False) in shipped
+                assert not chosen.block_mask
                 assert chosen.bounded == (options is softcap and ctype == "bfloat16_t")
                 assert chosen.alibi == (options is scalars)
                 assert chosen.half_first == chosen.alibi  # scalars' window (50, 3) with causal: right edge 0
@@ -318,6 +321,56 @@ def test_ctas_per_sm_fit_the_shared_memory_of_an_sm():
     assert checked == 2 * len(_config._WGMMA_WINDOW_FWD)  # the window-alone forwards listed, fp16 and bf16
 
 
+def test_a_block_mask_forward_walks_it_on_the_warp_specialized_kernel(monkeypatch):
+    """A 16-bit forward at a head dim of _config.WS_FWD whose only array is a block mask (with or without the
+    scalar modifiers) runs the warp-specialized kernel's BLOCK_MASK form (Mods::dense_scalars; bounded, ALiBi and
+    half-first forms as without the mask); with a bias or a mask, dropout, a packed batch, another head dim,
+    float32, the mma.sync path or ws=False (attention_forward: TMA cannot read the inputs, or more key tiles
+    than the walk holds) it takes Mods::all. Its backward is the scalars' passes either way."""
+    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
+    shipped = set(_kernels.shipped_variants())
+    on = np.ones((1, 1), bool)
+    slopes = np.ones(3, np.float32)
+    for dtype, ctype in ((np.float16, "half_t"), (ml_dtypes.bfloat16, "bfloat16_t")):
+        for causal, options, bounded, alibi, half in (
+                (False, {}, False, False, False), (True, {}, False, False, False),
+                (True, dict(window=(200, 0)), False, False, False),
+                (False, dict(softcap=20.0), ctype == "bfloat16_t", False, False),
+                (True, dict(alibi_slopes=slopes), False, True, True),
+                (False, dict(alibi_slopes=slopes), False, True, False)):
+            chosen = _at_128(dtype, "fwd", causal, block_mask=on, **options)
+            assert chosen.block_mask and chosen.warp_specialized and chosen.scalar_mods and not chosen.window_alone
+            assert (chosen.bounded, chosen.alibi, chosen.half_first) == (bounded, alibi, half), options
+            assert chosen.name_expression("fwd") == (
+                f"attention_fwd_ws_kernel<{ctype}, 128, 128, 2, false, Mods::dense_scalars, {str(bounded).lower()}, "
+                f"{str(alibi).lower()}, {str(half).lower()}, true>"), options
+            assert chosen in shipped
+            assert dataclasses.replace(chosen, block_mask=False) in shipped  # the same form without the walk
+            backward = _at_128(dtype, "bwd", causal, block_mask=on, **options)
+            assert backward.scalar_mods and not backward.block_mask and "Mods::scalars" in backward.name_expression("dq")
+    full = [_at_128(block_mask=on, direction="fwd", bias=np.zeros((100, 120), np.float16)),
+            _at_128(block_mask=on, direction="fwd", mask=np.ones((100, 120), bool)),
+            _at_128(block_mask=on, direction="fwd", dropout=_dropout.Dropout(0.1, 1)),
+            _at_128(block_mask=on, direction="fwd", packed=True),
+            _at_128(np.float32, "fwd", block_mask=on),
+            _kernels._variant("fwd", np.float16, 64, 64, True, _mods(block_mask=on)),
+            _kernels._variant("fwd", np.float16, 128, 128, True, _mods(block_mask=on), ws=False)]
+    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: False)
+    full.append(_at_128(block_mask=on, direction="fwd"))
+    for chosen in full:
+        assert not chosen.block_mask and not chosen.warp_specialized and "Mods::all" in chosen.name_expression("fwd"), chosen
+    assert {v for v in shipped if v.block_mask} == {dataclasses.replace(v, block_mask=True) for v in shipped
+                                                    if v.warp_specialized and v.scalar_mods and not v.window_alone}
+
+
+def test_the_warp_specialized_block_mask_walk_holds_2048_key_tiles():
+    """The kernel's walk keeps a tile's key blocks as bits and entries in shared memory (TILE_BITMAP_WORDS
+    words of 32); attention_forward sends a longer key axis to Mods::all."""
+    words = int(re.search(r"constexpr int TILE_BITMAP_WORDS = (\d+);", _kernels.source("score_mods.cuh")).group(1))
+    assert _config.WS_BLOCK_MASK_TILES == 32 * words == 2048
+    assert _kernels._ws_block_mask_fits(2048 * 128) and not _kernels._ws_block_mask_fits(2048 * 128 + 1)
+
+
 def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward(monkeypatch):
     """On the wgmma path the bfloat16 forward with a softcap of at most BOUNDED_SOFTCAP_MAX and no ALiBi (window
     or not) takes 1 as every row's max, in the warp-specialized forward too (and in the one it falls back
@@ -337,7 +390,7 @@ def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward(monkeypatch
             chosen = variant(head_dim=head_dim, **options)
             assert chosen.bounded and chosen.scalar_mods and chosen.wgmma, options
             assert chosen.warp_specialized == (head_dim in _config.WS_FWD)
-            expected = "Mods::dense_scalars, true, false, false>" if chosen.warp_specialized else "Mods::scalars, false, true, 1>"
+            expected = "Mods::dense_scalars, true, false, false, false>" if chosen.warp_specialized else "Mods::scalars, false, true, 1>"
             assert chosen.name_expression("fwd").endswith(expected), chosen.name_expression("fwd")
             assert chosen in shipped and dataclasses.replace(chosen, warp_specialized=False) in shipped
     assert not variant(softcap=float(np.nextafter(limit, np.inf))).bounded

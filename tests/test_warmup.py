@@ -76,7 +76,7 @@ def test_modifiers_include_the_bounded_softcap_forward_on_hopper(recorder, monke
     (Variant.bounded), the one such a call then finds loaded."""
     monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
     warmed = cupyflash.warmup(dtypes="bf16", head_dims=128, causal=True, modifiers=True)
-    bounded = [v for v in warmed if v.bounded]
+    bounded = [v for v in warmed if v.bounded and not v.block_mask]  # (the block mask's: its own test)
     assert len(bounded) == 1 and bounded[0].direction == "fwd" and bounded[0] in _kernels.shipped_variants()
     assert "softcap without ALiBi" in _warmup.describe(bounded[0])
     mods = _modifiers.resolve(np, np.dtype(ml_dtypes.bfloat16), (2, 3), 100, 120, softcap=30.0)
@@ -91,13 +91,33 @@ def test_modifiers_warm_the_alibi_form_each_mask_takes_on_hopper(recorder, monke
     slopes = np.ones(3, np.float32)
     for causal, forms in ((True, {True}), (False, {False}), ((False, True), {False, True})):
         warmed = cupyflash.warmup(dtypes="bf16", head_dims=128, causal=causal, modifiers=True, backward=False)
-        alibi = [v for v in warmed if v.alibi]
+        alibi = [v for v in warmed if v.alibi and not v.block_mask]  # (the block mask's: its own test)
         assert len(alibi) == len(forms) and {v.half_first for v in alibi} == forms, causal
     for is_causal in (False, True):
         mods = _modifiers.resolve(np, np.dtype(ml_dtypes.bfloat16), (2, 3), 100, 120, alibi_slopes=slopes)
         assert _kernels._variant("fwd", ml_dtypes.bfloat16, 128, 128, is_causal, mods) in alibi
     assert "the window with a right edge" in _warmup.describe(next(v for v in alibi if v.half_first))
     assert "right edge" not in _warmup.describe(next(v for v in alibi if not v.half_first))
+
+
+def test_modifiers_warm_the_block_mask_forms_on_hopper(recorder, monkeypatch):
+    """A block mask without bias or mask takes, in the 16-bit forward on Hopper, the warp-specialized kernel's
+    block-mask forms: warmup loads the ones such calls (alone, with a softcap, with ALiBi; causal and not)
+    then find, and none elsewhere."""
+    monkeypatch.setattr(_kernels, "_wgmma_device", lambda: True)
+    on = np.ones((1, 1), bool)
+    slopes = np.ones(3, np.float32)
+    for dtype in ("bf16", "fp16"):
+        warmed = cupyflash.warmup(dtypes=dtype, head_dims=128, causal=(False, True), modifiers=True)
+        walks = {v for v in warmed if v.block_mask}
+        wanted = {_kernels._variant("fwd", np.dtype(ml_dtypes.bfloat16 if dtype == "bf16" else np.float16), 128, 128,
+                                    causal, _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, block_mask=on,
+                                                               **options))
+                  for causal in (False, True) for options in ({}, dict(softcap=30.0), dict(alibi_slopes=slopes),
+                                                             dict(window=(64, 0)))}
+        assert walks == wanted and all(v.block_mask and v.warp_specialized for v in wanted), dtype
+        assert all("block mask" in _warmup.describe(v) for v in walks)
+    assert not any(v.block_mask for v in cupyflash.warmup(dtypes="bf16", head_dims=64, modifiers=True))
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.dtype(np.float16), "half", "fp16", cupy.float16])
@@ -171,9 +191,9 @@ def _no_compiling(*args, **kwargs):
 
 @pytest.mark.gpu
 def test_after_warmup_with_modifiers_their_forwards_compile_nothing(monkeypatch):
-    """warmup(modifiers=True) loads the forwards that window, softcap and ALiBi calls pick, causal and not:
-    on Hopper at HEAD_DIM 128 the warp-specialized forms, ALiBi's two (with and without a right edge) among
-    them."""
+    """warmup(modifiers=True) loads the forwards that window, softcap, ALiBi and block-mask calls pick, causal
+    and not: on Hopper at HEAD_DIM 128 the warp-specialized forms, ALiBi's two (with and without a right edge)
+    and the block mask's among them."""
     monkeypatch.setattr(_kernels, "_modules", {})
     cupyflash.warmup(dtypes="bfloat16", head_dims=128, causal=(False, True), modifiers=True, backward=False)
     monkeypatch.setattr(cupy, "RawModule", _no_compiling)
@@ -181,10 +201,13 @@ def test_after_warmup_with_modifiers_their_forwards_compile_nothing(monkeypatch)
     q, k, v = (cupy.asarray(rng.standard_normal((1, 2, 200, 128), dtype=np.float32).astype(ml_dtypes.bfloat16))
                for _ in range(3))
     slopes = cupy.asarray([0.5, 0.25], dtype=cupy.float32)
+    block_mask = cupy.asarray([[True, False], [True, True]])
     for causal in (False, True):
         for options in ({"alibi_slopes": slopes}, {"alibi_slopes": slopes, "window": (64, 16)},
                         {"alibi_slopes": slopes, "window": (64, -1)}, {"softcap": 30.0}, {"window": (64, 0)},
-                        {"softcap": 30.0, "window": (64, -1)}):
+                        {"softcap": 30.0, "window": (64, -1)}, {"block_mask": block_mask},
+                        {"block_mask": block_mask, "softcap": 30.0}, {"block_mask": block_mask, "alibi_slopes": slopes},
+                        {"block_mask": block_mask, "window": (64, 0)}):
             cupyflash.attention_forward(q, k, v, causal=causal, **options)
     cupy.cuda.Device().synchronize()
 
