@@ -8,7 +8,9 @@ must be at most 1e-5 of the reference's largest magnitude. Errors are max|x - re
 ours and the naive. A result that is exactly 0 everywhere (dq and dk when Nk == 1) gets an absolute bound.
 """
 
+import importlib.util
 import zlib
+from pathlib import Path
 
 import cupy
 import numpy as np
@@ -30,6 +32,14 @@ LSE_RTOL = 1e-5
 # ~2^-11; README, score modifiers): each logit then carries up to softcap * 2^-11, and so does lse. The
 # bound allows twice that.
 TANH_APPROX_RTOL = 2.0 ** -10
+
+
+def load_bench_script(name, filename):
+    """bench/<filename> as a module named ``name`` (bench/ is no package: the script is loaded by path)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / filename)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def pytest_addoption(parser):

@@ -1,23 +1,16 @@
 """bench/dram_floor.py: the launch shapes it tries, the target-time arithmetic and its checks (CPU), and on
 a GPU that its streaming kernel reads every input byte and writes every output byte, whatever the shape."""
 
-import importlib.util
-from pathlib import Path
-
 import cupy
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_bench_script
 
 
 @pytest.fixture(scope="module")
 def floor():
-    # bench/ is no package: load the script by path.
-    spec = importlib.util.spec_from_file_location("dram_floor", ROOT / "bench" / "dram_floor.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("dram_floor", "dram_floor.py")
 
 
 def test_launch_shapes_cover_every_items_count_on_both_grids(floor):

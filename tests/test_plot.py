@@ -1,24 +1,18 @@
 """bench/plot.py on a synthetic bench_attention.py JSON: the series it reads (no matplotlib needed), the
 PNGs it draws (skipped without matplotlib), and its one-line message when matplotlib is missing."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_bench_script
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def plot():
-    # bench/ is no package: load the script by path (this also proves it imports without matplotlib).
-    spec = importlib.util.spec_from_file_location("bench_plot", ROOT / "bench" / "plot.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("bench_plot", "plot.py")  # (this also proves it imports without matplotlib)
 
 
 def _case(dtype, d, n, causal, fwd, bwd):
@@ -101,10 +95,7 @@ def test_missing_matplotlib_is_a_one_line_message(plot, results_json, monkeypatc
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", ROOT / "bench" / "bench_attention.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # imports CuPy, but touches no GPU
-    return module
+    return load_bench_script("bench_attention", "bench_attention.py")  # imports CuPy, but touches no GPU
 
 
 def test_bench_plot_flag_needs_json(bench, capsys):
