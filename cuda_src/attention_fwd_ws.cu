@@ -244,7 +244,8 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   // A slot's t-th use (t counted over the CTA's whole stream) completes phase t / STAGES of its barriers.
   auto parity = [](int t) { return static_cast<u32>((t / STAGES) & 1); };
   // The key blocks a tile visits (copier and computing warps alike): its range, and with BLOCK_MASK only the
-  // blocks that are on. The largest visited block in [lo, n], or lo - 1; how many are visited in [lo, hi].
+  // blocks that are on. The largest visited block in [lo, n], or a value below lo; how many are visited in
+  // [lo, hi].
   auto prev_visited = [&](int words, int n, int lo) { return BLOCK_MASK ? prev_on_block(words * 32, n, lo) : n; };
   auto visited = [&](int words, int lo, int hi) { return BLOCK_MASK ? count_on_blocks(words, lo, hi) : hi - lo + 1; };
 

@@ -48,9 +48,9 @@ _SOFTCAP_MODIFIERS = Modifiers(window=(-1, -1), softcap=1.0, alibi_slopes=None, 
                                mask=None, block_mask=None)
 _ARRAY_MODIFIERS = Modifiers(window=(-1, -1), softcap=0.0, alibi_slopes=None, bias=True, bias_shape=None, mask=None,
                              block_mask=None)
-_BLOCK_MASK_MODIFIERS = tuple(dataclasses.replace(mods, block_mask=True) for mods in (
-    Modifiers(window=(-1, -1), softcap=0.0, alibi_slopes=None, bias=None, bias_shape=None, mask=None, block_mask=None),
-    _SCALAR_MODIFIERS, _SOFTCAP_MODIFIERS))
+_BLOCK_MASK_MODIFIERS = (
+    Modifiers(window=(-1, -1), softcap=0.0, alibi_slopes=None, bias=None, bias_shape=None, mask=None, block_mask=True),
+    *(dataclasses.replace(mods, block_mask=True) for mods in (_SCALAR_MODIFIERS, _SOFTCAP_MODIFIERS)))
 _SOME_DROPOUT = object()  # likewise for dropout
 _DEFAULT_CACHE_DIR = os.path.join("~", ".cupy", "kernel_cache")  # CuPy's default for CUPY_CACHE_DIR
 
