@@ -1,6 +1,6 @@
 // attention_bwd.cu — attention backward by recomputation: dq, dk, dv from dout, q, k, v, out, lse.
 //
-// Layout: as the forward (block_info.cuh); dq (b, nq, d), dk (b, nk, d), dv (b, nk, dv) contiguous (with
+// Layout: as the forward (params.cuh); dq (b, nq, d), dk (b, nk, d), dv (b, nk, dv) contiguous (with
 // variable-length sequences: (head, packed row, d), SeqInfo's q_flat / k_flat).
 // Nothing of size nq x nk is stored: P is rebuilt tile by tile from the saved lse,
 // P_ij = exp(scale * q_i . k_j - lse_i). Three launches, no atomics, so results are
@@ -50,7 +50,9 @@
 // Without modifiers both passes carry (1 - p) dS = P * (Z * dP - (1 - p) delta) and put 1 / (1 - p) into
 // dK's and dQ's final scales (DS_UNSCALED).
 #include "common.cuh"
-#include "block_info.cuh"
+#include "params.cuh"
+#include "mods.cuh"
+#include "seq_info.cuh"
 #include "gemm.cuh"
 #include "mask.cuh"
 #include "score_mods.cuh"
@@ -58,9 +60,9 @@
 
 // delta_i = rowsum(dout_i * out_i). LANES lanes share a row (32 / LANES rows per warp), each reading
 // 16-byte chunks of both: the rows are 16-byte aligned and d_v is a whole number of chunks (the host
-// pads the rows with zeros: _kernels._kernel_ready), so a 128-wide bf16 row is one load of each per lane.
-// Reading the rows an element per lane left this memory-bound pass at half the DRAM bandwidth
-// (bench/NOTES.md, v12).
+// pads the rows with zeros: _cuda/params.py, kernel_ready), so a 128-wide bf16 row is one load of each per lane:
+// this pass is memory-bound, and an element per lane left it at half the DRAM bandwidth
+// (docs/design/backward.md).
 template <typename T, int NUM_WARPS, int LANES>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_preprocess_kernel(const AttnParams p) {
@@ -167,7 +169,7 @@ __device__ __forceinline__ void dscores_kept_cols(A (&dp)[N_TILES][4], A (&prob)
 }
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_M, int D_CHUNK, bool IS_CAUSAL, Mods MODS, bool WGMMA,
-          bool HAS_DROPOUT, bool SPLIT>
+          bool HAS_DROPOUT, bool SPLIT, bool PIPELINED, bool ACROSS_TURN, bool LSE_BY_COPY>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_dkdv_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
@@ -196,13 +198,13 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   static_assert(!PIECES || (SPLIT_BLOCK_ROWS % BLOCK_M == 0 && SPLIT_BLOCK_ROWS % BLOCK_N == 0),
                 "pieces: each tile inside one row block");
   using A = acc_t<T>;  // float; double for float64 inputs
-  // PIPELINED: 16-bit wgmma passes, plain, causal or the scalar modifiers without dropout, whose products
-  // stay in flight two or three at a time (the loop below); across the loop's turn too (ACROSS_TURN) at
-  // HEAD_DIM 128, where the registers hold the next tile's S^T and dP^T beside the operands of dV and dK
-  // in flight. (HEAD_DIM 96 spilled with either; at 64 the scalars' 32-query tiles had ptxas serialize
-  // the products across the turn, C7513.)
-  constexpr bool PIPELINED = WGMMA && !PIECES && !SPLIT && !HAS_DROPOUT && MODS != Mods::all && HEAD_DIM != 96;
-  constexpr bool ACROSS_TURN = PIPELINED && HEAD_DIM == 128 && BLOCK_M <= 64;
+  // PIPELINED (the tile table's p): the products stay in flight two or three at a time (the loop below);
+  // ACROSS_TURN (a): across the loop's turn too, where the registers hold the next tile's S^T and dP^T
+  // beside the operands of dV and dK in flight. The table sets them where they compile without spills or
+  // serialized products.
+  static_assert(!PIPELINED || (WGMMA && !PIECES && !SPLIT && !HAS_DROPOUT && MODS != Mods::all),
+                "products in flight: 16-bit wgmma passes, plain, causal or the scalars, without dropout");
+  static_assert(!ACROSS_TURN || PIPELINED, "across the turn: a pipelined pass");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   E* sK = reinterpret_cast<E*>(WGMMA ? smem_aligned(smem_raw) : smem_raw);
@@ -247,9 +249,9 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   // element. (The modifiers' passes keep dS itself: the dQ pass adds it into dbias.)
   constexpr bool DS_UNSCALED = HAS_DROPOUT && !HAS_MODS;
   const A delta_scale = DS_UNSCALED ? A(1) / Reals<A>::dropout_scale(p) : A(1);
-  // lse and delta reach shared memory by cp.async (load_stream), except where delta needs that scale, and
-  // in the mma.sync Mods::all pass (at HEAD_DIM 128 it spilled 16 bytes on sm_90 with the copies).
-  constexpr bool LSE_BY_COPY = !DS_UNSCALED && (WGMMA || MODS != Mods::all);
+  // LSE_BY_COPY (the tile table's c): lse and delta reach shared memory by cp.async (load_stream) rather than
+  // through registers; not where delta needs that scale, nor where the copies made the pass spill.
+  static_assert(!(LSE_BY_COPY && DS_UNSCALED), "lse and delta by copy: delta without dropout's scale");
 
   // Only query rows i with i + nk - nq >= n0 see a key of this block under the causal mask.
   int m_first = IS_CAUSAL ? max(0, n0 - offset) / BLOCK_M : 0;
@@ -517,7 +519,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 }
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, Mods MODS, bool WGMMA,
-          bool HAS_DROPOUT, bool SPLIT>
+          bool HAS_DROPOUT, bool SPLIT, bool PIPELINED, bool ACROSS_TURN>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_dq_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
@@ -546,12 +548,13 @@ attention_bwd_dq_kernel(const AttnParams p) {
   static_assert(!PIECES || (SPLIT_BLOCK_ROWS % BLOCK_M == 0 && SPLIT_BLOCK_ROWS % BLOCK_N == 0),
                 "pieces: each tile inside one row block");
   using A = acc_t<T>;  // float; double for float64 inputs
-  // PIPELINED: 16-bit wgmma passes, plain, causal or the scalar modifiers without dropout (these at most 64
-  // keys per tile: the softcap derivative's tile of registers made 128-key tiles spill), whose S and dP
-  // are issued together (the loop below); across the loop's turn too (ACROSS_TURN) where the registers
-  // hold the next tile's S and dP beside dQ's operands in flight.
-  constexpr bool PIPELINED = WGMMA && !PIECES && !SPLIT && !HAS_DROPOUT && (MODS == Mods::none || (MODS != Mods::all && BLOCK_N <= 64));
-  constexpr bool ACROSS_TURN = PIPELINED && BLOCK_N <= 64;
+  // PIPELINED (the tile table's p): S and dP are issued together (the loop below); ACROSS_TURN (a): across
+  // the loop's turn too, where the registers hold the next tile's S and dP beside dQ's operands in flight.
+  // The table sets them where they compile without spills (with the scalars, at most 64 keys per tile: the
+  // softcap derivative's tile of registers).
+  static_assert(!PIPELINED || (WGMMA && !PIECES && !SPLIT && !HAS_DROPOUT && MODS != Mods::all),
+                "products in flight: 16-bit wgmma passes, plain, causal or the scalars, without dropout");
+  static_assert(!ACROSS_TURN || PIPELINED, "across the turn: a pipelined pass");
   // SPLIT: each 16 queries get a pair of warps (as in the dK/dV pass): role 0 computes S and P, role 1 dP
   // and dS; P goes to role 1 and dS back to role 0 through shared memory, and each accumulates half of
   // the D_CHUNK columns of dQ += dS K, so the chunk needs half the registers and no second S and dP.

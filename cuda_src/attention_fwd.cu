@@ -2,21 +2,21 @@
 //
 // Layout: q (b, nq, d), k (b, nk, d), v (b, nk, dv) with any row/batch strides (unit column
 // stride); out (b, nq, dv) and lse (b, nq) float32 (float64 for float64 inputs), contiguous; or packed variable-length sequences,
-// each batch entry with its own nq and nk (SeqInfo). See block_info.cuh.
+// each batch entry with its own nq and nk (SeqInfo). See params.cuh.
 // One CTA owns BLOCK_M = 16 * NUM_WARPS query rows of one batch entry (16 per warp). It streams
 // K and V tiles of BLOCK_N keys through shared memory with cp.async, keeps the online-softmax state
 // (m_i, l_i) and the output accumulator in registers, feeds P straight from the score registers
 // into the P V product, and writes out and lse once. Nothing of size nq x nk exists anywhere.
 // Key blocks are visited last to first: under the causal mask (and at the end of nk) the masked
 // blocks are the last ones, so they come first and every later block runs without a mask.
-// MODS instantiations (HAS_MODS: Mods::scalars, Mods::window or Mods::all, block_info.cuh) apply the score modifiers
+// MODS instantiations (HAS_MODS: Mods::scalars, Mods::window or Mods::all, mods.cuh) apply the score modifiers
 // (score_mods.cuh: window, softcap, ALiBi; with Mods::all bias and mask too) to each score tile and skip
 // key tiles outside the window band or off in the block mask; they run with IS_CAUSAL = false,
 // causality arriving as the window's right edge.
 // BOUNDED instantiations (wgmma, bfloat16, Mods::scalars) serve softcapped scores without ALiBi, which are
 // tanh values in [-1, 1]: with the softcap at most 62 ln 2 (~43), exp2 of the lowest one against 1 is still
 // a normal float, so the softmax takes 1 as every row's max (softmax.cuh, update_bounded) and skips the row
-// max's reductions, ~10-17% of the softcapped forward (bench/NOTES.md, v12). The host picks them.
+// max's reductions and their latency (docs/design/forward.md). The host picks them.
 // HAS_DROPOUT instantiations zero the dropped elements of each P tile after the softmax has summed
 // it (dropout.cuh: the mask is regenerated from the seed, never stored) and scale out by 1 / (1 - p)
 // once at the end; lse is that of the scores, unchanged.
@@ -32,14 +32,16 @@
 //    next: while the tensor cores run S_{j+1} = Q K_{j+1}^T and O += P_j V_j, the warps wait only for
 //    S_{j+1}, run its softmax, and rescale O once P_j V_j is done (FlashAttention-3's intra-warpgroup
 //    pipelining). float32 inputs (T = float, plain and causal): k and v arrive as float16 pieces hi + lo
-//    scaled by a power of two per row block (split_f32.cu, block_info.cuh's split_exponents), and each
+//    scaled by a power of two per row block (split_f32.cu, params.cuh's split_exponents), and each
 //    CTA splits its own q tile as it loads it (pieces.cuh, split_tile). S takes three float16 products
 //    (Q_hi K_lo^T + Q_lo K_hi^T + Q_hi K_hi^T), P is split likewise, and each block's P V is added to O
 //    in registers, so float32 accuracy holds over any number of key blocks. CTAS_PER_SM is its launch
 //    bounds' minimum of resident CTAs (the tile table's ctas_per_sm): more than one where short CTAs (a
 //    window's few key blocks) hide each other's setup, first copies and epilogue.
 #include "common.cuh"
-#include "block_info.cuh"
+#include "params.cuh"
+#include "mods.cuh"
+#include "seq_info.cuh"
 #include "gemm.cuh"
 #include "mask.cuh"
 #include "softmax.cuh"

@@ -1,6 +1,6 @@
 // attention_probs.cu — the softmax probabilities P = exp(s - lse) of attention, for inspection.
 //
-// Layout: q (b, nq, d), k (b, nk, d) as in the forward (block_info.cuh); lse (b, nq) float32 from the
+// Layout: q (b, nq, d), k (b, nk, d) as in the forward (params.cuh); lse (b, nq) float32 from the
 // forward with the same options; writes probs (b, nq, nk) in the accumulator type (float32; float64 for
 // float64 inputs), contiguous (p.out).
 // One CTA owns BLOCK_M = 16 * NUM_WARPS query rows and one BLOCK_N-key tile (grid x enumerates both):
@@ -9,7 +9,9 @@
 // block mask hide are written as zeros without computing anything. This is the one kernel that
 // writes an nq x nk array: it exists for debugging, not for speed.
 #include "common.cuh"
-#include "block_info.cuh"
+#include "params.cuh"
+#include "mods.cuh"
+#include "seq_info.cuh"
 #include "gemm.cuh"
 #include "score_mods.cuh"
 

@@ -57,7 +57,7 @@ template <typename T, int ROWS, int COLS, bool WGMMA>
 using SmemTile = typename Select<WGMMA, SwizzledTile<T, ROWS, COLS>, PaddedTile<T, ROWS, COLS>>::type;
 
 // The first 1024-byte boundary at or after the dynamic shared memory's start (kernels ask the host for
-// 1024 bytes more than their tiles need: _config.SMEM_ALIGN).
+// 1024 bytes more than their tiles need: _cuda/tiles.py, SMEM_ALIGN).
 __device__ __forceinline__ unsigned char* smem_aligned(unsigned char* raw) {
   const u32 misalign = static_cast<u32>(__cvta_generic_to_shared(raw)) & 1023u;
   return raw + (misalign ? 1024u - misalign : 0u);
@@ -65,8 +65,8 @@ __device__ __forceinline__ unsigned char* smem_aligned(unsigned char* raw) {
 
 // One 16-byte chunk, or zeros when !valid: cp.async's ignore-src predicate then reads nothing from src
 // (which may point past the tensor). So the swizzled copies below pass each chunk's own address, with no
-// select of address or size per chunk: the wgmma forward -6 to -13%, the backward -1 to -4% (bench/NOTES.md,
-// v15). The padded (mma.sync) copies still select the address: without it six sm_80 variants spilled.
+// select of address or size per chunk (fewer instructions per copy: docs/design/forward.md). The padded
+// (mma.sync) copies still select the address: without it some sm_80 variants spilled.
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
   asm volatile("{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, ignore;\n}\n"
                ::"r"(dst), "l"(src), "r"(static_cast<u32>(valid)));
@@ -96,8 +96,8 @@ __device__ __forceinline__ void smem_publish() {
 // lighter on registers, which those kernels have fewer of to spare.
 // FULL_TILE_BRANCH (swizzled, whole rows per pass): a tile whose rows all lie inside the sequence (every
 // tile but a sequence's last) skips the per-row test and selects, most of the copy's instructions: the
-// backward's passes take it (-1 to -6%, bench/NOTES.md, v13). The forward does not: that branch inside its
-// pipelined loop makes ptxas serialize its warpgroup products (C7513), 20% slower.
+// backward's passes take it. The forward does not: that branch inside its pipelined loop makes ptxas
+// serialize its warpgroup products (C7513; docs/design/compile.md).
 template <class Tile, int THREADS, bool FULL_TILE_BRANCH = false, typename T>
 __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, i64 row_stride, int valid_rows, int valid_cols) {
   constexpr int VEC = Tile::VEC, CHUNKS = Tile::NUM_COLS / VEC, ROWS = Tile::NUM_ROWS;

@@ -16,7 +16,7 @@
 // accumulator element [j][e], keep_cols) and draws the numbers once.
 #pragma once
 #include "common.cuh"
-#include "block_info.cuh"
+#include "params.cuh"
 
 struct Dropout {
   const AttnParams& p;  // the round keys, read as constant operands (p.dropout_keys)
@@ -77,8 +77,8 @@ struct Dropout {
     const int mine = 16 * (g & 1);    // the half of each word this thread's keys take
     u64 bits = 0;
     // UNROLL calls at a time: the callers unroll 16-bit inputs' tiles fully (independent chains for the
-    // scheduler, and the bits go in by constant shifts: 2-6% on the backward over two at a time), float32
-    // and float64 not at all (their passes spill with two).
+    // scheduler, and the bits go in by constant shifts; docs/design/dropout.md), float32 and float64 not at
+    // all (their passes spill with two).
 #pragma unroll UNROLL
     for (int jj = 0; jj < N / 2; ++jj) {
       // Query 16 jj + 8 h + 2t + c, key g + 8 r: slot h * 4 + r * 2 + (g & 1), word h * 2 + r, element

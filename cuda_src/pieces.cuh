@@ -10,11 +10,11 @@
 // three float16 products, a_hi b_lo + a_lo b_hi + a_hi b_hi (the dropped a_lo b_lo is 2^-22 relative).
 #pragma once
 #include "common.cuh"
-#include "block_info.cuh"
+#include "params.cuh"
 #include "copy.cuh"
 
 // The rows of an input that share one power of two: a multiple of every tile's rows, so that each tile
-// the kernels load carries one (cupyflash/_split.py mirrors it).
+// the kernels load carries one (cupyflash/_cuda/f32_pieces.py mirrors it).
 constexpr int SPLIT_BLOCK_ROWS = 128;
 
 // The exponent e that brings a largest magnitude (as float bits) into [2^14, 2^15); 0 for 0 or a

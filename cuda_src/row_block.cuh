@@ -2,7 +2,9 @@
 // key blocks those rows see (attention_fwd.cu, attention_fwd_ws.cu).
 #pragma once
 #include "common.cuh"
-#include "block_info.cuh"
+#include "params.cuh"
+#include "mods.cuh"
+#include "seq_info.cuh"
 #include "mask.cuh"
 #include "score_mods.cuh"
 
@@ -65,8 +67,8 @@ struct RowBlock {
       n_blocks = k_last >= k_first ? k_last / BLOCK_N + 1 : 0;
       keys_end = k_last + 1;
       if constexpr (KEYS_IN_REGISTERS) mods.template unchecked_key_blocks<BLOCK_N>(m0, m0 + BLOCK_M - 1, n_free_first, n_free_last);
-      // The block mask: Mods::all only. (Walking it in the scalars' forward cost the ALiBi forward 6% and
-      // the window's 4%: the host sends block-mask forwards to Mods::all, their backward to the scalars.)
+      // The block mask: Mods::all only. (Walking it in the scalars' forward slowed the ALiBi and window
+      // forwards: the host sends block-mask forwards to Mods::all, their backward to the scalars.)
       if constexpr (MODS == Mods::all) mods.template load_tile_bitmap<NUM_WARPS, true>(tile_bitmap, bitmap_words, b, m0);
     }
   }

@@ -12,7 +12,7 @@
 //   x_ij = -inf  when j >= nk, i >= nq, j is outside the window band
 //                [i + off - left, i + off + right] (-1 = unbounded; causal arrives as right = 0),
 //                or mask[b, i, j] is false.
-// The block mask is not applied per element: kernels skip its false tiles whole (TileBitmap), which
+// The block mask is not applied per element: kernels skip its false tiles whole (block_mask.cuh), which
 // needs each kernel tile to lie inside one BLOCK_MASK_TILE x BLOCK_MASK_TILE block (tiles are powers
 // of two <= 128, aligned). Scores come back in a unit of the logit (logit = unit * score): raw q . k
 // without a softcap, tanh(x / softcap) with one; kernels run the softmax with unit * log2(e) as the
@@ -24,118 +24,11 @@
 // off cost them nothing.
 #pragma once
 #include "common.cuh"
-#include "block_info.cuh"
-
-constexpr int BLOCK_MASK_TILE = 128;  // must match cupyflash/_modifiers.py
-
-// The softcap's t = tanh(scale * raw / softcap) of a raw score q . k. With a softcap the kernels keep
-// scores in units of t (the logit is softcap * t: the softcap goes into the exponent's scale, as the scale
-// does for raw scores), so t is all a score costs. 16-bit inputs take the hardware's tanh.approx.f32 (one
-// special-function instruction, as FlashAttention-2 and -3 do): its relative error, documented as at most
-// 2^-11 (measured 2^-16.5 on an H100), puts at most softcap times that on a logit, below the 16-bit
-// rounding of the logits, so out and the gradients keep their 16-bit accuracy and lse carries that
-// absolute error (README, score modifiers). The forward, the backward and attention_probs take the same
-// t, so P is the same function in all three. float32 takes the accurate libdevice tanhf (float32 accuracy
-// is the point of that dtype), float64 libdevice's tanh. (An exact 16-bit tanh, 1 - 2 / (2^(2 log2(e) x)
-// + 1), took five instructions, two of them special-function ones: the softcapped forward ran at 0.70-0.75x
-// of plain, GPU time, against 0.83-0.88x with tanh.approx.)
-template <typename T, typename A>
-struct SoftcapTanh {
-  A k;  // scale / softcap
-  __device__ __forceinline__ explicit SoftcapTanh(const AttnParams& p)
-      : k(Reals<A>::scale(p) * Reals<A>::softcap_inv(p)) {}
-  __device__ __forceinline__ A tanh_of(A raw) const {
-    if constexpr (sizeof(T) == 2) {
-      float t;
-      asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(raw * k));
-      return t;
-    } else if constexpr (sizeof(T) == 4) {
-      return tanhf(raw * k);
-    } else {
-      return tanh(raw * k);
-    }
-  }
-};
-
-// The block mask along the axis a kernel streams (keys for the forward and dQ, queries for dK/dV), as
-// a bitmap in shared memory: finding the next tile that is on is then a word scan, not a chain of
-// dependent global loads. Longer axes than the bitmap holds read global memory tile by tile.
-// The TileBitmap object itself (where the words are, the line, its stride and count) lives in registers
-// in the Mods::all kernels and in shared memory in the Mods::scalars ones (tile_bitmap_for): held in
-// registers through their loops it made the scalars' HEAD_DIM 128 dK/dV pass spill, and moving it for
-// Mods::all too made eighteen of those kernels, already at 255 registers, spill on sm_90.
-constexpr int TILE_BITMAP_WORDS = 64;  // 2048 tiles of 128: 262,144 keys (or queries)
-
-struct TileBitmap {
-  const u32* words;           // shared memory, or null: no block mask (every tile on)
-  const unsigned char* line;  // the block-mask line in global memory (fallback), with its stride
-  i64 stride;
-  int count;                  // block-mask tiles along the axis
-
-  // Fill `smem_words` (TILE_BITMAP_WORDS) from block-mask line `line`; every thread of the CTA calls it.
-  // Until the barrier each thread reads only its arguments, never the members: in shared memory (the
-  // scalars' object) other warps may still be writing them, the reset to null included.
-  template <int NUM_WARPS>
-  __device__ __forceinline__ void load(u32* smem_words, const unsigned char* line_, i64 stride_, int count_) {
-    const bool in_words = count_ <= 32 * TILE_BITMAP_WORDS;
-    line = line_; stride = stride_; count = count_;
-    words = in_words ? smem_words : nullptr;
-    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    if (in_words) {
-      for (int base = warp * WARP_SIZE; base < count_; base += NUM_WARPS * WARP_SIZE) {
-        const bool on = base + lane < count_ && line_[(base + lane) * stride_];
-        const u32 word = __ballot_sync(0xffffffffu, on);
-        if (lane == 0) smem_words[base / WARP_SIZE] = word;
-      }
-    }
-    __syncthreads();
-  }
-  // Largest tile <= t that is on, or -1.
-  __device__ __forceinline__ int prev_on(int t) const {
-    if (!words) {
-      while (t >= 0 && !line[t * stride]) --t;
-      return t;
-    }
-    if (t < 0) return -1;
-    int w = t / 32;
-    u32 bits = words[w] & (2u << (t % 32)) - 1u;  // bits 0 .. t % 32
-    while (bits == 0) {
-      if (--w < 0) return -1;
-      bits = words[w];
-    }
-    return w * 32 + 31 - __clz(bits);
-  }
-  // Smallest tile >= t that is on, or count.
-  __device__ __forceinline__ int next_on(int t) const {
-    if (!words) {
-      while (t < count && !line[t * stride]) ++t;
-      return t;
-    }
-    if (t >= count) return count;
-    int w = t / 32;
-    u32 bits = words[w] & (~0u << (t % 32));
-    while (bits == 0) {
-      if (++w * 32 >= count) return count;
-      bits = words[w];
-    }
-    return w * 32 + __ffs(bits) - 1;
-  }
-};
-
-// The Mods::scalars kernels' TileBitmap (module-scope shared memory is allocated only for the kernels that
-// use it). Every thread of the CTA writes the same final values into it (load_tile_bitmap) and reads it
-// only after TileBitmap::load's barrier.
-__shared__ TileBitmap scalars_tile_bitmap;
-
-// The TileBitmap a MODS kernel works with: `in_registers` (its own local object) or the shared one.
-template <Mods MODS, class Bitmap>
-__device__ __forceinline__ Bitmap& tile_bitmap_for(Bitmap& in_registers) {
-  if constexpr (MODS == Mods::scalars) {
-    return scalars_tile_bitmap;
-  } else {
-    return in_registers;
-  }
-}
+#include "params.cuh"
+#include "mods.cuh"
+#include "seq_info.cuh"
+#include "softcap.cuh"
+#include "block_mask.cuh"
 
 // Per CTA it keeps only its batch entry's base pointers and slope in registers; sizes, strides and
 // flags are read from the kernel's parameter struct (constant memory operands, no registers).

@@ -65,9 +65,8 @@ struct OnlineSoftmax {
   }
 
   // The max of row r (of the thread's two) over the tile, as a tree: one or two computing warps share an SM
-  // sub-partition in these kernels, so little hides the latency of a chain of N dependent maxes.
-  // (The warp-specialized forward at HEAD_DIM 128, with the four sums below: plain 4-6% faster,
-  // bench/NOTES.md v27.)
+  // sub-partition in these kernels, so little hides the latency of a chain of N dependent maxes
+  // (docs/design/forward.md).
   template <int N>
   __device__ __forceinline__ static A row_tile_max(const A (&s)[N][4], int r) {
     A m[N];

@@ -1,7 +1,7 @@
 // tma.cuh — Hopper's tensor-memory-accelerator copies (cp.async.bulk.tensor) and the shared-memory
 // mbarriers that count their bytes, for the warp-specialized forward (attention_fwd_ws.cu).
 //
-// A tensor map (CUtensorMap, 128 bytes, encoded on the host by cupyflash/_tma.py) describes one input as a
+// A tensor map (CUtensorMap, 128 bytes, encoded on the host by cupyflash/_cuda/tma.py) describes one input as a
 // 5-d tensor (columns, rows, batch2, batch1, batch0) with the batch strides of the collapsed layout, and a
 // box of one swizzle atom's columns by a tile's rows: one copy per atom column lands in SwizzledTile's
 // layout (copy.cuh), swizzled by the hardware, rows and columns past the tensor's end filled with zeros.

@@ -1,14 +1,16 @@
-"""``python -m cupyflash``: versions, a self-check against the float64 reference, and a short report.
+"""``python -m cupyflash``: a quick check of an install: versions, a self-check against the float64
+reference, and a short report.
 
 With a GPU: forward and backward of our kernels on a few awkward shapes in float16, bfloat16, float32 and
 float64, causal and not, against :mod:`cupyflash.reference`; then a short timing table of
 ``cupyflash.attention`` against a hand-written CuPy attention (matmul -> softmax -> matmul).
+Without a GPU (or without CuPy): the CPU path (NumPy inputs) against the reference, in seconds.
 
-Without a GPU: the CPU path (NumPy inputs) against the reference, and every shipped kernel variant compiled
-through NVRTC for sm_80 and sm_90, with ptxas' registers, shared memory, spills and stack per kernel.
+``--compile-report`` also compiles every shipped kernel variant through NVRTC for sm_80 and sm_90(a), no GPU
+needed (minutes, with progress), and checks ptxas' report of each: no register spills, no stack frame, no
+warpgroup products (wgmma) serialized (notes C7510-C7519). CI runs it.
 
-Exits with status 1 if any check fails or any kernel variant spills, uses a stack frame, or has its
-warpgroup products (wgmma) serialized by ptxas (notes C7510-C7519).
+Exits with status 1 if any check fails.
 """
 
 import argparse
@@ -22,8 +24,10 @@ import numpy as np
 
 import cupyflash
 from cupyflash import reference
+from cupyflash._arrays import lse_dtype
+from cupyflash._cuda import ptxas_report
+from cupyflash._cuda.variants import variants_for
 from cupyflash._timing import median_ms
-from cupyflash._types import lse_dtype
 
 # Relative max-norm error, max|x - x_ref| / max|x_ref|, allowed against the float64 reference. The
 # gradients pass through two more rounded products (P and dS are rounded to the input dtype), so they get
@@ -92,7 +96,7 @@ def main(argv=None):
     report = Report()
     _print_versions(cupy)
     if cupy is None:
-        print(f"\nNo CUDA GPU ({why_no_gpu}): checking the CPU path (NumPy inputs) instead.")
+        print(f"\n{why_no_gpu}: checking the CPU path (NumPy inputs) instead.")
     if args.check:
         _section("self-check against cupyflash.reference (float64)")
         if cupy is not None:
@@ -102,10 +106,9 @@ def main(argv=None):
     if cupy is not None and args.bench:
         _section("forward TFLOP/s: cupyflash.attention vs hand-written CuPy (matmul -> softmax -> matmul)")
         _timing_table(cupy)
-    compile_report = args.compile_report if args.compile_report is not None else cupy is None
-    if compile_report:
+    if args.compile_report:
         _section(f"kernel variants compiled by NVRTC for {', '.join(args.arch)} (no GPU needed)")
-        _compile_table(report, args.arch, required=args.compile_report is not None or _in_ci())
+        _compile_table(report, args.arch, verbose=args.verbose)
     return report.finish()
 
 
@@ -113,15 +116,18 @@ def _parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m cupyflash",
         description="Print versions, check cupyflash against its float64 reference (on the GPU, or the "
-                    "CPU path without one) and report kernel timings (GPU) or the compiled kernels' "
-                    "registers, shared memory and spills (without a GPU). Exits 1 if anything fails.",
+                    "CPU path without one) and time it (GPU); with --compile-report also compile every "
+                    "kernel variant and check ptxas' report of each. Exits 1 if anything fails.",
     )
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the self-check")
     parser.add_argument("--no-bench", dest="bench", action="store_false",
                         help="skip the timing table (GPU only)")
-    parser.add_argument("--compile-report", action=argparse.BooleanOptionalAction, default=None,
-                        help="compile every kernel variant with NVRTC and report ptxas' resources "
-                             "(default: only without a GPU)")
+    parser.add_argument("--compile-report", action="store_true",
+                        help="also compile every kernel variant with NVRTC (no GPU needed; minutes) and fail on "
+                             "register spills, stack frames or serialized warpgroup products")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="with --compile-report: a table of every kernel's registers, shared memory, spills "
+                             "and stack")
     parser.add_argument("--arch", nargs="+", default=list(ARCHES), metavar="SM",
                         help="architectures for the compile report (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
@@ -150,24 +156,25 @@ class Report:
         return 0
 
 
-def _in_ci():
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-
-
 def _section(title):
     print(f"\n== {title}")
 
 
 def _find_gpu():
-    """(cupy, None) when a CUDA device is usable, else (None, the reason)."""
+    """(cupy, None) when a CUDA device is usable, else (None, why not, in words)."""
     try:
         import cupy
-
+    except ImportError:
+        return None, "CuPy is not installed (the cuda12 or cuda13 extra brings it)"
+    try:
         count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no CuPy, no driver, or no device
-        return None, f"{type(exc).__name__}: {exc}".strip()
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        # cudaErrorInsufficientDriver and cudaErrorNoDevice are what a machine without a GPU answers.
+        if exc.status in (35, 100):
+            return None, "No CUDA GPU found"
+        return None, f"No usable CUDA GPU ({exc})"
     if count < 1:
-        return None, "the CUDA driver reports no device"
+        return None, "No CUDA GPU found"
     return cupy, None
 
 
@@ -187,9 +194,7 @@ def _print_versions(cupy):
     except Exception as exc:
         print(f"CuPy       unavailable ({type(exc).__name__}: {exc})")
     try:
-        from cupyflash import _kernels
-
-        major, minor = _kernels.nvrtc_version()
+        major, minor = ptxas_report.nvrtc_version()
         print(f"NVRTC      {major}.{minor}")
     except Exception as exc:
         print(f"NVRTC      unavailable ({type(exc).__name__}: {exc})")
@@ -377,55 +382,66 @@ def _fmt_tflops(flops, ms):
 # Compile report (no GPU needed)
 
 
-def _compile_table(report, arches, *, required):
+def _compile_table(report, arches, *, verbose):
     try:
-        from cupyflash import _kernels
-
-        _kernels.nvrtc_version()
+        ptxas_report.nvrtc_version()
     except Exception as exc:
-        message = f"compile report: NVRTC unavailable ({type(exc).__name__}: {exc})"
+        message = f"compile report: NVRTC unavailable ({type(exc).__name__}: {exc}); install the cuda12 or cuda13 extra"
         print(message)
-        if required:
-            report.record(False, message + "; install the cuda12 or cuda13 extra")
+        report.record(False, message)
         return
     by_arch = {}
     for arch in arches:
         t0 = time.perf_counter()
+        total = len(variants_for(arch))
+
+        def progress(done, total, arch=arch, t0=t0):
+            if done == total or done % 50 == 0:
+                print(f"  {arch}: {done}/{total} modules, {time.perf_counter() - t0:.0f} s", flush=True)
+
         try:
-            by_arch[arch] = {r["kernel"]: r for r in _kernels.compile_report(arch)}
+            by_arch[arch] = {r["kernel"]: r for r in ptxas_report.compile_report(arch, progress=progress)}
         except Exception as exc:
             print(f"{arch}: compile_report raised {type(exc).__name__}:\n{exc}")
             report.record(False, f"compile_report({arch!r}) raised {type(exc).__name__}")
             continue
-        print(f"{arch}: {len(by_arch[arch])} distinct kernels compiled in {time.perf_counter() - t0:.1f} s")
-    if not by_arch:
-        return
-    kernels = list(dict.fromkeys(name for rows in by_arch.values() for name in rows))
-    # What each architecture must have: the kernels of the variants built for it (the wgmma path and the
-    # float64 tiles that need Hopper's shared memory are built for sm_90 alone).
-    expected = {arch: {v.name_expression(k) for v in _kernels.variants_for(arch) for k in v.kernels} for arch in by_arch}
-    width = max(len("kernel"), *(len(k) for k in kernels))
-    cell = "{:>4} {:>8} {:>6} {:>5}"
-    print(f"\n{'':{width}} | " + " | ".join(f"{arch:^26}" for arch in by_arch))
-    print(f"{'kernel':{width}} | " + " | ".join(cell.format("regs", "smem KiB", "spill", "stack")
-                                                for _ in by_arch))
-    for name in kernels:
-        cells = []
-        for arch, rows in by_arch.items():
-            r = rows.get(name)
-            if r is None:  # a kernel built for sm_90 alone, on sm_80, is expected; anything else is missing
-                cells.append(cell.format("-", "-", "-", "-"))
-                if name in expected[arch]:
-                    report.record(False, f"{name}: not compiled for {arch}")
-                continue
-            smem = (r["static_smem"] + r["dynamic_smem"]) / 1024
-            spill = r["spill_stores"] + r["spill_loads"]
-            cells.append(cell.format(r["registers"], f"{smem:.1f}", spill, r["stack_frame"]))
-            report.record(spill == 0 and r["stack_frame"] == 0,
+        rows = by_arch[arch].values()
+        print(f"{arch}: {total} modules, {len(rows)} distinct kernels compiled in {time.perf_counter() - t0:.1f} s; "
+              f"registers {min(r['registers'] for r in rows)}-{max(r['registers'] for r in rows)}, "
+              f"spilling {sum(r['spill_stores'] + r['spill_loads'] > 0 for r in rows)}, "
+              f"with a stack frame {sum(r['stack_frame'] > 0 for r in rows)}, "
+              f"serialized wgmma {sum(r['serialized_wgmma'] > 0 for r in rows)}")
+    # What each architecture must have: the kernels of the variants built for it (Hopper's paths, and the
+    # float64 tiles that need Hopper's shared memory, are built for sm_90 alone).
+    for arch, rows in by_arch.items():
+        expected = {v.name_expression(k) for v in variants_for(arch) for k in v.kernels}
+        for name in sorted(expected - set(rows)):
+            report.record(False, f"{name}: not compiled for {arch}")
+        for name, r in rows.items():
+            report.record(r["spill_stores"] + r["spill_loads"] == 0 and r["stack_frame"] == 0,
                           f"{name} on {arch}: spill stores {r['spill_stores']} B, spill loads "
                           f"{r['spill_loads']} B, stack {r['stack_frame']} B")
             report.record(r["serialized_wgmma"] == 0, f"{name} on {arch}: ptxas serialized its warpgroup "
                                                       f"products ({r['serialized_wgmma']} notes C751x)")
+    if verbose:
+        _print_compile_table(by_arch)
+
+
+def _print_compile_table(by_arch):
+    kernels = list(dict.fromkeys(name for rows in by_arch.values() for name in rows))
+    width = max(len("kernel"), *(len(k) for k in kernels))
+    cell = "{:>4} {:>8} {:>6} {:>5}"
+    print(f"\n{'':{width}} | " + " | ".join(f"{arch:^26}" for arch in by_arch))
+    print(f"{'kernel':{width}} | " + " | ".join(cell.format("regs", "smem KiB", "spill", "stack") for _ in by_arch))
+    for name in kernels:
+        cells = []
+        for rows in by_arch.values():
+            r = rows.get(name)
+            if r is None:  # a kernel built for sm_90 alone, on sm_80
+                cells.append(cell.format("-", "-", "-", "-"))
+                continue
+            smem = (r["static_smem"] + r["dynamic_smem"]) / 1024
+            cells.append(cell.format(r["registers"], f"{smem:.1f}", r["spill_stores"] + r["spill_loads"], r["stack_frame"]))
         print(f"{name:{width}} | " + " | ".join(cells))
 
 

@@ -4,8 +4,8 @@ Every public function validates its inputs here, once, for both back ends; then 
 problems (nothing is launched), broadcasts the leading (batch) dims of q, k, v to one shape with stride-0
 views, and hands the arrays to the back end of their array type:
 
-    numpy.ndarray -> cupyflash._cpu      (blocked NumPy, same algorithm as the kernels)
-    cupy.ndarray  -> cupyflash._kernels  (our CUDA kernels, imported only when first needed)
+    numpy.ndarray -> cupyflash._cpu           (blocked NumPy, same algorithm as the kernels)
+    cupy.ndarray  -> cupyflash._cuda.backend  (our CUDA kernels, compiled when first needed)
 
 Both back ends take the same arguments and return full-batch-shape results; the gradients are summed back
 to the shapes of q, k, v here.
@@ -14,17 +14,14 @@ to the shapes of q, k, v here.
 from __future__ import annotations
 
 import math
-import numbers
 
-import cupy
-import ml_dtypes
 import numpy as np
 
 from cupyflash import _cpu, _dropout, _modifiers, _varlen
-from cupyflash._types import Array, lse_dtype
-
-MAX_HEAD_DIM = 256
-SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
+from cupyflash._arrays import Array, lse_dtype, sum_to_shape
+from cupyflash._checks import (check_array_types, check_causal, check_dtypes, check_forward_outputs, check_head_dims,
+                               check_shapes, resolve_scale)
+from cupyflash._cuda import backend as _gpu
 
 
 def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
@@ -117,7 +114,7 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
 
     In bfloat16 on the GPU, with a sliding window of 32 keys and a softcap:
 
-    >>> import cupy, ml_dtypes
+    >>> import cupy, ml_dtypes  # doctest: +SKIP
     >>> qg, kg, vg = (cupy.asarray(x.astype(ml_dtypes.bfloat16)) for x in (q, k, v))  # doctest: +SKIP
     >>> out = cupyflash.attention(qg, kg, vg, causal=True, window=(32, 0), softcap=30.0)  # doctest: +SKIP
     """
@@ -457,11 +454,7 @@ def _validate_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 
 def _backend(xp):
-    if xp is np:
-        return _cpu
-    from cupyflash import _kernels
-
-    return _kernels
+    return _cpu if xp is np else _gpu
 
 
 def _broadcast(xp, x, batch):
@@ -469,27 +462,8 @@ def _broadcast(xp, x, batch):
     return x if x.shape[:-2] == batch else xp.broadcast_to(x, batch + x.shape[-2:])
 
 
-def sum_to_shape(grad, shape, accumulate_dtype=None):
-    """Sum ``grad`` over the dims that broadcasting added to an array of ``shape``.
-
-    Works for NumPy and CuPy arrays alike. The sum runs in ``accumulate_dtype`` (None:
-    ``lse_dtype(grad.dtype)``, float64 for float64 and float32 otherwise; pass ``lse_dtype`` of the
-    inputs' dtype for a float32 dbias of float64 inputs) and the result is cast back to ``grad.dtype``;
-    when nothing was broadcast, ``grad`` is returned as is.
-    """
-    lead = grad.ndim - len(shape)
-    stretched = tuple(lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1)
-    axes = tuple(range(lead)) + stretched
-    if not axes:
-        return grad
-    if accumulate_dtype is None:
-        accumulate_dtype = lse_dtype(grad.dtype)
-    total = grad.astype(accumulate_dtype).sum(axis=axes, keepdims=True)
-    return total.reshape(shape).astype(grad.dtype)
-
-
 # ---------------------------------------------------------------------------------------------------
-# Validation: one set of checks for both back ends (and the shape/scale/causal checks for reference.py)
+# Validation: one set of checks for both back ends (the checks themselves: cupyflash._checks)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -508,12 +482,7 @@ class _Problem:
         return math.prod(self.batch) == 0 or self.nq == 0 or self.nk == 0
 
     def backend(self):
-        if self.xp is np:
-            return _cpu
-        # Imported here so that importing cupyflash never compiles or touches a GPU.
-        from cupyflash import _kernels
-
-        return _kernels
+        return _backend(self.xp)
 
 
 def _validate(arrays, causal, scale, options):
@@ -530,111 +499,3 @@ def _validate(arrays, causal, scale, options):
     scale = resolve_scale(scale, q.shape[-1])
     mods = _modifiers.resolve(xp, dtype, batch, q.shape[-2], k.shape[-2], **options)
     return _Problem(xp, dtype, batch, q, k, v, scale, causal, mods)
-
-
-def check_array_types(arrays):
-    """All arrays must be NumPy, or all CuPy on the current device. Returns numpy or cupy."""
-    for name, x in arrays.items():
-        if not isinstance(x, (np.ndarray, cupy.ndarray)):
-            raise TypeError(
-                f"{name} must be a numpy.ndarray or a cupy.ndarray, got {type(x).__module__}."
-                f"{type(x).__qualname__}"
-            )
-    kinds = {name: "cupy" if isinstance(x, cupy.ndarray) else "numpy" for name, x in arrays.items()}
-    if len(set(kinds.values())) > 1:
-        listing = ", ".join(f"{name} is {kind}" for name, kind in kinds.items())
-        raise TypeError(f"cannot mix NumPy and CuPy arrays ({listing}); convert them to one type")
-    if "cupy" not in kinds.values():
-        return np
-    current = cupy.cuda.Device().id
-    for name, x in arrays.items():
-        if x.device.id != current:
-            raise ValueError(
-                f"{name} is on device {x.device.id} but the current device is {current}; "
-                f"move it there or run under `with cupy.cuda.Device({x.device.id}):`"
-            )
-    return cupy
-
-
-def check_dtypes(arrays):
-    """Every array but lse one shared supported dtype, which is returned; lse ``lse_dtype`` of it."""
-    named = [(name, x.dtype) for name, x in arrays.items() if name != "lse"]
-    for name, dtype in named:
-        if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"{name} has dtype {dtype}; expected float16, bfloat16 (ml_dtypes.bfloat16), float32 or float64"
-            )
-    first_name, first_dtype = named[0]
-    for name, dtype in named[1:]:
-        if dtype != first_dtype:
-            names = ", ".join(n for n, _ in named)
-            raise TypeError(
-                f"{first_name} has dtype {first_dtype} but {name} has dtype {dtype}; "
-                f"{names} must share one dtype"
-            )
-    if "lse" in arrays and arrays["lse"].dtype != lse_dtype(first_dtype):
-        raise TypeError(
-            f"lse must be {lse_dtype(first_dtype)} for {first_dtype} inputs (as attention_forward returns it), "
-            f"got {arrays['lse'].dtype}"
-        )
-    return first_dtype
-
-
-def check_shapes(q, k, v):
-    """q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv); returns the broadcast leading shape."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim < 2:
-            raise ValueError(f"{name} must have at least 2 dims (..., N, D), got shape {x.shape}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"q and k must have the same head dim D (last dim), got q {q.shape} and k {k.shape}"
-        )
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"k and v must have the same number of keys Nk (dim -2), got k {k.shape} and v {v.shape}"
-        )
-    if q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
-        return q.shape[:-2]  # the common case, without np.broadcast_shapes' cost
-    try:
-        return tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
-    except ValueError:
-        raise ValueError(
-            f"the leading (batch) dims of q {q.shape}, k {k.shape} and v {v.shape} do not broadcast "
-            "together (NumPy rules, last two dims excluded)"
-        ) from None
-
-
-def check_head_dims(q, v):
-    """The kernels support head dims D (of q and k) and Dv (of v) from 1 to MAX_HEAD_DIM."""
-    for what, dim in (("D (q.shape[-1])", q.shape[-1]), ("Dv (v.shape[-1])", v.shape[-1])):
-        if not 1 <= dim <= MAX_HEAD_DIM:
-            raise ValueError(f"head dim {what} is {dim}; supported head dims are 1 to {MAX_HEAD_DIM}")
-
-
-def check_forward_outputs(arrays, batch):
-    """dout and out must be (*batch, Nq, Dv) and lse (*batch, Nq), exactly as the forward returns them."""
-    nq, dv = arrays["q"].shape[-2], arrays["v"].shape[-1]
-    expected = dict(dout=batch + (nq, dv), out=batch + (nq, dv), lse=batch + (nq,))
-    for name, shape in expected.items():
-        if arrays[name].shape != shape:
-            raise ValueError(
-                f"{name} has shape {arrays[name].shape}; expected {shape}, the shape of the "
-                f"{'lse' if name == 'lse' else 'out'} that attention_forward returns for these q, k, v"
-            )
-
-
-def check_causal(causal):
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {causal!r} ({type(causal).__name__})")
-    return bool(causal)
-
-
-def resolve_scale(scale, head_dim):
-    """Default ``1 / sqrt(head_dim)``; otherwise a finite positive real number, returned as a float."""
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {scale!r} ({type(scale).__name__})")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be finite and > 0, got {scale!r}")
-    return float(scale)

@@ -3,7 +3,7 @@
 float64 inputs compute in float64 instead (``lse_dtype``: scores, softmax state, accumulators, lse, dbias,
 the dropout scale 1 / (1 - p)); every other dtype computes in float32.
 
-Same arguments and results as cupyflash._kernels (see the internal contract there): q (*batch, Nq, D),
+Same arguments and results as the GPU back end (cupyflash._cuda.backend): q (*batch, Nq, D),
 k (*batch, Nk, D), v (*batch, Nk, Dv) of one dtype with identical batch shapes (stride-0 views welcome),
 Nq, Nk, prod(batch) >= 1, already validated by cupyflash._api; ``mods`` is the resolved
 cupyflash._modifiers.Modifiers (its arrays broadcast to the full shapes) or None.
@@ -22,13 +22,19 @@ uses P_ij * Z_ij / (1 - p) for dV and dP_ij * Z_ij / (1 - p) in place of dP_ij.
 Key blocks outside the window band (causal included) or whose block_mask tiles are all False are skipped,
 as the kernels skip them. At most one (BLOCK_Q x BLOCK_K) score tile per batch element exists at a time:
 never Nq x Nk (except in attention_probs, whose output is that big).
+A key that a query row does not see never reaches that row, even where k, v (or q, dout for the key's own
+gradients) hold a NaN or an infinity: hidden scores are replaced, not added to, and the products skip the
+hidden pairs (matmul_seen) whenever an input is not finite.
 """
+
+from dataclasses import replace
 
 import numpy as np
 
+from cupyflash._arrays import lse_dtype, matmul_seen, sum_to_shape
 from cupyflash._dropout import keep_mask
 from cupyflash._modifiers import BLOCK_MASK_TILE, Modifiers
-from cupyflash._types import lse_dtype
+from cupyflash._varlen import sequence_view
 
 BLOCK_Q = 64
 BLOCK_K = 64
@@ -41,7 +47,7 @@ _NO_MODIFIERS = Modifiers((-1, -1), 0.0, None, None, None, None, None)
 def attention_forward(q, k, v, *, scale, causal, mods=None, dropout=None):
     """Returns out (*batch, Nq, Dv) in the inputs' dtype and lse (*batch, Nq) ``lse_dtype`` (float32; float64
     for float64 inputs)."""
-    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, dropout, q.shape[:-2], q.dtype)
+    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, dropout, q.shape[:-2], q.dtype, (k, v))
     out = np.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
     lse = np.empty(q.shape[:-1], dtype=tiles.dtype)
     for i0 in range(0, tiles.nq, BLOCK_Q):
@@ -66,7 +72,8 @@ def _forward_query_block(q, k, v, i0, i1, tiles):
         p_ij = np.exp(s_ij - m_shift[..., None])
         alpha = np.exp(m_i - m_shift)
         l_i = alpha * l_i + p_ij.sum(axis=-1)
-        acc_i = alpha[..., None] * acc_i + tiles.drop(p_ij, i0, i1, j0, j1) @ v[..., j0:j1, :].astype(dtype)
+        acc_i = alpha[..., None] * acc_i + tiles.matmul(tiles.drop(p_ij, i0, i1, j0, j1), v[..., j0:j1, :].astype(dtype),
+                                                        ~np.isneginf(s_ij))
         m_i = m_new
     # False only for rows that see no key at all (every key hidden or skipped); a NaN sum (a NaN or
     # +inf input) is "seen" and propagates, as in the reference.
@@ -82,7 +89,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, causal, mods=None, dro
     dbias has the bias's own shape ``mods.bias_shape`` and dtype (summed over its broadcast dims in
     float32; in float64 for float64 inputs); None when there is no bias.
     """
-    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, dropout, q.shape[:-2], q.dtype)
+    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, dropout, q.shape[:-2], q.dtype,
+                        (dout, q, k, v, out))
     delta = np.sum(dout.astype(tiles.dtype) * out.astype(tiles.dtype), axis=-1)
     # Rows that see no key have lse = -inf; +inf instead makes their P = exp(S - inf) = 0, never NaN.
     lse = np.where(np.isneginf(lse), np.inf, lse)
@@ -110,16 +118,17 @@ def _backward_key_block(dout, q, k, v, lse, delta, dq, dbias, j0, j1, tiles):
         q_i = q[..., i0:i1, :].astype(dtype)
         dout_i = dout[..., i0:i1, :].astype(dtype)
         s_ij, tanh_ij = tiles.scores(q_i, k_j, i0, i1, j0, j1)
-        p_ij = np.exp(s_ij - lse[..., i0:i1, None])
-        dv_j += _transpose(tiles.drop(p_ij, i0, i1, j0, j1, tiles.keep_scale)) @ dout_i
-        dp_ij = tiles.drop(dout_i @ _transpose(v_j), i0, i1, j0, j1, tiles.keep_scale)
-        ds_ij = p_ij * (dp_ij - delta[..., i0:i1, None])
+        p_ij = tiles.hide(s_ij, np.exp(s_ij - lse[..., i0:i1, None]))  # a NaN lse leaves P NaN where hidden
+        seen_t = ~np.isneginf(_transpose(s_ij))
+        dv_j += tiles.matmul(_transpose(tiles.drop(p_ij, i0, i1, j0, j1, tiles.keep_scale)), dout_i, seen_t)
+        dp_ij = tiles.hide(s_ij, tiles.drop(dout_i @ _transpose(v_j), i0, i1, j0, j1, tiles.keep_scale))
+        ds_ij = tiles.hide(s_ij, p_ij * (dp_ij - delta[..., i0:i1, None]))
         if dbias is not None:
             tiles.add_to_bias_shape(dbias, ds_ij, i0, i1, j0, j1)
         if tanh_ij is not None:  # the softcap's derivative: d(c tanh(x / c)) / dx = 1 - tanh^2
-            ds_ij = ds_ij * (1 - tanh_ij * tanh_ij)
-        dq[..., i0:i1, :] += tiles.scale * (ds_ij @ k_j)
-        dk_j += tiles.scale * (_transpose(ds_ij) @ q_i)
+            ds_ij = tiles.hide(s_ij, ds_ij * (1 - tanh_ij * tanh_ij))
+        dq[..., i0:i1, :] += tiles.scale * tiles.matmul(ds_ij, k_j, ~np.isneginf(s_ij))
+        dk_j += tiles.scale * tiles.matmul(_transpose(ds_ij), q_i, seen_t)
     return dk_j, dv_j
 
 
@@ -128,7 +137,7 @@ def attention_probs(q, k, v, *, scale, causal, mods=None):
     lse; 0 where keys are hidden."""
     _, lse = attention_forward(q, k, v, scale=scale, causal=causal, mods=mods)
     lse = np.where(np.isneginf(lse), np.inf, lse)  # rows that see no key: P = 0, as in the backward
-    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, None, q.shape[:-2], q.dtype)
+    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, None, q.shape[:-2], q.dtype, ())
     p = np.zeros(q.shape[:-1] + k.shape[-2:-1], dtype=tiles.dtype)
     for i0 in range(0, tiles.nq, BLOCK_Q):
         i1 = min(i0 + BLOCK_Q, tiles.nq)
@@ -147,8 +156,10 @@ class _ScoreTiles:
     mask and block_mask. ``dtype`` is the compute dtype, ``lse_dtype`` of the inputs' ``input_dtype``.
     """
 
-    def __init__(self, nq, nk, scale, causal, mods, dropout, batch, input_dtype):
+    def __init__(self, nq, nk, scale, causal, mods, dropout, batch, input_dtype, inputs):
         self.nq, self.nk, self.scale = nq, nk, scale
+        # Whether any input holds a NaN or an infinity: then the products skip hidden pairs (matmul_seen).
+        self.finite = all(np.isfinite(x).all() for x in inputs)
         self.dropout, self.batch = dropout, tuple(batch)
         self.dtype = lse_dtype(input_dtype)
         # 1 / (1 - p) rounded once to the compute dtype: exactly the float64 value for float64 inputs.
@@ -209,6 +220,15 @@ class _ScoreTiles:
             s_ij = np.where(hidden, -np.inf, s_ij).astype(dtype, copy=False)
         return s_ij, tanh_ij
 
+    def matmul(self, a, x, seen):
+        """a @ x over the pairs ``seen`` marks (a is 0 elsewhere): a hidden key adds nothing, even non-finite."""
+        return a @ x if self.finite else matmul_seen(a, x, seen)
+
+    def hide(self, s_ij, x_ij):
+        """x_ij with 0 where the key is hidden (s_ij = -inf; a NaN score is seen), where 0 * NaN would leave a NaN;
+        x_ij itself when every input is finite (then it is 0 there already)."""
+        return x_ij if self.finite else np.where(np.isneginf(s_ij), 0, x_ij).astype(x_ij.dtype, copy=False)
+
     def drop(self, x_ij, i0, i1, j0, j1, scale=None):
         """x_ij * Z_ij (times ``scale``), the dropout keep mask of the tile; x_ij itself without dropout."""
         if self.dropout is None:
@@ -224,7 +244,7 @@ class _ScoreTiles:
         rows = slice(0, 1) if dbias.shape[-2] == 1 else slice(i0, i1)
         cols = slice(0, 1) if dbias.shape[-1] == 1 else slice(j0, j1)
         target = dbias[..., rows, cols]
-        target += _sum_to_shape(ds_ij, target.shape)
+        target += sum_to_shape(ds_ij, target.shape, ds_ij.dtype)
 
     def _hidden(self, rel, i0, i1, j0, j1):
         """Where keys j0:j1 are hidden from queries i0:i1, or None when the tile hides nothing."""
@@ -241,14 +261,6 @@ class _ScoreTiles:
             if not tile_mask.all():
                 hidden = _union(hidden, ~tile_mask[..., rows[:, None] - rows[0], cols[None, :] - cols[0]])
         return hidden
-
-
-def _sum_to_shape(x, shape):
-    """Sum x over the dims that broadcasting ``shape`` to x's shape added or stretched."""
-    lead = x.ndim - len(shape)
-    stretched = tuple(lead + a for a, n in enumerate(shape) if n == 1 and x.shape[lead + a] != 1)
-    axes = tuple(range(lead)) + stretched
-    return x.sum(axis=axes, keepdims=True).reshape(shape) if axes else x
 
 
 def _union(a, b):
@@ -289,7 +301,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale, causal,
         if q1 == q0 or k1 == k0:
             continue
         qs, ks, vs = _sequence(packed, q, k, v, q0, q1, k0, k1)
-        douts, outs = (_varlen_view(x, q0, q1, hk) for x in (dout, out))
+        douts, outs = (sequence_view(x, q0, q1, hk) for x in (dout, out))
         lses = lse[:, q0:q1].reshape(hk, g, q1 - q0)
         mods_s, dropout_s = _sequence_options(packed, s, mods, dropout)
         dq_s, dk_s, dv_s, _ = attention_backward(douts, qs, ks, vs, outs, lses, scale=scale, causal=causal,
@@ -301,25 +313,17 @@ def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale, causal,
     return dq, dk, dv
 
 
-def _varlen_view(x, r0, r1, kv_heads):
-    from cupyflash._varlen import sequence_view
-
-    return sequence_view(x, r0, r1, kv_heads)
-
-
 def _sequence(packed, q, k, v, q0, q1, k0, k1):
     """Sequence s's q (Hk, G, n, D) and k, v (Hk, G, m, D), k and v broadcast (stride 0) over G."""
     hk, g = packed.kv_heads, packed.groups
-    qs = _varlen_view(q, q0, q1, hk)
-    ks, vs = (np.broadcast_to(_varlen_view(x, k0, k1, hk), (hk, g, k1 - k0, x.shape[2])) for x in (k, v))
+    qs = sequence_view(q, q0, q1, hk)
+    ks, vs = (np.broadcast_to(sequence_view(x, k0, k1, hk), (hk, g, k1 - k0, x.shape[2])) for x in (k, v))
     return qs, ks, vs
 
 
 def _sequence_options(packed, s, mods, dropout):
     """The options as a dense call on sequence s alone sees them: its ALiBi slopes, as (Hk, G), and the
     dropout mask's flat batch index starting at s * H."""
-    from dataclasses import replace
-
     if mods is not None and mods.alibi_slopes is not None:
         mods = replace(mods, alibi_slopes=mods.alibi_slopes[s].reshape(packed.kv_heads, packed.groups))
     if dropout is not None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cupyflash._types import Array
+from cupyflash._arrays import Array, cupy
 
 BLOCK_MASK_TILE = 128  # queries x keys covered by one block_mask element; part of the public API
 
@@ -186,7 +186,7 @@ def block_mask_from_dense(mask: Array, block: int = BLOCK_MASK_TILE) -> Array:
     nq, nk = mask.shape[-2:]
     gq, gk = math.ceil(nq / block), math.ceil(nk / block)
     pad = [(0, 0)] * (mask.ndim - 2) + [(0, gq * block - nq), (0, gk * block - nk)]
-    xp = np if isinstance(mask, np.ndarray) else __import__("cupy")
+    xp = np if isinstance(mask, np.ndarray) else cupy
     padded = xp.pad(mask, pad, constant_values=False)
     tiles = padded.reshape(mask.shape[:-2] + (gq, block, gk, block))
     return tiles.any(axis=(-3, -1))

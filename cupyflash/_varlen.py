@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cupyflash import _api
+from cupyflash._checks import check_array_types, check_head_dims
+from cupyflash._checks import check_dtypes as _check_dtypes
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,8 @@ def check(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     """Validate a packed problem: ``arrays`` holds q, k, v (and dout, out, lse for the backward).
     ``check_dtypes=False`` (the float64 reference) accepts any dtype."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
-    xp = _api.check_array_types({**arrays, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
-    dtype = _api.check_dtypes(arrays) if check_dtypes else q.dtype
+    xp = check_array_types({**arrays, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
+    dtype = _check_dtypes(arrays) if check_dtypes else q.dtype
     for name, x, what in (("q", q, "(total_q, H, D)"), ("k", k, "(total_k, Hk, D)"), ("v", v, "(total_k, Hk, Dv)")):
         if x.ndim != 3:
             raise ValueError(f"{name} must be packed as {what}, got shape {x.shape}")
@@ -78,7 +79,7 @@ def check(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"the key/value heads Hk = {kv_heads} (k.shape[1]) must divide the query heads "
                          f"H = {heads} (q.shape[1])")
-    _api.check_head_dims(q, v)
+    check_head_dims(q, v)
     cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q", "total_q")
     cu_k = _offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k", "total_k")
     if len(cu_q) != len(cu_k):

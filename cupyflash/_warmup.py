@@ -1,15 +1,14 @@
 """``cupyflash.warmup``: compile and load kernel variants before the first call, so that services start hot.
 
 A kernel variant (direction, dtype, HEAD_DIM, plain / causal / score modifiers) is compiled by NVRTC the
-first time a call needs it on a device, about a second each. ``warmup`` asks ``_kernels._functions`` for
-the very variants the API would pick (same dtype table, same head-dim rounding), so the calls that follow
-find them loaded. CuPy keeps each compiled module on disk (``CUPY_CACHE_DIR``), so a later process only
-loads it, in milliseconds.
+first time a call needs it on a device, about a second each. ``warmup`` describes the calls it stands for
+as ``Features`` and asks ``select`` for their variants, the very ones the API would pick (same dtype
+table, same head-dim rounding), then loads them through the API's own loader. CuPy keeps each compiled
+module on disk (``CUPY_CACHE_DIR``), so a later process only loads it, in milliseconds.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 import os
 import time
@@ -18,44 +17,34 @@ from typing import Union
 
 import numpy as np
 
-from cupyflash import _config
-from cupyflash._modifiers import Modifiers
-
-# cupyflash._kernels is imported inside the functions, as _api does: importing cupyflash (and running
-# NumPy inputs) must not load the GPU side.
+from cupyflash._arrays import cupy, round_up
+from cupyflash._checks import MAX_HEAD_DIM, check_bool
+from cupyflash._cuda import compile as _compile
+from cupyflash._cuda.tiles import HEAD_DIMS
+from cupyflash._cuda.variants import DTYPES, Features, select
 
 DTypeLike = Union[str, np.dtype, type]
 # The benchmark's short names, accepted next to everything numpy.dtype understands ("float16", "half",
 # numpy.float16, ml_dtypes.bfloat16, ...).
 _DTYPE_ALIASES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64"}
-DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")  # the kernels' dtypes: the keys of _kernels._CTYPES
 ROW_ALIGN_BYTES = 16  # the API pads head dims to 16-byte rows before picking a HEAD_DIM (cp.async width)
-# Stand-ins for resolved modifiers: _kernels._variant asks whether any is on, whether a per-element array is
-# among them (the instantiation with the arrays) or not (the scalars one: window, softcap, ALiBi), and for
-# the scalars whether a softcap of at most BOUNDED_SOFTCAP_MAX comes without ALiBi (bfloat16 on Hopper: the
-# bounded forward), whether it comes alone (16-bit on Hopper: the Mods::softcap backward), whether a window
-# comes alone (16-bit on Hopper: Mods::window), and with ALiBi whether the window, causal folded in, has a
-# right edge (Variant.half_first). Each is a Modifiers whose arrays are stood in for by True (only tested
-# against None). The scalars' stand-in has a window without a right edge and ALiBi, so it takes the scalars'
-# kernels themselves, and both ALiBi forms where causal is warmed and not. A block mask with no other array
-# takes, in the 16-bit forward on Hopper, the warp-specialized kernel's block-mask forms (Variant.block_mask):
-# alone, with a softcap (bounded in bfloat16) and with ALiBi, each stood in for below.
-_SCALAR_MODIFIERS = Modifiers(window=(1, -1), softcap=0.0, alibi_slopes=True, bias=None, bias_shape=None, mask=None,
-                              block_mask=None)
-_WINDOW_MODIFIERS = Modifiers(window=(1, -1), softcap=0.0, alibi_slopes=None, bias=None, bias_shape=None, mask=None,
-                              block_mask=None)
-_SOFTCAP_MODIFIERS = Modifiers(window=(-1, -1), softcap=1.0, alibi_slopes=None, bias=None, bias_shape=None,
-                               mask=None, block_mask=None)
-_ARRAY_MODIFIERS = Modifiers(window=(-1, -1), softcap=0.0, alibi_slopes=None, bias=True, bias_shape=None, mask=None,
-                             block_mask=None)
-_BLOCK_MASK_MODIFIERS = (
-    Modifiers(window=(-1, -1), softcap=0.0, alibi_slopes=None, bias=None, bias_shape=None, mask=None, block_mask=True),
-    *(dataclasses.replace(mods, block_mask=True) for mods in (_SCALAR_MODIFIERS, _SOFTCAP_MODIFIERS)))
-_SOME_DROPOUT = object()  # likewise for dropout
+# The calls ``modifiers=True`` stands for, as the option sets that pick distinct kernels: the scalars (a window
+# without a right edge and ALiBi, so that causal and not pick ALiBi's two forms), a window alone, a softcap
+# alone (its own backward on Hopper; bfloat16's bounded forward), the per-element arrays, and a block mask with
+# no other array (alone, with a softcap, with ALiBi: the warp-specialized forward's block-mask forms).
+_MODIFIER_CALLS = (
+    dict(window=(1, -1), alibi=True),
+    dict(window=(1, -1)),
+    dict(softcap=1.0),
+    dict(arrays=True),
+    dict(block_mask=True),
+    dict(block_mask=True, window=(1, -1), alibi=True),
+    dict(block_mask=True, softcap=1.0),
+)
 _DEFAULT_CACHE_DIR = os.path.join("~", ".cupy", "kernel_cache")  # CuPy's default for CUPY_CACHE_DIR
 
 
-def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPE_NAMES,
+def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPES,
            head_dims: int | Iterable[int] | None = None, causal: bool | Iterable[bool] = (False, True),
            modifiers: bool = False, backward: bool = True, dropout: bool = False, verbose: bool = False) -> list:
     """Compile and load, on the current device, the kernels that later calls will need.
@@ -97,7 +86,7 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPE_NAMES,
 
     Returns
     -------
-    variants : list of cupyflash._kernels.Variant
+    variants : list of cupyflash._cuda.variants.Variant
         The distinct variants warmed, in order; each is now loaded on the current device.
 
     Raises
@@ -124,49 +113,31 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPE_NAMES,
     for i, variant in enumerate(variants, 1):
         status, seconds = _load(device_id, variant)
         if verbose:
-            print(f"warmup {i}/{len(variants)}: {describe(variant)}  {seconds:.2f} s ({status})", flush=True)
+            print(f"warmup {i}/{len(variants)}: {variant}  {seconds:.2f} s ({status})", flush=True)
     return variants
 
 
-def select_variants(dtypes, head_dims, causal, modifiers, backward, dropout=False) -> list:
-    """The distinct variants ``warmup`` loads for these arguments (validated), without a GPU."""
-    from cupyflash import _kernels
-
+def select_variants(dtypes, head_dims, causal, modifiers, backward, dropout=False, device=None) -> list:
+    """The distinct variants ``warmup`` loads for these arguments (validated) on ``device`` (its abilities:
+    a cupyflash._cuda.variants.Device; default the current device's, none without a GPU)."""
     dtypes = [_check_dtype(x) for x in _as_list("dtypes", dtypes)]
-    dims = _config.HEAD_DIMS if head_dims is None else [_check_head_dim(d) for d in _as_list("head_dims", head_dims)]
-    causals = [_check_bool("causal", c) for c in _as_list("causal", causal)]
-    directions = ("fwd", "bwd") if _check_bool("backward", backward) else ("fwd",)
-    mods_options = ((None, _SCALAR_MODIFIERS, _WINDOW_MODIFIERS, _SOFTCAP_MODIFIERS, _ARRAY_MODIFIERS,
-                     *_BLOCK_MASK_MODIFIERS)
-                    if _check_bool("modifiers", modifiers)
-                    else (None,))
-    dropout_options = (None, _SOME_DROPOUT) if _check_bool("dropout", dropout) else (None,)
+    dims = HEAD_DIMS if head_dims is None else [_check_head_dim(d) for d in _as_list("head_dims", head_dims)]
+    causals = [check_bool("causal", c) for c in _as_list("causal", causal)]
+    directions = ("fwd", "bwd") if check_bool("backward", backward) else ("fwd",)
+    calls = ({},) + (_MODIFIER_CALLS if check_bool("modifiers", modifiers) else ())
+    drops = (False, True) if check_bool("dropout", dropout) else (False,)
+    device = _compile.current_device() if device is None else device
     variants = []
     for dtype in dtypes:
         for d in dims:
-            width = _kernels._round_up(d, ROW_ALIGN_BYTES // dtype.itemsize)
-            for mods in mods_options:
-                for drop in dropout_options:
+            width = round_up(d, ROW_ALIGN_BYTES // dtype.itemsize)
+            for options in calls:
+                for drop in drops:
                     for is_causal in causals:
                         for direction in directions:
-                            variants.append(_kernels._variant(direction, dtype, width, width, is_causal, mods, drop))
+                            features = Features(direction, dtype.name, width, is_causal, dropout=drop, **options)
+                            variants.append(select(features, device))
     return list(dict.fromkeys(variants))  # distinct, in order: with modifiers, causal shares one variant
-
-
-def describe(variant) -> str:
-    """A variant in words, e.g. ``fwd bfloat16 HEAD_DIM=128 causal``."""
-    from cupyflash import _kernels
-
-    dtype = {ctype: name for name, ctype in _kernels._CTYPES.items()}[variant.ctype]
-    kind = ("modifiers (softcap without ALiBi)" if variant.bounded else
-            f"modifiers (softcap alone{', causal' if variant.causal else ''})" if variant.softcap_alone else
-            "modifiers (window alone)" if variant.window_alone else
-            "modifiers (window, softcap, ALiBi)" if variant.scalar_mods else "modifiers") if variant.mods else (
-            "causal" if variant.causal else "plain")
-    kind += (" (warp-specialized" + ("; ALiBi, the window with a right edge" if variant.half_first else "")
-             + ("; block mask" if variant.block_mask else "") + ")" if variant.warp_specialized else "")
-    return (f"{variant.direction} {dtype} HEAD_DIM={variant.head_dim} {kind}" + (" dropout" if variant.dropout else "")
-            + (" (wgmma)" if variant.wgmma else "") + (" (large shared memory)" if variant.large_smem else ""))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -175,8 +146,9 @@ def describe(variant) -> str:
 
 def _current_device_id() -> int:
     """The current CUDA device, or a RuntimeError that says why there is none."""
-    import cupy
-
+    if cupy is None:
+        raise RuntimeError("cupyflash.warmup needs a CUDA device, but CuPy is not installed (install the cuda12 "
+                           "or cuda13 extra); NumPy inputs run on the CPU and need no warmup")
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # no driver, a driver too old for the runtime, no runtime library
@@ -191,13 +163,11 @@ def _current_device_id() -> int:
 
 def _load(device_id: int, variant) -> tuple[str, float]:
     """Load one variant through the API's own loader; returns (how it was obtained, seconds)."""
-    from cupyflash import _kernels
-
-    if (device_id, variant) in _kernels._modules:
+    if (device_id, variant) in _compile.modules:
         return "already loaded", 0.0
     before = _cache_entries()
     t0 = time.perf_counter()
-    _kernels._functions(variant)
+    _compile.functions(variant)
     seconds = time.perf_counter() - t0
     after = _cache_entries()
     # CuPy writes a cache file only when it compiled; with CUPY_CACHE_IN_MEMORY it always compiles.
@@ -241,14 +211,14 @@ def _as_list(name: str, value) -> list:
 
 
 def _check_dtype(x) -> np.dtype:
-    expected = f"expected one of {', '.join(DTYPE_NAMES)} (a dtype or its name)"
+    expected = f"expected one of {', '.join(DTYPES)} (a dtype or its name)"
     if x is None:  # numpy.dtype(None) would be float64
         raise TypeError(f"dtypes: None is not a dtype; {expected}")
     try:
         dtype = np.dtype(_DTYPE_ALIASES.get(x, x) if isinstance(x, str) else x)
     except TypeError:
         raise ValueError(f"dtypes: unknown dtype {x!r}; {expected}") from None
-    if dtype.name not in DTYPE_NAMES:
+    if dtype.name not in DTYPES:
         raise ValueError(f"dtypes: {dtype.name} is not supported by the kernels; {expected}")
     return dtype
 
@@ -256,12 +226,6 @@ def _check_dtype(x) -> np.dtype:
 def _check_head_dim(d) -> int:
     if isinstance(d, (bool, np.bool_)) or not isinstance(d, numbers.Integral):
         raise TypeError(f"head_dims must be ints, got {d!r} ({type(d).__name__})")
-    if not 1 <= d <= _config.MAX_HEAD_DIM:
-        raise ValueError(f"head_dims: {d} is out of range; head dims run from 1 to {_config.MAX_HEAD_DIM}")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dims: {d} is out of range; head dims run from 1 to {MAX_HEAD_DIM}")
     return int(d)
-
-
-def _check_bool(name: str, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
-    return bool(value)

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import cupy
 import ml_dtypes
 import numpy as np
 
 from cupyflash import _dropout, _modifiers, _varlen
-from cupyflash._api import check_causal, check_shapes, resolve_scale, sum_to_shape
+from cupyflash._arrays import is_cupy, matmul_seen, sum_to_shape
+from cupyflash._checks import check_causal, check_shapes, resolve_scale
 
 _BIAS_DTYPES_EXTRA = (np.dtype(ml_dtypes.bfloat16),)  # floating point, though NumPy's kind is not "f"
 
@@ -82,7 +82,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = Fal
 def _forward(q, k, v, causal, scale, options, dropout):
     s, _ = _scores(q, k, v, causal, scale, options)
     p, lse = _softmax(s)
-    return _drop(p, dropout) @ v, lse
+    return matmul_seen(_drop(p, dropout), v, ~np.isneginf(s)), lse
 
 
 def dropout_mask(dropout_p: float, dropout_seed: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -221,14 +221,19 @@ def _backward(dout, q, k, v, causal, scale, options, dropout, bias=None):
         raise ValueError(f"dout has shape {dout.shape}; the output of these q, k, v has shape {out_shape}")
     scale = resolve_scale(scale, q.shape[-1])
     p, _ = _softmax(s)
+    # A key that row i does not see (s = -inf) takes no part in row i's sums, even with a non-finite k, v,
+    # dout or q: its dP and dS are 0, not 0 * NaN, and the products skip it (matmul_seen).
+    seen = ~np.isneginf(s)  # (a NaN score is seen: it propagates)
+    seen_t = _transpose(seen)
+    p = np.where(seen, p, 0.0)  # a row whose sum is NaN has P NaN even where hidden
     # With dropout, out = (P o Z / (1 - p)) v: the gradient of P is dP o Z / (1 - p).
-    dp = _drop(dout @ _transpose(v), dropout)
-    ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))  # dS = P o (dP - D): the gradient of s
+    dp = np.where(seen, _drop(dout @ _transpose(v), dropout), 0.0)
+    ds = np.where(seen, p * (dp - np.sum(p * dp, axis=-1, keepdims=True)), 0.0)  # dS = P o (dP - D)
     # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2: the gradient of the scaled score x = scale q.k
-    ds_scaled = ds if tanh is None else ds * (1 - tanh**2)
-    dq = scale * ds_scaled @ k
-    dk = scale * _transpose(ds_scaled) @ q
-    dv = _transpose(_drop(p, dropout)) @ dout
+    ds_scaled = ds if tanh is None else np.where(seen, ds * (1 - tanh**2), 0.0)
+    dq = scale * matmul_seen(ds_scaled, k, seen)
+    dk = scale * matmul_seen(_transpose(ds_scaled), q, seen_t)
+    dv = matmul_seen(_transpose(_drop(p, dropout)), dout, seen_t)
     grads = tuple(sum_to_shape(g, x.shape, np.float64) for g, x in ((dq, q), (dk, k), (dv, v)))
     if bias is None:
         return grads
@@ -344,7 +349,7 @@ def _varlen_problem(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                     dropout_p, dropout_seed):
     """Validate as cupyflash.attention_varlen does; slopes broadcast to (batch, H) as float32, or None."""
     for name, x in {**arrays, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}.items():
-        if isinstance(x, cupy.ndarray):
+        if is_cupy(x):
             raise TypeError(f"{name} is a CuPy array; the reference runs on NumPy: pass {name}.get()")
     packed = _varlen.check(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_dtypes=False)
     mods = _modifiers.resolve(np, np.float64, (packed.batch, packed.heads), 1, 1, window=options["window"],
@@ -440,7 +445,7 @@ def _softmax(s):
 def _as_float64(**arrays):
     converted = []
     for name, x in arrays.items():
-        if isinstance(x, cupy.ndarray):
+        if is_cupy(x):
             raise TypeError(f"{name} is a CuPy array; the reference runs on NumPy: pass {name}.get()")
         if not isinstance(x, np.ndarray):
             raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__qualname__}")

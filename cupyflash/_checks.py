@@ -1,0 +1,129 @@
+"""Argument checks shared by the public functions, the CPU path and the reference: array types and
+devices, dtypes, shapes, head dims, ``causal`` and ``scale``. Every message names the argument and the
+value it got.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import ml_dtypes
+import numpy as np
+
+from cupyflash._arrays import cupy, is_cupy, lse_dtype
+
+MAX_HEAD_DIM = 256  # the widest head dim D (and Dv) the kernels take
+SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def check_array_types(arrays):
+    """All arrays must be NumPy, or all CuPy on the current device. Returns numpy or cupy."""
+    for name, x in arrays.items():
+        if not (isinstance(x, np.ndarray) or is_cupy(x)):
+            raise TypeError(
+                f"{name} must be a numpy.ndarray or a cupy.ndarray, got {type(x).__module__}."
+                f"{type(x).__qualname__}"
+            )
+    kinds = {name: "cupy" if is_cupy(x) else "numpy" for name, x in arrays.items()}
+    if len(set(kinds.values())) > 1:
+        listing = ", ".join(f"{name} is {kind}" for name, kind in kinds.items())
+        raise TypeError(f"cannot mix NumPy and CuPy arrays ({listing}); convert them to one type")
+    if "cupy" not in kinds.values():
+        return np
+    current = cupy.cuda.Device().id
+    for name, x in arrays.items():
+        if x.device.id != current:
+            raise ValueError(
+                f"{name} is on device {x.device.id} but the current device is {current}; "
+                f"move it there or run under `with cupy.cuda.Device({x.device.id}):`"
+            )
+    return cupy
+
+
+def check_dtypes(arrays):
+    """Every array but lse one shared supported dtype, which is returned; lse ``lse_dtype`` of it."""
+    named = [(name, x.dtype) for name, x in arrays.items() if name != "lse"]
+    for name, dtype in named:
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {dtype}; expected float16, bfloat16 (ml_dtypes.bfloat16), float32 or float64"
+            )
+    first_name, first_dtype = named[0]
+    for name, dtype in named[1:]:
+        if dtype != first_dtype:
+            names = ", ".join(n for n, _ in named)
+            raise TypeError(
+                f"{first_name} has dtype {first_dtype} but {name} has dtype {dtype}; "
+                f"{names} must share one dtype"
+            )
+    if "lse" in arrays and arrays["lse"].dtype != lse_dtype(first_dtype):
+        raise TypeError(
+            f"lse must be {lse_dtype(first_dtype)} for {first_dtype} inputs (as attention_forward returns it), "
+            f"got {arrays['lse'].dtype}"
+        )
+    return first_dtype
+
+
+def check_shapes(q, k, v):
+    """q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv); returns the broadcast leading shape."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., N, D), got shape {x.shape}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must have the same head dim D (last dim), got q {q.shape} and k {k.shape}"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"k and v must have the same number of keys Nk (dim -2), got k {k.shape} and v {v.shape}"
+        )
+    if q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+        return q.shape[:-2]  # the common case, without np.broadcast_shapes' cost
+    try:
+        return tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    except ValueError:
+        raise ValueError(
+            f"the leading (batch) dims of q {q.shape}, k {k.shape} and v {v.shape} do not broadcast "
+            "together (NumPy rules, last two dims excluded)"
+        ) from None
+
+
+def check_head_dims(q, v):
+    """The kernels take head dims D (of q and k) and Dv (of v) from 1 to MAX_HEAD_DIM."""
+    for what, dim in (("D (q.shape[-1])", q.shape[-1]), ("Dv (v.shape[-1])", v.shape[-1])):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"head dim {what} is {dim}; supported head dims are 1 to {MAX_HEAD_DIM}")
+
+
+def check_forward_outputs(arrays, batch):
+    """dout and out must be (*batch, Nq, Dv) and lse (*batch, Nq), exactly as the forward returns them."""
+    nq, dv = arrays["q"].shape[-2], arrays["v"].shape[-1]
+    expected = dict(dout=batch + (nq, dv), out=batch + (nq, dv), lse=batch + (nq,))
+    for name, shape in expected.items():
+        if arrays[name].shape != shape:
+            raise ValueError(
+                f"{name} has shape {arrays[name].shape}; expected {shape}, the shape of the "
+                f"{'lse' if name == 'lse' else 'out'} that attention_forward returns for these q, k, v"
+            )
+
+
+def check_bool(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
+def check_causal(causal):
+    return check_bool("causal", causal)
+
+
+def resolve_scale(scale, head_dim):
+    """Default ``1 / sqrt(head_dim)``; otherwise a finite positive real number, returned as a float."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {scale!r} ({type(scale).__name__})")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0, got {scale!r}")
+    return float(scale)

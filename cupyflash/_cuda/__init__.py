@@ -1,0 +1,9 @@
+"""The GPU back end: our CUDA kernels in ``cuda_src/``, compiled at run time by NVRTC through CuPy.
+
+Modules, from the bottom up: ``source`` (the kernel sources, headers inlined), ``tiles`` (the one tile
+table), ``variants`` (which compiled kernel a call takes), ``compile`` (the per-device module cache),
+``ptxas_report`` (the offline compile audit), ``params`` (arrays -> the kernels' parameter struct),
+``f32_pieces`` and ``tma`` (float32 inputs as float16 pieces; TMA tensor maps), ``launch`` (plans, streams,
+chained passes) and ``backend`` (the entry points the public API calls). Nothing here touches a GPU
+before a CuPy array reaches ``backend``.
+"""

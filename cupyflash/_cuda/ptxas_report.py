@@ -1,0 +1,139 @@
+"""The offline compile audit: every shipped kernel through NVRTC for sm_80 and sm_90(a), with no GPU, and
+ptxas' report of each (registers, spills, stack frame, static shared memory, and its notes that it
+serialized a kernel's warpgroup products). CI fails on any spill, stack frame or serialized product.
+
+Reports are kept on disk beside CuPy's kernel cache (``$CUPY_CACHE_DIR/cupyflash-ptxas``), keyed on the
+source, the options and the NVRTC version, so that a second audit of the same variants only reads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from cupyflash._cuda import f32_pieces
+from cupyflash._cuda.source import OPTIONS, source
+from cupyflash._cuda.variants import Variant, variants_for
+
+_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+# ptxas' C7510-C7519 notes: it serialized a kernel's warpgroup products (wgmma), naming the function. Such a
+# kernel loses the overlap of its products with everything else (docs/design/compile.md).
+_SERIALIZED = re.compile(r"\(C751\d\).*?function '(\w+)'")
+
+
+def nvrtc_version() -> tuple[int, int]:
+    from cupy.cuda import nvrtc
+
+    return tuple(nvrtc.getVersion())
+
+
+def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
+    """Per mangled entry: registers, spills, stack frame, static shared memory, and how many notes say that
+    its warpgroup products were serialized (``serialized_wgmma``)."""
+    found: dict[str, dict[str, int]] = {}
+
+    def entry(name: str) -> dict[str, int]:
+        return found.setdefault(name, {"registers": -1, "spill_stores": -1, "spill_loads": -1, "stack_frame": -1,
+                                       "static_smem": 0, "serialized_wgmma": 0})
+
+    current = None
+    for line in log.splitlines():
+        if m := _SERIALIZED.search(line):
+            entry(m.group(1))["serialized_wgmma"] += 1
+        elif m := _ENTRY.search(line):
+            current = entry(m.group(1))
+        elif current is not None and (m := _FRAME.search(line)):
+            current.update(stack_frame=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        elif current is not None and (m := _USED.search(line)):
+            current.update(registers=int(m.group(1)), static_smem=int(m.group(2) or 0))
+    return found
+
+
+def _compile(code: str, filename: str, options: list, names: dict) -> dict:
+    """kernel -> ptxas' report of it, from one NVRTC compile of ``code`` with ``names`` (kernel -> name
+    expression, or the plain name of an extern "C" kernel)."""
+    from cupy.cuda import nvrtc
+
+    program = nvrtc.createProgram(code, filename, [], [])
+    try:
+        for name in names.values():
+            if "<" in name:
+                nvrtc.addNameExpression(program, name)
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError as error:
+            raise RuntimeError(f"NVRTC failed on {filename} ({options}):\n{nvrtc.getProgramLog(program)}") from error
+        stats = parse_ptxas(nvrtc.getProgramLog(program))
+        found = {}
+        for kernel, name in names.items():
+            lowered = nvrtc.getLoweredName(program, name) if "<" in name else name
+            if lowered not in stats:
+                raise RuntimeError(f"no ptxas report for {name} ({lowered}) in {filename} ({options})")
+            found[kernel] = stats[lowered]
+        return found
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def _cached(key_parts, compute) -> dict:
+    """compute(), or its result from an earlier run with the same key_parts (JSON-able)."""
+    key = hashlib.sha256(json.dumps([*key_parts, nvrtc_version()]).encode()).hexdigest()
+    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache")) / "cupyflash-ptxas"
+    path = cache / f"{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    stats = compute()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps(stats))
+        tmp.replace(path)  # atomic: concurrent audits never read half a file
+    except OSError:
+        pass  # a read-only cache only costs the next audit a compile
+    return stats
+
+
+def compile_variant(variant: Variant, arch: str) -> list[dict]:
+    """One variant through NVRTC for ``arch`` ("sm_80" or "sm_90": the family; Hopper's paths target
+    sm_90a), no GPU needed: one row per kernel."""
+    target = variant.compile_targets()[arch]
+    options = [*OPTIONS, f"-arch={target}", "-Xptxas", "-v"]
+    names = {kernel: variant.name_expression(kernel) for kernel in variant.kernels}
+    code = variant.code()
+    stats = _cached([code, options, list(names.values())],
+                    lambda: _compile(code, f"{variant.direction}.cu", options, names))
+    return [{"kernel": name, "arch": arch, "target": target, **stats[kernel], "dynamic_smem": variant.smem(kernel),
+             "threads": variant.threads(kernel)} for kernel, name in names.items()]
+
+
+def compile_pieces_kernel(arch: str) -> list[dict]:
+    """The float32 split kernel (f32_pieces) through NVRTC for ``arch``, rows like compile_variant's."""
+    options = [*OPTIONS, f"-arch={arch}", "-Xptxas", "-v"]
+    names = {name: name for name in f32_pieces.KERNELS}
+    code = source(f32_pieces.SOURCE)
+    stats = _cached([code, options, list(names)], lambda: _compile(code, f32_pieces.SOURCE, options, names))
+    return [{"kernel": name, "arch": arch, "target": arch, **stats[name], "dynamic_smem": 0,
+             "threads": f32_pieces.THREADS} for name in names]
+
+
+def compile_report(arch: str, variants: list[Variant] | None = None, progress=None) -> list[dict]:
+    """Compile every shipped variant built for ``arch`` (or ``variants``), one row per kernel; by default
+    the float32 split kernel too. ``progress(done, total)`` is called as modules finish."""
+    extra = compile_pieces_kernel(arch) if variants is None else []
+    variants = variants_for(arch) if variants is None else variants
+    rows = []
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        for done, found in enumerate(pool.map(lambda variant: compile_variant(variant, arch), variants), 1):
+            rows += found
+            if progress is not None:
+                progress(done, len(variants))
+    return rows + extra

@@ -1,0 +1,288 @@
+"""The one table of kernel tiles: for every (path, element bytes, HEAD_DIM, kernel) and every form of the
+kernel (which score modifiers it is compiled for, with or without dropout), the tile shape and the
+compile-time switches of its code. Kernels take both as template parameters (``variants.Variant``).
+
+Paths: ``mma`` (mma.sync, every GPU from compute capability 8.0 on), ``large`` (float64 tiles that need
+Hopper's 227 KiB of shared memory per CTA), ``wgmma`` (Hopper's warpgroup products, 16-bit), ``pieces``
+(float32 on Hopper as float16 pieces, plain and causal) and ``ws`` (the warp-specialized 16-bit forward).
+Forms (the table's columns): ``plain`` (no modifier; causal or not), ``dropout``, ``all`` (every score
+modifier, the per-element arrays included; also packed batches and attention_probs), ``all+dropout``,
+``scalars`` (window, softcap, ALiBi and the backward's block mask, no per-element array; also a softcap
+alone's backward) and ``window`` (a window alone). Kernels: ``fwd`` (attention_probs takes its rows'
+``all`` cell), ``dkdv`` and ``dq`` (the backward's passes; its preprocess needs no tiles).
+
+A cell is ``NUM_WARPS.BLOCK.D_CHUNK`` then, after ``/``, its flags:
+  s   pairs of warps share 16 rows, one holding each gradient (dkdv, dq: Tiles.split)
+  xN  the launch bounds ask for N resident CTAs per SM (wgmma forward: short CTAs hide each other's setup)
+  p   the backward's products stay in flight while the next tile's elementwise work runs (PIPELINED)
+  a   ... across the loop's turn too (ACROSS_TURN)
+  c   the dK/dV pass copies each query tile's lse and delta with cp.async (LSE_BY_COPY)
+  rN  the warp-specialized forward's ring of N K/V slots (STAGES)
+  w   it rounds P to 16 bits after the previous P V's wait, so P V is one wgmma per k-step (PACK_AFTER_WAIT)
+  o   two warps of its copying warpgroup store out (STORE_WARPS)
+``=``: the plain cell; ``.``: not built. BLOCK is the streamed tile: keys (fwd, dq) or queries (dkdv).
+D_CHUNK: the output (fwd) or gradient (dkdv, dq) columns per CTA; a CTA's rows are 16 per computing warp
+(8 with s). Every cell compiles with no register spills for sm_80 and sm_90 (CI checks); cells other than
+the plain ones exist because the plain tiles spilled there or ran slower. docs/design/tiles.md gives each
+reason and measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cupyflash._checks import MAX_HEAD_DIM
+
+FORMS = ("plain", "dropout", "all", "all+dropout", "scalars", "window")
+KERNELS = ("fwd", "dkdv", "dq")
+
+TABLE = """
+# path  bytes D    kernel plain          dropout        all            all+dropout    scalars        window
+mma    2  16   fwd   4.128.16       =              =              =              =              .
+mma    2  16   dkdv  4.64.16/c      4.64.16        4.64.16        4.32.16        =              .
+mma    2  16   dq    4.64.16        =              =              =              =              .
+mma    2  32   fwd   4.128.32       =              =              =              =              .
+mma    2  32   dkdv  4.64.32/c      4.64.32        4.64.32        4.32.32        =              .
+mma    2  32   dq    4.64.32        =              =              =              =              .
+mma    2  64   fwd   4.128.64       =              =              =              =              .
+mma    2  64   dkdv  4.64.64/c      4.64.64        4.32.64        4.32.64        =              .
+mma    2  64   dq    4.64.64        =              =              =              =              .
+mma    2  96   fwd   4.64.96        =              =              =              =              .
+mma    2  96   dkdv  4.32.96/c      4.32.96        4.32.96        4.16.96        =              .
+mma    2  96   dq    4.32.96        =              =              =              =              .
+mma    2  128  fwd   4.128.128      =              =              4.64.128       =              .
+mma    2  128  dkdv  4.32.128/c     4.32.128       4.32.128       4.16.128       =              .
+mma    2  128  dq    4.32.128       =              =              =              =              .
+mma    2  160  fwd   8.64.160       =              =              =              =              .
+mma    2  160  dkdv  8.32.160/sc    4.32.80        4.32.80        4.32.80        4.32.80/c      .
+mma    2  160  dq    4.32.80        =              =              =              =              .
+mma    2  192  fwd   8.64.192       =              =              =              =              .
+mma    2  192  dkdv  8.32.192/sc    4.32.96        4.32.96        4.16.96        4.32.96/c      .
+mma    2  192  dq    4.32.96        =              =              =              =              .
+mma    2  256  fwd   4.64.256       =              4.32.256       4.32.256       =              .
+mma    2  256  dkdv  8.32.256/sc    4.16.128       4.16.128       4.16.128       4.16.128/c     .
+mma    2  256  dq    4.32.128       =              =              =              =              .
+mma    4  16   fwd   4.64.16        =              =              =              =              .
+mma    4  16   dkdv  4.32.16/c      4.32.16        4.32.16        4.32.16        =              .
+mma    4  16   dq    4.32.16        =              =              =              =              .
+mma    4  32   fwd   4.64.32        =              =              =              =              .
+mma    4  32   dkdv  4.32.32/c      4.32.32        4.32.32        4.32.32        =              .
+mma    4  32   dq    4.32.32        =              =              =              =              .
+mma    4  64   fwd   4.64.64        =              =              =              =              .
+mma    4  64   dkdv  8.32.64/sc     4.32.32        4.32.32        4.32.32        4.32.32/c      .
+mma    4  64   dq    4.32.64        =              =              =              =              .
+mma    4  96   fwd   4.32.96        =              =              =              =              .
+mma    4  96   dkdv  4.16.48/c      4.16.48        4.16.48        4.16.48        =              .
+mma    4  96   dq    4.16.96        =              =              =              =              .
+mma    4  128  fwd   4.32.128       =              =              =              =              .
+mma    4  128  dkdv  8.16.128/sc    4.16.64        4.16.64        4.16.64        4.16.64/c      .
+mma    4  128  dq    4.16.128       =              =              =              =              .
+mma    4  160  fwd   4.16.160       =              =              =              =              .
+mma    4  160  dkdv  2.16.32/c      2.16.32        2.16.32        2.16.32        =              .
+mma    4  160  dq    2.16.80        =              =              =              =              .
+mma    4  192  fwd   4.16.192       =              4.16.96        4.16.96        4.16.96        .
+mma    4  192  dkdv  2.16.48/c      2.16.48        2.16.48        2.16.48        =              .
+mma    4  192  dq    2.16.96        =              =              =              =              .
+mma    4  256  fwd   4.16.128       =              =              =              =              .
+mma    4  256  dkdv  2.16.32/c      2.16.32        2.16.32        2.16.32        =              .
+mma    4  256  dq    2.16.128       =              =              =              =              .
+mma    8  16   fwd   4.64.16        =              =              =              .              .
+mma    8  16   dkdv  4.32.16/c      4.32.16        4.32.16        4.32.16        .              .
+mma    8  16   dq    4.32.16        =              =              =              .              .
+mma    8  32   fwd   4.64.32        =              =              =              .              .
+mma    8  32   dkdv  4.32.32/c      4.32.32        4.32.32        4.16.32        .              .
+mma    8  32   dq    4.32.32        =              =              =              .              .
+mma    8  64   fwd   8.64.64        =              8.32.64        8.32.64        .              .
+mma    8  64   dkdv  4.16.64/c      4.16.32        4.16.64        4.16.64        .              .
+mma    8  64   dq    4.32.64        =              =              =              .              .
+mma    8  96   fwd   8.32.96        =              =              =              .              .
+mma    8  96   dkdv  8.16.96/sc     4.16.48        4.16.48        4.16.48        .              .
+mma    8  96   dq    4.16.96        =              =              =              .              .
+mma    8  128  fwd   4.32.128       =              4.32.64        4.32.64        .              .
+mma    8  128  dkdv  4.16.128/sc    2.16.32        2.16.32        2.16.32        .              .
+mma    8  128  dq    2.16.128       =              =              =              .              .
+mma    8  160  fwd   4.16.80        =              =              =              .              .
+mma    8  160  dkdv  2.16.160/sc    1.16.32        1.16.32        1.16.32        .              .
+mma    8  160  dq    1.16.80        =              =              =              .              .
+mma    8  192  fwd   4.16.96        =              =              =              .              .
+mma    8  192  dkdv  2.16.96/sc     1.16.48        1.16.48        1.16.48        .              .
+mma    8  192  dq    1.16.96        =              =              =              .              .
+mma    8  256  fwd   2.16.128       =              =              =              .              .
+mma    8  256  dkdv  2.16.128/sc    1.16.32        1.16.32        1.16.32        .              .
+mma    8  256  dq    1.16.128       =              =              =              .              .
+large  8  128  fwd   8.32.128       =              8.32.64        8.32.64        .              .
+large  8  128  dkdv  8.16.128/sc    4.16.32        4.16.32        4.16.32        .              .
+large  8  128  dq    4.16.128       =              =              =              .              .
+wgmma  2  16   fwd   4.128.16       =              4.64.16        4.64.16        =              4.64.16/x4
+wgmma  2  16   dkdv  4.64.16/pc     4.64.16        4.64.16/c      4.32.16/c      =              =
+wgmma  2  16   dq    4.64.16/pa     4.64.16        4.64.16        4.64.16        =              =
+wgmma  2  32   fwd   4.128.32       =              4.64.32        4.64.32        =              4.64.32/x4
+wgmma  2  32   dkdv  4.64.32/pc     4.64.32        4.64.32/c      4.32.32/c      =              =
+wgmma  2  32   dq    4.64.32/pa     4.64.32        4.64.32        4.64.32        =              =
+wgmma  2  64   fwd   4.128.64       =              4.64.64        4.64.64        =              4.64.64/x4
+wgmma  2  64   dkdv  4.128.64/pc    4.64.64        4.32.64/c      4.32.64/c      =              4.64.64/pc
+wgmma  2  64   dq    4.128.64/p     4.128.64       4.64.64        4.64.64        4.128.64       4.64.64/pa
+wgmma  2  96   fwd   4.64.96        =              =              =              =              4.64.96/x3
+wgmma  2  96   dkdv  4.64.96/c      4.32.96        4.32.96/c      4.16.96/c      4.32.96/c      4.32.96/c
+wgmma  2  96   dq    4.64.96/pa     4.64.96        4.64.96        4.64.96        =              =
+wgmma  2  128  fwd   4.64.128       =              =              =              =              4.32.128/x4
+wgmma  2  128  dkdv  4.64.128/pac   4.64.128       4.32.128/c     4.16.128/c     =              =
+wgmma  2  128  dq    4.64.128/pa    4.64.128       4.64.128       4.64.128       =              =
+wgmma  2  160  fwd   8.64.160       =              =              =              =              =
+wgmma  2  160  dkdv  4.16.160/pc    4.16.160       4.16.160/c     4.16.32/c      =              =
+wgmma  2  160  dq    4.32.160/pa    4.32.160       4.32.160       4.32.160       =              =
+wgmma  2  192  fwd   8.64.192       =              8.32.192       8.32.192       8.32.192       8.32.192
+wgmma  2  192  dkdv  8.32.192/sc    4.32.64        4.32.64/c      4.32.64/c      4.32.64/pc     4.32.64/pc
+wgmma  2  192  dq    4.32.192/pa    4.32.192       4.32.192       4.32.192       =              =
+wgmma  2  256  fwd   8.64.256       =              8.32.256       8.32.256       =              =
+wgmma  2  256  dkdv  8.64.256/sc    4.16.128       4.16.128/c     4.16.128/c     4.16.128/pc    4.16.128/pc
+wgmma  2  256  dq    8.64.256/s     4.32.128       4.32.128       4.32.128       4.32.128/pa    4.32.128/pa
+pieces 4  64   fwd   4.64.64        .              .              .              .              .
+pieces 4  64   dkdv  4.64.64/c      .              .              .              .              .
+pieces 4  64   dq    4.64.64        .              .              .              .              .
+pieces 4  128  fwd   8.32.128       .              .              .              .              .
+pieces 4  128  dkdv  8.32.64/c      .              .              .              .              .
+pieces 4  128  dq    8.32.128       .              .              .              .              .
+ws     2  128  fwd   12.128.128/r2w .              .              .              =              12.64.128/r4o
+"""
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One cell of TABLE."""
+
+    num_warps: int
+    block: int  # the streamed tile: BLOCK_N keys (fwd, dq) or BLOCK_M queries (dkdv)
+    d_chunk: int  # output (fwd) or gradient (dkdv, dq) columns per CTA
+    split: bool = False
+    ctas_per_sm: int = 1  # the launch bounds' minimum of resident CTAs: registers <= 65536 / (threads * this)
+    stages: int = 0  # ws: K/V slots in its ring
+    pipelined: bool = False
+    across_turn: bool = False
+    lse_by_copy: bool = False
+    pack_after_wait: bool = False
+    store_warps: bool = False
+    copy_warps: int = 0  # ws: the warps that only copy and own no rows (its first warpgroup)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def rows(self) -> int:
+        """Rows owned by the CTA: 16 per computing warp (per pair of warps when split)."""
+        return (8 if self.split else 16) * (self.num_warps - self.copy_warps)
+
+
+_FLAGS = {"s": "split", "p": "pipelined", "a": "across_turn", "c": "lse_by_copy", "w": "pack_after_wait",
+          "o": "store_warps"}
+_COUNTS = {"x": "ctas_per_sm", "r": "stages"}
+WS_COPY_WARPS = 4  # the warp-specialized forward's first warpgroup copies (TMA) and owns no rows
+
+
+def _parse_cell(cell: str, path: str) -> Tiles:
+    shape, _, flags = cell.partition("/")
+    warps, block, d_chunk = (int(x) for x in shape.split("."))
+    fields = {}
+    i = 0
+    while i < len(flags):
+        letter = flags[i]
+        if letter in _COUNTS:
+            j = i + 1
+            while j < len(flags) and flags[j].isdigit():
+                j += 1
+            fields[_COUNTS[letter]] = int(flags[i + 1:j])
+            i = j
+        else:
+            fields[_FLAGS[letter]] = True
+            i += 1
+    if path == "ws":
+        fields["copy_warps"] = WS_COPY_WARPS
+    return Tiles(warps, block, d_chunk, **fields)
+
+
+def _parse(text: str) -> dict:
+    cells = {}
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        path, itemsize, head_dim, kernel, *row = line.split()
+        if len(row) != len(FORMS) or kernel not in KERNELS:
+            raise ValueError(f"tile table: malformed row {line!r}")
+        plain = _parse_cell(row[0], path)
+        for form, cell in zip(FORMS, row):
+            if cell != ".":
+                cells[path, int(itemsize), int(head_dim), kernel, form] = plain if cell == "=" else _parse_cell(cell, path)
+    return cells
+
+
+CELLS = _parse(TABLE)
+HEAD_DIMS = tuple(sorted({head_dim for path, _, head_dim, _, _ in CELLS if path == "mma"}))
+assert HEAD_DIMS[-1] == MAX_HEAD_DIM, "the table's widest head dim is the API's"
+WS_HEAD_DIMS = tuple(sorted({head_dim for path, _, head_dim, _, _ in CELLS if path == "ws"}))
+WS_WARPGROUP_ROWS = 64  # each computing warpgroup of the warp-specialized forward owns 64 of a tile's rows
+# The key tiles of 128 the warp-specialized forward's block-mask walk holds per tile, as bits in shared memory
+# (cuda_src/block_mask.cuh: TILE_BITMAP_WORDS * 32); a block mask with more takes the Mods::all forward.
+WS_BLOCK_MASK_TILES = 2048
+PREPROCESS_WARPS = 8  # warps per CTA of the backward's preprocess (delta = rowsum(dout * out))
+SMEM_PAD_BYTES = {2: 16, 4: 16, 8: 32}  # per row of a padded (mma.sync) tile, by element size: cuda_src/common.cuh
+SMEM_ALIGN = 1024  # swizzled (wgmma) tiles start on this boundary: cuda_src/copy.cuh, smem_aligned
+SM80_SMEM_BYTES = 163 * 1024  # dynamic shared memory an sm_80 CTA may have; a module that needs more is sm_90's
+
+
+def has(path: str, itemsize: int, head_dim: int, form: str = "plain") -> bool:
+    """Whether the table has cells for this path, element size, HEAD_DIM and form."""
+    return (path, itemsize, head_dim, "fwd", form) in CELLS
+
+
+def lookup(path: str, itemsize: int, head_dim: int, kernel: str, form: str) -> Tiles:
+    """The cell of one kernel ("fwd", "dkdv", "dq"; "probs" reads the forward's ``all`` cell)."""
+    if kernel == "probs":
+        kernel, form = "fwd", "all"
+    try:
+        return CELLS[path, itemsize, head_dim, kernel, form]
+    except KeyError:
+        raise ValueError(f"no tiles for {kernel} on the {path} path for {itemsize}-byte elements at HEAD_DIM "
+                         f"{head_dim} in form {form!r}") from None
+
+
+def padded_head_dim(d: int) -> int:
+    """The smallest HEAD_DIM of the table that holds a head dim of d elements."""
+    for head_dim in HEAD_DIMS:
+        if d <= head_dim:
+            return head_dim
+    raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {d}")
+
+
+def preprocess_lanes(itemsize: int, head_dim: int) -> int:
+    """Lanes that share one row in the backward's preprocess: one per 16-byte chunk of a HEAD_DIM-wide row,
+    rounded up to a power of two, at most a warp (the rest of the warp takes further rows)."""
+    chunks = head_dim * itemsize // 16
+    lanes = 1
+    while lanes < min(chunks, 32):
+        lanes *= 2
+    return lanes
+
+
+def smem_bytes(path: str, itemsize: int, head_dim: int, kernel: str, t: Tiles) -> int:
+    """Dynamic shared memory of one kernel with tiles t: the carve-up at the top of each kernel (swizzled
+    tiles have unpadded rows and start on an SMEM_ALIGN boundary the kernel finds itself)."""
+    if kernel == "preprocess":
+        return 0
+    if path == "ws":  # two q buffers of a tile's rows, ``stages`` slots of a K and a V tile
+        return SMEM_ALIGN + itemsize * head_dim * (2 * t.rows + 2 * t.stages * t.block)
+    swizzled = path != "mma" and path != "large"
+    row = head_dim * itemsize + (0 if swizzled else SMEM_PAD_BYTES[itemsize])
+    acc_bytes = 8 if itemsize == 8 else 4
+    pairs = t.num_warps // 2 if t.split else 0
+    if kernel == "fwd":  # sQ[BLOCK_M] + sK, sV[BLOCK_N] (double-buffered when swizzled)
+        tiles = (t.rows + (4 if swizzled else 2) * t.block) * row
+    elif kernel == "probs":  # sQ[BLOCK_M] + sK[BLOCK_N]
+        tiles = (t.rows + t.block) * row
+    elif kernel == "dkdv":  # sK, sV + sQ, sdO[2][BLOCK_M] + lse, delta[2][BLOCK_M]; split: P^T per pair
+        tiles = (2 * t.rows + 4 * t.block) * row + 4 * t.block * acc_bytes + pairs * (t.block // 8) * 128 * acc_bytes
+    elif kernel == "dq":  # sQ, sdO + sK, sV[2][BLOCK_N]; split: P, then dS, per pair
+        tiles = (2 * t.rows + 4 * t.block) * row + pairs * (t.block // 8) * 128 * acc_bytes
+    else:
+        raise ValueError(f"kernel must be 'fwd', 'probs', 'dkdv', 'dq' or 'preprocess', got {kernel!r}")
+    return (SMEM_ALIGN if swizzled else 0) + tiles

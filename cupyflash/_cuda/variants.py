@@ -1,0 +1,296 @@
+"""Which compiled kernel a call takes: the ``Variant`` record (one NVRTC module, or the backward's two),
+``Features`` (what of a call decides it) and ``select``, a pure function of the two records and of the
+device's abilities; and the list of every variant the library ships.
+
+A variant's kernels are template instantiations whose parameters come from the variant and from its
+cells of the tile table (``tiles.py``); ``name_expression`` spells them for NVRTC's ``name_expressions``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from cupyflash._arrays import round_up
+from cupyflash._cuda import tiles
+from cupyflash._cuda.source import OPTIONS, WGMMA_ARCH, module_code
+from cupyflash._cuda.tiles import Tiles
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+CTYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float", "float64": "double"}
+ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+_SOURCES = {"fwd": "attention_fwd.cu", "bwd": "attention_bwd.cu", "probs": "attention_probs.cu"}
+_WS_SOURCE = "attention_fwd_ws.cu"
+PATHS = ("mma", "large", "wgmma", "pieces", "ws")
+# The score modifiers a kernel is compiled for (cuda_src/mods.cuh, enum Mods): none; scalars (window,
+# softcap, ALiBi, the backward's block mask: a few numbers per batch entry); softcap (the backward of a
+# softcap alone) and window (a window alone), where every other option is a compile-time constant; all
+# (also bias, mask and the forward's block mask; packed batches and attention_probs).
+MODS = ("none", "scalars", "softcap", "window", "all")
+# The forward's forms of the scores: bounded (bfloat16, a softcap without ALiBi: 1 is every row's max),
+# alibi (the warp-specialized forward's ALiBi, its slope split into row and column terms) and
+# alibi_half_first (that, where the window has a right edge: a tile's first key block over half its keys).
+SCORES = ("plain", "bounded", "alibi", "alibi_half_first")
+# Softcapped scores are tanh values in [-1, 1]. Without ALiBi, exp2(c * (t - 1)) with c = softcap * log2(e)
+# is at least 2^(-2c), a normal float for c <= 62 (exponentials flush to zero below 2^-126), which leaves a
+# factor 2^2 for the rounding of c and of tanh: up to this softcap the bfloat16 forward is ``bounded``.
+BOUNDED_SOFTCAP_MAX = 62.0 * math.log(2.0)
+_SCALAR_MODS_ITEMSIZES = (2, 4)  # float64 has no scalars' kernels: two of its passes spilled on sm_90
+_BOOL = {True: "true", False: "false"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled module (the backward: two). ``path``: one of PATHS (tiles.py). ``mods``: one of MODS;
+    with modifiers ``causal`` travels as the window's right edge and is False here, except in the softcap's
+    own backward, which takes it as the plain kernels do. ``score``: one of SCORES (forwards).
+    ``block_mask``: the warp-specialized forward's walk of a block mask (other kernels skip block-mask
+    tiles in their ``all`` form, and the backward in ``scalars`` too)."""
+
+    direction: str  # "fwd", "bwd" or "probs"
+    dtype: str  # one of DTYPES
+    head_dim: int  # HEAD_DIM: one of tiles.HEAD_DIMS
+    path: str = "mma"
+    mods: str = "none"
+    causal: bool = False
+    dropout: bool = False
+    score: str = "plain"
+    block_mask: bool = False
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZES[self.dtype]
+
+    @property
+    def form(self) -> str:
+        """The tile table's column."""
+        base = {"none": "plain", "all": "all", "scalars": "scalars", "softcap": "scalars", "window": "window"}[self.mods]
+        if self.dropout:
+            return "dropout" if base == "plain" else base + "+dropout"
+        return base
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return {"fwd": ("fwd",), "probs": ("probs",)}.get(self.direction, ("preprocess", "dkdv", "dq"))
+
+    @property
+    def modules(self) -> tuple[tuple[str, ...], ...]:
+        """The kernels grouped into the modules NVRTC compiles: the backward's passes in two modules that
+        compile concurrently (NVRTC runs without the GIL), which shortens its first call."""
+        return {"fwd": (("fwd",),), "probs": (("probs",),)}.get(self.direction, (("preprocess", "dkdv"), ("dq",)))
+
+    def tiles(self, kernel: str) -> Tiles:
+        return tiles.lookup(self.path, self.itemsize, self.head_dim, kernel, self.form)
+
+    def smem(self, kernel: str) -> int:
+        """Dynamic shared memory of one kernel, in bytes."""
+        if kernel == "preprocess":
+            return 0
+        return tiles.smem_bytes(self.path, self.itemsize, self.head_dim, kernel, self.tiles(kernel))
+
+    def threads(self, kernel: str) -> int:
+        return 32 * tiles.PREPROCESS_WARPS if kernel == "preprocess" else self.tiles(kernel).threads
+
+    def name_expression(self, kernel: str) -> str:
+        """The kernel's template instantiation, as NVRTC's name_expressions take it."""
+        c, hd, b = CTYPES[self.dtype], self.head_dim, _BOOL
+        if kernel == "preprocess":
+            lanes = tiles.preprocess_lanes(self.itemsize, hd)
+            return f"attention_bwd_preprocess_kernel<{c}, {tiles.PREPROCESS_WARPS}, {lanes}>"
+        t = self.tiles(kernel)
+        wgmma = self.path in ("wgmma", "pieces", "ws")
+        mods = f"Mods::{self.mods}"
+        if kernel == "probs":
+            return f"attention_probs_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {b[wgmma]}>"
+        if kernel == "fwd" and self.path == "ws":  # the scalars there are a dense batch's (no cu_seqlens)
+            mods = "Mods::dense_scalars" if self.mods == "scalars" else mods
+            return (f"attention_fwd_ws_kernel<{c}, {hd}, {t.block}, {t.stages}, {b[self.causal]}, {mods}, "
+                    f"{b[self.score == 'bounded']}, {b[self.score.startswith('alibi')]}, "
+                    f"{b[self.score == 'alibi_half_first']}, {b[self.block_mask]}, {b[t.pack_after_wait]}, "
+                    f"{b[t.store_warps]}>")
+        if kernel == "fwd" and wgmma:  # no column chunks: the whole head dim per CTA
+            return (f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {b[self.causal]}, {mods}, "
+                    f"{b[self.dropout]}, {b[self.score == 'bounded']}, {t.ctas_per_sm}>")
+        if kernel == "fwd":
+            return (f"attention_fwd_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {b[self.causal]}, "
+                    f"{mods}, {b[self.dropout]}>")
+        lse = f", {b[t.lse_by_copy]}" if kernel == "dkdv" else ""
+        return (f"attention_bwd_{kernel}_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {b[self.causal]}, "
+                f"{mods}, {b[wgmma]}, {b[self.dropout]}, {b[t.split]}, {b[t.pipelined]}, {b[t.across_turn]}{lse}>")
+
+    def code(self, kernels: tuple[str, ...] | None = None) -> str:
+        """The source of the module holding ``kernels`` (default: all of the variant's)."""
+        filename = _WS_SOURCE if self.path == "ws" else _SOURCES[self.direction]
+        return module_code(filename, [self.name_expression(k) for k in (kernels or self.kernels)])
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """NVRTC options. Hopper's modules name sm_90a; CuPy appends its own -arch=sm_90 after it, and
+        NVRTC keeps the architecture-specific target."""
+        return OPTIONS + ((f"-arch={WGMMA_ARCH}",) if self.path in ("wgmma", "pieces", "ws") else ())
+
+    def compile_targets(self) -> dict[str, str]:
+        """Architecture family -> the NVRTC target the variant is built for: Hopper's paths for sm_90a alone,
+        the mma.sync path for every GPU (checked as sm_80 and sm_90), except where its shared memory
+        exceeds what an sm_80 CTA may have."""
+        if self.path in ("wgmma", "pieces", "ws"):
+            return {"sm_90": WGMMA_ARCH}
+        if max(self.smem(kernel) for kernel in self.kernels) > tiles.SM80_SMEM_BYTES:
+            return {"sm_90": "sm_90"}
+        return {"sm_80": "sm_80", "sm_90": "sm_90"}
+
+    def __str__(self) -> str:
+        """In words, e.g. ``fwd bfloat16 HEAD_DIM=128 causal (ws)``."""
+        kind = "causal" if self.causal else "plain"
+        if self.mods != "none":
+            kind = {"scalars": "modifiers (window, softcap, ALiBi)", "softcap": "modifiers (softcap alone)",
+                    "window": "modifiers (window alone)", "all": "modifiers"}[self.mods]
+            kind += ", causal" if self.causal else ""
+        extras = [self.path] + ([self.score] if self.score != "plain" else []) + (["block mask"] if self.block_mask else [])
+        return (f"{self.direction} {self.dtype} HEAD_DIM={self.head_dim} {kind}" + (" dropout" if self.dropout else "")
+                + f" ({', '.join(extras)})")
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the device offers the selection: Hopper's paths (compute capability 9.0, unless
+    CUPYFLASH_NO_WGMMA=1) and 227 KiB of shared memory per CTA (compute capability >= 9.0)."""
+
+    wgmma: bool = False
+    large_smem: bool = False
+
+
+@dataclass(frozen=True)
+class Features:
+    """What of a call decides its variant. ``head_dim``: max(D, Dv) as the kernels read rows (16-byte
+    multiples); ``window``: as given, causal apart; ``arrays``: a bias or a mask; ``tma``: whether the
+    warp-specialized forward may serve (its tensor maps describe the inputs, its block-mask walk holds the
+    key tiles)."""
+
+    direction: str
+    dtype: str
+    head_dim: int
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: bool = False
+    arrays: bool = False
+    block_mask: bool = False
+    dropout: bool = False
+    packed: bool = False
+    tma: bool = True
+
+    @property
+    def has_mods(self) -> bool:
+        return (self.window != (-1, -1) or self.softcap > 0 or self.alibi or self.arrays or self.block_mask)
+
+    @property
+    def right_edge(self) -> bool:
+        """Whether the window, causal folded in, bounds the keys on the right."""
+        return self.causal or self.window[1] >= 0
+
+    @classmethod
+    def of(cls, direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dropout=None,
+           packed: bool = False) -> "Features":
+        """The features of a call: ``mods`` a resolved cupyflash._modifiers.Modifiers or None, ``dropout``
+        a cupyflash._dropout.Dropout or None."""
+        name = getattr(dtype, "name", None) or str(dtype)
+        vec = 16 // ITEMSIZES[name]
+        head_dim = max(round_up(d, vec), round_up(dv, vec))
+        if mods is None:
+            return cls(direction, name, head_dim, bool(causal), dropout=dropout is not None, packed=packed)
+        return cls(direction, name, head_dim, bool(causal), mods.window, mods.softcap, mods.alibi_slopes is not None,
+                   mods.bias is not None or mods.mask is not None, mods.block_mask is not None, dropout is not None,
+                   packed)
+
+
+def select(f: Features, device: Device) -> Variant:
+    """The variant that serves a call with features ``f`` on a device with abilities ``device``."""
+    itemsize, head_dim = ITEMSIZES[f.dtype], tiles.padded_head_dim(f.head_dim)
+    # Packed batches and attention_probs read cu_seqlens or every option at run time: the modifiers' kernels.
+    has_mods = f.has_mods or f.direction == "probs" or f.packed
+    pieces = (f.direction != "probs" and not has_mods and not f.dropout and tiles.has("pieces", itemsize, head_dim))
+    wgmma = device.wgmma and (tiles.has("wgmma", itemsize, head_dim) or pieces)
+    ws = (f.direction == "fwd" and wgmma and itemsize == 2 and head_dim in tiles.WS_HEAD_DIMS and f.tma
+          and not f.dropout and not f.packed)
+    # A block mask with no bias or mask: the warp-specialized forward walks it; other forwards with a block
+    # mask take the ``all`` form, whose walk costs the scalars' forwards time; the backward's scalars walk it.
+    ws_block_mask = ws and f.block_mask and not f.arrays
+    scalars = (has_mods and f.direction != "probs" and not f.dropout and itemsize in _SCALAR_MODS_ITEMSIZES
+               and (not f.has_mods or ws_block_mask or (not f.arrays and (not f.block_mask or f.direction == "bwd"))))
+    bounded = (f.direction == "fwd" and scalars and wgmma and f.dtype == "bfloat16" and not f.alibi
+               and 0.0 < f.softcap <= BOUNDED_SOFTCAP_MAX)
+    # One option alone, every other off: the forms that fix the others at compile time (16-bit, Hopper).
+    single = (scalars and wgmma and itemsize == 2 and not f.packed and f.has_mods and not f.alibi
+              and not f.block_mask)
+    softcap_alone = f.direction == "bwd" and single and f.softcap > 0 and f.window == (-1, -1)
+    window_alone = single and f.softcap == 0
+    warp_specialized = ws and (scalars or not has_mods)
+    if not has_mods:
+        mods = "none"
+    elif scalars:
+        mods = "softcap" if softcap_alone else "window" if window_alone else "scalars"
+    else:
+        mods = "all"
+    if warp_specialized:
+        path = "ws"
+    elif wgmma:
+        path = "pieces" if itemsize == 4 else "wgmma"
+    elif device.large_smem and tiles.has("large", itemsize, head_dim):
+        path = "large"
+    else:
+        path = "mma"
+    score = "plain"
+    if bounded:
+        score = "bounded"
+    elif warp_specialized and f.alibi:
+        score = "alibi_half_first" if f.right_edge else "alibi"
+    causal = f.causal and mods in ("none", "softcap")
+    return Variant(f.direction, f.dtype, head_dim, path, mods, causal, f.dropout, score,
+                   warp_specialized and ws_block_mask)
+
+
+def shipped_variants() -> list[Variant]:
+    """Every variant the library can compile: on every path of the tile table, each of its forms, causal
+    and not where the kernel tells them apart, and the forward's score forms where they exist."""
+    found = []
+    for dtype in DTYPES:
+        itemsize = ITEMSIZES[dtype]
+        for head_dim in tiles.HEAD_DIMS:
+            for path in ("mma", "large", "wgmma", "pieces"):
+                if not tiles.has(path, itemsize, head_dim):
+                    continue
+                for direction in ("fwd", "bwd"):
+                    base = Variant(direction, dtype, head_dim, path)
+                    for dropout in (False, True):
+                        if dropout and not tiles.has(path, itemsize, head_dim, "dropout"):
+                            continue
+                        for causal in (False, True):
+                            found.append(dataclasses.replace(base, causal=causal, dropout=dropout))
+                        if tiles.has(path, itemsize, head_dim, "all"):
+                            found.append(dataclasses.replace(base, mods="all", dropout=dropout))
+                    if not tiles.has(path, itemsize, head_dim, "scalars"):
+                        continue
+                    found.append(dataclasses.replace(base, mods="scalars"))
+                    if direction == "fwd" and path == "wgmma" and dtype == "bfloat16":
+                        found.append(dataclasses.replace(base, mods="scalars", score="bounded"))
+                    if direction == "bwd" and path == "wgmma":
+                        found += [dataclasses.replace(base, mods="softcap", causal=c) for c in (False, True)]
+                    if tiles.has(path, itemsize, head_dim, "window"):
+                        found.append(dataclasses.replace(base, mods="window"))
+                if tiles.has(path, itemsize, head_dim, "all"):
+                    found.append(Variant("probs", dtype, head_dim, path, "all"))
+            if tiles.has("ws", itemsize, head_dim):
+                ws = Variant("fwd", dtype, head_dim, "ws")
+                found += [dataclasses.replace(ws, causal=c) for c in (False, True)]
+                found.append(dataclasses.replace(ws, mods="window"))
+                scores = ("plain", "alibi", "alibi_half_first") + (("bounded",) if dtype == "bfloat16" else ())
+                found += [dataclasses.replace(ws, mods="scalars", score=score, block_mask=block_mask)
+                          for score in scores for block_mask in (False, True)]
+    return found
+
+
+def variants_for(arch: str) -> list[Variant]:
+    """The shipped variants built for architecture family ``arch`` ("sm_80" or "sm_90")."""
+    return [v for v in shipped_variants() if arch in v.compile_targets()]

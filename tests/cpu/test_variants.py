@@ -1,0 +1,692 @@
+"""Which kernel variant a call selects, and with which tiles (no GPU needed: selection is a pure function of
+the call's ``Features`` and the device's abilities, ``Device``), and the one tile table itself."""
+
+import dataclasses
+import re
+import types
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cupyflash import _dropout, _modifiers
+from cupyflash._cuda import backend, launch, tiles, tma
+from cupyflash._cuda.source import source
+from cupyflash._cuda.variants import (BOUNDED_SOFTCAP_MAX, DTYPES, MODS, PATHS, SCORES, Device, Features, Variant,
+                                      select, shipped_variants, variants_for)
+
+HOPPER = Device(wgmma=True, large_smem=True)
+AMPERE = Device()  # mma.sync and an sm_80 CTA's shared memory: every GPU but Hopper (and no GPU at all)
+LARGE_SMEM_ONLY = Device(large_smem=True)  # compute capability > 9.0, or Hopper with CUPYFLASH_NO_WGMMA=1
+BF16 = np.dtype(ml_dtypes.bfloat16)
+HALVES = ((np.float16, "half_t"), (ml_dtypes.bfloat16, "bfloat16_t"))
+ON = np.ones((1, 1), bool)  # a block mask of one tile: (2, 3, 100 x 120) has one 128 x 128 tile
+SLOPES = np.ones(3, np.float32)
+DROPOUT = _dropout.Dropout(0.1, 1)
+SHIPPED = shipped_variants()
+SHIPPED_SET = set(SHIPPED)
+
+
+def _chosen(direction="fwd", dtype=np.float16, head_dim=128, causal=True, device=HOPPER, dropout=None, packed=False,
+            tma_ok=True, dv=None, **options):
+    """The variant of a (2, 3, 100 x 120) call with these options (resolved as the API resolves them)."""
+    mods = _modifiers.resolve(np, np.dtype(dtype), (2, 3), 100, 120, **options)
+    features = Features.of(direction, np.dtype(dtype), head_dim, head_dim if dv is None else dv, causal, mods, dropout,
+                           packed)
+    if not tma_ok:
+        features = dataclasses.replace(features, tma=False)
+    return select(features, device)
+
+
+def _bool(x):
+    return "true" if x else "false"
+
+
+def _wgmma_head_dims(itemsize=2):
+    return sorted({head_dim for path, size, head_dim, _, _ in tiles.CELLS if path == "wgmma" and size == itemsize})
+
+
+# ------------------------------------------------------------------------------------------ the records
+def test_shipped_variants_are_distinct_and_well_formed():
+    assert len(SHIPPED) == len(SHIPPED_SET), "a variant is listed twice"
+    for v in SHIPPED:
+        assert v.direction in ("fwd", "bwd", "probs") and v.dtype in DTYPES and v.path in PATHS, v
+        assert v.mods in MODS and v.score in SCORES and v.head_dim in tiles.HEAD_DIMS, v
+        assert not (v.causal and v.mods not in ("none", "softcap")), f"{v}: causal travels in the window"
+        assert v.direction != "probs" or (v.mods == "all" and not v.dropout), v
+        assert v.score == "plain" or v.direction == "fwd", v
+        assert not v.block_mask or (v.path == "ws" and v.mods == "scalars"), v
+    assert {v.dtype for v in SHIPPED} == set(DTYPES)
+    assert {v.path for v in SHIPPED} == set(PATHS)
+
+
+def test_features_of_a_call():
+    """Features.of: the dtype by name, the head dims as 16-byte rows (max of D and Dv), the options as flags."""
+    f = Features.of("fwd", BF16, 100, 120, True)
+    assert (f.direction, f.dtype, f.head_dim, f.causal, f.has_mods, f.dropout, f.packed) == \
+        ("fwd", "bfloat16", 120, True, False, False, False)
+    assert Features.of("bwd", np.dtype(np.float16), 36, 20, False).head_dim == 40  # 8 halves per 16 bytes
+    assert Features.of("bwd", np.dtype(np.float32), 37, 5, False).head_dim == 40  # 4 floats
+    assert Features.of("bwd", np.dtype(np.float64), 3, 1, False).head_dim == 4  # 2 doubles
+    mods = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, window=(10, -1), softcap=3.0,
+                              alibi_slopes=SLOPES, block_mask=ON)
+    f = Features.of("fwd", np.dtype(np.float16), 64, 64, True, mods, DROPOUT, packed=True)
+    assert (f.window, f.softcap, f.alibi, f.arrays, f.block_mask, f.dropout, f.packed) == \
+        ((10, -1), 3.0, True, False, True, True, True)
+    assert f.has_mods and f.right_edge
+    assert not Features("fwd", "float16", 64, window=(10, -1)).right_edge
+    assert Features("fwd", "float16", 64, window=(-1, 3)).right_edge
+    for name in ("bias", "mask"):
+        array = np.zeros((100, 120), np.float16) if name == "bias" else np.ones((100, 120), bool)
+        mods = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, **{name: array})
+        assert Features.of("fwd", np.dtype(np.float16), 64, 64, False, mods).arrays
+
+
+def test_variant_in_words():
+    assert str(Variant("fwd", "bfloat16", 128, "ws", causal=True)) == "fwd bfloat16 HEAD_DIM=128 causal (ws)"
+    assert str(Variant("bwd", "float32", 96)) == "bwd float32 HEAD_DIM=96 plain (mma)"
+    words = str(Variant("fwd", "float16", 128, "ws", "scalars", score="alibi_half_first", block_mask=True))
+    assert "modifiers (window, softcap, ALiBi)" in words and "alibi_half_first" in words and "block mask" in words
+    assert "dropout" in str(Variant("fwd", "float16", 64, mods="all", dropout=True))
+    assert "softcap alone" in str(Variant("bwd", "float16", 64, "wgmma", "softcap", causal=True))
+
+
+# ------------------------------------------------------------------------------------------ the modifiers' forms
+def test_plain_calls_take_no_modifiers():
+    for device in (AMPERE, HOPPER):
+        variant = _chosen(head_dim=64, device=device)
+        assert variant.mods == "none" and variant.causal and variant.score == "plain"
+        assert "Mods::none" in variant.name_expression("fwd")
+
+
+def test_window_softcap_and_alibi_take_the_scalars_form():
+    for options in (dict(window=(10, 0)), dict(softcap=5.0), dict(alibi_slopes=SLOPES),
+                    dict(window=(10, 5), softcap=5.0, alibi_slopes=SLOPES)):
+        for direction in ("fwd", "bwd"):
+            variant = _chosen(direction, head_dim=64, device=AMPERE, **options)
+            assert variant.mods == "scalars" and not variant.causal and variant.path == "mma", options
+            assert "Mods::scalars" in variant.name_expression(direction if direction == "fwd" else "dq")
+
+
+def test_a_block_mask_takes_the_scalars_backward_and_the_full_forward():
+    """Away from the warp-specialized forward (which walks it: below), a block mask is read by the forward's
+    ``all`` form; the backward's scalars form skips its tiles."""
+    for options in (dict(block_mask=ON), dict(window=(10, 5), softcap=5.0, block_mask=ON)):
+        for device, head_dim in ((AMPERE, 64), (AMPERE, 128), (HOPPER, 64)):
+            forward, backward = (_chosen(d, head_dim=head_dim, device=device, **options) for d in ("fwd", "bwd"))
+            assert forward.mods == "all" and "Mods::all" in forward.name_expression("fwd"), options
+            assert backward.mods == "scalars" and "Mods::scalars" in backward.name_expression("dq"), options
+            assert not forward.block_mask and not backward.block_mask
+
+
+def test_arrays_dropout_probs_and_float64_take_the_full_form():
+    for name, array in (("bias", np.zeros((100, 120), np.float16)), ("mask", np.ones((100, 120), bool))):
+        for direction in ("fwd", "bwd"):
+            variant = _chosen(direction, head_dim=64, device=AMPERE, window=(10, 0), block_mask=ON, **{name: array})
+            assert variant.mods == "all", name
+            assert "Mods::all" in variant.name_expression("fwd" if direction == "fwd" else "dkdv")
+    with_dropout = _chosen(head_dim=64, device=AMPERE, dropout=DROPOUT, window=(10, 0))
+    assert with_dropout.mods == "all" and with_dropout.dropout
+    assert _chosen("probs", head_dim=64, causal=False, device=AMPERE, softcap=5.0).mods == "all"
+    assert _chosen("probs", head_dim=64, causal=False, device=AMPERE).mods == "all"  # probs always reads options
+    for device in (AMPERE, HOPPER):
+        float64 = _chosen(dtype=np.float64, head_dim=64, causal=False, device=device, softcap=5.0)
+        assert float64.mods == "all" and float64.path == "mma", "float64 has no scalars form"
+
+
+def test_packed_batches_take_the_modifiers_kernels():
+    """Variable-length batches read cu_seqlens at run time: the modifiers' kernels, even with no option."""
+    for device in (AMPERE, HOPPER):
+        for dtype in (np.float16, np.float32):
+            plain = _chosen("fwd", dtype, 64, device=device, packed=True)
+            assert plain.mods == "scalars" and not plain.causal and plain.path in ("mma", "wgmma"), plain
+            assert plain.path != "ws"
+    assert _chosen("bwd", np.float64, 64, device=HOPPER, packed=True).mods == "all"
+    assert _chosen("fwd", np.float16, 64, device=AMPERE, packed=True, dropout=DROPOUT).mods == "all"
+
+
+def test_every_scalars_variant_is_shipped_beside_its_full_one():
+    """The scalars, softcap-alone and window-alone forms are faster forms of the ``all`` one, which every
+    such call could take: it is shipped too (on the warp-specialized forward's own path, the wgmma one)."""
+    narrow = [v for v in SHIPPED if v.mods in ("scalars", "softcap", "window")]
+    assert narrow and all(not v.dropout and v.direction in ("fwd", "bwd") and v.itemsize in (2, 4) for v in narrow)
+    for v in narrow:
+        full = dataclasses.replace(v, mods="all", causal=False, score="plain", block_mask=False,
+                                   path="wgmma" if v.path == "ws" else v.path)
+        assert full in SHIPPED_SET, v
+
+
+def test_a_softcap_alone_takes_the_softcap_backward_on_the_wgmma_path():
+    """A 16-bit wgmma backward whose only modifier is a softcap runs Mods::softcap, causal as the plain kernels
+    take it; anything more (or its forward, float32, dropout, a packed batch, the mma.sync path) does not."""
+    for dtype, _ in HALVES:
+        for causal in (False, True):
+            chosen = _chosen("bwd", dtype, causal=causal, softcap=5.0)
+            assert chosen.mods == "softcap" and chosen.path == "wgmma" and chosen.causal == causal
+            assert f"{_bool(causal)}, Mods::softcap, true" in chosen.name_expression("dkdv")
+            assert chosen in SHIPPED_SET
+    for options in (dict(softcap=5.0, window=(10, 0)), dict(softcap=5.0, window=(-1, 0)),
+                    dict(softcap=5.0, alibi_slopes=SLOPES), dict(softcap=5.0, block_mask=ON),
+                    dict(softcap=5.0, bias=np.zeros((100, 120), np.float16)), dict(window=(10, 0))):
+        chosen = _chosen("bwd", **options)
+        assert chosen.mods != "softcap" and not chosen.causal, options
+    assert _chosen("fwd", softcap=5.0).mods != "softcap"
+    assert _chosen("bwd", np.float32, softcap=5.0).mods != "softcap"
+    assert _chosen("bwd", softcap=5.0, dropout=DROPOUT).mods != "softcap"
+    assert _chosen("bwd", softcap=5.0, packed=True).mods != "softcap"
+    assert _chosen("bwd", softcap=5.0, device=AMPERE).mods == "scalars"
+    shipped = {v for v in SHIPPED if v.mods == "softcap"}
+    assert shipped == {Variant("bwd", dtype, head_dim, "wgmma", "softcap", causal)
+                       for dtype in ("float16", "bfloat16") for head_dim in _wgmma_head_dims()
+                       for causal in (False, True)}
+
+
+def test_a_window_alone_takes_the_window_form_on_the_wgmma_path():
+    """A 16-bit wgmma forward or backward whose only modifier is a window (causal travelling in it) runs
+    Mods::window; a softcap, ALiBi, a block mask, an array, dropout, float32, a packed batch or the mma.sync
+    path take the other forms."""
+    for dtype, _ in HALVES:
+        for direction in ("fwd", "bwd"):
+            for causal, window in ((True, (10, 0)), (False, (5, 17)), (False, (-1, 3)), (True, (0, -1))):
+                chosen = _chosen(direction, dtype, causal=causal, window=window)
+                assert chosen.mods == "window" and not chosen.causal and chosen.score == "plain", window
+                assert chosen.path == ("ws" if direction == "fwd" and 128 in tiles.WS_HEAD_DIMS else "wgmma")
+                name = chosen.name_expression(direction if direction == "fwd" else "dkdv")
+                assert "false, Mods::window" in name and chosen in SHIPPED_SET, name
+    for options in (dict(window=(10, 0), softcap=5.0), dict(window=(10, 0), alibi_slopes=SLOPES),
+                    dict(window=(10, 0), block_mask=ON), dict(window=(10, 0), bias=np.zeros((100, 120), np.float16)),
+                    dict(window=(10, 0), mask=np.ones((100, 120), bool)), dict(softcap=5.0)):
+        for direction in ("fwd", "bwd"):
+            assert _chosen(direction, **options).mods != "window", (direction, options)
+    assert _chosen(dtype=np.float32, window=(10, 0)).mods != "window"
+    assert _chosen(window=(10, 0), dropout=DROPOUT).mods != "window"
+    assert _chosen(window=(10, 0), packed=True).mods != "window"
+    assert _chosen(window=(10, 0), device=AMPERE).mods == "scalars"
+    for head_dim in _wgmma_head_dims():
+        for direction in ("fwd", "bwd"):
+            chosen = _chosen(direction, head_dim=head_dim, window=(10, 0))
+            assert chosen.mods == "window" and chosen in SHIPPED_SET, (head_dim, direction)
+
+
+def test_the_window_alone_forward_takes_its_own_tiles_and_ctas_per_sm():
+    """Where the table gives the wgmma forward's window form its own cell, that form launches and names it,
+    CTAs per SM included (its launch bounds); every other wgmma forward keeps one CTA's bound."""
+    own = 0
+    for head_dim in _wgmma_head_dims():
+        # (where the warp-specialized forward serves, this one remains for inputs TMA cannot read)
+        chosen = _chosen(head_dim=head_dim, window=(10, 0), tma_ok=False)
+        assert chosen.path == "wgmma" and chosen.mods == "window"
+        cell = tiles.lookup("wgmma", 2, head_dim, "fwd", "window")
+        assert chosen.tiles("fwd") == cell
+        assert chosen.name_expression("fwd") == (
+            f"attention_fwd_wgmma_kernel<half_t, {head_dim}, {cell.num_warps}, {cell.block}, false, Mods::window, "
+            f"false, false, {cell.ctas_per_sm}>")
+        scalars = dataclasses.replace(chosen, mods="scalars")
+        assert scalars.tiles("fwd").ctas_per_sm == 1
+        if cell.ctas_per_sm > 1:
+            own += 1
+            assert scalars.tiles("fwd") != cell
+    assert own, "the table gives no window forward several CTAs per SM"
+    for variant in SHIPPED:
+        if variant.direction == "fwd" and variant.path in ("wgmma", "pieces") and variant.mods != "window":
+            assert variant.name_expression("fwd").endswith(", 1>"), variant
+
+
+def test_the_window_alone_backward_takes_its_own_tiles():
+    """Where the table's window cells of the wgmma backward differ from its scalars cells, the window form
+    launches and names its own."""
+    differ = 0
+    for head_dim in _wgmma_head_dims():
+        chosen = _chosen("bwd", head_dim=head_dim, window=(10, 0))
+        scalars = dataclasses.replace(chosen, mods="scalars")
+        assert chosen.mods == "window" and chosen.path == "wgmma"
+        for kernel in ("dkdv", "dq"):
+            t = tiles.lookup("wgmma", 2, head_dim, kernel, "window")
+            assert chosen.tiles(kernel) == t
+            expected = f"<half_t, {head_dim}, {t.num_warps}, {t.block}, {t.d_chunk}, false, Mods::window,"
+            assert expected in chosen.name_expression(kernel), chosen.name_expression(kernel)
+            differ += scalars.tiles(kernel) != t
+    assert differ, "no window backward has tiles of its own"
+
+
+def test_float32_on_hopper_runs_on_float16_pieces():
+    """Plain and causal float32 at the pieces' head dims on Hopper; with dropout, modifiers or elsewhere
+    the mma.sync kernels."""
+    pieces = sorted({head_dim for path, _, head_dim, _, _ in tiles.CELLS if path == "pieces"})
+    assert pieces
+    for head_dim in tiles.HEAD_DIMS:
+        for direction in ("fwd", "bwd"):
+            for causal in (False, True):
+                chosen = _chosen(direction, np.float32, head_dim, causal, device=HOPPER)
+                assert chosen.path == ("pieces" if head_dim in pieces else "mma"), (head_dim, direction)
+                assert chosen in SHIPPED_SET
+                assert _chosen(direction, np.float32, head_dim, causal, device=AMPERE).path == "mma"
+            assert _chosen(direction, np.float32, head_dim, device=HOPPER, dropout=DROPOUT).path == "mma"
+            assert _chosen(direction, np.float32, head_dim, device=HOPPER, window=(10, 0)).path == "mma"
+    assert _chosen("probs", np.float32, 64, False, device=HOPPER).path == "mma"
+
+
+def test_float64_takes_the_large_tiles_where_the_shared_memory_allows():
+    large = sorted({head_dim for path, _, head_dim, _, _ in tiles.CELLS if path == "large"})
+    assert large
+    for head_dim in tiles.HEAD_DIMS:
+        for device in (HOPPER, LARGE_SMEM_ONLY):
+            chosen = _chosen("bwd", np.float64, head_dim, device=device)
+            assert chosen.path == ("large" if head_dim in large else "mma") and chosen in SHIPPED_SET
+        assert _chosen("bwd", np.float64, head_dim, device=AMPERE).path == "mma"
+    # A variant whose shared memory exceeds an sm_80 CTA's is built for sm_90 alone.
+    for v in SHIPPED:
+        fits = max(v.smem(kernel) for kernel in v.kernels) <= tiles.SM80_SMEM_BYTES
+        if v.path in ("mma",):
+            assert set(v.compile_targets()) == ({"sm_80", "sm_90"} if fits else {"sm_90"}), v
+        else:
+            assert v.compile_targets() == {"sm_90": "sm_90a" if v.path != "large" else "sm_90"}, v
+
+
+def test_the_device_decides_the_path():
+    """16-bit at HEAD_DIM 64: mma.sync without Hopper's paths, wgmma with them; on a device with the large
+    shared memory alone (Hopper with CUPYFLASH_NO_WGMMA=1) the mma.sync kernels too."""
+    for direction in ("fwd", "bwd"):
+        assert _chosen(direction, head_dim=64, device=AMPERE).path == "mma"
+        assert _chosen(direction, head_dim=64, device=LARGE_SMEM_ONLY).path == "mma"
+        assert _chosen(direction, head_dim=64, device=HOPPER).path == "wgmma"
+    assert _chosen("probs", head_dim=64, causal=False, device=HOPPER).path == "wgmma"
+    assert _chosen("fwd", head_dim=128, device=HOPPER).path == "ws"
+
+
+# ------------------------------------------------------------------------------------------ warp-specialized
+def _fake_cupy(device=0):
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: device)))
+
+
+def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_where_listed(monkeypatch):
+    """At the head dims of the table's ws rows the 16-bit plain, causal, window-alone and scalar-modifier
+    (window, softcap, ALiBi) forwards of dense batches on Hopper are the warp-specialized kernel: its name (the
+    scalars as Mods::dense_scalars, bounded for a bfloat16 softcap without ALiBi, its ALiBi forms wherever
+    there are slopes), three warpgroups owning 128 rows, its persistent grid (one CTA per SM, at most one per
+    tile), its shared memory within an sm_90 CTA's 227 KiB. Backwards, dropout, float32, the modifiers'
+    arrays, packed batches, other head dims and the mma.sync path are not. Each is shipped, and so is the
+    wgmma forward it stands in for."""
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch, "cupy", _fake_cupy())
+    assert tiles.WS_HEAD_DIMS
+    window, softcap = dict(window=(10, 0)), dict(softcap=20.0)
+    scalars = dict(softcap=20.0, window=(50, 3), alibi_slopes=SLOPES)
+    for dtype, ctype in HALVES:
+        for head_dim in _wgmma_head_dims():
+            listed = head_dim in tiles.WS_HEAD_DIMS
+            # (causal as the kernel takes it, its Mods, the options, the variant chosen)
+            forwards = [(causal, "Mods::none", {}, _chosen(dtype=dtype, head_dim=head_dim, causal=causal))
+                        for causal in (False, True)]
+            forwards += [(False, mods, options, _chosen(dtype=dtype, head_dim=head_dim, **options))
+                         for mods, options in (("Mods::window", window), ("Mods::dense_scalars", softcap),
+                                               ("Mods::dense_scalars", scalars))]
+            assert all((chosen.path == "ws") == listed for *_, chosen in forwards), head_dim
+            assert all(chosen.path in ("ws", "wgmma") for *_, chosen in forwards), head_dim
+            for options in (window, {}, softcap):
+                assert _chosen("bwd", dtype, head_dim, **options).path == "wgmma"
+            assert _chosen(dtype=dtype, head_dim=head_dim, bias=np.zeros((100, 120), dtype)).path == "wgmma"
+            assert _chosen(dtype=dtype, head_dim=head_dim, packed=True, **softcap).path == "wgmma"
+            assert _chosen(dtype=dtype, head_dim=head_dim, dropout=DROPOUT).path == "wgmma"
+            if not listed:
+                continue
+            for causal, mods, options, chosen in forwards:
+                t = chosen.tiles("fwd")
+                assert t == tiles.lookup("ws", 2, head_dim, "fwd", chosen.form)
+                assert chosen.name_expression("fwd") == (
+                    f"attention_fwd_ws_kernel<{ctype}, {head_dim}, {t.block}, {t.stages}, {_bool(causal)}, {mods}, "
+                    f"{_bool(chosen.score == 'bounded')}, {_bool(chosen.score.startswith('alibi'))}, "
+                    f"{_bool(chosen.score == 'alibi_half_first')}, false, {_bool(t.pack_after_wait)}, "
+                    f"{_bool(t.store_warps)}>")
+                assert chosen.threads("fwd") == 3 * 128 and t.rows == 128 and t.copy_warps == tiles.WS_COPY_WARPS
+                for rows, batch, ctas in ((1000, 3, 24), (8192, 32, 132), (1, 1, 1)):
+                    grid, block_shape, smem = launch.launch_shape(chosen, "fwd", rows, batch)
+                    assert (grid, block_shape, smem) == ((ctas, 1, 1), (384,), chosen.smem("fwd")), (rows, batch)
+                assert chosen.smem("fwd") + 1024 <= 227 * 1024
+                assert "attention_fwd_ws_kernel" in chosen.code()
+                assert chosen in SHIPPED_SET and not chosen.block_mask
+                assert dataclasses.replace(chosen, path="wgmma", score="bounded" if chosen.score == "bounded"
+                                           else "plain") in SHIPPED_SET
+                assert (chosen.score == "bounded") == (options is softcap and ctype == "bfloat16_t")
+                assert chosen.score.startswith("alibi") == (options is scalars)
+                # scalars' window (50, 3): a right edge, so ALiBi's half-width first block
+                assert (chosen.score == "alibi_half_first") == (options is scalars)
+                # ALiBi's half-width first block where the window has a right edge (causal or not), only there
+                for window_, causal_, half in (((-1, -1), False, False), ((-1, -1), True, True), ((50, 3), False, True),
+                                               ((50, -1), False, False), ((50, -1), True, True)):
+                    alibi = _chosen(dtype=dtype, head_dim=head_dim, causal=causal_, window=window_, alibi_slopes=SLOPES)
+                    assert alibi.path == "ws" and alibi.score == ("alibi_half_first" if half else "alibi"), window_
+                    assert alibi in SHIPPED_SET
+    assert _chosen(dtype=np.float32).path == "pieces"
+    assert _chosen(device=AMPERE, window=(10, 0)).path == "mma"
+    assert _chosen(device=AMPERE).path == "mma"
+    ws = [v for v in SHIPPED if v.path == "ws"]
+    assert ws and all(v.direction == "fwd" and v.itemsize == 2 and not v.dropout and v.head_dim in tiles.WS_HEAD_DIMS
+                      and v.mods in ("none", "scalars", "window") for v in ws)
+    assert {(v.dtype, v.head_dim) for v in ws if v.score.startswith("alibi")} == \
+        {(d, h) for d in ("float16", "bfloat16") for h in tiles.WS_HEAD_DIMS}
+    assert all(v.mods == "scalars" for v in ws if v.score != "plain")
+    assert not any(v.score.startswith("alibi") for v in SHIPPED if v.path != "ws"), "ALiBi's forms are ws only"
+    assert {v for v in ws if v.score == "alibi_half_first"} == \
+        {dataclasses.replace(v, score="alibi_half_first") for v in ws if v.score == "alibi"}
+
+
+def test_where_tma_cannot_read_the_inputs_the_wgmma_forward_serves():
+    """attention_forward asks again with tma=False when tensor maps cannot describe q, k, v (a broadcast
+    batch dim) or the block mask has more key tiles than the walk holds: the wgmma forward of the same form."""
+    for options in ({}, dict(window=(10, 0)), dict(softcap=20.0), dict(alibi_slopes=SLOPES), dict(block_mask=ON)):
+        for dtype, _ in HALVES:
+            ws = _chosen(dtype=dtype, **options)
+            fallback = _chosen(dtype=dtype, tma_ok=False, **options)
+            assert ws.path == "ws" and fallback.path == "wgmma", options
+            assert fallback.mods == ("all" if "block_mask" in options else ws.mods), options
+            assert fallback.score == ("bounded" if ws.score == "bounded" else "plain")
+            assert fallback in SHIPPED_SET and not fallback.block_mask
+
+
+class _FakeArray:
+    def __init__(self, shape, strides, ptr=1 << 20, itemsize=2):
+        self.shape, self.strides = shape, strides
+        self.dtype = np.dtype(np.float16) if itemsize == 2 else np.dtype(np.float32)
+        self.data = type("Pointer", (), {"ptr": ptr})()
+
+
+def test_tensor_maps_describe_aligned_strided_inputs_but_not_broadcast_ones():
+    """tma.describable: a 16-byte aligned start and strides, and no batch dim of several entries at stride 0."""
+    dense = _FakeArray((2, 3, 100, 128), (2 * 3 * 100 * 256, 3 * 100 * 256, 256, 2))
+    assert tma.describable(dense, [1, 2, 3], [0, 300 * 128, 100 * 128])
+    sliced = _FakeArray((2, 3, 100, 128), (2 * 3 * 100 * 272, 3 * 100 * 272, 272, 2))  # rows of 136 elements
+    assert tma.describable(sliced, [1, 2, 3], [0, 300 * 136, 100 * 136])
+    assert not tma.describable(dense, [1, 2, 3], [0, 300 * 128, 0])  # heads broadcast
+    assert tma.describable(dense, [1, 1, 3], [0, 0, 100 * 128])  # a dim of one entry: any stride
+    assert not tma.describable(_FakeArray((2, 100, 128), (100 * 256, 256, 2), ptr=(1 << 20) + 8), [1, 1, 2],
+                               [0, 0, 100 * 128])
+    assert not tma.describable(_FakeArray((2, 100, 128), (100 * 264, 264, 2)), [1, 1, 2], [0, 0, 100 * 132])
+
+
+def test_tensor_maps_are_encoded_once_per_set_of_addresses(monkeypatch):
+    """TensorMaps.encode: the maps of q, k, v in order, each at a 64-byte aligned address of the argument's
+    bytes; a call with the previous call's addresses returns the previous argument without encoding, any
+    other encodes every map again. (A stand-in for the driver's encoder writes each map's address and its
+    rows of box.)"""
+    import ctypes
+
+    calls = []
+
+    def encode(at, code, rank, address, dims, strides, box, element_strides, *flags):
+        calls.append((at % 64, address))
+        words = (ctypes.c_uint64 * 16)(address, box[1], *([0] * 14))
+        ctypes.memmove(at, words, tma.MAP_BYTES)
+        return 0
+
+    monkeypatch.setattr(tma, "_encoder", lambda: encode)
+    dense = _FakeArray((2, 3, 100, 128), (2 * 3 * 100 * 256, 3 * 100 * 256, 256, 2))
+    arrays = {"q": dense, "k": dense, "v": dense}
+    strides = {name: [0, 300 * 128, 100 * 128] for name in arrays}
+    maps = tma.TensorMaps(arrays, [1, 2, 3], strides, {"q": 64, "k": 32, "v": 32})
+    first = maps.encode({"q": 1 << 20, "k": 2 << 20, "v": 3 << 20})
+    assert [offset for offset, _ in calls] == [0, 0, 0] and len(calls) == 3
+    assert first.dtype.itemsize == 3 * tma.MAP_BYTES and first.shape == (1,)
+    words = first.view(np.uint64).reshape(3, 16)
+    assert words[:, 0].tolist() == [1 << 20, 2 << 20, 3 << 20] and words[:, 1].tolist() == [64, 32, 32]
+    assert maps.encode({"q": 1 << 20, "k": 2 << 20, "v": 3 << 20}) is first and len(calls) == 3
+    second = maps.encode({"q": 1 << 20, "k": 2 << 20, "v": 4 << 20})
+    assert len(calls) == 6 and second is not first
+    assert second.view(np.uint64).reshape(3, 16)[:, 0].tolist() == [1 << 20, 2 << 20, 4 << 20]
+    assert words[2, 0] == 3 << 20, "an argument once made is never written again"
+
+
+def test_ctas_per_sm_fit_the_shared_memory_of_an_sm():
+    """Only the wgmma forward takes ctas_per_sm (its launch bounds), and a kernel compiled for n CTAs per SM
+    must also leave room for them in shared memory: n times its dynamic shared memory, its static (under
+    1 KiB: the block-mask bitmap and a few words) and the 1 KiB the hardware reserves per CTA, within
+    Hopper's 228 KiB per SM (the registers are ptxas' part of the bound: tests/tooling/test_compile.py checks
+    that nothing spills)."""
+    checked = 0
+    for variant in SHIPPED:
+        for kernel in variant.kernels:
+            if kernel == "preprocess" or variant.tiles(kernel).ctas_per_sm == 1:
+                continue
+            ctas = variant.tiles(kernel).ctas_per_sm
+            assert kernel == "fwd" and variant.path == "wgmma", (variant, kernel)
+            assert ctas * (variant.smem(kernel) + 2048) <= 228 * 1024, (variant, kernel)
+            checked += 1
+    cells = [key for key, t in tiles.CELLS.items() if t.ctas_per_sm > 1]
+    assert checked == 2 * len(cells) and cells  # each such cell's forward, float16 and bfloat16
+
+
+def test_a_block_mask_forward_walks_it_on_the_warp_specialized_kernel():
+    """A 16-bit forward at a ws head dim whose only array is a block mask (with or without the scalar
+    modifiers) runs the warp-specialized kernel's BLOCK_MASK form (Mods::dense_scalars; bounded, ALiBi and
+    half-first forms as without the mask); with a bias or a mask, dropout, a packed batch, another head dim,
+    float32, the mma.sync path or tma=False (attention_forward: TMA cannot read the inputs, or more key tiles
+    than the walk holds) it takes Mods::all. Its backward is the scalars' passes either way."""
+    for dtype, ctype in HALVES:
+        for causal, options, bounded, alibi, half in (
+                (False, {}, False, False, False), (True, {}, False, False, False),
+                (True, dict(window=(200, 0)), False, False, False),
+                (False, dict(softcap=20.0), ctype == "bfloat16_t", False, False),
+                (True, dict(alibi_slopes=SLOPES), False, True, True),
+                (False, dict(alibi_slopes=SLOPES), False, True, False)):
+            chosen = _chosen(dtype=dtype, causal=causal, block_mask=ON, **options)
+            assert chosen.block_mask and chosen.path == "ws" and chosen.mods == "scalars" and not chosen.causal
+            score = "bounded" if bounded else "alibi_half_first" if half else "alibi" if alibi else "plain"
+            assert chosen.score == score, options
+            t = chosen.tiles("fwd")
+            assert chosen.name_expression("fwd") == (
+                f"attention_fwd_ws_kernel<{ctype}, 128, {t.block}, {t.stages}, false, Mods::dense_scalars, "
+                f"{_bool(bounded)}, {_bool(alibi)}, {_bool(half)}, true, {_bool(t.pack_after_wait)}, "
+                f"{_bool(t.store_warps)}>"), options
+            assert chosen in SHIPPED_SET
+            assert dataclasses.replace(chosen, block_mask=False) in SHIPPED_SET  # the same form without the walk
+            backward = _chosen("bwd", dtype, causal=causal, block_mask=ON, **options)
+            assert backward.mods == "scalars" and not backward.block_mask
+            assert "Mods::scalars" in backward.name_expression("dq")
+    full = [_chosen(block_mask=ON, bias=np.zeros((100, 120), np.float16)),
+            _chosen(block_mask=ON, mask=np.ones((100, 120), bool)),
+            _chosen(block_mask=ON, dropout=DROPOUT),
+            _chosen(block_mask=ON, packed=True),
+            _chosen(dtype=np.float32, block_mask=ON),
+            _chosen(head_dim=64, block_mask=ON),
+            _chosen(block_mask=ON, tma_ok=False),
+            _chosen(block_mask=ON, device=AMPERE)]
+    for chosen in full:
+        assert not chosen.block_mask and chosen.path != "ws" and "Mods::all" in chosen.name_expression("fwd"), chosen
+    assert {v for v in SHIPPED if v.block_mask} == {dataclasses.replace(v, block_mask=True) for v in SHIPPED
+                                                     if v.path == "ws" and v.mods == "scalars"}
+
+
+def test_the_warp_specialized_block_mask_walk_holds_2048_key_tiles(monkeypatch):
+    """The kernel's walk keeps a tile's key blocks as bits in shared memory (TILE_BITMAP_WORDS words of 32);
+    attention_forward sends a longer key axis to Mods::all (backend._tma_reads says no)."""
+    words = int(re.search(r"constexpr int TILE_BITMAP_WORDS = (\d+);", source("block_mask.cuh")).group(1))
+    assert tiles.WS_BLOCK_MASK_TILES == 32 * words == 2048
+    monkeypatch.setattr(tma, "available", lambda: True)
+    monkeypatch.setattr(tma, "describable", lambda array, sizes, strides: True)
+    walk = Variant("fwd", "float16", 128, "ws", "scalars", block_mask=True)
+    arrays = {name: None for name in ("q", "k", "v")}
+    strides = {name: [0, 0, 0] for name in arrays}
+    assert backend._tma_reads(walk, arrays, [1, 1, 1], strides, 2048 * 128)
+    assert not backend._tma_reads(walk, arrays, [1, 1, 1], strides, 2048 * 128 + 1)
+    assert backend._tma_reads(dataclasses.replace(walk, block_mask=False), arrays, [1, 1, 1], strides, 10**7)
+    monkeypatch.setattr(tma, "describable", lambda array, sizes, strides: False)
+    assert not backend._tma_reads(walk, arrays, [1, 1, 1], strides, 128)
+
+
+def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward():
+    """On Hopper the bfloat16 forward with a softcap of at most BOUNDED_SOFTCAP_MAX and no ALiBi (window or
+    not) takes 1 as every row's max, in the warp-specialized forward too (and in the one it falls back to);
+    anything else keeps the row max."""
+    limit = BOUNDED_SOFTCAP_MAX
+    assert 42.9 < limit < 43.0  # 62 ln 2: exp2(-2 * 62) stays a normal float
+    for options in (dict(softcap=2.0), dict(softcap=limit), dict(softcap=30.0, window=(10, 0))):
+        for head_dim in (64, 128):
+            chosen = _chosen(dtype=BF16, head_dim=head_dim, **options)
+            assert chosen.score == "bounded" and chosen.mods == "scalars", options
+            assert chosen.path == ("ws" if head_dim in tiles.WS_HEAD_DIMS else "wgmma")
+            if chosen.path == "ws":
+                t = chosen.tiles("fwd")
+                expected = (f"Mods::dense_scalars, true, false, false, false, {_bool(t.pack_after_wait)}, "
+                            f"{_bool(t.store_warps)}>")
+            else:
+                expected = "Mods::scalars, false, true, 1>"
+            assert chosen.name_expression("fwd").endswith(expected), chosen.name_expression("fwd")
+            assert chosen in SHIPPED_SET and dataclasses.replace(chosen, path="wgmma") in SHIPPED_SET
+    assert _chosen(dtype=BF16, softcap=float(np.nextafter(limit, np.inf))).score != "bounded"
+    assert _chosen(dtype=BF16, softcap=50.0).score != "bounded"
+    assert _chosen(dtype=BF16, softcap=30.0, alibi_slopes=SLOPES).score != "bounded"
+    assert _chosen(dtype=BF16, window=(10, 0)).score != "bounded"
+    assert _chosen(dtype=np.float16, softcap=30.0).score != "bounded"
+    assert _chosen("bwd", BF16, softcap=30.0).score != "bounded"
+    assert _chosen(dtype=BF16, softcap=30.0, dropout=DROPOUT).score != "bounded"
+    assert _chosen(dtype=BF16, softcap=30.0, bias=np.zeros((100, 120), BF16)).score != "bounded"
+    assert _chosen(dtype=BF16, softcap=30.0, device=AMPERE).score != "bounded"  # mma.sync has no bounded form
+    assert all(v.dtype == "bfloat16" and v.direction == "fwd" and v.path in ("wgmma", "ws")
+               for v in SHIPPED if v.score == "bounded")
+
+
+# ------------------------------------------------------------------------------------------ the tile table
+def test_lookup_reads_the_table():
+    """Spot checks of the table's text against lookup: ``=`` is the plain cell, flags after ``/``."""
+    plain = tiles.lookup("mma", 2, 160, "dkdv", "plain")
+    assert (plain.num_warps, plain.block, plain.d_chunk, plain.split, plain.lse_by_copy) == (8, 32, 160, True, True)
+    assert plain.threads == 256 and plain.rows == 64  # split: 8 rows per pair of warps
+    assert tiles.lookup("mma", 2, 160, "fwd", "scalars") == tiles.lookup("mma", 2, 160, "fwd", "plain")
+    dq = tiles.lookup("wgmma", 2, 128, "dq", "plain")
+    assert (dq.pipelined, dq.across_turn, dq.lse_by_copy, dq.split) == (True, True, False, False)
+    window = tiles.lookup("wgmma", 2, 16, "fwd", "window")
+    assert (window.num_warps, window.block, window.ctas_per_sm) == (4, 64, 4)
+    ws = tiles.lookup("ws", 2, 128, "fwd", "plain")
+    assert (ws.num_warps, ws.block, ws.stages, ws.pack_after_wait, ws.store_warps, ws.rows) == (12, 128, 2, True,
+                                                                                                False, 128)
+    assert tiles.lookup("ws", 2, 128, "fwd", "window").store_warps
+    assert tiles.lookup("mma", 4, 64, "probs", "plain") == tiles.lookup("mma", 4, 64, "fwd", "all")
+    with pytest.raises(ValueError, match="no tiles for fwd on the ws path"):
+        tiles.lookup("ws", 2, 64, "fwd", "plain")
+    with pytest.raises(ValueError, match="no tiles"):
+        tiles.lookup("mma", 8, 64, "fwd", "scalars")  # float64 has no scalars form
+    assert tiles.has("mma", 8, 64) and not tiles.has("mma", 8, 64, "scalars")
+
+
+def test_head_dims_and_padding():
+    assert tiles.HEAD_DIMS == (16, 32, 64, 96, 128, 160, 192, 256)
+    assert [tiles.padded_head_dim(d) for d in (1, 16, 17, 40, 64, 65, 100, 129, 192, 193, 256)] == \
+        [16, 16, 32, 64, 64, 96, 128, 160, 192, 256, 256]
+    with pytest.raises(ValueError, match="at most 256"):
+        tiles.padded_head_dim(257)
+    assert set(tiles.WS_HEAD_DIMS) <= set(tiles.HEAD_DIMS)
+    # the preprocess's lanes per row: one per 16-byte chunk, a power of two, at most a warp
+    for itemsize in (2, 4, 8):
+        for head_dim in tiles.HEAD_DIMS:
+            lanes = tiles.preprocess_lanes(itemsize, head_dim)
+            chunks = head_dim * itemsize // 16
+            assert lanes & (lanes - 1) == 0 and lanes <= 32 and (lanes >= chunks or lanes == 32)
+
+
+def test_every_shipped_variant_has_its_cells():
+    for v in SHIPPED:
+        for kernel in v.kernels:
+            if kernel == "preprocess":
+                continue
+            assert v.tiles(kernel) is not None  # lookup raises where the table has no cell
+            assert v.smem(kernel) > 0 and v.threads(kernel) >= 32
+
+
+def test_every_cell_of_the_table_is_used():
+    """No dead cell: each is the tiles of some shipped variant's kernel (attention_probs reads the forward's
+    ``all`` cell), and every (path, bytes, HEAD_DIM) row has all three kernels."""
+    used = set()
+    for v in SHIPPED:
+        for kernel in v.kernels:
+            if kernel == "preprocess":
+                continue
+            cell_kernel, form = ("fwd", "all") if kernel == "probs" else (kernel, v.form)
+            used.add((v.path, v.itemsize, v.head_dim, cell_kernel, form))
+    unused = set(tiles.CELLS) - used
+    assert not unused, f"cells no shipped variant uses: {sorted(unused)}"
+    rows = {key[:3] for key in tiles.CELLS}
+    for path, itemsize, head_dim in rows:
+        kernels = ("fwd",) if path == "ws" else tiles.KERNELS
+        for kernel in kernels:
+            assert (path, itemsize, head_dim, kernel, "plain") in tiles.CELLS, (path, itemsize, head_dim, kernel)
+
+
+def test_the_tables_text_is_well_formed():
+    """Every row has a cell per form; a form is either built for all three kernels of a row or for none."""
+    lines = [line for line in tiles.TABLE.splitlines() if line.strip() and not line.startswith("#")]
+    assert lines and all(len(line.split()) == 4 + len(tiles.FORMS) for line in lines)
+    by_row = {}
+    for path, itemsize, head_dim, kernel, form in tiles.CELLS:
+        by_row.setdefault((path, itemsize, head_dim, form), set()).add(kernel)
+    for (path, *_), kernels in by_row.items():
+        assert kernels == ({"fwd"} if path == "ws" else set(tiles.KERNELS)), (path, kernels)
+
+
+def test_the_flags_are_where_they_must_be():
+    """PIPELINED (p) and ACROSS_TURN (a, only with p) on the wgmma backward's 16-bit passes without dropout
+    or the modifiers' arrays; LSE_BY_COPY (c) on dK/dV passes; split (s) on plain backward passes; CTAs per
+    SM (x) on the wgmma forward; the ring (r), PACK_AFTER_WAIT (w) and STORE_WARPS (o) on the
+    warp-specialized forward, which always has a ring and a copying warpgroup."""
+    for (path, itemsize, head_dim, kernel, form), t in tiles.CELLS.items():
+        where = (path, itemsize, head_dim, kernel, form)
+        if t.pipelined:
+            assert path == "wgmma" and itemsize == 2 and kernel in ("dkdv", "dq"), where
+            assert form in ("plain", "scalars", "window"), where
+        assert not t.across_turn or t.pipelined, where
+        assert not t.lse_by_copy or kernel == "dkdv", where
+        assert not t.split or (kernel in ("dkdv", "dq") and form == "plain"), where
+        assert t.ctas_per_sm == 1 or (path == "wgmma" and kernel == "fwd"), where
+        if path == "ws":
+            assert kernel == "fwd" and t.stages > 0 and t.copy_warps == tiles.WS_COPY_WARPS, where
+        else:
+            assert not (t.stages or t.pack_after_wait or t.store_warps or t.copy_warps), where
+
+
+def test_the_tiles_fit_the_kernels():
+    """Whole warpgroups on Hopper's paths; the whole head dim per CTA in their forwards; column chunks that
+    divide HEAD_DIM; a CTA's rows and its streamed block that divide a block-mask tile (a tile never straddles
+    two); shared memory within what the variant's targets give a CTA."""
+    from cupyflash._modifiers import BLOCK_MASK_TILE
+
+    for (path, itemsize, head_dim, kernel, form), t in tiles.CELLS.items():
+        where = (path, itemsize, head_dim, kernel, form)
+        if path in ("wgmma", "pieces", "ws"):
+            assert (t.num_warps - t.copy_warps) % 4 == 0, where
+            if kernel == "fwd":
+                assert t.d_chunk == head_dim, where
+        assert head_dim % t.d_chunk == 0, where
+        assert BLOCK_MASK_TILE % t.rows == 0 and BLOCK_MASK_TILE % t.block == 0, where
+    for v in SHIPPED:
+        limit = tiles.SM80_SMEM_BYTES if "sm_80" in v.compile_targets() else 227 * 1024
+        for kernel in v.kernels:
+            assert v.smem(kernel) <= limit, (v, kernel, v.smem(kernel))
+
+
+def test_name_expressions_carry_the_cells_switches():
+    """Each backward pass's name carries its cell's split, PIPELINED and ACROSS_TURN (and the dK/dV pass
+    LSE_BY_COPY), the warp-specialized forward's its ring, PACK_AFTER_WAIT and STORE_WARPS."""
+    for v in SHIPPED:
+        for kernel in v.kernels:
+            if kernel in ("preprocess", "probs"):
+                continue
+            t, name = v.tiles(kernel), v.name_expression(kernel)
+            if kernel in ("dkdv", "dq"):
+                tail = f"{_bool(t.split)}, {_bool(t.pipelined)}, {_bool(t.across_turn)}"
+                tail += f", {_bool(t.lse_by_copy)}>" if kernel == "dkdv" else ">"
+                assert name.endswith(tail), (v, name)
+                assert name.startswith(f"attention_bwd_{kernel}_kernel<")
+            elif v.path == "ws":
+                assert name.endswith(f"{_bool(t.pack_after_wait)}, {_bool(t.store_warps)}>"), (v, name)
+                assert f", {t.block}, {t.stages}, " in name
+    dkdv = Variant("bwd", "float16", 128, "wgmma").name_expression("dkdv")
+    assert dkdv == "attention_bwd_dkdv_kernel<half_t, 128, 4, 64, 128, false, Mods::none, true, false, false, true, " \
+                   "true, true>"
+
+
+def test_variants_for_each_arch():
+    """sm_80 gets the mma.sync variants that fit its shared memory; sm_90 every variant."""
+    sm80, sm90 = variants_for("sm_80"), variants_for("sm_90")
+    assert set(sm90) == SHIPPED_SET
+    assert sm80 and all(v.path == "mma" for v in sm80)
+    assert {v for v in SHIPPED if v.path == "mma"} - set(sm80) == \
+        {v for v in SHIPPED if v.path == "mma" and "sm_80" not in v.compile_targets()}

@@ -1,0 +1,146 @@
+"""The wheel carries the kernel sources and the Python modules (the package and its subpackage _cuda); the
+metadata says what we depend on: NumPy and ml_dtypes at run time, CuPy through the cuda12/cuda13 extras.
+
+The wheel is built offline (``pip wheel --no-build-isolation --no-index``) from a copy of the source
+tree in a temporary folder, so no stale ``build/`` folder can hide a missing file and the checkout is
+left untouched. setuptools and wheel come with the ``test`` extra.
+"""
+
+import ast
+import email.parser
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL_SUFFIXES = (".cu", ".cuh")
+RUNTIME_REQUIREMENTS = {"numpy", "ml_dtypes"}  # CuPy is optional (the extras); SciPy is the tests' (test extra)
+SUBPACKAGES = ("cupyflash", "cupyflash/_cuda")
+BUILD_INPUTS = ("setup.cfg", "pyproject.toml", "MANIFEST.in", "README.md", "cupyflash", "cuda_src")
+
+
+def _in_ci():
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def _kernel_sources():
+    return sorted(p.name for p in (ROOT / "cuda_src").glob("*") if p.suffix in KERNEL_SUFFIXES)
+
+
+def _python_modules():
+    """Every module of the package and its subpackages, as paths in the wheel (cupyflash/..., cupyflash/_cuda/...)."""
+    return sorted(f"{package}/{p.name}" for package in SUBPACKAGES for p in (ROOT / package).glob("*.py"))
+
+
+def _static_version():
+    tree = ast.parse((ROOT / "cupyflash" / "__init__.py").read_text())
+    for node in tree.body:
+        targets = [getattr(t, "id", None) for t in getattr(node, "targets", [])]
+        if isinstance(node, ast.Assign) and "__version__" in targets:
+            return ast.literal_eval(node.value)
+    raise AssertionError("cupyflash/__init__.py assigns no literal __version__")
+
+
+def _normalize(name):
+    """A project name as PEP 503 compares it: ml_dtypes and ml-dtypes are one project."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    missing = [m for m in ("setuptools", "wheel") if importlib.util.find_spec(m) is None]
+    if missing:
+        reason = f"building a wheel offline needs {missing} (the test extra installs them)"
+        if _in_ci():
+            pytest.fail(reason)
+        pytest.skip(reason)
+    src = tmp_path_factory.mktemp("src")
+    for name in BUILD_INPUTS:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.py[cod]"))
+        elif path.exists():
+            shutil.copy2(path, src / name)
+    dist = tmp_path_factory.mktemp("dist")
+    cmd = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+           "--no-index", "--quiet", "-w", str(dist)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout}\n{result.stderr}"
+    (path,) = dist.glob("cupyflash-*.whl")
+    with zipfile.ZipFile(path) as zf:
+        names = zf.namelist()
+        (meta_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        metadata = email.parser.Parser().parsestr(zf.read(meta_name).decode())
+    return names, metadata
+
+
+def test_wheel_ships_every_kernel_source(wheel):
+    names, _ = wheel
+    expected = _kernel_sources()
+    assert expected, f"no .cu/.cuh files in {ROOT / 'cuda_src'}"
+    shipped = sorted(n[len("cupyflash/cuda_src/"):] for n in names if n.startswith("cupyflash/cuda_src/"))
+    assert shipped == expected, f"wheel's cupyflash/cuda_src/ {shipped} != repo's cuda_src/ {expected}"
+
+
+def test_wheel_ships_every_module(wheel):
+    names, _ = wheel
+    expected = _python_modules()
+    assert "cupyflash/_cuda/__init__.py" in expected and "cupyflash/_cuda/variants.py" in expected
+    shipped = sorted(n for n in names if re.fullmatch(r"cupyflash/(?:_cuda/)?[^/]+\.py", n))
+    missing, extra = sorted(set(expected) - set(shipped)), sorted(set(shipped) - set(expected))
+    assert shipped == expected, f"missing {missing}, extra {extra}"
+    assert "cupyflash/__main__.py" in names
+
+
+def test_every_package_directory_is_shipped():
+    """No Python package directory of cupyflash/ that the wheel would leave out (setup.cfg lists packages)."""
+    found = sorted(str(p.parent.relative_to(ROOT)).replace("\\", "/")
+                   for p in (ROOT / "cupyflash").rglob("__init__.py") if "__pycache__" not in p.parts)
+    assert found == sorted(SUBPACKAGES), found
+
+
+def test_wheel_ships_py_typed(wheel):
+    # PEP 561: without the marker, type checkers ignore the package's own hints.
+    names, _ = wheel
+    assert (ROOT / "cupyflash" / "py.typed").is_file()
+    assert "cupyflash/py.typed" in names
+
+
+def test_wheel_metadata(wheel):
+    _, metadata = wheel
+    assert metadata["Name"] == "cupyflash"
+    assert metadata["Version"] == _static_version()
+    requires = metadata.get_all("Requires-Dist") or []
+    names = [re.split(r"[ <>=!~;\[]", r, maxsplit=1)[0] for r in requires if "extra ==" not in r]
+    unconditional = {_normalize(name) for name in names}
+    assert unconditional == {_normalize(name) for name in RUNTIME_REQUIREMENTS}
+    assert not [r for r in requires if r.lower().startswith("torch")], "torch must never be a dependency"
+    extras = set(metadata.get_all("Provides-Extra") or [])
+    assert {"cuda12", "cuda13", "test"} <= extras, extras
+
+
+def test_installed_package_finds_kernel_sources():
+    # The loader's rule: cupyflash/cuda_src (wheel) first, else ../cuda_src (source tree, editable install).
+    spec = importlib.util.find_spec("cupyflash")
+    assert spec is not None and spec.origin, "cupyflash is not importable"
+    package = Path(spec.origin).parent
+    candidates = [package / "cuda_src", package.parent / "cuda_src"]
+    found = next((c for c in candidates if c.is_dir()), None)
+    assert found is not None, f"no kernel sources at {candidates}"
+    assert sorted(p.name for p in found.iterdir() if p.suffix in KERNEL_SUFFIXES)
+
+
+def test_readme_shows_the_ci_commands():
+    script = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for var in ("INSTALL_CMD", "TEST_CMD"):
+        match = re.search(rf"^{var}='([^']+)'$", script, re.MULTILINE)
+        assert match, f".ci/run defines no {var}"
+        assert match.group(1) in readme, f"README.md does not show .ci/run's {var}: {match.group(1)}"
