@@ -22,7 +22,7 @@ then the median of --repeats (>= 20) calls, with L2 flushed (a 256 MiB memset) b
 head start, as a user's GPU waits for it too; --timing gpu also queues a one-thread spin kernel of
 HOST_COVER_MS after the flush, so that the whole call is issued before its start event fires and the events
 time the GPU's work alone, without host gaps between a call's kernels (what a CUDA graph replay shows). The
-lent machines' host time per call varies several-fold from minute to minute (bench/NOTES.md, v11), so rows
+lent machines' host time per call varies several-fold from minute to minute (docs/design/host_time.md), so rows
 under ~1 ms compare kernels only with --timing gpu. Every backend is timed the same way.
 Torch backward is timed alone: the forward runs once outside the timed region and autograd replays
 the backward with retain_graph=True. fp32 is compared with TF32 off in torch (CuPy never uses TF32 unless

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark float64 attention (issue 5's float64 rows): our fused FP64 tensor-core kernels against torch
+"""Benchmark float64 attention: our fused FP64 tensor-core kernels against torch
 SDPA's ``math`` backend in float64 (the only torch backend that takes float64; it materializes N x N).
 
     python bench/bench_float64.py                       # N = 4k (B = 4, H = 16, D = 128), full and causal,

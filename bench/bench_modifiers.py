@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark the score modifiers (issue 4's speed rows): bias, window, softcap, ALiBi and block mask.
+"""Benchmark the score modifiers: bias, window, softcap, ALiBi and block mask.
 
     python bench/bench_modifiers.py                      # every row (a few minutes on an H100/H200)
     python bench/bench_modifiers.py --quick              # N = 2k only, every kind of row
@@ -74,7 +74,10 @@ import dram_floor  # noqa: E402
 
 import cupy  # noqa: E402
 import cupyflash  # noqa: E402
-from cupyflash import _config, _kernels, _modifiers, reference  # noqa: E402
+from cupyflash import _modifiers, reference  # noqa: E402
+from cupyflash._cuda import compile as _compile  # noqa: E402
+from cupyflash._cuda.tiles import WS_WARPGROUP_ROWS  # noqa: E402
+from cupyflash._cuda.variants import Features, select  # noqa: E402
 
 DTYPE, HEAD_DIM = "bf16", 128
 BF16 = ba.DTYPES[DTYPE]
@@ -242,9 +245,10 @@ def kernel_tiles(case, kernel, *, window=None, block_mask=None):
     warpgroups each visit their own 64 rows' key tiles (attention_fwd_ws.cu)."""
     mods = None if window is None else _modifiers.resolve(np, BF16, (case.b, case.h), case.n, case.n,
                                                           window=window, block_mask=block_mask)
-    variant = _kernels._variant("fwd" if kernel == "fwd" else "bwd", BF16, case.d, case.d, case.causal, mods)
+    features = Features.of("fwd" if kernel == "fwd" else "bwd", BF16, case.d, case.d, case.causal, mods)
+    variant = select(features, _compile.current_device())
     t = variant.tiles(kernel)
-    return (_config.WS_WARPGROUP_ROWS if variant.warp_specialized else t.rows), t.block
+    return (WS_WARPGROUP_ROWS if variant.path == "ws" else t.rows), t.block
 
 
 def visited_area(case, kernel, *, window=None, block_mask=None):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark variable-length packed batches (issue 5's varlen row) against the padded dense batch.
+"""Benchmark variable-length packed batches against the padded dense batch.
 
     python bench/bench_varlen.py                 # bf16, D = 128, H = 16, causal and not
     python bench/bench_varlen.py --seqs 32 --min-len 128 --max-len 4096 --seed 0

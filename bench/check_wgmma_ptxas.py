@@ -6,11 +6,11 @@
 NVRTC makes each variant's PTX (compute_90a); the given ptxas assembles it for sm_90a with -v. Two
 things are reported per variant, and the exit status is 1 if any appears:
 - register spills (``bytes spill stores``): CUDA 13.0's ptxas, which cupy-cuda13x's NVRTC embeds, needs
-  more registers for some wgmma kernels than CUDA 12.9's, which tests/test_compile.py checks in CI;
+  more registers for some wgmma kernels than CUDA 12.9's, which tests/tooling/test_compile.py checks in CI;
 - ptxas' performance notes C7510-C7515, "wgmma.mma_async instructions are serialized due to ...": the
   kernel still computes the right thing, at a fraction of the speed. CI's compile report fails on the
-  notes that NVRTC 12.9's ptxas prints (bench/NOTES.md, v13); this checks CUDA 13.0's, which the
-  device's cupy-cuda13x uses. bench/NOTES.md ("v2") tells what caused them.
+  notes that NVRTC 12.9's ptxas prints; this checks CUDA 13.0's, which the device's cupy-cuda13x uses.
+  docs/design/compile.md tells what caused them.
 No GPU is needed. ptxas ships with the CUDA toolkit and in the nvidia-cuda-nvcc wheels.
 """
 import argparse
@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cupyflash import _kernels  # noqa: E402
+from cupyflash._cuda.source import OPTIONS  # noqa: E402
+from cupyflash._cuda.variants import shipped_variants  # noqa: E402
 
 
 def ptx_of(variant):
@@ -34,7 +35,7 @@ def ptx_of(variant):
     try:
         for kernel in variant.kernels:
             nvrtc.addNameExpression(program, variant.name_expression(kernel))
-        nvrtc.compileProgram(program, [*_kernels._OPTIONS, "-arch=compute_90a"])
+        nvrtc.compileProgram(program, [*OPTIONS, "-arch=compute_90a"])
         ptx = nvrtc.getPTX(program)
     finally:
         nvrtc.destroyProgram(program)
@@ -59,7 +60,7 @@ def main():
     parser.add_argument("--ptxas", default="ptxas", help="the ptxas to check with (default: on PATH)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
-    variants = [v for v in _kernels.shipped_variants() if v.wgmma]
+    variants = [v for v in shipped_variants() if v.path in ("wgmma", "pieces", "ws")]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         found = list(pool.map(lambda v: (v, problems(v, args.ptxas)), variants))
     bad = [(v, lines) for v, lines in found if lines]

@@ -6,7 +6,9 @@
 
 One PNG per (dtype, head dim, causal) group of speed cases, forward and backward side by side, one line
 per backend (ours and each peer; points that were not timed, OOM or "bad", are left out):
-``<stem>-<dtype>-d<D>-<causal|full>.png``. With a memory table (``--memory``), ``<stem>-memory.png``:
+``<stem>-<dtype>-d<D>-<causal|full>.png``; and per dtype with several head dims, a summary of them all
+(forward above, backward below, a column per head dim, full attention solid and causal dashed):
+``<stem>-<dtype>-summary.png`` (the README's figure). With a memory table (``--memory``), ``<stem>-memory.png``:
 extra peak MiB against N, forward and backward, with ours' minimum dashed. Drawing needs matplotlib (the
 ``bench`` extra); reading the JSON needs neither matplotlib nor CuPy, so this module imports anywhere.
 """
@@ -62,6 +64,14 @@ def memory_series(results: dict) -> dict[str, dict]:
     return series
 
 
+def summary_groups(groups: dict) -> dict[str, list[int]]:
+    """{dtype: its head dims} for the dtypes timed at two head dims or more (the summary figures)."""
+    dims: dict = {}
+    for dtype, d, _ in groups:
+        dims.setdefault(dtype, set()).add(d)
+    return {dtype: sorted(ds) for dtype, ds in dims.items() if len(ds) > 1}
+
+
 def figure_name(json_path: Path, group: tuple) -> str:
     dtype, d, causal = group
     return f"{json_path.stem}-{dtype}-d{d}-{'causal' if causal else 'full'}.png"
@@ -83,6 +93,12 @@ def plot(json_path: str | Path, out_dir: str | Path | None = None) -> list[Path]
     for group, phases in sorted(speed_series(results).items()):
         path = out_dir / figure_name(json_path, group)
         _draw_speed(Figure(figsize=FIGURE_SIZE), group, phases, results, device).savefig(path, dpi=DPI)
+        written.append(path)
+    groups = speed_series(results)
+    for dtype, dims in sorted(summary_groups(groups).items()):
+        path = out_dir / f"{json_path.stem}-{dtype}-summary.png"
+        fig = Figure(figsize=(4.2 * len(dims), 7.5))
+        _draw_summary(fig, dtype, dims, groups, results, device).savefig(path, dpi=DPI)
         written.append(path)
     memory = memory_series(results)
     if any(memory.values()):
@@ -111,6 +127,24 @@ def _draw_speed(fig, group, phases, results, device):
             ax.plot(n, tflops, marker="o", label=backend, color=_colour(backend))
         _axes(ax, title, f"N (B x N = {tokens} tokens, H = {case['h']})", "TFLOP/s")
         ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    return fig
+
+
+def _draw_summary(fig, dtype, dims, groups, results, device):
+    date = results.get("environment", {}).get("date", "").split(" ")[0]
+    fig.suptitle(f"{dtype} attention, TFLOP/s against N" + (f", {device}" if device else "") + (f", {date}" if date else ""))
+    axes = fig.subplots(2, len(dims), squeeze=False)
+    for column, d in enumerate(dims):
+        for row, (phase, title) in enumerate(PHASES):
+            ax = axes[row][column]
+            for causal in (False, True):
+                for backend, points in _ordered(groups.get((dtype, d, causal), {}).get(phase, {})):
+                    n, tflops = zip(*points)
+                    ax.plot(n, tflops, marker="o", markersize=3, linestyle="--" if causal else "-",
+                            color=_colour(backend), label=f"{backend}{' causal' if causal else ''}")
+            _axes(ax, f"{title}, D = {d}", "N", "TFLOP/s")
+            ax.set_ylim(bottom=0)
     fig.tight_layout()
     return fig
 

@@ -6,12 +6,14 @@
     python bench/sanitize.py --variants '^bwd/bf16/(64|128)/' --out /tmp/sanitize
     python bench/sanitize.py --all-rows                   # one table row per kernel instantiation
 
-Variants are named ``{fwd,bwd,probs}/{fp16,bf16,fp32,fp64}/HEAD_DIM/{plain,causal,mods,scalars}``
-(``scalars``: the modifiers' instantiation without bias, mask and block mask), with ``/dropout`` for the
-dropout instantiations, ``/wgmma`` for the Hopper path (which runs only on compute capability 9.0) and
-``/large-smem`` for the float64 tiles of GPUs with 227 KiB of shared memory per CTA: every module of
-cupyflash._kernels.shipped_variants(). ``--variants`` is a regular expression searched in those names.
-Each variant runs through the public API with CUPYFLASH_NO_WGMMA set to pick its path.
+Variants are named ``{fwd,bwd,probs}/{fp16,bf16,fp32,fp64}/HEAD_DIM/PATH/FORM[/SCORE][/block-mask][/dropout]``
+with PATH the tile table's path (mma, large, wgmma, pieces, ws) and FORM plain, causal or the modifiers'
+instantiation (scalars, softcap, softcap-causal, window, all): every module of
+cupyflash._cuda.variants.shipped_variants() that the GPU at hand can run (Hopper's paths need compute
+capability 9.0; the large float64 tiles 9.0 or more, where they replace the mma ones). ``--variants`` is a
+regular expression searched in those names. Each variant runs through the public API, with options chosen
+so that the API's own selection picks exactly that variant (checked before the run), and
+CUPYFLASH_NO_WGMMA set to pick its path.
 
 How it works. This script first compiles the selected variants into CuPy's on-disk kernel cache, in
 parallel, so that no sanitized process compiles. Then, for each tool, one ``compute-sanitizer --tool TOOL``
@@ -23,11 +25,13 @@ problems with head dim D = HEAD_DIM, so each kernel is exactly the variant named
   dbias path runs: (a) causal with window (100, 20), ALiBi, a full bias (dbias by paired stores), a mask and
   a block mask with one tile off; (b) softcap 5, ALiBi, a bias broadcast over the heads (dbias by float32
   atomics, per-element logits) and a key-padding mask of shape (1, 1, 1, Nk);
-- scalars: the same shapes and calls without bias, mask and block mask; then (fwd and bwd) a packed
-  variable-length batch, the other path into these kernels: sequences of 0, 70, 1, 150 queries and 90, 0, 40,
-  270 keys, 2 heads sharing one key/value head, causal with ALiBi;
-- dropout variants: the same calls with dropout_p = 0.2 (mods with dropout: both option sets, then the
-  packed batch, which with dropout runs those kernels).
+- scalars, softcap, window (and the warp-specialized forward's score forms and block-mask walk): the same
+  shapes, with the options that pick the form (window (100, 20) and ALiBi; softcap 5 and ALiBi; a softcap
+  alone; a window alone; with a block mask of one tile off where the form walks one);
+- a packed variable-length batch where the API sends one to the variant (scalars; all with dropout):
+  sequences of 0, 70, 1, 150 queries and 90, 0, 40, 270 keys, 2 heads sharing one key/value head, causal
+  with ALiBi;
+- dropout variants: the same calls with dropout_p = 0.2.
 
 The worker turns CuPy's memory pool off, so every array is its own cudaMalloc: memcheck then knows each
 array's exact bounds (with ``--padding`` bytes of guard after each allocation), and initcheck sees fresh,
@@ -63,9 +67,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
-DTYPE_NAMES = {"half_t": "fp16", "bfloat16_t": "bf16", "float": "fp32", "double": "fp64"}
-KERNEL_FAMILIES = ("attention_fwd_kernel", "attention_fwd_wgmma_kernel", "attention_bwd_preprocess_kernel", "attention_bwd_dkdv_kernel",
-                   "attention_bwd_dq_kernel", "attention_probs_kernel")
+DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+KERNEL_FAMILIES = ("attention_fwd_kernel", "attention_fwd_wgmma_kernel", "attention_fwd_ws_kernel",
+                   "attention_bwd_preprocess_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel",
+                   "attention_probs_kernel", "split_f32_kernel")
 OTHER = "other (CuPy kernels, API calls, unattributed)"
 PLAIN_SHAPE = dict(batch=(2,), nq=70, nk=90)
 MODS_SHAPE = dict(batch=(1, 2), nq=150, nk=270)  # 2 x 3 block-mask tiles; Nk even for paired dbias stores
@@ -73,36 +78,60 @@ MODS_SHAPE = dict(batch=(1, 2), nq=150, nk=270)  # 2 x 3 block-mask tiles; Nk ev
 
 # ============================================================================= variants
 def variant_label(variant):
-    kind = ("scalars" if variant.scalar_mods else "mods") if variant.mods else ("causal" if variant.causal else "plain")
-    path = (("/dropout" if variant.dropout else "") + ("/wgmma" if variant.wgmma else "")
-            + ("/large-smem" if variant.large_smem else ""))
-    return f"{variant.direction}/{DTYPE_NAMES[variant.ctype]}/{variant.head_dim}/{kind}{path}"
+    form = variant.mods if variant.mods != "none" else "plain"
+    if variant.causal:
+        form = "causal" if variant.mods == "none" else form + "-causal"
+    extras = ([variant.score] if variant.score != "plain" else []) + (["block-mask"] if variant.block_mask else [])
+    extras += ["dropout"] if variant.dropout else []
+    return "/".join([variant.direction, DTYPE_NAMES[variant.dtype], str(variant.head_dim), variant.path, form, *extras])
+
+
+def _device(no_wgmma=False):
+    """The current GPU's abilities as the API's selection sees them (``no_wgmma``: CUPYFLASH_NO_WGMMA=1)."""
+    import dataclasses
+
+    from cupyflash._cuda import compile
+
+    saved = os.environ.pop("CUPYFLASH_NO_WGMMA", None)
+    try:
+        device = compile.current_device()
+    finally:
+        if saved is not None:
+            os.environ["CUPYFLASH_NO_WGMMA"] = saved
+    return dataclasses.replace(device, wgmma=False) if no_wgmma else device
+
+
+def _hopper_path(variant) -> bool:
+    return variant.path in ("wgmma", "pieces", "ws")
+
+
+def reachable(variant, device) -> bool:
+    """Whether the API sends some call to ``variant`` on a device with these abilities (Hopper's paths with
+    them, the others with CUPYFLASH_NO_WGMMA=1)."""
+    import dataclasses
+
+    if _hopper_path(variant) and not device.wgmma:
+        return False
+    device = device if _hopper_path(variant) else dataclasses.replace(device, wgmma=False)
+    calls = [(causal, options, False, tma) for causal, options in _calls(variant, None, None) for tma in (True, False)]
+    calls += [(causal, options, True, True) for causal, options in _packed_options(variant)]
+    return any(_selected(variant, causal, options, device, packed, tma) == variant
+               for causal, options, packed, tma in calls)
 
 
 def selected_variants(pattern):
-    from cupyflash import _kernels
+    from cupyflash._cuda.variants import shipped_variants
 
     regex = re.compile(pattern)
-    # wgmma modules are built for sm_90a, whose code runs on compute capability 9.0 alone.
-    hopper = _kernels._compute_capability(_current_device()) == _kernels._WGMMA_CC
-    # On such a GPU the API takes the large-shared-memory float64 tiles where they exist (the others then
-    # run only on smaller GPUs); elsewhere those cannot launch.
-    large = _kernels._compute_capability(_current_device()) >= _kernels._config.LARGE_SMEM_CC
-    return [v for v in _kernels.shipped_variants() if regex.search(variant_label(v)) and (hopper or not v.wgmma)
-            and (large or not v.large_smem)]
-
-
-def _current_device():
-    import cupy
-
-    return cupy.cuda.Device().id
+    device = _device()
+    return [v for v in shipped_variants() if regex.search(variant_label(v)) and reachable(v, device)]
 
 
 def compile_into_cache(variants, jobs):
     """Build the variants' modules into CuPy's cache, several at a time; returns the failures as messages."""
-    from cupyflash import _kernels
+    from cupyflash._cuda.compile import compile_ahead
 
-    return _kernels.compile_ahead(variants, max_workers=jobs)
+    return compile_ahead(variants, max_workers=jobs)
 
 
 # ============================================================================= worker (runs under the sanitizer)
@@ -114,61 +143,128 @@ def _problem(rng, dtype, batch, nq, nk, d):
     return [cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype)) for shape in shapes]
 
 
-def _mods_calls(rng, dtype):
-    """The two option sets of a mods variant (module docstring), as (causal, options)."""
-    import cupy
+class _Stand:
+    """An option's array as selection reads it (whether it is given), for ``_selected`` without a GPU."""
+
+
+def _calls(variant, rng, dtype):
+    """(causal, options) of the calls that pick ``variant`` (module docstring); with ``rng`` None the arrays
+    are stand-ins, for selection only."""
     import numpy as np
 
     (b, h), nq, nk = MODS_SHAPE["batch"], MODS_SHAPE["nq"], MODS_SHAPE["nk"]
-    slopes = cupy.asarray(np.array([0.25, 0.0625], dtype=np.float32))
+
+    def array(make):
+        if rng is None:
+            return _Stand()
+        import cupy
+
+        return cupy.asarray(make())
+
+    slopes = array(lambda: np.array([0.25, 0.0625], dtype=np.float32))
     block_mask = np.ones((b, h, 2, 3), dtype=bool)
     block_mask[0, 1, 0, 2] = False
-    first = dict(window=(100, 20), alibi_slopes=slopes,
-                 bias=cupy.asarray(rng.standard_normal((b, h, nq, nk), dtype=np.float32).astype(dtype)),
-                 mask=cupy.asarray(rng.random((nq, nk)) < 0.8), block_mask=cupy.asarray(block_mask))
-    second = dict(softcap=5.0, alibi_slopes=slopes,
-                  bias=cupy.asarray(rng.standard_normal((b, 1, nq, nk), dtype=np.float32).astype(dtype)),
-                  mask=cupy.asarray(rng.random((1, 1, 1, nk)) < 0.8))
-    return [(True, first), (False, second)]
+    tiles_off = array(lambda: block_mask)
+    if variant.mods == "none":
+        return [(variant.causal, {})]
+    if variant.mods == "all":
+        first = dict(window=(100, 20), alibi_slopes=slopes,
+                     bias=array(lambda: rng.standard_normal((b, h, nq, nk), dtype=np.float32).astype(dtype)),
+                     mask=array(lambda: rng.random((nq, nk)) < 0.8), block_mask=tiles_off)
+        second = dict(softcap=5.0, alibi_slopes=slopes,
+                      bias=array(lambda: rng.standard_normal((b, 1, nq, nk), dtype=np.float32).astype(dtype)),
+                      mask=array(lambda: rng.random((1, 1, 1, nk)) < 0.8))
+        return [(True, first), (False, second)]
+    if variant.mods == "softcap":
+        return [(variant.causal, dict(softcap=5.0))]
+    if variant.mods == "window":
+        return [(True, dict(window=(100, 20))), (False, dict(window=(40, -1)))]
+    extra = dict(block_mask=tiles_off) if variant.block_mask else {}
+    if variant.score == "bounded":
+        return [(True, dict(softcap=5.0, window=(100, 20), **extra)), (False, dict(softcap=5.0, **extra))]
+    if variant.score == "alibi":
+        return [(False, dict(window=(100, -1), alibi_slopes=slopes, **extra))]
+    if variant.score == "alibi_half_first":
+        return [(True, dict(alibi_slopes=slopes, **extra)), (False, dict(window=(100, 20), alibi_slopes=slopes, **extra))]
+    # The scalars' plain form: a window with a softcap beyond the bounded form's reach; on the other paths
+    # also ALiBi (the warp-specialized forward folds it), and in the backward the block mask.
+    calls = [(True, dict(window=(100, 20), softcap=50.0, **extra)), (False, dict(window=(40, 10), softcap=50.0, **extra))]
+    if variant.path != "ws":
+        calls += [(True, dict(window=(100, 20), alibi_slopes=slopes)), (False, dict(softcap=5.0, alibi_slopes=slopes))]
+        if variant.direction == "bwd":
+            calls.append((True, dict(block_mask=tiles_off)))
+    return calls
 
 
-def _scalar_calls():
-    """The option sets of a scalars variant: _mods_calls without the arrays, as (causal, options)."""
-    import cupy
-    import numpy as np
+def _packed_options(variant):
+    """(causal, options) of the packed call (module docstring), or nothing where the API sends none to
+    ``variant``."""
+    if variant.direction == "probs" or variant.mods not in ("scalars", "all") or variant.path == "ws":
+        return []
+    return [(True, dict(alibi_slopes=_Stand()))]
 
-    slopes = cupy.asarray(np.array([0.25, 0.0625], dtype=np.float32))
-    return [(True, dict(window=(100, 20), alibi_slopes=slopes)), (False, dict(softcap=5.0, alibi_slopes=slopes))]
+
+def _selected(variant, causal, options, device, packed=False, tma=True):
+    """The variant the API selects for a call of ``variant``'s direction, dtype and head dim with these
+    options on a device with these abilities; ``tma`` False: with k and v broadcast along a batch dim, which
+    the warp-specialized forward's tensor maps cannot describe."""
+    import dataclasses
+
+    from cupyflash._cuda.variants import Features, select
+    from cupyflash._modifiers import Modifiers
+
+    mods = None
+    if options:
+        mods = Modifiers(options.get("window", (-1, -1)), options.get("softcap", 0.0), options.get("alibi_slopes"),
+                         options.get("bias"), None, options.get("mask"), options.get("block_mask"))
+    dropout = object() if variant.dropout else None
+    features = Features.of(variant.direction, variant.dtype, variant.head_dim, variant.head_dim, causal, mods,
+                           dropout, packed)
+    return select(dataclasses.replace(features, tma=tma), device)
 
 
 def run_variant(variant, rng):
-    """Launch every kernel of ``variant`` (and the forward the backward needs) on tiny inputs."""
+    """Launch every kernel of ``variant`` (and the forward the backward needs) on tiny inputs, through the calls
+    that select it (each checked against the API's selection first)."""
     import cupy
     import ml_dtypes
     import numpy as np
 
     import cupyflash
 
-    # The API picks the variant from the inputs and the device; the path (wgmma or mma.sync) through the
+    # The API picks the variant from the inputs and the device; the path (Hopper's or mma.sync) through the
     # CUPYFLASH_NO_WGMMA switch.
-    os.environ["CUPYFLASH_NO_WGMMA"] = "0" if variant.wgmma else "1"
-    dtype = {"half_t": np.float16, "bfloat16_t": ml_dtypes.bfloat16, "float": np.float32, "double": np.float64}[variant.ctype]
-    shape = MODS_SHAPE if variant.mods else PLAIN_SHAPE
+    os.environ["CUPYFLASH_NO_WGMMA"] = "0" if _hopper_path(variant) else "1"
+    device = _device(no_wgmma=not _hopper_path(variant))
+    dtype = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+             "float64": np.float64}[variant.dtype]
+    shape = MODS_SHAPE if variant.mods != "none" else PLAIN_SHAPE
     q, k, v, dout = _problem(rng, dtype, shape["batch"], shape["nq"], shape["nk"], variant.head_dim)
-    if variant.scalar_mods:
-        calls = _scalar_calls()
-    else:
-        calls = _mods_calls(rng, dtype) if variant.mods else [(variant.causal, {})]
     dropout = dict(dropout_p=0.2, dropout_seed=7) if variant.dropout else {}
-    for causal, options in calls:
-        if variant.direction == "probs":
-            cupyflash.attention_probs(q, k, v, causal=causal, **options)
+    ran = 0
+    # k and v of one entry of the last batch dim, broadcast over it: the calls of a forward that the
+    # warp-specialized kernel would otherwise take.
+    k_shared, v_shared = (x[..., :1, :, :] for x in (k, v))
+    for causal, options in _calls(variant, rng, dtype):
+        if _selected(variant, causal, options, device) == variant:
+            keys, values = k, v
+        elif _selected(variant, causal, options, device, tma=False) == variant:
+            keys, values = k_shared, v_shared
+        else:
             continue
-        out, lse = cupyflash.attention_forward(q, k, v, causal=causal, **options, **dropout)
+        ran += 1
+        if variant.direction == "probs":
+            cupyflash.attention_probs(q, keys, values, causal=causal, **options)
+            continue
+        out, lse = cupyflash.attention_forward(q, keys, values, causal=causal, **options, **dropout)
         if variant.direction == "bwd":
-            cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, **options, **dropout)
-    if (variant.scalar_mods or (variant.mods and variant.dropout)) and variant.direction != "probs":
-        _packed_call(rng, dtype, variant, dropout)  # packed batches have no arrays: scalars, or with dropout mods
+            cupyflash.attention_backward(dout, q, keys, values, out, lse, causal=causal, **options, **dropout)
+    for causal, options in _packed_options(variant):
+        if _selected(variant, causal, options, device, packed=True) == variant:
+            ran += 1
+            _packed_call(rng, dtype, variant, dropout)
+    if not ran:
+        raise RuntimeError(f"no call selects {variant_label(variant)} on this GPU")
     cupy.cuda.Device().synchronize()
 
 

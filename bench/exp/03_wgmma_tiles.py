@@ -1,27 +1,32 @@
-"""Experiment 03: tile shapes of the Hopper (wgmma) kernels, from the one table (cupyflash/_config.py).
+"""Experiment 03: tile shapes of the Hopper (wgmma) kernels, from the one table (cupyflash/_cuda/tiles.py).
 
-Like experiment 01, for ``_WGMMA_TABLE``: swaps one kernel's entry at a time (forward, dK/dV pass or dQ
+Like experiment 01, for the table's wgmma rows: swaps one kernel's entry at a time (forward, dK/dV pass or dQ
 pass), checks forward and backward against the float64 reference on a small awkward problem, then times
 that kernel's direction on the FlashAttention benchmark shape (bf16, 16k tokens, hidden 2048), by default
 at N = 2k and 8k, full, and 8k causal (--shapes). Needs compute capability 9.0. Every candidate was first compiled with CUDA 13.0's
 ptxas here: no spills, no serialized wgmma.
 
-    PYTHONPATH=. python bench/exp03_wgmma_tiles.py [--only 'fwd|dq']
+    PYTHONPATH=.:bench python bench/exp/03_wgmma_tiles.py [--only 'fwd|dq']
 
-Results and the choice made from them are in bench/NOTES.md ("Experiment 03").
+Results and the choice made from them: docs/design/tiles.md (the lab notebook, bench/log/NOTES.md, has the
+full tables, "Experiment 03"). The warp-specialized forward now serves the 16-bit forward at HEAD_DIM 128 on
+inputs TMA can read, so (128, "fwd") candidates time that kernel, not these tiles.
 """
 import argparse
 import ast
+import importlib.util
 import re
+from pathlib import Path
 
 import cupy
 import numpy as np
 
-from cupyflash import _config, _kernels
+from cupyflash._cuda import tiles
 
-from exp01_tiles import check, time_direction  # experiment 01's float64 check and timing
+_spec = importlib.util.spec_from_file_location("exp01", Path(__file__).with_name("01_tiles.py"))
+exp01 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(exp01)  # experiment 01's float64 check, timing and cell swap
 
-KERNELS = ("fwd", "dkdv", "dq")
 # (HEAD_DIM, kernel): candidate tiles (warps, block, d_chunk); the first is the table's entry when this ran
 CANDIDATES = {
     (64, "fwd"): [(8, 128, 64), (8, 192, 64), (8, 256, 64), (12, 128, 64)],
@@ -32,13 +37,6 @@ CANDIDATES = {
     (128, "dkdv"): [(4, 64, 128), (8, 64, 128), (8, 32, 128)],
     (128, "dq"): [(4, 64, 128), (8, 64, 128), (4, 128, 128)],
 }
-
-
-def set_tiles(head_dim, kernel, tiles):
-    row = list(_config._WGMMA_TABLE[head_dim])
-    row[KERNELS.index(kernel)] = tiles
-    _config._WGMMA_TABLE[head_dim] = tuple(row)
-    _kernels._modules.clear()  # modules are memoized per variant, not per tile shape
 
 
 def main():
@@ -60,16 +58,14 @@ def main():
     for (head_dim, kernel), candidates in candidates_by_kernel.items():
         if not re.search(args.only, f"{kernel}/{head_dim}"):
             continue
-        original = _config._WGMMA_TABLE[head_dim]
-        for tiles in candidates:
-            set_tiles(head_dim, kernel, tiles)
-            smem = _config.smem_bytes(2, head_dim, kernel, wgmma=True)
-            error = check(head_dim, rng)
-            rates = [time_direction(head_dim, kernel, causal, n) for causal, n in shapes]
-            print(f"{kernel:>6} {head_dim:>8} {str(tiles):>14} {smem:>7} {error:8.1e} " +
+        for shape in candidates:
+            original = exp01.set_tiles("wgmma", head_dim, kernel, shape)
+            smem = tiles.smem_bytes("wgmma", 2, head_dim, kernel, tiles.CELLS["wgmma", 2, head_dim, kernel, "plain"])
+            error = exp01.check(head_dim, rng)
+            rates = [exp01.time_direction(head_dim, kernel, causal, n) for causal, n in shapes]
+            print(f"{kernel:>6} {head_dim:>8} {str(shape):>14} {smem:>7} {error:8.1e} " +
                   " ".join(f"{r:10.1f}" for r in rates), flush=True)
-        _config._WGMMA_TABLE[head_dim] = original
-        _kernels._modules.clear()
+            exp01.restore_tiles("wgmma", head_dim, kernel, original)
 
 
 if __name__ == "__main__":

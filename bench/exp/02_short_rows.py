@@ -6,14 +6,14 @@ key tile's work per 128 keys; what a line through the times leaves at Nk = 0 is 
 prologue (Q and the first K/V tile), the epilogue (out and lse) and the launch. torch SDPA's `flash`
 backend (FlashAttention-2) runs the same inputs (shared through DLPack) when torch is importable.
 
-    PYTHONPATH=. python bench/exp02_short_rows.py
+    python bench/exp/02_short_rows.py
 """
 import sys
 from pathlib import Path
 
 import cupy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cupyflash  # noqa: E402
 from cupyflash._timing import median_ms  # noqa: E402
 

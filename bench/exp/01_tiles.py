@@ -1,13 +1,15 @@
-"""Experiment 01: tile shapes for fp16/bf16 from the one table (cupyflash/_config.py).
+"""Experiment 01: tile shapes for fp16/bf16 on the mma.sync path, from the one table (cupyflash/_cuda/tiles.py).
 
 Swaps one kernel's entry of the table at a time (forward, dK/dV pass or dQ pass), checks the result
 against the float64 reference on a small awkward problem, then times that kernel's direction on the
 FlashAttention benchmark shape (bf16, 16k tokens, hidden 2048, N = 4k, causal and not). Needs a GPU.
 
-    PYTHONPATH=. python bench/exp01_tiles.py
+    PYTHONPATH=.:bench python bench/exp/01_tiles.py
 
-Results and the choice made from them are in bench/NOTES.md ("Experiment 01").
+Results and the choice made from them: docs/design/tiles.md (the lab notebook, bench/log/NOTES.md, has the
+full tables, "Experiment 01").
 """
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -16,9 +18,10 @@ import ml_dtypes
 import numpy as np
 
 import cupyflash
-from cupyflash import _config, _kernels, reference
+from cupyflash import reference
+from cupyflash._cuda import backend, compile, launch, tiles
 
-from bench_attention import L2Flush, median_ms  # same timing as the benchmark (bench/ is on sys.path)
+from bench_attention import L2Flush, median_ms  # the benchmark's timing (PYTHONPATH holds bench/)
 
 TIMING = SimpleNamespace(warmup=5, repeats=30)
 
@@ -33,14 +36,24 @@ CANDIDATES = {
     (128, "dq"): [(4, 32, 128), (8, 32, 128), (4, 64, 128), (8, 64, 128)],
     (256, "fwd"): [(8, 64, 256), (8, 32, 256), (4, 64, 256)],
 }
-SM80_SMEM_LIMIT = 163 * 1024
 
 
-def set_tiles(head_dim, kernel, tiles):
-    row = list(_config._TABLE[2, head_dim])
-    row[("fwd", "dkdv", "dq").index(kernel)] = tiles
-    _config._TABLE[2, head_dim] = tuple(row)
-    _kernels._modules.clear()  # modules are memoized per variant, not per tile shape
+def set_tiles(path, head_dim, kernel, shape):
+    """The plain (and causal) 16-bit cell of ``kernel`` on ``path`` becomes (warps, block, d_chunk) ``shape``,
+    its flags kept; returns the cell it replaced."""
+    key = (path, 2, head_dim, kernel, "plain")
+    original = tiles.CELLS[key]
+    warps, block, d_chunk = shape
+    tiles.CELLS[key] = dataclasses.replace(original, num_warps=warps, block=block, d_chunk=d_chunk)
+    compile.modules.clear()  # modules and plans are memoized per variant, not per tile shape
+    launch.plans.clear()
+    return original
+
+
+def restore_tiles(path, head_dim, kernel, original):
+    tiles.CELLS[path, 2, head_dim, kernel, "plain"] = original
+    compile.modules.clear()
+    launch.plans.clear()
 
 
 def max_rel_error(got, want):
@@ -71,10 +84,10 @@ def time_direction(head_dim, kernel, causal, n=4096):
     scale = 1 / math.sqrt(head_dim)
     flops = 4 * batch * heads * n * n * head_dim / (2 if causal else 1)
     if kernel == "fwd":
-        ms = median_ms(lambda: _kernels.attention_forward(q, k, v, scale=scale, causal=causal), TIMING, L2Flush())
+        ms = median_ms(lambda: backend.attention_forward(q, k, v, scale=scale, causal=causal), TIMING, L2Flush())
         return flops / ms / 1e9
-    out, lse = _kernels.attention_forward(q, k, v, scale=scale, causal=causal)
-    ms = median_ms(lambda: _kernels.attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal),
+    out, lse = backend.attention_forward(q, k, v, scale=scale, causal=causal)
+    ms = median_ms(lambda: backend.attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal),
                    TIMING, L2Flush())
     return 2.5 * flops / ms / 1e9
 
@@ -84,18 +97,16 @@ def main():
     print(f"device: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     print(f"{'HEAD_DIM':>8} {'kernel':>6} {'tiles':>16} {'smem':>7} {'err':>8} {'TFLOP/s full':>13} {'causal':>8}")
     for (head_dim, kernel), candidates in CANDIDATES.items():
-        original = _config._TABLE[2, head_dim]
-        for tiles in candidates:
-            set_tiles(head_dim, kernel, tiles)
-            smem = _config.smem_bytes(2, head_dim, kernel)
-            if smem > SM80_SMEM_LIMIT:
-                print(f"{head_dim:>8} {kernel:>6} {str(tiles):>16} {smem:>7} skipped: over the sm_80 limit")
-                continue
-            error = check(head_dim, rng)
-            full, causal = (time_direction(head_dim, kernel, c) for c in (False, True))
-            print(f"{head_dim:>8} {kernel:>6} {str(tiles):>16} {smem:>7} {error:8.1e} {full:13.1f} {causal:8.1f}")
-        _config._TABLE[2, head_dim] = original
-        _kernels._modules.clear()
+        for shape in candidates:
+            original = set_tiles("mma", head_dim, kernel, shape)
+            smem = tiles.smem_bytes("mma", 2, head_dim, kernel, tiles.CELLS["mma", 2, head_dim, kernel, "plain"])
+            if smem > tiles.SM80_SMEM_BYTES:
+                print(f"{head_dim:>8} {kernel:>6} {str(shape):>16} {smem:>7} skipped: over the sm_80 limit")
+            else:
+                error = check(head_dim, rng)
+                full, causal = (time_direction(head_dim, kernel, c) for c in (False, True))
+                print(f"{head_dim:>8} {kernel:>6} {str(shape):>16} {smem:>7} {error:8.1e} {full:13.1f} {causal:8.1f}")
+            restore_tiles("mma", head_dim, kernel, original)
 
 
 if __name__ == "__main__":
