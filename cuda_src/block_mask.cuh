@@ -30,7 +30,7 @@ struct TileBitmap {
 
   // Fill `smem_words` (TILE_BITMAP_WORDS) from block-mask line `line`; every thread of the CTA calls it.
   // Until the barrier each thread reads only its arguments, never the members: in shared memory (the
-  // scalars' object) other warps may still be writing them, the reset to null included.
+  // scalars' object) other warps may still be writing them (the same values).
   template <int NUM_WARPS>
   __device__ __forceinline__ void load(u32* smem_words, const unsigned char* line_, i64 stride_, int count_) {
     const bool in_words = count_ <= 32 * TILE_BITMAP_WORDS;

@@ -138,9 +138,13 @@ struct ScoreMods {
   // This CTA's line of the block mask along its streamed axis: keys of query row i (KEYS), or
   // queries of key j. Empty (all on) without a block mask.
   template <int NUM_WARPS, bool KEYS>
+  // Each member is written once, with the same value by every thread (the scalars' object is shared: a reset
+  // to null before the load would race with another warp's load).
   __device__ __forceinline__ void load_tile_bitmap(TileBitmap& bitmap, u32* smem_words, int b, int fixed) const {
-    bitmap.words = nullptr; bitmap.line = nullptr; bitmap.count = 0; bitmap.stride = 0;
-    if (!has_block_mask()) return;
+    if (!has_block_mask()) {
+      bitmap.words = nullptr; bitmap.line = nullptr; bitmap.count = 0; bitmap.stride = 0;
+      return;
+    }
     const unsigned char* lines = ARRAYS ? block_mask : p.block_mask + batch_offset(p.block_mask_stride, b, p);
     const int t = fixed / BLOCK_MASK_TILE;
     if (KEYS) {
