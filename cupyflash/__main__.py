@@ -397,7 +397,7 @@ def _compile_table(report, arches, *, verbose):
 
         def progress(done, total, arch=arch, t0=t0):
             if done == total or done % 50 == 0:
-                print(f"  {arch}: {done}/{total} modules, {time.perf_counter() - t0:.0f} s", flush=True)
+                print(f"  {arch}: {done}/{total} variants, {time.perf_counter() - t0:.0f} s", flush=True)
 
         try:
             by_arch[arch] = {r["kernel"]: r for r in ptxas_report.compile_report(arch, progress=progress)}
@@ -406,7 +406,7 @@ def _compile_table(report, arches, *, verbose):
             report.record(False, f"compile_report({arch!r}) raised {type(exc).__name__}")
             continue
         rows = by_arch[arch].values()
-        print(f"{arch}: {total} modules, {len(rows)} distinct kernels compiled in {time.perf_counter() - t0:.1f} s; "
+        print(f"{arch}: {total} variants, {len(rows)} distinct kernels compiled in {time.perf_counter() - t0:.1f} s; "
               f"registers {min(r['registers'] for r in rows)}-{max(r['registers'] for r in rows)}, "
               f"spilling {sum(r['spill_stores'] + r['spill_loads'] > 0 for r in rows)}, "
               f"with a stack frame {sum(r['stack_frame'] > 0 for r in rows)}, "

@@ -127,7 +127,7 @@ def compile_pieces_kernel(arch: str) -> list[dict]:
 
 def compile_report(arch: str, variants: list[Variant] | None = None, progress=None) -> list[dict]:
     """Compile every shipped variant built for ``arch`` (or ``variants``), one row per kernel; by default
-    the float32 split kernel too. ``progress(done, total)`` is called as modules finish."""
+    the float32 split kernel too. ``progress(done, total)`` is called as variants finish."""
     extra = compile_pieces_kernel(arch) if variants is None else []
     variants = variants_for(arch) if variants is None else variants
     rows = []

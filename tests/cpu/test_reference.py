@@ -5,8 +5,8 @@ import pytest
 from scipy.special import logsumexp, softmax
 
 from cupyflash import reference
+from helpers.checks import numerical_gradient
 
-FD_STEP = 1e-6
 FD_ATOL = 1e-7  # central differences in float64: truncation ~ step^2, rounding ~ 1e-16 / step
 
 
@@ -24,20 +24,6 @@ def _row_by_row(q, k, v, causal, scale):
             scores = scale * (k[seen] @ q[i])
             out[i], lse[i] = softmax(scores) @ v[seen], logsumexp(scores)
     return out, lse
-
-
-def _numerical_gradient(loss, x):
-    """Central differences of the scalar loss() with respect to every element of x (perturbed in place)."""
-    grad = np.zeros_like(x)
-    for index in np.ndindex(x.shape):
-        original = x[index]
-        x[index] = original + FD_STEP
-        above = loss()
-        x[index] = original - FD_STEP
-        below = loss()
-        x[index] = original
-        grad[index] = (above - below) / (2 * FD_STEP)
-    return grad
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -77,7 +63,7 @@ def _check_gradients(rng, q, k, v, causal, scale):
 
     grads = reference.attention_backward(dout, q, k, v, causal=causal, scale=scale)
     for name, x, grad in zip("qkv", (q, k, v), grads):
-        np.testing.assert_allclose(grad, _numerical_gradient(loss, x), atol=FD_ATOL, err_msg=f"d{name}")
+        np.testing.assert_allclose(grad, numerical_gradient(loss, x), atol=FD_ATOL, err_msg=f"d{name}")
     return grads
 
 

@@ -9,10 +9,9 @@ from scipy.special import logsumexp, softmax
 
 from cupyflash import _modifiers, reference
 from cupyflash._modifiers import BLOCK_MASK_TILE, block_mask_from_dense
-from helpers.checks import hidden_keys
+from helpers.checks import hidden_keys, numerical_gradient
 from helpers.modifiers import OPTIONS, alibi_slopes, block_grid, random_options
 
-FD_STEP = 1e-6
 FD_ATOL = 1e-7  # central differences in float64: truncation ~ step^2, rounding ~ 1e-16 / step
 EXACT = dict(rtol=1e-12, atol=1e-14)
 
@@ -100,20 +99,6 @@ def test_forward_matches_score_by_score(rng, which, nq, nk, causal):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _numerical_gradient(loss, x):
-    """Central differences of the scalar loss() with respect to every element of x (perturbed in place)."""
-    grad = np.zeros_like(x)
-    for index in np.ndindex(x.shape):
-        original = x[index]
-        x[index] = original + FD_STEP
-        above = loss()
-        x[index] = original - FD_STEP
-        below = loss()
-        x[index] = original
-        grad[index] = (above - below) / (2 * FD_STEP)
-    return grad
-
-
 def _check_gradients(rng, q, k, v, causal, scale, options):
     """Reference gradients of loss = sum(out * dout) against central differences; returns them."""
     dout = _random(rng, reference.attention(q, k, v, causal=causal, scale=scale, **options).shape)
@@ -126,7 +111,7 @@ def _check_gradients(rng, q, k, v, causal, scale, options):
     assert len(grads) == len(inputs)
     for (name, x), grad in zip(inputs.items(), grads):
         assert (grad.shape, grad.dtype) == (x.shape, np.float64), f"d{name}"
-        np.testing.assert_allclose(grad, _numerical_gradient(loss, x), atol=FD_ATOL, err_msg=f"d{name}")
+        np.testing.assert_allclose(grad, numerical_gradient(loss, x), atol=FD_ATOL, err_msg=f"d{name}")
     return grads
 
 
