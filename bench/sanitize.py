@@ -102,7 +102,9 @@ def _device(no_wgmma=False):
 
 
 def _hopper_path(variant) -> bool:
-    return variant.path in ("wgmma", "pieces", "ws")
+    from cupyflash._cuda.variants import HOPPER_PATHS
+
+    return variant.path in HOPPER_PATHS
 
 
 def reachable(variant, device) -> bool:

@@ -13,8 +13,8 @@
 //                  S = Q K^T, P, dP = dO V^T, dS = P * (dP - delta), dQ += dS K.
 //                  (The host runs it beside the dK/dV pass, on a second stream: they share no output.)
 // P^T and dS^T (or P and dS) go from the accumulator registers straight into the next product.
-// Head dims above 128 split the gradient columns into D_CHUNK-wide CTAs (grid x) so the
-// accumulators fit in registers; each chunk recomputes the same S and dP. SPLIT dK/dV passes (plain and
+// Head dims above 128 divide the gradient columns into D_CHUNK-wide CTAs (grid x) so the
+// accumulators fit in registers; each chunk recomputes the same S and dP. PAIRED dK/dV passes (plain and
 // causal, where the tile table marks them) instead give each 16 keys a pair of warps that share the work
 // without repeating any:
 // one computes S^T, P^T (handed to its partner through shared memory) and dV += P^T dO, the other dP^T,
@@ -24,7 +24,7 @@
 // lse, delta and lse_log2 are float64 too).
 // Long sequences: the tensor cores' float32 accumulation truncates, so one accumulator chain over
 // millions of rows drifts by percents. Each launch sums over [stream_begin, stream_end) of its streamed
-// axis only; the host splits sequences longer than CHAIN_ROWS into such launches and adds their results
+// axis only; the host cuts sequences longer than CHAIN_ROWS into such launches and adds their results
 // in the accumulator type.
 // WGMMA instantiations (Hopper, fp16/bf16) run the same passes on warpgroup products from swizzled tiles
 // (gemm.cuh): each warp still owns 16 rows, now of its warpgroup's 64, in the same accumulator layout.
@@ -111,7 +111,7 @@ __device__ __forceinline__ void probs_from_scores_cols(A (&s)[N_TILES][4], const
   }
 }
 
-// SPLIT: one warp's accumulator tile to its partner through shared memory, element [j][e] of lane l at
+// PAIRED: one warp's accumulator tile to its partner through shared memory, element [j][e] of lane l at
 // (j * 4 + e) * 32 + l: both warps hold the same positions, so each lane reads what its twin wrote.
 template <int N_TILES, typename A>
 __device__ __forceinline__ void tile_to_smem(A* dst, const A (&x)[N_TILES][4], int lane) {
@@ -169,12 +169,12 @@ __device__ __forceinline__ void dscores_kept_cols(A (&dp)[N_TILES][4], A (&prob)
 }
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_M, int D_CHUNK, bool IS_CAUSAL, Mods MODS, bool WGMMA,
-          bool HAS_DROPOUT, bool SPLIT, bool PIPELINED, bool ACROSS_TURN, bool LSE_BY_COPY>
+          bool HAS_DROPOUT, bool PAIRED, bool PIPELINED, bool ACROSS_TURN, bool LSE_BY_COPY>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_dkdv_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
-  constexpr int BLOCK_N = (SPLIT ? 8 : 16) * NUM_WARPS;  // keys of this CTA, 16 per warp (SPLIT: per pair)
+  constexpr int BLOCK_N = (PAIRED ? 8 : 16) * NUM_WARPS;  // keys of this CTA, 16 per warp (PAIRED: per pair)
   // PIECES: float32 on the wgmma path, q, k, v, dout as float16 pieces (split_f32.cu): rows [hi | lo].
   constexpr bool PIECES = WGMMA && sizeof(T) == 4;
   using E = typename Select<PIECES, half_t, T>::type;  // the shared tiles' elements
@@ -190,9 +190,9 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
   static_assert(!WGMMA || ((sizeof(T) == 2 || PIECES) && NUM_WARPS % 4 == 0),
                 "wgmma: 16-bit or float32 (pieces) inputs, whole warpgroups");
-  static_assert(!SPLIT || (!HAS_MODS && !HAS_DROPOUT && NUM_WARPS % (WGMMA ? 8 : 2) == 0),
-                "split pairs: plain or causal passes, whole pairs of warps (of warpgroups with wgmma)");
-  static_assert(!PIECES || (!HAS_MODS && !HAS_DROPOUT && !SPLIT && HEAD_DIM % 64 == 0 && D_CHUNK % 64 == 0),
+  static_assert(!PAIRED || (!HAS_MODS && !HAS_DROPOUT && NUM_WARPS % (WGMMA ? 8 : 2) == 0),
+                "paired warps: plain or causal passes, whole pairs of warps (of warpgroups with wgmma)");
+  static_assert(!PIECES || (!HAS_MODS && !HAS_DROPOUT && !PAIRED && HEAD_DIM % 64 == 0 && D_CHUNK % 64 == 0),
                 "pieces: plain or causal, lo pieces and column chunks on (64-element) atom boundaries");
   static_assert(OutTile::SIZE * sizeof(T) <= KVTile::SIZE * sizeof(E), "dk, dv staged in sK, sV");
   static_assert(!PIECES || (SPLIT_BLOCK_ROWS % BLOCK_M == 0 && SPLIT_BLOCK_ROWS % BLOCK_N == 0),
@@ -202,7 +202,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   // ACROSS_TURN (a): across the loop's turn too, where the registers hold the next tile's S^T and dP^T
   // beside the operands of dV and dK in flight. The table sets them where they compile without spills or
   // serialized products.
-  static_assert(!PIPELINED || (WGMMA && !PIECES && !SPLIT && !HAS_DROPOUT && MODS != Mods::all),
+  static_assert(!PIPELINED || (WGMMA && !PIECES && !PAIRED && !HAS_DROPOUT && MODS != Mods::all),
                 "products in flight: 16-bit wgmma passes, plain, causal or the scalars, without dropout");
   static_assert(!ACROSS_TURN || PIPELINED, "across the turn: a pipelined pass");
 
@@ -213,7 +213,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   E* sdO = sQ + 2 * QTile::SIZE;  // [2] QTile
   A* sLse = reinterpret_cast<A*>(sdO + 2 * QTile::SIZE);  // [2][BLOCK_M]
   A* sDelta = sLse + 2 * BLOCK_M;                         // [2][BLOCK_M]
-  A* sP = sDelta + 2 * BLOCK_M;                           // SPLIT: [NUM_WARPS / 2][S_TILES * 4][32], P^T per pair
+  A* sP = sDelta + 2 * BLOCK_M;                           // PAIRED: [NUM_WARPS / 2][S_TILES * 4][32], P^T per pair
 
   const int b = batch_index();
   if (b >= p.batch) return;
@@ -223,13 +223,13 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   if (n0 >= seq.nk()) return;  // past a shorter sequence's end (variable-length batches)
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int offset = seq.causal_offset();
-  // This warp's 16 keys from row0 of the CTA's; SPLIT: role 0 (S, P, dV) or 1 (dP, dS, dK) of its pair,
+  // This warp's 16 keys from row0 of the CTA's; PAIRED: role 0 (S, P, dV) or 1 (dP, dS, dK) of its pair,
   // whose partner is the next warp, or with wgmma the same warp of the next warpgroup (products are
   // warpgroup-wide, so a role is too).
   constexpr int TWIN = WGMMA ? 4 : 1;
-  const int pair = SPLIT ? (warp / (2 * TWIN)) * TWIN + warp % TWIN : warp;
+  const int pair = PAIRED ? (warp / (2 * TWIN)) * TWIN + warp % TWIN : warp;
   const int row0 = pair * 16;
-  const int role = SPLIT ? (warp / TWIN) & 1 : 0;
+  const int role = PAIRED ? (warp / TWIN) & 1 : 0;
   A* sP_pair = sP + pair * (S_TILES * 4 * WARP_SIZE);
 
   const E* q = static_cast<const E*>(p.q) + batch_offset(p.q_stride, b, p) + seq.q_row * p.q_stride[3];
@@ -310,8 +310,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   if (m_block < m_blocks) load_stream(m_block, 0);
   cp_async_commit();
 
-  // SPLIT: acc_dk holds this warp's one gradient, dV (role 0) or dK (role 1); acc_dv is unused.
-  A acc_dk[G_TILES][4], acc_dv[SPLIT ? 1 : G_TILES][4];
+  // PAIRED: acc_dk holds this warp's one gradient, dV (role 0) or dK (role 1); acc_dv is unused.
+  A acc_dk[G_TILES][4], acc_dv[PAIRED ? 1 : G_TILES][4];
   if constexpr (PIPELINED) {
     // S^T_i = K Q_i^T and dP^T_i = V dO_i^T go to the tensor cores right behind the previous tile's dV and
     // dK products, without waiting for them. What needs S^T alone (P^T; with modifiers the softcap's tanh)
@@ -420,7 +420,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
         gemm_pb_pieces<HEAD_DIM, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, q_factors.dout);
         gemm_abt_pieces<HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i);
         dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane, q_factors.dout * kv_factors.v);  // dP^T unscaled on the way
-      } else if constexpr (SPLIT) {
+      } else if constexpr (PAIRED) {
         if (role == 0) {  // S^T = K Q_i^T, P^T = exp(scale * S^T - lse), to the partner too
           gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, row0, sQ_i, lane);
           if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + row0, m0, lane);
@@ -488,8 +488,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 
       // dK += dS^T Q_i
       if constexpr (PIECES) gemm_pb_pieces<HEAD_DIM, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, q_factors.q);
-      else if constexpr (!SPLIT) gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, lane);
-      __syncthreads();  // this buffer (and SPLIT's P^T) is refilled two iterations on
+      else if constexpr (!PAIRED) gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, lane);
+      __syncthreads();  // this buffer (and PAIRED's P^T) is refilled two iterations on
       m_block = m_next;
     }
   }
@@ -504,7 +504,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   __syncthreads();
   T* sK_out = reinterpret_cast<T*>(sK);
   T* sV_out = reinterpret_cast<T*>(sV);
-  if constexpr (SPLIT) {
+  if constexpr (PAIRED) {
     if (role == 0) acc_to_smem<OutTile, G_TILES>(sV_out, row0, acc_dk, dv_scales, lane);
     else acc_to_smem<OutTile, G_TILES>(sK_out, row0, acc_dk, dk_scale, lane);
   } else {
@@ -519,12 +519,12 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 }
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, Mods MODS, bool WGMMA,
-          bool HAS_DROPOUT, bool SPLIT, bool PIPELINED, bool ACROSS_TURN>
+          bool HAS_DROPOUT, bool PAIRED, bool PIPELINED, bool ACROSS_TURN>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
 attention_bwd_dq_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
-  constexpr int BLOCK_M = (SPLIT ? 8 : 16) * NUM_WARPS;  // queries of this CTA, 16 per warp (SPLIT: per pair)
+  constexpr int BLOCK_M = (PAIRED ? 8 : 16) * NUM_WARPS;  // queries of this CTA, 16 per warp (PAIRED: per pair)
   // PIECES: float32 on the wgmma path (see the dK/dV pass).
   constexpr bool PIECES = WGMMA && sizeof(T) == 4;
   using E = typename Select<PIECES, half_t, T>::type;
@@ -540,9 +540,9 @@ attention_bwd_dq_kernel(const AttnParams p) {
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
   static_assert(!WGMMA || ((sizeof(T) == 2 || PIECES) && NUM_WARPS % 4 == 0),
                 "wgmma: 16-bit or float32 (pieces) inputs, whole warpgroups");
-  static_assert(!SPLIT || (!HAS_MODS && !HAS_DROPOUT && NUM_WARPS % (WGMMA ? 8 : 2) == 0 && D_CHUNK % 32 == 0),
-                "split pairs: plain or causal passes, whole pairs of warps (of warpgroups with wgmma)");
-  static_assert(!PIECES || (!HAS_MODS && !HAS_DROPOUT && !SPLIT && HEAD_DIM % 64 == 0 && D_CHUNK % 64 == 0),
+  static_assert(!PAIRED || (!HAS_MODS && !HAS_DROPOUT && NUM_WARPS % (WGMMA ? 8 : 2) == 0 && D_CHUNK % 32 == 0),
+                "paired warps: plain or causal passes, whole pairs of warps (of warpgroups with wgmma)");
+  static_assert(!PIECES || (!HAS_MODS && !HAS_DROPOUT && !PAIRED && HEAD_DIM % 64 == 0 && D_CHUNK % 64 == 0),
                 "pieces: plain or causal, lo pieces and column chunks on (64-element) atom boundaries");
   static_assert(OutTile::SIZE * sizeof(T) <= QTile::SIZE * sizeof(E), "dq staged in sQ");
   static_assert(!PIECES || (SPLIT_BLOCK_ROWS % BLOCK_M == 0 && SPLIT_BLOCK_ROWS % BLOCK_N == 0),
@@ -552,20 +552,20 @@ attention_bwd_dq_kernel(const AttnParams p) {
   // the loop's turn too, where the registers hold the next tile's S and dP beside dQ's operands in flight.
   // The table sets them where they compile without spills (with the scalars, at most 64 keys per tile: the
   // softcap derivative's tile of registers).
-  static_assert(!PIPELINED || (WGMMA && !PIECES && !SPLIT && !HAS_DROPOUT && MODS != Mods::all),
+  static_assert(!PIPELINED || (WGMMA && !PIECES && !PAIRED && !HAS_DROPOUT && MODS != Mods::all),
                 "products in flight: 16-bit wgmma passes, plain, causal or the scalars, without dropout");
   static_assert(!ACROSS_TURN || PIPELINED, "across the turn: a pipelined pass");
-  // SPLIT: each 16 queries get a pair of warps (as in the dK/dV pass): role 0 computes S and P, role 1 dP
+  // PAIRED: each 16 queries get a pair of warps (as in the dK/dV pass): role 0 computes S and P, role 1 dP
   // and dS; P goes to role 1 and dS back to role 0 through shared memory, and each accumulates half of
   // the D_CHUNK columns of dQ += dS K, so the chunk needs half the registers and no second S and dP.
-  constexpr int G_WARP = SPLIT ? G_TILES / 2 : G_TILES;  // dQ n-tiles per warp
+  constexpr int G_WARP = PAIRED ? G_TILES / 2 : G_TILES;  // dQ n-tiles per warp
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   E* sQ = reinterpret_cast<E*>(WGMMA ? smem_aligned(smem_raw) : smem_raw);
   E* sdO = sQ + QTile::SIZE;
   E* sK = sdO + QTile::SIZE;       // [2] KVTile, double-buffered stream
   E* sV = sK + 2 * KVTile::SIZE;   // [2] KVTile
-  A* sP = reinterpret_cast<A*>(sV + 2 * KVTile::SIZE);  // SPLIT: [NUM_WARPS / 2][S_TILES * 4][32], P then dS
+  A* sP = reinterpret_cast<A*>(sV + 2 * KVTile::SIZE);  // PAIRED: [NUM_WARPS / 2][S_TILES * 4][32], P then dS
 
   const int b = batch_index();
   if (b >= p.batch) return;
@@ -576,10 +576,10 @@ attention_bwd_dq_kernel(const AttnParams p) {
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int offset = seq.causal_offset();
   constexpr int TWIN = WGMMA ? 4 : 1;  // a warp's partner: the next warp, or the same warp of the next warpgroup
-  const int pair = SPLIT ? (warp / (2 * TWIN)) * TWIN + warp % TWIN : warp;
+  const int pair = PAIRED ? (warp / (2 * TWIN)) * TWIN + warp % TWIN : warp;
   const int row0 = pair * 16;  // this warp's 16 queries
-  const int role = SPLIT ? (warp / TWIN) & 1 : 0;
-  const int g0 = SPLIT ? role * (D_CHUNK / 2) : 0;  // this warp's first dQ column in the chunk
+  const int role = PAIRED ? (warp / TWIN) & 1 : 0;
+  const int g0 = PAIRED ? role * (D_CHUNK / 2) : 0;  // this warp's first dQ column in the chunk
   A* sP_pair = sP + pair * (S_TILES * 4 * WARP_SIZE);
 
   const E* q = static_cast<const E*>(p.q) + batch_offset(p.q_stride, b, p) + (seq.q_row + m0) * p.q_stride[3];
@@ -744,7 +744,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] * (q_factors.dout * kv_factors.v) - row_delta[e >> 1]);
         }
-      } else if constexpr (SPLIT) {
+      } else if constexpr (PAIRED) {
         if (role == 0) {  // S = Q K_j^T, P = exp(scale * S - lse), to the partner
           gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, row0, sK_j, lane);
           if (n_block >= n_unmasked) mask.apply(acc_s, m0 + row0, n0, lane);
@@ -800,7 +800,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
         }
       }
 
-      // dQ += dS K_j (SPLIT: this warp's half of the chunk's columns)
+      // dQ += dS K_j (PAIRED: this warp's half of the chunk's columns)
       if constexpr (PIECES) gemm_pb_pieces<HEAD_DIM, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0, kv_factors.k);
       else gemm_pb<T, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0 + g0, lane);
       __syncthreads();  // this buffer is refilled two iterations on

@@ -170,9 +170,9 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
   // float32 inputs: k and v arrive split into float16 pieces (split_f32.cu), q is split here; the shared
   // tiles hold rows of [hi | lo], 2 * HEAD_DIM wide.
-  constexpr bool SPLIT = sizeof(T) == 4;
-  using E = typename Select<SPLIT, half_t, T>::type;  // the shared tiles' elements
-  constexpr int COLS = SPLIT ? 2 * HEAD_DIM : HEAD_DIM;
+  constexpr bool PIECES = sizeof(T) == 4;
+  using E = typename Select<PIECES, half_t, T>::type;  // the shared tiles' elements
+  constexpr int COLS = PIECES ? 2 * HEAD_DIM : HEAD_DIM;
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
   constexpr int BLOCK_M = 16 * NUM_WARPS;  // one warpgroup per 64 rows
   using QTile = SwizzledTile<E, BLOCK_M, COLS>;
@@ -181,21 +181,21 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   constexpr int S_TILES = BLOCK_N / 8;
   constexpr int O_TILES = HEAD_DIM / 8;
   constexpr int P_STEPS = S_TILES / 2;
-  static_assert((sizeof(T) == 2 || SPLIT) && NUM_WARPS % 4 == 0, "wgmma: 16-bit or split float32 inputs, whole warpgroups");
-  static_assert(!SPLIT || (!HAS_MODS && !HAS_DROPOUT && HEAD_DIM % KVTile::ATOM_COLS == 0),
+  static_assert((sizeof(T) == 2 || PIECES) && NUM_WARPS % 4 == 0, "wgmma: 16-bit or split float32 inputs, whole warpgroups");
+  static_assert(!PIECES || (!HAS_MODS && !HAS_DROPOUT && HEAD_DIM % KVTile::ATOM_COLS == 0),
                 "split float32: plain and causal, the lo pieces on an atom boundary");
   static_assert(OutTile::SIZE * sizeof(T) <= QTile::SIZE * sizeof(E), "out staged in sQ");
   static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
   static_assert(MODS != Mods::softcap, "Mods::softcap: the backward's passes only");
   static_assert(!HAS_MODS || (BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0),
                 "tiles inside block-mask tiles");
-  static_assert(!SPLIT || SPLIT_BLOCK_ROWS % BLOCK_N == 0, "split float32: each key tile inside one row block");
+  static_assert(!PIECES || SPLIT_BLOCK_ROWS % BLOCK_N == 0, "split float32: each key tile inside one row block");
   static_assert(!BOUNDED || (MODS == Mods::scalars && IsBfloat16<T>::value && !HAS_DROPOUT),
                 "bounded scores: softcapped bfloat16 with the scalar modifiers");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ u32 bitmap_words[HAS_MODS ? TILE_BITMAP_WORDS : 1];
-  __shared__ float warp_max[SPLIT ? NUM_WARPS : 1];  // split_tile's reduction
+  __shared__ float warp_max[PIECES ? NUM_WARPS : 1];  // split_tile's reduction
   E* sQ = reinterpret_cast<E*>(smem_aligned(smem_raw));
   E* sK = sQ + QTile::SIZE;      // [2] KVTile: K of the t-th visited block in sK[t % 2]
   E* sV = sK + 2 * KVTile::SIZE;  // [2] KVTile: V likewise
@@ -216,8 +216,8 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
     }
   };
   // Columns to read (pieces: whole rows, padded with zeros), where the loads use them.
-  auto qk_cols = [&]() { return SPLIT ? COLS : p.d_qk; };
-  auto v_cols = [&]() { return SPLIT ? COLS : p.d_v; };
+  auto qk_cols = [&]() { return PIECES ? COLS : p.d_qk; };
+  auto v_cols = [&]() { return PIECES ? COLS : p.d_v; };
 
   // The visited key blocks b_0 > b_1 > ... The copies go in commit groups G_0 = {Q, K(b_0)} (split
   // inputs: {K(b_0)}, Q being split into sQ while G_0 and G_1 are in flight) and G_t = {K(b_t),
@@ -238,7 +238,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   };
   // S = Q K^T of one key block (K in k_tile), issued as one commit group.
   auto issue_s = [&](float (&acc_s)[S_TILES][4], const E* k_tile) {
-    if constexpr (SPLIT) wg_issue_abt_split<E, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, wg_row0, k_tile);
+    if constexpr (PIECES) wg_issue_abt_split<E, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, wg_row0, k_tile);
     else wg_issue_abt<E, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, wg_row0, k_tile);
   };
   // P as the register operand of O += P V: rounded to T, or split into float16 hi and lo pieces (P is
@@ -246,23 +246,23 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   constexpr float P_FACTOR = 64.f;
   struct PFragments {
     u32 hi[P_STEPS][4];
-    u32 lo[SPLIT ? P_STEPS : 1][4];
+    u32 lo[PIECES ? P_STEPS : 1][4];
   };
   auto pack_p = [&](const float (&acc_s)[S_TILES][4], PFragments& f) {
-    if constexpr (SPLIT) split_fragments<S_TILES>(acc_s, {P_FACTOR, P_FACTOR}, f.hi, f.lo);
+    if constexpr (PIECES) split_fragments<S_TILES>(acc_s, {P_FACTOR, P_FACTOR}, f.hi, f.lo);
     else pack_fragments<E>(acc_s, f.hi);
   };
   // O accumulates in the tensor cores (O += P V), or for split inputs in registers: each block's P V
   // comes fresh (acc_pv) and is added with a rounded float32 add (wg_issue_pb_split says why), times the
   // factor of its v row block (v_factor).
   float acc_o[O_TILES][4];
-  float acc_pv[SPLIT ? O_TILES : 1][4];
+  float acc_pv[PIECES ? O_TILES : 1][4];
   auto issue_pv = [&](PFragments& f, const E* v_tile) {
-    if constexpr (SPLIT) wg_issue_pb_split<E, P_STEPS, O_TILES, KVTile>(acc_pv, f.hi, f.lo, v_tile, 0, HEAD_DIM);
+    if constexpr (PIECES) wg_issue_pb_split<E, P_STEPS, O_TILES, KVTile>(acc_pv, f.hi, f.lo, v_tile, 0, HEAD_DIM);
     else wg_issue_pb<E, P_STEPS, O_TILES, KVTile>(acc_o, f.hi, v_tile, 0);
   };
   auto finish_pv = [&](float v_factor) {  // after wgmma_wait: the block's P V is in acc_o
-    if constexpr (SPLIT) {
+    if constexpr (PIECES) {
       fence_operands(acc_pv);
 #pragma unroll
       for (int j = 0; j < O_TILES; ++j)
@@ -274,7 +274,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   };
   auto fence_p = [&](PFragments& f) {
     fence_fragments(f.hi);
-    if constexpr (SPLIT) fence_fragments(f.lo);
+    if constexpr (PIECES) fence_fragments(f.lo);
   };
 
   zero_acc(acc_o);
@@ -282,25 +282,25 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   softmax.init();
   // Split inputs: S carries the scaling of the q tile (in exp_scale) and of its key block's k rows (the
   // softmax's tile factor), P V that of its v rows (finish_pv) and P_FACTOR (out_factor).
-  const Pieces<SPLIT> pieces(p, b);
+  const Pieces<PIECES> pieces(p, b);
   float exp_scale = rows.exp_scale();
-  const float out_factor = SPLIT ? 1.f / P_FACTOR : 1.f;
+  const float out_factor = PIECES ? 1.f / P_FACTOR : 1.f;
   // BOUNDED: the scores are at most 1, and 1 stands for every row's max (update_bounded).
   auto softmax_update = [&](float (&acc_s)[S_TILES][4], float (&rescale)[2], float tile_factor) {
     if constexpr (BOUNDED) softmax.update_bounded(acc_s, exp_scale, rescale, 1.f);
-    else softmax.template update<SPLIT>(acc_s, exp_scale, rescale, tile_factor);
+    else softmax.template update<PIECES>(acc_s, exp_scale, rescale, tile_factor);
   };
 
   int n_cur = rows.prev_on(rows.n_blocks - 1);  // b_t: the block whose P (p_cur) is pending
   if (n_cur >= rows.n_first) {
     int n_next = rows.prev_on(n_cur - 1);       // b_(t+1)
-    if constexpr (!SPLIT) load_tile_async<QTile, THREADS>(sQ, rows.q, p.q_stride[3], seq.nq() - m0, qk_cols());
+    if constexpr (!PIECES) load_tile_async<QTile, THREADS>(sQ, rows.q, p.q_stride[3], seq.nq() - m0, qk_cols());
     load_k(n_cur, 0);
     cp_async_commit();
     if (n_next >= rows.n_first) load_k(n_next, 1);
     load_v(n_cur, 0);
     cp_async_commit();
-    if constexpr (SPLIT) exp_scale *= split_tile<QTile, HEAD_DIM, THREADS>(sQ, rows.q, p.q_stride[3], seq.nq() - m0, p.d_qk, warp_max);
+    if constexpr (PIECES) exp_scale *= split_tile<QTile, HEAD_DIM, THREADS>(sQ, rows.q, p.q_stride[3], seq.nq() - m0, p.d_qk, warp_max);
     PieceFactors f_cur = pieces.at(n_cur * BLOCK_N);  // of b_t's rows
 
     // Step 0: S_0 = Q K(b_0)^T alone; its softmax gives P_0.
@@ -349,7 +349,7 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           p_cur.hi[kt][i] = p_next.hi[kt][i];
-          if constexpr (SPLIT) p_cur.lo[kt][i] = p_next.lo[kt][i];
+          if constexpr (PIECES) p_cur.lo[kt][i] = p_next.lo[kt][i];
         }
       __syncthreads();  // every warpgroup is done with K(b_t) and V(b_(t-1))
       const int n_after = rows.prev_on(n_next - 1);  // b_(t+1)
@@ -371,6 +371,6 @@ attention_fwd_wgmma_kernel(const AttnParams p) {
   }
   cp_async_wait<0>();
   // (16-bit inputs: the scale again from the parameters, as the registers are scarcest there)
-  write_out<OutTile, THREADS, HAS_DROPOUT, SPLIT>(rows, reinterpret_cast<T*>(sQ), 0, acc_o, softmax, warp, lane,
-                                                  SPLIT ? exp_scale : rows.exp_scale(), out_factor);
+  write_out<OutTile, THREADS, HAS_DROPOUT, PIECES>(rows, reinterpret_cast<T*>(sQ), 0, acc_o, softmax, warp, lane,
+                                                  PIECES ? exp_scale : rows.exp_scale(), out_factor);
 }

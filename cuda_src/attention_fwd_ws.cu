@@ -75,7 +75,7 @@ __device__ __forceinline__ void block_probs(const Rows& rows, OnlineSoftmax<>& s
     rows.alibi_scores(acc_s, n, warp * 16, lane, alibi_cols, shift);
     softmax.template update<false, true>(acc_s, 1.f, rescale, 1.f, shift);
   } else if constexpr (BOUNDED) {
-    // The tanh and the exponential in one pass (no slopes here: Variant.bounded); the window hides keys
+    // The tanh and the exponential in one pass (no slopes here: the bounded score form); the window hides keys
     // after it, on P.
     const SoftcapTanh<typename Rows::Element, float> softcap(rows.p);
     softmax.template update_bounded<POLY_TILES>(

@@ -44,7 +44,7 @@ __device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
 // none of them on the special-function unit. x + 1.5 * 2^23 rounds x to an integer held in the low mantissa
 // bits. Inputs are in [-127, 127] or NaN (NaN stays NaN: the product carries it); -127 gives 0 (2^j's exponent
 // field is then 0), as ex2.approx.ftz flushes such results. Its one caller, the bounded softcap's softmax,
-// has exponents in [-124, 0] from finite scores (Variant.bounded) and hides keys after the exponentials, so
+// has exponents in [-124, 0] from finite scores (the bounded score form) and hides keys after the exponentials, so
 // no -inf reaches it (a clamp at -127 cost an instruction per exponential).
 __device__ __forceinline__ float poly_exp2(float x) {
   constexpr float ROUND = 12582912.f;  // 1.5 * 2^23

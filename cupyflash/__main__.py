@@ -52,7 +52,8 @@ class Case:
     """One check: the physical (allocated) shapes of q, k, v and a view that makes them (..., N, D);
     ``modifiers``: also every score modifier at once (window, softcap, ALiBi, bias, mask, block mask), or
     "scalars": window, softcap, ALiBi and block mask alone (the backward's kernels compiled without the
-    modifiers' arrays; the forward with a block mask runs the full ones), or "softcap": the softcap alone
+    modifiers' arrays; the forward with a block mask runs the full ones, or on Hopper at 16 bits and
+    head dims 97-128 the warp-specialized forward's block-mask walk), or "softcap": the softcap alone
     (on Hopper its backward's Mods::softcap passes, causal included), or "window": the window alone (on
     Hopper the Mods::window forward and backward)."""
 
@@ -128,7 +129,7 @@ def _parse_args(argv):
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="with --compile-report: a table of every kernel's registers, shared memory, spills "
                              "and stack")
-    parser.add_argument("--arch", nargs="+", default=list(ARCHES), metavar="SM",
+    parser.add_argument("--arch", nargs="+", default=list(ARCHES), choices=ARCHES, metavar="SM",
                         help="architectures for the compile report (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     return parser.parse_args(argv)
@@ -168,11 +169,11 @@ def _find_gpu():
         return None, "CuPy is not installed (the cuda12 or cuda13 extra brings it)"
     try:
         count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as exc:
+    except Exception as exc:  # no driver, no device, or CuPy's CUDA libraries missing
         # cudaErrorInsufficientDriver and cudaErrorNoDevice are what a machine without a GPU answers.
-        if exc.status in (35, 100):
+        if getattr(exc, "status", None) in (35, 100):
             return None, "No CUDA GPU found"
-        return None, f"No usable CUDA GPU ({exc})"
+        return None, f"No usable CUDA GPU ({type(exc).__name__}: {exc})"
     if count < 1:
         return None, "No CUDA GPU found"
     return cupy, None

@@ -1,5 +1,6 @@
 """Array helpers every layer shares: the optional CuPy module, the public array type, the accumulator
-dtype, unsigned bit views, and the sum of a broadcast gradient back to its input's shape.
+dtype, unsigned bit views, the sum of a broadcast gradient back to its input's shape, and the product over
+the (query, key) pairs a row sees that the NumPy path and the reference use for non-finite inputs.
 
 CuPy is optional: without it ``cupy`` is None, NumPy inputs run on the CPU path and CuPy inputs cannot
 exist. Importing CuPy touches no GPU.

@@ -134,7 +134,7 @@ def _backward_key_block(dout, q, k, v, lse, delta, dq, dbias, j0, j1, tiles):
 
 def attention_probs(q, k, v, *, scale, causal, mods=None):
     """Returns P (*batch, Nq, Nk) float32 (float64 for float64 inputs): exp(s - lse) with the forward's
-    lse; 0 where keys are hidden."""
+    lse; 0 where keys are hidden (NaN there too in a row whose lse is NaN, as on the GPU)."""
     _, lse = attention_forward(q, k, v, scale=scale, causal=causal, mods=mods)
     lse = np.where(np.isneginf(lse), np.inf, lse)  # rows that see no key: P = 0, as in the backward
     tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, None, q.shape[:-2], q.dtype, ())

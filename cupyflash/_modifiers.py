@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cupyflash._arrays import Array, cupy
+from cupyflash._arrays import Array, cupy, is_cupy
 
 BLOCK_MASK_TILE = 128  # queries x keys covered by one block_mask element; part of the public API
 
@@ -179,8 +179,9 @@ def block_mask_from_dense(mask: Array, block: int = BLOCK_MASK_TILE) -> Array:
     """
     if block != BLOCK_MASK_TILE:
         raise ValueError(f"block must be {BLOCK_MASK_TILE}, the tile the kernels skip by, got {block!r}")
-    if not hasattr(mask, "dtype") or not hasattr(mask, "shape") or mask.ndim < 2:
-        raise TypeError(f"mask must be a numpy or cupy array of shape (..., Nq, Nk), got {type(mask).__name__}")
+    if not (isinstance(mask, np.ndarray) or is_cupy(mask)) or mask.ndim < 2:
+        raise TypeError(f"mask must be a numpy or cupy array of shape (..., Nq, Nk), got {type(mask).__name__}"
+                        + (f" of shape {mask.shape}" if hasattr(mask, "shape") else ""))
     if mask.dtype != np.bool_:
         raise TypeError(f"mask must be a boolean array, got dtype {mask.dtype}")
     nq, nk = mask.shape[-2:]

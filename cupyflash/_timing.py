@@ -4,6 +4,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from cupyflash._arrays import cupy
+
 
 def median_ms(fn, *, warmup: int, repeats: int, before_each=None, max_host_ms: float | None = None) -> float:
     """Median milliseconds of ``fn()`` between CUDA events on the current stream.
@@ -13,8 +15,6 @@ def median_ms(fn, *, warmup: int, repeats: int, before_each=None, max_host_ms: f
     call took the host longer than that to issue (when ``before_each`` keeps the GPU busy that long, so
     that the events time the GPU alone).
     """
-    import cupy
-
     for _ in range(warmup):
         fn()
     start, end = cupy.cuda.Event(), cupy.cuda.Event()

@@ -17,17 +17,16 @@ from typing import Union
 
 import numpy as np
 
-from cupyflash._arrays import cupy, round_up
+from cupyflash._arrays import cupy
 from cupyflash._checks import MAX_HEAD_DIM, check_bool
 from cupyflash._cuda import compile as _compile
 from cupyflash._cuda.tiles import HEAD_DIMS
-from cupyflash._cuda.variants import DTYPES, Features, select
+from cupyflash._cuda.variants import DTYPES, Features, row_width, select
 
 DTypeLike = Union[str, np.dtype, type]
 # The benchmark's short names, accepted next to everything numpy.dtype understands ("float16", "half",
 # numpy.float16, ml_dtypes.bfloat16, ...).
 _DTYPE_ALIASES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64"}
-ROW_ALIGN_BYTES = 16  # the API pads head dims to 16-byte rows before picking a HEAD_DIM (cp.async width)
 # The calls ``modifiers=True`` stands for, as the option sets that pick distinct kernels: the scalars (a window
 # without a right edge and ALiBi, so that causal and not pick ALiBi's two forms), a window alone, a softcap
 # alone (its own backward on Hopper; bfloat16's bounded forward), the per-element arrays, and a block mask with
@@ -41,7 +40,6 @@ _MODIFIER_CALLS = (
     dict(block_mask=True, window=(1, -1), alibi=True),
     dict(block_mask=True, softcap=1.0),
 )
-_DEFAULT_CACHE_DIR = os.path.join("~", ".cupy", "kernel_cache")  # CuPy's default for CUPY_CACHE_DIR
 
 
 def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPES,
@@ -103,8 +101,8 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPES,
 
     >>> import cupyflash
     >>> warmed = cupyflash.warmup(dtypes="bfloat16", head_dims=128, causal=True, verbose=True)  # doctest: +SKIP
-    warmup 1/2: fwd bfloat16 HEAD_DIM=128 causal  0.60 s (compiled)
-    warmup 2/2: bwd bfloat16 HEAD_DIM=128 causal  1.30 s (compiled)
+    warmup 1/2: fwd bfloat16 HEAD_DIM=128 causal (ws)  0.60 s (compiled)
+    warmup 2/2: bwd bfloat16 HEAD_DIM=128 causal (wgmma)  1.30 s (compiled)
 
     Run under ``with cupy.cuda.Device(i):`` to warm device ``i``.
     """
@@ -130,7 +128,7 @@ def select_variants(dtypes, head_dims, causal, modifiers, backward, dropout=Fals
     variants = []
     for dtype in dtypes:
         for d in dims:
-            width = round_up(d, ROW_ALIGN_BYTES // dtype.itemsize)
+            width = row_width(d, dtype.name)
             for options in calls:
                 for drop in drops:
                     for is_causal in causals:
@@ -180,20 +178,9 @@ def _cache_entries() -> int | None:
     if os.environ.get("CUPY_CACHE_IN_MEMORY", "0").strip().lower() not in ("", "0", "false", "no"):
         return None
     try:
-        return len(os.listdir(_cache_dir()))
+        return len(os.listdir(_compile.cache_dir()))
     except OSError:  # not created yet: CuPy makes it on first use
         return 0
-
-
-def _cache_dir() -> str:
-    """The directory CuPy writes compiled kernels to. CuPy 14 reads CUPY_CACHE_DIR once, when its
-    compiler module is imported, into its cache backend: ask that first, then the variable."""
-    from cupy.cuda import compiler
-
-    backend_dir = getattr(getattr(compiler, "_kernel_cache_backend", None), "_cache_dir", None)
-    if isinstance(backend_dir, str):
-        return backend_dir
-    return os.path.expanduser(os.environ.get("CUPY_CACHE_DIR", _DEFAULT_CACHE_DIR))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -430,7 +430,7 @@ def _softmax(s):
     """Row softmax P and log-sum-exp of scores S; rows that are all -inf give P = 0 and lse = -inf.
 
     Non-finite inputs propagate (cupyflash's policy): a NaN score, or a +inf one, makes its row's P and
-    lse NaN; hidden (-inf) scores keep P = 0 whatever else the row holds.
+    lse NaN, at its hidden (-inf) scores too (0 / NaN); the backward zeroes those (what a hidden key adds).
     """
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # NaN if the row holds a NaN
     blind = np.isneginf(m)  # every key hidden

@@ -6,6 +6,11 @@ key tile's work per 128 keys; what a line through the times leaves at Nk = 0 is 
 prologue (Q and the first K/V tile), the epilogue (out and lse) and the launch. torch SDPA's `flash`
 backend (FlashAttention-2) runs the same inputs (shared through DLPack) when torch is importable.
 
+What it taught (H200, the first kernels): a line through the times left about 0.19 ms of fixed cost
+against FlashAttention-2's 0.05 ms. Most of that "fixed cost" turned out to be host time counted by the
+events (the call issued after the L2 flush's head start), not the kernels' prologue and epilogue: the
+benchmarks' --timing gpu separates the two since (docs/design/host_time.md).
+
     python bench/exp/02_short_rows.py
 """
 import sys

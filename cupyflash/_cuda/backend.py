@@ -11,22 +11,22 @@ import math
 
 import numpy
 
-from cupyflash._arrays import bits, cupy, lse_dtype, round_up, sum_to_shape
+from cupyflash._arrays import bits, cupy, lse_dtype, sum_to_shape
 from cupyflash._cuda import f32_pieces, tma
 from cupyflash._cuda.compile import current_device, functions
-from cupyflash._cuda.launch import (CHAIN_ROWS, MAPPED, Plan, launch, launch_summed, passes_side_by_side, plan_key,
+from cupyflash._cuda.launch import (CHAIN_ROWS, Plan, launch, launch_summed, passes_side_by_side, plan_key,
                                     plans, remember)
 from cupyflash._cuda.params import (dbias_buffer, dense_params, kernel_ready, layout, mod_arrays, packed_params,
                                     packed_slopes, slopes, unpad)
 from cupyflash._cuda.tiles import WS_BLOCK_MASK_TILES, WS_WARPGROUP_ROWS
-from cupyflash._cuda.variants import Features, select
+from cupyflash._cuda.variants import Features, row_width, select
 from cupyflash._modifiers import BLOCK_MASK_TILE
 
 
-def _widths(dtype, d: int, dv: int) -> tuple[int, int]:
-    """The head dims as the kernels read rows: 16-byte multiples (zero-padded when they are not)."""
-    vec = 16 // numpy.dtype(dtype).itemsize
-    return round_up(d, vec), round_up(dv, vec)
+def _widths(dtype, d: int, d_v: int) -> tuple[int, int]:
+    """The head dims as the kernels read rows (variants.row_width)."""
+    name = numpy.dtype(dtype).name
+    return row_width(d, name), row_width(d_v, name)
 
 
 def _pieces_width(variant) -> int:
@@ -37,22 +37,22 @@ def _pieces_width(variant) -> int:
 def _tma_reads(variant, arrays, sizes, strides, nk: int) -> bool:
     """Whether the warp-specialized forward can serve: tensor maps describe q, k, v and its block-mask walk
     holds the key tiles."""
-    if not (tma.available() and all(tma.describable(arrays[name], sizes, strides[name]) for name in MAPPED)):
+    if not (tma.available() and all(tma.describable(arrays[name], sizes, strides[name]) for name in tma.MAPPED)):
         return False
     return not variant.block_mask or -(-nk // BLOCK_MASK_TILE) <= WS_BLOCK_MASK_TILES
 
 
 def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout=None):
     """out (*batch, Nq, Dv) and lse (*batch, Nq) in lse_dtype (float32; float64 for float64 inputs)."""
-    batch_shape, (nq, d), nk, dv = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
-    d_w, dv_w = _widths(q.dtype, d, dv)
-    q, k, v = kernel_ready(q, d_w), kernel_ready(k, d_w), kernel_ready(v, dv_w)
-    out = cupy.empty(batch_shape + (nq, dv_w), dtype=q.dtype)
+    batch_shape, (nq, d), nk, d_v = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
+    d_w, d_v_w = _widths(q.dtype, d, d_v)
+    q, k, v = kernel_ready(q, d_w), kernel_ready(k, d_w), kernel_ready(v, d_v_w)
+    out = cupy.empty(batch_shape + (nq, d_v_w), dtype=q.dtype)
     lse = cupy.empty(batch_shape + (nq,), dtype=lse_dtype(q.dtype))
     addresses = {"q": q, "k": k, "v": v, "out": out, "lse": lse, **slopes(mods)}
     key = plan_key("fwd", addresses, scale, causal, mods, dropout)
     plan = plans.get(key) if key is not None else None
-    variant = plan.variant if plan is not None else select(Features.of("fwd", q.dtype, d_w, dv_w, causal, mods, dropout),
+    variant = plan.variant if plan is not None else select(Features.of("fwd", q.dtype, d_w, d_v_w, causal, mods, dropout),
                                                            current_device())
     # float32 on Hopper: the kernel reads float16 pieces of k and v, and q itself (it splits each q tile as it
     # loads it).
@@ -66,7 +66,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
         others = {"lse": lse}
         if width:
             others["split_exponents"] = addresses["split_exponents"]
-        params = dense_params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
+        params = dense_params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, d_v=d_v_w, scale=scale,
                               others=others, mods=mods, causal=causal, dropout=dropout)
         maps = None
         if variant.path == "ws":
@@ -74,41 +74,41 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
                 block = variant.tiles("fwd").block
                 maps = tma.TensorMaps(arrays, sizes, strides, {"q": WS_WARPGROUP_ROWS, "k": block, "v": block})
             else:
-                features = Features.of("fwd", q.dtype, d_w, dv_w, causal, mods, dropout)
+                features = Features.of("fwd", q.dtype, d_w, d_v_w, causal, mods, dropout)
                 variant = select(dataclasses.replace(features, tma=False), current_device())
         plan = Plan(functions(variant), variant, params, [("fwd", nq, batch)], maps, arrays)
         if copied:  # the parameters point at copies made for this call
             plan.launch(None, None)
-            return unpad(arrays["out"], dv), lse
+            return unpad(arrays["out"], d_v), lse
         if key is not None:  # (the modifiers' arrays: planned never, launched once)
             remember(key, plan)
     plan.launch(addresses, dropout)
-    return unpad(out, dv), lse
+    return unpad(out, d_v), lse
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, mods=None, dropout=None):
     """dq, dk, dv with the full (broadcast) batch shape, in the input dtype, and dbias (the bias's shape
     and dtype) or None."""
-    batch_shape, (nq, d), nk, dv = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
-    d_w, dv_w = _widths(q.dtype, d, dv)
+    batch_shape, (nq, d), nk, d_v = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
+    d_w, d_v_w = _widths(q.dtype, d, d_v)
     q, k = kernel_ready(q, d_w), kernel_ready(k, d_w)
-    v, out, dout = (kernel_ready(x, dv_w) for x in (v, out, dout))
+    v, out, dout = (kernel_ready(x, d_v_w) for x in (v, out, dout))
     acc = lse_dtype(q.dtype)
     if not (lse.shape == batch_shape + (nq,) and lse.dtype == acc and lse.flags.c_contiguous):
         lse = cupy.ascontiguousarray(cupy.broadcast_to(lse, batch_shape + (nq,)), dtype=acc)
     dq = cupy.empty(batch_shape + (nq, d_w), dtype=q.dtype)
     dk = cupy.empty(batch_shape + (nk, d_w), dtype=q.dtype)
-    dv_ = cupy.empty(batch_shape + (nk, dv_w), dtype=q.dtype)
+    dv = cupy.empty(batch_shape + (nk, d_v_w), dtype=q.dtype)
     lse_log2 = cupy.empty(batch_shape + (nq,), dtype=acc)
     delta = cupy.empty(batch_shape + (nq,), dtype=acc)
-    addresses = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv_, "lse": lse,
+    addresses = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv, "lse": lse,
                  "lse_log2": lse_log2, "delta": delta, **slopes(mods)}
     key = plan_key("bwd", addresses, scale, causal, mods, dropout) if max(nq, nk) <= CHAIN_ROWS else None
     plan = plans.get(key) if key is not None else None
     if plan is not None:
         plan.launch(addresses, dropout)
-        return unpad(dq, d), unpad(dk, d), unpad(dv_, dv), None
-    variant = select(Features.of("bwd", q.dtype, d_w, dv_w, causal, mods, dropout), current_device())
+        return unpad(dq, d), unpad(dk, d), unpad(dv, d_v), None
+    variant = select(Features.of("bwd", q.dtype, d_w, d_v_w, causal, mods, dropout), current_device())
     # float32 on Hopper: the passes read float16 pieces of q, k, v, dout; the preprocess reads out and dout
     # themselves. (Never planned: the pieces are made per call anyway.)
     width = _pieces_width(variant)
@@ -120,22 +120,22 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
         extra["dbias"] = cupy.broadcast_to(accumulator, mods.bias.shape)
     arrays, sizes, strides, copied = layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout, **extra})
     batch = math.prod(batch_shape)
-    others = {"dq": dq, "dk": dk, "dv": dv_, "lse": lse, "lse_log2": lse_log2, "delta": delta}
-    params = dense_params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
+    others = {"dq": dq, "dk": dk, "dv": dv, "lse": lse, "lse_log2": lse_log2, "delta": delta}
+    params = dense_params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, d_v=d_v_w, scale=scale,
                           others=others, mods=mods, causal=causal, dropout=dropout)
     kernels = functions(variant)
     if key is not None and not copied:  # (the launches of a chained pass are not planned: key is None)
         plan = Plan(kernels, variant, params, [("preprocess", nq, batch), ("dkdv", nk, batch), ("dq", nq, batch)])
         remember(key, plan)
         plan.launch(None, None)
-        return unpad(dq, d), unpad(dk, d), unpad(dv_, dv), None
+        return unpad(dq, d), unpad(dk, d), unpad(dv, d_v), None
     launch(kernels, variant, "preprocess", nq, batch, params)
     if width:
         (q, k, v, dout), others["split_exponents"] = f32_pieces.split((q, k, v, dout), width, batch_shape, max(nq, nk))
         arrays, sizes, strides, _ = layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout})
-        params = dense_params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, dv=dv_w, scale=scale,
+        params = dense_params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, d_v=d_v_w, scale=scale,
                               others=others, causal=causal)
-    passes_side_by_side(lambda: launch_summed(kernels, variant, "dkdv", nk, batch, params, nq, (dk, dv_)),
+    passes_side_by_side(lambda: launch_summed(kernels, variant, "dkdv", nk, batch, params, nq, (dk, dv)),
                         lambda: launch_summed(kernels, variant, "dq", nq, batch, params, nk, (dq,)))
     dbias = None
     if accumulator is not None:
@@ -143,7 +143,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
         # broadcast dims; the usual stride-0 one already holds the sums.
         dbias = sum_to_shape(arrays["dbias"], accumulator.shape) if copied else accumulator
         dbias = dbias.reshape(mods.bias_shape).astype(mods.bias.dtype, copy=False)
-    return unpad(dq, d), unpad(dk, d), unpad(dv_, dv), dbias
+    return unpad(dq, d), unpad(dk, d), unpad(dv, d_v), dbias
 
 
 def attention_probs(q, k, v, *, scale: float, causal: bool, mods=None):
@@ -155,7 +155,7 @@ def attention_probs(q, k, v, *, scale: float, causal: bool, mods=None):
     q, k = kernel_ready(q, d_w), kernel_ready(k, d_w)
     probs = cupy.empty(batch_shape + (nq, nk), dtype=lse_dtype(q.dtype))
     arrays, sizes, strides, _ = layout(batch_shape, {"q": q, "k": k, **mod_arrays(mods)})
-    params = dense_params(arrays, sizes, strides, batch=math.prod(batch_shape), nq=nq, nk=nk, d=d_w, dv=d_w,
+    params = dense_params(arrays, sizes, strides, batch=math.prod(batch_shape), nq=nq, nk=nk, d=d_w, d_v=d_w,
                           scale=scale, others={"out": probs, "lse": lse}, mods=mods, causal=causal)
     launch(functions(variant), variant, "probs", nq, math.prod(batch_shape), params, cols=nk)
     return probs
@@ -168,14 +168,14 @@ def _device_offsets(packed):
 
 def attention_varlen_forward(q, k, v, packed, *, scale: float, causal: bool, mods=None, dropout=None):
     """out (total_q, H, Dv) and lse (H, total_q) in lse_dtype of a packed batch; no padding anywhere."""
-    d_w, dv_w = _widths(q.dtype, packed.d, packed.dv)
-    variant = select(Features.of("fwd", q.dtype, d_w, dv_w, causal, mods, dropout, packed=True), current_device())
-    q, k, v = kernel_ready(q, d_w), kernel_ready(k, d_w), kernel_ready(v, dv_w)
-    out = cupy.empty((packed.total_q, packed.heads, dv_w), dtype=q.dtype)
+    d_w, d_v_w = _widths(q.dtype, packed.d, packed.dv)
+    variant = select(Features.of("fwd", q.dtype, d_w, d_v_w, causal, mods, dropout, packed=True), current_device())
+    q, k, v = kernel_ready(q, d_w), kernel_ready(k, d_w), kernel_ready(v, d_v_w)
+    out = cupy.empty((packed.total_q, packed.heads, d_v_w), dtype=q.dtype)
     lse = cupy.empty((packed.heads, packed.total_q), dtype=lse_dtype(q.dtype))
     cu_q, cu_k = _device_offsets(packed)
     others = {"lse": lse, **packed_slopes(mods)}  # alive until the launch
-    params = packed_params(packed, {"q": q, "k": k, "v": v, "out": out}, d=d_w, dv=dv_w, scale=scale, causal=causal,
+    params = packed_params(packed, {"q": q, "k": k, "v": v, "out": out}, d=d_w, d_v=d_v_w, scale=scale, causal=causal,
                            mods=mods, dropout=dropout, others=others, cu_q=cu_q, cu_k=cu_k)
     launch(functions(variant), variant, "fwd", packed.max_q, packed.batch * packed.heads, params)
     return unpad(out, packed.dv), lse
@@ -185,25 +185,25 @@ def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale: float, 
                               dropout=None):
     """dq (total_q, H, D), dk (total_k, Hk, D), dv (total_k, Hk, Dv) of a packed batch. The kernels write
     per-head arrays (H, total, .); dk and dv are then summed over each group's G query heads (in lse_dtype)."""
-    d_w, dv_w = _widths(q.dtype, packed.d, packed.dv)
-    variant = select(Features.of("bwd", q.dtype, d_w, dv_w, causal, mods, dropout, packed=True), current_device())
+    d_w, d_v_w = _widths(q.dtype, packed.d, packed.dv)
+    variant = select(Features.of("bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, packed=True), current_device())
     q, k = kernel_ready(q, d_w), kernel_ready(k, d_w)
-    v, out, dout = (kernel_ready(x, dv_w) for x in (v, out, dout))
+    v, out, dout = (kernel_ready(x, d_v_w) for x in (v, out, dout))
     acc = lse_dtype(q.dtype)
     lse = cupy.ascontiguousarray(lse, dtype=acc)
     h, total_q, total_k = packed.heads, packed.total_q, packed.total_k
     dq = cupy.empty((h, total_q, d_w), dtype=q.dtype)
     dk = cupy.empty((h, total_k, d_w), dtype=q.dtype)
-    dv_ = cupy.empty((h, total_k, dv_w), dtype=q.dtype)
+    dv = cupy.empty((h, total_k, d_v_w), dtype=q.dtype)
     lse_log2, delta = (cupy.empty((h, total_q), dtype=acc) for _ in range(2))
     cu_q, cu_k = _device_offsets(packed)
-    others = {"dq": dq, "dk": dk, "dv": dv_, "lse": lse, "lse_log2": lse_log2, "delta": delta, **packed_slopes(mods)}
-    params = packed_params(packed, {"q": q, "k": k, "v": v, "out": out, "dout": dout}, d=d_w, dv=dv_w, scale=scale,
+    others = {"dq": dq, "dk": dk, "dv": dv, "lse": lse, "lse_log2": lse_log2, "delta": delta, **packed_slopes(mods)}
+    params = packed_params(packed, {"q": q, "k": k, "v": v, "out": out, "dout": dout}, d=d_w, d_v=d_v_w, scale=scale,
                            causal=causal, mods=mods, dropout=dropout, others=others, cu_q=cu_q, cu_k=cu_k)
     kernels, batch = functions(variant), packed.batch * h
     launch(kernels, variant, "preprocess", packed.max_q, batch, params)
     passes_side_by_side(
-        lambda: launch_summed(kernels, variant, "dkdv", packed.max_k, batch, params, packed.max_q, (dk, dv_)),
+        lambda: launch_summed(kernels, variant, "dkdv", packed.max_k, batch, params, packed.max_q, (dk, dv)),
         lambda: launch_summed(kernels, variant, "dq", packed.max_q, batch, params, packed.max_k, (dq,)))
 
     def packed_rows(x, width, groups):  # (H, total, w) -> (total, H // groups, width), summed over groups
@@ -212,4 +212,4 @@ def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale: float, 
         return cupy.ascontiguousarray(bits(x[..., :width]).transpose(1, 0, 2)).view(q.dtype)
 
     return (packed_rows(dq, packed.d, 1), packed_rows(dk, packed.d, packed.groups),
-            packed_rows(dv_, packed.dv, packed.groups))
+            packed_rows(dv, packed.dv, packed.groups))

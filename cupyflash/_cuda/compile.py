@@ -90,6 +90,15 @@ def _build_modules(parts, device_id: int, max_workers: int = 16) -> dict[str, ob
     return {kernel: function for part in built for kernel, function in part.items()}
 
 
+def cache_dir() -> str:
+    """The directory CuPy keeps compiled kernels in. CuPy 14 reads CUPY_CACHE_DIR once, when its compiler
+    module is imported, into its cache backend: ask that first, then the variable, then CuPy's default."""
+    backend_dir = getattr(getattr(cupy.cuda.compiler, "_kernel_cache_backend", None), "_cache_dir", None)
+    if isinstance(backend_dir, str):
+        return backend_dir
+    return os.path.expanduser(os.environ.get("CUPY_CACHE_DIR", os.path.join("~", ".cupy", "kernel_cache")))
+
+
 def compile_ahead(variants, max_workers: int = 16) -> list[str]:
     """Compile variants for the current device into CuPy's disk cache, max_workers modules at a time, so
     that their first use only loads them. Returns a message per module that failed (its first call then

@@ -14,10 +14,9 @@ import math
 import numpy
 
 from cupyflash._arrays import cupy
-from cupyflash._cuda.source import OPTIONS, source
+from cupyflash._cuda.source import MAX_GRID_Y, OPTIONS, source
 
 THREADS = 256
-_MAX_GRID_Y = 65535
 SOURCE = "split_f32.cu"
 KERNELS = ("split_f32_kernel",)
 BLOCK_ROWS = 128  # rows per power of two: SPLIT_BLOCK_ROWS (cuda_src/pieces.cuh)
@@ -96,7 +95,7 @@ def split(arrays, width: int, batch_shape: tuple, rows: int | None = None):
             jobs["slice_stride"][0, i], jobs["block_stride"][0, i] = 4 * blocks, 4
         jobs["slices"][0, i], jobs["rows"][0, i], jobs["d"][0, i] = slices[j], n, d
     jobs["width"] = width
-    grid_y = min(max(slices.values()), _MAX_GRID_Y)
+    grid_y = min(max(slices.values()), MAX_GRID_Y)
     if grid_y and longest:
         kernel, = module(cupy.cuda.Device().id)
         kernel((-(-longest // BLOCK_ROWS), grid_y, len(present)), (THREADS,), (jobs.view(_JOBS_BYTES),))

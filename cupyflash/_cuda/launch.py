@@ -13,6 +13,8 @@ from cupyflash._arrays import cupy, lse_dtype
 from cupyflash._cuda import tiles
 from cupyflash._cuda.compile import sm_count
 from cupyflash._cuda.params import PARAMS_BYTES, PARAMS_DTYPE, STRIDED
+from cupyflash._cuda.source import MAX_GRID_Y
+from cupyflash._cuda.tma import MAPPED
 from cupyflash._cuda.variants import Variant
 
 # The most rows one launch of a backward pass sums a gradient over (queries for dK/dV, keys for dQ). The
@@ -20,13 +22,11 @@ from cupyflash._cuda.variants import Variant
 # the rounding of a float16 result, but percents over millions. Longer axes run the pass in chunks of
 # CHAIN_ROWS rows whose results are added in float32 (launch_summed; cuda_src/params.cuh, stream_begin).
 CHAIN_ROWS = 131072
-_MAX_GRID_Y = 65535
 _PER_THREAD_STREAM = 2  # cudaStreamPerThread: CuPy's Stream.ptds
-MAPPED = ("q", "k", "v")  # the warp-specialized forward's inputs, read through tensor maps (tma.py)
 
 
 def _grid(blocks: int, batch: int) -> tuple[int, int, int]:
-    y = min(batch, _MAX_GRID_Y)
+    y = min(batch, MAX_GRID_Y)
     return blocks, y, -(-batch // y)
 
 

@@ -93,7 +93,7 @@ def layout(batch, arrays: dict):
     return dict(zip(names, values)), sizes, dict(zip(names, strides)), copied
 
 
-def new_params(pointers: dict, *, batch: int, batch1: int, batch2: int, nq: int, nk: int, d: int, dv: int,
+def new_params(pointers: dict, *, batch: int, batch1: int, batch2: int, nq: int, nk: int, d: int, d_v: int,
                scale: float, causal: bool, mods, dropout):
     """An AttnParams (a one-element structured array: CuPy passes it by value) with what every launch fills:
     the arrays' addresses, the sizes, the scale, the whole streamed axis for the backward passes, the window
@@ -103,7 +103,7 @@ def new_params(pointers: dict, *, batch: int, batch1: int, batch2: int, nq: int,
     for name, array in pointers.items():
         p[name] = array.data.ptr
     p["batch"], p["batch1"], p["batch2"] = batch, batch1, batch2
-    p["nq"], p["nk"], p["d_qk"], p["d_v"] = nq, nk, d, dv
+    p["nq"], p["nk"], p["d_qk"], p["d_v"] = nq, nk, d, d_v
     # Both precisions of the real-valued fields: float32 kernels read the first, float64 ones the second.
     p["scale"], p["scale_log2"] = scale, scale * _LOG2E
     p["scale_f64"], p["scale_log2_f64"] = scale, scale * _LOG2E
@@ -123,12 +123,12 @@ def new_params(pointers: dict, *, batch: int, batch1: int, batch2: int, nq: int,
     return p
 
 
-def dense_params(arrays: dict, sizes, batch_strides: dict, *, batch: int, nq: int, nk: int, d: int, dv: int,
+def dense_params(arrays: dict, sizes, batch_strides: dict, *, batch: int, nq: int, nk: int, d: int, d_v: int,
                  scale: float, others: dict = None, mods=None, causal: bool = False, dropout=None):
     """The parameters of a dense batch: ``arrays`` the strided tensors (their collapsed batch strides in
     ``batch_strides``), ``others`` the contiguous ones (lse and workspaces), by address only."""
     p = new_params({**arrays, **(others or {})}, batch=batch, batch1=sizes[1], batch2=sizes[2], nq=nq, nk=nk, d=d,
-                   dv=dv, scale=scale, causal=causal, mods=mods, dropout=dropout)
+                   d_v=d_v, scale=scale, causal=causal, mods=mods, dropout=dropout)
     for name, array in arrays.items():
         if name == "alibi_slopes":  # (*batch): batch strides only
             p["alibi_stride"] = batch_strides[name]
@@ -147,7 +147,7 @@ def dense_params(arrays: dict, sizes, batch_strides: dict, *, batch: int, nq: in
     return p
 
 
-def packed_params(packed, arrays: dict, *, d: int, dv: int, scale: float, causal: bool, mods, dropout, others: dict,
+def packed_params(packed, arrays: dict, *, d: int, d_v: int, scale: float, causal: bool, mods, dropout, others: dict,
                   cu_q, cu_k):
     """AttnParams of a packed batch (cupyflash._varlen): flat batch b = (s * Hk + hk) * G + g, the sequence
     s with batch stride 0 (its rows come from cu_seqlens), the heads split into (Hk, G) so that k and v have
@@ -156,7 +156,7 @@ def packed_params(packed, arrays: dict, *, d: int, dv: int, scale: float, causal
     hk, g = packed.kv_heads, packed.groups
     # nq, nk: the longest sequences, which size the grid; the kernels read each one's own from cu_seqlens.
     p = new_params({**arrays, **others, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, batch=packed.batch * packed.heads,
-                   batch1=hk, batch2=g, nq=packed.max_q, nk=packed.max_k, d=d, dv=dv, scale=scale, causal=causal,
+                   batch1=hk, batch2=g, nq=packed.max_q, nk=packed.max_k, d=d, d_v=d_v, scale=scale, causal=causal,
                    mods=mods, dropout=dropout)
     for name, array in arrays.items():
         row, head = (s // array.dtype.itemsize for s in array.strides[:2])

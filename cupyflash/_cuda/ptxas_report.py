@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cupyflash._cuda import f32_pieces
+from cupyflash._cuda.compile import cache_dir
 from cupyflash._cuda.source import OPTIONS, source
 from cupyflash._cuda.variants import Variant, variants_for
 
@@ -28,10 +29,15 @@ _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 _SERIALIZED = re.compile(r"\(C751\d\).*?function '(\w+)'")
 
 
-def nvrtc_version() -> tuple[int, int]:
+def _nvrtc():
+    """CuPy's NVRTC bindings, which work without a GPU (loaded on first use: CuPy is optional)."""
     from cupy.cuda import nvrtc
 
-    return tuple(nvrtc.getVersion())
+    return nvrtc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    return tuple(_nvrtc().getVersion())
 
 
 def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
@@ -59,8 +65,7 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
 def _compile(code: str, filename: str, options: list, names: dict) -> dict:
     """kernel -> ptxas' report of it, from one NVRTC compile of ``code`` with ``names`` (kernel -> name
     expression, or the plain name of an extern "C" kernel)."""
-    from cupy.cuda import nvrtc
-
+    nvrtc = _nvrtc()
     program = nvrtc.createProgram(code, filename, [], [])
     try:
         for name in names.values():
@@ -85,7 +90,7 @@ def _compile(code: str, filename: str, options: list, names: dict) -> dict:
 def _cached(key_parts, compute) -> dict:
     """compute(), or its result from an earlier run with the same key_parts (JSON-able)."""
     key = hashlib.sha256(json.dumps([*key_parts, nvrtc_version()]).encode()).hexdigest()
-    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache")) / "cupyflash-ptxas"
+    cache = Path(cache_dir()) / "cupyflash-ptxas"
     path = cache / f"{key}.json"
     try:
         return json.loads(path.read_text())

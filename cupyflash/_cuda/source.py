@@ -13,6 +13,7 @@ OPTIONS = ("-std=c++17",)  # NVRTC options of every module
 MIN_CC = 80  # cp.async and bfloat16 mma.sync
 WGMMA_CC = 90  # Hopper: wgmma and TMA, compiled for sm_90a, whose code runs on compute capability 9.0 only
 WGMMA_ARCH = "sm_90a"
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension (grid z takes the rest)
 
 
 def source_dir() -> Path:

@@ -1,6 +1,9 @@
 """The one table of kernel tiles: for every (path, element bytes, HEAD_DIM, kernel) and every form of the
 kernel (which score modifiers it is compiled for, with or without dropout), the tile shape and the
-compile-time switches of its code. Kernels take both as template parameters (``variants.Variant``).
+switches that choose between two versions of its code. Kernels take both as template parameters
+(``variants.Variant``). Constants that are the same for every instantiation of a kernel (the
+warp-specialized forward's L2 section size, its register split, the share of the bounded softcap's
+exponentials on the FMA units) stay in the kernel, with their reason.
 
 Paths: ``mma`` (mma.sync, every GPU from compute capability 8.0 on), ``large`` (float64 tiles that need
 Hopper's 227 KiB of shared memory per CTA), ``wgmma`` (Hopper's warpgroup products, 16-bit), ``pieces``
@@ -12,7 +15,7 @@ alone's backward) and ``window`` (a window alone). Kernels: ``fwd`` (attention_p
 ``all`` cell), ``dkdv`` and ``dq`` (the backward's passes; its preprocess needs no tiles).
 
 A cell is ``NUM_WARPS.BLOCK.D_CHUNK`` then, after ``/``, its flags:
-  s   pairs of warps share 16 rows, one holding each gradient (dkdv, dq: Tiles.split)
+  d   duo: two warps share 16 rows, one holding each gradient (dkdv, dq: Tiles.paired)
   xN  the launch bounds ask for N resident CTAs per SM (wgmma forward: short CTAs hide each other's setup)
   p   the backward's products stay in flight while the next tile's elementwise work runs (PIPELINED)
   a   ... across the loop's turn too (ACROSS_TURN)
@@ -22,7 +25,7 @@ A cell is ``NUM_WARPS.BLOCK.D_CHUNK`` then, after ``/``, its flags:
   o   two warps of its copying warpgroup store out (STORE_WARPS)
 ``=``: the plain cell; ``.``: not built. BLOCK is the streamed tile: keys (fwd, dq) or queries (dkdv).
 D_CHUNK: the output (fwd) or gradient (dkdv, dq) columns per CTA; a CTA's rows are 16 per computing warp
-(8 with s). Every cell compiles with no register spills for sm_80 and sm_90 (CI checks); cells other than
+(8 with d). Every cell compiles with no register spills for sm_80 and sm_90 (CI checks); cells other than
 the plain ones exist because the plain tiles spilled there or ran slower. docs/design/tiles.md gives each
 reason and measurement.
 """
@@ -54,13 +57,13 @@ mma    2  128  fwd   4.128.128      =              =              4.64.128      
 mma    2  128  dkdv  4.32.128/c     4.32.128       4.32.128       4.16.128       =              .
 mma    2  128  dq    4.32.128       =              =              =              =              .
 mma    2  160  fwd   8.64.160       =              =              =              =              .
-mma    2  160  dkdv  8.32.160/sc    4.32.80        4.32.80        4.32.80        4.32.80/c      .
+mma    2  160  dkdv  8.32.160/dc    4.32.80        4.32.80        4.32.80        4.32.80/c      .
 mma    2  160  dq    4.32.80        =              =              =              =              .
 mma    2  192  fwd   8.64.192       =              =              =              =              .
-mma    2  192  dkdv  8.32.192/sc    4.32.96        4.32.96        4.16.96        4.32.96/c      .
+mma    2  192  dkdv  8.32.192/dc    4.32.96        4.32.96        4.16.96        4.32.96/c      .
 mma    2  192  dq    4.32.96        =              =              =              =              .
 mma    2  256  fwd   4.64.256       =              4.32.256       4.32.256       =              .
-mma    2  256  dkdv  8.32.256/sc    4.16.128       4.16.128       4.16.128       4.16.128/c     .
+mma    2  256  dkdv  8.32.256/dc    4.16.128       4.16.128       4.16.128       4.16.128/c     .
 mma    2  256  dq    4.32.128       =              =              =              =              .
 mma    4  16   fwd   4.64.16        =              =              =              =              .
 mma    4  16   dkdv  4.32.16/c      4.32.16        4.32.16        4.32.16        =              .
@@ -69,13 +72,13 @@ mma    4  32   fwd   4.64.32        =              =              =             
 mma    4  32   dkdv  4.32.32/c      4.32.32        4.32.32        4.32.32        =              .
 mma    4  32   dq    4.32.32        =              =              =              =              .
 mma    4  64   fwd   4.64.64        =              =              =              =              .
-mma    4  64   dkdv  8.32.64/sc     4.32.32        4.32.32        4.32.32        4.32.32/c      .
+mma    4  64   dkdv  8.32.64/dc     4.32.32        4.32.32        4.32.32        4.32.32/c      .
 mma    4  64   dq    4.32.64        =              =              =              =              .
 mma    4  96   fwd   4.32.96        =              =              =              =              .
 mma    4  96   dkdv  4.16.48/c      4.16.48        4.16.48        4.16.48        =              .
 mma    4  96   dq    4.16.96        =              =              =              =              .
 mma    4  128  fwd   4.32.128       =              =              =              =              .
-mma    4  128  dkdv  8.16.128/sc    4.16.64        4.16.64        4.16.64        4.16.64/c      .
+mma    4  128  dkdv  8.16.128/dc    4.16.64        4.16.64        4.16.64        4.16.64/c      .
 mma    4  128  dq    4.16.128       =              =              =              =              .
 mma    4  160  fwd   4.16.160       =              =              =              =              .
 mma    4  160  dkdv  2.16.32/c      2.16.32        2.16.32        2.16.32        =              .
@@ -96,22 +99,22 @@ mma    8  64   fwd   8.64.64        =              8.32.64        8.32.64       
 mma    8  64   dkdv  4.16.64/c      4.16.32        4.16.64        4.16.64        .              .
 mma    8  64   dq    4.32.64        =              =              =              .              .
 mma    8  96   fwd   8.32.96        =              =              =              .              .
-mma    8  96   dkdv  8.16.96/sc     4.16.48        4.16.48        4.16.48        .              .
+mma    8  96   dkdv  8.16.96/dc     4.16.48        4.16.48        4.16.48        .              .
 mma    8  96   dq    4.16.96        =              =              =              .              .
 mma    8  128  fwd   4.32.128       =              4.32.64        4.32.64        .              .
-mma    8  128  dkdv  4.16.128/sc    2.16.32        2.16.32        2.16.32        .              .
+mma    8  128  dkdv  4.16.128/dc    2.16.32        2.16.32        2.16.32        .              .
 mma    8  128  dq    2.16.128       =              =              =              .              .
 mma    8  160  fwd   4.16.80        =              =              =              .              .
-mma    8  160  dkdv  2.16.160/sc    1.16.32        1.16.32        1.16.32        .              .
+mma    8  160  dkdv  2.16.160/dc    1.16.32        1.16.32        1.16.32        .              .
 mma    8  160  dq    1.16.80        =              =              =              .              .
 mma    8  192  fwd   4.16.96        =              =              =              .              .
-mma    8  192  dkdv  2.16.96/sc     1.16.48        1.16.48        1.16.48        .              .
+mma    8  192  dkdv  2.16.96/dc     1.16.48        1.16.48        1.16.48        .              .
 mma    8  192  dq    1.16.96        =              =              =              .              .
 mma    8  256  fwd   2.16.128       =              =              =              .              .
-mma    8  256  dkdv  2.16.128/sc    1.16.32        1.16.32        1.16.32        .              .
+mma    8  256  dkdv  2.16.128/dc    1.16.32        1.16.32        1.16.32        .              .
 mma    8  256  dq    1.16.128       =              =              =              .              .
 large  8  128  fwd   8.32.128       =              8.32.64        8.32.64        .              .
-large  8  128  dkdv  8.16.128/sc    4.16.32        4.16.32        4.16.32        .              .
+large  8  128  dkdv  8.16.128/dc    4.16.32        4.16.32        4.16.32        .              .
 large  8  128  dq    4.16.128       =              =              =              .              .
 wgmma  2  16   fwd   4.128.16       =              4.64.16        4.64.16        =              4.64.16/x4
 wgmma  2  16   dkdv  4.64.16/pc     4.64.16        4.64.16/c      4.32.16/c      =              =
@@ -132,11 +135,11 @@ wgmma  2  160  fwd   8.64.160       =              =              =             
 wgmma  2  160  dkdv  4.16.160/pc    4.16.160       4.16.160/c     4.16.32/c      =              =
 wgmma  2  160  dq    4.32.160/pa    4.32.160       4.32.160       4.32.160       =              =
 wgmma  2  192  fwd   8.64.192       =              8.32.192       8.32.192       8.32.192       8.32.192
-wgmma  2  192  dkdv  8.32.192/sc    4.32.64        4.32.64/c      4.32.64/c      4.32.64/pc     4.32.64/pc
+wgmma  2  192  dkdv  8.32.192/dc    4.32.64        4.32.64/c      4.32.64/c      4.32.64/pc     4.32.64/pc
 wgmma  2  192  dq    4.32.192/pa    4.32.192       4.32.192       4.32.192       =              =
 wgmma  2  256  fwd   8.64.256       =              8.32.256       8.32.256       =              =
-wgmma  2  256  dkdv  8.64.256/sc    4.16.128       4.16.128/c     4.16.128/c     4.16.128/pc    4.16.128/pc
-wgmma  2  256  dq    8.64.256/s     4.32.128       4.32.128       4.32.128       4.32.128/pa    4.32.128/pa
+wgmma  2  256  dkdv  8.64.256/dc    4.16.128       4.16.128/c     4.16.128/c     4.16.128/pc    4.16.128/pc
+wgmma  2  256  dq    8.64.256/d     4.32.128       4.32.128       4.32.128       4.32.128/pa    4.32.128/pa
 pieces 4  64   fwd   4.64.64        .              .              .              .              .
 pieces 4  64   dkdv  4.64.64/c      .              .              .              .              .
 pieces 4  64   dq    4.64.64        .              .              .              .              .
@@ -154,7 +157,7 @@ class Tiles:
     num_warps: int
     block: int  # the streamed tile: BLOCK_N keys (fwd, dq) or BLOCK_M queries (dkdv)
     d_chunk: int  # output (fwd) or gradient (dkdv, dq) columns per CTA
-    split: bool = False
+    paired: bool = False
     ctas_per_sm: int = 1  # the launch bounds' minimum of resident CTAs: registers <= 65536 / (threads * this)
     stages: int = 0  # ws: K/V slots in its ring
     pipelined: bool = False
@@ -170,11 +173,11 @@ class Tiles:
 
     @property
     def rows(self) -> int:
-        """Rows owned by the CTA: 16 per computing warp (per pair of warps when split)."""
-        return (8 if self.split else 16) * (self.num_warps - self.copy_warps)
+        """Rows owned by the CTA: 16 per computing warp (per pair of warps when paired)."""
+        return (8 if self.paired else 16) * (self.num_warps - self.copy_warps)
 
 
-_FLAGS = {"s": "split", "p": "pipelined", "a": "across_turn", "c": "lse_by_copy", "w": "pack_after_wait",
+_FLAGS = {"d": "paired", "p": "pipelined", "a": "across_turn", "c": "lse_by_copy", "w": "pack_after_wait",
           "o": "store_warps"}
 _COUNTS = {"x": "ctas_per_sm", "r": "stages"}
 WS_COPY_WARPS = 4  # the warp-specialized forward's first warpgroup copies (TMA) and owns no rows
@@ -274,14 +277,14 @@ def smem_bytes(path: str, itemsize: int, head_dim: int, kernel: str, t: Tiles) -
     swizzled = path != "mma" and path != "large"
     row = head_dim * itemsize + (0 if swizzled else SMEM_PAD_BYTES[itemsize])
     acc_bytes = 8 if itemsize == 8 else 4
-    pairs = t.num_warps // 2 if t.split else 0
+    pairs = t.num_warps // 2 if t.paired else 0
     if kernel == "fwd":  # sQ[BLOCK_M] + sK, sV[BLOCK_N] (double-buffered when swizzled)
         tiles = (t.rows + (4 if swizzled else 2) * t.block) * row
     elif kernel == "probs":  # sQ[BLOCK_M] + sK[BLOCK_N]
         tiles = (t.rows + t.block) * row
-    elif kernel == "dkdv":  # sK, sV + sQ, sdO[2][BLOCK_M] + lse, delta[2][BLOCK_M]; split: P^T per pair
+    elif kernel == "dkdv":  # sK, sV + sQ, sdO[2][BLOCK_M] + lse, delta[2][BLOCK_M]; paired: P^T per pair
         tiles = (2 * t.rows + 4 * t.block) * row + 4 * t.block * acc_bytes + pairs * (t.block // 8) * 128 * acc_bytes
-    elif kernel == "dq":  # sQ, sdO + sK, sV[2][BLOCK_N]; split: P, then dS, per pair
+    elif kernel == "dq":  # sQ, sdO + sK, sV[2][BLOCK_N]; paired: P, then dS, per pair
         tiles = (2 * t.rows + 4 * t.block) * row + pairs * (t.block // 8) * 128 * acc_bytes
     else:
         raise ValueError(f"kernel must be 'fwd', 'probs', 'dkdv', 'dq' or 'preprocess', got {kernel!r}")

@@ -15,6 +15,7 @@ import functools
 import numpy
 
 MAP_BYTES = 128
+MAPPED = ("q", "k", "v")  # the inputs the warp-specialized forward reads through tensor maps
 _SWIZZLE_128B = 3
 _L2_PROMOTION_128B = 2
 _DTYPES = {numpy.dtype(numpy.float16): 6}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16; bfloat16 is 9

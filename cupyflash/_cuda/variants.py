@@ -12,6 +12,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy
+
 from cupyflash._arrays import round_up
 from cupyflash._cuda import tiles
 from cupyflash._cuda.source import OPTIONS, WGMMA_ARCH, module_code
@@ -23,6 +25,7 @@ ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 _SOURCES = {"fwd": "attention_fwd.cu", "bwd": "attention_bwd.cu", "probs": "attention_probs.cu"}
 _WS_SOURCE = "attention_fwd_ws.cu"
 PATHS = ("mma", "large", "wgmma", "pieces", "ws")
+HOPPER_PATHS = ("wgmma", "pieces", "ws")  # compiled for sm_90a: compute capability 9.0 alone
 # The score modifiers a kernel is compiled for (cuda_src/mods.cuh, enum Mods): none; scalars (window,
 # softcap, ALiBi, the backward's block mask: a few numbers per batch entry); softcap (the backward of a
 # softcap alone) and window (a window alone), where every other option is a compile-time constant; all
@@ -36,7 +39,6 @@ SCORES = ("plain", "bounded", "alibi", "alibi_half_first")
 # is at least 2^(-2c), a normal float for c <= 62 (exponentials flush to zero below 2^-126), which leaves a
 # factor 2^2 for the rounding of c and of tanh: up to this softcap the bfloat16 forward is ``bounded``.
 BOUNDED_SOFTCAP_MAX = 62.0 * math.log(2.0)
-_SCALAR_MODS_ITEMSIZES = (2, 4)  # float64 has no scalars' kernels: two of its passes spilled on sm_90
 _BOOL = {True: "true", False: "false"}
 
 
@@ -99,7 +101,7 @@ class Variant:
             lanes = tiles.preprocess_lanes(self.itemsize, hd)
             return f"attention_bwd_preprocess_kernel<{c}, {tiles.PREPROCESS_WARPS}, {lanes}>"
         t = self.tiles(kernel)
-        wgmma = self.path in ("wgmma", "pieces", "ws")
+        wgmma = self.path in HOPPER_PATHS
         mods = f"Mods::{self.mods}"
         if kernel == "probs":
             return f"attention_probs_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {b[wgmma]}>"
@@ -117,7 +119,7 @@ class Variant:
                     f"{mods}, {b[self.dropout]}>")
         lse = f", {b[t.lse_by_copy]}" if kernel == "dkdv" else ""
         return (f"attention_bwd_{kernel}_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {b[self.causal]}, "
-                f"{mods}, {b[wgmma]}, {b[self.dropout]}, {b[t.split]}, {b[t.pipelined]}, {b[t.across_turn]}{lse}>")
+                f"{mods}, {b[wgmma]}, {b[self.dropout]}, {b[t.paired]}, {b[t.pipelined]}, {b[t.across_turn]}{lse}>")
 
     def code(self, kernels: tuple[str, ...] | None = None) -> str:
         """The source of the module holding ``kernels`` (default: all of the variant's)."""
@@ -128,13 +130,13 @@ class Variant:
     def options(self) -> tuple[str, ...]:
         """NVRTC options. Hopper's modules name sm_90a; CuPy appends its own -arch=sm_90 after it, and
         NVRTC keeps the architecture-specific target."""
-        return OPTIONS + ((f"-arch={WGMMA_ARCH}",) if self.path in ("wgmma", "pieces", "ws") else ())
+        return OPTIONS + ((f"-arch={WGMMA_ARCH}",) if self.path in HOPPER_PATHS else ())
 
     def compile_targets(self) -> dict[str, str]:
         """Architecture family -> the NVRTC target the variant is built for: Hopper's paths for sm_90a alone,
         the mma.sync path for every GPU (checked as sm_80 and sm_90), except where its shared memory
         exceeds what an sm_80 CTA may have."""
-        if self.path in ("wgmma", "pieces", "ws"):
+        if self.path in HOPPER_PATHS:
             return {"sm_90": WGMMA_ARCH}
         if max(self.smem(kernel) for kernel in self.kernels) > tiles.SM80_SMEM_BYTES:
             return {"sm_90": "sm_90"}
@@ -163,8 +165,7 @@ class Device:
 
 @dataclass(frozen=True)
 class Features:
-    """What of a call decides its variant. ``head_dim``: max(D, Dv) as the kernels read rows (16-byte
-    multiples); ``window``: as given, causal apart; ``arrays``: a bias or a mask; ``tma``: whether the
+    """What of a call decides its variant. ``head_dim``: max(D, Dv) as the kernels read rows (row_width); ``window``: as given, causal apart; ``arrays``: a bias or a mask; ``tma``: whether the
     warp-specialized forward may serve (its tensor maps describe the inputs, its block-mask walk holds the
     key tiles)."""
 
@@ -191,18 +192,23 @@ class Features:
         return self.causal or self.window[1] >= 0
 
     @classmethod
-    def of(cls, direction: str, dtype, d: int, dv: int, causal: bool, mods=None, dropout=None,
+    def of(cls, direction: str, dtype, d: int, d_v: int, causal: bool, mods=None, dropout=None,
            packed: bool = False) -> "Features":
         """The features of a call: ``mods`` a resolved cupyflash._modifiers.Modifiers or None, ``dropout``
         a cupyflash._dropout.Dropout or None."""
-        name = getattr(dtype, "name", None) or str(dtype)
-        vec = 16 // ITEMSIZES[name]
-        head_dim = max(round_up(d, vec), round_up(dv, vec))
+        name = dtype if isinstance(dtype, str) else numpy.dtype(dtype).name
+        head_dim = max(row_width(d, name), row_width(d_v, name))
         if mods is None:
             return cls(direction, name, head_dim, bool(causal), dropout=dropout is not None, packed=packed)
         return cls(direction, name, head_dim, bool(causal), mods.window, mods.softcap, mods.alibi_slopes is not None,
                    mods.bias is not None or mods.mask is not None, mods.block_mask is not None, dropout is not None,
                    packed)
+
+
+def row_width(d: int, dtype: str) -> int:
+    """A head dim of d elements as the kernels read rows: padded to a multiple of 16 bytes (cp.async's width;
+    the padding is zeros)."""
+    return round_up(d, 16 // ITEMSIZES[dtype])
 
 
 def select(f: Features, device: Device) -> Variant:
@@ -217,13 +223,14 @@ def select(f: Features, device: Device) -> Variant:
     # A block mask with no bias or mask: the warp-specialized forward walks it; other forwards with a block
     # mask take the ``all`` form, whose walk costs the scalars' forwards time; the backward's scalars walk it.
     ws_block_mask = ws and f.block_mask and not f.arrays
-    scalars = (has_mods and f.direction != "probs" and not f.dropout and itemsize in _SCALAR_MODS_ITEMSIZES
+    # The scalars' form exists where the table has its cells (not for float64: two of its passes spilled).
+    scalars = (has_mods and f.direction != "probs" and not f.dropout and tiles.has("mma", itemsize, head_dim, "scalars")
                and (not f.has_mods or ws_block_mask or (not f.arrays and (not f.block_mask or f.direction == "bwd"))))
     bounded = (f.direction == "fwd" and scalars and wgmma and f.dtype == "bfloat16" and not f.alibi
                and 0.0 < f.softcap <= BOUNDED_SOFTCAP_MAX)
     # One option alone, every other off: the forms that fix the others at compile time (16-bit, Hopper).
-    single = (scalars and wgmma and itemsize == 2 and not f.packed and f.has_mods and not f.alibi
-              and not f.block_mask)
+    single = (scalars and wgmma and tiles.has("wgmma", itemsize, head_dim, "window") and not f.packed and f.has_mods
+              and not f.alibi and not f.block_mask)
     softcap_alone = f.direction == "bwd" and single and f.softcap > 0 and f.window == (-1, -1)
     window_alone = single and f.softcap == 0
     warp_specialized = ws and (scalars or not has_mods)

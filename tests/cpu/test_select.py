@@ -1,5 +1,5 @@
 """Which kernel variant a call selects, and with which tiles (no GPU needed: selection is a pure function of
-the call's ``Features`` and the device's abilities, ``Device``), and the one tile table itself."""
+the call's ``Features`` and the device's abilities, ``Device``). The table itself: test_tiles.py."""
 
 import dataclasses
 import re
@@ -7,13 +7,12 @@ import types
 
 import ml_dtypes
 import numpy as np
-import pytest
 
 from cupyflash import _dropout, _modifiers
 from cupyflash._cuda import backend, launch, tiles, tma
 from cupyflash._cuda.source import source
 from cupyflash._cuda.variants import (BOUNDED_SOFTCAP_MAX, DTYPES, MODS, PATHS, SCORES, Device, Features, Variant,
-                                      select, shipped_variants, variants_for)
+                                      select, shipped_variants)
 
 HOPPER = Device(wgmma=True, large_smem=True)
 AMPERE = Device()  # mma.sync and an sm_80 CTA's shared memory: every GPU but Hopper (and no GPU at all)
@@ -384,57 +383,6 @@ def test_where_tma_cannot_read_the_inputs_the_wgmma_forward_serves():
             assert fallback in SHIPPED_SET and not fallback.block_mask
 
 
-class _FakeArray:
-    def __init__(self, shape, strides, ptr=1 << 20, itemsize=2):
-        self.shape, self.strides = shape, strides
-        self.dtype = np.dtype(np.float16) if itemsize == 2 else np.dtype(np.float32)
-        self.data = type("Pointer", (), {"ptr": ptr})()
-
-
-def test_tensor_maps_describe_aligned_strided_inputs_but_not_broadcast_ones():
-    """tma.describable: a 16-byte aligned start and strides, and no batch dim of several entries at stride 0."""
-    dense = _FakeArray((2, 3, 100, 128), (2 * 3 * 100 * 256, 3 * 100 * 256, 256, 2))
-    assert tma.describable(dense, [1, 2, 3], [0, 300 * 128, 100 * 128])
-    sliced = _FakeArray((2, 3, 100, 128), (2 * 3 * 100 * 272, 3 * 100 * 272, 272, 2))  # rows of 136 elements
-    assert tma.describable(sliced, [1, 2, 3], [0, 300 * 136, 100 * 136])
-    assert not tma.describable(dense, [1, 2, 3], [0, 300 * 128, 0])  # heads broadcast
-    assert tma.describable(dense, [1, 1, 3], [0, 0, 100 * 128])  # a dim of one entry: any stride
-    assert not tma.describable(_FakeArray((2, 100, 128), (100 * 256, 256, 2), ptr=(1 << 20) + 8), [1, 1, 2],
-                               [0, 0, 100 * 128])
-    assert not tma.describable(_FakeArray((2, 100, 128), (100 * 264, 264, 2)), [1, 1, 2], [0, 0, 100 * 132])
-
-
-def test_tensor_maps_are_encoded_once_per_set_of_addresses(monkeypatch):
-    """TensorMaps.encode: the maps of q, k, v in order, each at a 64-byte aligned address of the argument's
-    bytes; a call with the previous call's addresses returns the previous argument without encoding, any
-    other encodes every map again. (A stand-in for the driver's encoder writes each map's address and its
-    rows of box.)"""
-    import ctypes
-
-    calls = []
-
-    def encode(at, code, rank, address, dims, strides, box, element_strides, *flags):
-        calls.append((at % 64, address))
-        words = (ctypes.c_uint64 * 16)(address, box[1], *([0] * 14))
-        ctypes.memmove(at, words, tma.MAP_BYTES)
-        return 0
-
-    monkeypatch.setattr(tma, "_encoder", lambda: encode)
-    dense = _FakeArray((2, 3, 100, 128), (2 * 3 * 100 * 256, 3 * 100 * 256, 256, 2))
-    arrays = {"q": dense, "k": dense, "v": dense}
-    strides = {name: [0, 300 * 128, 100 * 128] for name in arrays}
-    maps = tma.TensorMaps(arrays, [1, 2, 3], strides, {"q": 64, "k": 32, "v": 32})
-    first = maps.encode({"q": 1 << 20, "k": 2 << 20, "v": 3 << 20})
-    assert [offset for offset, _ in calls] == [0, 0, 0] and len(calls) == 3
-    assert first.dtype.itemsize == 3 * tma.MAP_BYTES and first.shape == (1,)
-    words = first.view(np.uint64).reshape(3, 16)
-    assert words[:, 0].tolist() == [1 << 20, 2 << 20, 3 << 20] and words[:, 1].tolist() == [64, 32, 32]
-    assert maps.encode({"q": 1 << 20, "k": 2 << 20, "v": 3 << 20}) is first and len(calls) == 3
-    second = maps.encode({"q": 1 << 20, "k": 2 << 20, "v": 4 << 20})
-    assert len(calls) == 6 and second is not first
-    assert second.view(np.uint64).reshape(3, 16)[:, 0].tolist() == [1 << 20, 2 << 20, 4 << 20]
-    assert words[2, 0] == 3 << 20, "an argument once made is never written again"
-
 
 def test_ctas_per_sm_fit_the_shared_memory_of_an_sm():
     """Only the wgmma forward takes ctas_per_sm (its launch bounds), and a kernel compiled for n CTAs per SM
@@ -543,150 +491,3 @@ def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward():
     assert _chosen(dtype=BF16, softcap=30.0, device=AMPERE).score != "bounded"  # mma.sync has no bounded form
     assert all(v.dtype == "bfloat16" and v.direction == "fwd" and v.path in ("wgmma", "ws")
                for v in SHIPPED if v.score == "bounded")
-
-
-# ------------------------------------------------------------------------------------------ the tile table
-def test_lookup_reads_the_table():
-    """Spot checks of the table's text against lookup: ``=`` is the plain cell, flags after ``/``."""
-    plain = tiles.lookup("mma", 2, 160, "dkdv", "plain")
-    assert (plain.num_warps, plain.block, plain.d_chunk, plain.split, plain.lse_by_copy) == (8, 32, 160, True, True)
-    assert plain.threads == 256 and plain.rows == 64  # split: 8 rows per pair of warps
-    assert tiles.lookup("mma", 2, 160, "fwd", "scalars") == tiles.lookup("mma", 2, 160, "fwd", "plain")
-    dq = tiles.lookup("wgmma", 2, 128, "dq", "plain")
-    assert (dq.pipelined, dq.across_turn, dq.lse_by_copy, dq.split) == (True, True, False, False)
-    window = tiles.lookup("wgmma", 2, 16, "fwd", "window")
-    assert (window.num_warps, window.block, window.ctas_per_sm) == (4, 64, 4)
-    ws = tiles.lookup("ws", 2, 128, "fwd", "plain")
-    assert (ws.num_warps, ws.block, ws.stages, ws.pack_after_wait, ws.store_warps, ws.rows) == (12, 128, 2, True,
-                                                                                                False, 128)
-    assert tiles.lookup("ws", 2, 128, "fwd", "window").store_warps
-    assert tiles.lookup("mma", 4, 64, "probs", "plain") == tiles.lookup("mma", 4, 64, "fwd", "all")
-    with pytest.raises(ValueError, match="no tiles for fwd on the ws path"):
-        tiles.lookup("ws", 2, 64, "fwd", "plain")
-    with pytest.raises(ValueError, match="no tiles"):
-        tiles.lookup("mma", 8, 64, "fwd", "scalars")  # float64 has no scalars form
-    assert tiles.has("mma", 8, 64) and not tiles.has("mma", 8, 64, "scalars")
-
-
-def test_head_dims_and_padding():
-    assert tiles.HEAD_DIMS == (16, 32, 64, 96, 128, 160, 192, 256)
-    assert [tiles.padded_head_dim(d) for d in (1, 16, 17, 40, 64, 65, 100, 129, 192, 193, 256)] == \
-        [16, 16, 32, 64, 64, 96, 128, 160, 192, 256, 256]
-    with pytest.raises(ValueError, match="at most 256"):
-        tiles.padded_head_dim(257)
-    assert set(tiles.WS_HEAD_DIMS) <= set(tiles.HEAD_DIMS)
-    # the preprocess's lanes per row: one per 16-byte chunk, a power of two, at most a warp
-    for itemsize in (2, 4, 8):
-        for head_dim in tiles.HEAD_DIMS:
-            lanes = tiles.preprocess_lanes(itemsize, head_dim)
-            chunks = head_dim * itemsize // 16
-            assert lanes & (lanes - 1) == 0 and lanes <= 32 and (lanes >= chunks or lanes == 32)
-
-
-def test_every_shipped_variant_has_its_cells():
-    for v in SHIPPED:
-        for kernel in v.kernels:
-            if kernel == "preprocess":
-                continue
-            assert v.tiles(kernel) is not None  # lookup raises where the table has no cell
-            assert v.smem(kernel) > 0 and v.threads(kernel) >= 32
-
-
-def test_every_cell_of_the_table_is_used():
-    """No dead cell: each is the tiles of some shipped variant's kernel (attention_probs reads the forward's
-    ``all`` cell), and every (path, bytes, HEAD_DIM) row has all three kernels."""
-    used = set()
-    for v in SHIPPED:
-        for kernel in v.kernels:
-            if kernel == "preprocess":
-                continue
-            cell_kernel, form = ("fwd", "all") if kernel == "probs" else (kernel, v.form)
-            used.add((v.path, v.itemsize, v.head_dim, cell_kernel, form))
-    unused = set(tiles.CELLS) - used
-    assert not unused, f"cells no shipped variant uses: {sorted(unused)}"
-    rows = {key[:3] for key in tiles.CELLS}
-    for path, itemsize, head_dim in rows:
-        kernels = ("fwd",) if path == "ws" else tiles.KERNELS
-        for kernel in kernels:
-            assert (path, itemsize, head_dim, kernel, "plain") in tiles.CELLS, (path, itemsize, head_dim, kernel)
-
-
-def test_the_tables_text_is_well_formed():
-    """Every row has a cell per form; a form is either built for all three kernels of a row or for none."""
-    lines = [line for line in tiles.TABLE.splitlines() if line.strip() and not line.startswith("#")]
-    assert lines and all(len(line.split()) == 4 + len(tiles.FORMS) for line in lines)
-    by_row = {}
-    for path, itemsize, head_dim, kernel, form in tiles.CELLS:
-        by_row.setdefault((path, itemsize, head_dim, form), set()).add(kernel)
-    for (path, *_), kernels in by_row.items():
-        assert kernels == ({"fwd"} if path == "ws" else set(tiles.KERNELS)), (path, kernels)
-
-
-def test_the_flags_are_where_they_must_be():
-    """PIPELINED (p) and ACROSS_TURN (a, only with p) on the wgmma backward's 16-bit passes without dropout
-    or the modifiers' arrays; LSE_BY_COPY (c) on dK/dV passes; split (s) on plain backward passes; CTAs per
-    SM (x) on the wgmma forward; the ring (r), PACK_AFTER_WAIT (w) and STORE_WARPS (o) on the
-    warp-specialized forward, which always has a ring and a copying warpgroup."""
-    for (path, itemsize, head_dim, kernel, form), t in tiles.CELLS.items():
-        where = (path, itemsize, head_dim, kernel, form)
-        if t.pipelined:
-            assert path == "wgmma" and itemsize == 2 and kernel in ("dkdv", "dq"), where
-            assert form in ("plain", "scalars", "window"), where
-        assert not t.across_turn or t.pipelined, where
-        assert not t.lse_by_copy or kernel == "dkdv", where
-        assert not t.split or (kernel in ("dkdv", "dq") and form == "plain"), where
-        assert t.ctas_per_sm == 1 or (path == "wgmma" and kernel == "fwd"), where
-        if path == "ws":
-            assert kernel == "fwd" and t.stages > 0 and t.copy_warps == tiles.WS_COPY_WARPS, where
-        else:
-            assert not (t.stages or t.pack_after_wait or t.store_warps or t.copy_warps), where
-
-
-def test_the_tiles_fit_the_kernels():
-    """Whole warpgroups on Hopper's paths; the whole head dim per CTA in their forwards; column chunks that
-    divide HEAD_DIM; a CTA's rows and its streamed block that divide a block-mask tile (a tile never straddles
-    two); shared memory within what the variant's targets give a CTA."""
-    from cupyflash._modifiers import BLOCK_MASK_TILE
-
-    for (path, itemsize, head_dim, kernel, form), t in tiles.CELLS.items():
-        where = (path, itemsize, head_dim, kernel, form)
-        if path in ("wgmma", "pieces", "ws"):
-            assert (t.num_warps - t.copy_warps) % 4 == 0, where
-            if kernel == "fwd":
-                assert t.d_chunk == head_dim, where
-        assert head_dim % t.d_chunk == 0, where
-        assert BLOCK_MASK_TILE % t.rows == 0 and BLOCK_MASK_TILE % t.block == 0, where
-    for v in SHIPPED:
-        limit = tiles.SM80_SMEM_BYTES if "sm_80" in v.compile_targets() else 227 * 1024
-        for kernel in v.kernels:
-            assert v.smem(kernel) <= limit, (v, kernel, v.smem(kernel))
-
-
-def test_name_expressions_carry_the_cells_switches():
-    """Each backward pass's name carries its cell's split, PIPELINED and ACROSS_TURN (and the dK/dV pass
-    LSE_BY_COPY), the warp-specialized forward's its ring, PACK_AFTER_WAIT and STORE_WARPS."""
-    for v in SHIPPED:
-        for kernel in v.kernels:
-            if kernel in ("preprocess", "probs"):
-                continue
-            t, name = v.tiles(kernel), v.name_expression(kernel)
-            if kernel in ("dkdv", "dq"):
-                tail = f"{_bool(t.split)}, {_bool(t.pipelined)}, {_bool(t.across_turn)}"
-                tail += f", {_bool(t.lse_by_copy)}>" if kernel == "dkdv" else ">"
-                assert name.endswith(tail), (v, name)
-                assert name.startswith(f"attention_bwd_{kernel}_kernel<")
-            elif v.path == "ws":
-                assert name.endswith(f"{_bool(t.pack_after_wait)}, {_bool(t.store_warps)}>"), (v, name)
-                assert f", {t.block}, {t.stages}, " in name
-    dkdv = Variant("bwd", "float16", 128, "wgmma").name_expression("dkdv")
-    assert dkdv == "attention_bwd_dkdv_kernel<half_t, 128, 4, 64, 128, false, Mods::none, true, false, false, true, " \
-                   "true, true>"
-
-
-def test_variants_for_each_arch():
-    """sm_80 gets the mma.sync variants that fit its shared memory; sm_90 every variant."""
-    sm80, sm90 = variants_for("sm_80"), variants_for("sm_90")
-    assert set(sm90) == SHIPPED_SET
-    assert sm80 and all(v.path == "mma" for v in sm80)
-    assert {v for v in SHIPPED if v.path == "mma"} - set(sm80) == \
-        {v for v in SHIPPED if v.path == "mma" and "sm_80" not in v.compile_targets()}

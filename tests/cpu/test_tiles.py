@@ -1,0 +1,160 @@
+"""The one tile table (cupyflash/_cuda/tiles.py): its text, its cells, and that every shipped variant's kernels
+have theirs, whose shapes fit the kernels and whose switches reach the kernels' names (no GPU needed)."""
+
+import pytest
+
+from cupyflash._cuda import tiles
+from cupyflash._cuda.variants import Variant, shipped_variants, variants_for
+
+SHIPPED = shipped_variants()
+SHIPPED_SET = set(SHIPPED)
+
+
+def _bool(x):
+    return "true" if x else "false"
+
+
+def test_lookup_reads_the_table():
+    """Spot checks of the table's text against lookup: ``=`` is the plain cell, flags after ``/``."""
+    plain = tiles.lookup("mma", 2, 160, "dkdv", "plain")
+    assert (plain.num_warps, plain.block, plain.d_chunk, plain.paired, plain.lse_by_copy) == (8, 32, 160, True, True)
+    assert plain.threads == 256 and plain.rows == 64  # paired: 8 rows per pair of warps
+    assert tiles.lookup("mma", 2, 160, "fwd", "scalars") == tiles.lookup("mma", 2, 160, "fwd", "plain")
+    dq = tiles.lookup("wgmma", 2, 128, "dq", "plain")
+    assert (dq.pipelined, dq.across_turn, dq.lse_by_copy, dq.paired) == (True, True, False, False)
+    window = tiles.lookup("wgmma", 2, 16, "fwd", "window")
+    assert (window.num_warps, window.block, window.ctas_per_sm) == (4, 64, 4)
+    ws = tiles.lookup("ws", 2, 128, "fwd", "plain")
+    assert (ws.num_warps, ws.block, ws.stages, ws.pack_after_wait, ws.store_warps, ws.rows) == (12, 128, 2, True,
+                                                                                                False, 128)
+    assert tiles.lookup("ws", 2, 128, "fwd", "window").store_warps
+    assert tiles.lookup("mma", 4, 64, "probs", "plain") == tiles.lookup("mma", 4, 64, "fwd", "all")
+    with pytest.raises(ValueError, match="no tiles for fwd on the ws path"):
+        tiles.lookup("ws", 2, 64, "fwd", "plain")
+    with pytest.raises(ValueError, match="no tiles"):
+        tiles.lookup("mma", 8, 64, "fwd", "scalars")  # float64 has no scalars form
+    assert tiles.has("mma", 8, 64) and not tiles.has("mma", 8, 64, "scalars")
+
+
+def test_head_dims_and_padding():
+    assert tiles.HEAD_DIMS == (16, 32, 64, 96, 128, 160, 192, 256)
+    assert [tiles.padded_head_dim(d) for d in (1, 16, 17, 40, 64, 65, 100, 129, 192, 193, 256)] == \
+        [16, 16, 32, 64, 64, 96, 128, 160, 192, 256, 256]
+    with pytest.raises(ValueError, match="at most 256"):
+        tiles.padded_head_dim(257)
+    assert set(tiles.WS_HEAD_DIMS) <= set(tiles.HEAD_DIMS)
+    # the preprocess's lanes per row: one per 16-byte chunk, a power of two, at most a warp
+    for itemsize in (2, 4, 8):
+        for head_dim in tiles.HEAD_DIMS:
+            lanes = tiles.preprocess_lanes(itemsize, head_dim)
+            chunks = head_dim * itemsize // 16
+            assert lanes & (lanes - 1) == 0 and lanes <= 32 and (lanes >= chunks or lanes == 32)
+
+
+def test_every_shipped_variant_has_its_cells():
+    for v in SHIPPED:
+        for kernel in v.kernels:
+            if kernel == "preprocess":
+                continue
+            assert v.tiles(kernel) is not None  # lookup raises where the table has no cell
+            assert v.smem(kernel) > 0 and v.threads(kernel) >= 32
+
+
+def test_every_cell_of_the_table_is_used():
+    """No dead cell: each is the tiles of some shipped variant's kernel (attention_probs reads the forward's
+    ``all`` cell), and every (path, bytes, HEAD_DIM) row has all three kernels."""
+    used = set()
+    for v in SHIPPED:
+        for kernel in v.kernels:
+            if kernel == "preprocess":
+                continue
+            cell_kernel, form = ("fwd", "all") if kernel == "probs" else (kernel, v.form)
+            used.add((v.path, v.itemsize, v.head_dim, cell_kernel, form))
+    unused = set(tiles.CELLS) - used
+    assert not unused, f"cells no shipped variant uses: {sorted(unused)}"
+    rows = {key[:3] for key in tiles.CELLS}
+    for path, itemsize, head_dim in rows:
+        kernels = ("fwd",) if path == "ws" else tiles.KERNELS
+        for kernel in kernels:
+            assert (path, itemsize, head_dim, kernel, "plain") in tiles.CELLS, (path, itemsize, head_dim, kernel)
+
+
+def test_the_tables_text_is_well_formed():
+    """Every row has a cell per form; a form is either built for all three kernels of a row or for none."""
+    lines = [line for line in tiles.TABLE.splitlines() if line.strip() and not line.startswith("#")]
+    assert lines and all(len(line.split()) == 4 + len(tiles.FORMS) for line in lines)
+    by_row = {}
+    for path, itemsize, head_dim, kernel, form in tiles.CELLS:
+        by_row.setdefault((path, itemsize, head_dim, form), set()).add(kernel)
+    for (path, *_), kernels in by_row.items():
+        assert kernels == ({"fwd"} if path == "ws" else set(tiles.KERNELS)), (path, kernels)
+
+
+def test_the_flags_are_where_they_must_be():
+    """PIPELINED (p) and ACROSS_TURN (a, only with p) on the wgmma backward's 16-bit passes without dropout
+    or the modifiers' arrays; LSE_BY_COPY (c) on dK/dV passes; paired warps (d) on plain backward passes; CTAs per
+    SM (x) on the wgmma forward; the ring (r), PACK_AFTER_WAIT (w) and STORE_WARPS (o) on the
+    warp-specialized forward, which always has a ring and a copying warpgroup."""
+    for (path, itemsize, head_dim, kernel, form), t in tiles.CELLS.items():
+        where = (path, itemsize, head_dim, kernel, form)
+        if t.pipelined:
+            assert path == "wgmma" and itemsize == 2 and kernel in ("dkdv", "dq"), where
+            assert form in ("plain", "scalars", "window"), where
+        assert not t.across_turn or t.pipelined, where
+        assert not t.lse_by_copy or kernel == "dkdv", where
+        assert not t.paired or (kernel in ("dkdv", "dq") and form == "plain"), where
+        assert t.ctas_per_sm == 1 or (path == "wgmma" and kernel == "fwd"), where
+        if path == "ws":
+            assert kernel == "fwd" and t.stages > 0 and t.copy_warps == tiles.WS_COPY_WARPS, where
+        else:
+            assert not (t.stages or t.pack_after_wait or t.store_warps or t.copy_warps), where
+
+
+def test_the_tiles_fit_the_kernels():
+    """Whole warpgroups on Hopper's paths; the whole head dim per CTA in their forwards; column chunks that
+    divide HEAD_DIM; a CTA's rows and its streamed block that divide a block-mask tile (a tile never straddles
+    two); shared memory within what the variant's targets give a CTA."""
+    from cupyflash._modifiers import BLOCK_MASK_TILE
+
+    for (path, itemsize, head_dim, kernel, form), t in tiles.CELLS.items():
+        where = (path, itemsize, head_dim, kernel, form)
+        if path in ("wgmma", "pieces", "ws"):
+            assert (t.num_warps - t.copy_warps) % 4 == 0, where
+            if kernel == "fwd":
+                assert t.d_chunk == head_dim, where
+        assert head_dim % t.d_chunk == 0, where
+        assert BLOCK_MASK_TILE % t.rows == 0 and BLOCK_MASK_TILE % t.block == 0, where
+    for v in SHIPPED:
+        limit = tiles.SM80_SMEM_BYTES if "sm_80" in v.compile_targets() else 227 * 1024
+        for kernel in v.kernels:
+            assert v.smem(kernel) <= limit, (v, kernel, v.smem(kernel))
+
+
+def test_name_expressions_carry_the_cells_switches():
+    """Each backward pass's name carries its cell's PAIRED, PIPELINED and ACROSS_TURN (and the dK/dV pass
+    LSE_BY_COPY), the warp-specialized forward's its ring, PACK_AFTER_WAIT and STORE_WARPS."""
+    for v in SHIPPED:
+        for kernel in v.kernels:
+            if kernel in ("preprocess", "probs"):
+                continue
+            t, name = v.tiles(kernel), v.name_expression(kernel)
+            if kernel in ("dkdv", "dq"):
+                tail = f"{_bool(t.paired)}, {_bool(t.pipelined)}, {_bool(t.across_turn)}"
+                tail += f", {_bool(t.lse_by_copy)}>" if kernel == "dkdv" else ">"
+                assert name.endswith(tail), (v, name)
+                assert name.startswith(f"attention_bwd_{kernel}_kernel<")
+            elif v.path == "ws":
+                assert name.endswith(f"{_bool(t.pack_after_wait)}, {_bool(t.store_warps)}>"), (v, name)
+                assert f", {t.block}, {t.stages}, " in name
+    dkdv = Variant("bwd", "float16", 128, "wgmma").name_expression("dkdv")
+    assert dkdv == "attention_bwd_dkdv_kernel<half_t, 128, 4, 64, 128, false, Mods::none, true, false, false, true, " \
+                   "true, true>"
+
+
+def test_variants_for_each_arch():
+    """sm_80 gets the mma.sync variants that fit its shared memory; sm_90 every variant."""
+    sm80, sm90 = variants_for("sm_80"), variants_for("sm_90")
+    assert set(sm90) == SHIPPED_SET
+    assert sm80 and all(v.path == "mma" for v in sm80)
+    assert {v for v in SHIPPED if v.path == "mma"} - set(sm80) == \
+        {v for v in SHIPPED if v.path == "mma" and "sm_80" not in v.compile_targets()}
