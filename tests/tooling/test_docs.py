@@ -246,5 +246,6 @@ def test_the_version_pointer_pattern():
                 ("see issue ", "12"), ("Issue ", "4")]
     for text in ("".join(parts) for parts in pointers):
         assert VERSION_POINTER.search(text), text
-    for text in ("version 2", "NOTES.md describes", "an issue with 3 heads", "tissue 3", "(v)", "dev2"):
+    # (a word that ends in "issue" before a number, put together likewise: a simpler pattern would flag it)
+    for text in ("version 2", "NOTES.md describes", "an issue with 3 heads", "t" + "issue " + "3", "(v)", "dev2"):
         assert not VERSION_POINTER.search(text), text
