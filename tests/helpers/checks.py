@@ -253,3 +253,16 @@ def numerical_gradient(loss, x, step=1e-6):
         x[index] = original
         grad[index] = (above - below) / (2 * step)
     return grad
+
+
+def assert_rows_without_keys_are_zero(out, lse, dq, dk, dv, blind_rows):
+    """The first ``blind_rows`` query rows (dim 1) see no key: out and dq 0, lse -inf; every result finite
+    elsewhere (NumPy or CuPy arrays)."""
+    xp = array_module(out)
+    blind = slice(0, blind_rows)
+    assert not out[:, blind].any(), "out is not 0 on rows that see no key"
+    assert xp.isneginf(lse[:, blind]).all(), "lse is not -inf on rows that see no key"
+    assert not dq[:, blind].any(), "dq is not 0 on rows that see no key"
+    assert xp.isfinite(lse[:, blind_rows:]).all(), "lse is not finite on rows that see keys"
+    for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert xp.isfinite(x).all(), f"{name} is not finite"
