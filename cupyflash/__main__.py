@@ -26,7 +26,6 @@ import cupyflash
 from cupyflash import reference
 from cupyflash._arrays import lse_dtype
 from cupyflash._cuda import ptxas_report
-from cupyflash._cuda.variants import variants_for
 from cupyflash._timing import median_ms
 
 # Relative max-norm error, max|x - x_ref| / max|x_ref|, allowed against the float64 reference. The
@@ -394,7 +393,7 @@ def _compile_table(report, arches, *, verbose):
     by_arch = {}
     for arch in arches:
         t0 = time.perf_counter()
-        total = len(variants_for(arch))
+        total = len(ptxas_report.shipped_for(arch))
 
         def progress(done, total, arch=arch, t0=t0):
             if done == total or done % 50 == 0:
@@ -415,7 +414,7 @@ def _compile_table(report, arches, *, verbose):
     # What each architecture must have: the kernels of the variants built for it (Hopper's paths, and the
     # float64 tiles that need Hopper's shared memory, are built for sm_90 alone).
     for arch, rows in by_arch.items():
-        expected = {v.name_expression(k) for v in variants_for(arch) for k in v.kernels}
+        expected = {v.name_expression(k) for v in ptxas_report.shipped_for(arch) for k in v.kernels}
         for name in sorted(expected - set(rows)):
             report.record(False, f"{name}: not compiled for {arch}")
         for name, r in rows.items():

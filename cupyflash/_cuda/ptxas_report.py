@@ -16,7 +16,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cupyflash._cuda import f32_pieces
+from cupyflash._cuda import decode_tiles, f32_pieces
 from cupyflash._cuda.compile import cache_dir
 from cupyflash._cuda.source import OPTIONS, source
 from cupyflash._cuda.variants import Variant, variants_for
@@ -130,11 +130,16 @@ def compile_pieces_kernel(arch: str) -> list[dict]:
              "threads": f32_pieces.THREADS} for name in names]
 
 
+def shipped_for(arch: str) -> list:
+    """Every shipped variant built for ``arch``: the attention kernels' and the decode kernels'."""
+    return variants_for(arch) + decode_tiles.variants_for(arch)
+
+
 def compile_report(arch: str, variants: list[Variant] | None = None, progress=None) -> list[dict]:
     """Compile every shipped variant built for ``arch`` (or ``variants``), one row per kernel; by default
     the float32 split kernel too. ``progress(done, total)`` is called as variants finish."""
     extra = compile_pieces_kernel(arch) if variants is None else []
-    variants = variants_for(arch) if variants is None else variants
+    variants = shipped_for(arch) if variants is None else variants
     rows = []
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         for done, found in enumerate(pool.map(lambda variant: compile_variant(variant, arch), variants), 1):

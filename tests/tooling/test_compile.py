@@ -85,7 +85,7 @@ def test_every_shipped_variant_compiled(report):
     kernel; every field present and typed; a kernel shared by several modules (the backward's preprocess) has
     the same resources in each copy built for one target (sm_90 and sm_90a differ)."""
     from cupyflash._cuda import f32_pieces
-    from cupyflash._cuda.variants import variants_for
+    from cupyflash._cuda.ptxas_report import shipped_for
 
     arch, rows = report
     assert rows, f"compile_report({arch!r}) returned no kernels"
@@ -103,7 +103,7 @@ def test_every_shipped_variant_compiled(report):
     inconsistent = [copies for copies in by_name.values() if any(c != copies[0] for c in copies)]
     assert not inconsistent, f"{arch}: one kernel, different reports:\n" + "\n".join(_table(c) for c in inconsistent)
 
-    variants = variants_for(arch)
+    variants = shipped_for(arch)
     assert variants, f"no variant is built for {arch}"
     expected = {v.name_expression(kernel) for v in variants for kernel in v.kernels} | set(f32_pieces.KERNELS)
     compiled = {r["kernel"] for r in rows}
@@ -117,11 +117,11 @@ def test_every_shipped_variant_compiled(report):
 @pytest.mark.compile
 def test_targets_are_the_variants_own(report):
     """mma.sync kernels build for the arch itself, Hopper's paths for sm_90a (reported under sm_90)."""
-    from cupyflash._cuda.variants import variants_for
+    from cupyflash._cuda.ptxas_report import shipped_for
 
     arch, rows = report
     targets = {}
-    for v in variants_for(arch):
+    for v in shipped_for(arch):
         for kernel in v.kernels:
             targets.setdefault(v.name_expression(kernel), set()).add(v.compile_targets()[arch])
     wrong = [r for r in rows if r["kernel"] in targets and r["target"] not in targets[r["kernel"]]]

@@ -1,0 +1,145 @@
+// kvcache.cuh — what the key/value-cache kernels share: their parameters, where a cached position lives
+// (contiguous or paged), which sequences' values are in range, and the key range and split of a sequence.
+#pragma once
+#include "common.cuh"
+
+constexpr int MAX_SPLITS = 128;  // splits of one sequence at most (cupyflash/_cuda/decode_tiles.py)
+
+// Host mirror: cupyflash/_cuda/decode.py, PARAMS_DTYPE (same field order, C alignment). Strides in elements.
+struct KVCacheParams {
+  const void* q;            // (B, Hq, Nq, D) any strides, or the rotated copy (B, Hq, Nq, D) when rotary
+  void* k_cache;            // (B or num_pages, Hk, Ncache or page_size, D), unit last stride
+  void* v_cache;            // same with Dv
+  const void* k_new;        // (B, Hk, Nnew, D): appended at cache_seqlens[b] ...
+  const void* v_new;        // (B, Hk, Nnew, Dv)
+  void* out;                // (B, Hq, Nq, Dv) the inputs' dtype, any strides
+  void* lse;                // (B, Hq, Nq) accumulator dtype, contiguous; null when the caller wants no lse
+  void* out_part;           // (max_splits, B * Hq * Nq, Dv) accumulator dtype: each split's normalized out
+  void* lse_part;           // (max_splits, B * Hq * Nq)
+  const int* cache_seqlens;     // (B,), or null: every sequence holds seqlen_all
+  const int* block_table;       // (B, max_pages) or null (contiguous cache)
+  const void* rotary_cos;       // (max_pos, rotary_dim / 2) accumulator dtype, contiguous
+  const void* rotary_sin;
+  const float* alibi_slopes;    // (B, Hq) with alibi_stride, or null
+  void* q_rot;                  // (B, Hq, Nq, D) contiguous: the rotated queries (written by kvcache_append)
+  int* split_counters;          // (B, Hk * row_tiles), zero between calls: splits done (attention_decode.cu)
+  i64 q_stride[3];              // b, h, n of q (of q_rot when rotary)
+  i64 q_in_stride[3];           // b, h, n of the caller's q (read by kvcache_append)
+  i64 k_stride[3];              // page (or b), hk, position of k_cache
+  i64 v_stride[3];
+  i64 k_new_stride[3];          // b, hk, n
+  i64 v_new_stride[3];
+  i64 out_stride[3];            // b, h, n
+  i64 block_table_stride;
+  i64 alibi_stride[2];
+  int batch, hq, hk, group, nq, nnew, d, dv;
+  int page_size, num_pages, capacity, paged;
+  int rotary_half, max_pos, rotary_interleaved, rotary_q_advance;
+  int window_left, window_right;  // causal folded in (right = 0); -1 = unbounded
+  int softcap_on, alibi_on, vec_ok;
+  int max_splits, min_tiles_per_split, row_tiles, seqlen_all;
+  float scale_log2, softcap_k, softcap_log2;           // log2(e) * scale, scale / softcap, log2(e) * softcap
+  double scale_log2_f64, softcap_k_f64, softcap_log2_f64;
+};
+
+// The parameters' real numbers in a kernel's accumulator type A (float; double for float64 inputs).
+template <typename A> struct KVReals;
+template <> struct KVReals<float> {
+  __device__ __forceinline__ static float scale_log2(const KVCacheParams& p) { return p.scale_log2; }
+  __device__ __forceinline__ static float softcap_k(const KVCacheParams& p) { return p.softcap_k; }
+  __device__ __forceinline__ static float softcap_log2(const KVCacheParams& p) { return p.softcap_log2; }
+};
+template <> struct KVReals<double> {
+  __device__ __forceinline__ static double scale_log2(const KVCacheParams& p) { return p.scale_log2_f64; }
+  __device__ __forceinline__ static double softcap_k(const KVCacheParams& p) { return p.softcap_k_f64; }
+  __device__ __forceinline__ static double softcap_log2(const KVCacheParams& p) { return p.softcap_log2_f64; }
+};
+
+// One element rounded from the accumulator type (float; double for float64 inputs).
+template <typename T> __device__ __forceinline__ T from_acc(float x);
+template <> __device__ __forceinline__ half_t from_acc<half_t>(float x) {
+  half_t r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+  return r;
+}
+template <> __device__ __forceinline__ bfloat16_t from_acc<bfloat16_t>(float x) {
+  bfloat16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+  return r;
+}
+template <> __device__ __forceinline__ float from_acc<float>(float x) { return x; }
+template <typename T> __device__ __forceinline__ T from_acc(double x) { return x; }
+
+template <typename A> __device__ __forceinline__ A neg_inf_of() { return A(neg_inf()); }
+template <typename A> __device__ __forceinline__ A nan_of();
+template <> __device__ __forceinline__ float nan_of<float>() { return __int_as_float(0x7fffffff); }
+template <> __device__ __forceinline__ double nan_of<double>() { return __longlong_as_double(0x7ff8000000000000ll); }
+// exp(x) of the merge's weights (x <= 0): float through exp2 on the special-function unit, double exactly.
+__device__ __forceinline__ float exp_of(float x) { return fast_exp2(x * LOG2E); }
+__device__ __forceinline__ double exp_of(double x) { return exp(x); }
+// The softcap's tanh, in each input type's precision as the dense kernels take it (softcap.cuh).
+template <typename T> __device__ __forceinline__ float softcap_tanh(float x) {
+  if constexpr (sizeof(T) == 2) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  } else {
+    return tanhf(x);
+  }
+}
+template <typename T> __device__ __forceinline__ double softcap_tanh(double x) { return tanh(x); }
+
+// Sequence b's length after the append (L_b = cache_seqlens[b] + Nnew), or -1 when its values are out of
+// range: a negative length, more positions than the cache holds, or rotary positions past the tables.
+// Such a sequence is left alone by the append and gets NaN rows from the attention.
+__device__ __forceinline__ int cached_length(const KVCacheParams& p, int b) {
+  return p.cache_seqlens ? p.cache_seqlens[b] : p.seqlen_all;
+}
+__device__ __forceinline__ int sequence_length(const KVCacheParams& p, int b) {
+  const int cached = cached_length(p, b);
+  if (cached < 0 || cached > p.capacity - p.nnew) return -1;
+  if (p.rotary_half) {
+    const int q_span = p.rotary_q_advance ? p.nq : 1;
+    const int span = p.nnew > q_span ? p.nnew : q_span;
+    if (cached > p.max_pos - span) return -1;
+  }
+  return cached + p.nnew;
+}
+
+// The page (contiguous: the sequence) and the row within it of position pos of sequence b; page -1 when
+// the block table points outside the cache.
+struct CacheRow {
+  int page, row;
+};
+__device__ __forceinline__ CacheRow cache_row(const KVCacheParams& p, int b, int pos) {
+  if (!p.paged) return {b, pos};
+  const int slot = pos / p.page_size;
+  const int page = p.block_table[b * p.block_table_stride + slot];
+  return {(page >= 0 && page < p.num_pages) ? page : -1, pos - slot * p.page_size};
+}
+
+// The keys a row tile of sequence b (length L) can see start at key_begin: with a left window, the
+// earliest query (at L - Nq) sees nothing before L - Nq - left. They end at L (a right window or the
+// causal mask hides nothing before the last query's position L - 1).
+__device__ __forceinline__ int key_begin(const KVCacheParams& p, int length) {
+  if (p.window_left < 0) return 0;
+  const int first = length - p.nq - p.window_left;
+  return first > 0 ? first : 0;
+}
+
+// How sequence b's key tiles are split: `splits` parts of `tiles_per_split` tiles (the last maybe fewer,
+// none empty). A sequence of length 0, or whose values are out of range, takes one split of no tiles.
+// The decode kernel and the merge compute this alike from the same parameters.
+struct SplitPlan {
+  int begin, tiles, tiles_per_split, splits;
+};
+template <int BLOCK_N>
+__device__ __forceinline__ SplitPlan split_plan(const KVCacheParams& p, int length) {
+  if (length <= 0) return {0, 0, 0, 1};
+  const int begin = key_begin(p, length);
+  const int tiles = ceil_div(length - begin, BLOCK_N);
+  int splits = ceil_div(tiles, p.min_tiles_per_split);
+  splits = splits < p.max_splits ? splits : p.max_splits;
+  const int per = ceil_div(tiles, splits);
+  return {begin, tiles, per, ceil_div(tiles, per)};
+}

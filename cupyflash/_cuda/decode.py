@@ -1,0 +1,303 @@
+"""The GPU back end of ``attention_with_kvcache``: a plan per layout (variant, grids, the split count, the
+parameter words and the per-stream workspace), then one or two launches: the append/rotary step when there
+is something to append or rotate, and the split decode, whose last split to finish merges the splits.
+
+A plan is keyed on everything but the arrays' addresses, so a serving loop's repeated calls (every layer
+of every step has the same layout) only fill in the addresses and launch. Workspaces belong to the plan and
+the stream, never to a call: a call captured in a CUDA graph keeps pointing at memory that stays alive.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy
+
+from cupyflash._arrays import cupy, lse_dtype
+from cupyflash._cuda import compile as _compile
+from cupyflash._cuda import decode_tiles
+
+_LOG2E = 1.4426950408889634
+_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "out_part", "lse_part", "cache_seqlens",
+             "block_table", "rotary_cos", "rotary_sin", "alibi_slopes", "q_rot", "split_counters")
+# Host mirror of `struct KVCacheParams` (cuda_src/kvcache.cuh): same field order, C alignment.
+PARAMS_DTYPE = numpy.dtype(
+    [(name, numpy.uint64) for name in _POINTERS]
+    + [(name, numpy.int64, (3,)) for name in ("q_stride", "q_in_stride", "k_stride", "v_stride", "k_new_stride",
+                                               "v_new_stride", "out_stride")]
+    + [("block_table_stride", numpy.int64), ("alibi_stride", numpy.int64, (2,))]
+    + [(name, numpy.int32) for name in ("batch", "hq", "hk", "group", "nq", "nnew", "d", "dv", "page_size",
+                                        "num_pages", "capacity", "paged", "rotary_half", "max_pos",
+                                        "rotary_interleaved", "rotary_q_advance", "window_left", "window_right",
+                                        "softcap_on", "alibi_on", "vec_ok", "max_splits", "min_tiles_per_split",
+                                        "row_tiles", "seqlen_all")]
+    + [(name, numpy.float32) for name in ("scale_log2", "softcap_k", "softcap_log2")]
+    + [(name, numpy.float64) for name in ("scale_log2_f64", "softcap_k_f64", "softcap_log2_f64")],
+    align=True,
+)
+PARAMS_BYTES = numpy.dtype((numpy.void, PARAMS_DTYPE.itemsize))
+_WORD = {name: PARAMS_DTYPE.fields[name][1] // 8 for name in _POINTERS}  # each pointer's uint64 word
+_SEQLEN_ALL = PARAMS_DTYPE.fields["seqlen_all"][1] // 4  # its int32 word
+(_Q, _K_CACHE, _V_CACHE, _K_NEW, _V_NEW, _OUT, _LSE, _SEQLENS, _BLOCK_TABLE, _COS, _SIN, _ALIBI) = (
+    _WORD[name] for name in ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "cache_seqlens",
+                             "block_table", "rotary_cos", "rotary_sin", "alibi_slopes"))
+MIN_TILES_PER_SPLIT = 1
+_PER_THREAD_STREAM = 2  # cudaStreamPerThread: CuPy's Stream.ptds
+WAVES = 1.0  # waves of CTAs the split count aims for
+
+
+def _elements(x) -> tuple[int, ...]:
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+def _aligned_rows(x, width: int) -> bool:
+    """Rows of ``width`` elements that start on 16-byte boundaries and are whole 16-byte chunks."""
+    return (x.data.ptr % 16 == 0 and (width * x.itemsize) % 16 == 0
+            and all(s % 16 == 0 for n, s in zip(x.shape[:3], x.strides[:3]) if n > 1))
+
+
+def split_count(batch: int, hk: int, row_tiles: int, capacity: int, variant, device_id: int) -> int:
+    """Splits per sequence (at most): the fewest that give at least WAVES waves of CTAs, 90 % full on
+    average over the waves (a wave is every SM running as many CTAs as fit), or else the count whose waves
+    are fullest; never more than the longest sequence the cache can hold has tiles. Each sequence then takes
+    as many of them as its own length fills (kvcache.cuh, split_plan)."""
+    work = batch * hk * row_tiles
+    slots = _compile.sm_count(device_id) * _ctas_per_sm(variant, device_id)
+    limit = max(1, min(decode_tiles.MAX_SPLITS, math.ceil(math.ceil(capacity / variant.block_n) / MIN_TILES_PER_SPLIT)))
+    fill = {}
+    for splits in range(1, limit + 1):
+        waves = work * splits / slots
+        fill[splits] = waves / math.ceil(waves)
+        if waves >= 0.9 * WAVES and fill[splits] >= 0.9:
+            return splits
+    return max(fill, key=lambda s: (fill[s], -s))
+
+
+def _ctas_per_sm(variant, device_id: int) -> int:
+    """CTAs of the decode kernel that fit one SM at once: by shared memory, threads and registers."""
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    threads = variant.threads("decode")
+    smem = variant.smem("decode") + 1024  # the runtime reserves 1 KiB per CTA
+    by_smem = props["sharedMemPerMultiprocessor"] // smem
+    by_threads = props["maxThreadsPerMultiProcessor"] // threads
+    registers = -(-_compile.functions(variant)["decode"].num_regs // 8) * 8  # allocated in units of 8 per thread
+    by_registers = props["regsPerMultiprocessor"] // (registers * threads)
+    return max(1, min(by_smem, by_threads, by_registers))
+
+
+class Plan:
+    """Everything about a call but its arrays' addresses."""
+
+    def __init__(self, call, vec_ok: bool):
+        device = cupy.cuda.Device().id
+        self.out_shape = (call.batch, call.hq, call.nq, call.dv)
+        self.dtype = call.dtype
+        self.acc = lse_dtype(call.dtype)
+        # The largest int cache_seqlens this layout takes: the cache's room, and the rotary tables' positions.
+        self.seqlen_limit = call.capacity - call.nnew
+        if call.rotary_cos is not None:
+            span = max(call.nnew, call.nq if call.rotary_query_positions_advance() else min(call.nq, 1))
+            self.seqlen_limit = min(self.seqlen_limit, call.rotary_cos.shape[0] - span)
+        packed = call.group * call.nq
+        self.variant = decode_tiles.choose(call.dtype.name, call.d, call.dv, packed,
+                                           call.page_size if call.paged else None)
+        self.functions = _compile.functions(self.variant)
+        # The launch's pieces, looked up once: a decode call's host time is a few microseconds.
+        self._decode, self._append = self.functions["decode"], self.functions["append"]
+        self._decode_block = (self.variant.threads("decode"),)
+        self._append_block = (self.variant.threads("append"),)
+        self._smem = self.variant.smem("decode")
+        row_tiles = max(1, math.ceil(packed / self.variant.rows))
+        self.max_splits = call.num_splits or split_count(call.batch, call.hk, row_tiles, call.capacity,
+                                                         self.variant, device)
+        self.max_splits = min(self.max_splits, decode_tiles.MAX_SPLITS)
+        self.rotary = call.rotary_cos is not None
+        self.append = call.nnew > 0 or self.rotary
+        words = numpy.zeros(1, PARAMS_DTYPE)
+        w = words[0]
+        w["q_in_stride"] = _elements(call.q)[:3]
+        w["q_stride"] = (call.hq * call.nq * call.d, call.nq * call.d, call.d) if self.rotary else _elements(call.q)[:3]
+        w["k_stride"] = _elements(call.k_cache)[:3]
+        w["v_stride"] = _elements(call.v_cache)[:3]
+        if call.k is not None:
+            w["k_new_stride"] = _elements(call.k)[:3]
+            w["v_new_stride"] = _elements(call.v)[:3]
+        w["out_stride"] = (call.hq * call.nq * call.dv, call.nq * call.dv, call.dv)
+        if call.paged:
+            w["block_table_stride"] = _elements(call.block_table)[0]
+        if call.alibi_slopes is not None:
+            w["alibi_stride"] = _elements(call.alibi_slopes)
+        left, right = call.window_with_causal()
+        for name, value in dict(batch=call.batch, hq=call.hq, hk=call.hk, group=call.group, nq=call.nq,
+                                nnew=call.nnew, d=call.d, dv=call.dv, page_size=call.page_size,
+                                num_pages=call.k_cache.shape[0], capacity=call.capacity, paged=call.paged,
+                                rotary_half=call.rotary_dim // 2,
+                                max_pos=call.rotary_cos.shape[0] if self.rotary else 0,
+                                rotary_interleaved=call.rotary_interleaved,
+                                rotary_q_advance=call.rotary_query_positions_advance(), window_left=left,
+                                window_right=right, softcap_on=call.softcap > 0,
+                                alibi_on=call.alibi_slopes is not None, vec_ok=vec_ok,
+                                max_splits=self.max_splits, min_tiles_per_split=MIN_TILES_PER_SPLIT,
+                                row_tiles=row_tiles).items():
+            w[name] = int(value)
+        scale_log2 = call.scale * _LOG2E
+        softcap_k = call.scale / call.softcap if call.softcap > 0 else 0.0
+        softcap_log2 = call.softcap * _LOG2E
+        w["scale_log2"], w["softcap_k"], w["softcap_log2"] = scale_log2, softcap_k, softcap_log2
+        w["scale_log2_f64"], w["softcap_k_f64"], w["softcap_log2_f64"] = scale_log2, softcap_k, softcap_log2
+        # Kept as plain words: copying a structured array costs microseconds a call, a plain one a fraction.
+        self.words = words.view(numpy.uint64).copy()
+        self.decode_grid = (self.max_splits, call.hk * row_tiles, call.batch)
+        parts = (2 if call.nnew else 0) + (1 if self.rotary else 0)
+        units = max(call.batch * call.hk * call.nnew * max(call.d, call.dv), call.batch * call.hq * call.nq * call.d)
+        blocks = min(math.ceil(units / decode_tiles.APPEND_THREADS), 8 * _compile.sm_count(device))
+        self.append_grid = (max(1, blocks), parts, 1)
+        self.workspace_shapes = dict(
+            out_part=((self.max_splits, call.batch * call.hq * call.nq, call.dv) if self.max_splits > 1 else None),
+            lse_part=((self.max_splits, call.batch * call.hq * call.nq) if self.max_splits > 1 else None),
+            q_rot=((call.batch, call.hq, call.nq, call.d) if self.rotary else None),
+            split_counters=((call.batch * call.hk * row_tiles,) if self.max_splits > 1 else None))
+        self._workspaces: dict = {}  # stream (and thread, for the per-thread default stream) -> workspace
+
+    def workspace(self) -> tuple[dict, numpy.ndarray]:
+        """This plan's scratch arrays on the current stream (made on its first call there), and the
+        parameter words with their addresses filled in."""
+        stream = cupy.cuda.get_current_stream().ptr
+        if stream == _PER_THREAD_STREAM:  # one pointer, but each thread's own stream
+            stream = (stream, threading.get_ident())
+        found = self._workspaces.get(stream)
+        if found is None:
+            arrays = {}
+            for name, shape in self.workspace_shapes.items():
+                if name == "split_counters" and shape is not None:  # zero between calls: the kernel resets them
+                    arrays[name] = cupy.zeros(shape, dtype=numpy.int32)
+                elif shape is not None:
+                    arrays[name] = cupy.empty(shape, dtype=self.dtype if name == "q_rot" else self.acc)
+            words = self.words.copy()
+            for name, array in arrays.items():
+                words[_WORD[name]] = array.data.ptr
+            found = self._workspaces[stream] = (arrays, words)
+        return found
+
+    def run(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, cos, sin, alibi_slopes,
+            want_lse: bool = True, append_only: bool = False):
+        """Launch on these arrays (of this plan's layout; cache_seqlens an int32 array or one int); returns
+        out and lse (None unless want_lse), or nothing with append_only."""
+        out = None if append_only else cupy.empty(self.out_shape, dtype=self.dtype)
+        lse = cupy.empty(self.out_shape[:3], dtype=self.acc) if want_lse and not append_only else None
+        scratch, template = self.workspace()
+        u64 = template.copy()
+        u64[_Q], u64[_K_CACHE], u64[_V_CACHE] = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr
+        for word, array in ((_K_NEW, k), (_V_NEW, v), (_OUT, out), (_LSE, lse), (_BLOCK_TABLE, block_table),
+                            (_COS, cos), (_SIN, sin), (_ALIBI, alibi_slopes)):
+            if array is not None:
+                u64[word] = array.data.ptr
+        if type(cache_seqlens) is int:
+            u64.view(numpy.int32)[_SEQLEN_ALL] = cache_seqlens
+        else:
+            u64[_SEQLENS] = cache_seqlens.data.ptr
+        if self.append:  # kvcache_append reads the caller's q (its q_rot word holds the rotated copy)
+            self._append(self.append_grid, self._append_block, (u64.view(PARAMS_BYTES),))
+        if append_only:
+            return None
+        if self.rotary:
+            u64[_Q] = scratch["q_rot"].data.ptr
+        self._decode(self.decode_grid, self._decode_block, (u64.view(PARAMS_BYTES),), shared_mem=self._smem)
+        return out, lse
+
+
+_plans: dict[tuple, Plan] = {}
+_lock = threading.Lock()
+
+
+def _layout(x):
+    return None if x is None else (x.shape, x.strides)
+
+
+def plan_for(call) -> Plan:
+    vec_ok = _aligned_rows(call.k_cache, call.d) and _aligned_rows(call.v_cache, call.dv)
+    key = (cupy.cuda.Device().id, call.dtype, _layout(call.q), _layout(call.k_cache), _layout(call.v_cache),
+           _layout(call.k), _layout(call.v), _layout(call.block_table), _layout(call.rotary_cos),
+           call.rotary_interleaved, call.causal, call.scale, call.window, call.softcap, _layout(call.alibi_slopes),
+           call.num_splits, vec_ok)
+    plan = _plans.get(key)
+    if plan is None:
+        with _lock:
+            plan = _plans.get(key)
+            if plan is None:
+                plan = _plans[key] = Plan(call, vec_ok)
+    return plan
+
+
+def _seqlens(call):
+    return call.seqlen_all if call.cache_seqlens is None else call.cache_seqlens
+
+
+def attention_with_kvcache(call):
+    """out (B, Hq, Nq, Dv) in the inputs' dtype and lse (B, Hq, Nq) in the accumulator dtype (None unless
+    call.return_lse)."""
+    plan = plan_for(call)
+    return plan.run(call.q, call.k_cache, call.v_cache, call.k, call.v, _seqlens(call), call.block_table,
+                    call.rotary_cos, call.rotary_sin, call.alibi_slopes, want_lse=call.return_lse)
+
+
+def append(call) -> None:
+    """Only the append (and nothing to attend: Nq == 0)."""
+    plan_for(call).run(call.q, call.k_cache, call.v_cache, call.k, call.v, _seqlens(call), call.block_table,
+                       call.rotary_cos, call.rotary_sin, call.alibi_slopes, append_only=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The fast path: a call whose arguments have the layout of an earlier, fully checked call skips the checks.
+# ---------------------------------------------------------------------------------------------------------
+_fast: dict[tuple, Plan] = {}
+
+
+def _array_key(x):
+    return None if x is None else (x.shape, x.strides, x.dtype, x.data.ptr % 16, x.device.id)
+
+
+def fast_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved,
+             causal, scale, window, softcap, alibi_slopes, num_splits, return_lse):
+    """Everything the checks and the plan depend on, but the addresses and an int cache_seqlens' value; None
+    where a call cannot take the fast path (unhashable options)."""
+    try:
+        seqlens = "int" if type(cache_seqlens) is int else _array_key(cache_seqlens)
+        key = (cupy.cuda.Device().id, _array_key(q), _array_key(k_cache), _array_key(v_cache), _array_key(k),
+               _array_key(v), seqlens, _array_key(block_table), _array_key(rotary_cos), _array_key(rotary_sin),
+               rotary_interleaved, causal, scale, window, softcap, _array_key(alibi_slopes), num_splits, return_lse)
+        hash(key)
+    except (AttributeError, TypeError):  # a NumPy array or an unhashable option: the checked path
+        return None
+    return key
+
+
+def remember(key, call, q, k, v, block_table, rotary_cos, rotary_sin, alibi_slopes, cache_seqlens) -> None:
+    """Let later calls with this key skip the checks, where the checked call launched on the caller's own
+    arrays (no cast or copy of rotary tables, slopes or lengths that the fast path would have to redo)."""
+    if key is None:
+        return
+    if rotary_cos is not None and (call.rotary_cos is not rotary_cos or call.rotary_sin is not rotary_sin):
+        return
+    if alibi_slopes is not None and alibi_slopes.dtype != numpy.float32:
+        return
+    if call.q is not q or call.k is not k or call.v is not v:  # copied to a unit last stride
+        return
+    if type(cache_seqlens) is not int and call.cache_seqlens is not cache_seqlens:  # cast or copied
+        return
+    if call.block_table is not block_table:  # copied to contiguous columns
+        return
+    _fast[key] = plan_for(call)
+
+
+def fast_plan(key):
+    return None if key is None else _fast.get(key)
+
+
+def run_fast(plan: Plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
+             alibi_slopes, return_lse):
+    if type(cache_seqlens) is int and not 0 <= cache_seqlens <= plan.seqlen_limit:
+        return None  # the checked path raises the error
+    return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes,
+                    want_lse=return_lse)

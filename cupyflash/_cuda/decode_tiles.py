@@ -1,0 +1,180 @@
+"""The decode kernels' variants: one table of tile shapes per (element bytes, HEAD, packed rows), the
+``DecodeVariant`` that names, sizes and compiles one of them (the interface of ``variants.Variant`` that
+compile.py and ptxas_report.py read), and the choice of a variant for a call.
+
+A variant's module holds two kernels: ``decode`` (cuda_src/attention_decode.cu, attention_decode, which
+merges its own splits) and the append/rotary step ``append`` (cuda_src/kvcache_append.cu). HEAD is the head dim
+the tiles are built for, at least max(D, Dv): columns past D and Dv are zero-filled in shared memory and
+never read from global memory.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from cupyflash._cuda.source import OPTIONS, module_code, source_dir
+from cupyflash._cuda.tiles import SM80_SMEM_BYTES
+from cupyflash._cuda.variants import CTYPES, ITEMSIZES
+
+HEADS = (32, 64, 128, 256)
+SOURCE = "attention_decode.cu"
+APPEND_SOURCE = "kvcache_append.cu"
+APPEND_THREADS = 256
+MAX_SPLITS = 128  # splits of one sequence at most (cuda_src/kvcache.cuh, MAX_SPLITS)
+
+# (element bytes, HEAD, rows per CTA) -> (WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES). STAGES = 1 is one
+# buffer each for k and v whose copies interleave with the products (v of a tile lands while its scores
+# are computed, k of the next while P v is): half the shared memory of two stages, so more CTAs per SM;
+# on an H100 it beat every ring for bf16 D = 128 (bench/log/NOTES.md).
+# Rows are packed query rows (G query heads x Nq queries of one key/value head). 16 rows: four warps split
+# each tile's keys (a decode step's few rows would leave three of four m16 tiles empty); 64 rows: four row
+# blocks (speculative decoding, chunks). WARPS_DV > 1 splits v's columns where the accumulators of a whole
+# row would not fit the registers. Tiles and stages keep every module inside an sm_80 CTA's shared memory.
+TABLE = {
+    (2, 32, 16): (1, 4, 1, 64, 4),
+    (2, 64, 16): (1, 4, 2, 128, 1),
+    (2, 128, 16): (1, 4, 2, 128, 1),
+    (2, 256, 16): (1, 4, 2, 64, 2),
+    (2, 32, 64): (4, 1, 1, 64, 3),
+    (2, 64, 64): (4, 1, 1, 64, 3),
+    (2, 128, 64): (4, 1, 1, 64, 2),
+    (2, 256, 64): (4, 1, 2, 32, 2),
+    (4, 32, 16): (1, 4, 1, 64, 3),
+    (4, 64, 16): (1, 4, 1, 64, 3),
+    (4, 128, 16): (1, 4, 1, 64, 2),
+    (4, 256, 16): (1, 2, 2, 32, 2),
+    (4, 32, 64): (4, 1, 1, 64, 2),
+    (4, 64, 64): (4, 1, 1, 32, 2),
+    (4, 128, 64): (4, 1, 1, 32, 2),
+    (4, 256, 64): (4, 1, 2, 16, 2),
+    (8, 32, 16): (1, 4, 1, 64, 2),
+    (8, 64, 16): (1, 4, 1, 64, 2),
+    (8, 128, 16): (1, 2, 2, 32, 2),
+    (8, 256, 16): (1, 1, 4, 16, 2),
+    (8, 32, 64): (4, 1, 1, 32, 2),
+    (8, 64, 64): (4, 1, 2, 32, 2),
+    (8, 128, 64): (4, 1, 2, 16, 2),
+}
+# Paged caches whose pages are not a multiple of BLOCK_N positions: their tiles' rows are looked up and
+# addressed one by one, and a ring of more threads issues those copies faster than the interleaved tile
+# (bf16, D = 128, page size 16, B = 8, Nk = 32k on an H100: 1.26x the contiguous time with the interleaved
+# tile, 1.02x with this one).
+TABLE_ROWWISE = {
+    (2, 64, 16): (1, 8, 1, 128, 2),
+    (2, 128, 16): (1, 8, 2, 128, 2),
+}
+DTYPES_BY_BYTES = {2: ("float16", "bfloat16"), 4: ("float32",), 8: ("float64",)}
+
+
+def _padded_row(itemsize: int, cols: int) -> int:
+    """Bytes of one padded shared-memory row (copy.cuh, PaddedTile: 16 bytes more, 32 for float64)."""
+    return cols * itemsize + (32 if itemsize == 8 else 16)
+
+
+@dataclass(frozen=True)
+class DecodeVariant:
+    dtype: str
+    head_dim: int  # HEAD
+    rows: int  # packed query rows per CTA: 16 or 64
+    rowwise: bool = False  # TABLE_ROWWISE's tile: paged caches whose pages do not hold whole tiles
+
+    direction = "decode"
+    path = "decode"
+    kernels = ("decode", "append")
+    modules = (("decode", "append"),)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZES[self.dtype]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """(WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES)."""
+        key = (self.itemsize, self.head_dim, self.rows)
+        return TABLE_ROWWISE[key] if self.rowwise else TABLE[key]
+
+    @property
+    def block_n(self) -> int:
+        return self.shape[3]
+
+    def threads(self, kernel: str) -> int:
+        if kernel == "append":
+            return APPEND_THREADS
+        warps_m, warps_n, warps_dv, _, _ = self.shape
+        return 32 * warps_m * warps_n * warps_dv
+
+    def smem(self, kernel: str) -> int:
+        """Dynamic shared memory (attention_decode.cu, DecodeTraits::SMEM), bytes."""
+        if kernel != "decode":
+            return 0
+        warps_m, warps_n, _, block_n, stages = self.shape
+        acc = 8 if self.itemsize == 8 else 4
+        q = self.rows * _padded_row(self.itemsize, self.head_dim)
+        ring = stages * 2 * block_n * _padded_row(self.itemsize, self.head_dim)
+        merged = self.rows * (self.head_dim + 1) * acc
+        weights = self.rows * MAX_SPLITS * acc
+        states = max(3 * warps_n * self.rows * acc, 2 * block_n * 8)  # row states, or the row lookups
+        return q + max(ring, merged, weights) + states
+
+    def name_expression(self, kernel: str) -> str:
+        c = CTYPES[self.dtype]
+        if kernel == "append":
+            return f"kvcache_append<{c}>"
+        warps_m, warps_n, warps_dv, block_n, stages = self.shape
+        return f"attention_decode<{c}, {self.head_dim}, {warps_m}, {warps_n}, {warps_dv}, {block_n}, {stages}>"
+
+    def code(self, kernels: tuple[str, ...] | None = None) -> str:
+        names = [self.name_expression(k) for k in (kernels or self.kernels)]
+        # Both sources share kvcache.cuh and the element helpers: one module, each header pasted once.
+        return module_code(SOURCE, names) + "\n" + _append_source()
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        return OPTIONS
+
+    def compile_targets(self) -> dict[str, str]:
+        return {"sm_80": "sm_80", "sm_90": "sm_90"}
+
+    def __str__(self) -> str:
+        return f"decode {self.dtype} HEAD_DIM={self.head_dim} rows={self.rows}" + (" rowwise" if self.rowwise else "")
+
+
+@functools.lru_cache(maxsize=None)
+def _append_source() -> str:
+    """kvcache_append.cu without the headers attention_decode.cu already brought."""
+    text = (source_dir() / APPEND_SOURCE).read_text()
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#include"))
+
+
+def shipped_variants() -> list[DecodeVariant]:
+    return ([DecodeVariant(dtype, head, rows) for (itemsize, head, rows) in TABLE
+             for dtype in DTYPES_BY_BYTES[itemsize]]
+            + [DecodeVariant(dtype, head, rows, rowwise=True) for (itemsize, head, rows) in TABLE_ROWWISE
+               for dtype in DTYPES_BY_BYTES[itemsize]])
+
+
+def variants_for(arch: str) -> list[DecodeVariant]:
+    """The decode variants built for architecture family ``arch`` ("sm_80" or "sm_90"): all of them."""
+    return [v for v in shipped_variants() if arch in v.compile_targets()]
+
+
+def head_bucket(d: int, dv: int) -> int:
+    width = max(d, dv)
+    return next(h for h in HEADS if h >= width)
+
+
+def choose(dtype: str, d: int, dv: int, packed_rows: int, page_size: int | None = None) -> DecodeVariant:
+    """The variant for a call: the narrowest HEAD that holds D and Dv; 64-row tiles when more than 16 rows
+    are packed and the table has them, else 16-row tiles (several per key/value head if need be); for a
+    paged cache (``page_size``) whose pages do not hold whole tiles, TABLE_ROWWISE's tile where it has one."""
+    head = head_bucket(d, dv)
+    itemsize = ITEMSIZES[dtype]
+    rows = 64 if packed_rows > 16 and (itemsize, head, 64) in TABLE else 16
+    variant = DecodeVariant(dtype, head, rows)
+    if page_size is not None and page_size % variant.block_n and (itemsize, head, rows) in TABLE_ROWWISE:
+        return DecodeVariant(dtype, head, rows, rowwise=True)
+    return variant
+
+
+assert all(v.smem("decode") <= SM80_SMEM_BYTES for v in shipped_variants())
