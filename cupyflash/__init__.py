@@ -3,6 +3,8 @@
 from cupyflash import reference
 from cupyflash._api import (attention, attention_backward, attention_forward, attention_probs, attention_varlen,
                             attention_varlen_backward, attention_varlen_forward)
+from cupyflash._kvcache import attention_with_kvcache
+from cupyflash._merge import merge_attention_states, merge_attention_states_stacked
 from cupyflash._modifiers import BLOCK_MASK_TILE, block_mask_from_dense
 from cupyflash._warmup import warmup
 
@@ -16,6 +18,9 @@ __all__ = [
     "attention_varlen",
     "attention_varlen_forward",
     "attention_varlen_backward",
+    "attention_with_kvcache",
+    "merge_attention_states",
+    "merge_attention_states_stacked",
     "block_mask_from_dense",
     "BLOCK_MASK_TILE",
     "warmup",

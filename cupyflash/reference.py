@@ -7,7 +7,8 @@ alibi_slopes, bias, mask, block_mask) are exactly those of cupyflash._modifiers,
 no key gives out = 0, lse = -inf and zero gradients. Dropout (``dropout_p``, ``dropout_seed``) uses the
 mask of :func:`dropout_mask`, the very one the kernels and the CPU path regenerate. Inputs must be NumPy arrays (any dtype NumPy can
 convert to float64, float64 included; bias any floating-point dtype); results are float64. ALiBi slopes
-are used as float32, as everywhere in cupyflash.
+are used as float32, as everywhere in cupyflash. :func:`attention_with_kvcache` (decoding against a
+key/value cache) and :func:`rotary` (rotary position embeddings) come from cupyflash._reference_kvcache.
 """
 
 from __future__ import annotations
@@ -17,11 +18,15 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from cupyflash import _dropout, _modifiers, _varlen
+from cupyflash import _dropout, _modifiers, _reference_kvcache, _varlen
 from cupyflash._arrays import is_cupy, matmul_seen, sum_to_shape
 from cupyflash._checks import check_causal, check_shapes, resolve_scale
 
 _BIAS_DTYPES_EXTRA = (np.dtype(ml_dtypes.bfloat16),)  # floating point, though NumPy's kind is not "f"
+
+# The KV-cache reference and its rotary embedding have a file of their own; they are part of this namespace.
+attention_with_kvcache = _reference_kvcache.attention_with_kvcache
+rotary = _reference_kvcache.rotary
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = False, scale: float | None = None,

@@ -28,15 +28,23 @@ def nan_filled_allocations():
     alive (the forward's out and lse during the backward) pin the pool's chunk, and the pool then serves
     the next allocations from that chunk's unpoisoned remainder first.
     """
+    with filled_allocations(NAN_BYTE):
+        yield
+
+
+@contextlib.contextmanager
+def filled_allocations(byte: int):
+    """Every CuPy allocation inside starts with each of its bytes set to ``byte`` (0: zeros, so that a NaN
+    in the results can only come from the kernels)."""
     pool = cupy.get_default_memory_pool()
 
-    def nan_filled_malloc(nbytes):
+    def filled_malloc(nbytes):
         memptr = pool.malloc(nbytes)
-        memptr.memset_async(NAN_BYTE, nbytes)
+        memptr.memset_async(byte, nbytes)
         return memptr
 
     previous = cupy.cuda.get_allocator()
-    cupy.cuda.set_allocator(nan_filled_malloc)
+    cupy.cuda.set_allocator(filled_malloc)
     try:
         yield
     finally:

@@ -1,0 +1,315 @@
+"""The arguments of ``attention_with_kvcache``: their checks and the resolved ``KVCacheCall`` that the CPU
+path, the reference and the GPU back end read.
+
+Layouts (``B`` sequences, ``Hq`` query heads over ``Hk`` key/value heads, ``G = Hq // Hk``):
+
+    q             (B, Hq, Nq, D)
+    k_cache       (B, Hk, Ncache, D)  contiguous, or (num_pages, Hk, page_size, D) with a block table
+    v_cache       like k_cache with Dv
+    k, v          (B, Hk, Nnew, D / Dv), appended at positions cache_seqlens[b] ... + Nnew
+    cache_seqlens (B,) integers (or one int for every sequence)
+    block_table   (B, max_pages) int32: page block_table[b, p] holds positions p*page_size ... + page_size
+
+Values that live on the GPU (``cache_seqlens``, ``block_table``) are checked on the host only where that
+costs no synchronisation (NumPy arrays, Python ints) or when ``CUPYFLASH_CHECK_VALUES=1`` asks for it;
+otherwise the kernels check them: a sequence whose values are out of range gets NaN out and lse rows, no
+memory outside the arrays is touched, and none of its new keys is written when its cache_seqlens is out of
+range (with a block-table entry outside the cache, only the positions of that page are skipped).
+q, k and v are read with a unit last stride: where theirs is not, they are copied (they are small).
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from cupyflash._arrays import cupy, lse_dtype
+from cupyflash._checks import (MAX_HEAD_DIM, SUPPORTED_DTYPES, check_array_types, check_bool, check_dtypes,
+                               resolve_scale)
+from cupyflash._cuda.decode_tiles import MAX_SPLITS
+from cupyflash._modifiers import check_softcap, check_window
+
+
+@dataclass(frozen=True)
+class KVCacheCall:
+    """One resolved call. Arrays are of the inputs' module (numpy or cupy); ``cache_seqlens`` is int32
+    (B,), or None for CuPy inputs given one int for every sequence (``seqlen_all``, passed to the kernels
+    by value), ``block_table`` int32 (B, max_pages) or None, ``rotary_cos/sin`` ``lse_dtype`` (max_pos,
+    rotary_dim / 2) or None, ``alibi_slopes`` float32 (B, Hq) (maybe a broadcast view) or None."""
+
+    xp: object
+    q: object
+    k_cache: object
+    v_cache: object
+    k: object
+    v: object
+    cache_seqlens: object
+    seqlen_all: int | None
+    block_table: object
+    rotary_cos: object
+    rotary_sin: object
+    rotary_interleaved: bool
+    causal: bool
+    scale: float
+    window: tuple  # (left, right), -1 = unbounded; causal not folded in
+    softcap: float
+    alibi_slopes: object
+    num_splits: int | None
+    return_lse: bool
+
+    @property
+    def dtype(self):
+        return self.q.dtype
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def hq(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def hk(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hk
+
+    @property
+    def nq(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def nnew(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    @property
+    def d(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def dv(self) -> int:
+        return self.v_cache.shape[3]
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+    @property
+    def page_size(self) -> int:
+        """Positions per page (paged); Ncache for a contiguous cache, one 'page' per sequence."""
+        return self.k_cache.shape[2]
+
+    @property
+    def capacity(self) -> int:
+        """Positions a sequence can hold: Ncache, or max_pages * page_size."""
+        return self.block_table.shape[1] * self.k_cache.shape[2] if self.paged else self.k_cache.shape[2]
+
+    @property
+    def rotary_dim(self) -> int:
+        return 0 if self.rotary_cos is None else 2 * self.rotary_cos.shape[1]
+
+    def window_with_causal(self) -> tuple:
+        """The window with the causal mask folded in: causal is the window (left, 0)."""
+        left, right = self.window
+        if self.causal:
+            right = 0 if right == -1 else min(right, 0)
+        return left, right
+
+    def rotary_query_positions_advance(self) -> bool:
+        """Whether query i is rotated at cache_seqlens + i (causal or a window) rather than at cache_seqlens
+        for every query: FlashAttention-2's rule, so that ported models get the same numbers."""
+        return self.causal or self.window != (-1, -1)
+
+
+def check_values_requested() -> bool:
+    """CUPYFLASH_CHECK_VALUES=1: check GPU-resident cache_seqlens and block_table on the host (a
+    device-to-host copy per call) and raise, instead of the kernels' NaN rows."""
+    return os.environ.get("CUPYFLASH_CHECK_VALUES", "0") not in ("", "0")
+
+
+def resolve(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None, rotary_cos=None,
+            rotary_sin=None, rotary_interleaved=False, causal=False, scale=None, window=None, softcap=0.0,
+            alibi_slopes=None, num_splits=None, return_lse=False) -> KVCacheCall:
+    """Check every argument of ``attention_with_kvcache``; the resolved call."""
+    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new keys and values to append) or both be None")
+    if k is not None:
+        arrays.update(k=k, v=v)
+    others = dict(block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+    if not isinstance(cache_seqlens, numbers.Integral) or isinstance(cache_seqlens, (bool, np.bool_)):
+        others["cache_seqlens"] = cache_seqlens
+    xp = check_array_types({**arrays, **{name: x for name, x in others.items() if x is not None}})
+    check_dtypes(arrays)
+    for name, x in arrays.items():
+        if x.ndim != 4:
+            expected = {"q": "(B, Hq, Nq, D)", "k": "(B, Hk, Nnew, D)", "v": "(B, Hk, Nnew, Dv)"}.get(
+                name, "(B, Hk, Ncache, D) or (num_pages, Hk, page_size, D) with a block_table")
+            raise ValueError(f"{name} must have 4 dims {expected}, got shape {x.shape}")
+    batch, hq, nq, d = q.shape
+    hk = k_cache.shape[1]
+    dv = v_cache.shape[3]
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must agree in every dim but the last")
+    if k_cache.shape[3] != d:
+        raise ValueError(f"k_cache has head dim {k_cache.shape[3]}; expected q's head dim D = {d}")
+    for what, dim in (("D (q.shape[-1])", d), ("Dv (v_cache.shape[-1])", dv)):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"head dim {what} is {dim}; supported head dims are 1 to {MAX_HEAD_DIM}")
+    if hk < 1 or hq % hk:
+        raise ValueError(f"q has {hq} heads and k_cache {hk}; the query heads Hq must be a multiple of the "
+                         f"key/value heads Hk (query head h reads key/value head h // (Hq // Hk))")
+    paged = block_table is not None
+    if paged:
+        if block_table.ndim != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be (B, max_pages) = ({batch}, max_pages), got shape {block_table.shape}")
+        if block_table.dtype != np.int32:
+            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+        if block_table.size and block_table.strides[1] != block_table.itemsize:
+            block_table = xp.ascontiguousarray(block_table)  # the kernels read each row's pages contiguously
+        if k_cache.shape[2] < 1:
+            raise ValueError(f"a paged k_cache (num_pages, Hk, page_size, D) needs page_size >= 1, got {k_cache.shape}")
+        capacity = block_table.shape[1] * k_cache.shape[2]
+    else:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache has {k_cache.shape[0]} sequences (dim 0) but q has B = {batch}; a contiguous "
+                             "cache is (B, Hk, Ncache, D) (a paged one needs block_table)")
+        capacity = k_cache.shape[2]
+    nnew = 0
+    if k is not None:
+        nnew = k.shape[2]
+        if k.shape != (batch, hk, nnew, d):
+            raise ValueError(f"k has shape {k.shape}; expected (B, Hk, Nnew, D) = ({batch}, {hk}, Nnew, {d})")
+        if v.shape != (batch, hk, nnew, dv):
+            raise ValueError(f"v has shape {v.shape}; expected (B, Hk, Nnew, Dv) = ({batch}, {hk}, {nnew}, {dv})")
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            _check_writable(name, cache)
+    for name in ("k_cache", "v_cache"):
+        x = arrays[name]
+        if x.size and x.shape[3] > 1 and x.strides[3] != x.itemsize:
+            raise ValueError(f"{name} must have a contiguous last dim (stride {x.itemsize} bytes), got strides "
+                             f"{x.strides}")
+    q = _unit_last_stride(xp, q)
+    if k is not None:
+        k, v = _unit_last_stride(xp, k), _unit_last_stride(xp, v)
+    seqlens, seqlen_all, lengths = _resolve_seqlens(xp, cache_seqlens, batch, capacity - nnew, paged)
+    if paged and lengths is not None and (isinstance(block_table, np.ndarray) or check_values_requested()):
+        _check_block_table(block_table, k_cache.shape[0], lengths, nnew, k_cache.shape[2])
+    causal = check_bool("causal", causal)
+    window = check_window(window)
+    # Rotary positions used: new keys up to cache_seqlens + Nnew - 1; queries up to cache_seqlens + Nq - 1
+    # when they advance (causal or a window), else all at cache_seqlens.
+    query_span = nq if (causal or window != (-1, -1)) else min(nq, 1)
+    cos, sin = _resolve_rotary(xp, rotary_cos, rotary_sin, d, q.dtype, lengths, max(nnew, query_span))
+    softcap = check_softcap(softcap)
+    scale = resolve_scale(scale, d)
+    if alibi_slopes is not None:
+        if alibi_slopes.dtype.kind != "f":
+            raise TypeError(f"alibi_slopes must be a floating-point array (used as float32), got {alibi_slopes.dtype}")
+        try:
+            alibi_slopes = xp.broadcast_to(alibi_slopes.astype(np.float32, copy=False), (batch, hq))
+        except ValueError:
+            raise ValueError(f"alibi_slopes has shape {alibi_slopes.shape}; expected (Hq,) = ({hq},) or "
+                             f"(B, Hq) = ({batch}, {hq})") from None
+    if num_splits is not None:
+        if (isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral)
+                or not 1 <= num_splits <= MAX_SPLITS):
+            raise ValueError(f"num_splits must be None (chosen per call) or an integer from 1 to {MAX_SPLITS}, "
+                             f"got {num_splits!r}")
+        num_splits = int(num_splits)
+    return KVCacheCall(xp, q, k_cache, v_cache, k, v, seqlens, seqlen_all, block_table, cos, sin,
+                       check_bool("rotary_interleaved", rotary_interleaved), causal, scale, window, softcap,
+                       alibi_slopes, num_splits, check_bool("return_lse", return_lse))
+
+
+def _unit_last_stride(xp, x):
+    """x itself when its last dim is contiguous, else a contiguous copy (q, k, v: the step's few rows)."""
+    if x.shape[-1] <= 1 or x.strides[-1] == x.itemsize:
+        return x
+    return xp.ascontiguousarray(x)
+
+
+def _check_writable(name, cache):
+    """New keys are written in place: the cache must be writable and no two of its elements may share memory
+    (a broadcast view would)."""
+    if isinstance(cache, np.ndarray) and not cache.flags.writeable:
+        raise ValueError(f"{name} is read-only; k and v are appended to it in place (pass a writable array)")
+    for n, stride in zip(cache.shape, cache.strides):
+        if n > 1 and stride == 0:
+            raise ValueError(f"{name} is a broadcast view (stride 0 in a dim of size {n}); k and v are appended "
+                             "to it in place, so every position needs its own memory")
+
+
+def _resolve_seqlens(xp, cache_seqlens, batch, limit, paged):
+    """(cache_seqlens as int32 (B,) of module xp or None, the one int for every sequence or None, the lengths
+    on the host where they are known without a synchronisation or checking is asked for, else None); the
+    values checked where they are on the host."""
+    where = "max_pages * page_size" if paged else "Ncache"
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, (bool, np.bool_)):
+        n = int(cache_seqlens)
+        _check_seqlen_values(np.array([n]), limit, where)
+        lengths = np.full((batch,), n, dtype=np.int32)
+        return (lengths, None, lengths) if xp is np else (None, n, lengths)
+    if cache_seqlens.ndim != 1 or cache_seqlens.shape[0] != batch:
+        raise ValueError(f"cache_seqlens must be an int or an array of shape (B,) = ({batch},), got shape "
+                         f"{cache_seqlens.shape}")
+    if cache_seqlens.dtype.kind not in "iu":
+        raise TypeError(f"cache_seqlens must hold integers (int32), got {cache_seqlens.dtype}")
+    lengths = None
+    if isinstance(cache_seqlens, np.ndarray):
+        lengths = cache_seqlens
+    elif check_values_requested():
+        lengths = cupy.asnumpy(cache_seqlens)
+    if lengths is not None:
+        _check_seqlen_values(lengths, limit, where)
+    # The kernels read it as a contiguous int32 vector: a cast or a strided view is copied.
+    return xp.ascontiguousarray(cache_seqlens, dtype=np.int32), None, lengths
+
+
+def _check_seqlen_values(values, limit, where):
+    bad = np.flatnonzero((values < 0) | (values > limit))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"cache_seqlens[{b}] = {int(values[b])} is out of range: cache_seqlens + Nnew must lie "
+                         f"in 0 .. {where} (here cache_seqlens <= {limit})")
+
+
+def _check_block_table(block_table, num_pages, lengths, nnew, page_size):
+    """Every page a sequence uses (positions below cache_seqlens + Nnew) must exist."""
+    table = block_table if isinstance(block_table, np.ndarray) else cupy.asnumpy(block_table)
+    used = (np.arange(table.shape[1])[None, :] * page_size) < (lengths[:, None].astype(np.int64) + nnew)
+    bad = np.argwhere(used & ((table < 0) | (table >= num_pages)))
+    if bad.size:
+        b, p = (int(x) for x in bad[0])
+        raise ValueError(f"block_table[{b}, {p}] = {int(table[b, p])} is not a page of k_cache (0 .. num_pages - 1 "
+                         f"= {num_pages - 1})")
+
+
+def _resolve_rotary(xp, cos, sin, d, dtype, lengths, span):
+    """cos and sin as contiguous accumulator-dtype arrays; the positions used checked where ``lengths`` (the
+    host's copy of cache_seqlens, or None) are known."""
+    if cos is None and sin is None:
+        return None, None
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if cos.ndim != 2 or cos.shape != sin.shape:
+        raise ValueError(f"rotary_cos {cos.shape} and rotary_sin {sin.shape} must both be (max_pos, rotary_dim / 2)")
+    rotary_dim = 2 * cos.shape[1]
+    if not 0 < rotary_dim <= d:
+        raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] = {rotary_dim} must be in 2 .. D = {d}")
+    for name, x in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if x.dtype.kind != "f" and x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be a floating-point array, got {x.dtype}")
+    max_pos = cos.shape[0]
+    if lengths is not None and lengths.size and span and int(lengths.max()) + span > max_pos:
+        b = int(np.argmax(lengths))
+        raise ValueError(f"rotary_cos has {max_pos} positions but sequence {b} needs position "
+                         f"{int(lengths[b]) + span - 1} (the last new key's or query's)")
+    acc = lse_dtype(dtype)
+    return (xp.ascontiguousarray(cos, dtype=acc), xp.ascontiguousarray(sin, dtype=acc))
