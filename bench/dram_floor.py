@@ -107,6 +107,44 @@ def floor_ms(nbytes, n_in, n_out, timer):
     return best
 
 
+_READ_SOURCE = r"""
+// Every 16-byte chunk of `in` read once, XORed into the thread's register; one chunk per thread written.
+extern "C" __global__ void read_kernel(const uint4* __restrict__ in, uint4* __restrict__ out, long long n) {
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  const long long stride = (long long)gridDim.x * blockDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    uint4 x[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const long long i = base + (long long)t * blockDim.x;
+      x[t] = i < n ? in[i] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int t = 0; t < 4; ++t) acc = make_uint4(acc.x ^ x[t].x, acc.y ^ x[t].y, acc.z ^ x[t].z, acc.w ^ x[t].w);
+  }
+  out[(long long)blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}
+"""
+
+
+def read_floor_ms(nbytes, timer):
+    """The fastest of a few grids at reading ``nbytes`` once (a decode step's floor: its cache is read once
+    and its output is tiny), as (ms, grid)."""
+    import cupy
+
+    kernel = cupy.RawKernel(_READ_SOURCE, "read_kernel")
+    chunks = -(-nbytes // 16)
+    data = cupy.random.randint(0, 256, size=chunks * 16, dtype=cupy.uint8)  # never zeros (METHOD.md)
+    sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["multiProcessorCount"]
+    best = None
+    for grid in (sm_count * 4, sm_count * 8, sm_count * 16, sm_count * 32):
+        out = cupy.empty(grid * THREADS * 16, dtype=cupy.uint8)
+        ms = timer(lambda: kernel((grid,), (THREADS,), (data, out, cupy.int64(chunks))))
+        if best is None or ms < best[0]:
+            best = (ms, grid)
+    return best
+
+
 def attention_floors(elements, itemsize, timer):
     """{"fwd": ..., "bwd": ...} for attention on arrays of ``elements`` elements each (q, k, v, out, dout and
     the gradients all alike, Nq = Nk, Dv = D): ms, the bytes moved, and the rate."""
