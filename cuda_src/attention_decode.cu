@@ -7,7 +7,7 @@
 // tile's rows, row r = g * Nq + i (query head hk * G + g, query i), so each key is read once per
 // key/value head, not once per query head.
 //
-// Layout: q (B, Hq, Nq, D) any strides; cache position pos of sequence b is row pos of (b, hk) of a
+// Layout: q (B, Hq, Nq, D) any strides but a unit last one; cache position pos of sequence b is row pos of (b, hk) of a
 // contiguous cache, or row pos % page_size of page block_table[b, pos / page_size] (kvcache.cuh).
 // Grid: x = split, y = hk * row_tiles + row tile, z = b. A CTA streams its split's key tiles through a
 // STAGES-deep cp.async ring. Its warps divide a tile three ways: WARPS_M row blocks of 16, WARPS_N key
@@ -57,8 +57,7 @@ struct DecodeTraits {
 };
 
 // One 16-byte chunk of the cache, or zeros when !valid (as copy.cuh's cp_async_16), with a hint that L2
-// fetch the whole 128-byte line: the cache is streamed once, in whole rows (on an H100 the hint took a
-// decode step from 2.94 to 2.98 TB/s; 256-byte lines did the same).
+// fetch the whole 128-byte line: the cache is streamed once, in whole rows (docs/design/decode.md).
 __device__ __forceinline__ void cp_async_stream(u32 dst, const void* src, bool valid) {
   asm volatile("{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n cp.async.cg.shared.global.L2::128B [%0], [%1], 16, ignore;\n}\n"
                ::"r"(dst), "l"(src), "r"(static_cast<u32>(valid)));
@@ -77,8 +76,8 @@ __device__ __forceinline__ bool whole_page(const KVCacheParams& p, int pos0, int
 template <int BLOCK_N, int THREADS>
 struct RowFetch {
   static constexpr int PER_THREAD = ceil_div(BLOCK_N, THREADS);
-  CacheRow rows[PER_THREAD];  // this thread's rows threadIdx.x + i * THREADS (whole: rows[0] of thread 0)
-  bool whole;
+  CacheRow rows[PER_THREAD] = {};  // this thread's rows threadIdx.x + i * THREADS (whole: rows[0] of thread 0)
+  bool whole = false;  // (a split without tiles publishes these defaults, which nothing reads)
 
   __device__ __forceinline__ void fetch(const KVCacheParams& p, int b, int pos0, int end) {
     whole = whole_page<BLOCK_N>(p, pos0, end);
@@ -173,10 +172,7 @@ __device__ __forceinline__ void merge_splits(const KVCacheParams& p, int splits,
   const Acc* lse_part = static_cast<const Acc*>(p.lse_part);
   const Acc* out_part = static_cast<const Acc*>(p.out_part);
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-  auto flat_of = [&](int r) {
-    const int packed = row0 + r;
-    return (static_cast<i64>(b) * p.hq + hk * p.group + packed / p.nq) * p.nq + packed % p.nq;
-  };
+  auto flat_of = [&](int r) { return PackedRow(p, b, hk, row0 + r).flat; };
   for (int r = warp; r < rows; r += Tr::WARPS) {
     const i64 flat = flat_of(r);
     Acc m = neg_inf_of<Acc>();
@@ -222,10 +218,9 @@ __device__ __forceinline__ void merge_splits(const KVCacheParams& p, int splits,
       for (int u = 0; u < UNROLL; ++u) x += w[s + u] * part[u];
     }
     for (; s < splits; ++s) x += w[s] * __ldcg(column + s * step);
-    const int packed = row0 + r, h = hk * p.group + packed / p.nq, i = packed % p.nq;
     const Acc lse = row_lse[r];
-    static_cast<typename Tr::Elem*>(p.out)[b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2] + c] =
-        from_acc<typename Tr::Elem>(lse != lse ? nan_of<Acc>() : x);
+    using Elem = typename Tr::Elem;
+    PackedRow(p, b, hk, row0 + r).out<Elem>(p, b)[c] = from_acc<Elem>(lse != lse ? nan_of<Acc>() : x);
   }
   if (p.lse) {
     for (int r = threadIdx.x; r < rows; r += Tr::THREADS) static_cast<Acc*>(p.lse)[flat_of(r)] = row_lse[r];
@@ -299,8 +294,8 @@ attention_decode(const KVCacheParams p) {
       const int e = e0 + u * Tr::THREADS + threadIdx.x, r = e / HEAD, c = e % HEAD, packed = row0 + r;
       x[u] = T{};
       if (e < Q_ELEMS && packed < packed_rows && c < p.d) {
-        const int h = hk * p.group + packed / p.nq, i = packed % p.nq;
-        x[u] = static_cast<const T*>(p.q)[b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2] + c];
+        const PackedRow row(p, b, hk, packed);
+        x[u] = static_cast<const T*>(p.q)[b * p.q_stride[0] + row.h * p.q_stride[1] + row.i * p.q_stride[2] + c];
       }
     }
 #pragma unroll
@@ -319,6 +314,7 @@ attention_decode(const KVCacheParams p) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int packed = row0 + wm * 16 + g + 8 * half;
+    // (Padding rows past G * Nq take the last query head's slope: finite, and never stored.)
     const int i = packed % p.nq, h = hk * p.group + min(packed / p.nq, p.group - 1);
     query_pos[half] = length - p.nq + i;
     slope_log2[half] = p.alibi_on ? Acc(p.alibi_slopes[b * p.alibi_stride[0] + h * p.alibi_stride[1]]) * log2e<Acc>()
@@ -509,20 +505,17 @@ attention_decode(const KVCacheParams p) {
   const int rows = min(Tr::ROWS, packed_rows - row0);
   const i64 all_rows = static_cast<i64>(p.batch) * p.hq * p.nq;
   for (int e = threadIdx.x; e < rows * p.dv; e += Tr::THREADS) {
-    const int r = e / p.dv, c = e % p.dv, packed = row0 + r;
-    const int h = hk * p.group + packed / p.nq, i = packed % p.nq;
+    const int r = e / p.dv, c = e % p.dv;
+    const PackedRow row(p, b, hk, row0 + r);
     const Acc x = poisoned ? nan_of<Acc>() : merged[r * Tr::OUT_STRIDE + c];
     if (direct) {
-      static_cast<T*>(p.out)[b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2] + c] = from_acc<T>(x);
+      row.out<T>(p, b)[c] = from_acc<T>(x);
     } else {
-      const i64 flat = (static_cast<i64>(b) * p.hq + h) * p.nq + i;
-      static_cast<Acc*>(p.out_part)[(split * all_rows + flat) * p.dv + c] = x;
+      static_cast<Acc*>(p.out_part)[(split * all_rows + row.flat) * p.dv + c] = x;
     }
   }
   for (int r = threadIdx.x; r < rows; r += Tr::THREADS) {
-    const int packed = row0 + r;
-    const int h = hk * p.group + packed / p.nq, i = packed % p.nq;
-    const i64 flat = (static_cast<i64>(b) * p.hq + h) * p.nq + i;
+    const i64 flat = PackedRow(p, b, hk, row0 + r).flat;
     const Acc x = poisoned ? nan_of<Acc>() : states[2 * WARPS_N * Tr::ROWS + r];
     if (direct) {
       if (p.lse) static_cast<Acc*>(p.lse)[flat] = x;

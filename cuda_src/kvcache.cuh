@@ -7,7 +7,7 @@ constexpr int MAX_SPLITS = 128;  // splits of one sequence at most (cupyflash/_c
 
 // Host mirror: cupyflash/_cuda/decode.py, PARAMS_DTYPE (same field order, C alignment). Strides in elements.
 struct KVCacheParams {
-  const void* q;            // (B, Hq, Nq, D) any strides, or the rotated copy (B, Hq, Nq, D) when rotary
+  const void* q;            // (B, Hq, Nq, D), unit last stride; the rotated copy (B, Hq, Nq, D) when rotary
   void* k_cache;            // (B or num_pages, Hk, Ncache or page_size, D), unit last stride
   void* v_cache;            // same with Dv
   const void* k_new;        // (B, Hk, Nnew, D): appended at cache_seqlens[b] ...
@@ -32,14 +32,37 @@ struct KVCacheParams {
   i64 out_stride[3];            // b, h, n
   i64 block_table_stride;
   i64 alibi_stride[2];
-  int batch, hq, hk, group, nq, nnew, d, dv;
-  int page_size, num_pages, capacity, paged;
-  int rotary_half, max_pos, rotary_interleaved, rotary_q_advance;
-  int window_left, window_right;  // causal folded in (right = 0); -1 = unbounded
-  int softcap_on, alibi_on, vec_ok;
-  int max_splits, min_tiles_per_split, row_tiles, seqlen_all;
-  float scale_log2, softcap_k, softcap_log2;           // log2(e) * scale, scale / softcap, log2(e) * softcap
-  double scale_log2_f64, softcap_k_f64, softcap_log2_f64;
+  int batch;
+  int hq;
+  int hk;
+  int group;  // Hq / Hk
+  int nq;
+  int nnew;
+  int d;
+  int dv;
+  int page_size;  // positions per page (contiguous: Ncache)
+  int num_pages;
+  int capacity;  // positions a sequence can hold
+  int paged;
+  int rotary_half;  // rotary_dim / 2; 0 without rotary
+  int max_pos;
+  int rotary_interleaved;
+  int rotary_q_advance;  // queries rotated at cache_seqlens + i (causal or a window), else at cache_seqlens
+  int window_left;  // -1 = unbounded
+  int window_right;  // causal folded in (right = 0); -1 = unbounded
+  int softcap_on;
+  int alibi_on;
+  int vec_ok;  // cache rows in whole, aligned 16-byte chunks
+  int max_splits;
+  int min_tiles_per_split;
+  int row_tiles;
+  int seqlen_all;
+  float scale_log2;  // log2(e) * scale
+  float softcap_k;  // scale / softcap
+  float softcap_log2;  // log2(e) * softcap
+  double scale_log2_f64;
+  double softcap_k_f64;
+  double softcap_log2_f64;
 };
 
 // The parameters' real numbers in a kernel's accumulator type A (float; double for float64 inputs).
@@ -89,12 +112,13 @@ template <typename T> __device__ __forceinline__ float softcap_tanh(float x) {
 }
 template <typename T> __device__ __forceinline__ double softcap_tanh(double x) { return tanh(x); }
 
-// Sequence b's length after the append (L_b = cache_seqlens[b] + Nnew), or -1 when its values are out of
-// range: a negative length, more positions than the cache holds, or rotary positions past the tables.
-// Such a sequence is left alone by the append and gets NaN rows from the attention.
+// Sequence b's cached positions before the append.
 __device__ __forceinline__ int cached_length(const KVCacheParams& p, int b) {
   return p.cache_seqlens ? p.cache_seqlens[b] : p.seqlen_all;
 }
+// Sequence b's length after the append (L_b = cache_seqlens[b] + Nnew), or -1 when its values are out of
+// range: a negative length, more positions than the cache holds, or rotary positions past the tables.
+// Such a sequence is left alone by the append and gets NaN rows from the attention.
 __device__ __forceinline__ int sequence_length(const KVCacheParams& p, int b) {
   const int cached = cached_length(p, b);
   if (cached < 0 || cached > p.capacity - p.nnew) return -1;
@@ -105,6 +129,19 @@ __device__ __forceinline__ int sequence_length(const KVCacheParams& p, int b) {
   }
   return cached + p.nnew;
 }
+
+// Packed row `packed` of key/value head hk in sequence b (the G query heads of hk share a tile's rows):
+// query head h = hk * G + packed / Nq, query i = packed % Nq, and `flat` its index in (B, Hq, Nq).
+struct PackedRow {
+  int h, i;
+  i64 flat;
+  __device__ __forceinline__ PackedRow(const KVCacheParams& p, int b, int hk, int packed)
+      : h(hk * p.group + packed / p.nq), i(packed % p.nq), flat((static_cast<i64>(b) * p.hq + h) * p.nq + i) {}
+  template <typename T>
+  __device__ __forceinline__ T* out(const KVCacheParams& p, int b) const {
+    return static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+  }
+};
 
 // The page (contiguous: the sequence) and the row within it of position pos of sequence b; page -1 when
 // the block table points outside the cache.

@@ -14,6 +14,7 @@ import numpy as np
 from cupyflash._arrays import cupy, is_cupy, lse_dtype
 
 MAX_HEAD_DIM = 256  # the widest head dim D (and Dv) the kernels take
+MAX_SPLITS = 128  # the most parts attention_with_kvcache splits a sequence's keys into (cuda_src/kvcache.cuh)
 SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
 
 

@@ -11,6 +11,7 @@ import numpy as np
 from cupyflash import _kvcache_args, _kvcache_cpu
 from cupyflash._arrays import Array, is_cupy, lse_dtype
 from cupyflash._cuda import decode as _gpu_decode
+from cupyflash._cuda import decode_fast as _gpu_fast
 
 
 def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k: Array | None = None,
@@ -87,12 +88,12 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k: Array | 
     if is_cupy(q) and not _kvcache_args.check_values_requested():
         # A layout checked before (a serving loop calls with the same layout every layer of every step)
         # skips the checks: only an int cache_seqlens' range is checked again.
-        key = _gpu_decode.fast_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
+        key = _gpu_fast.fast_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
                                    rotary_interleaved, causal, scale, window, softcap, alibi_slopes, num_splits,
                                    return_lse)
-        plan = _gpu_decode.fast_plan(key)
+        plan = _gpu_fast.fast_plan(key)
         if plan is not None:
-            found = _gpu_decode.run_fast(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos,
+            found = _gpu_fast.run_fast(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos,
                                          rotary_sin, alibi_slopes, return_lse)
             if found is not None:
                 return found if return_lse else found[0]
@@ -111,6 +112,6 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k: Array | 
         out, lse = _kvcache_cpu.attention_with_kvcache(call)
     else:
         out, lse = _gpu_decode.attention_with_kvcache(call)
-        _gpu_decode.remember(key, call, q, k, v, block_table, rotary_cos, rotary_sin, alibi_slopes,
+        _gpu_fast.remember(key, call, q, k, v, block_table, rotary_cos, rotary_sin, alibi_slopes,
                              cache_seqlens)
     return (out, lse) if call.return_lse else out

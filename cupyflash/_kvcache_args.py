@@ -27,9 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from cupyflash._arrays import cupy, lse_dtype
-from cupyflash._checks import (MAX_HEAD_DIM, SUPPORTED_DTYPES, check_array_types, check_bool, check_dtypes,
-                               resolve_scale)
-from cupyflash._cuda.decode_tiles import MAX_SPLITS
+from cupyflash._checks import (MAX_HEAD_DIM, MAX_SPLITS, SUPPORTED_DTYPES, check_array_types, check_bool,
+                               check_dtypes, resolve_scale)
 from cupyflash._modifiers import check_softcap, check_window
 
 
@@ -122,9 +121,22 @@ class KVCacheCall:
         return left, right
 
     def rotary_query_positions_advance(self) -> bool:
-        """Whether query i is rotated at cache_seqlens + i (causal or a window) rather than at cache_seqlens
-        for every query: FlashAttention-2's rule, so that ported models get the same numbers."""
-        return self.causal or self.window != (-1, -1)
+        return queries_advance(self.causal, self.window)
+
+    def rotary_span(self) -> int:
+        return rotary_span(self.nnew, self.nq, self.rotary_query_positions_advance())
+
+
+def queries_advance(causal: bool, window: tuple) -> bool:
+    """Whether query i is rotated at cache_seqlens + i (causal or a window) rather than at cache_seqlens for
+    every query: FlashAttention-2's rule, so that ported models get the same numbers."""
+    return causal or window != (-1, -1)
+
+
+def rotary_span(nnew: int, nq: int, advance: bool) -> int:
+    """Rotary positions a sequence uses from cache_seqlens on: its new keys', and its queries' (Nq of them when
+    they advance, else one). The kernels check the same (kvcache.cuh, sequence_length)."""
+    return max(nnew, nq if advance else min(nq, 1))
 
 
 def check_values_requested() -> bool:
@@ -203,10 +215,8 @@ def resolve(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=N
         _check_block_table(block_table, k_cache.shape[0], lengths, nnew, k_cache.shape[2])
     causal = check_bool("causal", causal)
     window = check_window(window)
-    # Rotary positions used: new keys up to cache_seqlens + Nnew - 1; queries up to cache_seqlens + Nq - 1
-    # when they advance (causal or a window), else all at cache_seqlens.
-    query_span = nq if (causal or window != (-1, -1)) else min(nq, 1)
-    cos, sin = _resolve_rotary(xp, rotary_cos, rotary_sin, d, q.dtype, lengths, max(nnew, query_span))
+    span = rotary_span(nnew, nq, queries_advance(causal, window))
+    cos, sin = _resolve_rotary(xp, rotary_cos, rotary_sin, d, q.dtype, lengths, span)
     softcap = check_softcap(softcap)
     scale = resolve_scale(scale, d)
     if alibi_slopes is not None:
@@ -268,7 +278,10 @@ def _resolve_seqlens(xp, cache_seqlens, batch, limit, paged):
         lengths = cupy.asnumpy(cache_seqlens)
     if lengths is not None:
         _check_seqlen_values(lengths, limit, where)
-    # The kernels read it as a contiguous int32 vector: a cast or a strided view is copied.
+    # The kernels read it as a contiguous int32 vector: a cast or a strided view is copied. Values past int32
+    # are clipped first (not wrapped), so that they stay out of range and the kernels give NaN rows.
+    if cache_seqlens.dtype != np.int32:
+        cache_seqlens = xp.clip(cache_seqlens, -2**31, 2**31 - 1)
     return xp.ascontiguousarray(cache_seqlens, dtype=np.int32), None, lengths
 
 

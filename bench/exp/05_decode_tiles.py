@@ -18,7 +18,7 @@ import cupy  # noqa: E402
 
 from bench_decode import Problem, gpu_time_us, ours, peer, rotating, _bf16  # noqa: E402
 from cupyflash._cuda import compile as _compile  # noqa: E402
-from cupyflash._cuda import decode, decode_tiles  # noqa: E402
+from cupyflash._cuda import decode, decode_fast, decode_tiles  # noqa: E402
 
 HEAD = int(os.environ.get("HEAD", "128"))  # the head dim whose 16-row entry is varied
 
@@ -38,7 +38,7 @@ def main():
             decode_tiles.TABLE[(2, HEAD, 16)] = config
             decode.WAVES = waves
             decode._plans.clear()
-            decode._fast.clear()
+            decode_fast._fast.clear()
             _compile.modules.clear()  # the variant's name is the same; its tiles are not
             mine = cupy.asarray(ours(problem)(problem.sets[0]), dtype=np.float32)
             theirs = cupy.from_dlpack(peer(problem, "flash")(problem.sets[0]).contiguous()).astype(np.float32)

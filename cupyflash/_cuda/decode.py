@@ -15,34 +15,15 @@ import threading
 import numpy
 
 from cupyflash._arrays import cupy, lse_dtype
+from cupyflash._checks import MAX_SPLITS
 from cupyflash._cuda import compile as _compile
 from cupyflash._cuda import decode_tiles
+from cupyflash._cuda.source import MAX_GRID_Y
+from cupyflash._cuda.decode_params import (ALIBI, BLOCK_TABLE, COS, K_CACHE, K_NEW, LOG2E, LSE, OUT, PARAMS_BYTES,
+                                           PARAMS_DTYPE, Q, SEQLEN_ALL, SEQLENS, SIN, V_CACHE, V_NEW, WORD)
 
-_LOG2E = 1.4426950408889634
-_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "out_part", "lse_part", "cache_seqlens",
-             "block_table", "rotary_cos", "rotary_sin", "alibi_slopes", "q_rot", "split_counters")
-# Host mirror of `struct KVCacheParams` (cuda_src/kvcache.cuh): same field order, C alignment.
-PARAMS_DTYPE = numpy.dtype(
-    [(name, numpy.uint64) for name in _POINTERS]
-    + [(name, numpy.int64, (3,)) for name in ("q_stride", "q_in_stride", "k_stride", "v_stride", "k_new_stride",
-                                               "v_new_stride", "out_stride")]
-    + [("block_table_stride", numpy.int64), ("alibi_stride", numpy.int64, (2,))]
-    + [(name, numpy.int32) for name in ("batch", "hq", "hk", "group", "nq", "nnew", "d", "dv", "page_size",
-                                        "num_pages", "capacity", "paged", "rotary_half", "max_pos",
-                                        "rotary_interleaved", "rotary_q_advance", "window_left", "window_right",
-                                        "softcap_on", "alibi_on", "vec_ok", "max_splits", "min_tiles_per_split",
-                                        "row_tiles", "seqlen_all")]
-    + [(name, numpy.float32) for name in ("scale_log2", "softcap_k", "softcap_log2")]
-    + [(name, numpy.float64) for name in ("scale_log2_f64", "softcap_k_f64", "softcap_log2_f64")],
-    align=True,
-)
-PARAMS_BYTES = numpy.dtype((numpy.void, PARAMS_DTYPE.itemsize))
-_WORD = {name: PARAMS_DTYPE.fields[name][1] // 8 for name in _POINTERS}  # each pointer's uint64 word
-_SEQLEN_ALL = PARAMS_DTYPE.fields["seqlen_all"][1] // 4  # its int32 word
-(_Q, _K_CACHE, _V_CACHE, _K_NEW, _V_NEW, _OUT, _LSE, _SEQLENS, _BLOCK_TABLE, _COS, _SIN, _ALIBI) = (
-    _WORD[name] for name in ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "cache_seqlens",
-                             "block_table", "rotary_cos", "rotary_sin", "alibi_slopes"))
 MIN_TILES_PER_SPLIT = 1
+MAX_PLANS = 256  # layouts whose plans (and workspaces) are kept
 _PER_THREAD_STREAM = 2  # cudaStreamPerThread: CuPy's Stream.ptds
 WAVES = 1.0  # waves of CTAs the split count aims for
 
@@ -64,7 +45,7 @@ def split_count(batch: int, hk: int, row_tiles: int, capacity: int, variant, dev
     as many of them as its own length fills (kvcache.cuh, split_plan)."""
     work = batch * hk * row_tiles
     slots = _compile.sm_count(device_id) * _ctas_per_sm(variant, device_id)
-    limit = max(1, min(decode_tiles.MAX_SPLITS, math.ceil(math.ceil(capacity / variant.block_n) / MIN_TILES_PER_SPLIT)))
+    limit = max(1, min(MAX_SPLITS, math.ceil(math.ceil(capacity / variant.block_n) / MIN_TILES_PER_SPLIT)))
     fill = {}
     for splits in range(1, limit + 1):
         waves = work * splits / slots
@@ -97,8 +78,7 @@ class Plan:
         # The largest int cache_seqlens this layout takes: the cache's room, and the rotary tables' positions.
         self.seqlen_limit = call.capacity - call.nnew
         if call.rotary_cos is not None:
-            span = max(call.nnew, call.nq if call.rotary_query_positions_advance() else min(call.nq, 1))
-            self.seqlen_limit = min(self.seqlen_limit, call.rotary_cos.shape[0] - span)
+            self.seqlen_limit = min(self.seqlen_limit, call.rotary_cos.shape[0] - call.rotary_span())
         packed = call.group * call.nq
         self.variant = decode_tiles.choose(call.dtype.name, call.d, call.dv, packed,
                                            call.page_size if call.paged else None)
@@ -111,7 +91,7 @@ class Plan:
         row_tiles = max(1, math.ceil(packed / self.variant.rows))
         self.max_splits = call.num_splits or split_count(call.batch, call.hk, row_tiles, call.capacity,
                                                          self.variant, device)
-        self.max_splits = min(self.max_splits, decode_tiles.MAX_SPLITS)
+        self.max_splits = min(self.max_splits, MAX_SPLITS)
         self.rotary = call.rotary_cos is not None
         self.append = call.nnew > 0 or self.rotary
         words = numpy.zeros(1, PARAMS_DTYPE)
@@ -128,7 +108,9 @@ class Plan:
             w["block_table_stride"] = _elements(call.block_table)[0]
         if call.alibi_slopes is not None:
             w["alibi_stride"] = _elements(call.alibi_slopes)
-        left, right = call.window_with_causal()
+        # A window wider than any sequence hides nothing: clamped, its edges stay in int32 in the kernels.
+        reach = call.capacity + call.nq
+        left, right = (min(edge, reach) for edge in call.window_with_causal())
         for name, value in dict(batch=call.batch, hq=call.hq, hk=call.hk, group=call.group, nq=call.nq,
                                 nnew=call.nnew, d=call.d, dv=call.dv, page_size=call.page_size,
                                 num_pages=call.k_cache.shape[0], capacity=call.capacity, paged=call.paged,
@@ -141,14 +123,18 @@ class Plan:
                                 max_splits=self.max_splits, min_tiles_per_split=MIN_TILES_PER_SPLIT,
                                 row_tiles=row_tiles).items():
             w[name] = int(value)
-        scale_log2 = call.scale * _LOG2E
+        scale_log2 = call.scale * LOG2E
         softcap_k = call.scale / call.softcap if call.softcap > 0 else 0.0
-        softcap_log2 = call.softcap * _LOG2E
+        softcap_log2 = call.softcap * LOG2E
         w["scale_log2"], w["softcap_k"], w["softcap_log2"] = scale_log2, softcap_k, softcap_log2
         w["scale_log2_f64"], w["softcap_k_f64"], w["softcap_log2_f64"] = scale_log2, softcap_k, softcap_log2
         # Kept as plain words: copying a structured array costs microseconds a call, a plain one a fraction.
         self.words = words.view(numpy.uint64).copy()
         self.decode_grid = (self.max_splits, call.hk * row_tiles, call.batch)
+        if self.decode_grid[1] > MAX_GRID_Y or self.decode_grid[2] > MAX_GRID_Y:
+            raise ValueError(f"attention_with_kvcache takes at most {MAX_GRID_Y} sequences (B = {call.batch}) and "
+                             f"{MAX_GRID_Y} tiles of {self.variant.rows} packed query rows per sequence (Hk * "
+                             f"ceil(G * Nq / {self.variant.rows}) = {self.decode_grid[1]}); split the call")
         parts = (2 if call.nnew else 0) + (1 if self.rotary else 0)
         units = max(call.batch * call.hk * call.nnew * max(call.d, call.dv), call.batch * call.hq * call.nq * call.d)
         blocks = min(math.ceil(units / decode_tiles.APPEND_THREADS), 8 * _compile.sm_count(device))
@@ -159,15 +145,25 @@ class Plan:
             q_rot=((call.batch, call.hq, call.nq, call.d) if self.rotary else None),
             split_counters=((call.batch * call.hk * row_tiles,) if self.max_splits > 1 else None))
         self._workspaces: dict = {}  # stream (and thread, for the per-thread default stream) -> workspace
+        self.pinned = False  # ran inside a CUDA-graph capture (workspace)
 
     def workspace(self) -> tuple[dict, numpy.ndarray]:
         """This plan's scratch arrays on the current stream (made on its first call there), and the
-        parameter words with their addresses filled in."""
-        stream = cupy.cuda.get_current_stream().ptr
+        parameter words with their addresses filled in. A plan that runs inside a CUDA-graph capture is
+        pinned: its workspace must live as long as the graph, so plan_for never evicts it. (Only a created
+        stream can capture, so the default streams skip the test.)"""
+        current = cupy.cuda.get_current_stream()
+        stream = current.ptr
+        capturing = stream not in (0, _PER_THREAD_STREAM) and current.is_capturing()
         if stream == _PER_THREAD_STREAM:  # one pointer, but each thread's own stream
             stream = (stream, threading.get_ident())
         found = self._workspaces.get(stream)
+        if capturing:
+            self.pinned = True
         if found is None:
+            if capturing:
+                raise RuntimeError("attention_with_kvcache: call once on this stream with this layout before "
+                                   "capturing it in a CUDA graph (the first call allocates the workspace)")
             arrays = {}
             for name, shape in self.workspace_shapes.items():
                 if name == "split_counters" and shape is not None:  # zero between calls: the kernel resets them
@@ -176,7 +172,7 @@ class Plan:
                     arrays[name] = cupy.empty(shape, dtype=self.dtype if name == "q_rot" else self.acc)
             words = self.words.copy()
             for name, array in arrays.items():
-                words[_WORD[name]] = array.data.ptr
+                words[WORD[name]] = array.data.ptr
             found = self._workspaces[stream] = (arrays, words)
         return found
 
@@ -188,21 +184,21 @@ class Plan:
         lse = cupy.empty(self.out_shape[:3], dtype=self.acc) if want_lse and not append_only else None
         scratch, template = self.workspace()
         u64 = template.copy()
-        u64[_Q], u64[_K_CACHE], u64[_V_CACHE] = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr
-        for word, array in ((_K_NEW, k), (_V_NEW, v), (_OUT, out), (_LSE, lse), (_BLOCK_TABLE, block_table),
-                            (_COS, cos), (_SIN, sin), (_ALIBI, alibi_slopes)):
+        u64[Q], u64[K_CACHE], u64[V_CACHE] = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr
+        for word, array in ((K_NEW, k), (V_NEW, v), (OUT, out), (LSE, lse), (BLOCK_TABLE, block_table),
+                            (COS, cos), (SIN, sin), (ALIBI, alibi_slopes)):
             if array is not None:
                 u64[word] = array.data.ptr
         if type(cache_seqlens) is int:
-            u64.view(numpy.int32)[_SEQLEN_ALL] = cache_seqlens
+            u64.view(numpy.int32)[SEQLEN_ALL] = cache_seqlens
         else:
-            u64[_SEQLENS] = cache_seqlens.data.ptr
+            u64[SEQLENS] = cache_seqlens.data.ptr
         if self.append:  # kvcache_append reads the caller's q (its q_rot word holds the rotated copy)
             self._append(self.append_grid, self._append_block, (u64.view(PARAMS_BYTES),))
         if append_only:
             return None
         if self.rotary:
-            u64[_Q] = scratch["q_rot"].data.ptr
+            u64[Q] = scratch["q_rot"].data.ptr
         self._decode(self.decode_grid, self._decode_block, (u64.view(PARAMS_BYTES),), shared_mem=self._smem)
         return out, lse
 
@@ -226,6 +222,10 @@ def plan_for(call) -> Plan:
         with _lock:
             plan = _plans.get(key)
             if plan is None:
+                if len(_plans) >= MAX_PLANS:  # the oldest unpinned layout goes (dicts keep insertion order)
+                    oldest = next((k for k, p in _plans.items() if not p.pinned), None)
+                    if oldest is not None:
+                        _plans.pop(oldest)
                 plan = _plans[key] = Plan(call, vec_ok)
     return plan
 
@@ -246,58 +246,3 @@ def append(call) -> None:
     """Only the append (and nothing to attend: Nq == 0)."""
     plan_for(call).run(call.q, call.k_cache, call.v_cache, call.k, call.v, _seqlens(call), call.block_table,
                        call.rotary_cos, call.rotary_sin, call.alibi_slopes, append_only=True)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The fast path: a call whose arguments have the layout of an earlier, fully checked call skips the checks.
-# ---------------------------------------------------------------------------------------------------------
-_fast: dict[tuple, Plan] = {}
-
-
-def _array_key(x):
-    return None if x is None else (x.shape, x.strides, x.dtype, x.data.ptr % 16, x.device.id)
-
-
-def fast_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved,
-             causal, scale, window, softcap, alibi_slopes, num_splits, return_lse):
-    """Everything the checks and the plan depend on, but the addresses and an int cache_seqlens' value; None
-    where a call cannot take the fast path (unhashable options)."""
-    try:
-        seqlens = "int" if type(cache_seqlens) is int else _array_key(cache_seqlens)
-        key = (cupy.cuda.Device().id, _array_key(q), _array_key(k_cache), _array_key(v_cache), _array_key(k),
-               _array_key(v), seqlens, _array_key(block_table), _array_key(rotary_cos), _array_key(rotary_sin),
-               rotary_interleaved, causal, scale, window, softcap, _array_key(alibi_slopes), num_splits, return_lse)
-        hash(key)
-    except (AttributeError, TypeError):  # a NumPy array or an unhashable option: the checked path
-        return None
-    return key
-
-
-def remember(key, call, q, k, v, block_table, rotary_cos, rotary_sin, alibi_slopes, cache_seqlens) -> None:
-    """Let later calls with this key skip the checks, where the checked call launched on the caller's own
-    arrays (no cast or copy of rotary tables, slopes or lengths that the fast path would have to redo)."""
-    if key is None:
-        return
-    if rotary_cos is not None and (call.rotary_cos is not rotary_cos or call.rotary_sin is not rotary_sin):
-        return
-    if alibi_slopes is not None and alibi_slopes.dtype != numpy.float32:
-        return
-    if call.q is not q or call.k is not k or call.v is not v:  # copied to a unit last stride
-        return
-    if type(cache_seqlens) is not int and call.cache_seqlens is not cache_seqlens:  # cast or copied
-        return
-    if call.block_table is not block_table:  # copied to contiguous columns
-        return
-    _fast[key] = plan_for(call)
-
-
-def fast_plan(key):
-    return None if key is None else _fast.get(key)
-
-
-def run_fast(plan: Plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
-             alibi_slopes, return_lse):
-    if type(cache_seqlens) is int and not 0 <= cache_seqlens <= plan.seqlen_limit:
-        return None  # the checked path raises the error
-    return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes,
-                    want_lse=return_lse)

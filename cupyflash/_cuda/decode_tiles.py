@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from cupyflash._checks import MAX_SPLITS
 from cupyflash._cuda.source import OPTIONS, module_code, source_dir
 from cupyflash._cuda.tiles import SM80_SMEM_BYTES
 from cupyflash._cuda.variants import CTYPES, ITEMSIZES
@@ -21,12 +22,11 @@ HEADS = (32, 64, 128, 256)
 SOURCE = "attention_decode.cu"
 APPEND_SOURCE = "kvcache_append.cu"
 APPEND_THREADS = 256
-MAX_SPLITS = 128  # splits of one sequence at most (cuda_src/kvcache.cuh, MAX_SPLITS)
 
 # (element bytes, HEAD, rows per CTA) -> (WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES). STAGES = 1 is one
 # buffer each for k and v whose copies interleave with the products (v of a tile lands while its scores
-# are computed, k of the next while P v is): half the shared memory of two stages, so more CTAs per SM;
-# on an H100 it beat every ring for bf16 D = 128 (bench/log/NOTES.md).
+# are computed, k of the next while P v is): half the shared memory of two stages; on an H100 it beat every
+# ring shape for bf16 D = 64 and 128 (docs/design/decode.md).
 # Rows are packed query rows (G query heads x Nq queries of one key/value head). 16 rows: four warps split
 # each tile's keys (a decode step's few rows would leave three of four m16 tiles empty); 64 rows: four row
 # blocks (speculative decoding, chunks). WARPS_DV > 1 splits v's columns where the accumulators of a whole
@@ -58,8 +58,7 @@ TABLE = {
 }
 # Paged caches whose pages are not a multiple of BLOCK_N positions: their tiles' rows are looked up and
 # addressed one by one, and a ring of more threads issues those copies faster than the interleaved tile
-# (bf16, D = 128, page size 16, B = 8, Nk = 32k on an H100: 1.26x the contiguous time with the interleaved
-# tile, 1.02x with this one).
+# (docs/design/decode.md).
 TABLE_ROWWISE = {
     (2, 64, 16): (1, 8, 1, 128, 2),
     (2, 128, 16): (1, 8, 2, 128, 2),
@@ -177,4 +176,5 @@ def choose(dtype: str, d: int, dv: int, packed_rows: int, page_size: int | None 
     return variant
 
 
-assert all(v.smem("decode") <= SM80_SMEM_BYTES for v in shipped_variants())
+STATIC_SMEM_BYTES = 64  # the kernel's own __shared__ variables (the merge's arrival count), with room to spare
+assert all(v.smem("decode") + STATIC_SMEM_BYTES <= SM80_SMEM_BYTES for v in shipped_variants())

@@ -491,3 +491,49 @@ def test_merge_attention_states(rng, dtype):
     with nan_filled_allocations():
         ours = cupyflash.merge_attention_states_stacked(cupy.asarray(out), cupy.asarray(lse))
     _assert_merge_close(ours, cupyflash.merge_attention_states_stacked(out, lse), dtype)
+
+
+# ------------------------------------------------------------------------------------ edges of the argument space
+def _small(rng, batch=2, capacity=40, nq=1, d=32):
+    """A contiguous float32 problem on the GPU: q, k_cache, v_cache and int32 cache_seqlens."""
+    q = cupy.asarray(random_array(rng, (batch, 4, nq, d), np.float32))
+    k_cache, v_cache = (cupy.asarray(random_array(rng, (batch, 2, capacity, d), np.float32)) for _ in range(2))
+    seqlens = cupy.asarray(rng.integers(1, capacity + 1, batch).astype(np.int32))
+    return q, k_cache, v_cache, seqlens
+
+
+@pytest.mark.parametrize("window", [(-1, 2**31 - 2), (2**31, 0), (2**40, 2**40)])
+def test_a_window_wider_than_any_sequence_hides_nothing(rng, window):
+    """Window edges past int32 or past any length mean unbounded on that side, as on the CPU path."""
+    q, k_cache, v_cache, seqlens = _small(rng)
+    with nan_filled_allocations():
+        out = cupyflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, window=window)
+    expected = cupyflash.attention_with_kvcache(*(cupy.asnumpy(x) for x in (q, k_cache, v_cache)),
+                                                cache_seqlens=cupy.asnumpy(seqlens), window=window)
+    assert max_abs(cupy.asnumpy(out) - expected) <= 1e-5 * max(1.0, max_abs(expected))
+
+
+def test_the_fast_path_keeps_the_checks_on_option_types(rng):
+    """A layout seen before with causal=True does not let causal=1 through: the checks reject it."""
+    q, k_cache, v_cache, seqlens = _small(rng)
+    cupyflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cupyflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=1)
+    with pytest.raises(ValueError, match="num_splits"):
+        cupyflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=True)
+
+
+def test_int64_lengths_past_int32_are_out_of_range_not_wrapped(rng):
+    """2**32 + 5 cached positions is out of range (NaN rows), not position 5."""
+    q, k_cache, v_cache, seqlens = _small(rng)
+    lengths = cupy.asarray(np.array([2**32 + 5, 7], dtype=np.int64))
+    out, lse = cupyflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, return_lse=True)
+    assert bool(cupy.isnan(out[0]).all()) and bool(cupy.isnan(lse[0]).all())
+    assert not bool(cupy.isnan(out[1]).any())
+
+
+def test_more_sequences_than_a_grid_holds_raise(rng):
+    """B past CUDA's grid limit is a clear error, not a failed launch."""
+    q, k_cache, v_cache, _ = _small(rng, batch=65536, capacity=1, d=8)
+    with pytest.raises(ValueError, match="at most 65535 sequences"):
+        cupyflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=1)

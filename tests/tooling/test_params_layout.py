@@ -1,13 +1,15 @@
 """The host's mirror of the kernels' parameter struct (cupyflash/_cuda/params.py, PARAMS_DTYPE) lists the
 fields of ``struct AttnParams`` (cuda_src/params.cuh) in the same order with the same sizes: a field added to
 one and not the other, or in another place, shifts every later field and the kernels read garbage. The
-same for the float32 split's ``struct SplitJobs`` (cuda_src/split_f32.cu, cupyflash/_cuda/f32_pieces.py)."""
+same for the float32 split's ``struct SplitJobs`` (cuda_src/split_f32.cu, cupyflash/_cuda/f32_pieces.py) and the
+decode kernels' ``struct KVCacheParams`` (cuda_src/kvcache.cuh, cupyflash/_cuda/decode_params.py)."""
 
 import re
 
 import numpy as np
 
-from cupyflash._cuda import f32_pieces, launch, params
+from cupyflash._checks import MAX_SPLITS
+from cupyflash._cuda import decode_params, f32_pieces, launch, params
 from cupyflash._cuda.source import source_dir
 
 _SIZES = {"void*": 8, "float*": 8, "int*": 8, "unsigned char*": 8, "u16*": 8, "u32*": 8, "i64": 8, "long long": 8,
@@ -58,3 +60,18 @@ def test_the_launch_arguments_are_the_structs_bytes():
     keys, offset = params.PARAMS_DTYPE.fields["dropout_keys"][:2]
     assert keys.base == np.dtype(np.uint32) and keys.shape == (20,)
     assert launch._KEY_WORDS == slice(offset // 4, offset // 4 + 20)
+
+
+def test_kvcache_struct_mirrors_the_kernels_struct():
+    host = [(name, decode_params.PARAMS_DTYPE.fields[name][0].itemsize) for name in decode_params.PARAMS_DTYPE.names]
+    assert host == _struct_fields("kvcache.cuh", "KVCacheParams")
+    assert decode_params.PARAMS_BYTES.itemsize == decode_params.PARAMS_DTYPE.itemsize
+    for name, word in decode_params.WORD.items():
+        base, offset = decode_params.PARAMS_DTYPE.fields[name][:2]
+        assert base == np.dtype(np.uint64) and offset == 8 * word, name
+
+
+def test_the_split_limit_is_the_kernels():
+    """The merge's shared memory holds MAX_SPLITS weights a row: the host must never ask for more."""
+    text = (source_dir() / "kvcache.cuh").read_text()
+    assert int(re.search(r"constexpr int MAX_SPLITS = (\d+);", text).group(1)) == MAX_SPLITS
