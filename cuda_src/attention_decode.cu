@@ -7,18 +7,19 @@
 // tile's rows, row r = g * Nq + i (query head hk * G + g, query i), so each key is read once per
 // key/value head, not once per query head.
 //
-// Layout: q (B, Hq, Nq, D) any strides but a unit last one; cache position pos of sequence b is row pos of (b, hk) of a
-// contiguous cache, or row pos % page_size of page block_table[b, pos / page_size] (kvcache.cuh).
+// Layout: q (B, Hq, Nq, D) any strides but a unit last one; cache position pos of sequence b is row pos of
+// (b, hk) of a contiguous cache, or row pos % page_size of page block_table[b, pos / page_size] (kvcache.cuh).
 // Grid: x = split, y = hk * row_tiles + row tile, z = b. A CTA streams its split's key tiles through a
-// STAGES-deep cp.async ring. Its warps divide a tile three ways: WARPS_M row blocks of 16, WARPS_N key
+// STAGES-deep cp.async ring, or (STAGES = 1) one buffer each for k and v whose copies interleave with the
+// products. Its warps divide a tile three ways: WARPS_M row blocks of 16, WARPS_N key
 // slices (each warp keeps its own online-softmax state over its slices; the states are merged in shared
 // memory at the end) and WARPS_DV column slices of v (warps of one row block and key slice compute the same
 // scores; a wide Dv then needs fewer accumulator registers per thread).
 //
 // Saves: out and lse directly for a sequence that takes one split; otherwise each split's normalized out
 // and lse (accumulator dtype) in out_part / lse_part, and the CTA of the last split to finish merges them
-// by their log-sum-exp (merge_splits), so one launch does it all. A sequence whose values
-// are out of range (kvcache.cuh), or whose block table points outside the cache, gets NaN rows.
+// by their log-sum-exp (merge_splits), so one launch does it all. A sequence whose values are out of range
+// (kvcache.cuh), or whose block table points outside the cache where it reads, gets NaN rows.
 #include "common.cuh"
 #include "mma.cuh"
 #include "copy.cuh"

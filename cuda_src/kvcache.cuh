@@ -3,9 +3,10 @@
 #pragma once
 #include "common.cuh"
 
-constexpr int MAX_SPLITS = 128;  // splits of one sequence at most (cupyflash/_cuda/decode_tiles.py)
+constexpr int MAX_SPLITS = 128;  // splits of one sequence at most (cupyflash/_checks.py, MAX_SPLITS)
 
-// Host mirror: cupyflash/_cuda/decode.py, PARAMS_DTYPE (same field order, C alignment). Strides in elements.
+// Host mirror: cupyflash/_cuda/decode_params.py, PARAMS_DTYPE (same field order, C alignment; checked by
+// tests/tooling/test_params_layout.py). Strides in elements.
 struct KVCacheParams {
   const void* q;            // (B, Hq, Nq, D), unit last stride; the rotated copy (B, Hq, Nq, D) when rotary
   void* k_cache;            // (B or num_pages, Hk, Ncache or page_size, D), unit last stride
