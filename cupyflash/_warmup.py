@@ -20,6 +20,7 @@ import numpy as np
 from cupyflash._arrays import cupy
 from cupyflash._checks import MAX_HEAD_DIM, check_bool
 from cupyflash._cuda import compile as _compile
+from cupyflash._cuda import decode_tiles
 from cupyflash._cuda.tiles import HEAD_DIMS
 from cupyflash._cuda.variants import DTYPES, Features, row_width, select
 
@@ -44,7 +45,8 @@ _MODIFIER_CALLS = (
 
 def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPES,
            head_dims: int | Iterable[int] | None = None, causal: bool | Iterable[bool] = (False, True),
-           modifiers: bool = False, backward: bool = True, dropout: bool = False, verbose: bool = False) -> list:
+           modifiers: bool = False, backward: bool = True, dropout: bool = False, decode: bool = False,
+           verbose: bool = False) -> list:
     """Compile and load, on the current device, the kernels that later calls will need.
 
     Every combination of the arguments is warmed: the forward kernels of
@@ -77,6 +79,11 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPES,
     dropout : bool, optional
         Also warm the kernels that apply dropout (calls with ``dropout_p > 0``), for every
         combination above.
+    decode : bool, optional
+        Also warm the kernels of ``attention_with_kvcache`` for these dtypes and head dims (``max(D,
+        Dv)``): the tiles of a decode step and of more than 16 query rows per key/value head, and the one
+        for paged caches whose pages do not hold whole tiles. Every option of that function (masks,
+        softcap, ALiBi, rotary) runs in the same kernels.
     verbose : bool, optional
         Print one line per variant: what it is, the seconds it took, and whether it was
         ``compiled``, read from the ``disk cache`` or ``already loaded`` in this process (told
@@ -106,7 +113,7 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPES,
 
     Run under ``with cupy.cuda.Device(i):`` to warm device ``i``.
     """
-    variants = select_variants(dtypes, head_dims, causal, modifiers, backward, dropout)
+    variants = select_variants(dtypes, head_dims, causal, modifiers, backward, dropout, decode=decode)
     device_id = _current_device_id()
     for i, variant in enumerate(variants, 1):
         status, seconds = _load(device_id, variant)
@@ -115,7 +122,8 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPES,
     return variants
 
 
-def select_variants(dtypes, head_dims, causal, modifiers, backward, dropout=False, device=None) -> list:
+def select_variants(dtypes, head_dims, causal, modifiers, backward, dropout=False, device=None,
+                    decode=False) -> list:
     """The distinct variants ``warmup`` loads for these arguments (validated) on ``device`` (its abilities:
     a cupyflash._cuda.variants.Device; default the current device's, none without a GPU)."""
     dtypes = [_check_dtype(x) for x in _as_list("dtypes", dtypes)]
@@ -135,6 +143,8 @@ def select_variants(dtypes, head_dims, causal, modifiers, backward, dropout=Fals
                         for direction in directions:
                             features = Features(direction, dtype.name, width, is_causal, dropout=drop, **options)
                             variants.append(select(features, device))
+    if check_bool("decode", decode):
+        variants += [v for dtype in dtypes for d in dims for v in decode_tiles.variants_for_call(dtype.name, d)]
     return list(dict.fromkeys(variants))  # distinct, in order: with modifiers, causal shares one variant
 
 

@@ -158,6 +158,15 @@ def variants_for(arch: str) -> list[DecodeVariant]:
     return [v for v in shipped_variants() if arch in v.compile_targets()]
 
 
+def variants_for_call(dtype: str, width: int) -> list[DecodeVariant]:
+    """Every variant ``choose`` may pick for calls of this dtype with max(D, Dv) = ``width``: 16- and 64-row
+    tiles, and the row-wise tile for small pages where the table has one."""
+    head, itemsize = head_bucket(width, width), ITEMSIZES[dtype]
+    return ([DecodeVariant(dtype, head, rows) for rows in (16, 64) if (itemsize, head, rows) in TABLE]
+            + [DecodeVariant(dtype, head, rows, rowwise=True) for rows in (16, 64)
+               if (itemsize, head, rows) in TABLE_ROWWISE])
+
+
 def head_bucket(d: int, dv: int) -> int:
     width = max(d, dv)
     return next(h for h in HEADS if h >= width)

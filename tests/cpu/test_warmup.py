@@ -9,7 +9,7 @@ import pytest
 
 import cupyflash
 from cupyflash import _modifiers, _warmup
-from cupyflash._cuda import compile as compile_, tiles
+from cupyflash._cuda import compile as compile_, decode_tiles, tiles
 from cupyflash._cuda.variants import DTYPES, Device, Features, Variant, select, shipped_variants
 from helpers.gpu import gpu_available
 
@@ -237,3 +237,23 @@ def test_no_device_is_a_clear_runtime_error(monkeypatch, count):
 def test_without_a_gpu_warmup_raises_runtime_error():
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         cupyflash.warmup()
+
+
+def test_decode_warms_every_decode_variant_a_call_can_pick(recorder):
+    """With decode=True, each dtype and head dim adds the variants attention_with_kvcache's selection can
+    pick for it (any number of packed rows, contiguous or paged with any page size), and only those."""
+    rng = np.random.default_rng(0)
+    warmed = cupyflash.warmup(dtypes=["bf16", "fp64"], head_dims=[40, 200], backward=False, causal=False,
+                              decode=True)
+    decode = [v for v in warmed if isinstance(v, decode_tiles.DecodeVariant)]
+    assert recorder == warmed and len(decode) == len(set(decode))
+    assert set(decode) <= set(decode_tiles.shipped_variants())
+    for _ in range(200):
+        dtype = str(rng.choice(["bfloat16", "float64"]))
+        # max(D, Dv) in the kernel head dim that 40 (33-64) or 200 (129-256) rounds up to
+        width = int(rng.integers(33, 65)) if rng.random() < 0.5 else int(rng.integers(129, 257))
+        d, dv = (width, int(rng.integers(1, width + 1)))[::int(rng.choice([1, -1]))]
+        packed = int(rng.integers(1, 200))
+        page_size = None if rng.random() < 0.3 else int(rng.integers(1, 300))
+        assert decode_tiles.choose(dtype, d, dv, packed, page_size) in decode, (dtype, d, dv, packed, page_size)
+    assert not any(isinstance(v, decode_tiles.DecodeVariant) for v in cupyflash.warmup(dtypes="bf16", head_dims=64))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash._cuda import compile as compile_, launch
+from cupyflash._cuda import compile as compile_, decode, decode_fast, launch
 
 cupy = pytest.importorskip("cupy")
 
@@ -81,3 +81,24 @@ def test_warmup_selects_for_the_current_device():
     cc = int(cupy.cuda.Device().compute_capability)
     no_wgmma = os.environ.get("CUPYFLASH_NO_WGMMA", "0") not in ("", "0")
     assert device.wgmma == (cc == 90 and not no_wgmma) and device.large_smem == (cc >= 90)
+
+
+def test_after_warmup_with_decode_kvcache_calls_compile_nothing(monkeypatch, cold):
+    """warmup(decode=True) loads the decode kernels of a decode step, of a speculative step (more than 16 packed
+    rows) and of a paged cache with small pages: such calls then compile nothing."""
+    monkeypatch.setattr(decode, "_plans", {})
+    monkeypatch.setattr(decode_fast, "_fast", {})
+    cupyflash.warmup(dtypes="bfloat16", head_dims=128, causal=False, backward=False, decode=True)
+    monkeypatch.setattr(cupy, "RawModule", _no_compiling)
+    rng = np.random.default_rng(0)
+
+    def array(*shape):
+        return cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16))
+
+    k_cache, v_cache = array(2, 2, 256, 128), array(2, 2, 256, 128)
+    for nq in (1, 12):  # 8 query heads over 2: 4 and 48 packed rows
+        cupyflash.attention_with_kvcache(array(2, 8, nq, 128), k_cache, v_cache, cache_seqlens=100, causal=True)
+    pages = array(40, 2, 16, 128), array(40, 2, 16, 128)
+    table = cupy.asarray(rng.permutation(40)[:32].reshape(2, 16).astype(np.int32))
+    cupyflash.attention_with_kvcache(array(2, 8, 1, 128), *pages, cache_seqlens=200, block_table=table)
+    cupy.cuda.Device().synchronize()
