@@ -324,7 +324,9 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in results["rows"] if any(f"{p}_gpu_us" in r for p in ("flash", "cudnn"))]
-    labels = [f"{r['kind']} {r['dtype'][:4]} B{r['B']} Nq{r['Nq']} Nk{r['Nk'] // 1024}k D{r['D']}" for r in rows]
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+    labels = [f"{r['kind']} {short.get(r['dtype'], r['dtype'])} B{r['B']} Nq{r['Nq']} Nk{r['Nk'] // 1024}k D{r['D']}"
+              for r in rows]
     ratios = [r["ours_gpu_us"] / min(r[f"{p}_gpu_us"] for p in ("flash", "cudnn") if f"{p}_gpu_us" in r)
               for r in rows]
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 0.32 * len(rows) + 1.5), sharey=True)
