@@ -18,9 +18,9 @@ from cupyflash._arrays import cupy, lse_dtype
 from cupyflash._checks import MAX_SPLITS
 from cupyflash._cuda import compile as _compile
 from cupyflash._cuda import decode_tiles
-from cupyflash._cuda.source import MAX_GRID_Y
 from cupyflash._cuda.decode_params import (ALIBI, BLOCK_TABLE, COS, K_CACHE, K_NEW, LOG2E, LSE, OUT, PARAMS_BYTES,
                                            PARAMS_DTYPE, Q, SEQLEN_ALL, SEQLENS, SIN, V_CACHE, V_NEW, WORD)
+from cupyflash._cuda.source import MAX_GRID_Y
 
 MIN_TILES_PER_SPLIT = 1
 MAX_PLANS = 256  # layouts whose plans (and workspaces) are kept
