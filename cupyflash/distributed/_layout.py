@@ -1,0 +1,93 @@
+"""How a sequence is cut into shards, one per rank: which chunks of the sequence a rank holds, in what
+order, and the shard/unshard copies.
+
+The sequence axis (-2 of q, k, v, out; -1 of lse) is cut into equal chunks:
+
+    "zigzag"      2W chunks; rank r holds chunks r and 2W-1-r, in that order. Under a causal mask every
+                  rank then has the same work: an early chunk sees few keys, its partner many.
+    "contiguous"  W chunks; rank r holds chunk r. Simple, but under a causal mask rank W-1 does W times
+                  the work of rank 0.
+
+W = 4, zigzag, a sequence of 8 chunks 0..7:  rank 0: [0 7]  rank 1: [1 6]  rank 2: [2 5]  rank 3: [3 4]
+
+A rank's shard keeps its chunks in increasing position, so within one rank the local causal mask of a
+shard against itself is the global one.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+from cupyflash._arrays import cupy, is_cupy
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def check_layout(layout) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def chunks_per_rank(layout: str) -> int:
+    return 2 if layout == "zigzag" else 1
+
+
+def chunks_of(layout: str, world_size: int, rank: int) -> tuple[int, ...]:
+    """The indices of the sequence's chunks that ``rank`` holds, in the order its shard holds them."""
+    if layout == "zigzag":
+        return (rank, 2 * world_size - 1 - rank)
+    return (rank,)
+
+
+def chunk_length(n: int, layout: str, world_size: int, name: str) -> int:
+    """The length of one chunk of a sequence of ``n`` rows (``name``'s sequence axis)."""
+    parts = chunks_per_rank(layout) * world_size
+    if n % parts:
+        raise ValueError(
+            f"{name} has {n} rows along the sequence axis, which the {layout!r} layout cannot cut into "
+            f"{parts} equal chunks ({'2W' if layout == 'zigzag' else 'W'} for W = {world_size}); pad the "
+            f"sequence to a multiple of {parts} (docs/distributed.md shows how to hide the padding)")
+    return n // parts
+
+
+def shard(x, comm, layout: str = "zigzag", axis: int = -2):
+    """This rank's shard of the whole array ``x`` (every rank passes the same ``x``): a new contiguous array."""
+    layout = check_layout(layout)
+    axis = _axis(x, axis)
+    c = chunk_length(x.shape[axis], layout, comm.world_size, "x")
+    xp = _module(x)
+    pieces = [_take(x, axis, i * c, (i + 1) * c) for i in chunks_of(layout, comm.world_size, comm.rank)]
+    return xp.ascontiguousarray(xp.concatenate(pieces, axis=axis))
+
+
+def unshard(x_local, comm, layout: str = "zigzag", axis: int = -2):
+    """The whole array from every rank's shard ``x_local`` (of one shape on every rank), on every rank."""
+    layout = check_layout(layout)
+    axis = _axis(x_local, axis)
+    shards = comm.all_gather(x_local)
+    per = chunks_per_rank(layout)
+    n = x_local.shape[axis]
+    if n % per:
+        raise ValueError(f"x_local has {n} rows along axis {axis}; the {layout!r} layout holds {per} equal chunks "
+                         "per rank")
+    c = n // per
+    chunks = {}
+    for rank, part in enumerate(shards):
+        for slot, index in enumerate(chunks_of(layout, comm.world_size, rank)):
+            chunks[index] = _take(part, axis, slot * c, (slot + 1) * c)
+    return _module(x_local).concatenate([chunks[i] for i in sorted(chunks)], axis=axis)
+
+
+def _axis(x, axis):
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis {axis} is out of range for an array of shape {x.shape}")
+    return axis % x.ndim
+
+
+def _take(x, axis, start, stop):
+    return x[(slice(None),) * axis + (slice(start, stop),)]
+
+
+def _module(x):
+    return cupy if is_cupy(x) else numpy

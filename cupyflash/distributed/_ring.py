@@ -1,0 +1,215 @@
+"""Ring attention: attention over a sequence sharded across W ranks, exact, by passing the key/value shards
+around a ring.
+
+Forward, on every rank at once (s = the rank whose key/value shard is in hand at step t, ``_schedule``):
+
+    for t in 0 .. W-1:
+        start sending the k, v shard in hand to rank + 1, receiving the next one from rank - 1
+        for each block of the step:  out_b, lse_b = attention_forward(q rows, k rows, v rows)
+                                     (out, lse) of those rows = merge_attention_states((out, lse), (out_b, lse_b))
+
+so the transfer of step t+1's keys overlaps step t's attention. ``out`` and ``lse`` accumulate in float32
+(float64 for float64 inputs) and ``out`` is rounded to the inputs' dtype once, at the end.
+
+Backward: each block's gradients come from ``attention_backward`` with the final ``out`` and ``lse`` (which
+make each block's softmax exact). dQ accumulates on its rank; dK and dV accumulate in a float32 buffer that
+travels with the keys, one step behind them, and arrives back at its owner after W steps. The order of every
+sum is fixed by the schedule, so the gradients are deterministic for a fixed W.
+
+Memory per rank: the shards, the float32 accumulators of out (or dq, dk, dv), and two k/v (and two dk/dv)
+buffers: one in hand, one arriving.
+
+ALiBi adds -slope * |i - j| with global positions i, j. Within one chunk pair that is the kernels' own ALiBi
+for a diagonal pair (same chunk, so the local distance is the global one). For a pair whose keys all lie
+before its queries it splits as -slope * (i - j) = rho_i + beta_j: beta_j = slope * (j - j_last) <= 0 per
+key, passed as a (1, Nk) bias, and rho_i = -slope * (i - j_last), a per-row constant that shifts the block's
+lse and leaves its out unchanged. Keys after queries mirror it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cupyflash._api import _validate, attention_backward, attention_forward
+from cupyflash._arrays import bits, lse_dtype, round_up
+from cupyflash._merge import merge_attention_states
+from cupyflash.distributed._comm import check_same_call
+from cupyflash.distributed._layout import check_layout, chunks_per_rank
+from cupyflash.distributed._schedule import blocks
+
+
+class _Call:
+    """A validated ring call: the arrays' module, dtypes, scale, options and the chunk lengths."""
+
+    def __init__(self, arrays, comm, causal, scale, softcap, alibi_slopes, layout, caller):
+        layout = check_layout(layout)
+        options = dict(softcap=softcap, alibi_slopes=alibi_slopes)
+        problem = _validate(arrays, causal, scale, options)
+        q, k = arrays["q"], arrays["k"]
+        per = chunks_per_rank(layout)
+        for name, x in (("q", q), ("k", k)):
+            if x.shape[-2] % per:
+                raise ValueError(f"{caller}: {name} holds {x.shape[-2]} rows of the sequence; a {layout!r} shard holds "
+                                 f"{per} equal chunks (shard the sequence with cupyflash.distributed.shard)")
+        if (problem.causal or alibi_slopes is not None) and q.shape[-2] != k.shape[-2]:
+            raise ValueError(f"{caller}: causal and alibi_slopes need shards of q and k of one length (a sequence "
+                             f"attending to itself), got {q.shape[-2]} and {k.shape[-2]} rows")
+        self.xp, self.dtype, self.acc = problem.xp, problem.dtype, lse_dtype(problem.dtype)
+        self.scale, self.causal, self.softcap, self.layout = problem.scale, problem.causal, softcap, layout
+        self.alibi = None if alibi_slopes is None else self.xp.asarray(alibi_slopes, dtype=self.acc)
+        self.nq_chunk, self.nk_chunk = q.shape[-2] // per, k.shape[-2] // per
+        self.rank, self.world_size = comm.rank, comm.world_size
+
+    def blocks(self, step):
+        return blocks(self.layout, self.world_size, self.rank, step, self.nq_chunk, self.nk_chunk, self.causal,
+                      per_pair=self.alibi is not None)
+
+    def options(self, blk, nq, nk):
+        """The keyword arguments of ``blk``'s attention call, and the shift of its lse (None: no shift)."""
+        kwargs = dict(causal=blk.causal, scale=self.scale, softcap=self.softcap)
+        if self.alibi is None:
+            return kwargs, None
+        if blk.q_start == blk.k_start:
+            kwargs["alibi_slopes"] = self.alibi
+            return kwargs, None
+        xp, slope = self.xp, self.alibi[..., None]
+        if blk.k_start + nk <= blk.q_start:  # every key before every query: i - j = (i - j_last) + (j_last - j)
+            beta = xp.arange(nk, dtype=self.acc) - (nk - 1)
+            rho = -(xp.arange(nq, dtype=self.acc) + float(blk.q_start - blk.k_start - nk + 1))
+        else:  # every key after every query: j - i = (j - j_first) + (j_first - i)
+            beta = -xp.arange(nk, dtype=self.acc)
+            rho = -(float(blk.k_start - blk.q_start) - xp.arange(nq, dtype=self.acc))
+        kwargs["bias"] = (slope * beta)[..., None, :]
+        return kwargs, slope * rho
+
+
+def _describe(caller, arrays, causal, scale, softcap, alibi_slopes, layout):
+    shapes = " ".join(f"{name}={tuple(x.shape)}:{x.dtype}" for name, x in arrays.items())
+    alibi = None if alibi_slopes is None else tuple(alibi_slopes.shape)
+    return (f"{caller} layout={layout!r} causal={causal!r} scale={scale!r} softcap={softcap!r} alibi={alibi} "
+            f"{shapes}")
+
+
+def _prepare(arrays, comm, causal, scale, softcap, alibi_slopes, layout, caller):
+    """Validate on every rank and make sure every rank makes the same call, before anything travels: a rank
+    that raised alone would leave the others waiting for it."""
+    try:
+        call, failure = _Call(arrays, comm, causal, scale, softcap, alibi_slopes, layout, caller), None
+        description = _describe(caller, arrays, causal, scale, softcap, alibi_slopes, layout)
+    except (TypeError, ValueError) as error:
+        call, failure = None, error
+        description = f"{caller} raised {type(error).__name__}: {error}"
+    check_same_call(comm, description)
+    if failure is not None:
+        raise failure
+    return call
+
+
+class _Travelling:
+    """Arrays that move one rank along the ring per step: two byte buffers, the one in hand and the one
+    arriving (a world of one rank needs only the first)."""
+
+    def __init__(self, comm, xp, layout):
+        self.comm, self.layout = comm, layout  # [(shape, dtype)]
+        offsets, total = [], 0
+        for shape, dtype in layout:
+            offsets.append(total)
+            total = round_up(total + int(np.prod(shape)) * np.dtype(dtype).itemsize, 256)
+        self.offsets = offsets
+        self.buffers = [xp.empty(total, dtype=np.uint8) for _ in range(1 if comm.world_size == 1 else 2)]
+        self.current, self.pending = 0, None
+
+    def _views(self, buffer):
+        return [buffer[o:o + int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+                for o, (shape, dtype) in zip(self.offsets, self.layout)]
+
+    def in_hand(self):
+        """The arrays in hand (waiting for them if they are still arriving)."""
+        if self.pending is not None:
+            self.comm.wait(self.pending)
+            self.pending = None
+        return self._views(self.buffers[self.current])
+
+    def pass_on(self):
+        """Send the arrays in hand to the next rank; the previous rank's arrive in the other buffer."""
+        other = 1 - self.current
+        self.pending = self.comm.exchange([self.buffers[self.current]], [self.buffers[other]])
+        self.current = other
+
+
+def _start_keys(comm, call, k, v):
+    keys = _Travelling(comm, call.xp, [(k.shape, k.dtype), (v.shape, v.dtype)])
+    k_hand, v_hand = keys._views(keys.buffers[0])
+    bits(k_hand)[...] = bits(k)
+    bits(v_hand)[...] = bits(v)
+    return keys
+
+
+def ring_attention_forward(q, k, v, *, comm, causal=False, scale=None, softcap=0.0, alibi_slopes=None,
+                           layout="zigzag"):
+    arrays = dict(q=q, k=k, v=v)
+    call = _prepare(arrays, comm, causal, scale, softcap, alibi_slopes, layout, "ring_attention_forward")
+    xp, acc = call.xp, call.acc
+    keys = _start_keys(comm, call, k, v)
+    out = lse = None
+    filled = np.zeros(q.shape[-2], dtype=bool)  # local query rows that some block has reached
+    for step in range(comm.world_size):
+        k_hand, v_hand = keys.in_hand()
+        if step + 1 < comm.world_size:
+            keys.pass_on()
+        for blk in call.blocks(step):
+            qb, kb, vb = q[..., blk.q_rows, :], k_hand[..., blk.k_rows, :], v_hand[..., blk.k_rows, :]
+            kwargs, shift = call.options(blk, qb.shape[-2], kb.shape[-2])
+            out_b, lse_b = attention_forward(qb, kb, vb, **kwargs)
+            if shift is not None:
+                lse_b = lse_b + shift
+            if out is None:
+                out = xp.zeros(out_b.shape[:-2] + (q.shape[-2], out_b.shape[-1]), dtype=acc)
+                lse = xp.full(out.shape[:-1], -np.inf, dtype=acc)
+            if not filled[blk.q_rows].any():
+                out[..., blk.q_rows, :], lse[..., blk.q_rows] = out_b.astype(acc), lse_b
+            else:
+                out[..., blk.q_rows, :], lse[..., blk.q_rows] = merge_attention_states(
+                    out[..., blk.q_rows, :], lse[..., blk.q_rows], out_b.astype(acc), lse_b)
+            filled[blk.q_rows] = True
+    return out.astype(call.dtype), lse
+
+
+def ring_attention_backward(dout, q, k, v, out, lse, *, comm, causal=False, scale=None, softcap=0.0,
+                            alibi_slopes=None, layout="zigzag"):
+    arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    call = _prepare(arrays, comm, causal, scale, softcap, alibi_slopes, layout, "ring_attention_backward")
+    xp, acc = call.xp, call.acc
+    keys = _start_keys(comm, call, k, v)
+    grads = _Travelling(comm, xp, [(k.shape, acc), (v.shape, acc)])  # dk, dv of the keys in hand
+    dq = xp.zeros(q.shape, dtype=acc)
+    for step in range(comm.world_size):
+        k_hand, v_hand = keys.in_hand()
+        if step + 1 < comm.world_size:
+            keys.pass_on()
+        parts = []
+        for blk in call.blocks(step):
+            kb, vb = k_hand[..., blk.k_rows, :], v_hand[..., blk.k_rows, :]
+            kwargs, shift = call.options(blk, blk.q_rows.stop - blk.q_rows.start, kb.shape[-2])
+            lse_b = lse[..., blk.q_rows] if shift is None else lse[..., blk.q_rows] - shift
+            dq_b, dk_b, dv_b, *_ = attention_backward(dout[..., blk.q_rows, :], q[..., blk.q_rows, :], kb, vb,
+                                                      out[..., blk.q_rows, :], lse_b, **kwargs)
+            dq[..., blk.q_rows, :] += dq_b.astype(acc)
+            parts.append((blk.k_rows, dk_b, dv_b))
+        # The dK, dV sums of these keys arrive from the previous rank while the blocks above run.
+        dk_hand, dv_hand = grads.in_hand()
+        if step == 0:
+            dk_hand[...], dv_hand[...] = 0, 0
+        for rows, dk_b, dv_b in parts:
+            dk_hand[..., rows, :] += dk_b.astype(acc)
+            dv_hand[..., rows, :] += dv_b.astype(acc)
+        if comm.world_size > 1:
+            grads.pass_on()  # after the last step this sends each sum home
+    dk, dv = grads.in_hand()
+    return dq.astype(call.dtype), dk.astype(call.dtype), dv.astype(call.dtype)
+
+
+def ring_attention(q, k, v, *, comm, causal=False, scale=None, softcap=0.0, alibi_slopes=None, layout="zigzag"):
+    out, _ = ring_attention_forward(q, k, v, comm=comm, causal=causal, scale=scale, softcap=softcap,
+                                    alibi_slopes=alibi_slopes, layout=layout)
+    return out

@@ -1,0 +1,81 @@
+"""Which attention calls a rank makes at each step of the ring.
+
+At step t of W, rank r holds the key/value shard of rank s = (r - t) mod W (its own at t = 0; the shards
+travel to the next rank after each step). Its query chunks meet that shard's key chunks pair by pair; under
+a causal mask a pair (query chunk a, key chunk b) is
+
+    a > b   every key is before every query: the full block, no mask
+    a = b   the diagonal block: the causal mask, which is the local bottom-right one (equal lengths)
+    a < b   every key is after every query: nothing to compute
+
+Without position-dependent scores the pairs of a step merge into one rectangular call. Zigzag, W = 2
+(rank 0 holds chunks [0 3], rank 1 holds [1 2]):
+
+    rank 0, t = 0, own keys [0 3]:    q [0 3] x k [0 3], causal (the local mask is the global one)
+    rank 0, t = 1, keys of rank 1:    q [3]   x k [1 2], full
+    rank 1, t = 1, keys of rank 0:    q [1 2] x k [0],   full
+
+so every rank computes the same number of pairs at every step. With ALiBi, whose bias depends on the global
+distance i - j, each pair is its own call, with its global positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cupyflash.distributed._layout import chunks_of
+
+
+@dataclass(frozen=True)
+class Block:
+    """One attention call: local query rows ``q_rows`` against rows ``k_rows`` of the key/value shard in hand.
+
+    ``causal``: apply the local bottom-right causal mask (a diagonal block). ``q_start``, ``k_start``: global
+    positions of the first query and key rows when the block is one chunk pair (else None).
+    """
+    q_rows: slice
+    k_rows: slice
+    causal: bool
+    q_start: int | None = None
+    k_start: int | None = None
+
+
+def source_rank(rank: int, step: int, world_size: int) -> int:
+    """The rank whose key/value shard ``rank`` holds at ``step``."""
+    return (rank - step) % world_size
+
+
+def blocks(layout: str, world_size: int, rank: int, step: int, nq_chunk: int, nk_chunk: int, causal: bool,
+           per_pair: bool) -> list[Block]:
+    """The calls of ``rank`` at ``step``; chunks of ``nq_chunk`` query and ``nk_chunk`` key rows.
+
+    ``per_pair``: one call per chunk pair, with global positions (position-dependent scores).
+    """
+    q_chunks = chunks_of(layout, world_size, rank)
+    k_chunks = chunks_of(layout, world_size, source_rank(rank, step, world_size))
+    pairs = []  # (local q slot, local k slot, causal)
+    for qs, a in enumerate(q_chunks):
+        for ks, b in enumerate(k_chunks):
+            if not causal or a > b:
+                pairs.append((qs, ks, False))
+            elif a == b:
+                pairs.append((qs, ks, True))
+    if per_pair:
+        return [Block(slice(qs * nq_chunk, (qs + 1) * nq_chunk), slice(ks * nk_chunk, (ks + 1) * nk_chunk), diag,
+                      q_chunks[qs] * nq_chunk, k_chunks[ks] * nk_chunk) for qs, ks, diag in pairs]
+    if not pairs:
+        return []
+    if any(diag for _, _, diag in pairs):
+        # Only the step with the rank's own shard has diagonal pairs; its query and key chunks are the same
+        # ones in the same increasing order, so one call with the local causal mask is exact.
+        n = len(q_chunks)
+        return [Block(slice(0, n * nq_chunk), slice(0, n * nk_chunk), True)]
+    q_slots = sorted({qs for qs, _, _ in pairs})
+    k_slots = sorted({ks for _, ks, _ in pairs})
+    rectangle = (len(pairs) == len(q_slots) * len(k_slots) and q_slots == list(range(q_slots[0], q_slots[-1] + 1))
+                 and k_slots == list(range(k_slots[0], k_slots[-1] + 1)))
+    if rectangle:
+        return [Block(slice(q_slots[0] * nq_chunk, (q_slots[-1] + 1) * nq_chunk),
+                      slice(k_slots[0] * nk_chunk, (k_slots[-1] + 1) * nk_chunk), False)]
+    return [Block(slice(qs * nq_chunk, (qs + 1) * nq_chunk), slice(ks * nk_chunk, (ks + 1) * nk_chunk), False)
+            for qs, ks, _ in pairs]
