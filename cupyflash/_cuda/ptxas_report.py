@@ -16,7 +16,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cupyflash._cuda import decode_tiles, f32_pieces
+from cupyflash._cuda import decode_tiles, f32_pieces, states
 from cupyflash._cuda.compile import cache_dir
 from cupyflash._cuda.source import OPTIONS, source
 from cupyflash._cuda.variants import Variant, variants_for
@@ -120,14 +120,19 @@ def compile_variant(variant: Variant, arch: str) -> list[dict]:
              "threads": variant.threads(kernel)} for kernel, name in names.items()]
 
 
-def compile_pieces_kernel(arch: str) -> list[dict]:
-    """The float32 split kernel (f32_pieces) through NVRTC for ``arch``, rows like compile_variant's."""
+def compile_plain_kernels(arch: str) -> list[dict]:
+    """The kernels outside the variant tables through NVRTC for ``arch``, rows like compile_variant's: the
+    float32 split kernel (f32_pieces) and ring attention's running-result kernels (states)."""
     options = [*OPTIONS, f"-arch={arch}", "-Xptxas", "-v"]
-    names = {name: name for name in f32_pieces.KERNELS}
-    code = source(f32_pieces.SOURCE)
-    stats = _cached([code, options, list(names)], lambda: _compile(code, f32_pieces.SOURCE, options, names))
-    return [{"kernel": name, "arch": arch, "target": arch, **stats[name], "dynamic_smem": 0,
-             "threads": f32_pieces.THREADS} for name in names]
+    rows = []
+    for filename, code, names, threads in (
+            (f32_pieces.SOURCE, source(f32_pieces.SOURCE), f32_pieces.KERNELS, f32_pieces.THREADS),
+            (states.SOURCE, states.code(), states.KERNELS, states.THREADS)):
+        by_name = {name: name for name in names}
+        stats = _cached([code, options, list(names)], lambda: _compile(code, filename, options, by_name))
+        rows += [{"kernel": name, "arch": arch, "target": arch, **stats[name], "dynamic_smem": 0, "threads": threads}
+                 for name in names]
+    return rows
 
 
 def shipped_for(arch: str) -> list:
@@ -137,8 +142,8 @@ def shipped_for(arch: str) -> list:
 
 def compile_report(arch: str, variants: list[Variant] | None = None, progress=None) -> list[dict]:
     """Compile every shipped variant built for ``arch`` (or ``variants``), one row per kernel; by default
-    the float32 split kernel too. ``progress(done, total)`` is called as variants finish."""
-    extra = compile_pieces_kernel(arch) if variants is None else []
+    the kernels outside the tables too. ``progress(done, total)`` is called as variants finish."""
+    extra = compile_plain_kernels(arch) if variants is None else []
     variants = shipped_for(arch) if variants is None else variants
     rows = []
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:

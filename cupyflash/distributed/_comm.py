@@ -25,7 +25,7 @@ import threading
 
 import numpy
 
-from cupyflash._arrays import cupy, is_cupy
+from cupyflash._arrays import cupy
 
 
 class Communicator:

@@ -32,6 +32,7 @@ import numpy as np
 
 from cupyflash._api import _validate, attention_backward, attention_forward
 from cupyflash._arrays import bits, lse_dtype, round_up
+from cupyflash._cuda import states
 from cupyflash._merge import merge_attention_states
 from cupyflash.distributed._comm import check_same_call
 from cupyflash.distributed._layout import check_layout, chunks_per_rank
@@ -152,7 +153,6 @@ def ring_attention_forward(q, k, v, *, comm, causal=False, scale=None, softcap=0
     xp, acc = call.xp, call.acc
     keys = _start_keys(comm, call, k, v)
     out = lse = None
-    filled = np.zeros(q.shape[-2], dtype=bool)  # local query rows that some block has reached
     for step in range(comm.world_size):
         k_hand, v_hand = keys.in_hand()
         if step + 1 < comm.world_size:
@@ -163,15 +163,10 @@ def ring_attention_forward(q, k, v, *, comm, causal=False, scale=None, softcap=0
             out_b, lse_b = attention_forward(qb, kb, vb, **kwargs)
             if shift is not None:
                 lse_b = lse_b + shift
-            if out is None:
+            if out is None:  # lse -inf: no key seen yet, so the first merge into a row copies the block
                 out = xp.zeros(out_b.shape[:-2] + (q.shape[-2], out_b.shape[-1]), dtype=acc)
                 lse = xp.full(out.shape[:-1], -np.inf, dtype=acc)
-            if not filled[blk.q_rows].any():
-                out[..., blk.q_rows, :], lse[..., blk.q_rows] = out_b.astype(acc), lse_b
-            else:
-                out[..., blk.q_rows, :], lse[..., blk.q_rows] = merge_attention_states(
-                    out[..., blk.q_rows, :], lse[..., blk.q_rows], out_b.astype(acc), lse_b)
-            filled[blk.q_rows] = True
+            _merge_rows(xp, out, lse, blk.q_rows, out_b, lse_b)
     return out.astype(call.dtype), lse
 
 
@@ -194,19 +189,37 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm, causal=False, scal
             lse_b = lse[..., blk.q_rows] if shift is None else lse[..., blk.q_rows] - shift
             dq_b, dk_b, dv_b, *_ = attention_backward(dout[..., blk.q_rows, :], q[..., blk.q_rows, :], kb, vb,
                                                       out[..., blk.q_rows, :], lse_b, **kwargs)
-            dq[..., blk.q_rows, :] += dq_b.astype(acc)
+            _add_rows(xp, dq, blk.q_rows, dq_b)
             parts.append((blk.k_rows, dk_b, dv_b))
         # The dK, dV sums of these keys arrive from the previous rank while the blocks above run.
         dk_hand, dv_hand = grads.in_hand()
         if step == 0:
             dk_hand[...], dv_hand[...] = 0, 0
         for rows, dk_b, dv_b in parts:
-            dk_hand[..., rows, :] += dk_b.astype(acc)
-            dv_hand[..., rows, :] += dv_b.astype(acc)
+            _add_rows(xp, dk_hand, rows, dk_b)
+            _add_rows(xp, dv_hand, rows, dv_b)
         if comm.world_size > 1:
             grads.pass_on()  # after the last step this sends each sum home
     dk, dv = grads.in_hand()
     return dq.astype(call.dtype), dk.astype(call.dtype), dv.astype(call.dtype)
+
+
+def _merge_rows(xp, out, lse, rows, out_b, lse_b):
+    """Rows ``rows`` of the running (out, lse) merged with a block's (out_b, lse_b): the public merge on
+    NumPy, its one-pass kernel on CuPy."""
+    if xp is np:
+        out[..., rows, :], lse[..., rows] = merge_attention_states(out[..., rows, :], lse[..., rows],
+                                                                   out_b.astype(out.dtype), lse_b)
+    else:
+        states.merge_rows(out, lse, rows.start, out_b, lse_b)
+
+
+def _add_rows(xp, acc, rows, x):
+    """acc[..., rows, :] += x, summed in acc's float type."""
+    if xp is np:
+        acc[..., rows, :] += x.astype(acc.dtype)
+    else:
+        states.add_rows(acc, rows.start, x)
 
 
 def ring_attention(q, k, v, *, comm, causal=False, scale=None, softcap=0.0, alibi_slopes=None, layout="zigzag"):
