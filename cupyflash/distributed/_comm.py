@@ -22,6 +22,7 @@ import hashlib
 import os
 import queue
 import threading
+from typing import Union
 
 import numpy
 
@@ -45,7 +46,6 @@ class Communicator:
         self.device = cupy.cuda.Device().id
         self._backend = backend
         self._stream = cupy.cuda.Stream(non_blocking=True) if world_size > 1 else None
-        self.checked = set()  # call signatures every rank has been seen to agree on
 
     def exchange(self, send, recv):
         """Send ``send`` to the next rank, receive ``recv`` from the previous one, on the communication stream
@@ -73,8 +73,25 @@ class Communicator:
             return [x]
         x = cupy.ascontiguousarray(x)
         out = cupy.empty((self.world_size,) + x.shape, dtype=x.dtype)
-        self._backend.all_gather(_bytes(x), _bytes(out), x.nbytes, cupy.cuda.get_current_stream())
+        # On the communication stream, so that it is ordered after every transfer queued there (one stream
+        # per communicator keeps NCCL's operations in one order on every rank).
+        current = cupy.cuda.get_current_stream()
+        self._stream.wait_event(current.record())
+        self._backend.all_gather(_bytes(x), _bytes(out), x.nbytes, self._stream)
+        current.wait_event(self._stream.record())
         return list(out)
+
+    def gather_bytes(self, data: numpy.ndarray) -> list[bytes]:
+        """Every rank's uint8 host array ``data`` (of one size), in rank order: on the communication stream
+        alone, so that the host waits for the transfers queued there and not for the attention queued on
+        the current stream."""
+        if self.world_size == 1:
+            return [data.tobytes()]
+        with self._stream:
+            x = cupy.asarray(data)
+            out = cupy.empty((self.world_size,) + x.shape, dtype=x.dtype)
+            self._backend.all_gather(x, out, x.nbytes, self._stream)
+            return [row.tobytes() for row in cupy.asnumpy(out)]
 
     def barrier(self):
         """Every rank has reached this point (an all-gather of one byte, and a wait for it). cupyx's own
@@ -102,9 +119,28 @@ def _bytes(x):
 class InProcessGroup:
     """``world_size`` ranks as threads of this process, exchanging NumPy (or CuPy) arrays through queues.
 
-    ``group.run(fn)`` calls ``fn(comm)`` on every rank's communicator, each in its own thread, and returns
-    the results in rank order; an exception on one rank stops the others and is raised here. The ring runs
-    over it exactly as over NCCL: the same schedule, the same merges.
+    The ring runs over it exactly as over NCCL: the same schedule, the same merges. For tests, and for
+    trying a sharded computation without GPUs.
+
+    Parameters
+    ----------
+    world_size : int
+        The number of ranks, >= 1.
+    timeout : float, optional
+        Seconds a rank waits for a message before it raises (a rank that makes other calls than the rest).
+
+    Returns
+    -------
+    group : InProcessGroup
+        ``group.run(fn)`` calls ``fn(comm)`` on every rank's communicator, each in its own thread, and
+        returns the results in rank order; an exception on one rank stops the others and is raised.
+        ``group.comms[r]`` is rank r's communicator (``rank``, ``world_size``, ``barrier()``).
+
+    Examples
+    --------
+    >>> from cupyflash import distributed as dist
+    >>> dist.InProcessGroup(3).run(lambda comm: (comm.rank, comm.world_size))
+    [(0, 3), (1, 3), (2, 3)]
     """
 
     def __init__(self, world_size: int, timeout: float = 120.0):
@@ -140,6 +176,8 @@ class InProcessGroup:
             for box in self._boxes.values():  # a failed run leaves nothing for the next one
                 while not box.empty():
                     box.get_nowait()
+            for comm in self.comms:
+                comm.reset()
             raise first
         return results
 
@@ -166,8 +204,12 @@ class _InProcessComm:
     def __init__(self, group, rank):
         self._group = group
         self.rank, self.world_size = rank, group.world_size
-        self.checked = set()
         self._sent = 0  # exchanges started: each message carries its number, so waits may come in any order
+        self._arrived = {}
+
+    def reset(self):
+        """Forget the messages of a failed run (the group empties its queues)."""
+        self._sent = 0
         self._arrived = {}
 
     def exchange(self, send, recv):
@@ -189,29 +231,31 @@ class _InProcessComm:
             self._group._boxes[(self.rank, -1 - dst)].put(x.copy())
         return [self._group._get(src, -1 - self.rank) for src in range(self.world_size)]
 
+    def gather_bytes(self, data):
+        return [x.tobytes() for x in self.all_gather(data)]
+
     def barrier(self):
         self.all_gather(numpy.zeros(1, dtype=numpy.uint8))
 
 
+# What the ring functions take as ``comm``: a GPU process's communicator, or one rank of an InProcessGroup.
+Comm = Union[Communicator, _InProcessComm]
+
+
 def check_same_call(comm, description: str) -> None:
-    """Raise on every rank unless every rank describes its call the same way; once per description."""
-    if description in comm.checked:
-        return
+    """Raise on every rank unless every rank describes its call the same way.
+
+    Every call takes part (an 8-byte all-gather, after the transfers already queued): a rank whose call
+    differs must meet the others in the same collective, whatever they called before."""
     raw = description.encode()
-    digest = numpy.frombuffer(hashlib.blake2b(raw, digest_size=8).digest(), dtype=numpy.uint8).copy()
-    on_device = isinstance(comm, Communicator)
-    gathered = comm.all_gather(cupy.asarray(digest) if on_device else digest)
-    digests = [bytes(cupy.asnumpy(d) if on_device else d) for d in gathered]
+    digests = comm.gather_bytes(numpy.frombuffer(hashlib.blake2b(raw, digest_size=8).digest(), dtype=numpy.uint8))
     if len(set(digests)) > 1:
-        size = 1024
-        text = numpy.zeros(size, dtype=numpy.uint8)
-        text[:min(size, len(raw))] = numpy.frombuffer(raw[:size], dtype=numpy.uint8)
-        texts = comm.all_gather(cupy.asarray(text) if on_device else text)
-        lines = [bytes(cupy.asnumpy(t) if on_device else t).rstrip(b"\0").decode(errors="replace") for t in texts]
+        text = numpy.zeros(1024, dtype=numpy.uint8)
+        text[:min(text.size, len(raw))] = numpy.frombuffer(raw[:text.size], dtype=numpy.uint8)
+        lines = [line.rstrip(b"\0").decode(errors="replace") for line in comm.gather_bytes(text)]
         listing = "\n".join(f"  rank {r}: {line}" for r, line in enumerate(lines))
         raise ValueError(f"the ranks' calls differ (every rank must pass shards of one shape and dtype and the "
                          f"same options):\n{listing}")
-    comm.checked.add(description)
 
 
 def env_rank_and_size():
@@ -225,9 +269,38 @@ def env_rank_and_size():
     return None
 
 
-def init(backend=None, *, world_size: int | None = None, rank: int | None = None, device: int | None = None,
+def init(backend: object | None = None, *, world_size: int | None = None, rank: int | None = None, device: int | None = None,
          host: str | None = None, port: int | None = None) -> Communicator:
-    """Join the ring: pick this process's GPU and connect to the other processes through NCCL."""
+    """Join the ring: pick this process's GPU and connect to the other processes through NCCL.
+
+    Parameters
+    ----------
+    backend : cupyx.distributed NCCLBackend, optional
+        A communicator from ``cupyx.distributed.init_process_group`` to use as it is (its rank and size).
+    world_size, rank : int, optional
+        Default: from the environment that ``python -m cupyflash.distributed.launch`` (or torchrun:
+        ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``; or Open MPI's ``OMPI_COMM_WORLD_*``) sets; without one,
+        a world of one process.
+    device : int, optional
+        This process's GPU; default ``LOCAL_RANK`` modulo the number of GPUs. It becomes the current device.
+    host, port : optional
+        Where rank 0 serves the rendezvous; default ``CUPYX_DISTRIBUTED_HOST`` / ``MASTER_ADDR``
+        (127.0.0.1) and ``CUPYX_DISTRIBUTED_PORT`` / ``MASTER_PORT`` (13333).
+
+    Returns
+    -------
+    comm : Communicator
+        ``rank``, ``world_size``, ``device``, and ``barrier()``; pass it as ``comm=`` to the ring functions.
+
+    Examples
+    --------
+    In a script run by ``python -m cupyflash.distributed.launch --nproc 2 script.py``:
+
+    >>> from cupyflash import distributed as dist        # doctest: +SKIP
+    >>> comm = dist.init()                               # doctest: +SKIP
+    >>> comm.rank, comm.world_size                       # doctest: +SKIP
+    (0, 2)
+    """
     if cupy is None:
         raise ImportError("cupyflash.distributed.init needs CuPy (for NumPy arrays use InProcessGroup)")
     env = env_rank_and_size()

@@ -5,8 +5,8 @@ The sequence axis (-2 of q, k, v, out; -1 of lse) is cut into equal chunks:
 
     "zigzag"      2W chunks; rank r holds chunks r and 2W-1-r, in that order. Under a causal mask every
                   rank then has the same work: an early chunk sees few keys, its partner many.
-    "contiguous"  W chunks; rank r holds chunk r. Simple, but under a causal mask rank W-1 does W times
-                  the work of rank 0.
+    "contiguous"  W chunks; rank r holds chunk r. Simple, but under a causal mask rank r computes
+                  (2r + 1) c^2 / 2 pairs of chunk length c: rank W-1 does 2W-1 times the work of rank 0.
 
 W = 4, zigzag, a sequence of 8 chunks 0..7:  rank 0: [0 7]  rank 1: [1 6]  rank 2: [2 5]  rank 3: [3 4]
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy
 
-from cupyflash._arrays import cupy, is_cupy
+from cupyflash._arrays import Array, cupy, is_cupy
+from cupyflash.distributed._comm import Comm
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -51,8 +52,33 @@ def chunk_length(n: int, layout: str, world_size: int, name: str) -> int:
     return n // parts
 
 
-def shard(x, comm, layout: str = "zigzag", axis: int = -2):
-    """This rank's shard of the whole array ``x`` (every rank passes the same ``x``): a new contiguous array."""
+def shard(x: Array, comm: Comm, layout: str = "zigzag", axis: int = -2) -> Array:
+    """This rank's shard of a whole array along its sequence axis: a new contiguous array.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray, shape (..., N, D) for q, k, v, dout (or (..., N) with ``axis=-1``)
+        The whole array; every rank passes the same one. N must split into equal chunks: 2W for
+        "zigzag", W for "contiguous" (pad the sequence otherwise; docs/distributed.md shows how).
+    comm : Communicator or an InProcessGroup's communicator
+        Its ``rank`` and ``world_size`` pick the shard.
+    layout : {"zigzag", "contiguous"}, optional
+        "zigzag": rank r holds chunks r and 2W-1-r of 2W (balanced causal work); "contiguous": chunk r of W.
+    axis : int, optional
+        The sequence axis (-2; -1 for lse).
+
+    Returns
+    -------
+    x_local : array of x's type and dtype, x's shape with N / W rows along ``axis``
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupyflash import distributed as dist
+    >>> x = np.arange(8)[:, None]                       # a sequence of 8 rows, (N, D) = (8, 1)
+    >>> dist.InProcessGroup(2).run(lambda comm: dist.shard(x, comm)[:, 0].tolist())   # zigzag: 4 chunks of 2
+    [[0, 1, 6, 7], [2, 3, 4, 5]]
+    """
     layout = check_layout(layout)
     axis = _axis(x, axis)
     c = chunk_length(x.shape[axis], layout, comm.world_size, "x")
@@ -61,8 +87,33 @@ def shard(x, comm, layout: str = "zigzag", axis: int = -2):
     return xp.ascontiguousarray(xp.concatenate(pieces, axis=axis))
 
 
-def unshard(x_local, comm, layout: str = "zigzag", axis: int = -2):
-    """The whole array from every rank's shard ``x_local`` (of one shape on every rank), on every rank."""
+def unshard(x_local: Array, comm: Comm, layout: str = "zigzag", axis: int = -2) -> Array:
+    """The whole array from every rank's shard, on every rank (an all-gather; for checking and output).
+
+    Parameters
+    ----------
+    x_local : numpy.ndarray or cupy.ndarray, shape (..., N / W, D) (or (..., N / W) with ``axis=-1``)
+        This rank's shard, of one shape on every rank.
+    comm : Communicator or an InProcessGroup's communicator
+        The ring; every rank calls ``unshard`` at once.
+    layout : {"zigzag", "contiguous"}, optional
+        The layout ``x_local`` was sharded with.
+    axis : int, optional
+        The sequence axis (-2; -1 for lse).
+
+    Returns
+    -------
+    x : array of x_local's type and dtype, x_local's shape with N rows along ``axis``
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupyflash import distributed as dist
+    >>> x = np.arange(12.0).reshape(1, 12)              # an lse-like (H, N) array
+    >>> back = dist.InProcessGroup(3).run(lambda comm: dist.unshard(dist.shard(x, comm, axis=-1), comm, axis=-1))
+    >>> all(np.array_equal(b, x) for b in back)
+    True
+    """
     layout = check_layout(layout)
     axis = _axis(x_local, axis)
     shards = comm.all_gather(x_local)

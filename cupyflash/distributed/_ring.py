@@ -31,10 +31,10 @@ from __future__ import annotations
 import numpy as np
 
 from cupyflash._api import _validate, attention_backward, attention_forward
-from cupyflash._arrays import bits, lse_dtype, round_up
+from cupyflash._arrays import Array, bits, lse_dtype, round_up
 from cupyflash._cuda import states
 from cupyflash._merge import merge_attention_states
-from cupyflash.distributed._comm import check_same_call
+from cupyflash.distributed._comm import Comm, check_same_call
 from cupyflash.distributed._layout import check_layout, chunks_per_rank
 from cupyflash.distributed._schedule import blocks
 
@@ -87,7 +87,8 @@ class _Call:
 def _describe(caller, arrays, causal, scale, softcap, alibi_slopes, layout):
     shapes = " ".join(f"{name}={tuple(x.shape)}:{x.dtype}" for name, x in arrays.items())
     alibi = None if alibi_slopes is None else tuple(alibi_slopes.shape)
-    return (f"{caller} layout={layout!r} causal={causal!r} scale={scale!r} softcap={softcap!r} alibi={alibi} "
+    scale = scale if scale is None else float(scale)  # numpy scalars and floats of one value agree
+    return (f"{caller} layout={layout!r} causal={bool(causal)} scale={scale!r} softcap={float(softcap)!r} alibi={alibi} "
             f"{shapes}")
 
 
@@ -146,8 +147,63 @@ def _start_keys(comm, call, k, v):
     return keys
 
 
-def ring_attention_forward(q, k, v, *, comm, causal=False, scale=None, softcap=0.0, alibi_slopes=None,
-                           layout="zigzag"):
+def ring_attention_forward(q: Array, k: Array, v: Array, *, comm: Comm, causal: bool = False,
+                           scale: float | None = None, softcap: float = 0.0, alibi_slopes: Array | None = None,
+                           layout: str = "zigzag") -> tuple[Array, Array]:
+    """Attention over a sequence sharded across the ranks of ``comm``: this rank's rows of ``out`` and ``lse``.
+
+    Exactly :func:`cupyflash.attention_forward` over the whole sequence (every rank calls it at once, with
+    its shards); the key/value shards travel around the ring, and each step's blocks are merged by their
+    log-sum-exp in float32 (float64 for float64 inputs).
+
+    Parameters
+    ----------
+    q : numpy.ndarray or cupy.ndarray, shape (..., Nq / W, D)
+        This rank's shard of the queries (:func:`shard`), dtype float16, bfloat16, float32 or float64.
+    k : numpy.ndarray or cupy.ndarray, shape (..., Nk / W, D)
+        This rank's shard of the keys; same dtype. Leading dims broadcast as in
+        :func:`cupyflash.attention` (grouped-query attention: ``k`` of shape (B, Hk, 1, Nk / W, D) with
+        ``q`` (B, Hk, G, Nq / W, D)); they travel without being broadcast.
+    v : numpy.ndarray or cupy.ndarray, shape (..., Nk / W, Dv)
+        This rank's shard of the values.
+    comm : Communicator or an InProcessGroup's communicator
+        The ring (:func:`init`, :class:`InProcessGroup`).
+    causal : bool, optional
+        The causal mask over global positions (Nq = Nk: a sequence attending to itself).
+    scale : float, optional
+        Multiplies the scores; defaults to ``1 / sqrt(D)``.
+    softcap : float, optional
+        As in :func:`cupyflash.attention`.
+    alibi_slopes : array, optional
+        As in :func:`cupyflash.attention`, with global positions: ``-slope * |i - j|`` (Nq = Nk). Blocks
+        between different chunks then run with a per-key bias (slower than the plain kernels).
+    layout : {"zigzag", "contiguous"}, optional
+        How the sequence was sharded (:func:`shard`); "zigzag" (the default) balances causal work.
+
+    Returns
+    -------
+    out : array, shape (..., Nq / W, Dv), the inputs' dtype
+        This rank's rows of the output, in the layout of its q shard.
+    lse : array, shape (..., Nq / W), float32 (float64 for float64 inputs)
+        Their log-sum-exp over the whole sequence's keys, as :func:`cupyflash.attention_forward` returns it.
+
+    Examples
+    --------
+    Two ranks as threads of this process, on NumPy arrays (the same call runs on GPUs over NCCL):
+
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> from cupyflash import distributed as dist
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 2, 64, 16), dtype=np.float32) for _ in range(3))
+    >>> def rank_work(comm):
+    ...     q_l, k_l, v_l = (dist.shard(x, comm, layout="zigzag") for x in (q, k, v))
+    ...     out_l, lse_l = dist.ring_attention_forward(q_l, k_l, v_l, comm=comm, causal=True)
+    ...     return dist.unshard(out_l, comm, layout="zigzag")
+    >>> out = dist.InProcessGroup(2).run(rank_work)[0]
+    >>> bool(np.abs(out - cupyflash.attention(q, k, v, causal=True)).max() < 1e-5)
+    True
+    """
     arrays = dict(q=q, k=k, v=v)
     call = _prepare(arrays, comm, causal, scale, softcap, alibi_slopes, layout, "ring_attention_forward")
     xp, acc = call.xp, call.acc
@@ -170,8 +226,53 @@ def ring_attention_forward(q, k, v, *, comm, causal=False, scale=None, softcap=0
     return out.astype(call.dtype), lse
 
 
-def ring_attention_backward(dout, q, k, v, out, lse, *, comm, causal=False, scale=None, softcap=0.0,
-                            alibi_slopes=None, layout="zigzag"):
+def ring_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *, comm: Comm,
+                            causal: bool = False, scale: float | None = None, softcap: float = 0.0,
+                            alibi_slopes: Array | None = None, layout: str = "zigzag") -> tuple[Array, Array, Array]:
+    """Gradients of ring attention: this rank's shards of ``dq``, ``dk`` and ``dv``.
+
+    Every rank calls it at once. dQ accumulates on its rank; the float32 sums of dK and dV travel around
+    the ring with the keys and arrive back at their owner. Deterministic for a fixed world size.
+
+    Parameters
+    ----------
+    dout : array, shape (..., Nq / W, Dv)
+        This rank's shard of the gradient of the loss with respect to ``out``; the inputs' dtype.
+    q, k, v : arrays, shapes (..., Nq / W, D), (..., Nk / W, D), (..., Nk / W, Dv)
+        This rank's shards, as given to :func:`ring_attention_forward`.
+    out, lse : arrays, shapes (..., Nq / W, Dv) and (..., Nq / W)
+        What :func:`ring_attention_forward` returned on this rank.
+    comm, causal, scale, softcap, alibi_slopes, layout
+        Exactly as passed to :func:`ring_attention_forward`.
+
+    Returns
+    -------
+    dq : array, shape of ``q``
+    dk : array, shape of ``k``
+    dv : array, shape of ``v``
+        This rank's shards of the gradients, in the inputs' dtype; where an input was broadcast (GQA), its
+        gradient is summed over the broadcast dims.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> from cupyflash import distributed as dist
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((1, 2, 3, 48, 16), dtype=np.float32)      # (B, Hk, G, N, D)
+    >>> k, v = (rng.standard_normal((1, 2, 1, 48, 16), dtype=np.float32) for _ in range(2))
+    >>> dout = rng.standard_normal(q.shape, dtype=np.float32)
+    >>> def rank_work(comm):
+    ...     q_l, k_l, v_l, dout_l = (dist.shard(x, comm) for x in (q, k, v, dout))
+    ...     out_l, lse_l = dist.ring_attention_forward(q_l, k_l, v_l, comm=comm, causal=True)
+    ...     grads = dist.ring_attention_backward(dout_l, q_l, k_l, v_l, out_l, lse_l, comm=comm, causal=True)
+    ...     return [dist.unshard(g, comm) for g in grads]
+    >>> dq, dk, dv = dist.InProcessGroup(3).run(rank_work)[0]
+    >>> out, lse = cupyflash.attention_forward(q, k, v, causal=True)
+    >>> expected = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    >>> [bool(np.abs(a - b).max() < 1e-5) for a, b in zip((dq, dk, dv), expected)]
+    [True, True, True]
+    """
     arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     call = _prepare(arrays, comm, causal, scale, softcap, alibi_slopes, layout, "ring_attention_backward")
     xp, acc = call.xp, call.acc
@@ -222,7 +323,32 @@ def _add_rows(xp, acc, rows, x):
         states.add_rows(acc, rows.start, x)
 
 
-def ring_attention(q, k, v, *, comm, causal=False, scale=None, softcap=0.0, alibi_slopes=None, layout="zigzag"):
+def ring_attention(q: Array, k: Array, v: Array, *, comm: Comm, causal: bool = False, scale: float | None = None,
+                   softcap: float = 0.0, alibi_slopes: Array | None = None, layout: str = "zigzag") -> Array:
+    """Ring attention's output alone: :func:`ring_attention_forward` without the lse.
+
+    Parameters
+    ----------
+    q, k, v, comm, causal, scale, softcap, alibi_slopes, layout
+        As in :func:`ring_attention_forward`: this rank's shards (..., N / W, D) and the ring.
+
+    Returns
+    -------
+    out : array, shape (..., Nq / W, Dv), the inputs' dtype
+        This rank's rows of ``attention(q, k, v)`` over the whole sequence.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupyflash import distributed as dist
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 40, 8), dtype=np.float32) for _ in range(3))
+    >>> group = dist.InProcessGroup(4)
+    >>> outs = group.run(lambda comm: dist.ring_attention(*(dist.shard(x, comm, layout="contiguous")
+    ...                                                      for x in (q, k, v)), comm=comm, layout="contiguous"))
+    >>> [o.shape for o in outs]
+    [(2, 10, 8), (2, 10, 8), (2, 10, 8), (2, 10, 8)]
+    """
     out, _ = ring_attention_forward(q, k, v, comm=comm, causal=causal, scale=scale, softcap=softcap,
                                     alibi_slopes=alibi_slopes, layout=layout)
     return out

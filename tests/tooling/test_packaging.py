@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_SUFFIXES = (".cu", ".cuh")
 RUNTIME_REQUIREMENTS = {"numpy", "ml_dtypes"}  # CuPy is optional (the extras); SciPy is the tests' (test extra)
-SUBPACKAGES = ("cupyflash", "cupyflash/_cuda")
+SUBPACKAGES = ("cupyflash", "cupyflash/_cuda", "cupyflash/distributed")
 BUILD_INPUTS = ("setup.cfg", "pyproject.toml", "MANIFEST.in", "README.md", "cupyflash", "cuda_src")
 
 
@@ -93,7 +93,7 @@ def test_wheel_ships_every_module(wheel):
     names, _ = wheel
     expected = _python_modules()
     assert "cupyflash/_cuda/__init__.py" in expected and "cupyflash/_cuda/variants.py" in expected
-    shipped = sorted(n for n in names if re.fullmatch(r"cupyflash/(?:_cuda/)?[^/]+\.py", n))
+    shipped = sorted(n for n in names if re.fullmatch(r"cupyflash/(?:_cuda/|distributed/)?[^/]+\.py", n))
     missing, extra = sorted(set(expected) - set(shipped)), sorted(set(shipped) - set(expected))
     assert shipped == expected, f"missing {missing}, extra {extra}"
     assert "cupyflash/__main__.py" in names

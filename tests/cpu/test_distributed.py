@@ -1,0 +1,652 @@
+"""cupyflash.distributed on NumPy arrays, its ranks as threads of one process (InProcessGroup).
+
+What this file proves:
+
+* Ring attention is attention: for world sizes 1, 2, 3, 4 and 8, both layouts, causal or not, the sharded
+  forward and backward, unsharded, equal ``cupyflash.attention_forward`` / ``attention_backward`` over the
+  whole sequence (float32: to 1e-5 of the largest magnitude), and meet the project's accuracy rule against
+  the float64 reference in every dtype (float64: to float64 rounding); also with grouped-query heads
+  (broadcast k, v), cross attention (Nq != Nk), softcap, an explicit scale and ALiBi with global positions.
+* The results are deterministic (bit for bit), and every rank's all-gathered result is the same.
+* shard/unshard: the zigzag and contiguous layouts hold the chunks they document, round trips are exact,
+  sizes that do not split raise.
+* The schedule computes every (query, key) pair that the global mask allows exactly once and no other; the
+  zigzag layout gives every rank the same causal work at every step.
+* Argument errors: a rank whose call differs from the others' makes every rank raise; invalid arguments
+  raise the single-process function's own error on every rank; nothing hangs.
+* InProcessGroup: results in rank order, failures propagate without hanging, the group is reusable.
+"""
+
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import distributed as dist
+from cupyflash import reference
+from cupyflash.distributed import _schedule
+from cupyflash.distributed._layout import chunk_length, chunks_of
+from helpers.checks import assert_bitwise_equal, assert_matches_reference as assert_matches_reference_scaled
+from helpers.checks import max_abs
+from helpers.modifiers import SOFTCAP, alibi_slopes
+from helpers.problems import random_array, random_problem
+
+B, H, D, DV = 2, 3, 12, 20
+WORLD_SIZES = (1, 2, 3, 4, 8)
+# Rows per zigzag chunk for each world size (a contiguous chunk is twice that): N = 2 W CHUNK[W], never a
+# power of two.
+CHUNK = {1: 7, 2: 5, 3: 3, 4: 5, 5: 3, 6: 3, 7: 3, 8: 3}
+LAYOUTS = ("zigzag", "contiguous")
+DTYPES16 = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+# float32 ring against the single-process call: the merges reorder float32 sums, nothing more.
+RTOL = 1e-5
+# float64 ring against the float64 reference (a float32 step anywhere would leave ~1e-7).
+RTOL64 = 1e-12
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def _seq(world_size):
+    return 2 * world_size * CHUNK[world_size]
+
+
+def _ring(world_size, q, k, v, dout, *, group=None, **kwargs):
+    """Shard q, k, v, dout, run the ring's forward and backward on every rank of an InProcessGroup, and
+    unshard: (out, lse, dq, dk, dv) of the whole sequence. Every rank must gather the same whole arrays."""
+    layout = kwargs.get("layout", "zigzag")
+    group = group or dist.InProcessGroup(world_size, timeout=30)
+
+    def rank_work(comm):
+        q_l, k_l, v_l, dout_l = (dist.shard(x, comm, layout=layout) for x in (q, k, v, dout))
+        out_l, lse_l = dist.ring_attention_forward(q_l, k_l, v_l, comm=comm, **kwargs)
+        assert out_l.shape == dout_l.shape and lse_l.shape == dout_l.shape[:-1]
+        grads = dist.ring_attention_backward(dout_l, q_l, k_l, v_l, out_l, lse_l, comm=comm, **kwargs)
+        for g, x in zip(grads, (q_l, k_l, v_l)):
+            assert (g.shape, g.dtype) == (x.shape, x.dtype)
+        return (dist.unshard(out_l, comm, layout=layout), dist.unshard(lse_l, comm, layout=layout, axis=-1),
+                *(dist.unshard(g, comm, layout=layout) for g in grads))
+
+    results = group.run(rank_work)
+    for rank, other in enumerate(results[1:], 1):
+        assert_bitwise_equal(other, results[0], names=[f"rank {rank}'s {n}" for n in NAMES])
+    return results[0]
+
+
+def _single(q, k, v, dout, **kwargs):
+    """cupyflash.attention_forward and attention_backward over the whole sequence."""
+    kwargs.pop("layout", None)
+    out, lse = cupyflash.attention_forward(q, k, v, **kwargs)
+    return (out, lse, *cupyflash.attention_backward(dout, q, k, v, out, lse, **kwargs))
+
+
+def _assert_same_as_single(ring, single):
+    """The ring's float32 results against the single call's: same shapes and dtypes, values to RTOL of the
+    largest magnitude (lse: of max(1, |lse|))."""
+    for name, x, y in zip(NAMES, ring, single):
+        assert (x.shape, x.dtype) == (y.shape, y.dtype), f"{name}: {x.shape} {x.dtype}, single {y.shape} {y.dtype}"
+        assert not np.isnan(x).any(), f"{name} has NaN"
+        size = max(1.0, max_abs(y)) if name == "lse" else max_abs(y)
+        error = max_abs(x.astype(np.float64) - y)
+        assert error <= RTOL * size, f"{name}: max error {error:.3g} against the single call (max {size:.3g})"
+
+
+def _assert_float64_matches_reference(q, k, v, dout, results, *, causal, scale=None, **options):
+    """float64 results against the float64 reference, to float64 rounding (the accuracy rule's naive
+    implementation computes in float32, which says nothing about float64)."""
+    ref_out, ref_lse = reference.attention(q, k, v, causal=causal, scale=scale, return_lse=True, **options)
+    ref_grads = reference.attention_backward(dout, q, k, v, causal=causal, scale=scale, **options)
+    for name, x, ref in zip(NAMES, results, (ref_out, ref_lse, *ref_grads)):
+        assert (x.shape, x.dtype) == (ref.shape, np.float64), f"{name}: {x.shape} {x.dtype}"
+        error, size = max_abs(x - ref), max_abs(ref)
+        assert error <= RTOL64 * size, f"{name}: relative error {error / size:.3g} > {RTOL64:g}"
+
+
+def _problem(rng, world_size, dtype=np.float32, batch=(B, H), d=D, dv=DV):
+    n = _seq(world_size)
+    return random_problem(rng, batch + (n, d), batch + (n, d), batch + (n, dv), dtype)
+
+
+def _options(option):
+    """The ring keywords of one named option (ALiBi slopes per head H, as (H,) or (1, H))."""
+    return dict(softcap=dict(softcap=SOFTCAP), scale=dict(scale=0.3),
+                alibi_h=dict(alibi_slopes=alibi_slopes(H)), alibi_1h=dict(alibi_slopes=alibi_slopes(H)[None]),
+                all=dict(softcap=SOFTCAP, scale=0.3, alibi_slopes=alibi_slopes(H)))[option]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The algorithm
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ring_equals_attention_over_the_whole_sequence(rng, assert_matches_reference, world_size, layout, causal):
+    """float32, D != Dv: the unsharded ring forward and backward equal the single-process call over the whole
+    sequence to 1e-5, and meet the accuracy rule against the float64 reference."""
+    q, k, v, dout = _problem(rng, world_size)
+    ring = _ring(world_size, q, k, v, dout, causal=causal, layout=layout)
+    _assert_same_as_single(ring, _single(q, k, v, dout, causal=causal))
+    assert_matches_reference(q, k, v, dout, ring, causal=causal)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world_size", (1, 3))
+def test_ring_attention_returns_the_forward_output(rng, world_size, layout):
+    """ring_attention (out alone) is bit for bit the out of ring_attention_forward."""
+    q, k, v, _ = _problem(rng, world_size)
+
+    def rank_work(comm):
+        q_l, k_l, v_l = (dist.shard(x, comm, layout=layout) for x in (q, k, v))
+        out = dist.ring_attention(q_l, k_l, v_l, comm=comm, causal=True, layout=layout)
+        out_f, _ = dist.ring_attention_forward(q_l, k_l, v_l, comm=comm, causal=True, layout=layout)
+        return out, out_f
+
+    for out, out_f in dist.InProcessGroup(world_size).run(rank_work):
+        assert_bitwise_equal([out], [out_f], names=["out"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_cross_attention_with_different_lengths(rng, assert_matches_reference, world_size, layout):
+    """Not causal, Nq != Nk (the q and k shards of different lengths): the whole-sequence result."""
+    nq, nk = 2 * world_size * 3, 2 * world_size * 5
+    q, k, v, dout = random_problem(rng, (B, H, nq, D), (B, H, nk, D), (B, H, nk, DV), np.float32)
+    ring = _ring(world_size, q, k, v, dout, causal=False, layout=layout)
+    _assert_same_as_single(ring, _single(q, k, v, dout, causal=False))
+    assert_matches_reference(q, k, v, dout, ring, causal=False)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_grouped_query_heads_by_broadcasting(rng, assert_matches_reference, layout, causal):
+    """q (B, Hk, G, N, D) with k, v (B, Hk, 1, N, D), W = 3: dk and dv come back in k's and v's shapes, summed
+    over the G query heads, and everything equals the single call."""
+    world_size, n, hk, groups = 3, _seq(3), 2, 3
+    q, k, v, dout = random_problem(rng, (B, hk, groups, n, D), (B, hk, 1, n, D), (B, hk, 1, n, DV), np.float32)
+    ring = _ring(world_size, q, k, v, dout, causal=causal, layout=layout)
+    assert ring[0].shape == (B, hk, groups, n, DV) and ring[3].shape == k.shape and ring[4].shape == v.shape
+    _assert_same_as_single(ring, _single(q, k, v, dout, causal=causal))
+    assert_matches_reference(q, k, v, dout, ring, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("option", ["softcap", "scale", "alibi_h", "alibi_1h", "all"])
+def test_options_match_the_single_call(rng, assert_matches_reference, option, layout, causal):
+    """W = 3 with softcap, an explicit scale, ALiBi slopes of shape (H,) or (1, H) (global positions), or all
+    three: the ring equals the single call with the same options, and meets the accuracy rule."""
+    options = _options(option)
+    q, k, v, dout = _problem(rng, 3)
+    ring = _ring(3, q, k, v, dout, causal=causal, layout=layout, **options)
+    _assert_same_as_single(ring, _single(q, k, v, dout, causal=causal, **options))
+    assert_matches_reference(q, k, v, dout, ring, causal=causal, **options)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world_size", (1, 2, 4, 8))
+def test_all_options_at_every_world_size(rng, world_size, layout, causal):
+    """softcap, scale and ALiBi together for the other world sizes: ALiBi's per-pair bias and lse shift are
+    exact for chunk pairs on either side of the diagonal, however far apart."""
+    options = dict(softcap=SOFTCAP, scale=0.3, alibi_slopes=alibi_slopes(H)[None])
+    q, k, v, dout = _problem(rng, world_size)
+    ring = _ring(world_size, q, k, v, dout, causal=causal, layout=layout, **options)
+    _assert_same_as_single(ring, _single(q, k, v, dout, causal=causal, **options))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world_size", (2, 3))
+@pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
+def test_16_bit_dtypes_meet_the_accuracy_rule(rng, assert_matches_reference, dtype, world_size, layout, causal):
+    """float16 and bfloat16, odd head dims (D 13, Dv 7): the unsharded ring results are within twice a naive
+    same-dtype implementation's error of the float64 reference; lse is float32."""
+    q, k, v, dout = _problem(rng, world_size, dtype, d=13, dv=7)
+    ring = _ring(world_size, q, k, v, dout, causal=causal, layout=layout)
+    assert ring[0].dtype == dtype and ring[1].dtype == np.float32
+    assert_matches_reference(q, k, v, dout, ring, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
+def test_16_bit_dtypes_with_options_meet_the_accuracy_rule(rng, dtype):
+    """float16 and bfloat16 with softcap, scale and ALiBi together, causal, zigzag, W = 3 (the naive rounds
+    its scaled scores, as the modifiers' tests do)."""
+    options = _options("all")
+    q, k, v, dout = _problem(rng, 3, dtype)
+    ring = _ring(3, q, k, v, dout, causal=True, **options)
+    assert_matches_reference_scaled(q, k, v, dout, ring, causal=True, **options)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_float64_is_exact_to_float64_rounding(rng, world_size, layout, causal):
+    """float64 inputs accumulate in float64: out, lse and the gradients are float64 and the reference's to
+    1e-12 (with ALiBi and softcap too)."""
+    n = _seq(world_size)
+    q, k, v = (rng.standard_normal((B, H, n, d)) for d in (D, D, DV))
+    dout = rng.standard_normal((B, H, n, DV))
+    options = dict(softcap=SOFTCAP, alibi_slopes=alibi_slopes(H).astype(np.float64))
+    for kwargs in ({}, options):
+        ring = _ring(world_size, q, k, v, dout, causal=causal, layout=layout, **kwargs)
+        _assert_float64_matches_reference(q, k, v, dout, ring, causal=causal, **kwargs)
+
+
+def test_results_are_deterministic(rng):
+    """The same call twice on one group, and once more on a fresh group, gives bit-for-bit equal results
+    (bfloat16, W = 4, causal zigzag with ALiBi: per-pair blocks and their merges)."""
+    options = dict(causal=True, alibi_slopes=alibi_slopes(H), softcap=SOFTCAP)
+    q, k, v, dout = _problem(rng, 4, ml_dtypes.bfloat16)
+    group = dist.InProcessGroup(4)
+    first = _ring(4, q, k, v, dout, group=group, **options)
+    assert_bitwise_equal(_ring(4, q, k, v, dout, group=group, **options), first)
+    assert_bitwise_equal(_ring(4, q, k, v, dout, **options), first)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("batch, nq, nk, causal", [((B, H), 0, 0, True), ((B, H), 0, 0, False),
+                                                   ((0, H), 12, 12, True), ((B, H), 12, 0, False)])
+def test_empty_problems_match_the_single_call(rng, layout, batch, nq, nk, causal):
+    """N = 0, an empty batch, or no keys at all (not causal): the ring returns what the single call
+    returns: the same shapes and dtypes, out and gradients 0, lse -inf."""
+    q, k, v, dout = random_problem(rng, batch + (nq, D), batch + (nk, D), batch + (nk, DV), np.float32)
+    ring = _ring(2, q, k, v, dout, causal=causal, layout=layout)
+    single = _single(q, k, v, dout, causal=causal)
+    for name, x, y in zip(NAMES, ring, single):
+        assert (x.shape, x.dtype) == (y.shape, y.dtype), f"{name}: {x.shape} {x.dtype}"
+        np.testing.assert_array_equal(x, y, err_msg=name)
+    assert np.isneginf(ring[1]).all() and not ring[0].any()
+
+
+# ---------------------------------------------------------------------------------------------------
+# shard / unshard
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", (1, 2, 3, 4))
+def test_shard_holds_the_documented_chunks(world_size):
+    """zigzag: rank r holds chunks r and 2W-1-r of 2W, in that order; contiguous: chunk r of W. Shards are
+    contiguous copies."""
+    c = 3
+    x = np.arange(2 * world_size * c, dtype=np.float32)[:, None] * np.ones(5, np.float32)
+
+    def rank_work(comm):
+        return {layout: dist.shard(x, comm, layout=layout) for layout in LAYOUTS}
+
+    for r, shards in enumerate(dist.InProcessGroup(world_size).run(rank_work)):
+        zig, cont = shards["zigzag"], shards["contiguous"]
+        expected_zig = list(range(r * c, (r + 1) * c)) + list(range((2 * world_size - 1 - r) * c,
+                                                                    (2 * world_size - r) * c))
+        assert zig[:, 0].tolist() == expected_zig and zig.shape == (2 * c, 5)
+        assert cont[:, 0].tolist() == list(range(r * 2 * c, (r + 1) * 2 * c))
+        assert chunks_of("zigzag", world_size, r) == (r, 2 * world_size - 1 - r)
+        assert chunks_of("contiguous", world_size, r) == (r,)
+        for s in (zig, cont):
+            assert s.flags.c_contiguous and not np.shares_memory(s, x)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world_size", (1, 2, 3, 5))
+def test_shard_unshard_round_trip(rng, world_size, layout):
+    """unshard(shard(x)) is x on every rank, bit for bit: (B, H, N, D) arrays along axis -2, lse-like
+    (B, H, N) arrays along axis -1, in bfloat16 and float64."""
+    n = 2 * world_size * 3
+    xs = [random_array(rng, (B, H, n, 5), ml_dtypes.bfloat16), random_array(rng, (B, H, n), np.float64)]
+
+    def rank_work(comm):
+        return [dist.unshard(dist.shard(x, comm, layout=layout, axis=axis), comm, layout=layout, axis=axis)
+                for x, axis in zip(xs, (-2, -1))]
+
+    for back in dist.InProcessGroup(world_size).run(rank_work):
+        assert_bitwise_equal(back, xs, names=["axis -2", "axis -1"])
+
+
+@pytest.mark.parametrize("layout, n, world_size", [("zigzag", 18, 2), ("zigzag", 6, 2), ("contiguous", 10, 3),
+                                                   ("contiguous", 7, 2)])
+def test_shard_raises_when_the_sequence_does_not_split(layout, n, world_size):
+    """N not a multiple of 2W (zigzag) or W (contiguous): ValueError naming the layout."""
+    x = np.zeros((n, 4), dtype=np.float32)
+
+    def rank_work(comm):
+        with pytest.raises(ValueError, match=f"'{layout}' layout cannot cut") as info:
+            dist.shard(x, comm, layout=layout)
+        return str(info.value)
+
+    for message in dist.InProcessGroup(world_size).run(rank_work):
+        assert f"{n} rows" in message
+
+
+def test_bad_layout_and_axis_raise():
+    """A layout that is not "zigzag" or "contiguous", or an axis out of range: ValueError from shard, unshard
+    and the ring."""
+    x = np.zeros((1, 8, 4), dtype=np.float32)
+
+    def rank_work(comm):
+        for call in (lambda: dist.shard(x, comm, layout="ring"), lambda: dist.unshard(x, comm, layout="Zigzag"),
+                     lambda: dist.ring_attention(x, x, x, comm=comm, layout="striped")):
+            with pytest.raises(ValueError, match="layout must be one of"):
+                call()
+        with pytest.raises(ValueError, match="out of range"):
+            dist.shard(x, comm, axis=3)
+        return True
+
+    assert dist.InProcessGroup(2).run(rank_work) == [True, True]
+
+
+def test_unshard_rejects_an_odd_zigzag_shard():
+    """A zigzag shard holds two equal chunks: a shard of an odd number of rows raises."""
+    x = np.zeros((5, 4), dtype=np.float32)
+
+    def rank_work(comm):
+        with pytest.raises(ValueError, match="'zigzag' layout holds 2 equal chunks"):
+            dist.unshard(x, comm)
+        return True
+
+    assert dist.InProcessGroup(2).run(rank_work) == [True, True]
+
+
+def test_chunk_length():
+    """chunk_length: N / 2W for zigzag, N / W for contiguous; the error names the multiple to pad to."""
+    assert chunk_length(24, "zigzag", 3, "q") == 4 and chunk_length(24, "contiguous", 3, "q") == 8
+    with pytest.raises(ValueError, match="pad the sequence to a multiple of 8"):
+        chunk_length(20, "zigzag", 4, "q")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The schedule
+# ---------------------------------------------------------------------------------------------------
+
+
+def _global_rows(layout, world_size, rank, rows, chunk):
+    """Global positions of the local rows ``rows`` (a slice) of ``rank``'s shard of chunks of ``chunk`` rows."""
+    chunks = chunks_of(layout, world_size, rank)
+    return np.array([chunks[i // chunk] * chunk + i % chunk for i in range(rows.start, rows.stop)], dtype=int)
+
+
+def _coverage(layout, world_size, causal, nq_chunk, nk_chunk, per_pair):
+    """How many times each (query, key) pair of global positions is computed over every rank and step, and
+    the allowed pairs each rank computes at each step (W x W)."""
+    per = 2 if layout == "zigzag" else 1
+    nq, nk = per * world_size * nq_chunk, per * world_size * nk_chunk
+    counts = np.zeros((nq, nk), dtype=int)
+    work = np.zeros((world_size, world_size), dtype=int)
+    for rank in range(world_size):
+        for step in range(world_size):
+            src = _schedule.source_rank(rank, step, world_size)
+            for blk in _schedule.blocks(layout, world_size, rank, step, nq_chunk, nk_chunk, causal, per_pair):
+                rows = _global_rows(layout, world_size, rank, blk.q_rows, nq_chunk)
+                cols = _global_rows(layout, world_size, src, blk.k_rows, nk_chunk)
+                assert len(rows) and len(cols), f"an empty block {blk}"
+                if blk.causal:  # the local bottom-right mask
+                    local_i = np.arange(len(rows))[:, None] + (len(cols) - len(rows))
+                    seen = np.arange(len(cols))[None, :] <= local_i
+                else:
+                    seen = np.ones((len(rows), len(cols)), dtype=bool)
+                np.add.at(counts, (rows[:, None], cols[None, :]), seen.astype(int))
+                allowed = cols[None, :] <= rows[:, None] if causal else np.ones_like(seen)
+                work[rank, step] += int((seen & allowed).sum())
+                if per_pair:
+                    assert (blk.q_start, blk.k_start) == (rows[0], cols[0]), f"{blk}: global starts"
+                    assert len(rows) == nq_chunk and len(cols) == nk_chunk
+                    assert np.array_equal(rows, blk.q_start + np.arange(nq_chunk))
+                    assert np.array_equal(cols, blk.k_start + np.arange(nk_chunk))
+    return counts, work
+
+
+@pytest.mark.parametrize("per_pair", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_schedule_covers_every_allowed_pair_once(layout, causal, per_pair):
+    """For W = 1..8, over every rank and step: each pair the global mask allows is computed exactly once, no
+    masked pair at all (chunks of 3 rows; of 2 query and 3 key rows when not causal). per_pair: one block
+    per chunk pair, its q_start and k_start the global positions of its first rows."""
+    for world_size in range(1, 9):
+        nq_chunk, nk_chunk = (3, 3) if causal else (2, 3)
+        counts, _ = _coverage(layout, world_size, causal, nq_chunk, nk_chunk, per_pair)
+        nq, nk = counts.shape
+        expected = (np.arange(nk)[None, :] <= np.arange(nq)[:, None]) if causal else np.ones((nq, nk), bool)
+        assert np.array_equal(counts, expected.astype(int)), (
+            f"W={world_size}: {int((counts > expected).sum())} pairs computed twice or masked, "
+            f"{int((counts < expected).sum())} pairs missed")
+
+
+@pytest.mark.parametrize("per_pair", [False, True])
+def test_zigzag_balances_causal_work(per_pair):
+    """Zigzag, causal, W = 1..8: every rank computes the same number of allowed pairs at every step >= 1 (two
+    full chunk pairs), and the same total; contiguous does not (W >= 2)."""
+    c = 3
+    for world_size in range(1, 9):
+        _, work = _coverage("zigzag", world_size, True, c, c, per_pair)
+        totals = work.sum(axis=1)
+        assert (totals == totals[0]).all(), f"W={world_size}: totals {totals}"
+        if world_size > 1:
+            assert (work[:, 1:] == 2 * c * c).all(), f"W={world_size}: per-step work\n{work}"
+            _, cont = _coverage("contiguous", world_size, True, c, c, per_pair)
+            assert len(set(cont.sum(axis=1))) > 1
+
+
+def test_schedule_merges_pairs_into_few_calls():
+    """Without per_pair, zigzag causal steps are one call each (the diagonal step, or one rectangle); not
+    causal, every step is one call over the whole shards."""
+    for world_size in range(1, 9):
+        for rank in range(world_size):
+            for step in range(world_size):
+                causal = _schedule.blocks("zigzag", world_size, rank, step, 3, 3, True, False)
+                assert len(causal) == 1 and causal[0].causal == (step == 0)
+                (full,) = _schedule.blocks("zigzag", world_size, rank, step, 2, 3, False, False)
+                assert (full.q_rows, full.k_rows, full.causal) == (slice(0, 4), slice(0, 6), False)
+
+
+def test_source_rank():
+    """At step t rank r holds the shard of rank (r - t) mod W."""
+    assert [_schedule.source_rank(r, 1, 4) for r in range(4)] == [3, 0, 1, 2]
+    assert [_schedule.source_rank(0, t, 3) for t in range(3)] == [0, 2, 1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Argument errors and cross-rank checks
+# ---------------------------------------------------------------------------------------------------
+
+
+def _errors_on_every_rank(world_size, call):
+    """Run ``call(comm)`` on every rank; each rank's exception (which every rank must raise)."""
+
+    def rank_work(comm):
+        try:
+            call(comm)
+        except Exception as error:  # noqa: BLE001 (returned for the test to inspect)
+            return error
+        return None
+
+    errors = dist.InProcessGroup(world_size, timeout=5).run(rank_work)
+    assert all(e is not None for e in errors), f"some ranks did not raise: {errors}"
+    return errors
+
+
+@pytest.mark.parametrize("difference", ["heads", "dtype", "causal", "softcap"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_ranks_making_different_calls_all_raise(rng, difference, backward):
+    """Rank 1 passes another head count, another dtype, another causal or another softcap than ranks 0 and 2:
+    every rank raises ValueError saying the ranks' calls differ (and listing each rank's call), in the
+    forward and the backward; nothing hangs."""
+    q, k, v, dout = _problem(rng, 3)
+    out, lse = cupyflash.attention_forward(q, k, v)
+
+    def call(comm):
+        x = [dist.shard(a, comm) for a in (dout, q, k, v, out)] + [dist.shard(lse, comm, axis=-1)]
+        kwargs = dict(comm=comm, causal=False, softcap=0.0)
+        if comm.rank == 1:
+            if difference == "heads":
+                x = [a[:, :2] for a in x]
+            elif difference == "dtype":
+                x = [a.astype(np.float64) for a in x]
+            elif difference == "causal":
+                kwargs["causal"] = True
+            else:
+                kwargs["softcap"] = 1.0
+        if backward:
+            dist.ring_attention_backward(*x, **kwargs)
+        else:
+            dist.ring_attention_forward(*x[1:4], **kwargs)
+
+    start = time.perf_counter()
+    errors = _errors_on_every_rank(3, call)
+    assert time.perf_counter() - start < 4
+    for error in errors:
+        assert isinstance(error, ValueError) and "the ranks' calls differ" in str(error), repr(error)
+        assert all(f"rank {r}:" in str(error) for r in range(3))
+
+
+def test_group_run_reraises_the_mismatch(rng):
+    """group.run itself re-raises one rank's ValueError when the ranks' calls differ."""
+    q, k, v, _ = _problem(rng, 2)
+
+    def rank_work(comm):
+        q_l, k_l, v_l = (dist.shard(x, comm) for x in (q, k, v))
+        return dist.ring_attention(q_l[:, : 1 + comm.rank], k_l[:, : 1 + comm.rank], v_l[:, : 1 + comm.rank],
+                                   comm=comm)
+
+    with pytest.raises(ValueError, match="the ranks' calls differ"):
+        dist.InProcessGroup(2, timeout=5).run(rank_work)
+
+
+def test_odd_zigzag_shard_raises(rng):
+    """A q (or k) shard with an odd number of rows cannot be two zigzag chunks: ValueError on every rank;
+    the same shards under contiguous are fine."""
+    q, k, v, _ = _problem(rng, 2)
+
+    def call(comm):
+        dist.ring_attention(q[..., :7, :], k[..., :7, :], v[..., :7, :], comm=comm)
+
+    for error in _errors_on_every_rank(2, call):
+        assert isinstance(error, ValueError) and "holds 7 rows" in str(error) and "'zigzag'" in str(error)
+    outs = dist.InProcessGroup(2).run(lambda comm: dist.ring_attention(q[..., :7, :], k[..., :7, :], v[..., :7, :],
+                                                                       comm=comm, layout="contiguous"))
+    assert all(o.shape == (B, H, 7, DV) for o in outs)
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(alibi_slopes=alibi_slopes(H))], ids=["causal", "alibi"])
+def test_causal_or_alibi_with_shards_of_different_lengths_raises(rng, options):
+    """Causal or ALiBi needs one sequence attending to itself: q and k shards of different lengths raise
+    ValueError on every rank."""
+    q, k, v, _ = random_problem(rng, (B, H, 4, D), (B, H, 6, D), (B, H, 6, DV), np.float32)
+
+    for error in _errors_on_every_rank(2, lambda comm: dist.ring_attention_forward(q, k, v, comm=comm, **options)):
+        assert isinstance(error, ValueError) and "got 4 and 6 rows" in str(error), repr(error)
+
+
+@pytest.mark.parametrize("kwargs, change", [
+    (dict(scale=-1.0), None), (dict(scale=float("nan")), None), (dict(softcap=-1.0), None),
+    (dict(causal="yes"), None), (dict(alibi_slopes=np.ones(4, np.float32)), None),
+    (dict(alibi_slopes=[1.0, 1.0, 1.0]), None), ({}, "head_dim"), ({}, "dtype"), ({}, "int"),
+], ids=["scale", "scale_nan", "softcap", "causal", "alibi_shape", "alibi_list", "head_dim", "dtype", "int"])
+def test_invalid_arguments_raise_the_single_call_error(rng, kwargs, change):
+    """An invalid argument on every rank raises, on every rank, the very error (type and message) that
+    cupyflash.attention_forward raises for it."""
+    q, k, v, _ = _problem(rng, 2)
+    if change == "head_dim":
+        k = k[..., :-1]
+    elif change == "dtype":
+        k = k.astype(np.float64)
+    elif change == "int":
+        q = q.astype(np.int32)
+    with pytest.raises((TypeError, ValueError)) as single:
+        cupyflash.attention_forward(q, k, v, **kwargs)
+
+    def call(comm):  # the shards keep every dim but N, and the messages name no N
+        dist.ring_attention_forward(*(dist.shard(x, comm) for x in (q, k, v)), comm=comm, **kwargs)
+
+    for error in _errors_on_every_rank(2, call):
+        assert type(error) is single.type, repr(error)
+        expected = str(single.value).replace(f", {_seq(2)}, ", f", {_seq(2) // 2}, ")
+        assert str(error) == expected
+
+
+def test_invalid_backward_arguments_raise_the_single_call_error(rng):
+    """The backward with an out of the wrong shape raises what cupyflash.attention_backward raises for it."""
+    q, k, v, dout = _problem(rng, 2)
+    out, lse = cupyflash.attention_forward(q, k, v)
+    bad_out = out[..., :-1]
+    with pytest.raises(ValueError) as single:
+        cupyflash.attention_backward(dout, q, k, v, bad_out, lse)
+
+    def call(comm):
+        shards = [dist.shard(x, comm) for x in (dout, q, k, v, bad_out)]
+        dist.ring_attention_backward(*shards, dist.shard(lse, comm, axis=-1), comm=comm)
+
+    for error in _errors_on_every_rank(2, call):
+        assert isinstance(error, ValueError)
+        assert str(error) == str(single.value).replace(f", {_seq(2)}, ", f", {_seq(2) // 2}, ")
+
+
+# ---------------------------------------------------------------------------------------------------
+# InProcessGroup
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_group_returns_results_in_rank_order():
+    """run(fn) calls fn(comm) on every rank and returns the results in rank order; all_gather and barrier
+    see every rank."""
+
+    def rank_work(comm):
+        comm.barrier()
+        gathered = comm.all_gather(np.array([comm.rank * 10]))
+        return comm.rank, comm.world_size, [int(g[0]) for g in gathered]
+
+    assert dist.InProcessGroup(5).run(rank_work) == [(r, 5, [0, 10, 20, 30, 40]) for r in range(5)]
+    assert dist.InProcessGroup(1).run(lambda comm: (comm.rank, comm.world_size)) == [(0, 1)]
+
+
+def test_failure_on_one_rank_propagates_without_hanging(rng):
+    """Rank 1 raises while the others wait in a barrier or in the ring: its exception comes out of run()
+    within a second or so (not after the 5 s timeout), and the group then runs the ring correctly."""
+    q, k, v, dout = _problem(rng, 3)
+    group = dist.InProcessGroup(3, timeout=5)
+
+    def failing(comm):
+        if comm.rank == 1:
+            time.sleep(0.2)
+            raise RuntimeError("rank 1 failed")
+        comm.barrier()
+
+    def failing_in_ring(comm):
+        if comm.rank == 1:
+            raise KeyError("rank 1 failed before the ring")
+        return dist.ring_attention(*(dist.shard(x, comm) for x in (q, k, v)), comm=comm)
+
+    for fn, error in ((failing, RuntimeError), (failing_in_ring, KeyError)):
+        start = time.perf_counter()
+        with pytest.raises(error, match="rank 1 failed"):
+            group.run(fn)
+        assert time.perf_counter() - start < 3
+    ring = _ring(3, q, k, v, dout, group=group, causal=True)
+    _assert_same_as_single(ring, _single(q, k, v, dout, causal=True))
+
+
+def test_a_rank_that_never_calls_times_out():
+    """A rank left waiting for a message that never comes raises TimeoutError after the group's timeout."""
+
+    def rank_work(comm):
+        if comm.rank == 0:
+            comm.barrier()
+
+    start = time.perf_counter()
+    with pytest.raises(TimeoutError, match="does every rank make the same calls"):
+        dist.InProcessGroup(2, timeout=0.5).run(rank_work)
+    assert time.perf_counter() - start < 3
+
+
+@pytest.mark.parametrize("world_size", [0, -1, 2.0, "2", None])
+def test_group_world_size_must_be_a_positive_int(world_size):
+    """world_size < 1 or not an int: ValueError."""
+    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+        dist.InProcessGroup(world_size)
+
+
+def test_package_exports():
+    """cupyflash.distributed exports the ring, the layouts and the communicators."""
+    assert dist.LAYOUTS == ("zigzag", "contiguous")
+    for name in dist.__all__:
+        assert hasattr(dist, name), name

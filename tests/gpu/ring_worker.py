@@ -1,0 +1,98 @@
+"""One rank of the two-GPU ring tests (tests/gpu/test_gpu_distributed.py), run by the launcher:
+
+    python -m cupyflash.distributed.launch --nproc 2 tests/gpu/ring_worker.py
+
+Every rank builds the same inputs, runs ring attention over NCCL on its shards, and gathers the results;
+rank 0 holds them to the accuracy rule (helpers/checks.py) against the float64 reference, and to 2x the
+error of our single-GPU result. A failed check raises, so the process (and the launcher) exits non-zero.
+Rank 0 prints one line per case.
+"""
+
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import cupy  # noqa: E402
+
+import cupyflash  # noqa: E402
+from cupyflash import distributed as dist  # noqa: E402
+from cupyflash import reference  # noqa: E402
+from helpers.checks import assert_matches_reference, max_abs, to_host  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+# (dtype, B, Hk, G, N, D, Dv, causal, layout, options)
+CASES = [
+    (BF16, 1, 2, 3, 4 * 96, 128, 128, True, "zigzag", {}),
+    (BF16, 2, 2, 2, 4 * 70, 64, 40, False, "contiguous", {}),
+    (np.float16, 1, 3, 1, 4 * 33, 80, 80, True, "contiguous", {"softcap": 20.0}),
+    (BF16, 1, 2, 2, 4 * 50, 32, 32, True, "zigzag", {"alibi": True}),
+    (np.float32, 1, 1, 2, 4 * 45, 48, 24, True, "zigzag", {"scale": 0.3}),
+    (np.float64, 1, 2, 1, 4 * 20, 16, 16, False, "zigzag", {"alibi": True}),
+]
+
+
+def run_case(comm, rng, dtype, b, hk, g, n, d, dv, causal, layout, options):
+    q = rng.standard_normal((b, hk, g, n, d), dtype=np.float32).astype(dtype)
+    k = rng.standard_normal((b, hk, 1, n, d), dtype=np.float32).astype(dtype)
+    v = rng.standard_normal((b, hk, 1, n, dv), dtype=np.float32).astype(dtype)
+    dout = rng.standard_normal((b, hk, g, n, dv), dtype=np.float32).astype(dtype)
+    kwargs = {key: val for key, val in options.items() if key != "alibi"}
+    if options.get("alibi"):
+        kwargs["alibi_slopes"] = cupy.asarray(rng.uniform(0.05, 0.5, (hk, g, 1)).astype(np.float32)[..., 0])
+    gq, gk, gv, gdout = (cupy.asarray(x) for x in (q, k, v, dout))
+    shards = [dist.shard(x, comm, layout) for x in (gq, gk, gv, gdout)]
+    out_l, lse_l = dist.ring_attention_forward(*shards[:3], comm=comm, causal=causal, layout=layout, **kwargs)
+    grads = dist.ring_attention_backward(shards[3], *shards[:3], out_l, lse_l, comm=comm, causal=causal,
+                                         layout=layout, **kwargs)
+    ring = [dist.unshard(out_l, comm, layout), dist.unshard(lse_l, comm, layout, axis=-1),
+            *(dist.unshard(x, comm, layout) for x in grads)]
+    if comm.rank != 0:
+        return None
+    assert_matches_reference(gq, gk, gv, gdout, ring, causal=causal, round_scaled_scores=False, **kwargs)
+    one_out, one_lse = cupyflash.attention_forward(gq, gk, gv, causal=causal, **kwargs)
+    one = [one_out, one_lse, *cupyflash.attention_backward(gdout, gq, gk, gv, one_out, one_lse, causal=causal,
+                                                          **kwargs)]
+    host = {key: to_host(val) for key, val in kwargs.items()}
+    ref_out, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, **host)
+    refs = [ref_out, ref_lse, *reference.attention_backward(dout, q, k, v, causal=causal, **host)]
+    ratios = []
+    for name, x, y, ref in zip(("out", "lse", "dq", "dk", "dv"), ring, one, refs):
+        ring_err = max_abs(to_host(x).astype(np.float64) - ref)
+        one_err = max_abs(to_host(y).astype(np.float64) - ref)
+        floor = 1e-6 * max(1.0, max_abs(ref)) if dtype != np.float64 else 1e-13 * max(1.0, max_abs(ref))
+        assert ring_err <= 2 * max(one_err, floor), f"{name}: ring error {ring_err:.3g} > 2 x one GPU's {one_err:.3g}"
+        ratios.append(f"{name} {ring_err / max(one_err, floor):.2f}")
+    return ", ".join(ratios)
+
+
+def main():
+    comm = dist.init()
+    assert comm.world_size >= 2, "run under the launcher with --nproc >= 2"
+    assert comm.device == comm.rank, f"rank {comm.rank} is on device {comm.device}"
+    for i, case in enumerate(CASES):
+        rng = np.random.default_rng(1000 + i)  # the same inputs on every rank
+        line = run_case(comm, rng, *case)
+        if comm.rank == 0:
+            print(f"case {i} ({np.dtype(case[0]).name}, N={case[4]}, causal={case[7]}, {case[8]}, "
+                  f"{sorted(case[9])}): ring/one-GPU error {line}", flush=True)
+    # A call that differs between ranks raises on every rank.
+    n = 16 * (2 + comm.rank)
+    x = cupy.zeros((1, 2, n, 16), dtype=np.float16)
+    try:
+        dist.ring_attention_forward(x, x, x, comm=comm)
+    except ValueError as error:
+        assert "calls differ" in str(error), error
+    else:
+        raise AssertionError("mismatched shards did not raise")
+    comm.barrier()
+    if comm.rank == 0:
+        print("mismatched calls raise on every rank", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Ring attention on the GPU. Needs a GPU; the NCCL tests need two:
+
+    python -m pytest -m gpu tests/gpu/test_gpu_distributed.py
+
+On one GPU: a world of one process (``init()`` without a launcher) gives attention's results bit for bit;
+W ranks as threads (InProcessGroup) on CuPy arrays run the GPU's merge and accumulate kernels through the
+ring, held to the accuracy rule; the kernels themselves (cupyflash/_cuda/states.py) against the NumPy
+merge, with every allocation poisoned. On two GPUs: tests/gpu/ring_worker.py over NCCL through the
+launcher (every case held to the accuracy rule and to 2x the single GPU's error), and the example script.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import distributed as dist
+from cupyflash._arrays import cupy
+from cupyflash._cuda import states
+from helpers.checks import assert_bitwise_equal, to_host
+from helpers.gpu import gpu_available, nan_filled_allocations
+from helpers.problems import random_array
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
+
+
+def _two_gpus():
+    return gpu_available() and cupy.cuda.runtime.getDeviceCount() >= 2
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_world_of_one_is_attention_bit_for_bit(rng, causal, monkeypatch):
+    """init() without a launcher is a world of one; the ring is then one call of each kernel, and the float32
+    accumulators hold the block's results exactly, so out, lse and the gradients are attention's, bit for bit."""
+    for name in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    comm = dist.init(device=cupy.cuda.Device().id)
+    assert (comm.rank, comm.world_size) == (0, 1)
+    q, dout = (cupy.asarray(random_array(rng, (2, 3, 2, 90, 64), ml_dtypes.bfloat16)) for _ in range(2))
+    k, v = (cupy.asarray(random_array(rng, (2, 3, 1, 90, 64), ml_dtypes.bfloat16)) for _ in range(2))
+    with nan_filled_allocations():
+        out, lse = dist.ring_attention_forward(q, k, v, comm=comm, causal=causal)
+        grads = dist.ring_attention_backward(dout, q, k, v, out, lse, comm=comm, causal=causal)
+    one_out, one_lse = cupyflash.attention_forward(q, k, v, causal=causal)
+    one = cupyflash.attention_backward(dout, q, k, v, one_out, one_lse, causal=causal)
+    assert_bitwise_equal((out, lse, *grads), (one_out, one_lse, *one))
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("world_size, layout, causal, options", [
+    (2, "zigzag", True, {}),
+    (3, "contiguous", False, {"softcap": 15.0}),
+    (4, "zigzag", True, {"alibi": True}),
+    (2, "contiguous", True, {"scale": 0.2}),
+])
+def test_ring_over_threads_on_one_gpu(rng, assert_matches_reference, dtype, world_size, layout, causal, options):
+    """W ranks as threads sharing one GPU: the same schedule as over NCCL, through the GPU's kernels
+    (attention, merge_states, accumulate_rows); the gathered results by the accuracy rule."""
+    n, hk, g, d, dv = world_size * 2 * 37, 2, 2, 40, 56
+    q = cupy.asarray(random_array(rng, (1, hk, g, n, d), dtype))
+    k = cupy.asarray(random_array(rng, (1, hk, 1, n, d), dtype))
+    v = cupy.asarray(random_array(rng, (1, hk, 1, n, dv), dtype))
+    dout = cupy.asarray(random_array(rng, (1, hk, g, n, dv), dtype))
+    kwargs = {key: val for key, val in options.items() if key != "alibi"}
+    if options.get("alibi"):
+        kwargs["alibi_slopes"] = cupy.asarray(rng.uniform(0.05, 0.5, (hk, g, 1)).astype(np.float32))[..., 0]
+
+    def rank_work(comm):
+        shards = [dist.shard(x, comm, layout) for x in (q, k, v, dout)]
+        out, lse = dist.ring_attention_forward(*shards[:3], comm=comm, causal=causal, layout=layout, **kwargs)
+        grads = dist.ring_attention_backward(shards[3], *shards[:3], out, lse, comm=comm, causal=causal,
+                                             layout=layout, **kwargs)
+        return [dist.unshard(out, comm, layout), dist.unshard(lse, comm, layout, axis=-1),
+                *(dist.unshard(x, comm, layout) for x in grads)]
+
+    results = dist.InProcessGroup(world_size).run(rank_work)
+    for other in results[1:]:  # every rank gathers the same arrays
+        assert_bitwise_equal(other, results[0])
+    assert_matches_reference(q, k, v, dout, results[0], causal=causal, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_merge_rows_is_the_public_merge(rng, dtype):
+    """merge_rows on a run of rows inside a larger accumulator: NumPy's merge_attention_states (the same rules)
+    on those rows, every other row untouched, and rows that one side never saw (lse -inf) copied exactly."""
+    acc_dtype = np.float64 if dtype == np.float64 else np.float32
+    lead, n_acc, n, row0, dv = (2, 3), 50, 19, 23, 72
+    out_acc = random_array(rng, lead + (n_acc, dv), acc_dtype)
+    lse_acc = rng.standard_normal(lead + (n_acc,)).astype(acc_dtype)
+    out_b = random_array(rng, lead + (n, dv), dtype)
+    lse_b = rng.standard_normal(lead + (n,)).astype(acc_dtype)
+    lse_acc[0, 0, row0:row0 + 5] = -np.inf  # the accumulator saw nothing: a copy of the block
+    lse_b[0, 1, :4] = -np.inf  # the block saw nothing: the accumulator unchanged
+    lse_acc[1, 2, row0 + 2:row0 + 4] = -np.inf
+    lse_b[1, 2, 2:4] = -np.inf  # neither saw anything: out 0, lse -inf
+    expected_out, expected_lse = out_acc.copy(), lse_acc.copy()
+    merged = cupyflash.merge_attention_states(out_acc[..., row0:row0 + n, :], lse_acc[..., row0:row0 + n],
+                                              out_b.astype(acc_dtype), lse_b)
+    expected_out[..., row0:row0 + n, :], expected_lse[..., row0:row0 + n] = merged
+    with nan_filled_allocations():
+        g_out, g_lse = cupy.asarray(out_acc), cupy.asarray(lse_acc)
+        states.merge_rows(g_out, g_lse, row0, cupy.asarray(out_b), cupy.asarray(lse_b))
+    got_out, got_lse = to_host(g_out), to_host(g_lse)
+    tol = 1e-13 if dtype == np.float64 else 2e-6
+    np.testing.assert_allclose(got_out, expected_out, rtol=tol, atol=tol)
+    np.testing.assert_allclose(got_lse, expected_lse, rtol=tol, atol=tol)
+    np.testing.assert_array_equal(got_out[0, 0, row0:row0 + 5], out_b[0, 0, :5].astype(acc_dtype))
+    np.testing.assert_array_equal(got_out[0, 1, row0:row0 + 4], out_acc[0, 1, row0:row0 + 4])
+    assert np.all(got_out[1, 2, row0 + 2:row0 + 4] == 0) and np.all(np.isneginf(got_lse[1, 2, row0 + 2:row0 + 4]))
+    outside = np.ones(n_acc, dtype=bool)
+    outside[row0:row0 + n] = False
+    np.testing.assert_array_equal(got_out[..., outside, :], out_acc[..., outside, :])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_add_rows(rng, dtype):
+    """add_rows adds a block into a run of rows of a float accumulator, and touches no other row."""
+    acc_dtype = np.float64 if dtype == np.float64 else np.float32
+    acc = random_array(rng, (3, 40, 33), acc_dtype)
+    x = random_array(rng, (3, 11, 33), dtype)
+    g_acc = cupy.asarray(acc)
+    states.add_rows(g_acc, 7, cupy.asarray(x))
+    expected = acc.copy()
+    expected[:, 7:18] += x.astype(acc_dtype)
+    np.testing.assert_array_equal(to_host(g_acc), expected)
+    with pytest.raises(ValueError, match="does not fit"):
+        states.add_rows(g_acc, 35, cupy.asarray(x))
+
+
+@pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
+def test_ring_over_nccl_on_two_gpus():
+    """Six cases over NCCL on two GPUs (dtypes, layouts, GQA, softcap, ALiBi, scale): each held to the accuracy
+    rule and to 2x the single GPU's error against float64; mismatched calls raise on every rank."""
+    done = subprocess.run([sys.executable, "-m", "cupyflash.distributed.launch", "--nproc", "2",
+                           str(ROOT / "tests" / "gpu" / "ring_worker.py")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert done.stdout.count("ring/one-GPU error") == 6, done.stdout
+    assert "mismatched calls raise on every rank" in done.stdout
+
+
+@pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
+def test_example_runs_on_two_gpus():
+    """examples/ring_attention.py under the launcher: the ring's results match one GPU's closely."""
+    done = subprocess.run([sys.executable, "-m", "cupyflash.distributed.launch", "--nproc", "2",
+                           str(ROOT / "examples" / "ring_attention.py"), "--n", "4096"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    errors = [float(line.rsplit("=", 1)[1]) for line in done.stdout.splitlines() if "max |ring" in line]
+    assert len(errors) == 5 and max(errors) < 3e-2, done.stdout
