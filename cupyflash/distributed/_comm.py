@@ -325,4 +325,11 @@ def init(backend: object | None = None, *, world_size: int | None = None, rank: 
     host = host or os.environ.get("CUPYX_DISTRIBUTED_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
     port = port or int(os.environ.get("CUPYX_DISTRIBUTED_PORT") or os.environ.get("MASTER_PORT") or 13333)
     nccl_backend = cupyx.distributed.init_process_group(world_size, rank, host=host, port=port)
+    # The rendezvous is over: creating NCCL's communicator is collective, so every rank has read the id from
+    # rank 0's TCP store. The store runs in a child process that nothing stops when the interpreter exits
+    # after an exception, and multiprocessing then waits for it forever: stop it now (the ring never uses
+    # the store; its barrier is an NCCL all-gather).
+    store = getattr(nccl_backend, "_store", None)
+    if store is not None:
+        store.stop()
     return Communicator(nccl_backend, world_size, rank)

@@ -53,11 +53,12 @@ def run_case(comm, rng, dtype, b, hk, g, n, d, dv, causal, layout, options):
             *(dist.unshard(x, comm, layout) for x in grads)]
     if comm.rank != 0:
         return None
-    assert_matches_reference(gq, gk, gv, gdout, ring, causal=causal, round_scaled_scores=False, **kwargs)
+    if dtype != np.float64:  # the rule's naive twin computes in float32; float64 is held to 2x one GPU below
+        assert_matches_reference(gq, gk, gv, gdout, ring, causal=causal, round_scaled_scores=False, **kwargs)
     one_out, one_lse = cupyflash.attention_forward(gq, gk, gv, causal=causal, **kwargs)
     one = [one_out, one_lse, *cupyflash.attention_backward(gdout, gq, gk, gv, one_out, one_lse, causal=causal,
                                                           **kwargs)]
-    host = {key: to_host(val) for key, val in kwargs.items()}
+    host = {key: to_host(val) if hasattr(val, "shape") else val for key, val in kwargs.items()}
     ref_out, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, **host)
     refs = [ref_out, ref_lse, *reference.attention_backward(dout, q, k, v, causal=causal, **host)]
     ratios = []
