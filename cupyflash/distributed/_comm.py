@@ -146,8 +146,10 @@ class InProcessGroup:
     def __init__(self, world_size: int, timeout: float = 120.0):
         if not (isinstance(world_size, int) and world_size >= 1):
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.world_size = world_size
-        self.timeout = timeout
+        self.timeout = float(timeout)
         # (src, dst): the ring's messages; (src, -1 - dst): all-gathers, apart so that they never interleave
         self._boxes = {(src, dst): queue.Queue() for src in range(world_size)
                        for dst in list(range(world_size)) + [-1 - d for d in range(world_size)]}
@@ -196,6 +198,15 @@ class InProcessGroup:
                                        "calls?") from None
 
 
+def _snapshot(arrays):
+    """Copies of ``arrays`` that another thread may read at once: CuPy copies are finished first (each
+    thread may queue its work on a stream of its own)."""
+    copies = [x.copy() for x in arrays]
+    if any(not isinstance(x, numpy.ndarray) for x in copies):
+        cupy.cuda.get_current_stream().synchronize()
+    return copies
+
+
 class _Aborted(RuntimeError):
     pass
 
@@ -214,7 +225,7 @@ class _InProcessComm:
 
     def exchange(self, send, recv):
         nxt = (self.rank + 1) % self.world_size
-        self._group._boxes[(self.rank, nxt)].put((self._sent, [x.copy() for x in send]))
+        self._group._boxes[(self.rank, nxt)].put((self._sent, _snapshot(send)))
         self._sent += 1
         return (self._sent - 1, recv)
 
@@ -225,10 +236,12 @@ class _InProcessComm:
             self._arrived[got_number] = arrays
         for into, got in zip(recv, self._arrived.pop(number)):
             into[...] = got
+        if any(not isinstance(x, numpy.ndarray) for x in recv):  # the sender's copies are freed after this
+            cupy.cuda.get_current_stream().synchronize()
 
     def all_gather(self, x):
         for dst in range(self.world_size):
-            self._group._boxes[(self.rank, -1 - dst)].put(x.copy())
+            self._group._boxes[(self.rank, -1 - dst)].put(_snapshot([x])[0])
         return [self._group._get(src, -1 - self.rank) for src in range(self.world_size)]
 
     def gather_bytes(self, data):
@@ -280,9 +293,10 @@ def init(backend: object | None = None, *, world_size: int | None = None, rank: 
     world_size, rank : int, optional
         Default: from the environment that ``python -m cupyflash.distributed.launch`` (or torchrun:
         ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``; or Open MPI's ``OMPI_COMM_WORLD_*``) sets; without one,
-        a world of one process.
+        a world of one process. Pass both or neither; with ``backend``, they must be the backend's.
     device : int, optional
-        This process's GPU; default ``LOCAL_RANK`` modulo the number of GPUs. It becomes the current device.
+        This process's GPU; default ``LOCAL_RANK`` modulo the number of GPUs (with ``backend``: the current
+        device). It becomes the current device.
     host, port : optional
         Where rank 0 serves the rendezvous; default ``CUPYX_DISTRIBUTED_HOST`` / ``MASTER_ADDR``
         (127.0.0.1) and ``CUPYX_DISTRIBUTED_PORT`` / ``MASTER_PORT`` (13333).
@@ -304,15 +318,21 @@ def init(backend: object | None = None, *, world_size: int | None = None, rank: 
     if cupy is None:
         raise ImportError("cupyflash.distributed.init needs CuPy (for NumPy arrays use InProcessGroup)")
     env = env_rank_and_size()
+    if (rank is None) != (world_size is None):
+        raise ValueError(f"pass rank and world_size together, or neither (to read them from the launcher's "
+                         f"environment); got rank={rank!r}, world_size={world_size!r}")
     if backend is not None:
-        world_size = backend._n_devices if world_size is None else world_size
-        rank = backend.rank if rank is None else rank
-        return Communicator(backend, world_size, rank)
-    if rank is None or world_size is None:
-        if env is None:
-            rank, world_size, local = 0, 1, 0
-        else:
-            rank, world_size, local = env
+        size = getattr(backend, "_n_devices", None)
+        if size is None or not hasattr(backend, "rank"):
+            raise TypeError(f"backend must be a cupyx.distributed NCCL backend, got {type(backend).__name__}")
+        if world_size is not None and (world_size, rank) != (size, backend.rank):
+            raise ValueError(f"rank={rank}, world_size={world_size} disagree with the backend's rank {backend.rank} "
+                             f"of {size}")
+        if device is not None:
+            cupy.cuda.Device(device).use()
+        return Communicator(backend, size, backend.rank)
+    if rank is None:
+        rank, world_size, local = env if env is not None else (0, 1, 0)
     else:
         local = env[2] if env else rank
     if device is None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy
 
 from cupyflash._arrays import Array, cupy, is_cupy
-from cupyflash.distributed._comm import Comm
+from cupyflash.distributed._comm import Comm, check_same_call
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -116,12 +116,15 @@ def unshard(x_local: Array, comm: Comm, layout: str = "zigzag", axis: int = -2) 
     """
     layout = check_layout(layout)
     axis = _axis(x_local, axis)
-    shards = comm.all_gather(x_local)
     per = chunks_per_rank(layout)
     n = x_local.shape[axis]
     if n % per:
         raise ValueError(f"x_local has {n} rows along axis {axis}; the {layout!r} layout holds {per} equal chunks "
                          "per rank")
+    # Every rank must gather arrays of one size: compare before the all-gather.
+    check_same_call(comm, f"unshard {_module(x_local).__name__} {tuple(x_local.shape)}:{x_local.dtype} "
+                          f"{layout} axis={axis}")
+    shards = comm.all_gather(x_local)
     c = n // per
     chunks = {}
     for rank, part in enumerate(shards):

@@ -8,8 +8,9 @@ Forward, on every rank at once (s = the rank whose key/value shard is in hand at
         for each block of the step:  out_b, lse_b = attention_forward(q rows, k rows, v rows)
                                      (out, lse) of those rows = merge_attention_states((out, lse), (out_b, lse_b))
 
-so the transfer of step t+1's keys overlaps step t's attention. ``out`` and ``lse`` accumulate in float32
-(float64 for float64 inputs) and ``out`` is rounded to the inputs' dtype once, at the end.
+so the transfer of step t+1's keys overlaps step t's attention. Each block's out comes rounded to the inputs'
+dtype (as attention_forward returns it); the blocks accumulate in float32 (float64 for float64 inputs), and
+the sum is rounded to the inputs' dtype once more at the end. The gradients likewise.
 
 Backward: each block's gradients come from ``attention_backward`` with the final ``out`` and ``lse`` (which
 make each block's softmax exact). dQ accumulates on its rank; dK and dV accumulate in a float32 buffer that
@@ -31,10 +32,10 @@ from __future__ import annotations
 import numpy as np
 
 from cupyflash._api import _validate, attention_backward, attention_forward
-from cupyflash._arrays import Array, bits, lse_dtype, round_up
+from cupyflash._arrays import Array, bits, cupy, lse_dtype, round_up
 from cupyflash._cuda import states
 from cupyflash._merge import merge_attention_states
-from cupyflash.distributed._comm import Comm, check_same_call
+from cupyflash.distributed._comm import Comm, Communicator, check_same_call
 from cupyflash.distributed._layout import check_layout, chunks_per_rank
 from cupyflash.distributed._schedule import blocks
 
@@ -46,6 +47,13 @@ class _Call:
         layout = check_layout(layout)
         options = dict(softcap=softcap, alibi_slopes=alibi_slopes)
         problem = _validate(arrays, causal, scale, options)
+        if isinstance(comm, Communicator):
+            if problem.xp is np and comm.world_size > 1:
+                raise TypeError(f"{caller}: the arrays are NumPy arrays, but an NCCL communicator moves CuPy arrays "
+                                "(run NumPy arrays over an InProcessGroup)")
+            if problem.xp is not np and cupy.cuda.Device().id != comm.device:
+                raise ValueError(f"{caller}: the current device is {cupy.cuda.Device().id} but the communicator's is "
+                                 f"{comm.device}; run under `with cupy.cuda.Device({comm.device}):`")
         q, k = arrays["q"], arrays["k"]
         per = chunks_per_rank(layout)
         for name, x in (("q", q), ("k", k)):
@@ -56,8 +64,10 @@ class _Call:
             raise ValueError(f"{caller}: causal and alibi_slopes need shards of q and k of one length (a sequence "
                              f"attending to itself), got {q.shape[-2]} and {k.shape[-2]} rows")
         self.xp, self.dtype, self.acc = problem.xp, problem.dtype, lse_dtype(problem.dtype)
-        self.scale, self.causal, self.softcap, self.layout = problem.scale, problem.causal, softcap, layout
-        self.alibi = None if alibi_slopes is None else self.xp.asarray(alibi_slopes, dtype=self.acc)
+        self.scale, self.causal, self.softcap, self.layout = problem.scale, problem.causal, float(softcap), layout
+        # float32 slopes, as attention uses them (then widened for float64's bias blocks)
+        self.alibi = (None if alibi_slopes is None
+                      else self.xp.asarray(alibi_slopes).astype(np.float32).astype(self.acc))
         self.nq_chunk, self.nk_chunk = q.shape[-2] // per, k.shape[-2] // per
         self.rank, self.world_size = comm.rank, comm.world_size
 
@@ -84,12 +94,13 @@ class _Call:
         return kwargs, slope * rho
 
 
-def _describe(caller, arrays, causal, scale, softcap, alibi_slopes, layout):
+def _describe(caller, arrays, call):
+    """The call as every rank must make it: resolved options (a default scale and the same value passed agree),
+    the array library, shapes and dtypes."""
     shapes = " ".join(f"{name}={tuple(x.shape)}:{x.dtype}" for name, x in arrays.items())
-    alibi = None if alibi_slopes is None else tuple(alibi_slopes.shape)
-    scale = scale if scale is None else float(scale)  # numpy scalars and floats of one value agree
-    return (f"{caller} layout={layout!r} causal={bool(causal)} scale={scale!r} softcap={float(softcap)!r} alibi={alibi} "
-            f"{shapes}")
+    alibi = None if call.alibi is None else tuple(call.alibi.shape)
+    return (f"{caller} {call.xp.__name__} layout={call.layout!r} causal={call.causal} scale={call.scale!r} "
+            f"softcap={call.softcap!r} alibi={alibi} {shapes}")
 
 
 def _prepare(arrays, comm, causal, scale, softcap, alibi_slopes, layout, caller):
@@ -97,7 +108,7 @@ def _prepare(arrays, comm, causal, scale, softcap, alibi_slopes, layout, caller)
     that raised alone would leave the others waiting for it."""
     try:
         call, failure = _Call(arrays, comm, causal, scale, softcap, alibi_slopes, layout, caller), None
-        description = _describe(caller, arrays, causal, scale, softcap, alibi_slopes, layout)
+        description = _describe(caller, arrays, call)
     except (TypeError, ValueError) as error:
         call, failure = None, error
         description = f"{caller} raised {type(error).__name__}: {error}"
@@ -131,6 +142,13 @@ class _Travelling:
             self.comm.wait(self.pending)
             self.pending = None
         return self._views(self.buffers[self.current])
+
+    def settle(self):
+        """After a failure: the current stream waits for the transfer in flight, so that its buffers go back
+        to the memory pool only once NCCL is done with them (nothing to wait for between threads)."""
+        if self.pending is not None and isinstance(self.comm, Communicator):
+            self.comm.wait(self.pending)
+        self.pending = None
 
     def pass_on(self):
         """Send the arrays in hand to the next rank; the previous rank's arrive in the other buffer."""
@@ -206,8 +224,16 @@ def ring_attention_forward(q: Array, k: Array, v: Array, *, comm: Comm, causal: 
     """
     arrays = dict(q=q, k=k, v=v)
     call = _prepare(arrays, comm, causal, scale, softcap, alibi_slopes, layout, "ring_attention_forward")
-    xp, acc = call.xp, call.acc
     keys = _start_keys(comm, call, k, v)
+    try:
+        return _forward_steps(comm, call, q, keys)
+    except BaseException:
+        keys.settle()
+        raise
+
+
+def _forward_steps(comm, call, q, keys):
+    xp, acc = call.xp, call.acc
     out = lse = None
     for step in range(comm.world_size):
         k_hand, v_hand = keys.in_hand()
@@ -278,6 +304,16 @@ def ring_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Arra
     xp, acc = call.xp, call.acc
     keys = _start_keys(comm, call, k, v)
     grads = _Travelling(comm, xp, [(k.shape, acc), (v.shape, acc)])  # dk, dv of the keys in hand
+    try:
+        return _backward_steps(comm, call, dout, q, out, lse, keys, grads)
+    except BaseException:
+        keys.settle()
+        grads.settle()
+        raise
+
+
+def _backward_steps(comm, call, dout, q, out, lse, keys, grads):
+    xp, acc = call.xp, call.acc
     dq = xp.zeros(q.shape, dtype=acc)
     for step in range(comm.world_size):
         k_hand, v_hand = keys.in_hand()

@@ -34,8 +34,13 @@ def launch(nproc: int, command: list[str], port: int | None = None, host: str = 
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=host, MASTER_PORT=str(port))
         env.pop("CUPYX_DISTRIBUTED_PORT", None)
         env.pop("CUPYX_DISTRIBUTED_HOST", None)
-        procs.append(subprocess.Popen(command, env=env))
+        procs.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_parent))
     code = 0
+
+    def on_signal(signum, _frame):  # SIGTERM or SIGHUP to the launcher reaches the ranks, which may sit in NCCL
+        raise _Stopped(128 + signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while procs:
             for p in list(procs):
@@ -44,13 +49,35 @@ def launch(nproc: int, command: list[str], port: int | None = None, host: str = 
                     continue
                 procs.remove(p)
                 if rc != 0 and code == 0:
-                    code = rc
+                    code = rc if rc > 0 else 128 - rc  # killed by signal s: the shell's 128 + s
                     _stop(procs)
             time.sleep(0.05)
     except KeyboardInterrupt:
         _stop(procs)
         code = code or 130
+    except _Stopped as stopped:
+        _stop(procs)
+        code = code or stopped.code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return code
+
+
+class _Stopped(Exception):
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
+
+def _die_with_parent():
+    """In the child before it runs: on Linux, SIGTERM when the launcher dies (even by SIGKILL)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _stop(procs):

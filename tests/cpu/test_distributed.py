@@ -234,6 +234,22 @@ def test_float64_is_exact_to_float64_rounding(rng, world_size, layout, causal):
         _assert_float64_matches_reference(q, k, v, dout, ring, causal=causal, **kwargs)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_float64_alibi_slopes_are_those_attention_uses(rng, layout):
+    """Slopes that float32 cannot hold (0.3, 0.77, ...): the ring's blocks between chunks use them rounded to
+    float32, as attention and the kernels' own ALiBi do, so float64 results agree with the single call to
+    float64 rounding."""
+    world_size, n = 3, _seq(3)
+    q, k, v = (rng.standard_normal((B, H, n, d)) for d in (D, D, DV))
+    dout = rng.standard_normal((B, H, n, DV))
+    slopes = np.linspace(0.3, 0.77, H)
+    for causal in (False, True):
+        ring = _ring(world_size, q, k, v, dout, causal=causal, layout=layout, alibi_slopes=slopes)
+        single = _single(q, k, v, dout, causal=causal, alibi_slopes=slopes)
+        for name, x, y in zip(NAMES, ring, single):
+            assert max_abs(x - y) <= 1e-12 * max(1.0, max_abs(y)), f"{name}: {max_abs(x - y):.3g}"
+
+
 def test_results_are_deterministic(rng):
     """The same call twice on one group, and once more on a fresh group, gives bit-for-bit equal results
     (bfloat16, W = 4, causal zigzag with ALiBi: per-pair blocks and their merges)."""

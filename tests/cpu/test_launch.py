@@ -8,6 +8,7 @@ scripts run here import nothing but the standard library: no CuPy, no GPU.
 """
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -87,6 +88,32 @@ def test_a_failing_rank_stops_the_others(tmp_path):
     assert launcher.launch(2, [sys.executable, script]) == 3
     assert time.perf_counter() - start < 15
     assert (tmp_path / "rank0_stopped").exists() and not (tmp_path / "rank0_finished").exists()
+
+
+def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
+    """A launcher stopped by SIGTERM (a job scheduler, a test's timeout) stops its ranks, which could otherwise
+    sit in NCCL holding the GPUs, and exits with 128 + 15."""
+    script = _script(tmp_path, """\
+        import os, time
+        open(os.path.join({out!r}, "pid" + os.environ["RANK"]), "w").write(str(os.getpid()))
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-m", "cupyflash.distributed.launch", "--nproc", "2", script])
+    deadline = time.time() + 20
+    while not all((tmp_path / f"pid{r}").exists() for r in range(2)) and time.time() < deadline:
+        time.sleep(0.05)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    proc.terminate()
+    assert proc.wait(timeout=20) == 143
+    for pid in pids:
+        for _ in range(200):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"rank process {pid} outlived the launcher")
 
 
 def test_main_passes_the_script_arguments_through(tmp_path):
