@@ -82,9 +82,9 @@ class Communicator:
         return list(out)
 
     def gather_bytes(self, data: numpy.ndarray) -> list[bytes]:
-        """Every rank's uint8 host array ``data`` (of one size), in rank order: on the communication stream
-        alone, so that the host waits for the transfers queued there and not for the attention queued on
-        the current stream."""
+        """Every rank's uint8 host array ``data`` (of one size), in rank order, through the communication
+        stream: the host waits for the transfers queued there (which wait for the attention queued before
+        them), not for attention queued after the last transfer."""
         if self.world_size == 1:
             return [data.tobytes()]
         with self._stream:
