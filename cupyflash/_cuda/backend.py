@@ -12,7 +12,7 @@ import math
 import numpy
 
 from cupyflash._arrays import bits, cupy, lse_dtype, sum_to_shape
-from cupyflash._cuda import f32_pieces, tma
+from cupyflash._cuda import dense_fast, f32_pieces, tma
 from cupyflash._cuda.compile import current_device, functions
 from cupyflash._cuda.launch import (CHAIN_ROWS, Plan, launch, launch_summed, passes_side_by_side, plan_key,
                                     plans, remember)
@@ -42,11 +42,15 @@ def _tma_reads(variant, arrays, sizes, strides, nk: int) -> bool:
     return not variant.block_mask or -(-nk // BLOCK_MASK_TILE) <= WS_BLOCK_MASK_TILES
 
 
-def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout=None):
-    """out (*batch, Nq, Dv) and lse (*batch, Nq) in lse_dtype (float32; float64 for float64 inputs)."""
+def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout=None, fast_key=None):
+    """out (*batch, Nq, Dv) and lse (*batch, Nq) in lse_dtype (float32; float64 for float64 inputs).
+    ``fast_key``: the call's dense_fast key, under which a plan that launches on these very arrays is kept."""
     batch_shape, (nq, d), nk, d_v = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
     d_w, d_v_w = _widths(q.dtype, d, d_v)
+    given = q, k, v
     q, k, v = kernel_ready(q, d_w), kernel_ready(k, d_w), kernel_ready(v, d_v_w)
+    if any(a is not b for a, b in zip((q, k, v), given)) or (d_w, d_v_w) != (d, d_v):
+        fast_key = None  # launched on padded copies
     out = cupy.empty(batch_shape + (nq, d_v_w), dtype=q.dtype)
     lse = cupy.empty(batch_shape + (nq,), dtype=lse_dtype(q.dtype))
     addresses = {"q": q, "k": k, "v": v, "out": out, "lse": lse, **slopes(mods)}
@@ -83,19 +87,26 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
         if key is not None:  # (the modifiers' arrays: planned never, launched once)
             remember(key, plan)
     plan.launch(addresses, dropout)
+    if key is not None and not width:
+        dense_fast.remember(fast_key, plan, dense_fast.FORWARD_NAMES, [(out.shape, out.dtype), (lse.shape, lse.dtype)],
+                            dropout)
     return unpad(out, d_v), lse
 
 
-def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, mods=None, dropout=None):
+def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, mods=None, dropout=None,
+                       fast_key=None):
     """dq, dk, dv with the full (broadcast) batch shape, in the input dtype, and dbias (the bias's shape
-    and dtype) or None."""
+    and dtype) or None. ``fast_key`` as in attention_forward."""
     batch_shape, (nq, d), nk, d_v = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
     d_w, d_v_w = _widths(q.dtype, d, d_v)
+    given = dout, q, k, v, out, lse
     q, k = kernel_ready(q, d_w), kernel_ready(k, d_w)
     v, out, dout = (kernel_ready(x, d_v_w) for x in (v, out, dout))
     acc = lse_dtype(q.dtype)
     if not (lse.shape == batch_shape + (nq,) and lse.dtype == acc and lse.flags.c_contiguous):
         lse = cupy.ascontiguousarray(cupy.broadcast_to(lse, batch_shape + (nq,)), dtype=acc)
+    if any(a is not b for a, b in zip((dout, q, k, v, out, lse), given)) or (d_w, d_v_w) != (d, d_v):
+        fast_key = None  # launched on copies
     dq = cupy.empty(batch_shape + (nq, d_w), dtype=q.dtype)
     dk = cupy.empty(batch_shape + (nk, d_w), dtype=q.dtype)
     dv = cupy.empty(batch_shape + (nk, d_v_w), dtype=q.dtype)
@@ -105,8 +116,13 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
                  "lse_log2": lse_log2, "delta": delta, **slopes(mods)}
     key = plan_key("bwd", addresses, scale, causal, mods, dropout) if max(nq, nk) <= CHAIN_ROWS else None
     plan = plans.get(key) if key is not None else None
+    outputs = [(x.shape, x.dtype) for x in (dq, dk, dv, lse_log2, delta)]
+    # Gradients of inputs broadcast over leading dims (stride 0) are summed after the call: scratch memory.
+    scratch = [i for i, x in enumerate(given[1:4])
+               if any(s == 0 and n > 1 for n, s in zip(x.shape[:-2], x.strides[:-2]))]
     if plan is not None:
         plan.launch(addresses, dropout)
+        dense_fast.remember(fast_key, plan, dense_fast.BACKWARD_NAMES, outputs, dropout, scratch)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d_v), None
     variant = select(Features.of("bwd", q.dtype, d_w, d_v_w, causal, mods, dropout), current_device())
     # float32 on Hopper: the passes read float16 pieces of q, k, v, dout; the preprocess reads out and dout
@@ -128,6 +144,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
         plan = Plan(kernels, variant, params, [("preprocess", nq, batch), ("dkdv", nk, batch), ("dq", nq, batch)])
         remember(key, plan)
         plan.launch(None, None)
+        dense_fast.remember(fast_key, plan, dense_fast.BACKWARD_NAMES, outputs, dropout, scratch)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d_v), None
     launch(kernels, variant, "preprocess", nq, batch, params)
     if width:

@@ -6,6 +6,7 @@ layout reuse so that only the arrays' addresses are written per call (docs/desig
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy
 
@@ -16,6 +17,9 @@ from cupyflash._cuda.params import PARAMS_BYTES, PARAMS_DTYPE, STRIDED
 from cupyflash._cuda.source import MAX_GRID_Y
 from cupyflash._cuda.tma import MAPPED
 from cupyflash._cuda.variants import Variant
+
+# A kernel argument CuPy passes as the address it holds (cupy/cuda/function.pyx).
+CPointer = None if cupy is None else cupy.cuda.function.CPointer
 
 # The most rows one launch of a backward pass sums a gradient over (queries for dK/dV, keys for dQ). The
 # tensor cores' float32 accumulation truncates, ~2e-8 relative per 16-row step: 1.5e-4 over 2^17 rows, below
@@ -78,21 +82,31 @@ def launch_summed(functions, variant: Variant, kernel: str, rows: int, batch: in
 _side_streams: dict[int, tuple] = {}
 
 
+def side_stream() -> tuple:
+    """(stream, ready event, done event, lock) of the current device's second stream, made once. Calls from
+    several threads share the two events: each call records and waits on them under the lock, or one
+    call's dQ pass could wait on another call's record."""
+    device = cupy.cuda.runtime.getDevice()
+    found = _side_streams.get(device)
+    if found is None:
+        found = _side_streams.setdefault(device, (cupy.cuda.Stream(non_blocking=True),
+                                                  cupy.cuda.Event(disable_timing=True),
+                                                  cupy.cuda.Event(disable_timing=True), threading.Lock()))
+    return found
+
+
 def passes_side_by_side(dkdv, dq) -> None:
     """Run ``dkdv()`` on the current stream and ``dq()`` on this device's side stream, concurrently."""
     stream = cupy.cuda.get_current_stream()
-    device = cupy.cuda.runtime.getDevice()
-    if device not in _side_streams:
-        _side_streams[device] = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
-                                 cupy.cuda.Event(disable_timing=True))
-    side, ready, done = _side_streams[device]
-    ready.record(stream)
-    dkdv()
-    side.wait_event(ready)
-    with side:
-        dq()
-    done.record(side)
-    stream.wait_event(done)
+    side, ready, done, lock = side_stream()
+    with lock:
+        ready.record(stream)
+        dkdv()
+        side.wait_event(ready)
+        with side:
+            dq()
+        done.record(side)
+        stream.wait_event(done)
 
 
 # What a dense call launches (kernels, grids, shared memory, and every parameter but the arrays' addresses)
@@ -106,26 +120,39 @@ _ADDRESS_WORDS = {name: PARAMS_DTYPE.fields[name][1] // 8
                   for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta",
                                "alibi_slopes", "split_exponents")}
 _KEYS_DTYPE, _KEYS_OFFSET = PARAMS_DTYPE.fields["dropout_keys"][:2]
-_KEY_WORDS = slice(_KEYS_OFFSET // 4, _KEYS_OFFSET // 4 + _KEYS_DTYPE.shape[0])  # as uint32 words
+KEY_WORDS = slice(_KEYS_OFFSET // 4, _KEYS_OFFSET // 4 + _KEYS_DTYPE.shape[0])  # as uint32 words
 plans: dict[tuple, "Plan"] = {}
 
 
 class Plan:
-    """The launches of one dense call's layout, with its parameters as 64-bit words."""
+    """The launches of one dense call's layout, with its parameters as 64-bit words.
+
+    The kernels' one argument is passed as a pointer to a buffer of words that the plan keeps: a call writes
+    its arrays' addresses (and dropout key) into it and launches, under the plan's lock, as the launch copies
+    the bytes before it returns. (CuPy reads a NumPy argument's address through ``__array_interface__`` on
+    every launch; a ``CPointer`` it passes as it is.)"""
 
     def __init__(self, functions: dict, variant: Variant, params, launches, tensor_maps=None, arrays=None):
-        self.words = params.view(numpy.uint64).copy()  # a plain copy: an address is one word's write
+        self.words = params.view(numpy.uint64).copy()  # the plan's own addresses; a plain copy
         self.variant = variant
         # The warp-specialized forward's second argument: q, k, v's tensor maps (tma.py), encoded per call
         # from the addresses (by default those of ``arrays``, the ones the plan was made with).
         self.tensor_maps = tensor_maps
         self.map_addresses = {name: arrays[name].data.ptr for name in MAPPED} if tensor_maps else None
+        self._maps = (None, None)  # (the last encoded tensor-map argument, a CPointer to it)
         # (function, grid, block, dynamic shared memory) per launch of (kernel, rows, batch); a backward's
-        # last two (dK/dV, dQ) run side by side.
-        self.launches = [(functions[kernel],) + launch_shape(variant, kernel, rows, batch)
+        # last two (dK/dV, dQ) run side by side. The function is the RawKernel's CUDA function on this device
+        # (a plan is made for one device), called directly: positional arguments, no per-call lookup.
+        self.launches = [(functions[kernel].kernel,) + launch_shape(variant, kernel, rows, batch)
                          for kernel, rows, batch in launches]
         self.side_by_side = [kernel for kernel, _, _ in launches[-2:]] == ["dkdv", "dq"]
         self.tile_counters = {}  # the warp-specialized forward's, by stream
+        self._buffer = self.words.copy()
+        self._slots = memoryview(self._buffer).cast("B").cast("Q")  # an address's write, without NumPy's overhead
+        self._keys = self._buffer.view(numpy.uint32)[KEY_WORDS]
+        self._argument = CPointer(self._buffer.ctypes.data)
+        self._arguments = (self._argument,)
+        self._lock = threading.Lock()
 
     def _tile_counter(self):
         """The warp-specialized forward's tile counter (one int, zero at launch; the launch's last draw zeroes
@@ -140,29 +167,59 @@ class Plan:
             counter = self.tile_counters.setdefault(stream, cupy.zeros(1, dtype=numpy.int32))
         return counter
 
+    def slots(self, names) -> list[int]:
+        """The parameter words that hold the addresses of these arrays (see launch_with)."""
+        return [_ADDRESS_WORDS[name] for name in names]
+
     def launch(self, addresses: dict | None, dropout) -> None:
         """Launch with these arrays' addresses and this dropout key (None: the ones the plan was made with)."""
-        words = self.words
-        if addresses is not None:
-            words = words.copy()
-            for name, array in addresses.items():
-                words[_ADDRESS_WORDS[name]] = array.data.ptr
-            if dropout is not None:
-                words.view(numpy.uint32)[_KEY_WORDS] = dropout.round_keys
-        args = (words.view(PARAMS_BYTES),)
+        if addresses is None:
+            with self._lock:
+                self._buffer[:] = self.words
+                self._launch_locked(None)
+            return
+        maps = tuple(addresses[name].data.ptr for name in MAPPED) if self.tensor_maps is not None else None
+        self.launch_with(self.slots(addresses), [x.data.ptr for x in addresses.values()],
+                         None if dropout is None else dropout.round_keys, maps)
+
+    def launch_with(self, slots, pointers, round_keys=None, map_addresses=None) -> None:
+        """Launch with the addresses ``pointers`` written at ``slots``, and these dropout round keys;
+        ``map_addresses``: q, k, v's addresses (a sequence) for the tensor maps."""
+        with self._lock:
+            words = self._slots
+            for slot, pointer in zip(slots, pointers):
+                words[slot] = pointer
+            if round_keys is not None:
+                self._keys[:] = round_keys
+            self._launch_locked(map_addresses)
+
+    def _launch_locked(self, map_addresses) -> None:
+        args = self._arguments
         if self.tensor_maps is not None:
-            found = self.map_addresses if addresses is None else {name: addresses[name].data.ptr for name in MAPPED}
-            args += (self.tensor_maps.encode(found), self._tile_counter())
-
-        def run(launches):
+            found = self.map_addresses if map_addresses is None else dict(zip(MAPPED, map_addresses))
+            maps = self.tensor_maps.encode(found)
+            if maps is not self._maps[0]:
+                self._maps = (maps, CPointer(maps.ctypes.data))
+            args += (self._maps[1], self._tile_counter())
+        launches = self.launches
+        if not self.side_by_side:
             for function, grid, block, smem in launches:
-                function(grid, block, args, shared_mem=smem)
-
-        if self.side_by_side:
-            run(self.launches[:-2])
-            passes_side_by_side(lambda: run(self.launches[-2:-1]), lambda: run(self.launches[-1:]))
-        else:
-            run(self.launches)
+                function(grid, block, args, smem)
+            return
+        # The backward: preprocess, then its dK/dV pass here and its dQ pass on the second stream, at once
+        # (passes_side_by_side, unrolled: this is every backward call's host time).
+        (pre, pre_grid, pre_block, pre_smem), (kv, kv_grid, kv_block, kv_smem), (dq, dq_grid, dq_block, dq_smem) = \
+            launches
+        stream = cupy.cuda.get_current_stream()
+        side, ready, done, lock = side_stream()
+        pre(pre_grid, pre_block, args, pre_smem)
+        with lock:
+            ready.record(stream)
+            kv(kv_grid, kv_block, args, kv_smem)
+            side.wait_event(ready)
+            dq(dq_grid, dq_block, args, dq_smem, side)
+            done.record(side)
+            stream.wait_event(done)
 
 
 def plan_key(direction: str, arrays: dict, scale: float, causal: bool, mods, dropout) -> tuple | None:

@@ -59,7 +59,7 @@ def test_the_launch_arguments_are_the_structs_bytes():
         assert base == np.dtype(np.uint64) and offset == 8 * word, name
     keys, offset = params.PARAMS_DTYPE.fields["dropout_keys"][:2]
     assert keys.base == np.dtype(np.uint32) and keys.shape == (20,)
-    assert launch._KEY_WORDS == slice(offset // 4, offset // 4 + 20)
+    assert launch.KEY_WORDS == slice(offset // 4, offset // 4 + 20)
 
 
 def test_kvcache_struct_mirrors_the_kernels_struct():
