@@ -268,6 +268,15 @@ def host_rows():
     return rows
 
 
+def autograd_step(qkv, dout, attention):
+    """A callable that runs ``attention(q, k, v)`` on the (B, H, N, D) views of a packed (B, N, 3, H, D) ``qkv``
+    and its backward with ``dout``: one attention's forward + backward through autograd, as in the model."""
+    def run():
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+        attention(q, k, v).backward(dout)
+    return run
+
+
 def recipe_rows():
     """CPU time of one attention forward + backward through autograd, SDPA against the example's operation."""
     torch.manual_seed(0)
@@ -276,14 +285,8 @@ def recipe_rows():
         qkv = torch.randn(batch, n, 3, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dout = torch.randn(batch, heads, n, d, device="cuda", dtype=torch.bfloat16)
 
-        def step(fn):
-            def run():
-                q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-                fn(q, k, v).backward(dout)
-            return run
-
-        sdpa = step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        ours = step(lambda q, k, v: torch_attention.attention(q, k, v, causal=True))
+        sdpa = autograd_step(qkv, dout, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        ours = autograd_step(qkv, dout, lambda q, k, v: torch_attention.attention(q, k, v, causal=True))
         # Ten calls per spin: more would fill the GPU's launch queue, and the host would wait for the spin.
         row = dict(shape=f"{batch}x{heads}x{n}x{d} qkv view", sdpa_us=host_us(sdpa, calls=10, repeats=21),
                    cupyflash_us=host_us(ours, calls=10, repeats=21))

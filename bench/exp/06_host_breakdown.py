@@ -19,7 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import cupyflash  # noqa: E402
 import torch_attention as ta  # noqa: E402
-from bench_train_step import host_us  # noqa: E402
+from bench_train_step import autograd_step, host_us  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -104,10 +104,7 @@ def main():
     dout = torch.randn(8, 8, 1024, 64, device="cuda", dtype=torch.bfloat16)
 
     def step(fn):
-        def run():
-            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-            fn(q, k, v).backward(dout)
-        return run
+        return autograd_step(qkv, dout, fn)
 
     variants = {
         "autograd identity fwd+bwd": step(lambda q, k, v: Identity.apply(q, k, v)),

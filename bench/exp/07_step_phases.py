@@ -80,10 +80,7 @@ def main():
     dout = torch.randn(8, 8, 1024, 64, device="cuda", dtype=torch.bfloat16)
 
     def step(fn):
-        def run():
-            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-            fn(q, k, v).backward(dout)
-        return run
+        return bts.autograd_step(qkv, dout, fn)
 
     sdpa = step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     ours = step(lambda q, k, v: ta.attention(q, k, v, causal=True))
