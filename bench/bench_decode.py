@@ -33,16 +33,9 @@ import cupy  # noqa: E402
 
 import cupyflash  # noqa: E402
 import dram_floor  # noqa: E402
+from cupyflash import _timing  # noqa: E402
 
 ROTATE_BYTES = 256 << 20
-_SPIN = cupy.RawKernel(r"""
-extern "C" __global__ void spin(long long cycles) {
-  const long long start = clock64();
-  while (clock64() - start < cycles) {}
-}""", "spin")
-_EMPTY = cupy.RawKernel('extern "C" __global__ void empty() {}', "empty")
-
-
 def gpu_time_us(fn, calls: int = 50, repeats: int = 7) -> float:
     """Median GPU time per call with the launches queued behind a spin kernel (host cost hidden)."""
     fn()
@@ -50,7 +43,7 @@ def gpu_time_us(fn, calls: int = 50, repeats: int = 7) -> float:
     times = []
     for _ in range(repeats):
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        _SPIN((1,), (1,), (np.int64(2_000_000_000 // 1000 * 30),))  # ~30 ms at ~2 GHz: time to queue the calls
+        _timing.spin(30)  # time to queue the calls
         start.record()
         for _ in range(calls):
             fn()
@@ -76,17 +69,7 @@ def loop_time_us(fn, calls: int = 50, repeats: int = 7) -> float:
 
 def host_time_us(fn, calls: int = 200, repeats: int = 7) -> float:
     """Median host time per call: the launches are issued behind a spin kernel, so they never wait."""
-    fn()
-    cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(repeats):
-        _SPIN((1,), (1,), (np.int64(2_000_000_000 // 1000 * 20),))
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) * 1e6 / calls)
-        cupy.cuda.Device().synchronize()
-    return statistics.median(times)
+    return _timing.host_us(fn, calls=calls, repeats=repeats, spin_ms=20)
 
 
 class Problem:
@@ -238,7 +221,7 @@ def host_rows(rng):
 
     rows = dict(ours_host_us=host_time_us(mine), torch_flash_host_us=host_time_us(theirs),
                 torch_default_host_us=host_time_us(theirs_plain),
-                empty_cupy_launch_us=host_time_us(lambda: _EMPTY((1,), (1,), ())))
+                empty_cupy_launch_us=host_time_us(_timing.launch_empty))
     # A decode step captured once in a CUDA graph, replayed: the host cost of a serving loop that does so.
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:

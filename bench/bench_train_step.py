@@ -40,18 +40,13 @@ import torch.nn.functional as F  # noqa: E402
 
 import cupyflash  # noqa: E402
 import torch_attention  # noqa: E402
+from cupyflash import _timing  # noqa: E402
 
-_SPIN = cupy.RawKernel(r"""
-extern "C" __global__ void spin(long long cycles) {
-  const long long start = clock64();
-  while (clock64() - start < cycles) {}
-}""", "spin")
-_EMPTY = cupy.RawKernel('extern "C" __global__ void empty() {}', "empty")
 VOCAB = 4096
 LAYERS = 4
 
 
-class _Identity(torch.autograd.Function):
+class PassThrough(torch.autograd.Function):
     """v through a Python autograd.Function, gradients passed through: what any Python operation costs."""
 
     @staticmethod
@@ -81,7 +76,7 @@ class Block(torch.nn.Module):
         elif self.attention == "none":  # the step's cost without attention (v passes through)
             y = v
         elif self.attention == "identity":  # ... and with a Python autograd.Function that does nothing
-            y = _Identity.apply(q, k, v)
+            y = PassThrough.apply(q, k, v)
         else:
             y = torch_attention.attention(q, k, v, causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(batch, n, width))
@@ -186,17 +181,7 @@ def steps_rows(configs, steps: int, lr: float = LEARNING_RATE, rounds: int = 3, 
 
 def host_us(fn, calls: int = 100, repeats: int = 9) -> float:
     """Median CPU time per call, the calls queued behind a spin kernel so that no launch waits for the GPU."""
-    fn()
-    cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(repeats):
-        _SPIN((1,), (1,), (np.int64(2_000_000_000 // 1000 * 40),))  # ~40 ms
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) * 1e6 / calls)
-        cupy.cuda.Device().synchronize()
-    return statistics.median(times)
+    return _timing.host_us(fn, calls=calls, repeats=repeats, spin_ms=40)
 
 
 def _planned(direction: str):
@@ -261,7 +246,7 @@ def host_rows():
             sdpa = host_us(lambda: F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True))
         row = dict(shape=f"{batch}x{heads}x{n}x{d}" + (" qkv view" if packed else ""), forward_us=fwd,
                    forward_floor_us=fwd_floor, backward_us=bwd, backward_floor_us=bwd_floor, empty_us=empty,
-                   torch_sdpa_forward_us=sdpa, empty_launch_us=host_us(lambda: _EMPTY((1,), (1,), ())))
+                   torch_sdpa_forward_us=sdpa, empty_launch_us=host_us(_timing.launch_empty))
         print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
               flush=True)
         rows.append(row)

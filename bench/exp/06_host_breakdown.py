@@ -19,7 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import cupyflash  # noqa: E402
 import torch_attention as ta  # noqa: E402
-from bench_train_step import autograd_step, host_us  # noqa: E402
+from bench_train_step import PassThrough, autograd_step, host_us  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -60,24 +60,14 @@ class OldFunction(torch.autograd.Function):
             return old_to_torch(dq), old_to_torch(dk), old_to_torch(dv), None
 
 
-class Identity(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v):
-        return q.view_as(q)
-
-    @staticmethod
-    def backward(ctx, dout):
-        return dout, None, None
-
-
 def main():
     rows = {}
     t = torch.randn(8, 8, 1024, 64, device="cuda", dtype=torch.bfloat16)
     x = ta.to_cupy(t)
-    s = ta.torch_stream()
+    s = ta.on_torch_stream(0)
     rows["torch.cuda.current_stream().cuda_stream"] = host_us(lambda: torch.cuda.current_stream().cuda_stream)
     rows["ExternalStream(handle) new"] = host_us(lambda: cupy.cuda.ExternalStream(0))
-    rows["torch_stream() cached"] = host_us(ta.torch_stream)
+    rows["on_torch_stream(0) cached"] = host_us(lambda: ta.on_torch_stream(0))
 
     def enter_exit():
         with s:
@@ -107,7 +97,7 @@ def main():
         return autograd_step(qkv, dout, fn)
 
     variants = {
-        "autograd identity fwd+bwd": step(lambda q, k, v: Identity.apply(q, k, v)),
+        "autograd identity fwd+bwd": step(lambda q, k, v: PassThrough.apply(q, k, v)),
         "sdpa fwd+bwd": step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
         "docs recipe fwd+bwd": step(lambda q, k, v: OldFunction.apply(q, k, v, True)),
         "example fwd+bwd": step(lambda q, k, v: ta.attention(q, k, v, causal=True)),
