@@ -63,10 +63,14 @@ def inputs(n, seed):
     return [to_bf16(rng.standard_normal(shape, dtype=np.float32)) for shape in shapes]
 
 
+WARMUP = [1]  # warm-up calls before each timing; --warmup 0 for sizes whose kernels an earlier size compiled
+
+
 def events_ms(fn, repeats, comm=None):
-    """Median over ``repeats`` of fn's time (after one warm-up); with comm, every rank starts together and
-    the slowest rank's time counts."""
-    fn()
+    """Median over ``repeats`` of fn's time (after the warm-up calls); with comm, every rank starts together
+    and the slowest rank's time counts."""
+    for _ in range(WARMUP[0]):
+        fn()
     times = []
     for _ in range(repeats):
         if comm is not None:
@@ -141,6 +145,17 @@ def speed(comm, n, causal, layout, repeats, parts=False):
     return row
 
 
+def connect(comm):
+    """One small ring forward and backward, untimed. NCCL connects a pair of ranks on their first send and
+    receive; without this, a process that skipped the exchange and exactness steps pays that inside its first
+    timed call (about 0.5 s of the forward at N = 1M on 4 GPUs)."""
+    n = 256 * comm.world_size
+    q, k, v, dout = (dist.shard(x, comm, "zigzag") for x in inputs(n, 7))
+    out, lse = dist.ring_attention_forward(q, k, v, comm=comm, causal=True, layout="zigzag")
+    dist.ring_attention_backward(dout, q, k, v, out, lse, comm=comm, causal=True, layout="zigzag")
+    cupy.cuda.get_current_stream().synchronize()
+
+
 def _one_gpu(q, k, v, dout, causal, repeats):
     def fwd():
         return cupyflash.attention_forward(q, k, v, causal=causal)
@@ -192,12 +207,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="32k,128k,256k")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="calls before each timing (0 is fine where an earlier size compiled the kernels)")
     parser.add_argument("--exact-n", default="8k")
     parser.add_argument("--json", default=None)
     parser.add_argument("--parts", action="store_true", help="also time rank 0's steps one by one")
     parser.add_argument("--skip", default="", help="comma list of: nccl, exact, speed, noncausal")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
+    WARMUP[0] = args.warmup
     comm = dist.init()
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     props = cupy.cuda.runtime.getDeviceProperties(comm.device)
@@ -216,6 +234,7 @@ def main(argv=None):
             say(f"exactness N={n} causal={causal} {layout}: " + "  ".join(
                 f"{k} {x['ring']:.2e}/{x['one_gpu']:.2e}={x['ratio']:.2f}" for k, x in e.items()))
     if "speed" not in skip:
+        connect(comm)
         result["speed"] = []
         cases = [(True, "zigzag")] + ([] if "noncausal" in skip else [(False, "contiguous")])
         for causal, layout in cases:
