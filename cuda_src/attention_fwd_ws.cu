@@ -1,10 +1,11 @@
-// attention_fwd_ws.cu — the warp-specialized fused attention forward (Hopper, fp16/bf16): out =
-// softmax(scale * q k^T) v and its log-sum-exp, as attention_fwd.cu computes them, in FlashAttention-3's
-// layout.
+// attention_fwd_ws.cu — the warp-specialized fused attention forward (Hopper, fp16/bf16, and the FP8
+// forward on e4m3 inputs): out = softmax(scale * q k^T) v and its log-sum-exp, as attention_fwd.cu computes
+// them, in FlashAttention-3's layout.
 //
 // Layout: q (b, nq, d), k (b, nk, d), v (b, nk, dv) of one dense batch, read through TMA tensor maps
-// (tma.cuh; the host checks that the strides allow them); out (b, nq, dv) and lse (b, nq) float32,
-// contiguous. Saved for the backward: lse only.
+// (tma.cuh; the host checks that the strides allow them); FP8: v as V^T (b, dv, nk rounded up to 32).
+// out (b, nq, dv) and lse (b, nq) float32, contiguous. Saved for the backward: lse only (the FP8 forward
+// has no backward).
 //
 // A CTA of three warpgroups, one per SM, persistent. Tiles (BLOCK_M = 128 query rows of one batch entry) are
 // numbered in sections of batch entries whose K and V fit in L2 together; in a section, row blocks from the
@@ -43,6 +44,11 @@
 // and no other array): a tile of 128 rows is one line of the block mask and a key block one of its tiles;
 // the copier fills the line's bits for the tile's q buffer (block_mask.cuh, fill_on_blocks) before q_full
 // publishes it, copies only the blocks that are on, and every computing warp walks the same blocks.
+// FP8 (T = e4m3_t; out in OutT, bfloat16 or float16; plain or causal): k-steps of 32; v arrives as V^T (8-bit
+// wgmma reads B K-major only) with the keys of every 32 in the order the P fragments hold them
+// (wgmma.cuh, pack_e4m3_fragments; the host writes it: cuda_src/fp8_values.cu); the softmax keeps P's
+// largest at 2^8 (OnlineSoftmax's FULL_RANGE); q's descale joins the exponent's scale, k's is the softmax's
+// tile factor, v's weighs P (Fp8Descales); out is stored from registers. docs/design/fp8.md.
 // PACK_AFTER_WAIT and STORE_WARPS come from the host's tile table (compute_tile and store_out_tiles say
 // what they do). docs/design/warp_specialized_forward.md has the measurements behind each choice.
 // tile_counter: one int, zero at launch; the launch's last draw zeroes it for the next launch on the stream
@@ -66,8 +72,8 @@
 // take poly_exp2 on the FMA units instead, and each score's tanh and exponential come in one pass, so that
 // the FMA units' work fills the special-function unit's queue waits. ALIBI: scores in log2 units
 // (RowBlock::alibi_scores), so the softmax's scale is 1.
-template <bool BOUNDED, bool ALIBI, unsigned POLY_TILES, class Rows, int N, int COL_TILES>
-__device__ __forceinline__ void block_probs(const Rows& rows, OnlineSoftmax<>& softmax, float (&acc_s)[N][4],
+template <bool BOUNDED, bool ALIBI, unsigned POLY_TILES, class Rows, class Softmax, int N, int COL_TILES>
+__device__ __forceinline__ void block_probs(const Rows& rows, Softmax& softmax, float (&acc_s)[N][4],
                                             const float (&alibi_cols)[COL_TILES][2], int n, int warp, int lane,
                                             float exp_scale, float (&rescale)[2]) {
   if constexpr (ALIBI) {
@@ -108,11 +114,38 @@ __device__ __forceinline__ int l2_section_entries(const AttnParams& p) {
   return static_cast<int>(max(i64(1), min(static_cast<i64>(p.batch), L2_SECTION_BYTES / max(i64(1), kv_bytes))));
 }
 
+// The descales of an e4m3 batch entry b (AttnParams' fp8 fields: per flat batch entry, contiguous, one per
+// fp8_descale_rows rows): q's of a tile, k's of a key block (both multiples of the block, or one per
+// entry), V's of a key block relative to the entry's largest (fp8_v_ref), by which P is weighed so that it
+// stays within e4m3's range; out is multiplied by that largest one. Without FP8: ones, and nothing read.
+template <bool FP8>
+struct Fp8Descales {
+  const AttnParams& p;
+  int b;
+  float v_ref = 1.f;
+  __device__ __forceinline__ Fp8Descales(const AttnParams& p_, int b_) : p(p_), b(b_) {
+    if constexpr (FP8) v_ref = p.fp8_v_ref[b];
+  }
+  __device__ __forceinline__ float at(int which, int row) const {
+    return p.fp8_descale[which][b * p.fp8_descale_blocks[which] + row / p.fp8_descale_rows[which]];
+  }
+  __device__ __forceinline__ float q(int row) const { return FP8 ? at(0, row) : 1.f; }
+  // Key block `key / BLOCK_N`'s k descale and V weight (1 with one v descale per entry).
+  __device__ __forceinline__ void block(int key, float& k_factor, float& v_weight) const {
+    if constexpr (FP8) {
+      k_factor = at(1, key);
+      v_weight = p.fp8_descale_blocks[2] == 1 ? 1.f : at(2, key) / v_ref;
+    }
+  }
+};
+
 // The kernel's compile-time configuration: its template parameters, tile shapes and register split.
 template <typename T_, int HEAD_DIM_, int BLOCK_N_, int STAGES_, bool IS_CAUSAL_, Mods MODS_, bool BOUNDED_,
-          bool ALIBI_, bool HALF_FIRST_, bool BLOCK_MASK_, bool PACK_AFTER_WAIT_, bool STORE_WARPS_>
+          bool ALIBI_, bool HALF_FIRST_, bool BLOCK_MASK_, bool PACK_AFTER_WAIT_, bool STORE_WARPS_, typename OutT_>
 struct WsTraits {
   using T = T_;
+  using OutT = OutT_;  // out's type: T, or for e4m3 inputs half_t or bfloat16_t
+  static constexpr bool FP8 = sizeof(T) == 1;
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_N = BLOCK_N_, STAGES = STAGES_;
   static constexpr bool IS_CAUSAL = IS_CAUSAL_, BOUNDED = BOUNDED_, ALIBI = ALIBI_, HALF_FIRST = HALF_FIRST_;
   static constexpr bool BLOCK_MASK = BLOCK_MASK_, PACK_AFTER_WAIT = PACK_AFTER_WAIT_, STORE_WARPS = STORE_WARPS_;
@@ -120,7 +153,10 @@ struct WsTraits {
   static constexpr int BLOCK_M = 128, WG_ROWS = 64;
   using QTile = SwizzledTile<T, WG_ROWS, HEAD_DIM>;  // one warpgroup's q rows; stages its out at the end
   using KVTile = SwizzledTile<T, BLOCK_N, HEAD_DIM>;
-  static constexpr int S_TILES = BLOCK_N / 8, O_TILES = HEAD_DIM / 8, P_STEPS = S_TILES / 2;
+  // V's tile: as K's, read transposed by P V; for e4m3 V^T's (head dims as rows, keys as K-major columns), as
+  // 8-bit products have no transposed B.
+  using VTile = typename Select<FP8, SwizzledTile<T, HEAD_DIM, BLOCK_N>, KVTile>::type;
+  static constexpr int S_TILES = BLOCK_N / 8, O_TILES = HEAD_DIM / 8, P_STEPS = BLOCK_N / wgmma_k<T>();
   // The bounded softcap's exponentials on the FMA units: one n-tile of S in eight (more cost time).
   static constexpr unsigned SOFTCAP_POLY_TILES = 0x80808080u & ((1u << S_TILES) - 1u);
   static constexpr u32 CONSUMER_WARPS = 8;
@@ -129,8 +165,10 @@ struct WsTraits {
   // warps 40 / 224 (32 / 232 spilled).
   static constexpr int COPY_REGISTERS = STORE_WARPS ? 40 : 32, COMPUTE_REGISTERS = STORE_WARPS ? 224 : 232;
 
-  static_assert(sizeof(T) == 2 && (MODS == Mods::none || MODS == Mods::window || MODS == Mods::dense_scalars),
-                "16-bit; plain, a window alone, or the scalar modifiers on a dense batch");
+  static_assert((sizeof(T) == 2 && (MODS == Mods::none || MODS == Mods::window || MODS == Mods::dense_scalars)) ||
+                (FP8 && MODS == Mods::none && !STORE_WARPS),
+                "16-bit: plain, a window alone, or the scalar modifiers on a dense batch; e4m3: plain");
+  static_assert(FP8 ? sizeof(OutT) == 2 : sizeof(OutT) == sizeof(T), "out: T, or 16 bits for e4m3 inputs");
   static_assert(!(IS_CAUSAL && MODS != Mods::none), "with modifiers, causal is the window's right edge");
   static_assert(STAGES >= 2, "S_j is issued beside P_(j-1) V: two slots at least");
   static_assert(!BOUNDED || (MODS == Mods::dense_scalars && IsBfloat16<T>::value), "bounded: bfloat16 scalars");
@@ -148,7 +186,7 @@ struct WsCta {
   const AttnParams& p;
   T* sQ;  // [2 buffers][2 warpgroups] QTile
   T* sK;  // [STAGES] KVTile
-  T* sV;  // [STAGES] KVTile
+  T* sV;  // [STAGES] VTile
   u64* bars;
   int* tile_ids;  // the tile whose q is in each buffer (>= tiles: none left), published by q_full
   int* section_entries;  // HALF_FIRST: l2_section_entries, read per tile
@@ -239,7 +277,7 @@ __device__ __forceinline__ void copy_tiles(const WsCta<K>& cta, const TensorMaps
     cta.tile_at(w, b, m0);
     const int b2 = b % p.batch2, b1 = (b / p.batch2) % p.batch1, b0 = b / p.batch2 / p.batch1;
     const SeqInfo<false> seq(p, b);
-    const RowBlock<T, 8, K::BLOCK_M, K::BLOCK_N, K::IS_CAUSAL, K::MODS> rows(p, b, seq, m0, nullptr);
+    const RowBlock<typename K::OutT, 8, K::BLOCK_M, K::BLOCK_N, K::IS_CAUSAL, K::MODS> rows(p, b, seq, m0, nullptr);
     const int words = buffer * TILE_BITMAP_WORDS;  // ws_on_words, published with tile_ids by q_full's arrival
     if constexpr (K::BLOCK_MASK) fill_on_blocks(words, p, b, m0, rows.n_first, rows.n_blocks);
     mbar_expect(cta.q_full(buffer), 2 * QTile::SIZE * sizeof(T));
@@ -253,8 +291,12 @@ __device__ __forceinline__ void copy_tiles(const WsCta<K>& cta, const TensorMaps
       mbar_expect(cta.k_full(slot), KVTile::SIZE * sizeof(T));
       tma_load_tile<KVTile>(cta.sK + slot * KVTile::SIZE, maps.k, n * K::BLOCK_N, b0, b1, b2, cta.k_full(slot));
       if (t >= K::STAGES) mbar_wait(cta.v_empty(slot), cta.parity(t - K::STAGES));
-      mbar_expect(cta.v_full(slot), KVTile::SIZE * sizeof(T));
-      tma_load_tile<KVTile>(cta.sV + slot * KVTile::SIZE, maps.v, n * K::BLOCK_N, b0, b1, b2, cta.v_full(slot));
+      mbar_expect(cta.v_full(slot), K::VTile::SIZE * sizeof(T));
+      if constexpr (K::FP8)  // V^T: the block's keys are columns
+        tma_load_tile<typename K::VTile>(cta.sV + slot * K::VTile::SIZE, maps.v, 0, b0, b1, b2, cta.v_full(slot),
+                                         n * K::BLOCK_N);
+      else
+        tma_load_tile<KVTile>(cta.sV + slot * KVTile::SIZE, maps.v, n * K::BLOCK_N, b0, b1, b2, cta.v_full(slot));
     }
   }
 }
@@ -296,25 +338,43 @@ __device__ __forceinline__ void store_out_tiles(const WsCta<K>& cta, int group, 
 
 // The epilogue of one warpgroup's rows: out = O / l staged through its q rows (its products are done with
 // them) and stored, and lse. STORE_WARPS hands the staged rows to the storing warp instead.
-template <class K, class Rows>
-__device__ __forceinline__ void finish_tile(const WsCta<K>& cta, const Rows& rows, const OnlineSoftmax<>& softmax,
+// e4m3 inputs: out = O * v_ref / l (V's largest descale: fp8_v_descales), stored from the registers (the q
+// buffer, in 8-bit elements, cannot stage it).
+template <class K, class Rows, class Softmax>
+__device__ __forceinline__ void finish_tile(const WsCta<K>& cta, const Rows& rows, const Softmax& softmax,
                                             const float (&acc_o)[K::O_TILES][4], float exp_scale, int buffer, int wg,
-                                            int warp, int lane, int nq) {
+                                            int warp, int lane, int nq, float v_ref = 1.f) {
   using QTile = typename K::QTile;
   const AttnParams& p = cta.p;
   typename K::T* sQ_wg = cta.sQ + (2 * buffer + wg) * QTile::SIZE;
   float inv_sum[2], row_lse[2];
   softmax.finalize(exp_scale, inv_sum, row_lse);
-  acc_to_smem<QTile, K::O_TILES>(sQ_wg, warp * 16, acc_o, inv_sum, lane);
-  rows.write_lse(warp * 16, row_lse, lane);
-  if constexpr (K::STORE_WARPS) {
-    mbar_arrive(cta.out_full(buffer, wg));  // each thread's staged rows, for the storing warp
-  } else {
-    asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");  // this warpgroup's rows are staged
-    store_tile<QTile, K::HEAD_DIM, 128>(rows.out, p.out_stride[3], sQ_wg, nq - rows.m0, p.d_v, threadIdx.x % 128);
-    fence_async_shared();  // these reads of the buffer come before the copy of a later tile's q into it
+  if constexpr (K::FP8) {
+    rows.write_lse(warp * 16, row_lse, lane);
+    const int row = warp * 16 + lane / 4, col = 2 * (lane % 4);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (row + 8 * r >= nq - rows.m0) continue;
+      typename K::OutT* out = rows.out + static_cast<i64>(row + 8 * r) * p.out_stride[3];
+      const float f = inv_sum[r] * v_ref;
+#pragma unroll
+      for (int j = 0; j < K::O_TILES; ++j)
+        if (8 * j + col < p.d_v) Elem<typename K::OutT>::store2(out + 8 * j + col, acc_o[j][2 * r] * f, acc_o[j][2 * r + 1] * f);
+    }
     __syncwarp();
-    if (lane == 0) mbar_arrive(cta.q_empty(buffer));
+    if (lane == 0) mbar_arrive(cta.q_empty(buffer));  // q's buffer is free once the products are done
+  } else {
+    acc_to_smem<QTile, K::O_TILES>(sQ_wg, warp * 16, acc_o, inv_sum, lane);
+    rows.write_lse(warp * 16, row_lse, lane);
+    if constexpr (K::STORE_WARPS) {
+      mbar_arrive(cta.out_full(buffer, wg));  // each thread's staged rows, for the storing warp
+    } else {
+      asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");  // this warpgroup's rows are staged
+      store_tile<QTile, K::HEAD_DIM, 128>(rows.out, p.out_stride[3], sQ_wg, nq - rows.m0, p.d_v, threadIdx.x % 128);
+      fence_async_shared();  // these reads of the buffer come before the copy of a later tile's q into it
+      __syncwarp();
+      if (lane == 0) mbar_arrive(cta.q_empty(buffer));
+    }
   }
 }
 
@@ -336,20 +396,48 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
   int b, m0;
   cta.tile_at(w, b, m0);
   const SeqInfo<false> seq(p, b);
-  const RowBlock<T, 8, K::BLOCK_M, K::BLOCK_N, K::IS_CAUSAL, K::MODS> tile(p, b, seq, m0, nullptr);  // the copies' blocks
-  const RowBlock<T, 4, K::WG_ROWS, K::BLOCK_N, K::IS_CAUSAL, K::MODS> rows(p, b, seq, m0 + K::WG_ROWS * wg, nullptr);
+  using OutT = typename K::OutT;
+  const RowBlock<OutT, 8, K::BLOCK_M, K::BLOCK_N, K::IS_CAUSAL, K::MODS> tile(p, b, seq, m0, nullptr);  // the copies' blocks
+  const RowBlock<OutT, 4, K::WG_ROWS, K::BLOCK_N, K::IS_CAUSAL, K::MODS> rows(p, b, seq, m0 + K::WG_ROWS * wg, nullptr);
   T* sQ_wg = cta.sQ + (2 * buffer + wg) * QTile::SIZE;
   const int words = buffer * TILE_BITMAP_WORDS;  // this tile's ws_on_words (BLOCK_MASK)
   float acc_o[O_TILES][4];  // HALF_FIRST: zeroed once the first block's softmax, which can use its registers, is done
   if constexpr (!K::HALF_FIRST) zero_acc(acc_o);
-  OnlineSoftmax<> softmax;
+  OnlineSoftmax<float, K::FP8> softmax;
   softmax.init();
-  const float exp_scale = K::ALIBI ? 1.f : rows.exp_scale();
+  // e4m3: q's descale (one per tile: its row blocks are multiples of BLOCK_M) joins the exponent's scale.
+  const Fp8Descales<K::FP8> descales(p, b);
+  const float exp_scale = K::ALIBI ? 1.f : rows.exp_scale() * descales.q(m0);
   float alibi_cols[S_TILES][2];  // ALIBI: the slope times this thread's column offsets in a key block
   if constexpr (K::ALIBI) rows.mods.alibi_columns(alibi_cols, lane);
+  // e4m3: block n's k descale and V weight, loaded while the block before it is worked on (from global
+  // memory: their latency would otherwise sit between S and the softmax). The blocks run from hi down to lo.
+  float k_factor = 1.f, v_weight = 1.f;
   auto scores_to_probs = [&](float (&acc_s)[S_TILES][4], int n, float (&rescale)[2]) {  // block_probs
-    block_probs<K::BOUNDED, K::ALIBI, K::SOFTCAP_POLY_TILES>(rows, softmax, acc_s, alibi_cols, n, warp, lane,
-                                                             exp_scale, rescale);
+    if constexpr (K::FP8) {
+      // k's descale as the softmax's tile factor (row maxes stay in one unit across blocks), then P times V's
+      // descale of the block over the largest one.
+      rows.scores(acc_s, n, warp * 16, lane);
+      softmax.template update<true>(acc_s, exp_scale, rescale, k_factor);
+      if (v_weight != 1.f) {  // warp-uniform
+#pragma unroll
+        for (int j = 0; j < S_TILES; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_s[j][e] *= v_weight;
+      }
+      if (n > 0) descales.block((n - 1) * K::BLOCK_N, k_factor, v_weight);
+    } else {
+      block_probs<K::BOUNDED, K::ALIBI, K::SOFTCAP_POLY_TILES>(rows, softmax, acc_s, alibi_cols, n, warp, lane,
+                                                               exp_scale, rescale);
+    }
+  };
+  auto pack = [&](float (&acc_s)[S_TILES][4], u32 (&frags)[P_STEPS][4]) {  // P as the P V product's operand
+    if constexpr (K::FP8) pack_e4m3_fragments(acc_s, frags);
+    else pack_fragments<T>(acc_s, frags);
+  };
+  auto issue_pv = [&](u32 (&frags)[P_STEPS][4], const T* v_tile) {  // O += P V, one commit group
+    if constexpr (K::FP8) wg_issue_pbt<T, P_STEPS, O_TILES, typename K::VTile>(acc_o, frags, v_tile);
+    else wg_issue_pb<T, P_STEPS, O_TILES, KVTile, K::PACK_AFTER_WAIT>(acc_o, frags, v_tile, 0);
   };
   // This warpgroup's key blocks [lo, hi] among the tile's [tile.n_first, tile.n_blocks), the first one it
   // visits (hi's, if no block mask turns it off).
@@ -364,6 +452,7 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
       if (lane == 0) { mbar_arrive(cta.k_empty(t % STAGES)); mbar_arrive(cta.v_empty(t % STAGES)); }
     }
   };
+  descales.block(max(hi, 0) * K::BLOCK_N, k_factor, v_weight);
   if (hi < lo) {
     if constexpr (K::HALF_FIRST) zero_acc(acc_o);
     pass_over(cta.visited(words, tile.n_first, tile.n_blocks - 1));
@@ -379,21 +468,28 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
       float rescale[2];  // of an all-zero O: unused
       bool half = false;
       if constexpr (K::HALF_FIRST) half = rows.keys_end <= hi * K::BLOCK_N + K::BLOCK_N / 2;
-      if (half) {
-        float acc_s[S_TILES / 2][4];
-        scores_alone<T, K::HEAD_DIM, QTile, KVTile>(acc_s, sQ_wg, k_tile, cta.k_empty(t % STAGES), lane);
-        block_probs<K::BOUNDED, K::ALIBI, K::SOFTCAP_POLY_TILES>(rows, softmax, acc_s, alibi_cols, hi, warp, lane,
-                                                                 exp_scale, rescale);
-        pack_fragments<T>(acc_s, reinterpret_cast<u32 (&)[P_STEPS / 2][4]>(p_cur));
-#pragma unroll
-        for (int kt = P_STEPS / 2; kt < P_STEPS; ++kt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) p_cur[kt][i] = 0u;
-      } else {
+      auto whole_block = [&] {
         float acc_s[S_TILES][4];
         scores_alone<T, K::HEAD_DIM, QTile, KVTile>(acc_s, sQ_wg, k_tile, cta.k_empty(t % STAGES), lane);
         scores_to_probs(acc_s, hi, rescale);
-        pack_fragments<T>(acc_s, p_cur);
+        pack(acc_s, p_cur);
+      };
+      if constexpr (K::HALF_FIRST) {
+        if (half) {
+          float acc_s[S_TILES / 2][4];
+          scores_alone<T, K::HEAD_DIM, QTile, KVTile>(acc_s, sQ_wg, k_tile, cta.k_empty(t % STAGES), lane);
+          block_probs<K::BOUNDED, K::ALIBI, K::SOFTCAP_POLY_TILES>(rows, softmax, acc_s, alibi_cols, hi, warp, lane,
+                                                                   exp_scale, rescale);
+          pack_fragments<T>(acc_s, reinterpret_cast<u32 (&)[P_STEPS / 2][4]>(p_cur));
+#pragma unroll
+          for (int kt = P_STEPS / 2; kt < P_STEPS; ++kt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) p_cur[kt][i] = 0u;
+        } else {
+          whole_block();
+        }
+      } else {
+        whole_block();
       }
       ++t;
     }
@@ -408,8 +504,7 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
       float acc_s[S_TILES][4];
       wg_issue_abt<T, K::HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ_wg, 0, cta.sK + (t % STAGES) * KVTile::SIZE);
       mbar_wait(cta.v_full(t_cur % STAGES), cta.parity(t_cur));
-      const T* v_prev = cta.sV + (t_cur % STAGES) * KVTile::SIZE;
-      wg_issue_pb<T, P_STEPS, O_TILES, KVTile, K::PACK_AFTER_WAIT>(acc_o, p_cur, v_prev, 0);
+      issue_pv(p_cur, cta.sV + (t_cur % STAGES) * K::VTile::SIZE);
       wgmma_wait<1>();  // S_n is done; the P V is still running
       fence_operands(acc_s);
       if (lane == 0) mbar_arrive(cta.k_empty(t % STAGES));  // K is read out
@@ -417,14 +512,14 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
       scores_to_probs(acc_s, n, rescale);
       u32 p_next[P_STEPS][4];
       if constexpr (K::PACK_AFTER_WAIT) fence_operands(acc_s);  // P in float32 before the wait
-      else pack_fragments<T>(acc_s, p_next);
+      else pack(acc_s, p_next);
       wgmma_wait<0>();
       fence_operands(acc_o);
       fence_fragments(p_cur);
       if (lane == 0) mbar_arrive(cta.v_empty(t_cur % STAGES));  // the previous V is read out
       rescale_rows(acc_o, rescale);  // O = (O + P_prev V) * exp(m_old - m_new)
       if constexpr (K::PACK_AFTER_WAIT) {
-        pack_fragments<T>(acc_s, p_cur);
+        pack(acc_s, p_cur);
       } else {
 #pragma unroll
         for (int kt = 0; kt < P_STEPS; ++kt)
@@ -435,29 +530,29 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
     }
     // The last block's P V.
     mbar_wait(cta.v_full(t_cur % STAGES), cta.parity(t_cur));
-    wg_issue_pb<T, P_STEPS, O_TILES, KVTile, K::PACK_AFTER_WAIT>(acc_o, p_cur, cta.sV + (t_cur % STAGES) * KVTile::SIZE, 0);
+    issue_pv(p_cur, cta.sV + (t_cur % STAGES) * K::VTile::SIZE);
     wgmma_wait<0>();
     fence_operands(acc_o);
     fence_fragments(p_cur);
     if (lane == 0) mbar_arrive(cta.v_empty(t_cur % STAGES));
     pass_over(cta.visited(words, tile.n_first, lo - 1));
   }
-  finish_tile(cta, rows, softmax, acc_o, exp_scale, buffer, wg, warp, lane, seq.nq());
+  finish_tile(cta, rows, softmax, acc_o, exp_scale, buffer, wg, warp, lane, seq.nq(), descales.v_ref);
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, Mods MODS, bool BOUNDED, bool ALIBI,
-          bool HALF_FIRST, bool BLOCK_MASK, bool PACK_AFTER_WAIT, bool STORE_WARPS>
+          bool HALF_FIRST, bool BLOCK_MASK, bool PACK_AFTER_WAIT, bool STORE_WARPS, typename OutT>
 __global__ void __launch_bounds__(3 * 128, 1)
 attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps maps, int* tile_counter) {
   using K = WsTraits<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, MODS, BOUNDED, ALIBI, HALF_FIRST, BLOCK_MASK,
-                     PACK_AFTER_WAIT, STORE_WARPS>;
+                     PACK_AFTER_WAIT, STORE_WARPS, OutT>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) u64 bars[K::BARRIERS];
   __shared__ int tile_ids[2];
   __shared__ int section_entries;
   T* sQ = reinterpret_cast<T*>(smem_aligned(smem_raw));  // [2 buffers][2 warpgroups] QTile
   T* sK = sQ + 4 * K::QTile::SIZE;                        // [STAGES] KVTile
-  T* sV = sK + STAGES * K::KVTile::SIZE;                  // [STAGES] KVTile
+  T* sV = sK + STAGES * K::KVTile::SIZE;                  // [STAGES] VTile
   WsCta<K> cta{p, sQ, sK, sV, bars, tile_ids, &section_entries};
   if (threadIdx.x == 0) {
     cta.init_barriers();

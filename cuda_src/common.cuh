@@ -69,6 +69,7 @@ __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(
 
 struct half_t { u16 bits; };
 struct bfloat16_t { u16 bits; };
+struct e4m3_t { unsigned char bits; };  // float8 e4m3fn (the FP8 forward's q, k, v): its byte, as stored
 template <typename T> struct IsBfloat16 { static constexpr bool value = false; };
 template <> struct IsBfloat16<bfloat16_t> { static constexpr bool value = true; };
 

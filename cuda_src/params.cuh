@@ -92,6 +92,13 @@ struct AttnParams {
   // two: per flat batch entry and block of SPLIT_BLOCK_ROWS rows, (e_q, e_k, e_v, e_dout) as four int32
   // (pieces.cuh, Pieces; the forward reads e_k and e_v only, it splits q itself). Unused (null) elsewhere.
   const int* split_exponents;
+  // e4m3 inputs (the warp-specialized forward's FP8 form): the descales of q, k, v (real value = stored value *
+  // descale), per flat batch entry (contiguous) and per block of fp8_descale_rows rows, fp8_descale_blocks of
+  // them per entry; fp8_v_ref: each entry's largest v descale. Unused (null) elsewhere.
+  const float* fp8_descale[3];
+  const float* fp8_v_ref;
+  int fp8_descale_blocks[3];
+  int fp8_descale_rows[3];
 };
 
 // The real-valued parameters in a kernel's accumulator type A (float; double for float64 inputs).

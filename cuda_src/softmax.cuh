@@ -23,8 +23,15 @@ struct Unchanged {
 
 // A: the accumulator type (float; double for float64 inputs, with libdevice's exp2 and log2). Its tile
 // functions take any number N of n-tiles (a warp-specialized forward's half-width first block: half of them).
-template <typename A = float>
+// FULL_RANGE (the FP8 forward, which rounds P to e4m3): the reference follows every rise of the row max (no
+// slack) and P = exp2(c * S - c * m + P_OFFSET), so every row's largest probability is 2^P_OFFSET = 256, the
+// top of e4m3's range (max 448), and the small ones keep 8 more binades before they fall below its smallest
+// subnormal (2^-9). l carries the same factor (out = O / l cancels it); finalize takes it out of lse.
+template <typename A = float, bool FULL_RANGE = false>
 struct OnlineSoftmax {
+  static constexpr float SLACK = FULL_RANGE ? 0.f : RESCALE_SLACK;
+  static constexpr float P_OFFSET = FULL_RANGE ? 8.f : 0.f;
+
   A row_max[2];  // m_i, in raw score units (q . k, before the scale)
   A row_sum[2];  // this thread's part of l_i; the quad's parts are added in finalize
 
@@ -52,13 +59,13 @@ struct OnlineSoftmax {
       if constexpr (SHIFTED) tile_max += shift[r];
       const A new_max = max_of(row_max[r], tile_max);
       // A row's first finite max always becomes the reference (-inf + slack is -inf).
-      if (new_max * scale_log2 > row_max[r] * scale_log2 + A(RESCALE_SLACK)) {
+      if (new_max * scale_log2 > row_max[r] * scale_log2 + A(SLACK)) {
         rescale[r] = fast_exp2(mul_rn(row_max[r], scale_log2) - new_max * scale_log2);
         row_max[r] = new_max;
       } else {
         rescale[r] = A(1);  // exactly: a tile with every key hidden then changes nothing, bit for bit
       }
-      A ref = row_max[r] == neg_inf() ? A(0) : row_max[r] * scale_log2;
+      A ref = (row_max[r] == neg_inf() ? A(0) : row_max[r] * scale_log2) - A(P_OFFSET);
       if constexpr (SHIFTED) ref -= shift[r] * scale_log2;
       row_sum[r] = row_sum[r] * rescale[r] + exponentials(s, r, tile_scale, ref);
     }
@@ -139,7 +146,7 @@ struct OnlineSoftmax {
       const A l = quad_sum(row_sum[r]);
       const bool empty = l == A(0);  // a NaN sum (NaN or +inf among the inputs) is not empty: it propagates
       inv_sum[r] = empty ? A(0) : A(1) / l;
-      lse[r] = empty ? A(neg_inf()) : (row_max[r] * scale_log2 + log2_of(l)) * ln2<A>();
+      lse[r] = empty ? A(neg_inf()) : (row_max[r] * scale_log2 + log2_of(l) - A(P_OFFSET)) * ln2<A>();
     }
   }
 };

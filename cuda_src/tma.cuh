@@ -38,15 +38,17 @@ __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-// Rows [row, row + Tile::NUM_ROWS) of batch entry (b0, b1, b2) into `tile`, completing on `bar`, whose
-// phase must expect Tile::SIZE elements (the box's whole bytes count, zero-filled ones included).
+// Rows [row, row + Tile::NUM_ROWS) and columns [col, col + Tile::NUM_COLS) of batch entry (b0, b1, b2) into
+// `tile`, completing on `bar`, whose phase must expect Tile::SIZE elements (the box's whole bytes count,
+// zero-filled ones included).
 template <class Tile, typename T>
-__device__ __forceinline__ void tma_load_tile(T* tile, const TensorMap& map, int row, int b0, int b1, int b2, u32 bar) {
+__device__ __forceinline__ void tma_load_tile(T* tile, const TensorMap& map, int row, int b0, int b1, int b2, u32 bar,
+                                              int col = 0) {
   constexpr int ATOMS = Tile::NUM_COLS / Tile::ATOM_COLS;
 #pragma unroll
   for (int a = 0; a < ATOMS; ++a)
     asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
                  " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"
                  :: "r"(smem_u32(tile + a * Tile::ATOM_SIZE)), "l"(reinterpret_cast<u64>(&map)),
-                    "r"(a * Tile::ATOM_COLS), "r"(row), "r"(b2), "r"(b1), "r"(b0), "r"(bar) : "memory");
+                    "r"(col + a * Tile::ATOM_COLS), "r"(row), "r"(b2), "r"(b1), "r"(b0), "r"(bar) : "memory");
 }

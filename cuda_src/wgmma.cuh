@@ -1,5 +1,5 @@
-// wgmma.cuh — Hopper's warpgroup matrix products (wgmma, sm_90a) for 16-bit inputs, in the same
-// accumulator layout as mma.cuh's mma.sync tiles.
+// wgmma.cuh — Hopper's warpgroup matrix products (wgmma, sm_90a) for 16-bit inputs (and float8 e4m3 ones,
+// for the FP8 forward), in the same accumulator layout as mma.cuh's mma.sync tiles.
 //
 // A warpgroup is 4 consecutive warps (128 threads, the first warp index divisible by 4); one wgmma
 // computes D[64 x N] += A[64 x 16] * B[16 x N] for the whole group, with A from shared memory or from
@@ -114,37 +114,52 @@ __device__ __forceinline__ void fence_operands(float (&acc)[N_TILES][4]) {
   "{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\nwgmma.mma_async.sync.aligned." SHAPE " " SRC ", " TAIL ";\n}\n"
 
 template <typename T, int N> struct WgmmaOp;
-#define CF_DEFINE_WGMMA(TYPE, PTX_TYPE, N)                                                                      \
+// K: the instruction's contracted extent (16 for 16-bit inputs, 32 for 8-bit ones); SS_TAIL and RS_TAIL: the
+// operands after the sources (scale-d, then imm-scale-a, imm-scale-b, and for 16-bit inputs the
+// imm-trans flags, which 8-bit products do not have: their shared operands are K-major only).
+#define CF_DEFINE_WGMMA(TYPE, PTX_TYPE, K, N, SS_TAIL, RS_TAIL)                                                 \
   template <> struct WgmmaOp<TYPE, N> {                                                                         \
     __device__ __forceinline__ static void ss(float (&d)[N / 8][4], u64 a, u64 b) {                             \
-      asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_SS_SRC##N, \
-                                 CF_WGMMA_SS_PRED##N, "p, 1, 1, 0, 0")                                         \
+      asm volatile(CF_WGMMA_BODY("m64n" #N "k" #K ".f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_SS_SRC##N, \
+                                 CF_WGMMA_SS_PRED##N, SS_TAIL)                                                 \
                    : CF_ACC_N##N : "l"(a), "l"(b), "r"(1) : "memory");                                          \
     }                                                                                                           \
     __device__ __forceinline__ static void ss_zero(float (&d)[N / 8][4], u64 a, u64 b) {                        \
-      asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_SS_SRC##N, \
-                                 CF_WGMMA_SS_PRED##N, "p, 1, 1, 0, 0")                                         \
+      asm volatile(CF_WGMMA_BODY("m64n" #N "k" #K ".f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_SS_SRC##N, \
+                                 CF_WGMMA_SS_PRED##N, SS_TAIL)                                                 \
                    : CF_OUT_N##N : "l"(a), "l"(b), "r"(0) : "memory");                                          \
     }                                                                                                           \
     __device__ __forceinline__ static void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b, int scale_d = 1) { \
-      asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_RS_SRC##N, \
-                                 CF_WGMMA_RS_PRED##N, "p, 1, 1, 1")                                            \
+      asm volatile(CF_WGMMA_BODY("m64n" #N "k" #K ".f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_RS_SRC##N, \
+                                 CF_WGMMA_RS_PRED##N, RS_TAIL)                                                 \
                    : CF_ACC_N##N : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d) : "memory"); \
     }                                                                                                           \
     __device__ __forceinline__ static void rs_zero(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {           \
-      asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_RS_SRC##N, \
-                                 CF_WGMMA_RS_PRED##N, "p, 1, 1, 1")                                            \
+      asm volatile(CF_WGMMA_BODY("m64n" #N "k" #K ".f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_RS_SRC##N, \
+                                 CF_WGMMA_RS_PRED##N, RS_TAIL)                                                 \
                    : CF_OUT_N##N : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(0) : "memory");     \
     }                                                                                                           \
   };
-CF_DEFINE_WGMMA(half_t, "f16", 16)
-CF_DEFINE_WGMMA(half_t, "f16", 32)
-CF_DEFINE_WGMMA(half_t, "f16", 64)
-CF_DEFINE_WGMMA(half_t, "f16", 128)
-CF_DEFINE_WGMMA(bfloat16_t, "bf16", 16)
-CF_DEFINE_WGMMA(bfloat16_t, "bf16", 32)
-CF_DEFINE_WGMMA(bfloat16_t, "bf16", 64)
-CF_DEFINE_WGMMA(bfloat16_t, "bf16", 128)
+// 16-bit: B MN-major for RS (imm-trans-b = 1: V in O += P V).
+#define CF_DEFINE_WGMMA16(TYPE, PTX_TYPE, N) CF_DEFINE_WGMMA(TYPE, PTX_TYPE, 16, N, "p, 1, 1, 0, 0", "p, 1, 1, 1")
+CF_DEFINE_WGMMA16(half_t, "f16", 16)
+CF_DEFINE_WGMMA16(half_t, "f16", 32)
+CF_DEFINE_WGMMA16(half_t, "f16", 64)
+CF_DEFINE_WGMMA16(half_t, "f16", 128)
+CF_DEFINE_WGMMA16(bfloat16_t, "bf16", 16)
+CF_DEFINE_WGMMA16(bfloat16_t, "bf16", 32)
+CF_DEFINE_WGMMA16(bfloat16_t, "bf16", 64)
+CF_DEFINE_WGMMA16(bfloat16_t, "bf16", 128)
+// float8 e4m3 (the FP8 forward): both shared operands K-major (V as V^T).
+#define CF_DEFINE_WGMMA8(TYPE, PTX_TYPE, N) CF_DEFINE_WGMMA(TYPE, PTX_TYPE, 32, N, "p, 1, 1", "p, 1, 1")
+CF_DEFINE_WGMMA8(e4m3_t, "e4m3", 16)
+CF_DEFINE_WGMMA8(e4m3_t, "e4m3", 32)
+CF_DEFINE_WGMMA8(e4m3_t, "e4m3", 64)
+CF_DEFINE_WGMMA8(e4m3_t, "e4m3", 128)
+
+// The contracted extent of one instruction: 16 elements of 16-bit inputs, 32 of 8-bit ones (32 bytes).
+template <typename T>
+__host__ __device__ constexpr int wgmma_k() { return 32 / static_cast<int>(sizeof(T)); }
 
 // ---------------------------------------------------------------- warpgroup products
 // n-tiles [first, first + COUNT) of an accumulator, as an array of their own (first is a constant
@@ -177,12 +192,13 @@ __device__ __forceinline__ void wg_abt_kstep(float (&c)[N_TILES][4], u64 a, u64 
 // both K-major over K columns. Each warp gets its 16 rows of C once wgmma_wait has seen the group complete.
 template <typename T, int K, int N_TILES, class ATile, class BTile>
 __device__ __forceinline__ void wg_issue_abt(float (&c)[N_TILES][4], const T* a_tile, int row0, const T* b_tile) {
-  static_assert(K % 16 == 0, "k-steps of 16");
+  constexpr int K_STEP = wgmma_k<T>();
+  static_assert(K % K_STEP == 0, "whole k-steps");
   const u64 a = desc_k_major<ATile>(a_tile, __shfl_sync(0xffffffffu, row0, 0));  // row0: warp-uniform
   const u64 b = desc_k_major<BTile>(b_tile, 0);
   wgmma_fence();
 #pragma unroll
-  for (int k0 = 0; k0 < K; k0 += 16) wg_abt_kstep<T, N_TILES, ATile, BTile>(c, a, b, k0, k0, k0 == 0);
+  for (int k0 = 0; k0 < K; k0 += K_STEP) wg_abt_kstep<T, N_TILES, ATile, BTile>(c, a, b, k0, k0, k0 == 0);
   wgmma_commit();
 }
 
@@ -217,6 +233,31 @@ __device__ __forceinline__ void pack_fragments(const float (&p)[P_TILES][4], u32
 #pragma unroll
     for (int i = 0; i < 4; ++i) a[kt][i] = frag.x[i];
   }
+}
+
+// The register A operand of P for 8-bit products (accumulator tiles 16 rows x 8*P_TILES, rounded to e4m3 with
+// saturation): one fragment per 32 keys. An 8-bit fragment holds four consecutive k of a row per register
+// (k = 4t .. 4t+3 of row g, then of row g+8, then k = 16 + 4t .. of each), where the accumulator holds keys
+// 2t, 2t+1 of each n-tile: register 0 takes keys {2t, 2t+1, 8+2t, 9+2t} of row g, and so on. The products'
+// k order is then not the keys' order, and the B operand must list its keys in that same order (the FP8
+// forward's V^T is laid out so by the host: cupyflash/_cuda/fp8.py, KEY_ORDER).
+__device__ __forceinline__ u32 e4m3x2(float lo, float hi) {
+  unsigned short r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));  // a -> the high byte
+  return r;
+}
+template <int P_TILES>
+__device__ __forceinline__ void pack_e4m3_fragments(const float (&p)[P_TILES][4], u32 (&a)[P_TILES / 4][4]) {
+  static_assert(P_TILES % 4 == 0, "k-steps of 32 keys");
+#pragma unroll
+  for (int kt = 0; kt < P_TILES / 4; ++kt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float (&lo)[4] = p[4 * kt + 2 * h], (&hi)[4] = p[4 * kt + 2 * h + 1];
+        a[kt][2 * h + r] = e4m3x2(lo[2 * r], lo[2 * r + 1]) | e4m3x2(hi[2 * r], hi[2 * r + 1]) << 16;
+      }
 }
 
 // Accumulator tiles P (16 rows x 8*P_TILES) times a factor per row (rows g: factor[0], g + 8: factor[1])
@@ -269,6 +310,26 @@ __device__ __forceinline__ void wg_pb_steps(float (&c)[N_TILES][4], u32 (&a)[K_S
       WgmmaOp<T, WIDTH>::rs(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt], b + mn_major_step<BTile>(16 * kt, n0), kt > 0 || accumulate);
     }
   }
+}
+
+// Start C[64 x 8*N_TILES] += P B^T for 8-bit inputs, as one commit group: P as packed fragments
+// (pack_e4m3_fragments), B K-major: rows [0, 8*N_TILES) of b_tile are C's columns (V^T's head dims), its
+// columns the keys, in the fragments' k order. The fragments must stay untouched until wgmma_wait has seen
+// the group complete.
+template <typename T, int K_STEPS, int N_TILES, class BTile>
+__device__ __forceinline__ void wg_issue_pbt(float (&c)[N_TILES][4], u32 (&a)[K_STEPS][4], const T* b_tile) {
+  constexpr int WIDTH = wgmma_width<8 * N_TILES>(), K_STEP = wgmma_k<T>();
+  const u64 b = desc_k_major<BTile>(b_tile, 0);
+  wgmma_fence();
+  fence_operands(c);
+  fence_fragments(a);
+#pragma unroll
+  for (int kt = 0; kt < K_STEPS; ++kt)
+#pragma unroll
+    for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH)
+      WgmmaOp<T, WIDTH>::rs(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt],
+                            b + k_major_step<BTile>(K_STEP * kt) + (static_cast<u64>(n0 * BTile::ATOM_BYTES) >> 4));
+  wgmma_commit();
 }
 
 // Start C[64 x 8*N_TILES] += P B for the calling warpgroup, as one commit group: P as packed fragments

@@ -7,7 +7,8 @@ exponentials on the FMA units) stay in the kernel, with their reason.
 
 Paths: ``mma`` (mma.sync, every GPU from compute capability 8.0 on), ``large`` (float64 tiles that need
 Hopper's 227 KiB of shared memory per CTA), ``wgmma`` (Hopper's warpgroup products, 16-bit), ``pieces``
-(float32 on Hopper as float16 pieces, plain and causal) and ``ws`` (the warp-specialized 16-bit forward).
+(float32 on Hopper as float16 pieces, plain and causal) and ``ws`` (the warp-specialized 16-bit forward; its
+1-byte rows are the FP8 forward's, on e4m3 inputs).
 Forms (the table's columns): ``plain`` (no modifier; causal or not), ``dropout``, ``all`` (every score
 modifier, the per-element arrays included; also packed batches and attention_probs), ``all+dropout``,
 ``scalars`` (window, softcap, ALiBi and the backward's block mask, no per-element array; also a softcap
@@ -147,6 +148,9 @@ pieces 4  128  fwd   8.32.128       .              .              .             
 pieces 4  128  dkdv  8.32.64/c      .              .              .              .              .
 pieces 4  128  dq    8.32.128       .              .              .              .              .
 ws     2  128  fwd   12.128.128/r2w .              .              .              =              12.64.128/r4o
+ws     1  64   fwd   12.128.64/r4w  .              .              .              .              .
+ws     1  128  fwd   12.128.128/r3w .              .              .              .              .
+ws     1  256  fwd   12.64.256/r4w  .              .              .              .              .
 """
 
 
@@ -222,7 +226,9 @@ def _parse(text: str) -> dict:
 CELLS = _parse(TABLE)
 HEAD_DIMS = tuple(sorted({head_dim for path, _, head_dim, _, _ in CELLS if path == "mma"}))
 assert HEAD_DIMS[-1] == MAX_HEAD_DIM, "the table's widest head dim is the API's"
-WS_HEAD_DIMS = tuple(sorted({head_dim for path, _, head_dim, _, _ in CELLS if path == "ws"}))
+WS_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, _, _ in CELLS if path == "ws" and size == 2}))
+# The FP8 forward's HEAD_DIMs: the warp-specialized forward on e4m3 inputs (1-byte rows of the table).
+FP8_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, _, _ in CELLS if path == "ws" and size == 1}))
 WS_WARPGROUP_ROWS = 64  # each computing warpgroup of the warp-specialized forward owns 64 of a tile's rows
 # The key tiles of 128 the warp-specialized forward's block-mask walk holds per tile, as bits in shared memory
 # (cuda_src/block_mask.cuh: TILE_BITMAP_WORDS * 32); a block mask with more takes the Mods::all forward.

@@ -16,9 +16,10 @@ import numpy
 
 MAP_BYTES = 128
 MAPPED = ("q", "k", "v")  # the inputs the warp-specialized forward reads through tensor maps
-_SWIZZLE_128B = 3
+_SWIZZLES = {128: 3, 64: 2, 32: 1}  # CU_TENSOR_MAP_SWIZZLE_{128B,64B,32B}, by swizzle atom bytes (copy.cuh)
 _L2_PROMOTION_128B = 2
-_DTYPES = {numpy.dtype(numpy.float16): 6}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16; bfloat16 is 9
+# CU_TENSOR_MAP_DATA_TYPE_: FLOAT16 6, UINT8 0 (the FP8 forward's e4m3 bytes); bfloat16 is 9
+_DTYPES = {numpy.dtype(numpy.float16): 6, numpy.dtype(numpy.uint8): 0}
 _BFLOAT16 = 9
 _MAX_STRIDE = 1 << 40
 
@@ -60,9 +61,10 @@ def describable(array, sizes, batch_strides) -> bool:
 
 class TensorMaps:
     """The maps of q, k and v for one layout; ``encode`` fills in the arrays' addresses. ``box_rows``:
-    name -> the rows of that input's tiles."""
+    name -> the rows of that input's tiles; ``atom_bytes``: name -> the swizzle atom of its tiles' rows
+    (SwizzledTile::ATOM_BYTES; 128 unless given)."""
 
-    def __init__(self, arrays: dict, sizes, batch_strides: dict, box_rows: dict):
+    def __init__(self, arrays: dict, sizes, batch_strides: dict, box_rows: dict, atom_bytes: dict | None = None):
         self._function = _encoder()
         if self._function is None:
             raise RuntimeError("cupyflash: the CUDA driver's cuTensorMapEncodeTiled is not available")
@@ -77,10 +79,10 @@ class TensorMaps:
             dims = (ctypes.c_uint64 * 5)(cols, rows, sizes[2], sizes[1], sizes[0])
             strides = (ctypes.c_uint64 * 4)(row_bytes, *(s * itemsize if n > 1 else 16 for n, s in
                                                           zip(reversed(sizes), reversed(batch_strides[name]))))
-            atom_cols = 128 // itemsize
-            box = (ctypes.c_uint32 * 5)(atom_cols, box_rows[name], 1, 1, 1)
+            atom = (atom_bytes or {}).get(name, 128)
+            box = (ctypes.c_uint32 * 5)(atom // itemsize, box_rows[name], 1, 1, 1)
             code = _DTYPES.get(array.dtype, _BFLOAT16)
-            self._fields[name] = (code, dims, strides, box)
+            self._fields[name] = (code, dims, strides, box, _SWIZZLES[atom])
         self._element_strides = (ctypes.c_uint32 * 5)(1, 1, 1, 1, 1)
         self._arg_dtype = numpy.dtype((numpy.void, MAP_BYTES * len(self._names)))
         self._last = (None, None)  # (addresses, argument) of the last encoding
@@ -99,9 +101,9 @@ class TensorMaps:
         offset = -raw.ctypes.data % 64
         at = raw.ctypes.data + offset
         for i, name in enumerate(self._names):
-            code, dims, strides, box = self._fields[name]
+            code, dims, strides, box, swizzle = self._fields[name]
             error = self._function(at + i * MAP_BYTES, code, 5, found[i], dims, strides, box, self._element_strides,
-                                   0, _SWIZZLE_128B, _L2_PROMOTION_128B, 0)
+                                   0, swizzle, _L2_PROMOTION_128B, 0)
             if error:
                 raise RuntimeError(f"cupyflash: cuTensorMapEncodeTiled failed for {name} (CUresult {error}): "
                                    f"dims {tuple(dims)}, strides {tuple(strides)} bytes, box {tuple(box)}")

@@ -20,8 +20,10 @@ from cupyflash._cuda.source import OPTIONS, WGMMA_ARCH, module_code
 from cupyflash._cuda.tiles import Tiles
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
-CTYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float", "float64": "double"}
-ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+CTYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float", "float64": "double", "float8_e4m3": "e4m3_t"}
+ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "float8_e4m3": 1}
+FP8 = "float8_e4m3"  # the FP8 forward's inputs (cupyflash/_cuda/fp8.py); its out is one of FP8_OUT_DTYPES
+FP8_OUT_DTYPES = ("bfloat16", "float16")
 _SOURCES = {"fwd": "attention_fwd.cu", "bwd": "attention_bwd.cu", "probs": "attention_probs.cu"}
 _WS_SOURCE = "attention_fwd_ws.cu"
 PATHS = ("mma", "large", "wgmma", "pieces", "ws")
@@ -59,6 +61,7 @@ class Variant:
     dropout: bool = False
     score: str = "plain"
     block_mask: bool = False
+    out_dtype: str = ""  # out's dtype where it is not the inputs' (the FP8 forward's)
 
     @property
     def itemsize(self) -> int:
@@ -110,7 +113,7 @@ class Variant:
             return (f"attention_fwd_ws_kernel<{c}, {hd}, {t.block}, {t.stages}, {b[self.causal]}, {mods}, "
                     f"{b[self.score == 'bounded']}, {b[self.score.startswith('alibi')]}, "
                     f"{b[self.score == 'alibi_half_first']}, {b[self.block_mask]}, {b[t.pack_after_wait]}, "
-                    f"{b[t.store_warps]}>")
+                    f"{b[t.store_warps]}, {CTYPES[self.out_dtype or self.dtype]}>")
         if kernel == "fwd" and wgmma:  # no column chunks: the whole head dim per CTA
             return (f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {b[self.causal]}, {mods}, "
                     f"{b[self.dropout]}, {b[self.score == 'bounded']}, {t.ctas_per_sm}>")
@@ -150,7 +153,8 @@ class Variant:
                     "window": "modifiers (window alone)", "all": "modifiers"}[self.mods]
             kind += ", causal" if self.causal else ""
         extras = [self.path] + ([self.score] if self.score != "plain" else []) + (["block mask"] if self.block_mask else [])
-        return (f"{self.direction} {self.dtype} HEAD_DIM={self.head_dim} {kind}" + (" dropout" if self.dropout else "")
+        out = f" -> {self.out_dtype}" if self.out_dtype else ""
+        return (f"{self.direction} {self.dtype}{out} HEAD_DIM={self.head_dim} {kind}" + (" dropout" if self.dropout else "")
                 + f" ({', '.join(extras)})")
 
 
@@ -218,7 +222,7 @@ def select(f: Features, device: Device) -> Variant:
     has_mods = f.has_mods or f.direction == "probs" or f.packed
     pieces = (f.direction != "probs" and not has_mods and not f.dropout and tiles.has("pieces", itemsize, head_dim))
     wgmma = device.wgmma and (tiles.has("wgmma", itemsize, head_dim) or pieces)
-    ws = (f.direction == "fwd" and wgmma and itemsize == 2 and head_dim in tiles.WS_HEAD_DIMS and f.tma
+    ws = (f.direction == "fwd" and wgmma and itemsize == 2 and tiles.has("ws", itemsize, head_dim) and f.tma
           and not f.dropout and not f.packed)
     # A block mask with no bias or mask: the warp-specialized forward walks it; other forwards with a block
     # mask take the ``all`` form, whose walk costs the scalars' forwards time; the backward's scalars walk it.
@@ -295,7 +299,14 @@ def shipped_variants() -> list[Variant]:
                 scores = ("plain", "alibi", "alibi_half_first") + (("bounded",) if dtype == "bfloat16" else ())
                 found += [dataclasses.replace(ws, mods="scalars", score=score, block_mask=block_mask)
                           for score in scores for block_mask in (False, True)]
+    found += [fp8_variant(head_dim, causal, out) for head_dim in tiles.FP8_HEAD_DIMS for causal in (False, True)
+              for out in FP8_OUT_DTYPES]
     return found
+
+
+def fp8_variant(head_dim: int, causal: bool, out_dtype: str) -> Variant:
+    """The FP8 forward's variant: e4m3 q, k, v on the warp-specialized path, out in ``out_dtype``."""
+    return Variant("fwd", FP8, head_dim, "ws", causal=causal, out_dtype=out_dtype)
 
 
 def variants_for(arch: str) -> list[Variant]:

@@ -11,7 +11,7 @@ import numpy as np
 from cupyflash import _dropout, _modifiers
 from cupyflash._cuda import backend, launch, tiles, tma
 from cupyflash._cuda.source import source
-from cupyflash._cuda.variants import (BOUNDED_SOFTCAP_MAX, DTYPES, MODS, PATHS, SCORES, Device, Features, Variant,
+from cupyflash._cuda.variants import (BOUNDED_SOFTCAP_MAX, DTYPES, FP8, MODS, PATHS, SCORES, Device, Features, Variant,
                                       select, shipped_variants)
 
 HOPPER = Device(wgmma=True, large_smem=True)
@@ -49,13 +49,14 @@ def _wgmma_head_dims(itemsize=2):
 def test_shipped_variants_are_distinct_and_well_formed():
     assert len(SHIPPED) == len(SHIPPED_SET), "a variant is listed twice"
     for v in SHIPPED:
-        assert v.direction in ("fwd", "bwd", "probs") and v.dtype in DTYPES and v.path in PATHS, v
+        assert v.direction in ("fwd", "bwd", "probs") and v.dtype in DTYPES + (FP8,) and v.path in PATHS, v
+        assert (v.dtype == FP8) == bool(v.out_dtype), v  # only the FP8 forward's out differs from its inputs
         assert v.mods in MODS and v.score in SCORES and v.head_dim in tiles.HEAD_DIMS, v
         assert not (v.causal and v.mods not in ("none", "softcap")), f"{v}: causal travels in the window"
         assert v.direction != "probs" or (v.mods == "all" and not v.dropout), v
         assert v.score == "plain" or v.direction == "fwd", v
         assert not v.block_mask or (v.path == "ws" and v.mods == "scalars"), v
-    assert {v.dtype for v in SHIPPED} == set(DTYPES)
+    assert {v.dtype for v in SHIPPED} == set(DTYPES) | {FP8}
     assert {v.path for v in SHIPPED} == set(PATHS)
 
 
@@ -336,7 +337,7 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
                     f"attention_fwd_ws_kernel<{ctype}, {head_dim}, {t.block}, {t.stages}, {_bool(causal)}, {mods}, "
                     f"{_bool(chosen.score == 'bounded')}, {_bool(chosen.score.startswith('alibi'))}, "
                     f"{_bool(chosen.score == 'alibi_half_first')}, false, {_bool(t.pack_after_wait)}, "
-                    f"{_bool(t.store_warps)}>")
+                    f"{_bool(t.store_warps)}, {ctype}>")
                 assert chosen.threads("fwd") == 3 * 128 and t.rows == 128 and t.copy_warps == tiles.WS_COPY_WARPS
                 for rows, batch, ctas in ((1000, 3, 24), (8192, 32, 132), (1, 1, 1)):
                     grid, block_shape, smem = launch.launch_shape(chosen, "fwd", rows, batch)
@@ -359,7 +360,7 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
     assert _chosen(dtype=np.float32).path == "pieces"
     assert _chosen(device=AMPERE, window=(10, 0)).path == "mma"
     assert _chosen(device=AMPERE).path == "mma"
-    ws = [v for v in SHIPPED if v.path == "ws"]
+    ws = [v for v in SHIPPED if v.path == "ws" and v.dtype != FP8]  # the FP8 forward: test_fp8_variants
     assert ws and all(v.direction == "fwd" and v.itemsize == 2 and not v.dropout and v.head_dim in tiles.WS_HEAD_DIMS
                       and v.mods in ("none", "scalars", "window") for v in ws)
     assert {(v.dtype, v.head_dim) for v in ws if v.score.startswith("alibi")} == \
@@ -424,7 +425,7 @@ def test_a_block_mask_forward_walks_it_on_the_warp_specialized_kernel():
             assert chosen.name_expression("fwd") == (
                 f"attention_fwd_ws_kernel<{ctype}, 128, {t.block}, {t.stages}, false, Mods::dense_scalars, "
                 f"{_bool(bounded)}, {_bool(alibi)}, {_bool(half)}, true, {_bool(t.pack_after_wait)}, "
-                f"{_bool(t.store_warps)}>"), options
+                f"{_bool(t.store_warps)}, {ctype}>"), options
             assert chosen in SHIPPED_SET
             assert dataclasses.replace(chosen, block_mask=False) in SHIPPED_SET  # the same form without the walk
             backward = _chosen("bwd", dtype, causal=causal, block_mask=ON, **options)
@@ -475,7 +476,7 @@ def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward():
             if chosen.path == "ws":
                 t = chosen.tiles("fwd")
                 expected = (f"Mods::dense_scalars, true, false, false, false, {_bool(t.pack_after_wait)}, "
-                            f"{_bool(t.store_warps)}>")
+                            f"{_bool(t.store_warps)}, bfloat16_t>")
             else:
                 expected = "Mods::scalars, false, true, 1>"
             assert chosen.name_expression("fwd").endswith(expected), chosen.name_expression("fwd")
@@ -491,3 +492,18 @@ def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward():
     assert _chosen(dtype=BF16, softcap=30.0, device=AMPERE).score != "bounded"  # mma.sync has no bounded form
     assert all(v.dtype == "bfloat16" and v.direction == "fwd" and v.path in ("wgmma", "ws")
                for v in SHIPPED if v.score == "bounded")
+
+
+def test_fp8_variants():
+    """The FP8 forward: e4m3 inputs on the warp-specialized path at the table's 1-byte HEAD_DIMs, plain and
+    causal, out in bfloat16 or float16, which the name expression's last parameter spells."""
+    fp8 = [v for v in SHIPPED if v.dtype == FP8]
+    assert tiles.FP8_HEAD_DIMS == (64, 128, 256)
+    assert {(v.head_dim, v.causal, v.out_dtype) for v in fp8} == \
+        {(h, c, o) for h in tiles.FP8_HEAD_DIMS for c in (False, True) for o in ("bfloat16", "float16")}
+    for v in fp8:
+        assert v.path == "ws" and v.direction == "fwd" and v.mods == "none" and v.itemsize == 1
+        name = v.name_expression("fwd")
+        assert name.startswith(f"attention_fwd_ws_kernel<e4m3_t, {v.head_dim}, ")
+        assert name.endswith({"bfloat16": ", bfloat16_t>", "float16": ", half_t>"}[v.out_dtype])
+        assert v.compile_targets() == {"sm_90": "sm_90a"}

@@ -4,7 +4,7 @@ have theirs, whose shapes fit the kernels and whose switches reach the kernels' 
 import pytest
 
 from cupyflash._cuda import tiles
-from cupyflash._cuda.variants import Variant, shipped_variants, variants_for
+from cupyflash._cuda.variants import CTYPES, Variant, shipped_variants, variants_for
 
 SHIPPED = shipped_variants()
 SHIPPED_SET = set(SHIPPED)
@@ -144,7 +144,8 @@ def test_name_expressions_carry_the_cells_switches():
                 assert name.endswith(tail), (v, name)
                 assert name.startswith(f"attention_bwd_{kernel}_kernel<")
             elif v.path == "ws":
-                assert name.endswith(f"{_bool(t.pack_after_wait)}, {_bool(t.store_warps)}>"), (v, name)
+                out = CTYPES[v.out_dtype or v.dtype]
+                assert name.endswith(f"{_bool(t.pack_after_wait)}, {_bool(t.store_warps)}, {out}>"), (v, name)
                 assert f", {t.block}, {t.stages}, " in name
     dkdv = Variant("bwd", "float16", 128, "wgmma").name_expression("dkdv")
     assert dkdv == "attention_bwd_dkdv_kernel<half_t, 128, 4, 64, 128, false, Mods::none, true, false, false, true, " \

@@ -1,0 +1,141 @@
+"""The FP8 forward on the GPU: q, k, v as e4m3 bytes with their descales (``FP8Tensor`` holders) through the
+warp-specialized forward's e4m3 form (cuda_src/attention_fwd_ws.cu, ``K::FP8``).
+
+What the kernel reads, made here per call:
+- q and k as (*batch, N, D) contiguous bytes, D padded with zeros to a multiple of 16 bytes (TMA's row
+  stride);
+- V^T, (*batch, Dv, Nk') with Nk' = Nk rounded up to 32 and zeros past Nk (cuda_src/fp8_values.cu, one
+  pass): 8-bit ``wgmma`` reads its B operand only K-major, so the keys must be V's columns. Within every 32
+  keys they are listed in the order in which the register operand P holds them (KEY_ORDER; wgmma.cuh,
+  pack_e4m3_fragments), so that P's fragments are packed straight from the score accumulators, with no
+  shuffles;
+- the descales as float32 (batch, blocks) per flat batch entry, and each entry's largest v descale.
+Broadcast (GQA) q and k are copied whole (TMA cannot step through a stride-0 batch dim); V^T is written per
+entry anyway.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy
+
+from cupyflash._arrays import cupy
+from cupyflash._cuda import tma
+from cupyflash._cuda.compile import functions
+from cupyflash._cuda.launch import Plan
+from cupyflash._cuda.params import dense_params, layout, unpad
+from cupyflash._cuda.source import OPTIONS, module_code
+from cupyflash._cuda.tiles import FP8_HEAD_DIMS, WS_WARPGROUP_ROWS
+from cupyflash._cuda.variants import fp8_variant
+
+
+def _key_order() -> numpy.ndarray:
+    """Position c of a 32-key k-step -> the key the P fragments hold there: register i of a thread holds
+    keys {2t, 2t + 1, 8 + 2t, 9 + 2t} (+16 for the second half) at positions 4t .. 4t + 3."""
+    c = numpy.arange(32)
+    half, t, i = c // 16, (c % 16) // 4, c % 4
+    return 16 * half + 2 * t + (i & 1) + 8 * (i >> 1)
+
+
+KEY_ORDER = _key_order()
+
+
+def head_dim_for(d: int) -> int:
+    """The kernel's HEAD_DIM for a head dim of d (<= 256)."""
+    return next(h for h in FP8_HEAD_DIMS if d <= h)
+
+
+def _atom_bytes(row_bytes: int) -> int:
+    """SwizzledTile's swizzle atom for tile rows of this many bytes (copy.cuh)."""
+    return 128 if row_bytes % 128 == 0 else 64 if row_bytes % 64 == 0 else 32
+
+
+def _rows(x, width: int):
+    """x (*batch, N, D) uint8 as contiguous rows of ``width`` >= D bytes, zero-padded."""
+    if x.shape[-1] == width:
+        return cupy.ascontiguousarray(x)
+    padded = cupy.zeros(x.shape[:-1] + (width,), dtype=numpy.uint8)
+    padded[..., : x.shape[-1]] = x
+    return padded
+
+
+SOURCE = "fp8_values.cu"
+KERNEL = "fp8_values_transposed"
+THREADS = 256  # VALUES_THREADS
+_TILE = 64  # VALUES_TILE: keys and head dims per CTA
+_MAX_GRID_Z = 65535
+
+
+@functools.lru_cache(maxsize=None)
+def _module(device_id: int):
+    with cupy.cuda.Device(device_id):
+        return cupy.RawModule(code=module_code(SOURCE, (KERNEL,)), options=OPTIONS).get_function(KERNEL)
+
+
+def transposed_values(v):
+    """V^T as the kernel reads it: (*batch, Dv, Nk') uint8, Nk' = Nk rounded up to 32, keys in KEY_ORDER
+    within every 32, zeros past Nk; one pass of cuda_src/fp8_values.cu (broadcast batch dims are read in
+    place)."""
+    batch_shape, (nk, d_v) = v.shape[:-2], v.shape[-2:]
+    d_v_w = -(-d_v // 16) * 16
+    if d_v != d_v_w or v.strides[-1] != 1 or v.strides[-2] % 16 or v.data.ptr % 16:
+        v = _rows(v, d_v_w)
+    nk_pad = -(-nk // 32) * 32
+    vt = cupy.empty(batch_shape + (d_v, nk_pad), dtype=numpy.uint8)
+    _, sizes, strides, _ = layout(batch_shape, {"v": v})
+    batch = math.prod(batch_shape)
+    kernel = _module(cupy.cuda.Device().id)
+    row = v.strides[-2] if nk > 1 else d_v_w
+    for first in range(0, batch, _MAX_GRID_Z):
+        grid = (-(-nk_pad // _TILE), -(-d_v // _TILE), min(_MAX_GRID_Z, batch - first))
+        kernel(grid, (THREADS,), (v, vt, *(numpy.int64(s) for s in strides["v"]), numpy.int64(row),
+                                   numpy.int32(sizes[1]), numpy.int32(sizes[2]), numpy.int32(first), numpy.int32(nk),
+                                   numpy.int32(nk_pad), numpy.int32(d_v), numpy.int32(d_v_w)))
+    return vt
+
+
+def _descales(x, batch_shape, batch: int):
+    """x's descales as float32 (batch, blocks), contiguous per flat batch entry, and rows per descale."""
+    scale = x.scale
+    blocks = scale.shape[-1]
+    flat = cupy.ascontiguousarray(cupy.broadcast_to(scale, batch_shape + (blocks,)), dtype=numpy.float32)
+    return flat.reshape(batch, blocks), max(1, int(x.block))
+
+
+def attention_forward_fp8(q, k, v, *, scale: float, causal: bool, out_dtype):
+    """out (*batch, Nq, Dv) in ``out_dtype`` (float16 or bfloat16) and lse (*batch, Nq) float32 of e4m3
+    holders whose data and scales are broadcast to one batch shape (the API validated them and handled empty
+    problems)."""
+    plan, out, lse, d_v, _ = prepare(q, k, v, scale=scale, causal=causal, out_dtype=out_dtype)
+    plan.launch(None, None)  # the arrays prepare made stay alive until the launch is queued
+    return unpad(out, d_v), lse
+
+
+def prepare(q, k, v, *, scale: float, causal: bool, out_dtype):
+    """(plan, out, lse, Dv, the arrays the plan reads): everything but the launch."""
+    batch_shape, (nq, d), nk, d_v = q.data.shape[:-2], q.data.shape[-2:], k.data.shape[-2], v.data.shape[-1]
+    batch = math.prod(batch_shape)
+    head_dim = head_dim_for(max(d, d_v))
+    d_w = -(-d // 16) * 16
+    qd, kd = _rows(q.data, d_w), _rows(k.data, d_w)
+    vt = transposed_values(v.data)
+    d_v_w = d_v + d_v % 2  # the kernel stores out in pairs of columns, 4-byte aligned
+    out = cupy.empty(batch_shape + (nq, d_v_w), dtype=out_dtype)
+    lse = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
+    arrays, sizes, strides, _ = layout(batch_shape, {"q": qd, "k": kd, "v": vt, "out": out})  # all contiguous
+    variant = fp8_variant(head_dim, bool(causal), numpy.dtype(out_dtype).name)
+    descales = [_descales(x, batch_shape, batch) for x in (q, k, v)]
+    v_ref = cupy.ascontiguousarray(descales[2][0].max(axis=1))
+    params = dense_params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, d_v=d_v_w, scale=scale,
+                          others={"lse": lse}, causal=causal)
+    params["fp8_descale"] = [table.data.ptr for table, _ in descales]
+    params["fp8_v_ref"] = v_ref.data.ptr
+    params["fp8_descale_blocks"] = [table.shape[1] for table, _ in descales]
+    params["fp8_descale_rows"] = [rows for _, rows in descales]
+    block = variant.tiles("fwd").block
+    maps = tma.TensorMaps(arrays, sizes, strides, {"q": WS_WARPGROUP_ROWS, "k": block, "v": head_dim},
+                          {"q": _atom_bytes(head_dim), "k": _atom_bytes(head_dim), "v": _atom_bytes(block)})
+    plan = Plan(functions(variant), variant, params, [("fwd", nq, batch)], maps, arrays)
+    return plan, out, lse, d_v, (arrays, descales, v_ref)
