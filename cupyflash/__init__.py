@@ -3,9 +3,11 @@
 from cupyflash import reference
 from cupyflash._api import (attention, attention_backward, attention_forward, attention_probs, attention_varlen,
                             attention_varlen_backward, attention_varlen_forward)
+from cupyflash._fp8 import FP8Tensor, quantize_fp8
 from cupyflash._kvcache import attention_with_kvcache
 from cupyflash._merge import merge_attention_states, merge_attention_states_stacked
 from cupyflash._modifiers import BLOCK_MASK_TILE, block_mask_from_dense
+from cupyflash._rotation import hadamard_rotate
 from cupyflash._warmup import warmup
 
 __version__ = "0.1.0"
@@ -21,6 +23,9 @@ __all__ = [
     "attention_with_kvcache",
     "merge_attention_states",
     "merge_attention_states_stacked",
+    "quantize_fp8",
+    "FP8Tensor",
+    "hadamard_rotate",
     "block_mask_from_dense",
     "BLOCK_MASK_TILE",
     "warmup",

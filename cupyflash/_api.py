@@ -7,6 +7,8 @@ views, and hands the arrays to the back end of their array type:
     numpy.ndarray -> cupyflash._cpu           (blocked NumPy, same algorithm as the kernels)
     cupy.ndarray  -> cupyflash._cuda.backend  (our CUDA kernels, compiled when first needed)
 
+FP8Tensor inputs of the forward go to cupyflash._fp8_api first, which has its own checks and back ends.
+
 Both back ends take the same arguments and return full-batch-shape results; the gradients are summed back
 to the shapes of q, k, v here.
 """
@@ -16,19 +18,22 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numpy.typing import DTypeLike
 
-from cupyflash import _cpu, _dropout, _modifiers, _varlen
+from cupyflash import _cpu, _dropout, _fp8_api, _modifiers, _varlen
 from cupyflash._arrays import Array, lse_dtype, sum_to_shape
 from cupyflash._checks import (check_array_types, check_causal, check_dtypes, check_forward_outputs, check_head_dims,
                                check_shapes, resolve_scale)
 from cupyflash._cuda import backend as _gpu
 from cupyflash._cuda import dense_fast
+from cupyflash._fp8 import FP8Tensor
 
 
-def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
-              window: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes: Array | None = None,
-              bias: Array | None = None, mask: Array | None = None, block_mask: Array | None = None,
-              dropout_p: float = 0.0, dropout_seed: int | None = None) -> Array:
+def attention(q: Array | FP8Tensor, k: Array | FP8Tensor, v: Array | FP8Tensor, *, causal: bool = False,
+              scale: float | None = None, window: tuple[int, int] | None = None, softcap: float = 0.0,
+              alibi_slopes: Array | None = None, bias: Array | None = None, mask: Array | None = None,
+              block_mask: Array | None = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
+              out_dtype: DTypeLike | None = None) -> Array:
     """Scaled dot-product attention, ``softmax(scale * q @ k^T) @ v``, without materializing the scores.
 
     Parameters
@@ -39,6 +44,10 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
         Keys, same dtype as ``q``.
     v : numpy.ndarray or cupy.ndarray, shape (..., Nk, Dv)
         Values, same dtype as ``q``. ``1 <= D, Dv <= 256``.
+
+        Or q, k, v all :class:`FP8Tensor` (:func:`quantize_fp8`): the FP8 forward, for inference
+        (docs/fp8.md). It takes ``causal`` and ``scale`` only (the other options raise ``ValueError``),
+        needs a Hopper GPU for CuPy data, and has no backward.
     causal : bool, optional
         Mask out keys "in the future". The mask is aligned to the bottom-right corner of the
         Nq x Nk score matrix, as in FlashAttention-2: query ``i`` sees key ``j`` iff
@@ -85,13 +94,16 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
         rounded to a multiple of 2^-16. ``0`` (the default) runs the kernels without dropout.
     dropout_seed : int, optional
         In [0, 2**64). None draws one from ``numpy.random``; pass one to reproduce a result.
+    out_dtype : dtype, optional
+        FP8 inputs only: ``out``'s dtype, bfloat16 (``ml_dtypes.bfloat16``, the default) or float16.
+        Must be None for other inputs.
 
     Returns
     -------
     out : array of the inputs' type and dtype, shape (..., Nq, Dv)
         The leading dims ``...`` are those of q, k, v broadcast together (NumPy rules), so
         grouped-query attention is ``q`` of shape (B, Hk, G, Nq, D) with ``k[:, :, None]``
-        and ``v[:, :, None]``.
+        and ``v[:, :, None]``. For FP8 inputs: of their data's array type, dtype ``out_dtype``.
 
     Notes
     -----
@@ -122,32 +134,35 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention", draw_seed=True)
     out, _ = attention_forward(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
                                alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask,
-                               dropout_p=dropout.p if dropout else 0.0, dropout_seed=dropout.seed if dropout else None)
+                               dropout_p=dropout.p if dropout else 0.0, dropout_seed=dropout.seed if dropout else None,
+                               out_dtype=out_dtype)
     return out
 
 
-def attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
-                      window: tuple[int, int] | None = None, softcap: float = 0.0,
+def attention_forward(q: Array | FP8Tensor, k: Array | FP8Tensor, v: Array | FP8Tensor, *, causal: bool = False,
+                      scale: float | None = None, window: tuple[int, int] | None = None, softcap: float = 0.0,
                       alibi_slopes: Array | None = None, bias: Array | None = None, mask: Array | None = None,
-                      block_mask: Array | None = None, dropout_p: float = 0.0,
-                      dropout_seed: int | None = None) -> tuple[Array, Array]:
+                      block_mask: Array | None = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
+                      out_dtype: DTypeLike | None = None) -> tuple[Array, Array]:
     """Attention forward pass that also returns the row-wise log-sum-exp needed by the backward.
 
     Parameters
     ----------
     q, k, v, causal, scale
         As in :func:`attention`: q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv), one dtype among
-        float16, bfloat16, float32, float64; ``causal`` is bottom-right aligned; ``scale`` defaults to
-        ``1 / sqrt(D)``.
+        float16, bfloat16, float32, float64, or all three :class:`FP8Tensor` (the FP8 forward, docs/fp8.md);
+        ``causal`` is bottom-right aligned; ``scale`` defaults to ``1 / sqrt(D)``.
     window, softcap, alibi_slopes, bias, mask, block_mask
         The score modifiers, as in :func:`attention`.
     dropout_p, dropout_seed
         As in :func:`attention`, except that ``dropout_p > 0`` needs an integer ``dropout_seed``: pass
         the same one to :func:`attention_backward`.
+    out_dtype : dtype, optional
+        FP8 inputs only: bfloat16 (the default) or float16, as in :func:`attention`.
 
     Returns
     -------
-    out : array, shape (..., Nq, Dv), the inputs' dtype
+    out : array, shape (..., Nq, Dv), the inputs' dtype (FP8 inputs: ``out_dtype``)
         ``softmax(scale * q @ k^T) @ v``, with the broadcast leading dims.
     lse : array, shape (..., Nq), float32 (float64 for float64 inputs)
         ``log(sum_j exp(s_ij))`` of the (modified) scores over the keys row ``i`` sees (natural
@@ -162,7 +177,23 @@ def attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False, sca
     >>> out, lse = cupyflash.attention_forward(q, k, v, causal=True)
     >>> out.shape, lse.shape, lse.dtype.name
     ((2, 4, 100, 64), (2, 4, 100), 'float32')
+
+    The FP8 forward, on e4m3 copies with a scale per (batch, head) slice:
+
+    >>> q8, k8, v8 = (cupyflash.quantize_fp8(x) for x in (q, k, v))
+    >>> out8, lse8 = cupyflash.attention_forward(q8, k8, v8, causal=True)
+    >>> error = out8.astype(np.float32) - out
+    >>> out8.dtype.name, bool(np.sqrt(np.mean(error ** 2)) < 0.05 * np.sqrt(np.mean(out ** 2)))  # RMSE < 5%
+    ('bfloat16', True)
     """
+    if isinstance(q, FP8Tensor) or isinstance(k, FP8Tensor) or isinstance(v, FP8Tensor):
+        unsupported = dict(window=window is not None, softcap=softcap != 0, alibi_slopes=alibi_slopes is not None,
+                           bias=bias is not None, mask=mask is not None, block_mask=block_mask is not None,
+                           dropout_p=dropout_p != 0)
+        return _fp8_api.attention_forward(q, k, v, causal=causal, scale=scale, out_dtype=out_dtype,
+                                          unsupported=unsupported)
+    if out_dtype is not None:
+        raise ValueError(f"out_dtype applies to FP8 inputs only (q, k, v FP8Tensors), got out_dtype={out_dtype!r}")
     fast = None
     if alibi_slopes is None and bias is None and mask is None and block_mask is None:
         # A layout checked before goes straight to its launches (cupyflash._cuda.dense_fast).
@@ -233,6 +264,9 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
     >>> dq.shape, dk.shape, dv.shape
     ((1, 2, 3, 50, 32), (1, 2, 1, 50, 32), (1, 2, 1, 50, 32))
     """
+    if any(isinstance(x, FP8Tensor) for x in (q, k, v)):
+        raise TypeError("attention_backward does not take FP8 inputs: the FP8 forward has no backward (as in "
+                        "FlashAttention-3); run the training step in bfloat16 or float16")
     fast = None
     if alibi_slopes is None and bias is None and mask is None and block_mask is None:
         fast = dense_fast.key("bwd", (dout, q, k, v, out, lse), causal, scale, window, softcap, dropout_p,

@@ -42,6 +42,8 @@ PUBLIC = {
     "merge_attention_states": cupyflash.merge_attention_states,
     "merge_attention_states_stacked": cupyflash.merge_attention_states_stacked,
     "block_mask_from_dense": cupyflash.block_mask_from_dense,
+    "quantize_fp8": cupyflash.quantize_fp8,
+    "hadamard_rotate": cupyflash.hadamard_rotate,
     "warmup": cupyflash.warmup,
     "reference.attention": reference.attention,
     "reference.attention_backward": reference.attention_backward,
