@@ -14,12 +14,12 @@ import numpy
 
 from cupyflash._arrays import cupy, lse_dtype
 from cupyflash._cuda.source import OPTIONS, module_code
-from cupyflash._cuda.variants import CTYPES
+from cupyflash._cuda.variants import CTYPES, DTYPES
 
 SOURCE = "merge_states.cu"
 THREADS = 256  # STATES_THREADS
 ROWS_PER_CTA = THREADS // 32
-KERNELS = tuple(f"{kernel}<{ctype}>" for kernel in ("merge_states", "accumulate_rows") for ctype in CTYPES.values())
+KERNELS = tuple(f"{kernel}<{CTYPES[dtype]}>" for kernel in ("merge_states", "accumulate_rows") for dtype in DTYPES)
 _MAX_CTAS = 65536
 
 
