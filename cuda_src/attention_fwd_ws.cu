@@ -169,6 +169,9 @@ struct WsTraits {
                 (FP8 && MODS == Mods::none && !STORE_WARPS),
                 "16-bit: plain, a window alone, or the scalar modifiers on a dense batch; e4m3: plain");
   static_assert(FP8 ? sizeof(OutT) == 2 : sizeof(OutT) == sizeof(T), "out: T, or 16 bits for e4m3 inputs");
+  // e4m3 visits every key block from hi down to lo (its descales are loaded a block ahead) and has no
+  // half-width first block (16-bit fragments).
+  static_assert(!(FP8 && (BLOCK_MASK || ALIBI || HALF_FIRST || BOUNDED)), "e4m3: plain or causal only");
   static_assert(!(IS_CAUSAL && MODS != Mods::none), "with modifiers, causal is the window's right edge");
   static_assert(STAGES >= 2, "S_j is issued beside P_(j-1) V: two slots at least");
   static_assert(!BOUNDED || (MODS == Mods::dense_scalars && IsBfloat16<T>::value), "bounded: bfloat16 scalars");

@@ -95,7 +95,8 @@ def decode_e4m3(data, dtype=np.float32):
 def row_scales(scale, block, n):
     """The scale of each row, shape (*scale.shape[:-1], n): row i takes ``scale[..., i // block]``."""
     xp = array_module(scale)
-    return xp.repeat(scale, block, axis=-1)[..., :n]
+    # A block of at least n rows is one scale per slice: never repeat past n (block may be huge).
+    return xp.repeat(scale, min(block, max(n, 1)), axis=-1)[..., :n]
 
 
 class FP8Tensor:

@@ -25,7 +25,7 @@ from cupyflash._arrays import cupy
 from cupyflash._cuda import tma
 from cupyflash._cuda.compile import functions
 from cupyflash._cuda.launch import Plan
-from cupyflash._cuda.params import dense_params, layout, unpad
+from cupyflash._cuda.params import dense_params, kernel_ready, layout, unpad
 from cupyflash._cuda.source import OPTIONS, module_code
 from cupyflash._cuda.tiles import FP8_HEAD_DIMS, WS_WARPGROUP_ROWS
 from cupyflash._cuda.variants import fp8_variant
@@ -80,11 +80,11 @@ def transposed_values(v):
     place)."""
     batch_shape, (nk, d_v) = v.shape[:-2], v.shape[-2:]
     d_v_w = -(-d_v // 16) * 16
-    if d_v != d_v_w or v.strides[-1] != 1 or v.strides[-2] % 16 or v.data.ptr % 16:
-        v = _rows(v, d_v_w)
+    v = kernel_ready(v, d_v_w)  # 16-byte rows, zero-padded; broadcast dims stay unmaterialized
     nk_pad = -(-nk // 32) * 32
     vt = cupy.empty(batch_shape + (d_v, nk_pad), dtype=numpy.uint8)
-    _, sizes, strides, _ = layout(batch_shape, {"v": v})
+    arrays, sizes, strides, _ = layout(batch_shape, {"v": v})
+    v = arrays["v"]  # a contiguous copy where more than three batch dims do not merge
     batch = math.prod(batch_shape)
     kernel = _module(cupy.cuda.Device().id)
     row = v.strides[-2] if nk > 1 else d_v_w
@@ -97,11 +97,13 @@ def transposed_values(v):
 
 
 def _descales(x, batch_shape, batch: int):
-    """x's descales as float32 (batch, blocks), contiguous per flat batch entry, and rows per descale."""
+    """x's descales as float32 (batch, blocks), contiguous per flat batch entry, and rows per descale (one
+    descale: the whole sequence, so that the kernel's int32 row count holds any block at least as long)."""
     scale = x.scale
     blocks = scale.shape[-1]
     flat = cupy.ascontiguousarray(cupy.broadcast_to(scale, batch_shape + (blocks,)), dtype=numpy.float32)
-    return flat.reshape(batch, blocks), max(1, int(x.block))
+    rows = int(x.block) if blocks > 1 else x.data.shape[-2]
+    return flat.reshape(batch, blocks), max(1, rows)
 
 
 def attention_forward_fp8(q, k, v, *, scale: float, causal: bool, out_dtype):

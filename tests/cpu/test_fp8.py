@@ -499,3 +499,14 @@ def test_outliers_block_scales_and_rotation_beat_per_tensor_scales(rng):
     plain_error, rotated_error = (_rms(x.astype(np.float64) - ref) for x in (plain, rotated))
     assert rotated_error < 0.8 * plain_error
     assert plain_error < 0.15 * _rms(ref)
+
+
+def test_a_block_past_n_is_one_scale_per_slice(rng):
+    """A block of any length at least N stands for one scale per slice: dequantize and the CPU path never
+    spread the scale past N rows (2^40 rows would not fit in memory)."""
+    x = rng.standard_normal((2, 3, 77, 16), dtype=np.float32)
+    x8 = quantize_fp8(x)
+    huge = FP8Tensor(x8.data, x8.scale, 2 ** 40)
+    assert np.array_equal(huge.dequantize(), x8.dequantize())
+    assert np.array_equal(cupyflash.attention(huge, huge, huge, causal=True).view(np.uint16),
+                          cupyflash.attention(x8, x8, x8, causal=True).view(np.uint16))
