@@ -82,9 +82,9 @@ def _table(rows):
 @pytest.mark.compile
 def test_every_shipped_variant_compiled(report):
     """One row per kernel of every variant built for the arch (its name expression), plus the float32 split
-    kernel and ring attention's running-result kernels; every field present and typed; a kernel shared by several modules (the backward's preprocess) has
+    kernel, ring attention's running-result kernels and the FP8 forward's V^T; every field present and typed; a kernel shared by several modules (the backward's preprocess) has
     the same resources in each copy built for one target (sm_90 and sm_90a differ)."""
-    from cupyflash._cuda import f32_pieces, states
+    from cupyflash._cuda import f32_pieces, fp8, states
     from cupyflash._cuda.ptxas_report import shipped_for
 
     arch, rows = report
@@ -106,12 +106,12 @@ def test_every_shipped_variant_compiled(report):
     variants = shipped_for(arch)
     assert variants, f"no variant is built for {arch}"
     expected = ({v.name_expression(kernel) for v in variants for kernel in v.kernels} | set(f32_pieces.KERNELS)
-                | set(states.KERNELS))
+                | set(states.KERNELS) | {fp8.KERNEL})
     compiled = {r["kernel"] for r in rows}
     missing = sorted(expected - compiled)
     assert not missing, f"{arch}: {len(missing)} kernels not compiled, e.g. {missing[:5]}"
     assert compiled <= expected, f"{arch}: kernels no shipped variant names: {sorted(compiled - expected)[:5]}"
-    assert len(rows) == sum(len(v.kernels) for v in variants) + len(f32_pieces.KERNELS) + len(states.KERNELS)
+    assert len(rows) == sum(len(v.kernels) for v in variants) + len(f32_pieces.KERNELS) + len(states.KERNELS) + 1
     assert all(r["registers"] > 0 and r["threads"] > 0 for r in rows), f"{arch}:\n{_table(rows)}"
 
 
