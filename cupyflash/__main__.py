@@ -24,7 +24,7 @@ import numpy as np
 
 import cupyflash
 from cupyflash import reference
-from cupyflash._arrays import lse_dtype
+from cupyflash._arrays import lse_dtype, to_float
 from cupyflash._cuda import ptxas_report
 from cupyflash._timing import median_ms
 
@@ -346,7 +346,7 @@ def naive_attention(cupy, q, k, v, causal, scale):
     CuPy has no bfloat16 matmul: bfloat16 inputs are widened to float32 (by their bits) first.
     """
     if q.dtype == DTYPES["bfloat16"]:
-        q, k, v = ((x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32) for x in (q, k, v))
+        q, k, v = (to_float(x) for x in (q, k, v))
     s = cupy.matmul(q, k.swapaxes(-1, -2)).astype(cupy.float32)
     s *= scale
     if causal:  # bottom-right aligned: query i sees key j iff j <= i + Nk - Nq

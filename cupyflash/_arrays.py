@@ -1,5 +1,5 @@
 """Array helpers every layer shares: the optional CuPy module, the public array type, the accumulator
-dtype, unsigned bit views, the sum of a broadcast gradient back to its input's shape, and the product over
+dtype, unsigned bit views, conversions to and from float that hold for bfloat16 on CuPy too, the sum of a broadcast gradient back to its input's shape, and the product over
 the (query, key) pairs a row sees that the NumPy path and the reference use for non-finite inputs.
 
 CuPy is optional: without it ``cupy`` is None, NumPy inputs run on the CPU path and CuPy inputs cannot
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Union
 
+import ml_dtypes
 import numpy
 
 try:
@@ -22,9 +23,43 @@ except ImportError:  # a NumPy-only install
 Array = numpy.ndarray if cupy is None else Union[numpy.ndarray, cupy.ndarray]
 
 
+BFLOAT16 = numpy.dtype(ml_dtypes.bfloat16)
+
+
 def is_cupy(x) -> bool:
     """Whether x is a CuPy array (False whenever CuPy is not installed)."""
     return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+def array_module(x):
+    """numpy or cupy: the module of the array x."""
+    return cupy if is_cupy(x) else numpy
+
+
+def to_float(x, dtype=numpy.float32):
+    """x (float16, bfloat16, float32 or float64; NumPy or CuPy) as ``dtype`` (float32 or float64).
+
+    CuPy has no bfloat16 arithmetic: a CuPy bfloat16 array is widened by its bits (exactly).
+    """
+    xp = array_module(x)
+    if x.dtype == BFLOAT16 and xp is not numpy:
+        x = (x.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+    return x.astype(dtype, copy=False)
+
+
+def from_float(x, dtype):
+    """float32 or float64 x as ``dtype`` (float16, bfloat16, float32, float64), rounded to nearest even.
+
+    CuPy has no bfloat16 conversion: float32 -> bfloat16 is done on the bits (a NaN stays a quiet NaN).
+    """
+    dtype = numpy.dtype(dtype)
+    xp = array_module(x)
+    if dtype != BFLOAT16 or xp is numpy:
+        return x.astype(dtype, copy=False)
+    u = x.astype(xp.float32, copy=False).view(xp.uint32)
+    rounded = (u + xp.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16
+    rounded = xp.where(xp.isnan(x), xp.uint32(0x7FC0), rounded)
+    return rounded.astype(xp.uint16).view(BFLOAT16)
 
 
 def lse_dtype(dtype) -> numpy.dtype:

@@ -42,6 +42,20 @@ def check_array_types(arrays):
     return cupy
 
 
+def check_float_array(name, x, dtypes, expected, dims):
+    """One array argument of a helper (quantize_fp8, hadamard_rotate): NumPy or CuPy, a dtype among ``dtypes``
+    (``expected`` names them), and at least the trailing ``dims`` (e.g. "(..., N, D)")."""
+    if not (isinstance(x, np.ndarray) or is_cupy(x)):
+        raise TypeError(f"{name} must be a numpy.ndarray or a cupy.ndarray, got {type(x).__module__}."
+                        f"{type(x).__qualname__}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {x.dtype}; expected {expected}")
+    min_ndim = dims.count(",")
+    if x.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dim{'s' if min_ndim > 1 else ''} {dims}, "
+                         f"got shape {x.shape}")
+
+
 def check_dtypes(arrays):
     """Every array but lse one shared supported dtype, which is returned; lse ``lse_dtype`` of it."""
     named = [(name, x.dtype) for name, x in arrays.items() if name != "lse"]

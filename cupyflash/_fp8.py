@@ -20,14 +20,14 @@ import numbers
 import ml_dtypes
 import numpy as np
 
-from cupyflash._arrays import Array, cupy, is_cupy
+from cupyflash._arrays import Array, array_module, from_float, is_cupy, to_float
+from cupyflash._checks import check_float_array
 
 E4M3_MAX = 448.0  # the largest finite float8 e4m3fn value
 BLOCK_ROWS = 128  # a row block of several scales is a multiple of the GPU kernel's tile of rows
 SCALE_DTYPE = np.dtype(np.float32)
 INPUT_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
 FLOAT_DTYPES = INPUT_DTYPES + (np.dtype(np.float64),)
-_BF16 = np.dtype(ml_dtypes.bfloat16)
 
 # The float32 value of each of the 256 codes (NaN for 0x7F and 0xFF): dequantization is ``DECODE_TABLE[data]``.
 DECODE_TABLE = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
@@ -36,37 +36,6 @@ _VALUES = DECODE_TABLE[:0x7F]
 _MIDPOINTS = (_VALUES[:-1] + _VALUES[1:]) / np.float32(2)
 assert (np.diff(_VALUES) > 0).all() and _VALUES[-1] == E4M3_MAX
 assert ((_MIDPOINTS.astype(np.float64) * 2) == (_VALUES[:-1].astype(np.float64) + _VALUES[1:])).all()
-
-
-def array_module(x):
-    """numpy or cupy: the module of the array x."""
-    return cupy if is_cupy(x) else np
-
-
-def to_float(x, dtype=np.float32):
-    """x (float16, bfloat16, float32 or float64; NumPy or CuPy) as ``dtype`` (float32 or float64).
-
-    CuPy has no bfloat16 arithmetic: a CuPy bfloat16 array is widened by its bits (exactly).
-    """
-    xp = array_module(x)
-    if x.dtype == _BF16 and xp is not np:
-        x = (x.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
-    return x.astype(dtype, copy=False)
-
-
-def from_float(x, dtype):
-    """float32 or float64 x as ``dtype`` (float16, bfloat16, float32, float64), rounded to nearest even.
-
-    CuPy has no bfloat16 conversion: float32 -> bfloat16 is done on the bits (a NaN stays a quiet NaN).
-    """
-    dtype = np.dtype(dtype)
-    xp = array_module(x)
-    if dtype != _BF16 or xp is np:
-        return x.astype(dtype, copy=False)
-    u = x.astype(xp.float32, copy=False).view(xp.uint32)
-    rounded = (u + xp.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16
-    rounded = xp.where(xp.isnan(x), xp.uint32(0x7FC0), rounded)
-    return rounded.astype(xp.uint16).view(_BF16)
 
 
 def encode_e4m3(y):
@@ -268,12 +237,7 @@ def quantize_fp8(x: Array, *, block: int | str | None = None) -> FP8Tensor:
     >>> x8.scale.shape, x8.data.dtype.name, x8.nbytes == x.nbytes // 4 + x8.scale.nbytes
     ((2, 8, 4), 'uint8', True)
     """
-    if not (isinstance(x, np.ndarray) or is_cupy(x)):
-        raise TypeError(f"x must be a numpy.ndarray or a cupy.ndarray, got {type(x).__module__}.{type(x).__qualname__}")
-    if x.dtype not in INPUT_DTYPES:
-        raise TypeError(f"x has dtype {x.dtype}; expected float16, bfloat16 (ml_dtypes.bfloat16) or float32")
-    if x.ndim < 2:
-        raise ValueError(f"x must have at least 2 dims (..., N, D), got shape {x.shape}")
+    check_float_array("x", x, INPUT_DTYPES, "float16, bfloat16 (ml_dtypes.bfloat16) or float32", "(..., N, D)")
     xp = array_module(x)
     *lead, n, d = x.shape
     lead = tuple(lead)

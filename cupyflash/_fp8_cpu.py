@@ -23,7 +23,8 @@ Queries are processed BLOCK_Q rows at a time, so memory stays O(BLOCK_Q * Nk) pe
 
 import numpy as np
 
-from cupyflash._fp8 import decode_e4m3, encode_e4m3, from_float, row_scales
+from cupyflash._arrays import from_float
+from cupyflash._fp8 import decode_e4m3, encode_e4m3, row_scales
 
 BLOCK_Q = 256
 P_OFFSET = 256.0  # 2^8: the e4m3 value of a probability of 1

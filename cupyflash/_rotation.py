@@ -16,8 +16,9 @@ import numbers
 
 import numpy as np
 
-from cupyflash._arrays import Array, is_cupy
-from cupyflash._fp8 import FLOAT_DTYPES, array_module, from_float, to_float
+from cupyflash._arrays import Array, array_module, from_float, to_float
+from cupyflash._checks import check_float_array
+from cupyflash._fp8 import FLOAT_DTYPES
 
 
 def hadamard_rotate(x: Array, *, seed: int = 0) -> Array:
@@ -57,12 +58,7 @@ def hadamard_rotate(x: Array, *, seed: int = 0) -> Array:
     >>> bool(np.allclose(np.linalg.norm(qr, axis=-1), np.linalg.norm(q, axis=-1)))  # so are the norms
     True
     """
-    if not (isinstance(x, np.ndarray) or is_cupy(x)):
-        raise TypeError(f"x must be a numpy.ndarray or a cupy.ndarray, got {type(x).__module__}.{type(x).__qualname__}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"x has dtype {x.dtype}; expected float16, bfloat16 (ml_dtypes.bfloat16), float32 or float64")
-    if x.ndim < 1:
-        raise ValueError(f"x must have at least 1 dim (..., D), got shape {x.shape}")
+    check_float_array("x", x, FLOAT_DTYPES, "float16, bfloat16 (ml_dtypes.bfloat16), float32 or float64", "(..., D)")
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
     xp = array_module(x)
