@@ -160,6 +160,9 @@ struct WsTraits {
   // The bounded softcap's exponentials on the FMA units: one n-tile of S in eight (more cost time).
   static constexpr unsigned SOFTCAP_POLY_TILES = 0x80808080u & ((1u << S_TILES) - 1u);
   static constexpr u32 CONSUMER_WARPS = 8;
+  // q buffers: two, so that the next tile's q lands while this one runs, where they leave the ring room
+  // (rows of at most 256 bytes); one at 16-bit HEAD_DIM 256, whose two would take 128 KiB of the 227.
+  static constexpr int Q_BUFFERS = HEAD_DIM * sizeof(T) <= 256 ? 2 : 1;
   static constexpr int BARRIERS = (STORE_WARPS ? 8 : 4) + 4 * STAGES;
   // Registers: 32 for the copies, 232 for each computing warpgroup (24 / 240 spilled); with the storing
   // warps 40 / 224 (32 / 232 spilled).
@@ -187,7 +190,7 @@ template <class K>
 struct WsCta {
   using T = typename K::T;
   const AttnParams& p;
-  T* sQ;  // [2 buffers][2 warpgroups] QTile
+  T* sQ;  // [Q_BUFFERS][2 warpgroups] QTile
   T* sK;  // [STAGES] KVTile
   T* sV;  // [STAGES] VTile
   u64* bars;
@@ -210,7 +213,7 @@ struct WsCta {
 
   // Thread 0, before the CTA's first barrier.
   __device__ __forceinline__ void init_barriers() const {
-    for (int buffer = 0; buffer < 2; ++buffer) {
+    for (int buffer = 0; buffer < K::Q_BUFFERS; ++buffer) {
       mbar_init(q_full(buffer), 1);
       mbar_init(q_empty(buffer), K::STORE_WARPS ? 2 : K::CONSUMER_WARPS);  // the storing warps, or the computing ones
       if constexpr (K::STORE_WARPS) {
@@ -260,8 +263,8 @@ __device__ __forceinline__ void copy_tiles(const WsCta<K>& cta, const TensorMaps
   const AttnParams& p = cta.p;
   int t = 0;  // K/V tiles issued so far
   for (int j = 0;; ++j) {
-    const int buffer = j & 1;
-    if (j >= 2) mbar_wait(cta.q_empty(buffer), ((j >> 1) - 1) & 1);
+    const int buffer = j % K::Q_BUFFERS;
+    if (j >= K::Q_BUFFERS) mbar_wait(cta.q_empty(buffer), (j / K::Q_BUFFERS - 1) & 1);
     // The CTA's first tile is its index; the others come from the counter, in tile order. Each CTA draws
     // until one draw lands past the last tile: tiles - gridDim.x draws land on tiles and gridDim.x past
     // them, tiles draws in all, so the one that returns tiles - 1 is the launch's last.
@@ -313,15 +316,16 @@ __device__ __forceinline__ void store_out_tiles(const WsCta<K>& cta, int group, 
   using QTile = typename K::QTile;
   const AttnParams& p = cta.p;
   for (int j = 0;; ++j) {
-    const int buffer = j & 1;
-    mbar_wait(cta.q_full(buffer), (j >> 1) & 1);
+    const int buffer = j % K::Q_BUFFERS;
+    const u32 phase = (j / K::Q_BUFFERS) & 1;
+    mbar_wait(cta.q_full(buffer), phase);
     const int w = cta.tile_in(buffer);
     if (w >= cta.tiles) break;
     int b, m0;
     cta.tile_at(w, b, m0);
     const int row0 = m0 + K::WG_ROWS * group;  // a dense batch: its rows start at 0
     T* out = static_cast<T*>(p.out) + batch_offset(p.out_stride, b, p) + row0 * p.out_stride[3];
-    mbar_wait(cta.out_full(buffer, group), (j >> 1) & 1);
+    mbar_wait(cta.out_full(buffer, group), phase);
     // One 16-byte chunk per lane, a row pair per step, not rolled out: store_tile's loop for 32 threads (its
     // generic one, unrolled) spilled within these warps' 40 registers.
     const T* staged = cta.sQ + (2 * buffer + group) * QTile::SIZE;
@@ -553,8 +557,8 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   __shared__ __align__(8) u64 bars[K::BARRIERS];
   __shared__ int tile_ids[2];
   __shared__ int section_entries;
-  T* sQ = reinterpret_cast<T*>(smem_aligned(smem_raw));  // [2 buffers][2 warpgroups] QTile
-  T* sK = sQ + 4 * K::QTile::SIZE;                        // [STAGES] KVTile
+  T* sQ = reinterpret_cast<T*>(smem_aligned(smem_raw));  // [Q_BUFFERS][2 warpgroups] QTile
+  T* sK = sQ + 2 * K::Q_BUFFERS * K::QTile::SIZE;         // [STAGES] KVTile
   T* sV = sK + STAGES * K::KVTile::SIZE;                  // [STAGES] VTile
   WsCta<K> cta{p, sQ, sK, sV, bars, tile_ids, &section_entries};
   if (threadIdx.x == 0) {
@@ -585,8 +589,8 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   const int warp = (threadIdx.x / WARP_SIZE) % 4, lane = threadIdx.x % WARP_SIZE;
   int t = 0;  // K/V tiles consumed so far
   for (int j = 0;; ++j) {
-    const int buffer = j & 1;
-    mbar_wait(cta.q_full(buffer), (j >> 1) & 1);  // also publishes tile_ids[buffer]
+    const int buffer = j % K::Q_BUFFERS;
+    mbar_wait(cta.q_full(buffer), (j / K::Q_BUFFERS) & 1);  // also publishes tile_ids[buffer]
     const int w = cta.tile_in(buffer);
     if (w >= cta.tiles) break;
     compute_tile(cta, w, buffer, wg, warp, lane, t);

@@ -147,7 +147,9 @@ pieces 4  64   dq    4.64.64        .              .              .             
 pieces 4  128  fwd   8.32.128       .              .              .              .              .
 pieces 4  128  dkdv  8.32.64/c      .              .              .              .              .
 pieces 4  128  dq    8.32.128       .              .              .              .              .
+ws     2  64   fwd   12.192.64/r3w  .              .              .              12.128.64/r2wo 12.128.64/r2w
 ws     2  128  fwd   12.128.128/r2w .              .              .              =              12.64.128/r4o
+ws     2  256  fwd   12.64.256/r2w  .              .              .              =              =
 ws     1  64   fwd   12.128.64/r4w  .              .              .              .              .
 ws     1  128  fwd   12.128.128/r3w .              .              .              .              .
 ws     1  256  fwd   12.64.256/r4w  .              .              .              .              .
@@ -273,13 +275,19 @@ def preprocess_lanes(itemsize: int, head_dim: int) -> int:
     return lanes
 
 
+def ws_q_buffers(itemsize: int, head_dim: int) -> int:
+    """The warp-specialized forward's q buffers (attention_fwd_ws.cu, WsTraits::Q_BUFFERS): two where rows take
+    at most 256 bytes, one past that (two 16-bit q tiles at HEAD_DIM 256 would take 128 KiB)."""
+    return 2 if itemsize * head_dim <= 256 else 1
+
+
 def smem_bytes(path: str, itemsize: int, head_dim: int, kernel: str, t: Tiles) -> int:
     """Dynamic shared memory of one kernel with tiles t: the carve-up at the top of each kernel (swizzled
     tiles have unpadded rows and start on an SMEM_ALIGN boundary the kernel finds itself)."""
     if kernel == "preprocess":
         return 0
-    if path == "ws":  # two q buffers of a tile's rows, ``stages`` slots of a K and a V tile
-        return SMEM_ALIGN + itemsize * head_dim * (2 * t.rows + 2 * t.stages * t.block)
+    if path == "ws":  # q buffers of a tile's rows, ``stages`` slots of a K and a V tile
+        return SMEM_ALIGN + itemsize * head_dim * (ws_q_buffers(itemsize, head_dim) * t.rows + 2 * t.stages * t.block)
     swizzled = path != "mma" and path != "large"
     row = head_dim * itemsize + (0 if swizzled else SMEM_PAD_BYTES[itemsize])
     acc_bytes = 8 if itemsize == 8 else 4

@@ -18,6 +18,7 @@ from cupyflash._arrays import round_up
 from cupyflash._cuda import tiles
 from cupyflash._cuda.source import OPTIONS, WGMMA_ARCH, module_code
 from cupyflash._cuda.tiles import Tiles
+from cupyflash._modifiers import BLOCK_MASK_TILE
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 CTYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float", "float64": "double", "float8_e4m3": "e4m3_t"}
@@ -215,6 +216,12 @@ def row_width(d: int, dtype: str) -> int:
     return round_up(d, 16 // ITEMSIZES[dtype])
 
 
+def ws_walks_block_mask(itemsize: int, head_dim: int) -> bool:
+    """Whether the warp-specialized forward at this head dim walks a block mask itself: its key blocks must be
+    the block mask's tiles (attention_fwd_ws.cu, BLOCK_MASK); elsewhere a block mask takes the ``all`` form."""
+    return tiles.lookup("ws", itemsize, head_dim, "fwd", "scalars").block == BLOCK_MASK_TILE
+
+
 def select(f: Features, device: Device) -> Variant:
     """The variant that serves a call with features ``f`` on a device with abilities ``device``."""
     itemsize, head_dim = ITEMSIZES[f.dtype], tiles.padded_head_dim(f.head_dim)
@@ -226,7 +233,7 @@ def select(f: Features, device: Device) -> Variant:
           and not f.dropout and not f.packed)
     # A block mask with no bias or mask: the warp-specialized forward walks it; other forwards with a block
     # mask take the ``all`` form, whose walk costs the scalars' forwards time; the backward's scalars walk it.
-    ws_block_mask = ws and f.block_mask and not f.arrays
+    ws_block_mask = ws and f.block_mask and not f.arrays and ws_walks_block_mask(itemsize, head_dim)
     # The scalars' form exists where the table has its cells (not for float64: two of its passes spilled).
     scalars = (has_mods and f.direction != "probs" and not f.dropout and tiles.has("mma", itemsize, head_dim, "scalars")
                and (not f.has_mods or ws_block_mask or (not f.arrays and (not f.block_mask or f.direction == "bwd"))))
@@ -297,8 +304,9 @@ def shipped_variants() -> list[Variant]:
                 found += [dataclasses.replace(ws, causal=c) for c in (False, True)]
                 found.append(dataclasses.replace(ws, mods="window"))
                 scores = ("plain", "alibi", "alibi_half_first") + (("bounded",) if dtype == "bfloat16" else ())
+                block_masks = (False, True) if ws_walks_block_mask(itemsize, head_dim) else (False,)
                 found += [dataclasses.replace(ws, mods="scalars", score=score, block_mask=block_mask)
-                          for score in scores for block_mask in (False, True)]
+                          for score in scores for block_mask in block_masks]
     found += [fp8_variant(head_dim, causal, out) for head_dim in tiles.FP8_HEAD_DIMS for causal in (False, True)
               for out in FP8_OUT_DTYPES]
     return found

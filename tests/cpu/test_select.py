@@ -109,10 +109,11 @@ def test_window_softcap_and_alibi_take_the_scalars_form():
 
 
 def test_a_block_mask_takes_the_scalars_backward_and_the_full_forward():
-    """Away from the warp-specialized forward (which walks it: below), a block mask is read by the forward's
-    ``all`` form; the backward's scalars form skips its tiles."""
+    """Away from the warp-specialized forward (which walks it where its key blocks are the mask's tiles: below),
+    a block mask is read by the forward's ``all`` form; the backward's scalars form skips its tiles. Hopper's
+    head dim 256 streams 64-key blocks."""
     for options in (dict(block_mask=ON), dict(window=(10, 5), softcap=5.0, block_mask=ON)):
-        for device, head_dim in ((AMPERE, 64), (AMPERE, 128), (HOPPER, 64)):
+        for device, head_dim in ((AMPERE, 64), (AMPERE, 128), (HOPPER, 256)):
             forward, backward = (_chosen(d, head_dim=head_dim, device=device, **options) for d in ("fwd", "bwd"))
             assert forward.mods == "all" and "Mods::all" in forward.name_expression("fwd"), options
             assert backward.mods == "scalars" and "Mods::scalars" in backward.name_expression("dq"), options
@@ -284,14 +285,17 @@ def test_float64_takes_the_large_tiles_where_the_shared_memory_allows():
 
 
 def test_the_device_decides_the_path():
-    """16-bit at HEAD_DIM 64: mma.sync without Hopper's paths, wgmma with them; on a device with the large
-    shared memory alone (Hopper with CUPYFLASH_NO_WGMMA=1) the mma.sync kernels too."""
+    """16-bit at HEAD_DIM 64: mma.sync without Hopper's paths, wgmma (the forward: warp-specialized) with them;
+    on a device with the large shared memory alone (Hopper with CUPYFLASH_NO_WGMMA=1) the mma.sync kernels
+    too. Head dims 64, 128 and 256 have the warp-specialized forward; 96 does not."""
     for direction in ("fwd", "bwd"):
         assert _chosen(direction, head_dim=64, device=AMPERE).path == "mma"
         assert _chosen(direction, head_dim=64, device=LARGE_SMEM_ONLY).path == "mma"
-        assert _chosen(direction, head_dim=64, device=HOPPER).path == "wgmma"
+    assert _chosen("bwd", head_dim=64, device=HOPPER).path == "wgmma"
     assert _chosen("probs", head_dim=64, causal=False, device=HOPPER).path == "wgmma"
-    assert _chosen("fwd", head_dim=128, device=HOPPER).path == "ws"
+    for head_dim in (64, 128, 256):
+        assert _chosen("fwd", head_dim=head_dim, device=HOPPER).path == "ws"
+    assert _chosen("fwd", head_dim=96, device=HOPPER).path == "wgmma"
 
 
 # ------------------------------------------------------------------------------------------ warp-specialized
@@ -436,13 +440,13 @@ def test_a_block_mask_forward_walks_it_on_the_warp_specialized_kernel():
             _chosen(block_mask=ON, dropout=DROPOUT),
             _chosen(block_mask=ON, packed=True),
             _chosen(dtype=np.float32, block_mask=ON),
-            _chosen(head_dim=64, block_mask=ON),
+            _chosen(head_dim=256, block_mask=ON),  # 64-key blocks: not the mask's tiles
             _chosen(block_mask=ON, tma_ok=False),
             _chosen(block_mask=ON, device=AMPERE)]
     for chosen in full:
         assert not chosen.block_mask and chosen.path != "ws" and "Mods::all" in chosen.name_expression("fwd"), chosen
     assert {v for v in SHIPPED if v.block_mask} == {dataclasses.replace(v, block_mask=True) for v in SHIPPED
-                                                     if v.path == "ws" and v.mods == "scalars"}
+                                                     if v.path == "ws" and v.mods == "scalars" and v.head_dim != 256}
 
 
 def test_the_warp_specialized_block_mask_walk_holds_2048_key_tiles(monkeypatch):

@@ -146,20 +146,22 @@ def test_modifiers_warm_the_alibi_form_each_mask_takes_on_hopper():
 
 def test_modifiers_warm_the_block_mask_forms_on_hopper():
     """A block mask without bias or mask takes, in the 16-bit forward on Hopper, the warp-specialized kernel's
-    block-mask forms: warmup loads the ones such calls (alone, with a softcap, with ALiBi, with a window;
-    causal and not) then find, and none elsewhere."""
+    block-mask forms where its key blocks are the mask's tiles (head dims 64 and 128): warmup loads the ones
+    such calls (alone, with a softcap, with ALiBi, with a window; causal and not) then find, and none
+    elsewhere."""
     on = np.ones((1, 1), bool)
     slopes = np.ones(3, np.float32)
     for name, dtype in (("bf16", BF16), ("fp16", np.dtype(np.float16))):
-        warmed = _warmup.select_variants(name, 128, (False, True), True, True, device=HOPPER)
-        walks = {v for v in warmed if v.block_mask}
-        wanted = {_select("fwd", dtype, 128, causal, block_mask=on, **options)
-                  for causal in (False, True) for options in ({}, dict(softcap=30.0), dict(alibi_slopes=slopes),
-                                                             dict(window=(64, 0)))}
-        assert walks == wanted and all(v.block_mask and v.path == "ws" for v in wanted), name
-        assert all("block mask" in str(v) for v in walks)
-    assert not any(v.block_mask for v in _warmup.select_variants("bf16", 64, (False, True), True, True,
-                                                                  device=HOPPER))
+        for head_dim in (64, 128):
+            warmed = _warmup.select_variants(name, head_dim, (False, True), True, True, device=HOPPER)
+            walks = {v for v in warmed if v.block_mask}
+            wanted = {_select("fwd", dtype, head_dim, causal, block_mask=on, **options)
+                      for causal in (False, True) for options in ({}, dict(softcap=30.0), dict(alibi_slopes=slopes),
+                                                                 dict(window=(64, 0)))}
+            assert walks == wanted and all(v.block_mask and v.path == "ws" for v in wanted), (name, head_dim)
+            assert all("block mask" in str(v) for v in walks)
+    assert not any(v.block_mask for v in _warmup.select_variants("bf16", 256, (False, True), True, True,
+                                                                  device=HOPPER))  # 64-key blocks
     assert not any(v.block_mask for v in _warmup.select_variants("bf16", 128, (False, True), True, True,
                                                                   device=AMPERE))
 
