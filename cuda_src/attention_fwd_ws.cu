@@ -48,7 +48,7 @@
 // wgmma reads B K-major only) with the keys of every 32 in the order the P fragments hold them
 // (wgmma.cuh, pack_e4m3_fragments; the host writes it: cuda_src/fp8_values.cu); the softmax keeps P's
 // largest at 2^8 (OnlineSoftmax's FULL_RANGE); q's descale joins the exponent's scale, k's is the softmax's
-// tile factor, v's weighs P (Fp8Descales); out is stored from registers. docs/design/fp8.md.
+// tile factor, v's rescales O per key block (Fp8Descales); out is stored from registers. docs/design/fp8.md.
 // PACK_AFTER_WAIT and STORE_WARPS come from the host's tile table (compute_tile and store_out_tiles say
 // what they do). docs/design/warp_specialized_forward.md has the measurements behind each choice.
 // tile_counter: one int, zero at launch; the launch's last draw zeroes it for the next launch on the stream
@@ -116,25 +116,21 @@ __device__ __forceinline__ int l2_section_entries(const AttnParams& p) {
 
 // The descales of an e4m3 batch entry b (AttnParams' fp8 fields: per flat batch entry, contiguous, one per
 // fp8_descale_rows rows): q's of a tile, k's of a key block (both multiples of the block, or one per
-// entry), V's of a key block relative to the entry's largest (fp8_v_ref), by which P is weighed so that it
-// stays within e4m3's range; out is multiplied by that largest one. Without FP8: ones, and nothing read.
+// entry), v's of a key block. Without FP8: ones, and nothing read.
 template <bool FP8>
 struct Fp8Descales {
   const AttnParams& p;
   int b;
-  float v_ref = 1.f;
-  __device__ __forceinline__ Fp8Descales(const AttnParams& p_, int b_) : p(p_), b(b_) {
-    if constexpr (FP8) v_ref = p.fp8_v_ref[b];
-  }
+  __device__ __forceinline__ Fp8Descales(const AttnParams& p_, int b_) : p(p_), b(b_) {}
   __device__ __forceinline__ float at(int which, int row) const {
     return p.fp8_descale[which][b * p.fp8_descale_blocks[which] + row / p.fp8_descale_rows[which]];
   }
   __device__ __forceinline__ float q(int row) const { return FP8 ? at(0, row) : 1.f; }
-  // Key block `key / BLOCK_N`'s k descale and V weight (1 with one v descale per entry).
-  __device__ __forceinline__ void block(int key, float& k_factor, float& v_weight) const {
+  // Key block `key / BLOCK_N`'s k and v descales.
+  __device__ __forceinline__ void block(int key, float& k_descale, float& v_descale) const {
     if constexpr (FP8) {
-      k_factor = at(1, key);
-      v_weight = p.fp8_descale_blocks[2] == 1 ? 1.f : at(2, key) / v_ref;
+      k_descale = at(1, key);
+      v_descale = at(2, key);
     }
   }
 };
@@ -345,12 +341,12 @@ __device__ __forceinline__ void store_out_tiles(const WsCta<K>& cta, int group, 
 
 // The epilogue of one warpgroup's rows: out = O / l staged through its q rows (its products are done with
 // them) and stored, and lse. STORE_WARPS hands the staged rows to the storing warp instead.
-// e4m3 inputs: out = O * v_ref / l (V's largest descale: fp8_v_descales), stored from the registers (the q
-// buffer, in 8-bit elements, cannot stage it).
+// e4m3 inputs: out = O * v_unit / l (O is in units of the v descale of its last block), stored from the
+// registers (the q buffer, in 8-bit elements, cannot stage it).
 template <class K, class Rows, class Softmax>
 __device__ __forceinline__ void finish_tile(const WsCta<K>& cta, const Rows& rows, const Softmax& softmax,
                                             const float (&acc_o)[K::O_TILES][4], float exp_scale, int buffer, int wg,
-                                            int warp, int lane, int nq, float v_ref = 1.f) {
+                                            int warp, int lane, int nq, float v_unit = 1.f) {
   using QTile = typename K::QTile;
   const AttnParams& p = cta.p;
   typename K::T* sQ_wg = cta.sQ + (2 * buffer + wg) * QTile::SIZE;
@@ -363,7 +359,7 @@ __device__ __forceinline__ void finish_tile(const WsCta<K>& cta, const Rows& row
     for (int r = 0; r < 2; ++r) {
       if (row + 8 * r >= nq - rows.m0) continue;
       typename K::OutT* out = rows.out + static_cast<i64>(row + 8 * r) * p.out_stride[3];
-      const float f = inv_sum[r] * v_ref;
+      const float f = inv_sum[r] * v_unit;
 #pragma unroll
       for (int j = 0; j < K::O_TILES; ++j)
         if (8 * j + col < p.d_v) Elem<typename K::OutT>::store2(out + 8 * j + col, acc_o[j][2 * r] * f, acc_o[j][2 * r + 1] * f);
@@ -417,22 +413,24 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
   const float exp_scale = K::ALIBI ? 1.f : rows.exp_scale() * descales.q(m0);
   float alibi_cols[S_TILES][2];  // ALIBI: the slope times this thread's column offsets in a key block
   if constexpr (K::ALIBI) rows.mods.alibi_columns(alibi_cols, lane);
-  // e4m3: block n's k descale and V weight, loaded while the block before it is worked on (from global
-  // memory: their latency would otherwise sit between S and the softmax). The blocks run from hi down to lo.
-  float k_factor = 1.f, v_weight = 1.f;
+  // e4m3: block n's k and v descales, loaded while the block before it is worked on (from global memory:
+  // their latency would otherwise sit between S and the softmax). The blocks run from hi down to lo. O is
+  // kept in units of v_unit, the v descale of the last block whose P V it holds: before block n's P V adds
+  // to it, the softmax's factor for O takes v_unit / (n's v descale) too (1 with one descale per entry), so
+  // that P is rounded on its own, its largest exactly 256 whatever v's scales.
+  float k_descale = 1.f, v_descale = 1.f, v_unit = 1.f;
   auto scores_to_probs = [&](float (&acc_s)[S_TILES][4], int n, float (&rescale)[2]) {  // block_probs
     if constexpr (K::FP8) {
-      // k's descale as the softmax's tile factor (row maxes stay in one unit across blocks), then P times V's
-      // descale of the block over the largest one.
+      // k's descale as the softmax's tile factor: row maxes stay in one unit across blocks.
       rows.scores(acc_s, n, warp * 16, lane);
-      softmax.template update<true>(acc_s, exp_scale, rescale, k_factor);
-      if (v_weight != 1.f) {  // warp-uniform
-#pragma unroll
-        for (int j = 0; j < S_TILES; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc_s[j][e] *= v_weight;
+      softmax.template update<true>(acc_s, exp_scale, rescale, k_descale);
+      if (v_descale != v_unit) {  // warp-uniform
+        const float to_block = v_unit / v_descale;
+        rescale[0] *= to_block;
+        rescale[1] *= to_block;
+        v_unit = v_descale;
       }
-      if (n > 0) descales.block((n - 1) * K::BLOCK_N, k_factor, v_weight);
+      if (n > 0) descales.block((n - 1) * K::BLOCK_N, k_descale, v_descale);
     } else {
       block_probs<K::BOUNDED, K::ALIBI, K::SOFTCAP_POLY_TILES>(rows, softmax, acc_s, alibi_cols, n, warp, lane,
                                                                exp_scale, rescale);
@@ -459,7 +457,8 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
       if (lane == 0) { mbar_arrive(cta.k_empty(t % STAGES)); mbar_arrive(cta.v_empty(t % STAGES)); }
     }
   };
-  descales.block(max(hi, 0) * K::BLOCK_N, k_factor, v_weight);
+  descales.block(max(hi, 0) * K::BLOCK_N, k_descale, v_descale);
+  v_unit = v_descale;  // O starts empty, in block hi's units
   if (hi < lo) {
     if constexpr (K::HALF_FIRST) zero_acc(acc_o);
     pass_over(cta.visited(words, tile.n_first, tile.n_blocks - 1));
@@ -544,7 +543,7 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
     if (lane == 0) mbar_arrive(cta.v_empty(t_cur % STAGES));
     pass_over(cta.visited(words, tile.n_first, lo - 1));
   }
-  finish_tile(cta, rows, softmax, acc_o, exp_scale, buffer, wg, warp, lane, seq.nq(), descales.v_ref);
+  finish_tile(cta, rows, softmax, acc_o, exp_scale, buffer, wg, warp, lane, seq.nq(), v_unit);
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, Mods MODS, bool BOUNDED, bool ALIBI,

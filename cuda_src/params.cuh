@@ -94,9 +94,8 @@ struct AttnParams {
   const int* split_exponents;
   // e4m3 inputs (the warp-specialized forward's FP8 form): the descales of q, k, v (real value = stored value *
   // descale), per flat batch entry (contiguous) and per block of fp8_descale_rows rows, fp8_descale_blocks of
-  // them per entry; fp8_v_ref: each entry's largest v descale. Unused (null) elsewhere.
+  // them per entry. Unused (null) elsewhere.
   const float* fp8_descale[3];
-  const float* fp8_v_ref;
   int fp8_descale_blocks[3];
   int fp8_descale_rows[3];
 };

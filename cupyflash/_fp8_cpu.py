@@ -9,12 +9,13 @@ With qd, kd, vd the e4m3 values of q, k, v and sq, sk, sv the scales of their ro
     S_ij  = (sum_d qd_id kd_jd) sq_i sk_j
     m_i   = max_j scale S_ij
     p_ij  = exp(scale S_ij - m_i)                       l_i = sum_j p_ij
-    p8_ij = e4m3(p_ij * 2^8 * sv_j / sv_max)            (sv_max: the largest v scale of the slice)
-    out_i = (sum_j p8_ij vd_j) * sv_max / (2^8 l_i)     lse_i = m_i + log(l_i)
+    p8_ij = e4m3(p_ij * 2^8)
+    out_i = (sum_j p8_ij vd_j sv_j) / (2^8 l_i)         lse_i = m_i + log(l_i)
 
 The factor 2^8 puts the largest probability, 1, at 256, high in e4m3's range (largest value 448), so the
-probabilities keep e4m3's 3 mantissa bits down to 2^-14 of the row's largest before becoming subnormal; the
-ratio ``sv_j / sv_max <= 1`` lets one P V product serve every row block of v. A row that sees no key gets
+probabilities keep e4m3's 3 mantissa bits down to 2^-14 of the row's largest before becoming subnormal. v's
+descales apply to the products, not to P (the kernel rescales its running O per key block), so P's rounding
+does not depend on them. A row that sees no key gets
 out 0 and lse -inf. The sums run in float64 (l_i is not rounded to float32 as in the kernel: the results
 are rounded once, out to ``out_dtype`` and lse to float32).
 
@@ -42,8 +43,7 @@ def attention_forward_fp8(q, k, v, *, scale, causal, out_dtype):
     sq = row_scales(q.scale.astype(np.float64), q.block, nq)
     sk = row_scales(k.scale.astype(np.float64), k.block, nk)
     sv = row_scales(v.scale.astype(np.float64), v.block, nk)
-    sv_max = v.scale.max(axis=-1).astype(np.float64)[..., None]  # (*lead, 1)
-    p_factor = (P_OFFSET * sv / sv_max)[..., None, :]  # (*lead, 1, Nk): p_ij -> the value e4m3 rounds
+    v_values = vd * sv[..., None]  # the real values of v's e4m3 codes
     out = np.empty(q.shape[:-1] + v.shape[-1:], dtype=out_dtype)
     lse = np.empty(q.shape[:-1], dtype=np.float32)
     for i0 in range(0, nq, BLOCK_Q):
@@ -57,8 +57,8 @@ def attention_forward_fp8(q, k, v, *, scale, causal, out_dtype):
         seen = ~np.isneginf(m_i)  # False for a row that sees no key
         p_ij = np.exp(s_ij - np.where(seen, m_i, 0)[..., None])
         l_i = np.where(seen, p_ij.sum(axis=-1), 1.0)
-        p8_ij = decode_e4m3(encode_e4m3(p_ij * p_factor), np.float64)
-        out_i = (p8_ij @ vd) * (sv_max / (P_OFFSET * l_i))[..., None]
+        p8_ij = decode_e4m3(encode_e4m3(p_ij * P_OFFSET), np.float64)
+        out_i = (p8_ij @ v_values) / (P_OFFSET * l_i)[..., None]
         out[..., i0:i1, :] = from_float(np.where(seen[..., None], out_i, 0.0), out_dtype)
         lse[..., i0:i1] = np.where(seen, m_i + np.log(l_i), -np.inf)
     return out, lse

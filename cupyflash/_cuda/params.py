@@ -29,7 +29,7 @@ PARAMS_DTYPE = numpy.dtype(
     + [(name, numpy.float64) for name in ("scale_f64", "scale_log2_f64", "softcap_f64", "softcap_inv_f64",
                                           "dropout_scale_f64")]
     + [("split_exponents", numpy.uint64)]
-    + [("fp8_descale", numpy.uint64, (3,)), ("fp8_v_ref", numpy.uint64)]
+    + [("fp8_descale", numpy.uint64, (3,))]
     + [(name, numpy.int32, (3,)) for name in ("fp8_descale_blocks", "fp8_descale_rows")],
     align=True,
 )
