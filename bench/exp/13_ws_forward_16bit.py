@@ -5,6 +5,7 @@ against a float64 reference (max error, beside the wgmma forward's). L2 flushed 
 (GPU work only), median of 15. Writes $OUT/ws16_exp.json.
 
     PYTHONPATH=. python bench/exp/13_ws_forward_16bit.py [--dims 64,256] [--seqlens 512,1k,2k,8k,16k]
+        [--cells 256=12.64.256/r2w,12.64.256/r2wo]
 """
 import argparse
 import json
@@ -22,8 +23,13 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--dims", default="64,256")
 parser.add_argument("--seqlens", default="512,1k,2k,8k,16k")
 parser.add_argument("--precompile-only", action="store_true")
+parser.add_argument("--cells", action="append", default=[], metavar="D=CELL,CELL",
+                    help="candidate cells for head dim D instead of the built-in list")
 args = parser.parse_args()
 dims = [int(x) for x in args.dims.split(",")]
+for spec in args.cells:
+    d, cells = spec.split("=")
+    CONFIGS[int(d)] = cells.split(",")
 seqlens = [int(x[:-1]) * 1024 if x.endswith("k") else int(x) for x in args.seqlens.split(",")]
 
 flush = cupy.empty(256 << 20, dtype=cupy.uint8)

@@ -24,9 +24,11 @@ INPUT_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32"
 OUT_ULP = {np.dtype(BF16): 2.0 ** -8, np.dtype(np.float16): 2.0 ** -11}  # half a unit in the last place
 # The products q k^T come from FP8 tensor cores, whose accumulation keeps about 13 significant bits, not
 # float32's 24: each 32-wide k-step's sum is aligned to the running sum and cut there. A score may then be
-# off by about 2^-13 of the sum of |q_d k_d| per k-step (D / 32 of them), and lse by its row's largest such
-# error: bound with a factor 2, plus float32 rounding.
+# off by a few 2^-13 of the sum of |q_d k_d| per k-step (D / 32 of them), and lse by its row's largest such
+# error. Measured on an H200 (q = k, D = 128, rows scaled by e^U(-1, 1)): up to 2.2 of them per k-step, every
+# cut in one direction where the products are all positive; bound with 4, plus float32 rounding.
 ACCUMULATION_ULP = 2.0 ** -13
+ACCUMULATION_CUTS = 4
 
 
 def _compute_capability():
@@ -98,7 +100,7 @@ def _check_kernel(q8, k8, v8, *, causal, scale=None, out_dtype=None):
     q64, k64 = (np.abs(x.dequantize(np.float64)) for x in (hq, hk))
     sums = (q64 @ np.swapaxes(k64, -1, -2)).max(axis=-1, initial=0) * (scale or q64.shape[-1] ** -0.5)
     steps = -(-q64.shape[-1] // 32)
-    bound = 2 * steps * ACCUMULATION_ULP * np.broadcast_to(sums, cpu_lse.shape) + 1e-5 * (1 + np.abs(cpu_lse))
+    bound = ACCUMULATION_CUTS * steps * ACCUMULATION_ULP * np.broadcast_to(sums, cpu_lse.shape) + 1e-5 * (1 + np.abs(cpu_lse))
     assert (np.abs(lse_host - cpu_lse)[finite] <= bound[finite]).all()
     blind = np.isneginf(cpu_lse)
     assert (out64[blind] == 0).all()
