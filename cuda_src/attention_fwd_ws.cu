@@ -12,13 +12,12 @@
 // last (with causal rows, the longest first). CTA c runs tile c first, then whichever tile the launch's
 // counter hands it next, so CTAs that drew short tiles draw more.
 //  - The producer (warpgroup 0, copy_tiles): one thread issues every TMA copy and the others leave. Per
-//    tile, q goes into one of two buffers (the next tile's q lands while this one runs; at 16-bit HEAD_DIM
-//    256 into one, as two would crowd the ring, and the next tile's first K and V copies go out before its
-//    q), then the K and V tiles of the key blocks its rows see, last to first, into a ring of STAGES (K, V)
-//    slots that runs on across tiles, so the next tile's first copies overlap this one's last products and
-//    its epilogue. A slot's K and V are released apart: K once both warpgroups' S = Q K^T from it is done,
-//    V after their P V, so that the next K lands while the previous block's P V still reads its V. It gives
-//    its registers to the others (setmaxnreg). STORE_WARPS: its warps 1 and 2 store out for the computing
+//    tile, q goes into one of two buffers (the next tile's q lands while this one runs; one at 16-bit
+//    HEAD_DIM 256, where two would crowd the ring), then the K and V tiles of the key blocks its rows see,
+//    last to first, into a ring of STAGES (K, V) slots that runs on across tiles, so the next tile's first
+//    copies overlap this one's last products and its epilogue. A slot's K and V are released apart: K once
+//    both warpgroups' S = Q K^T from it is done, V after their P V, so that the next K lands while the
+//    previous block's P V still reads its V. It gives its registers to the others (setmaxnreg). STORE_WARPS: its warps 1 and 2 store out for the computing
 //    warpgroups (store_out_tiles).
 //  - The consumers (warpgroups 1 and 2, compute_tile) each own 64 of the tile's rows and run
 //    attention_fwd_wgmma_kernel's loop on them: S_j = Q K_j^T issued beside the previous block's O += P V,
@@ -251,24 +250,17 @@ struct WsCta {
 };
 
 // The producer: one thread issues every copy of every tile the CTA draws, q into the tile's buffer, then the
-// K and V tiles of its key blocks, last to first, into the ring. With two q buffers a tile is drawn once its
-// buffer is free (draws as late as they can, so that the counter evens out the CTAs' work). With one (EARLY_KV),
-// the buffer frees only after the previous tile's epilogue: the tile is drawn and its first STAGES K/V copies
-// go out as the ring frees, beside that epilogue, and its q after them.
+// K and V tiles of its key blocks, last to first, into the ring.
 template <class K>
 __device__ __forceinline__ void copy_tiles(const WsCta<K>& cta, const TensorMaps& maps, int* tile_counter) {
   using T = typename K::T;
   using QTile = typename K::QTile;
   using KVTile = typename K::KVTile;
-  constexpr bool EARLY_KV = K::Q_BUFFERS == 1 && !K::BLOCK_MASK;  // the block mask's bits live in q's buffer
   const AttnParams& p = cta.p;
   int t = 0;  // K/V tiles issued so far
   for (int j = 0;; ++j) {
     const int buffer = j % K::Q_BUFFERS;
-    auto claim_buffer = [&] {
-      if (j >= K::Q_BUFFERS) mbar_wait(cta.q_empty(buffer), (j / K::Q_BUFFERS - 1) & 1);
-    };
-    if constexpr (!EARLY_KV) claim_buffer();
+    if (j >= K::Q_BUFFERS) mbar_wait(cta.q_empty(buffer), (j / K::Q_BUFFERS - 1) & 1);
     // The CTA's first tile is its index; the others come from the counter, in tile order. Each CTA draws
     // until one draw lands past the last tile: tiles - gridDim.x draws land on tiles and gridDim.x past
     // them, tiles draws in all, so the one that returns tiles - 1 is the launch's last.
@@ -278,9 +270,8 @@ __device__ __forceinline__ void copy_tiles(const WsCta<K>& cta, const TensorMaps
       if (drawn == cta.tiles - 1) atomicExch(tile_counter, 0);
       w = drawn + gridDim.x;
     }
+    cta.tile_ids[buffer] = w;
     if (w >= cta.tiles) {
-      if constexpr (EARLY_KV) claim_buffer();
-      cta.tile_ids[buffer] = w;
       mbar_arrive(cta.q_full(buffer));  // the computing warpgroups read tile_ids and leave
       break;
     }
@@ -290,21 +281,13 @@ __device__ __forceinline__ void copy_tiles(const WsCta<K>& cta, const TensorMaps
     const SeqInfo<false> seq(p, b);
     const RowBlock<typename K::OutT, 8, K::BLOCK_M, K::BLOCK_N, K::IS_CAUSAL, K::MODS> rows(p, b, seq, m0, nullptr);
     const int words = buffer * TILE_BITMAP_WORDS;  // ws_on_words, published with tile_ids by q_full's arrival
-    auto copy_q = [&] {
-      if constexpr (EARLY_KV) claim_buffer();
-      cta.tile_ids[buffer] = w;
-      if constexpr (K::BLOCK_MASK) fill_on_blocks(words, p, b, m0, rows.n_first, rows.n_blocks);
-      mbar_expect(cta.q_full(buffer), 2 * QTile::SIZE * sizeof(T));
-      tma_load_tile<QTile>(cta.sQ + 2 * buffer * QTile::SIZE, maps.q, m0, b0, b1, b2, cta.q_full(buffer));
-      tma_load_tile<QTile>(cta.sQ + (2 * buffer + 1) * QTile::SIZE, maps.q, m0 + K::WG_ROWS, b0, b1, b2,
-                           cta.q_full(buffer));
-    };
-    if constexpr (!EARLY_KV) copy_q();
-    int issued = 0;  // this tile's K/V tiles
+    if constexpr (K::BLOCK_MASK) fill_on_blocks(words, p, b, m0, rows.n_first, rows.n_blocks);
+    mbar_expect(cta.q_full(buffer), 2 * QTile::SIZE * sizeof(T));
+    tma_load_tile<QTile>(cta.sQ + 2 * buffer * QTile::SIZE, maps.q, m0, b0, b1, b2, cta.q_full(buffer));
+    tma_load_tile<QTile>(cta.sQ + (2 * buffer + 1) * QTile::SIZE, maps.q, m0 + K::WG_ROWS, b0, b1, b2,
+                         cta.q_full(buffer));
     for (int n = cta.prev_visited(words, rows.n_blocks - 1, rows.n_first); n >= rows.n_first;
-         n = cta.prev_visited(words, n - 1, rows.n_first), ++t, ++issued) {
-      // EARLY_KV: the ring's next slot frees only once this tile's first block is read, which needs its q.
-      if (EARLY_KV && issued == K::STAGES) copy_q();
+         n = cta.prev_visited(words, n - 1, rows.n_first), ++t) {
       const int slot = t % K::STAGES;
       if (t >= K::STAGES) mbar_wait(cta.k_empty(slot), cta.parity(t - K::STAGES));
       mbar_expect(cta.k_full(slot), KVTile::SIZE * sizeof(T));
@@ -317,7 +300,6 @@ __device__ __forceinline__ void copy_tiles(const WsCta<K>& cta, const TensorMaps
       else
         tma_load_tile<KVTile>(cta.sV + slot * KVTile::SIZE, maps.v, n * K::BLOCK_N, b0, b1, b2, cta.v_full(slot));
     }
-    if (EARLY_KV && issued <= K::STAGES) copy_q();  // not yet issued: STAGES blocks or fewer
   }
 }
 

@@ -14,10 +14,13 @@ import functools
 
 import numpy
 
+from cupyflash._arrays import cupy
+
 MAP_BYTES = 128
 MAPPED = ("q", "k", "v")  # the inputs the warp-specialized forward reads through tensor maps
 _SWIZZLES = {128: 3, 64: 2, 32: 1}  # CU_TENSOR_MAP_SWIZZLE_{128B,64B,32B}, by swizzle atom bytes (copy.cuh)
 _L2_PROMOTION_128B = 2
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 # CU_TENSOR_MAP_DATA_TYPE_: FLOAT16 6, UINT8 0 (the FP8 forward's e4m3 bytes); bfloat16 is 9
 _DTYPES = {numpy.dtype(numpy.float16): 6, numpy.dtype(numpy.uint8): 0}
 _BFLOAT16 = 9
@@ -102,8 +105,14 @@ class TensorMaps:
         at = raw.ctypes.data + offset
         for i, name in enumerate(self._names):
             code, dims, strides, box, swizzle = self._fields[name]
-            error = self._function(at + i * MAP_BYTES, code, 5, found[i], dims, strides, box, self._element_strides,
-                                   0, swizzle, _L2_PROMOTION_128B, 0)
+            encode = lambda: self._function(at + i * MAP_BYTES, code, 5, found[i], dims, strides, box,
+                                            self._element_strides, 0, swizzle, _L2_PROMOTION_128B, 0)
+            error = encode()
+            if error == _INVALID_CONTEXT:
+                # A thread whose runtime has not yet made the device's context current (its first CUDA call
+                # can be this driver call): setting the device makes it current.
+                cupy.cuda.runtime.setDevice(cupy.cuda.runtime.getDevice())
+                error = encode()
             if error:
                 raise RuntimeError(f"cupyflash: cuTensorMapEncodeTiled failed for {name} (CUresult {error}): "
                                    f"dims {tuple(dims)}, strides {tuple(strides)} bytes, box {tuple(box)}")

@@ -28,8 +28,7 @@ def test_lookup_reads_the_table():
     assert (ws.num_warps, ws.block, ws.stages, ws.pack_after_wait, ws.store_warps, ws.rows) == (12, 128, 2, True,
                                                                                                 False, 128)
     assert tiles.lookup("ws", 2, 128, "fwd", "window").store_warps
-    assert tiles.lookup("ws", 2, 64, "fwd", "plain").block == 192  # walks no block mask: its scalars cell does
-    assert tiles.lookup("ws", 2, 64, "fwd", "scalars").block == 128
+    assert tiles.lookup("ws", 2, 64, "fwd", "scalars").store_warps  # its plain cell's copier spilled there
     assert tiles.lookup("mma", 4, 64, "probs", "plain") == tiles.lookup("mma", 4, 64, "fwd", "all")
     with pytest.raises(ValueError, match="no tiles for fwd on the ws path"):
         tiles.lookup("ws", 2, 96, "fwd", "plain")
@@ -115,8 +114,7 @@ def test_the_flags_are_where_they_must_be():
 def test_the_tiles_fit_the_kernels():
     """Whole warpgroups on Hopper's paths; the whole head dim per CTA in their forwards; column chunks that
     divide HEAD_DIM; a CTA's rows and its streamed block that divide a block-mask tile (a tile never straddles
-    two) wherever the form can take a block mask (the warp-specialized forward's plain and window cells never
-    do); shared memory within what the variant's targets give a CTA."""
+    two); shared memory within what the variant's targets give a CTA."""
     from cupyflash._modifiers import BLOCK_MASK_TILE
 
     for (path, itemsize, head_dim, kernel, form), t in tiles.CELLS.items():
@@ -126,9 +124,7 @@ def test_the_tiles_fit_the_kernels():
             if kernel == "fwd":
                 assert t.d_chunk == head_dim, where
         assert head_dim % t.d_chunk == 0, where
-        assert BLOCK_MASK_TILE % t.rows == 0, where
-        if not (path == "ws" and form in ("plain", "window")):
-            assert BLOCK_MASK_TILE % t.block == 0, where
+        assert BLOCK_MASK_TILE % t.rows == 0 and BLOCK_MASK_TILE % t.block == 0, where
     for v in SHIPPED:
         limit = tiles.SM80_SMEM_BYTES if "sm_80" in v.compile_targets() else 227 * 1024
         for kernel in v.kernels:

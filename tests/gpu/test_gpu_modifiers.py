@@ -45,7 +45,9 @@ def _hopper_paths():
 
 
 def _ws_head_dim():
-    return min(tiles.WS_HEAD_DIMS)
+    """The head dim the warp-specialized tests below are built around (their L2-section and tile-count
+    premises); test_warp_specialized_forward_at_each_head_dim covers the others."""
+    return 128
 
 
 def _ws_rows():
@@ -65,6 +67,28 @@ def _check(rng, dtype, batch, nq, nk, d, causal, which, *, dv=None, bias_shape=N
     results = _run(q, k, v, dout, causal=causal, scale=scale, **options)
     assert_matches_reference(q, k, v, dout, results, causal=causal, scale=scale, **options)
     return results
+
+
+@pytest.mark.parametrize("which", [[], ["window"], ["softcap", "alibi_slopes"], ["window", "softcap", "block_mask"]],
+                         ids=["plain", "window", "softcap-alibi", "window-softcap-block-mask"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d, dtype", [(40, np.float16), (64, ml_dtypes.bfloat16), (200, ml_dtypes.bfloat16),
+                                      (256, np.float16)], ids=["d40-float16", "d64", "d200", "d256-float16"])
+def test_warp_specialized_forward_at_each_head_dim(rng, d, dtype, causal, which):
+    """The warp-specialized forward at 16-bit HEAD_DIM 64 (128-key blocks) and 256 (64-key blocks, one q
+    buffer; a block mask takes the other forward there),
+    head dims padded to them or not, with more row blocks than the GPU has SMs so that CTAs run several
+    tiles, on sizes off the tile grid."""
+    if not _hopper_paths():
+        pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
+    batch = (3, 2 * sm_count() // 5 + 1)  # two tiles of 128 rows per head: about 2.4 per SM
+    q, k, v, dout = _random_problem(rng, batch + (133, d), batch + (197, d), batch + (197, d), dtype)
+    options = random_options(rng, which, batch, 133, 197, dtype, xp=cupy)
+    mods = _modifiers.resolve(cupy, np.dtype(dtype), batch, 133, 197, **options) if options else None
+    chosen = _selected("fwd", dtype, -(-d // 8) * 8, causal, mods)
+    assert chosen.path == "ws" and chosen.block_mask == ("block_mask" in which and chosen.head_dim == 64), chosen
+    results = _run(q, k, v, dout, causal=causal, **options)
+    assert_matches_reference(q, k, v, dout, results, causal=causal, **options)
 
 
 @pytest.mark.parametrize("option", OPTIONS)
