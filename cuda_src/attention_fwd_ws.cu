@@ -17,8 +17,8 @@
 //    last to first, into a ring of STAGES (K, V) slots that runs on across tiles, so the next tile's first
 //    copies overlap this one's last products and its epilogue. A slot's K and V are released apart: K once
 //    both warpgroups' S = Q K^T from it is done, V after their P V, so that the next K lands while the
-//    previous block's P V still reads its V. It gives its registers to the others (setmaxnreg). STORE_WARPS: its warps 1 and 2 store out for the computing
-//    warpgroups (store_out_tiles).
+//    previous block's P V still reads its V. It gives its registers to the others (setmaxnreg).
+//    STORE_WARPS: its warps 1 and 2 store out for the computing warpgroups (store_out_tiles).
 //  - The consumers (warpgroups 1 and 2, compute_tile) each own 64 of the tile's rows and run
 //    attention_fwd_wgmma_kernel's loop on them: S_j = Q K_j^T issued beside the previous block's O += P V,
 //    the online softmax of S_j under that product. Both read every slot of the ring, so each K/V tile
@@ -27,9 +27,10 @@
 //    through their own half of the q buffer and stores it, or with STORE_WARPS hands the staged rows to
 //    its storing warp and goes on to the next tile.
 // Barriers (tma.cuh): q_full[Q_BUFFERS] (the copy's bytes, or the copier's arrival alone once no tile is
-// left), q_empty[Q_BUFFERS] (8 consumer warps, or the 2 storing warps, after the epilogue read the buffer), k_full /
-// v_full[STAGES] (bytes), k_empty / v_empty[STAGES] (8 consumer warps, after their S, or P V, from the
-// slot), and with STORE_WARPS out_full[2][2] (a computing warpgroup's 128 threads, once its out is staged).
+// left), q_empty[Q_BUFFERS] (8 consumer warps, or the 2 storing warps, after the epilogue read the buffer),
+// k_full / v_full[STAGES] (bytes), k_empty / v_empty[STAGES] (8 consumer warps, after their S, or P V, from
+// the slot), and with STORE_WARPS out_full[2][2] (a computing warpgroup's 128 threads, once its out is
+// staged).
 // Nothing waits on a __syncthreads after the start, so the warpgroups drift apart and one's softmax and
 // epilogue overlap the other's products.
 // MODS: Mods::none (IS_CAUSAL as the plain kernels), Mods::window (the window alone, causal travelling in
