@@ -1,0 +1,279 @@
+// attention_bwd_ws.cu — the warp-specialized fused attention backward (Hopper, fp16/bf16, plain or causal, a
+// dense batch): dk, dv and dq from dout, q, k, v and the preprocess's lse_log2 and delta (attention_bwd.cu's
+// preprocess), with five products per tile where the two-pass backward's recomputation takes seven.
+//
+// Layout: q, dout (b, nq, d) and k, v (b, nk, d) of one dense batch, read through TMA tensor maps (tma.cuh);
+// lse_log2 and delta (b, nq) float32; dk, dv (b, nk, d) contiguous. dq_accum: float32, zeroed by the host,
+// (b, ceil(nq / BLOCK_M), 2 consumers, DQ_CHUNK) in the order the dQ products' accumulators hold it
+// (DqChunk below); attention_bwd_dq_convert_kernel scales and rounds it into dq (b, nq, d). Saves nothing.
+//
+// A CTA per (block of BLOCK_N = 128 keys, batch entry) streams every query block that sees its keys, in three
+// warpgroups:
+//  - the producer (warpgroup 0, warp 0): K and V once; per query block, q and dout by TMA (its lane 0) and
+//    lse_log2 and delta (its 32 lanes, +inf and 0 past nq) into a ring of STAGES slots. The other warps leave;
+//    the warpgroup gives its registers to the consumers (setmaxnreg).
+//  - two consumers (warpgroups 1 and 2), each owning 64 of the block's keys, per query block:
+//      S^T = K Q^T and dP^T = V dO^T issued together; P^T = exp2(S^T scale_log2 - lse_log2) under dP^T;
+//      dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q with P^T, dS^T from registers (as the
+//      two-pass backward's dK/dV pass); dS^T stored to shared memory under those products; after a barrier
+//      of both consumers, each its half of dQ_partial = dS K over all 128 keys (rows when BLOCK_M is 128,
+//      else columns: DQ_SPLIT_ROWS), staged in shared memory and added into dq_accum by a bulk reduce.
+//    dS^T has two buffers, so one consumer's store of the next block's never meets the other's dQ product
+//    still reading this one's (the barrier each block keeps them within a block of each other).
+// Barriers (tma.cuh): kv_full (K and V's bytes), step_full[STAGES] (q and dout's bytes, and the producer's
+// 32 lanes once their lse_log2 and delta are stored), step_empty[STAGES] (8 consumer warps, after the slot's
+// last product); named barrier 1 (both consumers: dS^T stored), 2 + consumer (its staging buffer free, then
+// written).
+// The bulk adds of different key blocks into a query block's dq_accum land in whichever order their CTAs
+// reach it: dq's float32 sums vary in their last bits from run to run (dk and dv do not).
+#include "common.cuh"
+#include "params.cuh"
+#include "copy.cuh"
+#include "wgmma.cuh"
+#include "mask.cuh"
+#include "transposed_scores.cuh"
+#include "tma.cuh"
+
+// q, k, v and dout's maps, one kernel parameter.
+struct BwdTensorMaps { TensorMap q, k, v, dout; };
+
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool IS_CAUSAL_>
+struct BwdWsTraits {
+  using T = T_;
+  static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_M = BLOCK_M_, STAGES = STAGES_;
+  static constexpr bool IS_CAUSAL = IS_CAUSAL_;
+  static constexpr int BLOCK_N = 128, WG_KEYS = 64;
+  using KVTile = SwizzledTile<T, BLOCK_N, HEAD_DIM>;
+  using QTile = SwizzledTile<T, BLOCK_M, HEAD_DIM>;    // q and dout
+  using DsTile = SwizzledTile<T, BLOCK_N, BLOCK_M>;    // dS^T: the block's keys x the step's queries
+  using OutTile = SwizzledTile<T, WG_KEYS, HEAD_DIM>;  // a consumer's dk or dv rows, staged in sK or sV
+  static constexpr int S_TILES = BLOCK_M / 8, G_TILES = HEAD_DIM / 8, P_STEPS = BLOCK_M / 16;
+  static constexpr bool DQ_SPLIT_ROWS = BLOCK_M == 128;
+  static constexpr int DQ_COLS = DQ_SPLIT_ROWS ? HEAD_DIM : HEAD_DIM / 2, DQ_TILES = DQ_COLS / 8;
+  static constexpr int DQ_CHUNK = 64 * DQ_COLS;  // floats of one consumer's dQ_partial
+  static constexpr int COPY_REGISTERS = 24, COMPUTE_REGISTERS = 240;
+  static constexpr u32 CONSUMER_WARPS = 8;
+  static_assert(sizeof(T) == 2 && (BLOCK_M == 64 || BLOCK_M == 128) && HEAD_DIM % 64 == 0 && DQ_COLS % 64 == 0,
+                "16-bit; query blocks of 64 or 128; head dims in whole 64-column atoms");
+  static_assert(STAGES >= 2, "the next query block lands while this one is worked on");
+};
+
+// One consumer's dQ_partial (64 rows x DQ_COLS) as a flat chunk: thread i of the warpgroup holds accumulator
+// n-tile j's four values at float4 index j * 128 + i, so its stores to the staging buffer are 16 bytes wide and
+// consecutive across threads. Element (r, c) of the chunk: warp w = r / 16 of the group, lane 4 (r % 8) + (c % 8)
+// / 2, n-tile c / 8, value 2 (r % 16 >= 8) + c % 2.
+struct DqChunk {
+  __device__ __forceinline__ static int row(int thread, int e) { return (thread / 32) * 16 + (thread % 32) / 4 + 8 * (e >> 1); }
+  __device__ __forceinline__ static int col(int thread, int j, int e) { return 8 * j + 2 * (thread % 4) + (e & 1); }
+};
+
+template <class K>
+struct BwdWsCta {
+  using T = typename K::T;
+  T* sK;
+  T* sV;
+  T* sQ;      // [STAGES] QTile
+  T* sdO;     // [STAGES] QTile
+  T* sdS;     // [2] DsTile
+  float* sdQ;   // [2 consumers][DQ_CHUNK]
+  float* sLse;  // [STAGES][BLOCK_M]
+  float* sDelta;
+  u64* bars;
+  __device__ __forceinline__ u32 kv_full() const { return smem_u32(&bars[0]); }
+  __device__ __forceinline__ u32 step_full(int s) const { return smem_u32(&bars[1 + s]); }
+  __device__ __forceinline__ u32 step_empty(int s) const { return smem_u32(&bars[1 + K::STAGES + s]); }
+  static constexpr int BARRIERS = 1 + 2 * K::STAGES;
+  __device__ __forceinline__ static u32 parity(int i) { return static_cast<u32>((i / K::STAGES) & 1); }
+  // Shared memory the kernel asks for (dynamic, past the 1024-byte alignment).
+  static constexpr int BYTES = (2 * K::KVTile::SIZE + 2 * K::STAGES * K::QTile::SIZE + 2 * K::DsTile::SIZE) * 2 +
+                               (2 * K::DQ_CHUNK + 2 * K::STAGES * K::BLOCK_M) * 4;
+};
+
+// The producer warp: K and V, then each query block's q, dout (lane 0, TMA) and lse_log2, delta (every lane).
+template <class K>
+__device__ __forceinline__ void bwd_copy_tiles(const BwdWsCta<K>& cta, const AttnParams& p, const BwdTensorMaps& maps,
+                                               int b, int n0, int m_first, int m_blocks, int lane) {
+  using T = typename K::T;
+  const int b2 = b % p.batch2, b1 = (b / p.batch2) % p.batch1, b0 = b / p.batch2 / p.batch1;
+  if (lane == 0) {
+    mbar_expect(cta.kv_full(), 2 * K::KVTile::SIZE * sizeof(T));
+    tma_load_tile<typename K::KVTile>(cta.sK, maps.k, n0, b0, b1, b2, cta.kv_full());
+    tma_load_tile<typename K::KVTile>(cta.sV, maps.v, n0, b0, b1, b2, cta.kv_full());
+  }
+  const float* lse_log2 = static_cast<const float*>(p.lse_log2) + static_cast<i64>(b) * p.nq;
+  const float* delta = static_cast<const float*>(p.delta) + static_cast<i64>(b) * p.nq;
+  for (int i = 0, m = m_first; m < m_blocks; ++i, ++m) {
+    const int s = i % K::STAGES;
+    if (i >= K::STAGES) mbar_wait(cta.step_empty(s), cta.parity(i - K::STAGES));
+#pragma unroll
+    for (int r = lane; r < K::BLOCK_M; r += WARP_SIZE) {
+      const int row = m * K::BLOCK_M + r;
+      cta.sLse[s * K::BLOCK_M + r] = row < p.nq ? lse_log2[row] : pos_inf();  // P = 0 past nq
+      cta.sDelta[s * K::BLOCK_M + r] = row < p.nq ? delta[row] : 0.f;
+    }
+    if (lane == 0) {
+      mbar_expect(cta.step_full(s), 2 * K::QTile::SIZE * sizeof(T));
+      tma_load_tile<typename K::QTile>(cta.sQ + s * K::QTile::SIZE, maps.q, m * K::BLOCK_M, b0, b1, b2, cta.step_full(s));
+      tma_load_tile<typename K::QTile>(cta.sdO + s * K::QTile::SIZE, maps.dout, m * K::BLOCK_M, b0, b1, b2,
+                                       cta.step_full(s));
+    } else {
+      mbar_arrive(cta.step_full(s));
+    }
+  }
+}
+
+// A consumer (wg 0 or 1: keys [n0 + 64 wg, + 64) of the block) over every query block from m_first; then dk, dv.
+template <class K>
+__device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnParams& p, float* dq_accum, int b,
+                                            int n0, int m_first, int m_blocks, int wg, int warp, int lane) {
+  using T = typename K::T;
+  using QTile = typename K::QTile;
+  using KVTile = typename K::KVTile;
+  using DsTile = typename K::DsTile;
+  constexpr int S_TILES = K::S_TILES, G_TILES = K::G_TILES, P_STEPS = K::P_STEPS, BLOCK_M = K::BLOCK_M;
+  const int thread = threadIdx.x % 128;
+  const int key0 = n0 + K::WG_KEYS * wg;  // this consumer's first key
+  const int offset = p.nk - p.nq;         // causal: query i sees key j <= i + offset
+  const Mask<K::IS_CAUSAL> mask{p.nk, offset};
+  const float ones[2] = {1.f, 1.f};
+  float acc_dk[G_TILES][4], acc_dv[G_TILES][4];
+  float* staging = cta.sdQ + wg * K::DQ_CHUNK;
+  float* dq_rows = dq_accum + (static_cast<i64>(b) * m_blocks * 2 + wg) * K::DQ_CHUNK;  // + m * 2 * DQ_CHUNK
+  mbar_wait(cta.kv_full(), 0);
+  bool first = true;  // the first dV and dK products overwrite their accumulators (no zeroed registers)
+  for (int i = 0, m = m_first; m < m_blocks; ++i, ++m) {
+    const int s = i % K::STAGES;
+    const T* sQ_s = cta.sQ + s * QTile::SIZE;
+    const T* sdO_s = cta.sdO + s * QTile::SIZE;
+    mbar_wait(cta.step_full(s), cta.parity(i));
+    float acc_s[S_TILES][4], acc_dp[S_TILES][4];
+    wg_issue_abt<T, K::HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, cta.sK, K::WG_KEYS * wg, sQ_s);
+    wg_issue_abt<T, K::HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, cta.sV, K::WG_KEYS * wg, sdO_s);
+    wgmma_wait<1>();  // S^T; dP^T still running
+    fence_operands(acc_s);
+    if (K::IS_CAUSAL && key0 + K::WG_KEYS - 1 > m * BLOCK_M + offset)  // keys after some of these queries
+      mask.apply_transposed(acc_s, key0 + warp * 16, m * BLOCK_M, lane);
+    probs_from_scores_cols(acc_s, cta.sLse + s * BLOCK_M, p.scale_log2, lane);
+    wgmma_wait<0>();
+    fence_operands(acc_dp);
+    dscores_cols(acc_dp, acc_s, cta.sDelta + s * BLOCK_M, lane);
+    u32 p_frag[P_STEPS][4], ds_frag[P_STEPS][4];
+    pack_fragments<T>(acc_s, p_frag);
+    wg_issue_pb<T, P_STEPS, G_TILES, QTile>(acc_dv, p_frag, sdO_s, 0, !first);
+    pack_fragments<T>(acc_dp, ds_frag);
+    wg_issue_pb<T, P_STEPS, G_TILES, QTile>(acc_dk, ds_frag, sQ_s, 0, !first);
+    // dS^T into shared memory under dV and dK, for both consumers' dQ products.
+    T* sdS_i = cta.sdS + (i & 1) * DsTile::SIZE;
+    acc_to_smem<DsTile, S_TILES>(sdS_i, K::WG_KEYS * wg + warp * 16, acc_dp, ones, lane);
+    fence_async_shared();  // the stores before the products that read them
+    named_barrier_sync(1, 256);
+    float acc_dq[K::DQ_TILES][4];
+    wg_issue_atb<T, K::BLOCK_N / 16, K::DQ_TILES, DsTile, KVTile>(acc_dq, sdS_i, K::DQ_SPLIT_ROWS ? 64 * wg : 0, cta.sK,
+                                                                 K::DQ_SPLIT_ROWS ? 0 : K::DQ_COLS * wg);
+    wgmma_wait<0>();
+    fence_operands(acc_dv);
+    fence_operands(acc_dk);
+    fence_operands(acc_dq);
+    fence_fragments(p_frag);
+    fence_fragments(ds_frag);
+    if (lane == 0) mbar_arrive(cta.step_empty(s));  // q, dout, lse_log2, delta of slot s are read out
+    // dQ_partial into dq_accum: the staging buffer once the previous block's reduce has read it.
+    if (thread == 0) bulk_wait_read<0>();
+    named_barrier_sync(2 + wg, 128);
+#pragma unroll
+    for (int j = 0; j < K::DQ_TILES; ++j)
+      *reinterpret_cast<float4*>(staging + (j * 128 + thread) * 4) = make_float4(acc_dq[j][0], acc_dq[j][1], acc_dq[j][2], acc_dq[j][3]);
+    fence_async_shared();
+    named_barrier_sync(2 + wg, 128);
+    if (thread == 0) {
+      bulk_reduce_add_f32(dq_rows + static_cast<i64>(m) * 2 * K::DQ_CHUNK, staging, K::DQ_CHUNK * 4);
+      bulk_commit();
+    }
+    first = false;
+  }
+  if (thread == 0) bulk_wait<0>();  // before the CTA's shared memory goes away
+  if (first) {  // no query sees these keys
+    zero_acc(acc_dk);
+    zero_acc(acc_dv);
+  }
+  // dk = scale * dS^T Q summed, dv: staged in this consumer's half of sK and sV once both consumers' last dQ
+  // products (which read all of sK) are done.
+  named_barrier_sync(1, 256);
+  T* stage_k = cta.sK + wg * K::OutTile::SIZE;
+  T* stage_v = cta.sV + wg * K::OutTile::SIZE;
+  const float dk_scale[2] = {p.scale, p.scale};
+  acc_to_smem<typename K::OutTile, G_TILES>(stage_k, warp * 16, acc_dk, dk_scale, lane);
+  acc_to_smem<typename K::OutTile, G_TILES>(stage_v, warp * 16, acc_dv, ones, lane);
+  named_barrier_sync(2 + wg, 128);
+  const int rows = min(K::WG_KEYS, p.nk - key0);
+  T* dk = static_cast<T*>(p.dk) + (static_cast<i64>(b) * p.nk + key0) * p.d_qk;
+  T* dv = static_cast<T*>(p.dv) + (static_cast<i64>(b) * p.nk + key0) * p.d_v;
+  store_tile<typename K::OutTile, K::HEAD_DIM, 128>(dk, p.d_qk, stage_k, rows, p.d_qk, thread);
+  store_tile<typename K::OutTile, K::HEAD_DIM, 128>(dv, p.d_v, stage_v, rows, p.d_v, thread);
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int STAGES, bool IS_CAUSAL>
+__global__ void __launch_bounds__(3 * 128, 1)
+attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMaps maps, float* dq_accum) {
+  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL>;
+  using Cta = BwdWsCta<K>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ __align__(8) u64 bars[Cta::BARRIERS];
+  Cta cta;
+  cta.sK = reinterpret_cast<T*>(smem_aligned(smem_raw));
+  cta.sV = cta.sK + K::KVTile::SIZE;
+  cta.sQ = cta.sV + K::KVTile::SIZE;
+  cta.sdO = cta.sQ + STAGES * K::QTile::SIZE;
+  cta.sdS = cta.sdO + STAGES * K::QTile::SIZE;
+  cta.sdQ = reinterpret_cast<float*>(cta.sdS + 2 * K::DsTile::SIZE);
+  cta.sLse = cta.sdQ + 2 * K::DQ_CHUNK;
+  cta.sDelta = cta.sLse + STAGES * BLOCK_M;
+  cta.bars = bars;
+  if (threadIdx.x == 0) {
+    mbar_init(cta.kv_full(), 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(cta.step_full(s), WARP_SIZE);
+      mbar_init(cta.step_empty(s), K::CONSUMER_WARPS);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const int b = batch_index();
+  const int n0 = blockIdx.x * K::BLOCK_N;
+  // The query blocks that see any of these keys: causal, queries from n0 - (nk - nq) on.
+  const int m_first = IS_CAUSAL ? max(0, n0 - (p.nk - p.nq)) / BLOCK_M : 0;
+  const int m_blocks = ceil_div(p.nq, BLOCK_M);
+
+  if (threadIdx.x < 128) {  // the producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(K::COPY_REGISTERS) : "memory");
+    if (threadIdx.x < WARP_SIZE) bwd_copy_tiles(cta, p, maps, b, n0, m_first, m_blocks, threadIdx.x);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(K::COMPUTE_REGISTERS) : "memory");
+  // The warpgroup through a shuffle: warp-uniform as the compiler sees it (see attention_fwd_ws.cu).
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0) - 1;
+  const int warp = (threadIdx.x / WARP_SIZE) % 4, lane = threadIdx.x % WARP_SIZE;
+  bwd_consume(cta, p, dq_accum, b, n0, m_first, m_blocks, wg, warp, lane);
+}
+
+// dq = scale * dq_accum, rounded to T: a CTA per (query block, batch entry), a thread per accumulator thread of
+// the two consumers' chunks (DqChunk).
+template <typename T, int HEAD_DIM, int BLOCK_M>
+__global__ void __launch_bounds__(256)
+attention_bwd_dq_convert_kernel(const AttnParams p, const float* dq_accum) {
+  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, 2, false>;
+  const int b = batch_index(), m = blockIdx.x;
+  const int wg = threadIdx.x / 128, thread = threadIdx.x % 128;
+  const float* chunk = dq_accum + ((static_cast<i64>(b) * gridDim.x + m) * 2 + wg) * K::DQ_CHUNK;
+  const int row0 = m * BLOCK_M + (K::DQ_SPLIT_ROWS ? 64 * wg : 0), col0 = K::DQ_SPLIT_ROWS ? 0 : K::DQ_COLS * wg;
+  T* dq = static_cast<T*>(p.dq) + static_cast<i64>(b) * p.nq * p.d_qk;
+#pragma unroll
+  for (int j = 0; j < K::DQ_TILES; ++j) {
+    const float4 x = *reinterpret_cast<const float4*>(chunk + (j * 128 + thread) * 4);
+    const int c = col0 + DqChunk::col(thread, j, 0);
+    if (c >= p.d_qk) continue;
+    const int r = row0 + DqChunk::row(thread, 0);
+    if (r < p.nq) Elem<T>::store2(dq + static_cast<i64>(r) * p.d_qk + c, x.x * p.scale, x.y * p.scale);
+    if (r + 8 < p.nq) Elem<T>::store2(dq + static_cast<i64>(r + 8) * p.d_qk + c, x.z * p.scale, x.w * p.scale);
+  }
+}
