@@ -37,11 +37,14 @@
 // q, k, v and dout's maps, one kernel parameter.
 struct BwdTensorMaps { TensorMap q, k, v, dout; };
 
-template <typename T_, int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool IS_CAUSAL_>
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool IS_CAUSAL_, bool DETERMINISTIC_>
 struct BwdWsTraits {
   using T = T_;
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_M = BLOCK_M_, STAGES = STAGES_;
-  static constexpr bool IS_CAUSAL = IS_CAUSAL_;
+  static constexpr bool IS_CAUSAL = IS_CAUSAL_, DETERMINISTIC = DETERMINISTIC_;
+  // Causal: the query blocks from the last down, so that every key block reaches a query block at the same
+  // step of its loop (ascending, key block n would reach it n steps of the diagonal later than key block 0).
+  static constexpr bool DESCENDING = IS_CAUSAL;
   static constexpr int BLOCK_N = 128, WG_KEYS = 64;
   using KVTile = SwizzledTile<T, BLOCK_N, HEAD_DIM>;
   using QTile = SwizzledTile<T, BLOCK_M, HEAD_DIM>;    // q and dout
@@ -52,6 +55,9 @@ struct BwdWsTraits {
   static constexpr int DQ_COLS = DQ_SPLIT_ROWS ? HEAD_DIM : HEAD_DIM / 2, DQ_TILES = DQ_COLS / 8;
   static constexpr int DQ_CHUNK = 64 * DQ_COLS;  // floats of one consumer's dQ_partial
   static constexpr int COPY_REGISTERS = 24, COMPUTE_REGISTERS = 240;
+  // dK += dS^T Q runs on into the next query block's S^T and dP^T, holding dS^T's fragments across the turn,
+  // where they fit: 64-query blocks (with 128 ptxas serialized the products for registers).
+  static constexpr bool DK_ACROSS = BLOCK_M == 64;
   static constexpr u32 CONSUMER_WARPS = 8;
   static_assert(sizeof(T) == 2 && (BLOCK_M == 64 || BLOCK_M == 128) && HEAD_DIM % 64 == 0 && DQ_COLS % 64 == 0,
                 "16-bit; query blocks of 64 or 128; head dims in whole 64-column atoms");
@@ -70,19 +76,31 @@ struct DqChunk {
 template <class K>
 struct BwdWsCta {
   using T = typename K::T;
-  T* sK;
-  T* sV;
-  T* sQ;      // [STAGES] QTile
-  T* sdO;     // [STAGES] QTile
-  T* sdS;     // [2] DsTile
-  float* sdQ;   // [2 consumers][DQ_CHUNK]
-  float* sLse;  // [STAGES][BLOCK_M]
-  float* sDelta;
+  // The shared buffers at fixed offsets from one base (one pointer held: the producer warpgroup's 24 registers
+  // could not hold a pointer per buffer beside its copies' and the dq writer's state).
+  T* base;
   u64* bars;
+  static constexpr int K_AT = 0, V_AT = K_AT + K::KVTile::SIZE, Q_AT = V_AT + K::KVTile::SIZE;
+  static constexpr int DO_AT = Q_AT + K::STAGES * K::QTile::SIZE, DS_AT = DO_AT + K::STAGES * K::QTile::SIZE;
+  static constexpr int DQ_AT = DS_AT + 2 * K::DsTile::SIZE;  // in T, then float32 buffers
+  __device__ __forceinline__ T* sK() const { return base + K_AT; }
+  __device__ __forceinline__ T* sV() const { return base + V_AT; }
+  __device__ __forceinline__ T* sQ(int s) const { return base + Q_AT + s * K::QTile::SIZE; }
+  __device__ __forceinline__ T* sdO(int s) const { return base + DO_AT + s * K::QTile::SIZE; }
+  __device__ __forceinline__ T* sdS(int i) const { return base + DS_AT + i * K::DsTile::SIZE; }
+  __device__ __forceinline__ float* sdQ(int wg) const { return reinterpret_cast<float*>(base + DQ_AT) + wg * K::DQ_CHUNK; }
+  __device__ __forceinline__ float* sLse(int s) const { return sdQ(2) + s * K::BLOCK_M; }
+  __device__ __forceinline__ float* sDelta(int s) const { return sdQ(2) + (K::STAGES + s) * K::BLOCK_M; }
   __device__ __forceinline__ u32 kv_full() const { return smem_u32(&bars[0]); }
   __device__ __forceinline__ u32 step_full(int s) const { return smem_u32(&bars[1 + s]); }
   __device__ __forceinline__ u32 step_empty(int s) const { return smem_u32(&bars[1 + K::STAGES + s]); }
-  static constexpr int BARRIERS = 1 + 2 * K::STAGES;
+  __device__ __forceinline__ u32 dq_full() const { return smem_u32(&bars[1 + 2 * K::STAGES]); }
+  __device__ __forceinline__ u32 dq_empty() const { return smem_u32(&bars[2 + 2 * K::STAGES]); }
+  static constexpr int BARRIERS = 3 + 2 * K::STAGES;
+  // The i-th query block of a key block's loop, among [m_first, m_blocks).
+  __device__ __forceinline__ static int query_block(int i, int m_first, int m_blocks) {
+    return K::DESCENDING ? m_blocks - 1 - i : m_first + i;
+  }
   __device__ __forceinline__ static u32 parity(int i) { return static_cast<u32>((i / K::STAGES) & 1); }
   // Shared memory the kernel asks for (dynamic, past the 1024-byte alignment).
   static constexpr int BYTES = (2 * K::KVTile::SIZE + 2 * K::STAGES * K::QTile::SIZE + 2 * K::DsTile::SIZE) * 2 +
@@ -90,41 +108,87 @@ struct BwdWsCta {
 };
 
 // The producer warp: K and V, then each query block's q, dout (lane 0, TMA) and lse_log2, delta (every lane).
+// The batch entry's three indices are worked out per copy, not held (24 registers).
+template <class Tile, typename T>
+__device__ __forceinline__ void copy_rows(T* tile, const TensorMap& map, const AttnParams& p, int b, int row, u32 bar) {
+  tma_load_tile<Tile>(tile, map, row, b / p.batch2 / p.batch1, (b / p.batch2) % p.batch1, b % p.batch2, bar);
+}
 template <class K>
 __device__ __forceinline__ void bwd_copy_tiles(const BwdWsCta<K>& cta, const AttnParams& p, const BwdTensorMaps& maps,
                                                int b, int n0, int m_first, int m_blocks, int lane) {
   using T = typename K::T;
-  const int b2 = b % p.batch2, b1 = (b / p.batch2) % p.batch1, b0 = b / p.batch2 / p.batch1;
   if (lane == 0) {
     mbar_expect(cta.kv_full(), 2 * K::KVTile::SIZE * sizeof(T));
-    tma_load_tile<typename K::KVTile>(cta.sK, maps.k, n0, b0, b1, b2, cta.kv_full());
-    tma_load_tile<typename K::KVTile>(cta.sV, maps.v, n0, b0, b1, b2, cta.kv_full());
+    copy_rows<typename K::KVTile>(cta.sK(), maps.k, p, b, n0, cta.kv_full());
+    copy_rows<typename K::KVTile>(cta.sV(), maps.v, p, b, n0, cta.kv_full());
   }
   const float* lse_log2 = static_cast<const float*>(p.lse_log2) + static_cast<i64>(b) * p.nq;
   const float* delta = static_cast<const float*>(p.delta) + static_cast<i64>(b) * p.nq;
-  for (int i = 0, m = m_first; m < m_blocks; ++i, ++m) {
-    const int s = i % K::STAGES;
+#pragma unroll 1
+  for (int i = 0; i < m_blocks - m_first; ++i) {
+    const int s = i % K::STAGES, row0 = cta.query_block(i, m_first, m_blocks) * K::BLOCK_M;
     if (i >= K::STAGES) mbar_wait(cta.step_empty(s), cta.parity(i - K::STAGES));
 #pragma unroll
     for (int r = lane; r < K::BLOCK_M; r += WARP_SIZE) {
-      const int row = m * K::BLOCK_M + r;
-      cta.sLse[s * K::BLOCK_M + r] = row < p.nq ? lse_log2[row] : pos_inf();  // P = 0 past nq
-      cta.sDelta[s * K::BLOCK_M + r] = row < p.nq ? delta[row] : 0.f;
+      cta.sLse(s)[r] = row0 + r < p.nq ? lse_log2[row0 + r] : pos_inf();  // P = 0 past nq
+      cta.sDelta(s)[r] = row0 + r < p.nq ? delta[row0 + r] : 0.f;
     }
     if (lane == 0) {
       mbar_expect(cta.step_full(s), 2 * K::QTile::SIZE * sizeof(T));
-      tma_load_tile<typename K::QTile>(cta.sQ + s * K::QTile::SIZE, maps.q, m * K::BLOCK_M, b0, b1, b2, cta.step_full(s));
-      tma_load_tile<typename K::QTile>(cta.sdO + s * K::QTile::SIZE, maps.dout, m * K::BLOCK_M, b0, b1, b2,
-                                       cta.step_full(s));
+      copy_rows<typename K::QTile>(cta.sQ(s), maps.q, p, b, row0, cta.step_full(s));
+      copy_rows<typename K::QTile>(cta.sdO(s), maps.dout, p, b, row0, cta.step_full(s));
     } else {
       mbar_arrive(cta.step_full(s));
     }
   }
 }
 
+// A global counter per (batch entry, query block): key blocks add their dQ_partial to a query block in the
+// order of their index, each waiting for the count of those added before it. Every key block that sees a
+// query block has a lower index than any that sees it later... (causal: the blocks that see query block m are
+// 0 .. the last one whose first key it sees), and a lower index is a CTA launched no later, so a CTA never waits
+// for one that cannot start.
+__device__ __forceinline__ int load_acquire(const int* counter) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
+  return value;
+}
+__device__ __forceinline__ void add_release(int* counter, int value) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(counter), "r"(value) : "memory");
+}
+
+// The dq writer (the producer warpgroup's warp 1, one lane): per query block, both consumers' dQ_partial (one
+// contiguous 2 * DQ_CHUNK floats in the staging buffers and in dq_accum) added into dq_accum by a bulk reduce;
+// DETERMINISTIC: in key-block order (above), the count released once the adds have landed.
+template <class K>
+__device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_accum, int* dq_counters, int b,
+                                             int n_block, int m_first, int m_blocks) {
+  float* rows = dq_accum + static_cast<i64>(b) * m_blocks * 2 * K::DQ_CHUNK;
+  int* counters = dq_counters + static_cast<i64>(b) * m_blocks;
+#pragma unroll 1
+  for (int i = 0; i < m_blocks - m_first; ++i) {
+    const int m = cta.query_block(i, m_first, m_blocks);
+    mbar_wait(cta.dq_full(), i & 1);
+    if constexpr (K::DETERMINISTIC) {
+      while (load_acquire(counters + m) != n_block) {
+      }
+    }
+    bulk_reduce_add_f32(rows + static_cast<i64>(m) * 2 * K::DQ_CHUNK, cta.sdQ(0), 2 * K::DQ_CHUNK * 4);
+    bulk_commit();
+    bulk_wait_read<0>();
+    mbar_arrive(cta.dq_empty());  // the staging buffers may be written again
+    if constexpr (K::DETERMINISTIC) {
+      bulk_wait<0>();
+      asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk adds before the release below
+      add_release(counters + m, 1);
+    }
+  }
+  bulk_wait<0>();  // the last adds have read the staging buffers before the CTA's shared memory goes away
+}
+
 // A consumer (wg 0 or 1: keys [n0 + 64 wg, + 64) of the block) over every query block from m_first; then dk, dv.
 template <class K>
-__device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnParams& p, float* dq_accum, int b,
+__device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnParams& p, int b,
                                             int n0, int m_first, int m_blocks, int wg, int warp, int lane) {
   using T = typename K::T;
   using QTile = typename K::QTile;
@@ -137,61 +201,68 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
   const Mask<K::IS_CAUSAL> mask{p.nk, offset};
   const float ones[2] = {1.f, 1.f};
   float acc_dk[G_TILES][4], acc_dv[G_TILES][4];
-  float* staging = cta.sdQ + wg * K::DQ_CHUNK;
-  float* dq_rows = dq_accum + (static_cast<i64>(b) * m_blocks * 2 + wg) * K::DQ_CHUNK;  // + m * 2 * DQ_CHUNK
+  float* staging = cta.sdQ(wg);
   mbar_wait(cta.kv_full(), 0);
   bool first = true;  // the first dV and dK products overwrite their accumulators (no zeroed registers)
-  for (int i = 0, m = m_first; m < m_blocks; ++i, ++m) {
-    const int s = i % K::STAGES;
-    const T* sQ_s = cta.sQ + s * QTile::SIZE;
-    const T* sdO_s = cta.sdO + s * QTile::SIZE;
+  u32 ds_frag[P_STEPS][4];  // dS^T for dK += dS^T Q, which runs on into the next query block's S^T and dP^T
+  for (int i = 0; i < m_blocks - m_first; ++i) {
+    const int s = i % K::STAGES, m = cta.query_block(i, m_first, m_blocks);
+    const T* sQ_s = cta.sQ(s);
+    const T* sdO_s = cta.sdO(s);
     mbar_wait(cta.step_full(s), cta.parity(i));
     float acc_s[S_TILES][4], acc_dp[S_TILES][4];
-    wg_issue_abt<T, K::HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, cta.sK, K::WG_KEYS * wg, sQ_s);
-    wg_issue_abt<T, K::HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, cta.sV, K::WG_KEYS * wg, sdO_s);
-    wgmma_wait<1>();  // S^T; dP^T still running
+    wg_issue_abt<T, K::HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, cta.sK(), K::WG_KEYS * wg, sQ_s);
+    wg_issue_abt<T, K::HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, cta.sV(), K::WG_KEYS * wg, sdO_s);
+    wgmma_wait<1>();  // S^T, and the previous block's dK; dP^T still running
     fence_operands(acc_s);
+    if (K::DK_ACROSS && !first) {
+      fence_operands(acc_dk);
+      fence_fragments(ds_frag);
+      if (lane == 0) mbar_arrive(cta.step_empty((i - 1) % K::STAGES));  // the previous slot is read out
+    }
     if (K::IS_CAUSAL && key0 + K::WG_KEYS - 1 > m * BLOCK_M + offset)  // keys after some of these queries
       mask.apply_transposed(acc_s, key0 + warp * 16, m * BLOCK_M, lane);
-    probs_from_scores_cols(acc_s, cta.sLse + s * BLOCK_M, p.scale_log2, lane);
+    probs_from_scores_cols(acc_s, cta.sLse(s), p.scale_log2, lane);
     wgmma_wait<0>();
     fence_operands(acc_dp);
-    dscores_cols(acc_dp, acc_s, cta.sDelta + s * BLOCK_M, lane);
-    u32 p_frag[P_STEPS][4], ds_frag[P_STEPS][4];
+    dscores_cols(acc_dp, acc_s, cta.sDelta(s), lane);
+    u32 p_frag[P_STEPS][4];
     pack_fragments<T>(acc_s, p_frag);
     wg_issue_pb<T, P_STEPS, G_TILES, QTile>(acc_dv, p_frag, sdO_s, 0, !first);
     pack_fragments<T>(acc_dp, ds_frag);
-    wg_issue_pb<T, P_STEPS, G_TILES, QTile>(acc_dk, ds_frag, sQ_s, 0, !first);
-    // dS^T into shared memory under dV and dK, for both consumers' dQ products.
-    T* sdS_i = cta.sdS + (i & 1) * DsTile::SIZE;
+    // dS^T into shared memory under dV, for both consumers' dQ products.
+    T* sdS_i = cta.sdS(i & 1);
     acc_to_smem<DsTile, S_TILES>(sdS_i, K::WG_KEYS * wg + warp * 16, acc_dp, ones, lane);
     fence_async_shared();  // the stores before the products that read them
     named_barrier_sync(1, 256);
     float acc_dq[K::DQ_TILES][4];
-    wg_issue_atb<T, K::BLOCK_N / 16, K::DQ_TILES, DsTile, KVTile>(acc_dq, sdS_i, K::DQ_SPLIT_ROWS ? 64 * wg : 0, cta.sK,
+    wg_issue_atb<T, K::BLOCK_N / 16, K::DQ_TILES, DsTile, KVTile>(acc_dq, sdS_i, K::DQ_SPLIT_ROWS ? 64 * wg : 0, cta.sK(),
                                                                  K::DQ_SPLIT_ROWS ? 0 : K::DQ_COLS * wg);
-    wgmma_wait<0>();
+    wg_issue_pb<T, P_STEPS, G_TILES, QTile>(acc_dk, ds_frag, sQ_s, 0, !first);
+    wgmma_wait<1>();  // dV and dQ_partial; dK runs on under the staging and into the next block
     fence_operands(acc_dv);
-    fence_operands(acc_dk);
     fence_operands(acc_dq);
     fence_fragments(p_frag);
-    fence_fragments(ds_frag);
-    if (lane == 0) mbar_arrive(cta.step_empty(s));  // q, dout, lse_log2, delta of slot s are read out
-    // dQ_partial into dq_accum: the staging buffer once the previous block's reduce has read it.
-    if (thread == 0) bulk_wait_read<0>();
-    named_barrier_sync(2 + wg, 128);
+    // dQ_partial to the dq writer through this consumer's staging buffer, once its add of the previous
+    // block's has read it.
+    if (i > 0) mbar_wait(cta.dq_empty(), (i - 1) & 1);
 #pragma unroll
     for (int j = 0; j < K::DQ_TILES; ++j)
       *reinterpret_cast<float4*>(staging + (j * 128 + thread) * 4) = make_float4(acc_dq[j][0], acc_dq[j][1], acc_dq[j][2], acc_dq[j][3]);
-    fence_async_shared();
-    named_barrier_sync(2 + wg, 128);
-    if (thread == 0) {
-      bulk_reduce_add_f32(dq_rows + static_cast<i64>(m) * 2 * K::DQ_CHUNK, staging, K::DQ_CHUNK * 4);
-      bulk_commit();
+    fence_async_shared();  // the stores before the bulk copy that reads them
+    __syncwarp();
+    if (lane == 0) mbar_arrive(cta.dq_full());
+    if constexpr (!K::DK_ACROSS) {
+      wgmma_wait<0>();
+      fence_operands(acc_dk);
+      fence_fragments(ds_frag);
+      if (lane == 0) mbar_arrive(cta.step_empty(s));
     }
     first = false;
   }
-  if (thread == 0) bulk_wait<0>();  // before the CTA's shared memory goes away
+  wgmma_wait<0>();
+  fence_operands(acc_dk);
+  fence_fragments(ds_frag);
   if (first) {  // no query sees these keys
     zero_acc(acc_dk);
     zero_acc(acc_dv);
@@ -199,8 +270,8 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
   // dk = scale * dS^T Q summed, dv: staged in this consumer's half of sK and sV once both consumers' last dQ
   // products (which read all of sK) are done.
   named_barrier_sync(1, 256);
-  T* stage_k = cta.sK + wg * K::OutTile::SIZE;
-  T* stage_v = cta.sV + wg * K::OutTile::SIZE;
+  T* stage_k = cta.sK() + wg * K::OutTile::SIZE;
+  T* stage_v = cta.sV() + wg * K::OutTile::SIZE;
   const float dk_scale[2] = {p.scale, p.scale};
   acc_to_smem<typename K::OutTile, G_TILES>(stage_k, warp * 16, acc_dk, dk_scale, lane);
   acc_to_smem<typename K::OutTile, G_TILES>(stage_v, warp * 16, acc_dv, ones, lane);
@@ -212,48 +283,53 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
   store_tile<typename K::OutTile, K::HEAD_DIM, 128>(dv, p.d_v, stage_v, rows, p.d_v, thread);
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int STAGES, bool IS_CAUSAL>
+template <typename T, int HEAD_DIM, int BLOCK_M, int STAGES, bool IS_CAUSAL, bool DETERMINISTIC>
 __global__ void __launch_bounds__(3 * 128, 1)
-attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMaps maps, float* dq_accum) {
-  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL>;
+attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMaps maps, float* dq_accum,
+                        int* dq_counters) {
+  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DETERMINISTIC>;
   using Cta = BwdWsCta<K>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) u64 bars[Cta::BARRIERS];
-  Cta cta;
-  cta.sK = reinterpret_cast<T*>(smem_aligned(smem_raw));
-  cta.sV = cta.sK + K::KVTile::SIZE;
-  cta.sQ = cta.sV + K::KVTile::SIZE;
-  cta.sdO = cta.sQ + STAGES * K::QTile::SIZE;
-  cta.sdS = cta.sdO + STAGES * K::QTile::SIZE;
-  cta.sdQ = reinterpret_cast<float*>(cta.sdS + 2 * K::DsTile::SIZE);
-  cta.sLse = cta.sdQ + 2 * K::DQ_CHUNK;
-  cta.sDelta = cta.sLse + STAGES * BLOCK_M;
-  cta.bars = bars;
+  const Cta cta{reinterpret_cast<T*>(smem_aligned(smem_raw)), bars};
   if (threadIdx.x == 0) {
     mbar_init(cta.kv_full(), 1);
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(cta.step_full(s), WARP_SIZE);
       mbar_init(cta.step_empty(s), K::CONSUMER_WARPS);
     }
+    mbar_init(cta.dq_full(), K::CONSUMER_WARPS);
+    mbar_init(cta.dq_empty(), 1);
     mbar_init_fence();
   }
   __syncthreads();
-  const int b = batch_index();
-  const int n0 = blockIdx.x * K::BLOCK_N;
-  // The query blocks that see any of these keys: causal, queries from n0 - (nk - nq) on.
-  const int m_first = IS_CAUSAL ? max(0, n0 - (p.nk - p.nq)) / BLOCK_M : 0;
-  const int m_blocks = ceil_div(p.nq, BLOCK_M);
-
+  // Each role works out its key block after setmaxnreg (values live across it would crowd the producer's 24).
+  auto key_block = [&](int& b, int& n0, int& m_first, int& m_blocks) {
+    b = batch_index();
+    n0 = blockIdx.x * K::BLOCK_N;
+    // The query blocks that see any of these keys: causal, queries from n0 - (nk - nq) on.
+    m_first = IS_CAUSAL ? max(0, n0 - (p.nk - p.nq)) / BLOCK_M : 0;
+    m_blocks = ceil_div(p.nq, BLOCK_M);
+  };
+  int b, n0, m_first, m_blocks;
   if (threadIdx.x < 128) {  // the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(K::COPY_REGISTERS) : "memory");
-    if (threadIdx.x < WARP_SIZE) bwd_copy_tiles(cta, p, maps, b, n0, m_first, m_blocks, threadIdx.x);
+    const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / WARP_SIZE), 0);
+    if (warp == 0) {
+      key_block(b, n0, m_first, m_blocks);
+      bwd_copy_tiles(cta, p, maps, b, n0, m_first, m_blocks, threadIdx.x);
+    } else if (threadIdx.x == WARP_SIZE) {
+      key_block(b, n0, m_first, m_blocks);
+      bwd_write_dq(cta, dq_accum, dq_counters, b, blockIdx.x, m_first, m_blocks);
+    }
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(K::COMPUTE_REGISTERS) : "memory");
   // The warpgroup through a shuffle: warp-uniform as the compiler sees it (see attention_fwd_ws.cu).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0) - 1;
   const int warp = (threadIdx.x / WARP_SIZE) % 4, lane = threadIdx.x % WARP_SIZE;
-  bwd_consume(cta, p, dq_accum, b, n0, m_first, m_blocks, wg, warp, lane);
+  key_block(b, n0, m_first, m_blocks);
+  bwd_consume(cta, p, b, n0, m_first, m_blocks, wg, warp, lane);
 }
 
 // dq = scale * dq_accum, rounded to T: a CTA per (query block, batch entry), a thread per accumulator thread of
@@ -261,7 +337,7 @@ attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMap
 template <typename T, int HEAD_DIM, int BLOCK_M>
 __global__ void __launch_bounds__(256)
 attention_bwd_dq_convert_kernel(const AttnParams p, const float* dq_accum) {
-  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, 2, false>;
+  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, 2, false, false>;
   const int b = batch_index(), m = blockIdx.x;
   const int wg = threadIdx.x / 128, thread = threadIdx.x % 128;
   const float* chunk = dq_accum + ((static_cast<i64>(b) * gridDim.x + m) * 2 + wg) * K::DQ_CHUNK;

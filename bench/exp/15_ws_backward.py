@@ -50,11 +50,12 @@ def smem_bytes(d, bm):
 _modules = {}
 
 
-def kernels(d, causal):
-    key = (d, causal)
+def kernels(d, causal, deterministic):
+    key = (d, causal, deterministic)
     if key not in _modules:
         bm = BLOCK_M[d]
-        names = [f"attention_bwd_ws_kernel<bfloat16_t, {d}, {bm}, {STAGES}, {str(causal).lower()}>",
+        names = [f"attention_bwd_ws_kernel<bfloat16_t, {d}, {bm}, {STAGES}, {str(causal).lower()}, "
+                 f"{str(deterministic).lower()}>",
                  f"attention_bwd_dq_convert_kernel<bfloat16_t, {d}, {bm}>"]
         module = cupy.RawModule(code=module_code("attention_bwd_ws.cu", names), options=OPTIONS + (f"-arch={WGMMA_ARCH}",),
                                 name_expressions=names)
@@ -67,7 +68,7 @@ def kernels(d, causal):
 class Fused:
     """One problem's fused backward, its parameters and tensor maps made once (as a plan would)."""
 
-    def __init__(self, q, k, v, out, lse, dout, causal):
+    def __init__(self, q, k, v, out, lse, dout, causal, deterministic=True):
         self.batch_shape, (nq, d), nk = q.shape[:-2], q.shape[-2:], k.shape[-2]
         self.nq, self.nk, self.d, self.causal = nq, nk, d, causal
         self.batch = math.prod(self.batch_shape)
@@ -75,7 +76,10 @@ class Fused:
         self.dq, self.dk, self.dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
         self.lse_log2, self.delta = cupy.empty_like(lse), cupy.empty_like(lse)
         self.m_blocks = -(-nq // self.bm)
-        self.dq_accum = cupy.empty(self.batch * self.m_blocks * self.bm * d, dtype=cupy.float32)
+        # dq_accum and the counters of the ordered adds, zeroed by one fill per call
+        self.workspace = cupy.empty(self.batch * self.m_blocks * (self.bm * d + 1), dtype=cupy.float32)
+        self.dq_accum = self.workspace[:self.batch * self.m_blocks * self.bm * d]
+        self.counters = self.workspace[self.dq_accum.size:].view(cupy.int32)
         arrays, sizes, strides, _ = layout(self.batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout})
         others = {"dq": self.dq, "dk": self.dk, "dv": self.dv, "lse": lse, "lse_log2": self.lse_log2,
                   "delta": self.delta}
@@ -85,13 +89,14 @@ class Fused:
         self.pre = functions(self.pre_variant)
         maps = tma.TensorMaps(arrays, sizes, strides, {"q": self.bm, "k": 128, "v": 128, "dout": self.bm})
         self.maps = maps.encode({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "dout": dout.data.ptr})
-        self.main, self.convert = kernels(d, causal)
+        self.main, self.convert = kernels(d, causal, deterministic)
 
     def __call__(self):
-        self.dq_accum.fill(0)
+        self.workspace.fill(0)
         launch(self.pre, self.pre_variant, "preprocess", self.nq, self.batch, self.params)
         arg = self.params.view(PARAMS_BYTES)
-        self.main((-(-self.nk // 128), self.batch), (384,), (arg, CPointer(self.maps.ctypes.data), self.dq_accum),
+        self.main((-(-self.nk // 128), self.batch), (384,), (arg, CPointer(self.maps.ctypes.data), self.dq_accum,
+                                                                 self.counters),
                   shared_mem=smem_bytes(self.d, self.bm))
         self.convert((self.m_blocks, self.batch), (256,), (arg, self.dq_accum))
         return self.dq, self.dk, self.dv
@@ -138,6 +143,8 @@ for d in dims:
             for x in (fused.dq, fused.dk, fused.dv):
                 x.view(cupy.uint16).fill(0x7FC0)  # NaN: every element must be written
             got = [x.copy() for x in fused()]
+            again = [x.copy() for x in fused()]
+            assert all(bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()) for a, b in zip(got, again)), "not bitwise reproducible"
             two_pass = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
             row = {"d": d, "causal": causal, "nq": nq, "nk": nk,
                    "fused": [max_err(x, r) for x, r in zip(got, ref)],
@@ -166,20 +173,27 @@ if not args.check_only:
                 q, k, v, dout = rand(shape), rand(shape), rand(shape), rand(shape)
                 out, lse = cupyflash.attention_forward(q, k, v, causal=causal)
                 fused = Fused(q, k, v, out, lse, dout, causal)
+                unordered = Fused(q, k, v, out, lse, dout, causal, deterministic=False)
                 got = [x.copy() for x in fused()]
+                again = [x.copy() for x in fused()]
+                same = all(bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()) for a, b in zip(got, again))
                 two_pass = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
                 agree = [float(cupy.abs(f64(a) - f64(b)).max() / cupy.abs(f64(b)).max()) for a, b in zip(got, two_pass)]
                 t_fused = ms(fused)
+                t_unordered = ms(unordered)
                 t_two = ms(lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal))
                 sdpa = bench_attention.TorchSDPA("cudnn", q, k, v, dout, causal, 1 / math.sqrt(d))
                 sdpa.prepare_backward()
                 t_cudnn = ms(sdpa.backward)
                 flops = 2.5 * 4 * batch * heads * n * n * d * (0.5 if causal else 1)
-                tf = {name: flops / t / 1e9 for name, t in (("fused", t_fused), ("two_pass", t_two), ("cudnn", t_cudnn))}
-                results["timings"].append({"d": d, "causal": causal, "n": n, "agree": agree, "tflops": tf})
-                print(f"D={d:3d} {'causal' if causal else 'full  '} N={n:5d}: fused {tf['fused']:6.1f} two-pass "
+                tf = {name: flops / t / 1e9 for name, t in (("fused", t_fused), ("unordered", t_unordered), ("two_pass", t_two),
+                                                                ("cudnn", t_cudnn))}
+                results["timings"].append({"d": d, "causal": causal, "n": n, "agree": agree, "reproducible": same,
+                                           "tflops": tf})
+                print(f"D={d:3d} {'causal' if causal else 'full  '} N={n:5d}: fused {tf['fused']:6.1f} unordered "
+                      f"{tf['unordered']:6.1f} two-pass "
                       f"{tf['two_pass']:6.1f} cudnn {tf['cudnn']:6.1f} TFLOP/s  fused/cudnn {tf['fused'] / tf['cudnn']:.2f}"
-                      f"  vs two-pass dq/dk/dv " + " ".join(f"{e:.1e}" for e in agree), flush=True)
+                      f"  vs two-pass dq/dk/dv " + " ".join(f"{e:.1e}" for e in agree) + f" reproducible {same}", flush=True)
 
 out_dir = os.environ.get("OUT", ".")
 Path(out_dir, "ws_backward.json").write_text(json.dumps(results, indent=1))
