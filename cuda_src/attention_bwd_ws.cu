@@ -42,9 +42,6 @@ struct BwdWsTraits {
   using T = T_;
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_M = BLOCK_M_, STAGES = STAGES_;
   static constexpr bool IS_CAUSAL = IS_CAUSAL_, DETERMINISTIC = DETERMINISTIC_;
-  // Causal: the query blocks from the last down, so that every key block reaches a query block at the same
-  // step of its loop (ascending, key block n would reach it n steps of the diagonal later than key block 0).
-  static constexpr bool DESCENDING = IS_CAUSAL;
   static constexpr int BLOCK_N = 128, WG_KEYS = 64;
   using KVTile = SwizzledTile<T, BLOCK_N, HEAD_DIM>;
   using QTile = SwizzledTile<T, BLOCK_M, HEAD_DIM>;    // q and dout
@@ -97,14 +94,57 @@ struct BwdWsCta {
   __device__ __forceinline__ u32 dq_full() const { return smem_u32(&bars[1 + 2 * K::STAGES]); }
   __device__ __forceinline__ u32 dq_empty() const { return smem_u32(&bars[2 + 2 * K::STAGES]); }
   static constexpr int BARRIERS = 3 + 2 * K::STAGES;
-  // The i-th query block of a key block's loop, among [m_first, m_blocks).
-  __device__ __forceinline__ static int query_block(int i, int m_first, int m_blocks) {
-    return K::DESCENDING ? m_blocks - 1 - i : m_first + i;
-  }
   __device__ __forceinline__ static u32 parity(int i) { return static_cast<u32>((i / K::STAGES) & 1); }
   // Shared memory the kernel asks for (dynamic, past the 1024-byte alignment).
   static constexpr int BYTES = (2 * K::KVTile::SIZE + 2 * K::STAGES * K::QTile::SIZE + 2 * K::DsTile::SIZE) * 2 +
                                (2 * K::DQ_CHUNK + 2 * K::STAGES * K::BLOCK_M) * 4;
+};
+
+// The query blocks a key block's CTA visits, in its order, and where it stands among the key blocks that add to
+// each (the ordered adds: DETERMINISTIC). BY_ARRIVAL (the host's choice: a batch entry's key blocks fit on the
+// GPU at once): each key block takes its place in the order the CTAs reach a query block when they run in step,
+// so that none waits while all keep pace: without a causal mask key block n starts at query block
+// floor(n M / NB) (of M query blocks, NB key blocks) and goes round, so that no two are ever at the same one;
+// with it, each goes up from its first query block, and at any query block the later key blocks (which start
+// nearer it) come first. A CTA may then wait for one of a higher index, launched after it: the host allows it
+// only where all of a batch entry's CTAs can be resident together. Otherwise every CTA goes through its query
+// blocks in one order (causal: from the last down, so that all reach each at the same step), and key blocks
+// add in the order of their index: a CTA then waits only for those launched before it.
+template <class K>
+struct KeyBlockWalk {
+  int b, n, m_first, m_blocks, start;  // start: BY_ARRIVAL without a causal mask, the first query block; else -1
+  __device__ __forceinline__ KeyBlockWalk(const AttnParams& p, int by_arrival) {
+    b = batch_index();
+    n = blockIdx.x;
+    // The query blocks that see any of these keys: causal, queries from n BLOCK_N - (nk - nq) on.
+    m_first = K::IS_CAUSAL ? max(0, n * K::BLOCK_N - (p.nk - p.nq)) / K::BLOCK_M : 0;
+    m_blocks = ceil_div(p.nq, K::BLOCK_M);
+    start = by_arrival ? (K::IS_CAUSAL ? 0 : static_cast<int>(static_cast<i64>(n) * m_blocks / key_blocks(p))) : -1;
+  }
+  __device__ __forceinline__ static int key_blocks(const AttnParams& p) { return ceil_div(p.nk, K::BLOCK_N); }
+  __device__ __forceinline__ int steps() const { return m_blocks - m_first; }
+  __device__ __forceinline__ int query_block(int i) const {
+    if constexpr (K::IS_CAUSAL) return start >= 0 ? m_first + i : m_blocks - 1 - i;
+    const int m = start + i;
+    return start < 0 ? i : m < m_blocks ? m : m - m_blocks;
+  }
+  // How many key blocks add to query block m before this one.
+  __device__ __forceinline__ int rank(int m, const AttnParams& p) const {
+    if (start < 0) return n;
+    const int nb = key_blocks(p);
+    if constexpr (K::IS_CAUSAL) {  // the key blocks that see query block m: 0 .. last, the later first
+      const int last = min(nb - 1, floor_div(m * K::BLOCK_M + K::BLOCK_M - 1 + (p.nk - p.nq), K::BLOCK_N));
+      return last - n;
+    }
+    // Key block n' reaches m (d(n') = m - start(n') mod M) steps after it began; ties in index order.
+    // starts_upto(x): how many key blocks start at query block x or before.
+    auto starts_upto = [&](int x) {
+      return x < 0 ? 0 : min(nb, static_cast<int>((static_cast<i64>(x + 1) * nb + m_blocks - 1) / m_blocks));
+    };
+    const int earlier = start == m ? 0 : start < m ? starts_upto(m) - starts_upto(start)
+                                                   : nb - starts_upto(start) + starts_upto(m);
+    return earlier + n - starts_upto(start - 1);
+  }
 };
 
 // The producer warp: K and V, then each query block's q, dout (lane 0, TMA) and lse_log2, delta (every lane).
@@ -115,8 +155,9 @@ __device__ __forceinline__ void copy_rows(T* tile, const TensorMap& map, const A
 }
 template <class K>
 __device__ __forceinline__ void bwd_copy_tiles(const BwdWsCta<K>& cta, const AttnParams& p, const BwdTensorMaps& maps,
-                                               int b, int n0, int m_first, int m_blocks, int lane) {
+                                               const KeyBlockWalk<K>& walk, int lane) {
   using T = typename K::T;
+  const int b = walk.b, n0 = walk.n * K::BLOCK_N;
   if (lane == 0) {
     mbar_expect(cta.kv_full(), 2 * K::KVTile::SIZE * sizeof(T));
     copy_rows<typename K::KVTile>(cta.sK(), maps.k, p, b, n0, cta.kv_full());
@@ -125,8 +166,8 @@ __device__ __forceinline__ void bwd_copy_tiles(const BwdWsCta<K>& cta, const Att
   const float* lse_log2 = static_cast<const float*>(p.lse_log2) + static_cast<i64>(b) * p.nq;
   const float* delta = static_cast<const float*>(p.delta) + static_cast<i64>(b) * p.nq;
 #pragma unroll 1
-  for (int i = 0; i < m_blocks - m_first; ++i) {
-    const int s = i % K::STAGES, row0 = cta.query_block(i, m_first, m_blocks) * K::BLOCK_M;
+  for (int i = 0; i < walk.steps(); ++i) {
+    const int s = i % K::STAGES, row0 = walk.query_block(i) * K::BLOCK_M;
     if (i >= K::STAGES) mbar_wait(cta.step_empty(s), cta.parity(i - K::STAGES));
 #pragma unroll
     for (int r = lane; r < K::BLOCK_M; r += WARP_SIZE) {
@@ -161,16 +202,17 @@ __device__ __forceinline__ void add_release(int* counter, int value) {
 // contiguous 2 * DQ_CHUNK floats in the staging buffers and in dq_accum) added into dq_accum by a bulk reduce;
 // DETERMINISTIC: in key-block order (above), the count released once the adds have landed.
 template <class K>
-__device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_accum, int* dq_counters, int b,
-                                             int n_block, int m_first, int m_blocks) {
-  float* rows = dq_accum + static_cast<i64>(b) * m_blocks * 2 * K::DQ_CHUNK;
-  int* counters = dq_counters + static_cast<i64>(b) * m_blocks;
+__device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_accum, int* dq_counters,
+                                             const KeyBlockWalk<K>& walk, const AttnParams& p) {
+  float* rows = dq_accum + static_cast<i64>(walk.b) * walk.m_blocks * 2 * K::DQ_CHUNK;
+  int* counters = dq_counters + static_cast<i64>(walk.b) * walk.m_blocks;
 #pragma unroll 1
-  for (int i = 0; i < m_blocks - m_first; ++i) {
-    const int m = cta.query_block(i, m_first, m_blocks);
+  for (int i = 0; i < walk.steps(); ++i) {
+    const int m = walk.query_block(i);
     mbar_wait(cta.dq_full(), i & 1);
     if constexpr (K::DETERMINISTIC) {
-      while (load_acquire(counters + m) != n_block) {
+      const int rank = walk.rank(m, p);
+      while (load_acquire(counters + m) != rank) {
       }
     }
     bulk_reduce_add_f32(rows + static_cast<i64>(m) * 2 * K::DQ_CHUNK, cta.sdQ(0), 2 * K::DQ_CHUNK * 4);
@@ -188,15 +230,15 @@ __device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_a
 
 // A consumer (wg 0 or 1: keys [n0 + 64 wg, + 64) of the block) over every query block from m_first; then dk, dv.
 template <class K>
-__device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnParams& p, int b,
-                                            int n0, int m_first, int m_blocks, int wg, int warp, int lane) {
+__device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnParams& p, const KeyBlockWalk<K>& walk,
+                                            int wg, int warp, int lane) {
   using T = typename K::T;
   using QTile = typename K::QTile;
   using KVTile = typename K::KVTile;
   using DsTile = typename K::DsTile;
   constexpr int S_TILES = K::S_TILES, G_TILES = K::G_TILES, P_STEPS = K::P_STEPS, BLOCK_M = K::BLOCK_M;
   const int thread = threadIdx.x % 128;
-  const int key0 = n0 + K::WG_KEYS * wg;  // this consumer's first key
+  const int b = walk.b, key0 = walk.n * K::BLOCK_N + K::WG_KEYS * wg;  // this consumer's first key
   const int offset = p.nk - p.nq;         // causal: query i sees key j <= i + offset
   const Mask<K::IS_CAUSAL> mask{p.nk, offset};
   const float ones[2] = {1.f, 1.f};
@@ -205,8 +247,8 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
   mbar_wait(cta.kv_full(), 0);
   bool first = true;  // the first dV and dK products overwrite their accumulators (no zeroed registers)
   u32 ds_frag[P_STEPS][4];  // dS^T for dK += dS^T Q, which runs on into the next query block's S^T and dP^T
-  for (int i = 0; i < m_blocks - m_first; ++i) {
-    const int s = i % K::STAGES, m = cta.query_block(i, m_first, m_blocks);
+  for (int i = 0; i < walk.steps(); ++i) {
+    const int s = i % K::STAGES, m = walk.query_block(i);
     const T* sQ_s = cta.sQ(s);
     const T* sdO_s = cta.sdO(s);
     mbar_wait(cta.step_full(s), cta.parity(i));
@@ -286,7 +328,7 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
 template <typename T, int HEAD_DIM, int BLOCK_M, int STAGES, bool IS_CAUSAL, bool DETERMINISTIC>
 __global__ void __launch_bounds__(3 * 128, 1)
 attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMaps maps, float* dq_accum,
-                        int* dq_counters) {
+                        int* dq_counters, int by_arrival) {
   using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DETERMINISTIC>;
   using Cta = BwdWsCta<K>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -303,33 +345,20 @@ attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMap
     mbar_init_fence();
   }
   __syncthreads();
-  // Each role works out its key block after setmaxnreg (values live across it would crowd the producer's 24).
-  auto key_block = [&](int& b, int& n0, int& m_first, int& m_blocks) {
-    b = batch_index();
-    n0 = blockIdx.x * K::BLOCK_N;
-    // The query blocks that see any of these keys: causal, queries from n0 - (nk - nq) on.
-    m_first = IS_CAUSAL ? max(0, n0 - (p.nk - p.nq)) / BLOCK_M : 0;
-    m_blocks = ceil_div(p.nq, BLOCK_M);
-  };
-  int b, n0, m_first, m_blocks;
+  // Each role works out its key block's walk after setmaxnreg (values live across it would crowd the
+  // producer's 24 registers).
   if (threadIdx.x < 128) {  // the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(K::COPY_REGISTERS) : "memory");
     const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / WARP_SIZE), 0);
-    if (warp == 0) {
-      key_block(b, n0, m_first, m_blocks);
-      bwd_copy_tiles(cta, p, maps, b, n0, m_first, m_blocks, threadIdx.x);
-    } else if (threadIdx.x == WARP_SIZE) {
-      key_block(b, n0, m_first, m_blocks);
-      bwd_write_dq(cta, dq_accum, dq_counters, b, blockIdx.x, m_first, m_blocks);
-    }
+    if (warp == 0) bwd_copy_tiles(cta, p, maps, KeyBlockWalk<K>(p, by_arrival), threadIdx.x);
+    else if (threadIdx.x == WARP_SIZE) bwd_write_dq(cta, dq_accum, dq_counters, KeyBlockWalk<K>(p, by_arrival), p);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(K::COMPUTE_REGISTERS) : "memory");
   // The warpgroup through a shuffle: warp-uniform as the compiler sees it (see attention_fwd_ws.cu).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0) - 1;
   const int warp = (threadIdx.x / WARP_SIZE) % 4, lane = threadIdx.x % WARP_SIZE;
-  key_block(b, n0, m_first, m_blocks);
-  bwd_consume(cta, p, b, n0, m_first, m_blocks, wg, warp, lane);
+  bwd_consume(cta, p, KeyBlockWalk<K>(p, by_arrival), wg, warp, lane);
 }
 
 // dq = scale * dq_accum, rounded to T: a CTA per (query block, batch entry), a thread per accumulator thread of
