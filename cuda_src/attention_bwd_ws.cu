@@ -210,12 +210,17 @@ __device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_a
   for (int i = 0; i < walk.steps(); ++i) {
     const int m = walk.query_block(i);
     mbar_wait(cta.dq_full(), i & 1);
+    float* to = rows + static_cast<i64>(m) * 2 * K::DQ_CHUNK;
     if constexpr (K::DETERMINISTIC) {
+      // The first key block stores its partial (dq_accum is not zeroed), the others add theirs in turn.
       const int rank = walk.rank(m, p);
       while (load_acquire(counters + m) != rank) {
       }
+      if (rank == 0) bulk_store(to, cta.sdQ(0), 2 * K::DQ_CHUNK * 4);
+      else bulk_reduce_add_f32(to, cta.sdQ(0), 2 * K::DQ_CHUNK * 4);
+    } else {
+      bulk_reduce_add_f32(to, cta.sdQ(0), 2 * K::DQ_CHUNK * 4);
     }
-    bulk_reduce_add_f32(rows + static_cast<i64>(m) * 2 * K::DQ_CHUNK, cta.sdQ(0), 2 * K::DQ_CHUNK * 4);
     bulk_commit();
     bulk_wait_read<0>();
     mbar_arrive(cta.dq_empty());  // the staging buffers may be written again
@@ -362,19 +367,21 @@ attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMap
 }
 
 // dq = scale * dq_accum, rounded to T: a CTA per (query block, batch entry), a thread per accumulator thread of
-// the two consumers' chunks (DqChunk).
-template <typename T, int HEAD_DIM, int BLOCK_M>
+// the two consumers' chunks (DqChunk). A query block no key block adds to (causal: queries before every key,
+// or no keys at all) has 0 for dq and nothing in dq_accum.
+template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL>
 __global__ void __launch_bounds__(256)
 attention_bwd_dq_convert_kernel(const AttnParams p, const float* dq_accum) {
-  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, 2, false, false>;
+  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, 2, IS_CAUSAL, true>;
   const int b = batch_index(), m = blockIdx.x;
+  const bool added = p.nk > 0 && (!IS_CAUSAL || m * BLOCK_M + BLOCK_M - 1 + (p.nk - p.nq) >= 0);
   const int wg = threadIdx.x / 128, thread = threadIdx.x % 128;
   const float* chunk = dq_accum + ((static_cast<i64>(b) * gridDim.x + m) * 2 + wg) * K::DQ_CHUNK;
   const int row0 = m * BLOCK_M + (K::DQ_SPLIT_ROWS ? 64 * wg : 0), col0 = K::DQ_SPLIT_ROWS ? 0 : K::DQ_COLS * wg;
   T* dq = static_cast<T*>(p.dq) + static_cast<i64>(b) * p.nq * p.d_qk;
 #pragma unroll
   for (int j = 0; j < K::DQ_TILES; ++j) {
-    const float4 x = *reinterpret_cast<const float4*>(chunk + (j * 128 + thread) * 4);
+    const float4 x = added ? *reinterpret_cast<const float4*>(chunk + (j * 128 + thread) * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
     const int c = col0 + DqChunk::col(thread, j, 0);
     if (c >= p.d_qk) continue;
     const int r = row0 + DqChunk::row(thread, 0);

@@ -60,6 +60,11 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
                :: "l"(dst), "r"(smem_u32(src)), "r"(bytes) : "memory");
 }
+// Stores `bytes` at shared `src` to global `dst` (the same alignment; the same bulk group).
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, u32 bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+               :: "l"(dst), "r"(smem_u32(src)), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // The issuing thread's bulk groups but the last PENDING have read their shared memory (it may be written
 // again); bulk_wait: ... have completed.

@@ -20,7 +20,7 @@ import numpy as np
 
 import cupyflash
 from cupyflash import _timing
-from cupyflash._cuda import tma
+from cupyflash._cuda import dense_fast, launch as launches, tiles, tma
 from cupyflash._cuda.compile import current_device, functions
 from cupyflash._cuda.launch import CPointer, launch
 from cupyflash._cuda.params import PARAMS_BYTES, dense_params, layout
@@ -57,7 +57,7 @@ def kernels(d, causal, deterministic):
         bm = BLOCK_M[d]
         names = [f"attention_bwd_ws_kernel<bfloat16_t, {d}, {bm}, {STAGES}, {str(causal).lower()}, "
                  f"{str(deterministic).lower()}>",
-                 f"attention_bwd_dq_convert_kernel<bfloat16_t, {d}, {bm}>"]
+                 f"attention_bwd_dq_convert_kernel<bfloat16_t, {d}, {bm}, {str(causal).lower()}>"]
         module = cupy.RawModule(code=module_code("attention_bwd_ws.cu", names), options=OPTIONS + (f"-arch={WGMMA_ARCH}",),
                                 name_expressions=names)
         main, convert = (module.get_function(n) for n in names)
@@ -107,6 +107,18 @@ class Fused:
         return self.dq, self.dk, self.dv
 
 
+def two_passes(dout, q, k, v, out, lse, causal):
+    """The library's two-pass backward (the fused one's threshold set past every length)."""
+    saved = dict(tiles.WS_BWD_MIN_LENGTH)
+    tiles.WS_BWD_MIN_LENGTH.update({d: 1 << 30 for d in saved})
+    try:
+        return cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    finally:
+        tiles.WS_BWD_MIN_LENGTH.update(saved)
+        launches.plans.clear()
+        dense_fast._table.clear()
+
+
 def f64(x):
     return cupy.asarray(bench_attention.float32_if_bf16(x), dtype=cupy.float64)
 
@@ -150,7 +162,7 @@ for d in dims:
             got = [x.copy() for x in fused()]
             again = [x.copy() for x in fused()]
             assert all(bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()) for a, b in zip(got, again)), "not bitwise reproducible"
-            two_pass = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+            two_pass = two_passes(dout, q, k, v, out, lse, causal)
             for other in (Fused(q, k, v, out, lse, dout, causal, by_arrival=False),
                           Fused(q, k, v, out, lse, dout, causal, deterministic=False)):
                 errs = [max_err(x, r) for x, r in zip(other(), ref)]
@@ -187,22 +199,24 @@ if not args.check_only:
                 got = [x.copy() for x in fused()]
                 again = [x.copy() for x in fused()]
                 same = all(bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()) for a, b in zip(got, again))
-                two_pass = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+                two_pass = two_passes(dout, q, k, v, out, lse, causal)
                 agree = [float(cupy.abs(f64(a) - f64(b)).max() / cupy.abs(f64(b)).max()) for a, b in zip(got, two_pass)]
                 t_fused = ms(fused)
                 t_unordered = ms(unordered)
                 t_by_index = ms(by_index)
-                t_two = ms(lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal))
+                t_two = ms(lambda: two_passes(dout, q, k, v, out, lse, causal))
+                t_library = ms(lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal))
                 sdpa = bench_attention.TorchSDPA("cudnn", q, k, v, dout, causal, 1 / math.sqrt(d))
                 sdpa.prepare_backward()
                 t_cudnn = ms(sdpa.backward)
                 flops = 2.5 * 4 * batch * heads * n * n * d * (0.5 if causal else 1)
                 tf = {name: flops / t / 1e9 for name, t in (("fused", t_fused), ("unordered", t_unordered), ("by_index", t_by_index), ("two_pass", t_two),
+                                                                ("library", t_library),
                                                                 ("cudnn", t_cudnn))}
                 results["timings"].append({"d": d, "causal": causal, "n": n, "agree": agree, "reproducible": same,
                                            "tflops": tf})
                 print(f"D={d:3d} {'causal' if causal else 'full  '} N={n:5d}: fused {tf['fused']:6.1f} unordered "
-                      f"{tf['unordered']:6.1f} by-index {tf['by_index']:6.1f} two-pass "
+                      f"{tf['unordered']:6.1f} by-index {tf['by_index']:6.1f} library {tf['library']:6.1f} two-pass "
                       f"{tf['two_pass']:6.1f} cudnn {tf['cudnn']:6.1f} TFLOP/s  fused/cudnn {tf['fused'] / tf['cudnn']:.2f}"
                       f"  vs two-pass dq/dk/dv " + " ".join(f"{e:.1e}" for e in agree) + f" reproducible {same}", flush=True)
 
