@@ -3,29 +3,36 @@
 // preprocess), with five products per tile where the two-pass backward's recomputation takes seven.
 //
 // Layout: q, dout (b, nq, d) and k, v (b, nk, d) of one dense batch, read through TMA tensor maps (tma.cuh);
-// lse_log2 and delta (b, nq) float32; dk, dv (b, nk, d) contiguous. dq_accum: float32, zeroed by the host,
-// (b, ceil(nq / BLOCK_M), 2 consumers, DQ_CHUNK) in the order the dQ products' accumulators hold it
-// (DqChunk below); attention_bwd_dq_convert_kernel scales and rounds it into dq (b, nq, d). Saves nothing.
+// lse_log2 and delta (b, nq) float32; dk, dv (b, nk, d) contiguous. dq_accum: float32, (b, ceil(nq / BLOCK_M),
+// 2 consumers, DQ_CHUNK) in the order the dQ products' accumulators hold it (DqChunk below), never zeroed: the
+// first key block at a query block stores its partial there (DETERMINISTIC; otherwise the host zeroes it);
+// attention_bwd_dq_convert_kernel scales and rounds it into dq (b, nq, d). dq_counters: an int per (batch
+// entry, query block), zero at launch. Saves nothing.
 //
-// A CTA per (block of BLOCK_N = 128 keys, batch entry) streams every query block that sees its keys, in three
-// warpgroups:
-//  - the producer (warpgroup 0, warp 0): K and V once; per query block, q and dout by TMA (its lane 0) and
-//    lse_log2 and delta (its 32 lanes, +inf and 0 past nq) into a ring of STAGES slots. The other warps leave;
-//    the warpgroup gives its registers to the consumers (setmaxnreg).
+// A CTA per (block of BLOCK_N = 128 keys, batch entry) streams every query block that sees its keys
+// (KeyBlockWalk: in which order), in three warpgroups:
+//  - the producer (warpgroup 0). Warp 0: K and V once; per query block, q and dout by TMA (its lane 0) and
+//    lse_log2 and delta (its 32 lanes, +inf and 0 past nq) into a ring of STAGES slots. Warp 1, one lane: the
+//    dq writer (bwd_write_dq), which adds both consumers' dQ_partial into dq_accum by a bulk reduce, in
+//    key-block order (DETERMINISTIC). The other warps leave; the warpgroup gives its registers to the
+//    consumers (setmaxnreg).
 //  - two consumers (warpgroups 1 and 2), each owning 64 of the block's keys, per query block:
 //      S^T = K Q^T and dP^T = V dO^T issued together; P^T = exp2(S^T scale_log2 - lse_log2) under dP^T;
 //      dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q with P^T, dS^T from registers (as the
-//      two-pass backward's dK/dV pass); dS^T stored to shared memory under those products; after a barrier
-//      of both consumers, each its half of dQ_partial = dS K over all 128 keys (rows when BLOCK_M is 128,
-//      else columns: DQ_SPLIT_ROWS), staged in shared memory and added into dq_accum by a bulk reduce.
+//      two-pass backward's dK/dV pass); dS^T stored to shared memory under dV; after a barrier of both
+//      consumers, each its half of dQ_partial = dS K over all 128 keys (rows when BLOCK_M is 128, else
+//      columns: DQ_SPLIT_ROWS), issued before dK and staged in shared memory for the writer while dK runs
+//      (DK_ACROSS: on into the next query block's S^T and dP^T).
 //    dS^T has two buffers, so one consumer's store of the next block's never meets the other's dQ product
 //    still reading this one's (the barrier each block keeps them within a block of each other).
 // Barriers (tma.cuh): kv_full (K and V's bytes), step_full[STAGES] (q and dout's bytes, and the producer's
 // 32 lanes once their lse_log2 and delta are stored), step_empty[STAGES] (8 consumer warps, after the slot's
-// last product); named barrier 1 (both consumers: dS^T stored), 2 + consumer (its staging buffer free, then
-// written).
-// The bulk adds of different key blocks into a query block's dq_accum land in whichever order their CTAs
-// reach it: dq's float32 sums vary in their last bits from run to run (dk and dv do not).
+// last product), dq_full (8 consumer warps, their dQ_partial staged), dq_empty (the writer, once its bulk
+// copy has read the staging buffers); named barrier 1 (both consumers: dS^T stored; at the end, done with sK
+// and sV before dk, dv are staged there), 2 + consumer (its dk, dv staged).
+// DETERMINISTIC: dq's float32 sums run in a fixed order per query block, so dq is bitwise reproducible (as dk
+// and dv are: one CTA sums each). Without it (an experiment's form, bench/exp/15_ws_backward.py) the adds land
+// in whatever order the CTAs reach a query block.
 #include "common.cuh"
 #include "params.cuh"
 #include "copy.cuh"
@@ -95,9 +102,6 @@ struct BwdWsCta {
   __device__ __forceinline__ u32 dq_empty() const { return smem_u32(&bars[2 + 2 * K::STAGES]); }
   static constexpr int BARRIERS = 3 + 2 * K::STAGES;
   __device__ __forceinline__ static u32 parity(int i) { return static_cast<u32>((i / K::STAGES) & 1); }
-  // Shared memory the kernel asks for (dynamic, past the 1024-byte alignment).
-  static constexpr int BYTES = (2 * K::KVTile::SIZE + 2 * K::STAGES * K::QTile::SIZE + 2 * K::DsTile::SIZE) * 2 +
-                               (2 * K::DQ_CHUNK + 2 * K::STAGES * K::BLOCK_M) * 4;
 };
 
 // The query blocks a key block's CTA visits, in its order, and where it stands among the key blocks that add to
@@ -184,11 +188,8 @@ __device__ __forceinline__ void bwd_copy_tiles(const BwdWsCta<K>& cta, const Att
   }
 }
 
-// A global counter per (batch entry, query block): key blocks add their dQ_partial to a query block in the
-// order of their index, each waiting for the count of those added before it. Every key block that sees a
-// query block has a lower index than any that sees it later... (causal: the blocks that see query block m are
-// 0 .. the last one whose first key it sees), and a lower index is a CTA launched no later, so a CTA never waits
-// for one that cannot start.
+// The ordered adds: a global counter per (batch entry, query block) counts the key blocks whose dQ_partial has
+// landed there; a key block waits until it equals its rank (KeyBlockWalk::rank), adds, and counts itself.
 __device__ __forceinline__ int load_acquire(const int* counter) {
   int value;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
@@ -199,8 +200,10 @@ __device__ __forceinline__ void add_release(int* counter, int value) {
 }
 
 // The dq writer (the producer warpgroup's warp 1, one lane): per query block, both consumers' dQ_partial (one
-// contiguous 2 * DQ_CHUNK floats in the staging buffers and in dq_accum) added into dq_accum by a bulk reduce;
-// DETERMINISTIC: in key-block order (above), the count released once the adds have landed.
+// contiguous 2 * DQ_CHUNK floats in the staging buffers and in dq_accum) into dq_accum by a bulk copy.
+// DETERMINISTIC: in rank order, the first stored and the others added, each count released once the adds have
+// landed; otherwise added in any order. Waiting here, not in the consumers, lets them go on to the next query
+// block (until they need the staging buffers again).
 template <class K>
 __device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_accum, int* dq_counters,
                                              const KeyBlockWalk<K>& walk, const AttnParams& p) {

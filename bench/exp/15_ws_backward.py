@@ -1,9 +1,11 @@
-"""The warp-specialized fused backward (cuda_src/attention_bwd_ws.cu) against the two-pass backward that serves
-16-bit Hopper calls today and cuDNN (torch SDPA) in the same run. Correctness first: on a small awkward problem
+"""The warp-specialized fused backward (cuda_src/attention_bwd_ws.cu), in each order of its dq adds (by arrival,
+the shipped one where the host allows it; by key-block index; unordered), against the two-pass backward, the
+library's own choice and cuDNN (torch SDPA) in the same run. Correctness first: on a small awkward problem
 each of dq, dk, dv against a float64 reference (max error beside the two-pass backward's), and on every timed
 problem against the two-pass results. Then the median of 15 (L2 flushed and a spin before each call, GPU work
-only) on FlashAttention's shapes (16k tokens, hidden 2048). The fused time includes everything it launches:
-dq_accum's zeroing, the preprocess, the main kernel and dq's conversion. Writes $OUT/ws_backward.json.
+only) on FlashAttention's shapes (16k tokens, hidden 2048). The fused forms' times include everything they
+launch: zeroing dq_accum and the counters (the library zeroes the counters alone), the preprocess, the main
+kernel and dq's conversion. Writes $OUT/ws_backward.json.
 
     PYTHONPATH=. python bench/exp/15_ws_backward.py [--dims 128,64] [--seqlens 1k,2k,8k] [--check-only]
 """
@@ -58,8 +60,8 @@ def kernels(d, causal, deterministic):
         names = [f"attention_bwd_ws_kernel<bfloat16_t, {d}, {bm}, {STAGES}, {str(causal).lower()}, "
                  f"{str(deterministic).lower()}>",
                  f"attention_bwd_dq_convert_kernel<bfloat16_t, {d}, {bm}, {str(causal).lower()}>"]
-        module = cupy.RawModule(code=module_code("attention_bwd_ws.cu", names), options=OPTIONS + (f"-arch={WGMMA_ARCH}",),
-                                name_expressions=names)
+        module = cupy.RawModule(code=module_code("attention_bwd_ws.cu", names),
+                                options=OPTIONS + (f"-arch={WGMMA_ARCH}",), name_expressions=names)
         main, convert = (module.get_function(n) for n in names)
         main.max_dynamic_shared_size_bytes = smem_bytes(d, bm)
         _modules[key] = (main, convert)
@@ -161,7 +163,8 @@ for d in dims:
                 x.view(cupy.uint16).fill(0x7FC0)  # NaN: every element must be written
             got = [x.copy() for x in fused()]
             again = [x.copy() for x in fused()]
-            assert all(bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()) for a, b in zip(got, again)), "not bitwise reproducible"
+            assert all(bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()) for a, b in zip(got, again)), \
+                "not bitwise reproducible"
             two_pass = two_passes(dout, q, k, v, out, lse, causal)
             for other in (Fused(q, k, v, out, lse, dout, causal, by_arrival=False),
                           Fused(q, k, v, out, lse, dout, causal, deterministic=False)):
@@ -210,15 +213,16 @@ if not args.check_only:
                 sdpa.prepare_backward()
                 t_cudnn = ms(sdpa.backward)
                 flops = 2.5 * 4 * batch * heads * n * n * d * (0.5 if causal else 1)
-                tf = {name: flops / t / 1e9 for name, t in (("fused", t_fused), ("unordered", t_unordered), ("by_index", t_by_index), ("two_pass", t_two),
-                                                                ("library", t_library),
-                                                                ("cudnn", t_cudnn))}
+                times = {"fused": t_fused, "unordered": t_unordered, "by_index": t_by_index, "two_pass": t_two,
+                         "library": t_library, "cudnn": t_cudnn}
+                tf = {name: flops / t / 1e9 for name, t in times.items()}
                 results["timings"].append({"d": d, "causal": causal, "n": n, "agree": agree, "reproducible": same,
                                            "tflops": tf})
                 print(f"D={d:3d} {'causal' if causal else 'full  '} N={n:5d}: fused {tf['fused']:6.1f} unordered "
                       f"{tf['unordered']:6.1f} by-index {tf['by_index']:6.1f} library {tf['library']:6.1f} two-pass "
-                      f"{tf['two_pass']:6.1f} cudnn {tf['cudnn']:6.1f} TFLOP/s  fused/cudnn {tf['fused'] / tf['cudnn']:.2f}"
-                      f"  vs two-pass dq/dk/dv " + " ".join(f"{e:.1e}" for e in agree) + f" reproducible {same}", flush=True)
+                      f"{tf['two_pass']:6.1f} cudnn {tf['cudnn']:6.1f} TFLOP/s  "
+                      f"fused/cudnn {tf['fused'] / tf['cudnn']:.2f}  vs two-pass dq/dk/dv "
+                      + " ".join(f"{e:.1e}" for e in agree) + f" reproducible {same}", flush=True)
 
 out_dir = os.environ.get("OUT", ".")
 Path(out_dir, "ws_backward.json").write_text(json.dumps(results, indent=1))

@@ -307,8 +307,8 @@ def smem_bytes(path: str, itemsize: int, head_dim: int, kernel: str, t: Tiles) -
     if kernel in ("preprocess", "dq_convert"):
         return 0
     if path == "ws" and kernel == "bwd":  # BwdWsCta: K, V; q, dout and dS^T tiles; float32 dQ staging, lse, delta
-        return (SMEM_ALIGN + itemsize * (2 * t.rows * head_dim + 2 * t.stages * t.block * head_dim + 2 * t.rows * t.block)
-                + 4 * (t.block * head_dim + 2 * t.stages * t.block))
+        tiles = 2 * t.rows * head_dim + 2 * t.stages * t.block * head_dim + 2 * t.rows * t.block
+        return SMEM_ALIGN + itemsize * tiles + 4 * (t.block * head_dim + 2 * t.stages * t.block)
     if path == "ws":  # q buffers of a tile's rows, ``stages`` slots of a K and a V tile
         return SMEM_ALIGN + itemsize * head_dim * (ws_q_buffers(itemsize, head_dim) * t.rows + 2 * t.stages * t.block)
     swizzled = path != "mma" and path != "large"
