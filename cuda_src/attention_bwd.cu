@@ -57,6 +57,7 @@
 #include "mask.cuh"
 #include "score_mods.cuh"
 #include "dropout.cuh"
+#include "transposed_scores.cuh"
 
 // delta_i = rowsum(dout_i * out_i). LANES lanes share a row (32 / LANES rows per warp), each reading
 // 16-byte chunks of both: the rows are 16-byte aligned and d_v is a whole number of chunks (the host
@@ -99,18 +100,6 @@ attention_bwd_preprocess_kernel(const AttnParams p) {
   }
 }
 
-// P = exp2(scale_log2 * S - lse_log2) for a score tile whose query index runs along the columns
-// (dK/dV pass: S^T) and whose lse_log2 sits in shared memory.
-template <int N_TILES, typename A>
-__device__ __forceinline__ void probs_from_scores_cols(A (&s)[N_TILES][4], const A* lse_log2, A scale_log2, int lane) {
-  const int t = lane & 3;
-#pragma unroll
-  for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[j][e] = fast_exp2(s[j][e] * scale_log2 - lse_log2[j * 8 + 2 * t + (e & 1)]);
-  }
-}
-
 // PAIRED: one warp's accumulator tile to its partner through shared memory, element [j][e] of lane l at
 // (j * 4 + e) * 32 + l: both warps hold the same positions, so each lane reads what its twin wrote.
 template <int N_TILES, typename A>
@@ -128,27 +117,6 @@ __device__ __forceinline__ void tile_from_smem(A (&x)[N_TILES][4], const A* src,
     for (int e = 0; e < 4; ++e) x[j][e] = src[(j * 4 + e) * WARP_SIZE + lane];
 }
 
-// dS = P * (dP - delta), in place in dp, delta indexed along the columns (dK/dV pass).
-template <int N_TILES, typename A>
-__device__ __forceinline__ void dscores_cols(A (&dp)[N_TILES][4], const A (&prob)[N_TILES][4], const A* delta, int lane) {
-  const int t = lane & 3;
-#pragma unroll
-  for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dp[j][e] = prob[j][e] * (dp[j][e] - delta[j * 8 + 2 * t + (e & 1)]);
-  }
-}
-// The same from a dP that carries a factor 1 / dp_factor (pieces: the inputs' powers of two).
-template <int N_TILES, typename A>
-__device__ __forceinline__ void dscores_cols(A (&dp)[N_TILES][4], const A (&prob)[N_TILES][4], const A* delta, int lane,
-                                             A dp_factor) {
-  const int t = lane & 3;
-#pragma unroll
-  for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dp[j][e] = prob[j][e] * (dp[j][e] * dp_factor - delta[j * 8 + 2 * t + (e & 1)]);
-  }
-}
 
 // The dropout dK/dV pass's dS, with the keep mask Z (keep_cols' bits) applied once, to P^T, which dV then
 // takes as it is: (1 - p) dS^T = (Z P^T) dP^T - P^T (1 - p) delta in place in dp (delta_kept: (1 - p) delta,

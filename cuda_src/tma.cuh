@@ -52,3 +52,28 @@ __device__ __forceinline__ void tma_load_tile(T* tile, const TensorMap& map, int
                  :: "r"(smem_u32(tile + a * Tile::ATOM_SIZE)), "l"(reinterpret_cast<u64>(&map)),
                     "r"(col + a * Tile::ATOM_COLS), "r"(row), "r"(b2), "r"(b1), "r"(b0), "r"(bar) : "memory");
 }
+
+// Adds `bytes` of float32 at shared `src` into global `dst` element by element, in L2 (a bulk reduce: one
+// thread issues it; the adds of different CTAs into the same elements land in no fixed order). `src` and
+// `dst` 16-byte aligned, `bytes` a multiple of 16. Completes in the issuing thread's bulk group.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, u32 bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :: "l"(dst), "r"(smem_u32(src)), "r"(bytes) : "memory");
+}
+// Stores `bytes` at shared `src` to global `dst` (the same alignment; the same bulk group).
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, u32 bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+               :: "l"(dst), "r"(smem_u32(src)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// The issuing thread's bulk groups but the last PENDING have read their shared memory (it may be written
+// again); bulk_wait: ... have completed.
+template <int PENDING>
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(PENDING) : "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;" :: "n"(PENDING) : "memory"); }
+
+// The THREADS threads (whole warps) that name barrier `id` (1-15; 0 is __syncthreads') wait for each other.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}

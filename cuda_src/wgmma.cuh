@@ -150,6 +150,26 @@ CF_DEFINE_WGMMA16(bfloat16_t, "bf16", 16)
 CF_DEFINE_WGMMA16(bfloat16_t, "bf16", 32)
 CF_DEFINE_WGMMA16(bfloat16_t, "bf16", 64)
 CF_DEFINE_WGMMA16(bfloat16_t, "bf16", 128)
+// 16-bit, both shared operands MN-major (imm-trans-a = imm-trans-b = 1): C += A B with A stored [k][m] and B
+// [k][n], as the fused backward's dQ = dS K reads dS^T (keys x queries) and K (keys x head dims).
+template <typename T, int N> struct WgmmaTrans;
+#define CF_DEFINE_WGMMA_TRANS(TYPE, PTX_TYPE, N)                                                               \
+  template <> struct WgmmaTrans<TYPE, N> {                                                                    \
+    __device__ __forceinline__ static void ss(float (&d)[N / 8][4], u64 a, u64 b) {                           \
+      asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_SS_SRC##N, \
+                                 CF_WGMMA_SS_PRED##N, "p, 1, 1, 1, 1")                                        \
+                   : CF_ACC_N##N : "l"(a), "l"(b), "r"(1) : "memory");                                        \
+    }                                                                                                         \
+    __device__ __forceinline__ static void ss_zero(float (&d)[N / 8][4], u64 a, u64 b) {                      \
+      asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_SS_SRC##N, \
+                                 CF_WGMMA_SS_PRED##N, "p, 1, 1, 1, 1")                                        \
+                   : CF_OUT_N##N : "l"(a), "l"(b), "r"(0) : "memory");                                        \
+    }                                                                                                         \
+  };
+CF_DEFINE_WGMMA_TRANS(half_t, "f16", 64)
+CF_DEFINE_WGMMA_TRANS(half_t, "f16", 128)
+CF_DEFINE_WGMMA_TRANS(bfloat16_t, "bf16", 64)
+CF_DEFINE_WGMMA_TRANS(bfloat16_t, "bf16", 128)
 // float8 e4m3 (the FP8 forward): both shared operands K-major (V as V^T).
 #define CF_DEFINE_WGMMA8(TYPE, PTX_TYPE, N) CF_DEFINE_WGMMA(TYPE, PTX_TYPE, 32, N, "p, 1, 1", "p, 1, 1")
 CF_DEFINE_WGMMA8(e4m3_t, "e4m3", 16)
@@ -376,6 +396,27 @@ __device__ __forceinline__ void wg_issue_pb_split(float (&c)[N_TILES][4], u32 (&
     }
   }
   wg_pb_steps<E, K_STEPS, N_TILES, BTile>(c, a_hi, b_hi);
+  wgmma_commit();
+}
+
+// Start C[64 x 8*N_TILES] = A B (overwritten) for the calling warpgroup, as one commit group, both operands
+// MN-major in shared memory: A stored [k][m], its m columns [m0, m0 + 64) of a_tile (one swizzle atom), B
+// stored [k][n], its columns [n0, n0 + 8*N_TILES), over K_STEPS k-steps of 16 rows of both.
+template <typename T, int K_STEPS, int N_TILES, class ATile, class BTile>
+__device__ __forceinline__ void wg_issue_atb(float (&c)[N_TILES][4], const T* a_tile, int m0, const T* b_tile, int n0) {
+  static_assert(ATile::ATOM_COLS == 64 && (8 * N_TILES) % BTile::ATOM_COLS == 0, "A: one atom of 64 rows; B: whole atoms");
+  constexpr int WIDTH = wgmma_width<8 * N_TILES>();
+  const u64 a = desc_mn_major<ATile>(a_tile, m0), b = desc_mn_major<BTile>(b_tile, n0);
+  wgmma_fence();
+#pragma unroll
+  for (int kt = 0; kt < K_STEPS; ++kt) {
+#pragma unroll
+    for (int n = 0; n < 8 * N_TILES; n += WIDTH) {
+      const u64 a_k = a + mn_major_step<ATile>(16 * kt), b_k = b + mn_major_step<BTile>(16 * kt, n);
+      if (kt == 0) WgmmaTrans<T, WIDTH>::ss_zero(tiles_at<WIDTH / 8>(c, n / 8), a_k, b_k);
+      else WgmmaTrans<T, WIDTH>::ss(tiles_at<WIDTH / 8>(c, n / 8), a_k, b_k);
+    }
+  }
   wgmma_commit();
 }
 

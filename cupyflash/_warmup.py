@@ -9,6 +9,7 @@ module on disk (``CUPY_CACHE_DIR``), so a later process only loads it, in millis
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import os
 import time
@@ -20,7 +21,7 @@ import numpy as np
 from cupyflash._arrays import cupy
 from cupyflash._checks import MAX_HEAD_DIM, check_bool
 from cupyflash._cuda import compile as _compile
-from cupyflash._cuda import decode_tiles
+from cupyflash._cuda import decode_tiles, tiles
 from cupyflash._cuda.tiles import HEAD_DIMS
 from cupyflash._cuda.variants import DTYPES, Features, row_width, select
 
@@ -75,7 +76,8 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPES,
         warp-specialized kernel). ``attention_probs`` always compiles its own kernel on
         first use.
     backward : bool, optional
-        Also warm the backward's kernels (default True).
+        Also warm the backward's kernels (default True): on Hopper, for 16-bit head dims up to 128, both
+        the two-pass backward and the fused one that long sequences take.
     dropout : bool, optional
         Also warm the kernels that apply dropout (calls with ``dropout_p > 0``), for every
         combination above.
@@ -108,8 +110,9 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPES,
 
     >>> import cupyflash
     >>> warmed = cupyflash.warmup(dtypes="bfloat16", head_dims=128, causal=True, verbose=True)  # doctest: +SKIP
-    warmup 1/2: fwd bfloat16 HEAD_DIM=128 causal (ws)  0.60 s (compiled)
-    warmup 2/2: bwd bfloat16 HEAD_DIM=128 causal (wgmma)  1.30 s (compiled)
+    warmup 1/3: fwd bfloat16 HEAD_DIM=128 causal (ws)  0.60 s (compiled)
+    warmup 2/3: bwd bfloat16 HEAD_DIM=128 causal (wgmma)  1.30 s (compiled)
+    warmup 3/3: bwd bfloat16 HEAD_DIM=128 causal (ws)  0.90 s (compiled)
 
     Run under ``with cupy.cuda.Device(i):`` to warm device ``i``.
     """
@@ -143,6 +146,9 @@ def select_variants(dtypes, head_dims, causal, modifiers, backward, dropout=Fals
                         for direction in directions:
                             features = Features(direction, dtype.name, width, is_causal, dropout=drop, **options)
                             variants.append(select(features, device))
+                            if direction == "bwd":  # long sequences' backward (the fused one, where it serves)
+                                longest = (tiles.CHAIN_ROWS, tiles.CHAIN_ROWS)
+                                variants.append(select(dataclasses.replace(features, lengths=longest), device))
     if check_bool("decode", decode):
         variants += [v for dtype in dtypes for d in dims for v in decode_tiles.variants_for_call(dtype.name, d)]
     return list(dict.fromkeys(variants))  # distinct, in order: with modifiers, causal shares one variant

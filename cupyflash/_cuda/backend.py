@@ -12,7 +12,7 @@ import math
 import numpy
 
 from cupyflash._arrays import bits, cupy, lse_dtype, sum_to_shape
-from cupyflash._cuda import dense_fast, f32_pieces, tma
+from cupyflash._cuda import dense_fast, f32_pieces, fused_backward, tma
 from cupyflash._cuda.compile import current_device, functions
 from cupyflash._cuda.launch import (CHAIN_ROWS, Plan, launch, launch_summed, passes_side_by_side, plan_key,
                                     plans, remember)
@@ -124,7 +124,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
         plan.launch(addresses, dropout)
         dense_fast.remember(fast_key, plan, dense_fast.BACKWARD_NAMES, outputs, dropout, scratch)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d_v), None
-    variant = select(Features.of("bwd", q.dtype, d_w, d_v_w, causal, mods, dropout), current_device())
+    features = Features.of("bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, lengths=(nq, nk))
+    variant = select(features, current_device())
     # float32 on Hopper: the passes read float16 pieces of q, k, v, dout; the preprocess reads out and dout
     # themselves. (Never planned: the pieces are made per call anyway.)
     width = _pieces_width(variant)
@@ -139,6 +140,11 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     others = {"dq": dq, "dk": dk, "dv": dv, "lse": lse, "lse_log2": lse_log2, "delta": delta}
     params = dense_params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, d_v=d_v_w, scale=scale,
                           others=others, mods=mods, causal=causal, dropout=dropout)
+    if variant.fused_backward:
+        if fused_backward.describable(arrays, sizes, strides):
+            fused_backward.run(functions(variant), variant, params, arrays, sizes, strides, batch=batch, nq=nq, nk=nk)
+            return unpad(dq, d), unpad(dk, d), unpad(dv, d_v), None
+        variant = select(dataclasses.replace(features, tma=False), current_device())
     kernels = functions(variant)
     if key is not None and not copied:  # (the launches of a chained pass are not planned: key is None)
         plan = Plan(kernels, variant, params, [("preprocess", nq, batch), ("dkdv", nk, batch), ("dq", nq, batch)])

@@ -15,17 +15,13 @@ from cupyflash._cuda import tiles
 from cupyflash._cuda.compile import sm_count
 from cupyflash._cuda.params import PARAMS_BYTES, PARAMS_DTYPE, STRIDED
 from cupyflash._cuda.source import MAX_GRID_Y
+from cupyflash._cuda.tiles import CHAIN_ROWS
 from cupyflash._cuda.tma import MAPPED
 from cupyflash._cuda.variants import Variant
 
 # A kernel argument CuPy passes as the address it holds (cupy/cuda/function.pyx).
 CPointer = None if cupy is None else cupy.cuda.function.CPointer
 
-# The most rows one launch of a backward pass sums a gradient over (queries for dK/dV, keys for dQ). The
-# tensor cores' float32 accumulation truncates, ~2e-8 relative per 16-row step: 1.5e-4 over 2^17 rows, below
-# the rounding of a float16 result, but percents over millions. Longer axes run the pass in chunks of
-# CHAIN_ROWS rows whose results are added in float32 (launch_summed; cuda_src/params.cuh, stream_begin).
-CHAIN_ROWS = 131072
 _PER_THREAD_STREAM = 2  # cudaStreamPerThread: CuPy's Stream.ptds
 
 
@@ -42,6 +38,10 @@ def launch_shape(variant: Variant, kernel: str, rows: int, batch: int, cols: int
         rows_per_block = tiles.PREPROCESS_WARPS * (32 // tiles.preprocess_lanes(variant.itemsize, variant.head_dim))
         return _grid(-(-rows // rows_per_block), batch), threads, smem
     t = variant.tiles(kernel)
+    if kernel == "bwd":  # the fused backward: a CTA per block of keys
+        return _grid(-(-rows // t.rows), batch), threads, smem
+    if kernel == "dq_convert":  # and per block of queries
+        return _grid(-(-rows // t.block), batch), threads, smem
     if variant.path == "ws":  # persistent: one CTA per SM, at most one per tile
         tile_count = -(-rows // t.rows) * batch
         return (min(tile_count, sm_count(cupy.cuda.runtime.getDevice())), 1, 1), threads, smem

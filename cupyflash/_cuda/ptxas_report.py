@@ -112,12 +112,16 @@ def compile_variant(variant: Variant, arch: str) -> list[dict]:
     sm_90a), no GPU needed: one row per kernel."""
     target = variant.compile_targets()[arch]
     options = [*OPTIONS, f"-arch={target}", "-Xptxas", "-v"]
-    names = {kernel: variant.name_expression(kernel) for kernel in variant.kernels}
-    code = variant.code()
-    stats = _cached([code, options, list(names.values())],
-                    lambda: _compile(code, f"{variant.direction}.cu", options, names))
-    return [{"kernel": name, "arch": arch, "target": target, **stats[kernel], "dynamic_smem": variant.smem(kernel),
-             "threads": variant.threads(kernel)} for kernel, name in names.items()]
+    rows = []
+    # The kernels in groups of one source file (the fused backward's preprocess is another file's).
+    for kernels in variant.sources if isinstance(variant, Variant) else (variant.kernels,):
+        names = {kernel: variant.name_expression(kernel) for kernel in kernels}
+        code = variant.code(kernels)
+        stats = _cached([code, options, list(names.values())],
+                        lambda: _compile(code, f"{variant.direction}.cu", options, names))
+        rows += [{"kernel": name, "arch": arch, "target": target, **stats[kernel], "dynamic_smem": variant.smem(kernel),
+                  "threads": variant.threads(kernel)} for kernel, name in names.items()]
+    return rows
 
 
 def compile_plain_kernels(arch: str) -> list[dict]:

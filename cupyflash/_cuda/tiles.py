@@ -13,7 +13,8 @@ Forms (the table's columns): ``plain`` (no modifier; causal or not), ``dropout``
 modifier, the per-element arrays included; also packed batches and attention_probs), ``all+dropout``,
 ``scalars`` (window, softcap, ALiBi and the backward's block mask, no per-element array; also a softcap
 alone's backward) and ``window`` (a window alone). Kernels: ``fwd`` (attention_probs takes its rows'
-``all`` cell), ``dkdv`` and ``dq`` (the backward's passes; its preprocess needs no tiles).
+``all`` cell), ``dkdv`` and ``dq`` (the backward's passes; its preprocess needs no tiles) and ``bwd`` (the
+warp-specialized fused backward, plain and causal; its dq conversion reads the same cell).
 
 A cell is ``NUM_WARPS.BLOCK.D_CHUNK`` then, after ``/``, its flags:
   d   duo: two warps share 16 rows, one holding each gradient (dkdv, dq: Tiles.paired)
@@ -24,7 +25,7 @@ A cell is ``NUM_WARPS.BLOCK.D_CHUNK`` then, after ``/``, its flags:
   rN  the warp-specialized forward's ring of N K/V slots (STAGES)
   w   it rounds P to 16 bits after the previous P V's wait, so P V is one wgmma per k-step (PACK_AFTER_WAIT)
   o   two warps of its copying warpgroup store out (STORE_WARPS)
-``=``: the plain cell; ``.``: not built. BLOCK is the streamed tile: keys (fwd, dq) or queries (dkdv).
+``=``: the plain cell; ``.``: not built. BLOCK is the streamed tile: keys (fwd, dq) or queries (dkdv, bwd).
 D_CHUNK: the output (fwd) or gradient (dkdv, dq) columns per CTA; a CTA's rows are 16 per computing warp
 (8 with d). Every cell compiles with no register spills for sm_80 and sm_90 (CI checks); cells other than
 the plain ones exist because the plain tiles spilled there or ran slower. docs/design/tiles.md gives each
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from cupyflash._checks import MAX_HEAD_DIM
 
 FORMS = ("plain", "dropout", "all", "all+dropout", "scalars", "window")
-KERNELS = ("fwd", "dkdv", "dq")
+KERNELS = ("fwd", "dkdv", "dq", "bwd")
 
 TABLE = """
 # path  bytes D    kernel plain          dropout        all            all+dropout    scalars        window
@@ -150,6 +151,8 @@ pieces 4  128  dq    8.32.128       .              .              .             
 ws     2  64   fwd   12.128.64/r2w  .              .              .              12.128.64/r2wo =
 ws     2  128  fwd   12.128.128/r2w .              .              .              =              12.64.128/r4o
 ws     2  256  fwd   12.64.256/r2w  .              .              .              =              =
+ws     2  64   bwd   12.128.64/r2   .              .              .              .              .
+ws     2  128  bwd   12.64.128/r2   .              .              .              .              .
 ws     1  64   fwd   12.128.64/r4w  .              .              .              .              .
 ws     1  128  fwd   12.128.128/r3w .              .              .              .              .
 ws     1  256  fwd   12.64.256/r4w  .              .              .              .              .
@@ -161,11 +164,11 @@ class Tiles:
     """One cell of TABLE."""
 
     num_warps: int
-    block: int  # the streamed tile: BLOCK_N keys (fwd, dq) or BLOCK_M queries (dkdv)
+    block: int  # the streamed tile: BLOCK_N keys (fwd, dq) or BLOCK_M queries (dkdv, bwd)
     d_chunk: int  # output (fwd) or gradient (dkdv, dq) columns per CTA
     paired: bool = False
     ctas_per_sm: int = 1  # the launch bounds' minimum of resident CTAs: registers <= 65536 / (threads * this)
-    stages: int = 0  # ws: K/V slots in its ring
+    stages: int = 0  # ws: K/V slots in its ring (the forward), q/dout slots (the fused backward)
     pipelined: bool = False
     across_turn: bool = False
     lse_by_copy: bool = False
@@ -228,7 +231,21 @@ def _parse(text: str) -> dict:
 CELLS = _parse(TABLE)
 HEAD_DIMS = tuple(sorted({head_dim for path, _, head_dim, _, _ in CELLS if path == "mma"}))
 assert HEAD_DIMS[-1] == MAX_HEAD_DIM, "the table's widest head dim is the API's"
-WS_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, _, _ in CELLS if path == "ws" and size == 2}))
+WS_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CELLS
+                             if path == "ws" and size == 2 and kernel == "fwd"}))
+# The warp-specialized fused backward (cuda_src/attention_bwd_ws.cu): its HEAD_DIMs, and the shortest
+# sequences it serves (min(Nq, Nk)): below them the two passes were faster (dq_accum's per-row cost and the
+# ordered adds weigh more on short loops; bench/exp/15_ws_backward.py). Longer than CHAIN_ROWS, the two passes,
+# which sum in chunks.
+WS_BWD_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CELLS
+                                 if path == "ws" and size == 2 and kernel == "bwd"}))
+WS_BWD_MIN_LENGTH = {64: 2048, 128: 4096}
+WS_BWD_KEYS = 128  # the key block of a fused backward CTA (BwdWsTraits::BLOCK_N)
+# The most rows one launch of a backward pass sums a gradient over (queries for dK/dV, keys for dQ). The
+# tensor cores' float32 accumulation truncates, ~2e-8 relative per 16-row step: 1.5e-4 over 2^17 rows, below
+# the rounding of a float16 result, but percents over millions. Longer axes run the pass in chunks of
+# CHAIN_ROWS rows whose results are added in float32 (launch.launch_summed; cuda_src/params.cuh, stream_begin).
+CHAIN_ROWS = 131072
 # The FP8 forward's HEAD_DIMs: the warp-specialized forward on e4m3 inputs (1-byte rows of the table).
 FP8_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, _, _ in CELLS if path == "ws" and size == 1}))
 WS_WARPGROUP_ROWS = 64  # each computing warpgroup of the warp-specialized forward owns 64 of a tile's rows
@@ -241,15 +258,18 @@ SMEM_ALIGN = 1024  # swizzled (wgmma) tiles start on this boundary: cuda_src/cop
 SM80_SMEM_BYTES = 163 * 1024  # dynamic shared memory an sm_80 CTA may have; a module that needs more is sm_90's
 
 
-def has(path: str, itemsize: int, head_dim: int, form: str = "plain") -> bool:
-    """Whether the table has cells for this path, element size, HEAD_DIM and form."""
-    return (path, itemsize, head_dim, "fwd", form) in CELLS
+def has(path: str, itemsize: int, head_dim: int, form: str = "plain", kernel: str = "fwd") -> bool:
+    """Whether the table has cells for this path, element size, HEAD_DIM, form and kernel."""
+    return (path, itemsize, head_dim, kernel, form) in CELLS
 
 
 def lookup(path: str, itemsize: int, head_dim: int, kernel: str, form: str) -> Tiles:
-    """The cell of one kernel ("fwd", "dkdv", "dq"; "probs" reads the forward's ``all`` cell)."""
+    """The cell of one kernel ("fwd", "dkdv", "dq", "bwd"; "probs" reads the forward's ``all`` cell, "dq_convert"
+    the fused backward's)."""
     if kernel == "probs":
         kernel, form = "fwd", "all"
+    if kernel == "dq_convert":
+        kernel = "bwd"
     try:
         return CELLS[path, itemsize, head_dim, kernel, form]
     except KeyError:
@@ -284,8 +304,11 @@ def ws_q_buffers(itemsize: int, head_dim: int) -> int:
 def smem_bytes(path: str, itemsize: int, head_dim: int, kernel: str, t: Tiles) -> int:
     """Dynamic shared memory of one kernel with tiles t: the carve-up at the top of each kernel (swizzled
     tiles have unpadded rows and start on an SMEM_ALIGN boundary the kernel finds itself)."""
-    if kernel == "preprocess":
+    if kernel in ("preprocess", "dq_convert"):
         return 0
+    if path == "ws" and kernel == "bwd":  # BwdWsCta: K, V; q, dout and dS^T tiles; float32 dQ staging, lse, delta
+        tiles = 2 * t.rows * head_dim + 2 * t.stages * t.block * head_dim + 2 * t.rows * t.block
+        return SMEM_ALIGN + itemsize * tiles + 4 * (t.block * head_dim + 2 * t.stages * t.block)
     if path == "ws":  # q buffers of a tile's rows, ``stages`` slots of a K and a V tile
         return SMEM_ALIGN + itemsize * head_dim * (ws_q_buffers(itemsize, head_dim) * t.rows + 2 * t.stages * t.block)
     swizzled = path != "mma" and path != "large"

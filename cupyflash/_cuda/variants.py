@@ -27,6 +27,8 @@ FP8 = "float8_e4m3"  # the FP8 forward's inputs (cupyflash/_cuda/fp8.py); its ou
 FP8_OUT_DTYPES = ("bfloat16", "float16")
 _SOURCES = {"fwd": "attention_fwd.cu", "bwd": "attention_bwd.cu", "probs": "attention_probs.cu"}
 _WS_SOURCE = "attention_fwd_ws.cu"
+_WS_BWD_SOURCE = "attention_bwd_ws.cu"  # the fused backward and its dq conversion; its preprocess is the two passes'
+DQ_CONVERT_THREADS = 256  # attention_bwd_dq_convert_kernel: a thread per accumulator thread of two warpgroups
 PATHS = ("mma", "large", "wgmma", "pieces", "ws")
 HOPPER_PATHS = ("wgmma", "pieces", "ws")  # compiled for sm_90a: compute capability 9.0 alone
 # The score modifiers a kernel is compiled for (cuda_src/mods.cuh, enum Mods): none; scalars (window,
@@ -77,14 +79,29 @@ class Variant:
         return base
 
     @property
+    def fused_backward(self) -> bool:
+        """The warp-specialized fused backward (one pass over the queries, dq through a float32 accumulator)."""
+        return self.direction == "bwd" and self.path == "ws"
+
+    @property
     def kernels(self) -> tuple[str, ...]:
+        if self.fused_backward:
+            return ("preprocess", "bwd", "dq_convert")
         return {"fwd": ("fwd",), "probs": ("probs",)}.get(self.direction, ("preprocess", "dkdv", "dq"))
 
     @property
     def modules(self) -> tuple[tuple[str, ...], ...]:
         """The kernels grouped into the modules NVRTC compiles: the backward's passes in two modules that
         compile concurrently (NVRTC runs without the GIL), which shortens its first call."""
+        if self.fused_backward:  # the preprocess is attention_bwd.cu's
+            return (("preprocess",), ("bwd", "dq_convert"))
         return {"fwd": (("fwd",),), "probs": (("probs",),)}.get(self.direction, (("preprocess", "dkdv"), ("dq",)))
+
+    @property
+    def sources(self) -> tuple[tuple[str, ...], ...]:
+        """The kernels grouped by the source file they come from (``code``): one group, except the fused
+        backward's, whose preprocess is the two passes'."""
+        return (("preprocess",), ("bwd", "dq_convert")) if self.fused_backward else (self.kernels,)
 
     def tiles(self, kernel: str) -> Tiles:
         return tiles.lookup(self.path, self.itemsize, self.head_dim, kernel, self.form)
@@ -96,6 +113,8 @@ class Variant:
         return tiles.smem_bytes(self.path, self.itemsize, self.head_dim, kernel, self.tiles(kernel))
 
     def threads(self, kernel: str) -> int:
+        if kernel == "dq_convert":
+            return DQ_CONVERT_THREADS
         return 32 * tiles.PREPROCESS_WARPS if kernel == "preprocess" else self.tiles(kernel).threads
 
     def name_expression(self, kernel: str) -> str:
@@ -109,6 +128,10 @@ class Variant:
         mods = f"Mods::{self.mods}"
         if kernel == "probs":
             return f"attention_probs_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {b[wgmma]}>"
+        if kernel == "bwd":  # the fused backward: its dq adds always in key-block order (deterministic)
+            return f"attention_bwd_ws_kernel<{c}, {hd}, {t.block}, {t.stages}, {b[self.causal]}, true>"
+        if kernel == "dq_convert":
+            return f"attention_bwd_dq_convert_kernel<{c}, {hd}, {t.block}, {b[self.causal]}>"
         if kernel == "fwd" and self.path == "ws":  # the scalars there are a dense batch's (no cu_seqlens)
             mods = "Mods::dense_scalars" if self.mods == "scalars" else mods
             return (f"attention_fwd_ws_kernel<{c}, {hd}, {t.block}, {t.stages}, {b[self.causal]}, {mods}, "
@@ -127,8 +150,12 @@ class Variant:
 
     def code(self, kernels: tuple[str, ...] | None = None) -> str:
         """The source of the module holding ``kernels`` (default: all of the variant's)."""
-        filename = _WS_SOURCE if self.path == "ws" else _SOURCES[self.direction]
-        return module_code(filename, [self.name_expression(k) for k in (kernels or self.kernels)])
+        kernels = kernels or self.kernels
+        if self.fused_backward and "preprocess" not in kernels:
+            filename = _WS_BWD_SOURCE
+        else:
+            filename = _WS_SOURCE if self.path == "ws" and self.direction == "fwd" else _SOURCES[self.direction]
+        return module_code(filename, [self.name_expression(k) for k in kernels])
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -186,6 +213,7 @@ class Features:
     dropout: bool = False
     packed: bool = False
     tma: bool = True
+    lengths: tuple[int, int] = (0, 0)  # (Nq, Nk) where the choice depends on them (the backward), else 0s
 
     @property
     def has_mods(self) -> bool:
@@ -198,16 +226,19 @@ class Features:
 
     @classmethod
     def of(cls, direction: str, dtype, d: int, d_v: int, causal: bool, mods=None, dropout=None,
-           packed: bool = False) -> "Features":
+           packed: bool = False, lengths: tuple[int, int] = (0, 0)) -> "Features":
         """The features of a call: ``mods`` a resolved cupyflash._modifiers.Modifiers or None, ``dropout``
-        a cupyflash._dropout.Dropout or None."""
+        a cupyflash._dropout.Dropout or None, ``lengths`` (Nq, Nk) for a dense backward (the fused backward
+        serves long sequences only)."""
         name = dtype if isinstance(dtype, str) else numpy.dtype(dtype).name
         head_dim = max(row_width(d, name), row_width(d_v, name))
+        lengths = tuple(int(n) for n in lengths)
         if mods is None:
-            return cls(direction, name, head_dim, bool(causal), dropout=dropout is not None, packed=packed)
+            return cls(direction, name, head_dim, bool(causal), dropout=dropout is not None, packed=packed,
+                       lengths=lengths)
         return cls(direction, name, head_dim, bool(causal), mods.window, mods.softcap, mods.alibi_slopes is not None,
                    mods.bias is not None or mods.mask is not None, mods.block_mask is not None, dropout is not None,
-                   packed)
+                   packed, lengths=lengths)
 
 
 def row_width(d: int, dtype: str) -> int:
@@ -245,13 +276,17 @@ def select(f: Features, device: Device) -> Variant:
     softcap_alone = f.direction == "bwd" and single and f.softcap > 0 and f.window == (-1, -1)
     window_alone = single and f.softcap == 0
     warp_specialized = ws and (scalars or not has_mods)
+    # The fused backward: plain or causal, 16-bit, on tensor maps, for sequences from its shortest to CHAIN_ROWS.
+    fused_backward = (f.direction == "bwd" and wgmma and itemsize == 2 and not has_mods and not f.dropout and f.tma
+                      and head_dim in tiles.WS_BWD_HEAD_DIMS
+                      and tiles.WS_BWD_MIN_LENGTH[head_dim] <= min(f.lengths) and max(f.lengths) <= tiles.CHAIN_ROWS)
     if not has_mods:
         mods = "none"
     elif scalars:
         mods = "softcap" if softcap_alone else "window" if window_alone else "scalars"
     else:
         mods = "all"
-    if warp_specialized:
+    if warp_specialized or fused_backward:
         path = "ws"
     elif wgmma:
         path = "pieces" if itemsize == 4 else "wgmma"
@@ -299,6 +334,8 @@ def shipped_variants() -> list[Variant]:
                         found.append(dataclasses.replace(base, mods="window"))
                 if tiles.has(path, itemsize, head_dim, "all"):
                     found.append(Variant("probs", dtype, head_dim, path, "all"))
+            if tiles.has("ws", itemsize, head_dim, kernel="bwd"):
+                found += [Variant("bwd", dtype, head_dim, "ws", causal=c) for c in (False, True)]
             if tiles.has("ws", itemsize, head_dim):
                 ws = Variant("fwd", dtype, head_dim, "ws")
                 found += [dataclasses.replace(ws, causal=c) for c in (False, True)]

@@ -364,7 +364,7 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
     assert _chosen(dtype=np.float32).path == "pieces"
     assert _chosen(device=AMPERE, window=(10, 0)).path == "mma"
     assert _chosen(device=AMPERE).path == "mma"
-    ws = [v for v in SHIPPED if v.path == "ws" and v.dtype != FP8]  # the FP8 forward: test_fp8_variants
+    ws = [v for v in SHIPPED if v.path == "ws" and v.dtype != FP8 and not v.fused_backward]  # FP8: test_fp8_variants
     assert ws and all(v.direction == "fwd" and v.itemsize == 2 and not v.dropout and v.head_dim in tiles.WS_HEAD_DIMS
                       and v.mods in ("none", "scalars", "window") for v in ws)
     assert {(v.dtype, v.head_dim) for v in ws if v.score.startswith("alibi")} == \
@@ -511,3 +511,55 @@ def test_fp8_variants():
         assert name.startswith(f"attention_fwd_ws_kernel<e4m3_t, {v.head_dim}, ")
         assert name.endswith({"bfloat16": ", bfloat16_t>", "float16": ", half_t>"}[v.out_dtype])
         assert v.compile_targets() == {"sm_90": "sm_90a"}
+
+
+# ------------------------------------------------------------------------------------------ the fused backward
+def _backward(lengths, dtype=ml_dtypes.bfloat16, head_dim=128, causal=True, device=HOPPER, dropout=None, dv=None,
+              packed=False, tma_ok=True, **options):
+    mods = _modifiers.resolve(np, np.dtype(dtype), (2, 3), 100, 120, **options) if options else None
+    features = Features.of("bwd", np.dtype(dtype), head_dim, head_dim if dv is None else dv, causal, mods, dropout,
+                           packed, lengths=lengths)
+    return select(dataclasses.replace(features, tma=tma_ok), device)
+
+
+def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(monkeypatch):
+    """16-bit dense backwards on Hopper at head dims up to 128, plain or causal, from the table's shortest length
+    (the shorter of Nq, Nk) to CHAIN_ROWS: the fused kernel, its three kernels named from the table's cell (always
+    the ordered adds), a CTA per 128 keys and its conversion per query block, shared memory within 227 KiB. Shorter
+    or longer calls, score modifiers, dropout, packed batches, float32, inputs TMA cannot read, other head dims and
+    the mma.sync path take the two passes."""
+    monkeypatch.setattr(launch, "cupy", _fake_cupy())
+    assert tiles.WS_BWD_HEAD_DIMS == (64, 128) and set(tiles.WS_BWD_MIN_LENGTH) == set(tiles.WS_BWD_HEAD_DIMS)
+    for dtype, ctype in HALVES:
+        for d, head_dim in ((40, 64), (64, 64), (100, 128), (128, 128)):
+            shortest = tiles.WS_BWD_MIN_LENGTH[head_dim]
+            for causal in (False, True):
+                v = _backward((shortest, shortest + 1), dtype, d, causal)
+                assert v.fused_backward and v == Variant("bwd", np.dtype(dtype).name, head_dim, "ws", causal=causal)
+                assert v in SHIPPED_SET and v.kernels == ("preprocess", "bwd", "dq_convert")
+                t = v.tiles("bwd")
+                assert t == v.tiles("dq_convert") == tiles.lookup("ws", 2, head_dim, "bwd", "plain")
+                assert v.name_expression("bwd") == (f"attention_bwd_ws_kernel<{ctype}, {head_dim}, {t.block}, "
+                                                    f"{t.stages}, {_bool(causal)}, true>")
+                assert v.name_expression("dq_convert") == \
+                    f"attention_bwd_dq_convert_kernel<{ctype}, {head_dim}, {t.block}, {_bool(causal)}>"
+                assert "attention_bwd_ws_kernel" in v.code(("bwd", "dq_convert"))
+                assert "attention_bwd_preprocess_kernel" in v.code(("preprocess",))
+                assert launch.launch_shape(v, "bwd", 1000, 6) == ((8, 6, 1), (384,), v.smem("bwd"))
+                assert launch.launch_shape(v, "dq_convert", 1000, 6) == ((-(-1000 // t.block), 6, 1), (256,), 0)
+                assert v.smem("bwd") <= 227 * 1024 and t.rows == tiles.WS_BWD_KEYS
+                # the two passes of the same call
+                two_passes = Variant("bwd", np.dtype(dtype).name, head_dim, "wgmma", causal=causal)
+                for lengths in ((shortest - 1, shortest), (shortest, shortest - 1), (tiles.CHAIN_ROWS + 1, shortest)):
+                    assert _backward(lengths, dtype, d, causal) == two_passes, lengths
+                assert _backward((shortest, shortest), dtype, d, causal, tma_ok=False) == two_passes
+                assert _backward((shortest, shortest), dtype, d, causal, device=AMPERE).path == "mma"
+                assert _backward((shortest, shortest), dtype, d, causal, dropout=DROPOUT).path == "wgmma"
+                assert _backward((shortest, shortest), dtype, d, causal, packed=True).path == "wgmma"
+            for options in (dict(window=(10, 0)), dict(softcap=5.0), dict(alibi_slopes=SLOPES)):
+                assert _backward((shortest, shortest), dtype, d, False, **options).path == "wgmma", options
+    for head_dim in (32, 96, 160, 256):
+        assert _backward((1 << 16, 1 << 16), head_dim=head_dim).path == "wgmma", head_dim
+    assert _backward((1 << 16, 1 << 16), dtype=np.float32).path == "pieces"
+    assert _backward((1 << 16, 1 << 16), dtype=np.float64).path != "ws"
+    assert not _backward((0, 0)).fused_backward  # lengths not given: the two passes

@@ -58,16 +58,17 @@ def test_every_shipped_variant_has_its_cells():
             if kernel == "preprocess":
                 continue
             assert v.tiles(kernel) is not None  # lookup raises where the table has no cell
-            assert v.smem(kernel) > 0 and v.threads(kernel) >= 32
+            assert (v.smem(kernel) > 0) == (kernel != "dq_convert") and v.threads(kernel) >= 32
 
 
 def test_every_cell_of_the_table_is_used():
     """No dead cell: each is the tiles of some shipped variant's kernel (attention_probs reads the forward's
-    ``all`` cell), and every (path, bytes, HEAD_DIM) row has all three kernels."""
+    ``all`` cell), and every (path, bytes, HEAD_DIM) row has all three kernels (ws: the forward, and maybe the
+    fused backward)."""
     used = set()
     for v in SHIPPED:
         for kernel in v.kernels:
-            if kernel == "preprocess":
+            if kernel in ("preprocess", "dq_convert"):  # (dq_convert reads the fused backward's cell)
                 continue
             cell_kernel, form = ("fwd", "all") if kernel == "probs" else (kernel, v.form)
             used.add((v.path, v.itemsize, v.head_dim, cell_kernel, form))
@@ -75,27 +76,33 @@ def test_every_cell_of_the_table_is_used():
     assert not unused, f"cells no shipped variant uses: {sorted(unused)}"
     rows = {key[:3] for key in tiles.CELLS}
     for path, itemsize, head_dim in rows:
-        kernels = ("fwd",) if path == "ws" else tiles.KERNELS
+        kernels = ("fwd",) if path == "ws" else ("fwd", "dkdv", "dq")
         for kernel in kernels:
             assert (path, itemsize, head_dim, kernel, "plain") in tiles.CELLS, (path, itemsize, head_dim, kernel)
 
 
 def test_the_tables_text_is_well_formed():
-    """Every row has a cell per form; a form is either built for all three kernels of a row or for none."""
+    """Every row has a cell per form; a form is either built for all three kernels of a row or for none (ws: the
+    forward in its forms, and the fused backward in the plain one)."""
     lines = [line for line in tiles.TABLE.splitlines() if line.strip() and not line.startswith("#")]
     assert lines and all(len(line.split()) == 4 + len(tiles.FORMS) for line in lines)
     by_row = {}
     for path, itemsize, head_dim, kernel, form in tiles.CELLS:
         by_row.setdefault((path, itemsize, head_dim, form), set()).add(kernel)
-    for (path, *_), kernels in by_row.items():
-        assert kernels == ({"fwd"} if path == "ws" else set(tiles.KERNELS)), (path, kernels)
+    for (path, itemsize, head_dim, form), kernels in by_row.items():
+        if path == "ws":
+            fused = form == "plain" and head_dim in tiles.WS_BWD_HEAD_DIMS and itemsize == 2
+            assert kernels == ({"fwd", "bwd"} if fused else {"fwd"}), (path, head_dim, form, kernels)
+        else:
+            assert kernels == {"fwd", "dkdv", "dq"}, (path, kernels)
 
 
 def test_the_flags_are_where_they_must_be():
     """PIPELINED (p) and ACROSS_TURN (a, only with p) on the wgmma backward's 16-bit passes without dropout
     or the modifiers' arrays; LSE_BY_COPY (c) on dK/dV passes; paired warps (d) on plain backward passes; CTAs per
     SM (x) on the wgmma forward; the ring (r), PACK_AFTER_WAIT (w) and STORE_WARPS (o) on the
-    warp-specialized forward, which always has a ring and a copying warpgroup."""
+    warp-specialized forward, which always has a ring and a copying warpgroup; the ring (r) alone on the fused
+    backward, in its plain form."""
     for (path, itemsize, head_dim, kernel, form), t in tiles.CELLS.items():
         where = (path, itemsize, head_dim, kernel, form)
         if t.pipelined:
@@ -105,7 +112,10 @@ def test_the_flags_are_where_they_must_be():
         assert not t.lse_by_copy or kernel == "dkdv", where
         assert not t.paired or (kernel in ("dkdv", "dq") and form == "plain"), where
         assert t.ctas_per_sm == 1 or (path == "wgmma" and kernel == "fwd"), where
-        if path == "ws":
+        if path == "ws" and kernel == "bwd":
+            assert form == "plain" and t.stages >= 2 and t.copy_warps == tiles.WS_COPY_WARPS, where
+            assert not (t.pack_after_wait or t.store_warps) and t.rows == tiles.WS_BWD_KEYS, where
+        elif path == "ws":
             assert kernel == "fwd" and t.stages > 0 and t.copy_warps == tiles.WS_COPY_WARPS, where
         else:
             assert not (t.stages or t.pack_after_wait or t.store_warps or t.copy_warps), where
@@ -133,7 +143,8 @@ def test_the_tiles_fit_the_kernels():
 
 def test_name_expressions_carry_the_cells_switches():
     """Each backward pass's name carries its cell's PAIRED, PIPELINED and ACROSS_TURN (and the dK/dV pass
-    LSE_BY_COPY), the warp-specialized forward's its ring, PACK_AFTER_WAIT and STORE_WARPS."""
+    LSE_BY_COPY), the warp-specialized forward's its ring, PACK_AFTER_WAIT and STORE_WARPS, the fused backward's
+    (and its dq conversion's) its query block, and its ring."""
     for v in SHIPPED:
         for kernel in v.kernels:
             if kernel in ("preprocess", "probs"):
@@ -144,6 +155,11 @@ def test_name_expressions_carry_the_cells_switches():
                 tail += f", {_bool(t.lse_by_copy)}>" if kernel == "dkdv" else ">"
                 assert name.endswith(tail), (v, name)
                 assert name.startswith(f"attention_bwd_{kernel}_kernel<")
+            elif kernel == "bwd":
+                assert name == (f"attention_bwd_ws_kernel<{CTYPES[v.dtype]}, {v.head_dim}, {t.block}, {t.stages}, "
+                                f"{_bool(v.causal)}, true>"), (v, name)
+            elif kernel == "dq_convert":
+                assert name == f"attention_bwd_dq_convert_kernel<{CTYPES[v.dtype]}, {v.head_dim}, {t.block}, {_bool(v.causal)}>"
             elif v.path == "ws":
                 out = CTYPES[v.out_dtype or v.dtype]
                 assert name.endswith(f"{_bool(t.pack_after_wait)}, {_bool(t.store_warps)}, {out}>"), (v, name)

@@ -52,11 +52,16 @@ def test_on_hopper_the_default_warms_hoppers_paths():
     """The same calls on Hopper: the warp-specialized, wgmma, pieces and large-shared-memory variants where
     those calls take them, one per call as before."""
     warmed = _warmup.select_variants(DTYPES, None, (False, True), False, True, device=HOPPER)
-    assert len(warmed) == len(set(warmed)) == len(DTYPES) * len(tiles.HEAD_DIMS) * 2 * 2
+    fused = [v for v in warmed if v.fused_backward]  # long sequences' 16-bit backward, causal and not
+    assert len(fused) == 2 * len(tiles.WS_BWD_HEAD_DIMS) * 2
+    assert len(warmed) == len(set(warmed)) == len(DTYPES) * len(tiles.HEAD_DIMS) * 2 * 2 + len(fused)
     assert set(warmed) <= SHIPPED
     assert {v.path for v in warmed} == {"mma", "large", "wgmma", "pieces", "ws"}
+    longest = (tiles.CHAIN_ROWS, tiles.CHAIN_ROWS)
     for v in warmed:
-        assert v == _select(v.direction, np.dtype(v.dtype), v.head_dim, v.causal), v
+        features = Features.of(v.direction, np.dtype(v.dtype), v.head_dim, v.head_dim, v.causal,
+                               lengths=longest if v.fused_backward else (0, 0))
+        assert v == select(features, HOPPER), v
 
 
 def test_dropout_adds_the_dropout_variants(recorder):

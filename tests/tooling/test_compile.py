@@ -82,8 +82,9 @@ def _table(rows):
 @pytest.mark.compile
 def test_every_shipped_variant_compiled(report):
     """One row per kernel of every variant built for the arch (its name expression), plus the float32 split
-    kernel, ring attention's running-result kernels and the FP8 forward's V^T; every field present and typed; a kernel shared by several modules (the backward's preprocess) has
-    the same resources in each copy built for one target (sm_90 and sm_90a differ)."""
+    kernel, ring attention's running-result kernels and the FP8 forward's V^T; every field present and typed; a kernel
+    shared by several modules (the backward's preprocess) has the same resources in each copy built for one target
+    (sm_90 and sm_90a differ)."""
     from cupyflash._cuda import f32_pieces, fp8, states
     from cupyflash._cuda.ptxas_report import shipped_for
 
@@ -100,7 +101,12 @@ def test_every_shipped_variant_compiled(report):
     by_name = {}
     for r in rows:
         by_name.setdefault((r["kernel"], r["target"]), []).append(r)
-    inconsistent = [copies for copies in by_name.values() if any(c != copies[0] for c in copies)]
+    # (static shared memory aside: ptxas counts what the module around a kernel declares, and the preprocess
+    # is built beside the dK/dV pass in the two-pass backward's module and alone for the fused one)
+    def resources(row):
+        return {name: value for name, value in row.items() if name != "static_smem"}
+
+    inconsistent = [copies for copies in by_name.values() if any(resources(c) != resources(copies[0]) for c in copies)]
     assert not inconsistent, f"{arch}: one kernel, different reports:\n" + "\n".join(_table(c) for c in inconsistent)
 
     variants = shipped_for(arch)

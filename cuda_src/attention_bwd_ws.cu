@@ -1,0 +1,394 @@
+// attention_bwd_ws.cu — the warp-specialized fused attention backward (Hopper, fp16/bf16, plain or causal, a
+// dense batch): dk, dv and dq from dout, q, k, v and the preprocess's lse_log2 and delta (attention_bwd.cu's
+// preprocess), with five products per tile where the two-pass backward's recomputation takes seven.
+//
+// Layout: q, dout (b, nq, d) and k, v (b, nk, d) of one dense batch, read through TMA tensor maps (tma.cuh);
+// lse_log2 and delta (b, nq) float32; dk, dv (b, nk, d) contiguous. dq_accum: float32, (b, ceil(nq / BLOCK_M),
+// 2 consumers, DQ_CHUNK) in the order the dQ products' accumulators hold it (DqChunk below), never zeroed: the
+// first key block at a query block stores its partial there (DETERMINISTIC; otherwise the host zeroes it);
+// attention_bwd_dq_convert_kernel scales and rounds it into dq (b, nq, d). dq_counters: an int per (batch
+// entry, query block), zero at launch. Saves nothing.
+//
+// A CTA per (block of BLOCK_N = 128 keys, batch entry) streams every query block that sees its keys
+// (KeyBlockWalk: in which order), in three warpgroups:
+//  - the producer (warpgroup 0). Warp 0: K and V once; per query block, q and dout by TMA (its lane 0) and
+//    lse_log2 and delta (its 32 lanes, +inf and 0 past nq) into a ring of STAGES slots. Warp 1, one lane: the
+//    dq writer (bwd_write_dq), which adds both consumers' dQ_partial into dq_accum by a bulk reduce, in
+//    key-block order (DETERMINISTIC). The other warps leave; the warpgroup gives its registers to the
+//    consumers (setmaxnreg).
+//  - two consumers (warpgroups 1 and 2), each owning 64 of the block's keys, per query block:
+//      S^T = K Q^T and dP^T = V dO^T issued together; P^T = exp2(S^T scale_log2 - lse_log2) under dP^T;
+//      dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q with P^T, dS^T from registers (as the
+//      two-pass backward's dK/dV pass); dS^T stored to shared memory under dV; after a barrier of both
+//      consumers, each its half of dQ_partial = dS K over all 128 keys (rows when BLOCK_M is 128, else
+//      columns: DQ_SPLIT_ROWS), issued before dK and staged in shared memory for the writer while dK runs
+//      (DK_ACROSS: on into the next query block's S^T and dP^T).
+//    dS^T has two buffers, so one consumer's store of the next block's never meets the other's dQ product
+//    still reading this one's (the barrier each block keeps them within a block of each other).
+// Barriers (tma.cuh): kv_full (K and V's bytes), step_full[STAGES] (q and dout's bytes, and the producer's
+// 32 lanes once their lse_log2 and delta are stored), step_empty[STAGES] (8 consumer warps, after the slot's
+// last product), dq_full (8 consumer warps, their dQ_partial staged), dq_empty (the writer, once its bulk
+// copy has read the staging buffers); named barrier 1 (both consumers: dS^T stored; at the end, done with sK
+// and sV before dk, dv are staged there), 2 + consumer (its dk, dv staged).
+// DETERMINISTIC: dq's float32 sums run in a fixed order per query block, so dq is bitwise reproducible (as dk
+// and dv are: one CTA sums each). Without it (an experiment's form, bench/exp/15_ws_backward.py) the adds land
+// in whatever order the CTAs reach a query block.
+#include "common.cuh"
+#include "params.cuh"
+#include "copy.cuh"
+#include "wgmma.cuh"
+#include "mask.cuh"
+#include "transposed_scores.cuh"
+#include "tma.cuh"
+
+// q, k, v and dout's maps, one kernel parameter.
+struct BwdTensorMaps { TensorMap q, k, v, dout; };
+
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool IS_CAUSAL_, bool DETERMINISTIC_>
+struct BwdWsTraits {
+  using T = T_;
+  static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_M = BLOCK_M_, STAGES = STAGES_;
+  static constexpr bool IS_CAUSAL = IS_CAUSAL_, DETERMINISTIC = DETERMINISTIC_;
+  static constexpr int BLOCK_N = 128, WG_KEYS = 64;
+  using KVTile = SwizzledTile<T, BLOCK_N, HEAD_DIM>;
+  using QTile = SwizzledTile<T, BLOCK_M, HEAD_DIM>;    // q and dout
+  using DsTile = SwizzledTile<T, BLOCK_N, BLOCK_M>;    // dS^T: the block's keys x the step's queries
+  using OutTile = SwizzledTile<T, WG_KEYS, HEAD_DIM>;  // a consumer's dk or dv rows, staged in sK or sV
+  static constexpr int S_TILES = BLOCK_M / 8, G_TILES = HEAD_DIM / 8, P_STEPS = BLOCK_M / 16;
+  static constexpr bool DQ_SPLIT_ROWS = BLOCK_M == 128;
+  static constexpr int DQ_COLS = DQ_SPLIT_ROWS ? HEAD_DIM : HEAD_DIM / 2, DQ_TILES = DQ_COLS / 8;
+  static constexpr int DQ_CHUNK = 64 * DQ_COLS;  // floats of one consumer's dQ_partial
+  static constexpr int COPY_REGISTERS = 24, COMPUTE_REGISTERS = 240;
+  // dK += dS^T Q runs on into the next query block's S^T and dP^T, holding dS^T's fragments across the turn,
+  // where they fit: 64-query blocks (with 128 ptxas serialized the products for registers).
+  static constexpr bool DK_ACROSS = BLOCK_M == 64;
+  static constexpr u32 CONSUMER_WARPS = 8;
+  static_assert(sizeof(T) == 2 && (BLOCK_M == 64 || BLOCK_M == 128) && HEAD_DIM % 64 == 0 && DQ_COLS % 64 == 0,
+                "16-bit; query blocks of 64 or 128; head dims in whole 64-column atoms");
+  static_assert(STAGES >= 2, "the next query block lands while this one is worked on");
+};
+
+// One consumer's dQ_partial (64 rows x DQ_COLS) as a flat chunk: thread i of the warpgroup holds accumulator
+// n-tile j's four values at float4 index j * 128 + i, so its stores to the staging buffer are 16 bytes wide and
+// consecutive across threads. Element (r, c) of the chunk: warp w = r / 16 of the group, lane 4 (r % 8) + (c % 8)
+// / 2, n-tile c / 8, value 2 (r % 16 >= 8) + c % 2.
+struct DqChunk {
+  __device__ __forceinline__ static int row(int thread, int e) { return (thread / 32) * 16 + (thread % 32) / 4 + 8 * (e >> 1); }
+  __device__ __forceinline__ static int col(int thread, int j, int e) { return 8 * j + 2 * (thread % 4) + (e & 1); }
+};
+
+template <class K>
+struct BwdWsCta {
+  using T = typename K::T;
+  // The shared buffers at fixed offsets from one base (one pointer held: the producer warpgroup's 24 registers
+  // could not hold a pointer per buffer beside its copies' and the dq writer's state).
+  T* base;
+  u64* bars;
+  static constexpr int K_AT = 0, V_AT = K_AT + K::KVTile::SIZE, Q_AT = V_AT + K::KVTile::SIZE;
+  static constexpr int DO_AT = Q_AT + K::STAGES * K::QTile::SIZE, DS_AT = DO_AT + K::STAGES * K::QTile::SIZE;
+  static constexpr int DQ_AT = DS_AT + 2 * K::DsTile::SIZE;  // in T, then float32 buffers
+  __device__ __forceinline__ T* sK() const { return base + K_AT; }
+  __device__ __forceinline__ T* sV() const { return base + V_AT; }
+  __device__ __forceinline__ T* sQ(int s) const { return base + Q_AT + s * K::QTile::SIZE; }
+  __device__ __forceinline__ T* sdO(int s) const { return base + DO_AT + s * K::QTile::SIZE; }
+  __device__ __forceinline__ T* sdS(int i) const { return base + DS_AT + i * K::DsTile::SIZE; }
+  __device__ __forceinline__ float* sdQ(int wg) const { return reinterpret_cast<float*>(base + DQ_AT) + wg * K::DQ_CHUNK; }
+  __device__ __forceinline__ float* sLse(int s) const { return sdQ(2) + s * K::BLOCK_M; }
+  __device__ __forceinline__ float* sDelta(int s) const { return sdQ(2) + (K::STAGES + s) * K::BLOCK_M; }
+  __device__ __forceinline__ u32 kv_full() const { return smem_u32(&bars[0]); }
+  __device__ __forceinline__ u32 step_full(int s) const { return smem_u32(&bars[1 + s]); }
+  __device__ __forceinline__ u32 step_empty(int s) const { return smem_u32(&bars[1 + K::STAGES + s]); }
+  __device__ __forceinline__ u32 dq_full() const { return smem_u32(&bars[1 + 2 * K::STAGES]); }
+  __device__ __forceinline__ u32 dq_empty() const { return smem_u32(&bars[2 + 2 * K::STAGES]); }
+  static constexpr int BARRIERS = 3 + 2 * K::STAGES;
+  __device__ __forceinline__ static u32 parity(int i) { return static_cast<u32>((i / K::STAGES) & 1); }
+};
+
+// The query blocks a key block's CTA visits, in its order, and where it stands among the key blocks that add to
+// each (the ordered adds: DETERMINISTIC). BY_ARRIVAL (the host's choice: a batch entry's key blocks fit on the
+// GPU at once): each key block takes its place in the order the CTAs reach a query block when they run in step,
+// so that none waits while all keep pace: without a causal mask key block n starts at query block
+// floor(n M / NB) (of M query blocks, NB key blocks) and goes round, so that no two are ever at the same one;
+// with it, each goes up from its first query block, and at any query block the later key blocks (which start
+// nearer it) come first. A CTA may then wait for one of a higher index, launched after it: the host allows it
+// only where all of a batch entry's CTAs can be resident together. Otherwise every CTA goes through its query
+// blocks in one order (causal: from the last down, so that all reach each at the same step), and key blocks
+// add in the order of their index: a CTA then waits only for those launched before it.
+template <class K>
+struct KeyBlockWalk {
+  int b, n, m_first, m_blocks, start;  // start: BY_ARRIVAL without a causal mask, the first query block; else -1
+  __device__ __forceinline__ KeyBlockWalk(const AttnParams& p, int by_arrival) {
+    b = batch_index();
+    n = blockIdx.x;
+    // The query blocks that see any of these keys: causal, queries from n BLOCK_N - (nk - nq) on.
+    m_first = K::IS_CAUSAL ? max(0, n * K::BLOCK_N - (p.nk - p.nq)) / K::BLOCK_M : 0;
+    m_blocks = ceil_div(p.nq, K::BLOCK_M);
+    start = by_arrival ? (K::IS_CAUSAL ? 0 : static_cast<int>(static_cast<i64>(n) * m_blocks / key_blocks(p))) : -1;
+  }
+  __device__ __forceinline__ static int key_blocks(const AttnParams& p) { return ceil_div(p.nk, K::BLOCK_N); }
+  __device__ __forceinline__ int steps() const { return m_blocks - m_first; }
+  __device__ __forceinline__ int query_block(int i) const {
+    if constexpr (K::IS_CAUSAL) return start >= 0 ? m_first + i : m_blocks - 1 - i;
+    const int m = start + i;
+    return start < 0 ? i : m < m_blocks ? m : m - m_blocks;
+  }
+  // How many key blocks add to query block m before this one.
+  __device__ __forceinline__ int rank(int m, const AttnParams& p) const {
+    if (start < 0) return n;
+    const int nb = key_blocks(p);
+    if constexpr (K::IS_CAUSAL) {  // the key blocks that see query block m: 0 .. last, the later first
+      const int last = min(nb - 1, floor_div(m * K::BLOCK_M + K::BLOCK_M - 1 + (p.nk - p.nq), K::BLOCK_N));
+      return last - n;
+    }
+    // Key block n' reaches m (d(n') = m - start(n') mod M) steps after it began; ties in index order.
+    // starts_upto(x): how many key blocks start at query block x or before.
+    auto starts_upto = [&](int x) {
+      return x < 0 ? 0 : min(nb, static_cast<int>((static_cast<i64>(x + 1) * nb + m_blocks - 1) / m_blocks));
+    };
+    const int earlier = start == m ? 0 : start < m ? starts_upto(m) - starts_upto(start)
+                                                   : nb - starts_upto(start) + starts_upto(m);
+    return earlier + n - starts_upto(start - 1);
+  }
+};
+
+// The producer warp: K and V, then each query block's q, dout (lane 0, TMA) and lse_log2, delta (every lane).
+// The batch entry's three indices are worked out per copy, not held (24 registers).
+template <class Tile, typename T>
+__device__ __forceinline__ void copy_rows(T* tile, const TensorMap& map, const AttnParams& p, int b, int row, u32 bar) {
+  tma_load_tile<Tile>(tile, map, row, b / p.batch2 / p.batch1, (b / p.batch2) % p.batch1, b % p.batch2, bar);
+}
+template <class K>
+__device__ __forceinline__ void bwd_copy_tiles(const BwdWsCta<K>& cta, const AttnParams& p, const BwdTensorMaps& maps,
+                                               const KeyBlockWalk<K>& walk, int lane) {
+  using T = typename K::T;
+  const int b = walk.b, n0 = walk.n * K::BLOCK_N;
+  if (lane == 0) {
+    mbar_expect(cta.kv_full(), 2 * K::KVTile::SIZE * sizeof(T));
+    copy_rows<typename K::KVTile>(cta.sK(), maps.k, p, b, n0, cta.kv_full());
+    copy_rows<typename K::KVTile>(cta.sV(), maps.v, p, b, n0, cta.kv_full());
+  }
+  const float* lse_log2 = static_cast<const float*>(p.lse_log2) + static_cast<i64>(b) * p.nq;
+  const float* delta = static_cast<const float*>(p.delta) + static_cast<i64>(b) * p.nq;
+#pragma unroll 1
+  for (int i = 0; i < walk.steps(); ++i) {
+    const int s = i % K::STAGES, row0 = walk.query_block(i) * K::BLOCK_M;
+    if (i >= K::STAGES) mbar_wait(cta.step_empty(s), cta.parity(i - K::STAGES));
+#pragma unroll
+    for (int r = lane; r < K::BLOCK_M; r += WARP_SIZE) {
+      cta.sLse(s)[r] = row0 + r < p.nq ? lse_log2[row0 + r] : pos_inf();  // P = 0 past nq
+      cta.sDelta(s)[r] = row0 + r < p.nq ? delta[row0 + r] : 0.f;
+    }
+    if (lane == 0) {
+      mbar_expect(cta.step_full(s), 2 * K::QTile::SIZE * sizeof(T));
+      copy_rows<typename K::QTile>(cta.sQ(s), maps.q, p, b, row0, cta.step_full(s));
+      copy_rows<typename K::QTile>(cta.sdO(s), maps.dout, p, b, row0, cta.step_full(s));
+    } else {
+      mbar_arrive(cta.step_full(s));
+    }
+  }
+}
+
+// The ordered adds: a global counter per (batch entry, query block) counts the key blocks whose dQ_partial has
+// landed there; a key block waits until it equals its rank (KeyBlockWalk::rank), adds, and counts itself.
+__device__ __forceinline__ int load_acquire(const int* counter) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
+  return value;
+}
+__device__ __forceinline__ void add_release(int* counter, int value) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(counter), "r"(value) : "memory");
+}
+
+// The dq writer (the producer warpgroup's warp 1, one lane): per query block, both consumers' dQ_partial (one
+// contiguous 2 * DQ_CHUNK floats in the staging buffers and in dq_accum) into dq_accum by a bulk copy.
+// DETERMINISTIC: in rank order, the first stored and the others added, each count released once the adds have
+// landed; otherwise added in any order. Waiting here, not in the consumers, lets them go on to the next query
+// block (until they need the staging buffers again).
+template <class K>
+__device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_accum, int* dq_counters,
+                                             const KeyBlockWalk<K>& walk, const AttnParams& p) {
+  float* rows = dq_accum + static_cast<i64>(walk.b) * walk.m_blocks * 2 * K::DQ_CHUNK;
+  int* counters = dq_counters + static_cast<i64>(walk.b) * walk.m_blocks;
+#pragma unroll 1
+  for (int i = 0; i < walk.steps(); ++i) {
+    const int m = walk.query_block(i);
+    mbar_wait(cta.dq_full(), i & 1);
+    float* to = rows + static_cast<i64>(m) * 2 * K::DQ_CHUNK;
+    if constexpr (K::DETERMINISTIC) {
+      // The first key block stores its partial (dq_accum is not zeroed), the others add theirs in turn.
+      const int rank = walk.rank(m, p);
+      while (load_acquire(counters + m) != rank) {
+      }
+      if (rank == 0) bulk_store(to, cta.sdQ(0), 2 * K::DQ_CHUNK * 4);
+      else bulk_reduce_add_f32(to, cta.sdQ(0), 2 * K::DQ_CHUNK * 4);
+    } else {
+      bulk_reduce_add_f32(to, cta.sdQ(0), 2 * K::DQ_CHUNK * 4);
+    }
+    bulk_commit();
+    bulk_wait_read<0>();
+    mbar_arrive(cta.dq_empty());  // the staging buffers may be written again
+    if constexpr (K::DETERMINISTIC) {
+      bulk_wait<0>();
+      asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk adds before the release below
+      add_release(counters + m, 1);
+    }
+  }
+  bulk_wait<0>();  // the last adds have read the staging buffers before the CTA's shared memory goes away
+}
+
+// A consumer (wg 0 or 1: keys [n0 + 64 wg, + 64) of the block) over every query block from m_first; then dk, dv.
+template <class K>
+__device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnParams& p, const KeyBlockWalk<K>& walk,
+                                            int wg, int warp, int lane) {
+  using T = typename K::T;
+  using QTile = typename K::QTile;
+  using KVTile = typename K::KVTile;
+  using DsTile = typename K::DsTile;
+  constexpr int S_TILES = K::S_TILES, G_TILES = K::G_TILES, P_STEPS = K::P_STEPS, BLOCK_M = K::BLOCK_M;
+  const int thread = threadIdx.x % 128;
+  const int b = walk.b, key0 = walk.n * K::BLOCK_N + K::WG_KEYS * wg;  // this consumer's first key
+  const int offset = p.nk - p.nq;         // causal: query i sees key j <= i + offset
+  const Mask<K::IS_CAUSAL> mask{p.nk, offset};
+  const float ones[2] = {1.f, 1.f};
+  float acc_dk[G_TILES][4], acc_dv[G_TILES][4];
+  float* staging = cta.sdQ(wg);
+  mbar_wait(cta.kv_full(), 0);
+  bool first = true;  // the first dV and dK products overwrite their accumulators (no zeroed registers)
+  u32 ds_frag[P_STEPS][4];  // dS^T for dK += dS^T Q, which runs on into the next query block's S^T and dP^T
+  for (int i = 0; i < walk.steps(); ++i) {
+    const int s = i % K::STAGES, m = walk.query_block(i);
+    const T* sQ_s = cta.sQ(s);
+    const T* sdO_s = cta.sdO(s);
+    mbar_wait(cta.step_full(s), cta.parity(i));
+    float acc_s[S_TILES][4], acc_dp[S_TILES][4];
+    wg_issue_abt<T, K::HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, cta.sK(), K::WG_KEYS * wg, sQ_s);
+    wg_issue_abt<T, K::HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, cta.sV(), K::WG_KEYS * wg, sdO_s);
+    wgmma_wait<1>();  // S^T, and the previous block's dK; dP^T still running
+    fence_operands(acc_s);
+    if (K::DK_ACROSS && !first) {
+      fence_operands(acc_dk);
+      fence_fragments(ds_frag);
+      if (lane == 0) mbar_arrive(cta.step_empty((i - 1) % K::STAGES));  // the previous slot is read out
+    }
+    if (K::IS_CAUSAL && key0 + K::WG_KEYS - 1 > m * BLOCK_M + offset)  // keys after some of these queries
+      mask.apply_transposed(acc_s, key0 + warp * 16, m * BLOCK_M, lane);
+    probs_from_scores_cols(acc_s, cta.sLse(s), p.scale_log2, lane);
+    wgmma_wait<0>();
+    fence_operands(acc_dp);
+    dscores_cols(acc_dp, acc_s, cta.sDelta(s), lane);
+    u32 p_frag[P_STEPS][4];
+    pack_fragments<T>(acc_s, p_frag);
+    wg_issue_pb<T, P_STEPS, G_TILES, QTile>(acc_dv, p_frag, sdO_s, 0, !first);
+    pack_fragments<T>(acc_dp, ds_frag);
+    // dS^T into shared memory under dV, for both consumers' dQ products.
+    T* sdS_i = cta.sdS(i & 1);
+    acc_to_smem<DsTile, S_TILES>(sdS_i, K::WG_KEYS * wg + warp * 16, acc_dp, ones, lane);
+    fence_async_shared();  // the stores before the products that read them
+    named_barrier_sync(1, 256);
+    float acc_dq[K::DQ_TILES][4];
+    wg_issue_atb<T, K::BLOCK_N / 16, K::DQ_TILES, DsTile, KVTile>(acc_dq, sdS_i, K::DQ_SPLIT_ROWS ? 64 * wg : 0, cta.sK(),
+                                                                 K::DQ_SPLIT_ROWS ? 0 : K::DQ_COLS * wg);
+    wg_issue_pb<T, P_STEPS, G_TILES, QTile>(acc_dk, ds_frag, sQ_s, 0, !first);
+    wgmma_wait<1>();  // dV and dQ_partial; dK runs on under the staging and into the next block
+    fence_operands(acc_dv);
+    fence_operands(acc_dq);
+    fence_fragments(p_frag);
+    // dQ_partial to the dq writer through this consumer's staging buffer, once its add of the previous
+    // block's has read it.
+    if (i > 0) mbar_wait(cta.dq_empty(), (i - 1) & 1);
+#pragma unroll
+    for (int j = 0; j < K::DQ_TILES; ++j)
+      *reinterpret_cast<float4*>(staging + (j * 128 + thread) * 4) = make_float4(acc_dq[j][0], acc_dq[j][1], acc_dq[j][2], acc_dq[j][3]);
+    fence_async_shared();  // the stores before the bulk copy that reads them
+    __syncwarp();
+    if (lane == 0) mbar_arrive(cta.dq_full());
+    if constexpr (!K::DK_ACROSS) {
+      wgmma_wait<0>();
+      fence_operands(acc_dk);
+      fence_fragments(ds_frag);
+      if (lane == 0) mbar_arrive(cta.step_empty(s));
+    }
+    first = false;
+  }
+  wgmma_wait<0>();
+  fence_operands(acc_dk);
+  fence_fragments(ds_frag);
+  if (first) {  // no query sees these keys
+    zero_acc(acc_dk);
+    zero_acc(acc_dv);
+  }
+  // dk = scale * dS^T Q summed, dv: staged in this consumer's half of sK and sV once both consumers' last dQ
+  // products (which read all of sK) are done.
+  named_barrier_sync(1, 256);
+  T* stage_k = cta.sK() + wg * K::OutTile::SIZE;
+  T* stage_v = cta.sV() + wg * K::OutTile::SIZE;
+  const float dk_scale[2] = {p.scale, p.scale};
+  acc_to_smem<typename K::OutTile, G_TILES>(stage_k, warp * 16, acc_dk, dk_scale, lane);
+  acc_to_smem<typename K::OutTile, G_TILES>(stage_v, warp * 16, acc_dv, ones, lane);
+  named_barrier_sync(2 + wg, 128);
+  const int rows = min(K::WG_KEYS, p.nk - key0);
+  T* dk = static_cast<T*>(p.dk) + (static_cast<i64>(b) * p.nk + key0) * p.d_qk;
+  T* dv = static_cast<T*>(p.dv) + (static_cast<i64>(b) * p.nk + key0) * p.d_v;
+  store_tile<typename K::OutTile, K::HEAD_DIM, 128>(dk, p.d_qk, stage_k, rows, p.d_qk, thread);
+  store_tile<typename K::OutTile, K::HEAD_DIM, 128>(dv, p.d_v, stage_v, rows, p.d_v, thread);
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int STAGES, bool IS_CAUSAL, bool DETERMINISTIC>
+__global__ void __launch_bounds__(3 * 128, 1)
+attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMaps maps, float* dq_accum,
+                        int* dq_counters, int by_arrival) {
+  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DETERMINISTIC>;
+  using Cta = BwdWsCta<K>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ __align__(8) u64 bars[Cta::BARRIERS];
+  const Cta cta{reinterpret_cast<T*>(smem_aligned(smem_raw)), bars};
+  if (threadIdx.x == 0) {
+    mbar_init(cta.kv_full(), 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(cta.step_full(s), WARP_SIZE);
+      mbar_init(cta.step_empty(s), K::CONSUMER_WARPS);
+    }
+    mbar_init(cta.dq_full(), K::CONSUMER_WARPS);
+    mbar_init(cta.dq_empty(), 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  // Each role works out its key block's walk after setmaxnreg (values live across it would crowd the
+  // producer's 24 registers).
+  if (threadIdx.x < 128) {  // the producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(K::COPY_REGISTERS) : "memory");
+    const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / WARP_SIZE), 0);
+    if (warp == 0) bwd_copy_tiles(cta, p, maps, KeyBlockWalk<K>(p, by_arrival), threadIdx.x);
+    else if (threadIdx.x == WARP_SIZE) bwd_write_dq(cta, dq_accum, dq_counters, KeyBlockWalk<K>(p, by_arrival), p);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(K::COMPUTE_REGISTERS) : "memory");
+  // The warpgroup through a shuffle: warp-uniform as the compiler sees it (see attention_fwd_ws.cu).
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0) - 1;
+  const int warp = (threadIdx.x / WARP_SIZE) % 4, lane = threadIdx.x % WARP_SIZE;
+  bwd_consume(cta, p, KeyBlockWalk<K>(p, by_arrival), wg, warp, lane);
+}
+
+// dq = scale * dq_accum, rounded to T: a CTA per (query block, batch entry), a thread per accumulator thread of
+// the two consumers' chunks (DqChunk). A query block no key block adds to (causal: queries before every key,
+// or no keys at all) has 0 for dq and nothing in dq_accum.
+template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL>
+__global__ void __launch_bounds__(256)
+attention_bwd_dq_convert_kernel(const AttnParams p, const float* dq_accum) {
+  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, 2, IS_CAUSAL, true>;
+  const int b = batch_index(), m = blockIdx.x;
+  const bool added = p.nk > 0 && (!IS_CAUSAL || m * BLOCK_M + BLOCK_M - 1 + (p.nk - p.nq) >= 0);
+  const int wg = threadIdx.x / 128, thread = threadIdx.x % 128;
+  const float* chunk = dq_accum + ((static_cast<i64>(b) * gridDim.x + m) * 2 + wg) * K::DQ_CHUNK;
+  const int row0 = m * BLOCK_M + (K::DQ_SPLIT_ROWS ? 64 * wg : 0), col0 = K::DQ_SPLIT_ROWS ? 0 : K::DQ_COLS * wg;
+  T* dq = static_cast<T*>(p.dq) + static_cast<i64>(b) * p.nq * p.d_qk;
+#pragma unroll
+  for (int j = 0; j < K::DQ_TILES; ++j) {
+    const float4 x = added ? *reinterpret_cast<const float4*>(chunk + (j * 128 + thread) * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const int c = col0 + DqChunk::col(thread, j, 0);
+    if (c >= p.d_qk) continue;
+    const int r = row0 + DqChunk::row(thread, 0);
+    if (r < p.nq) Elem<T>::store2(dq + static_cast<i64>(r) * p.d_qk + c, x.x * p.scale, x.y * p.scale);
+    if (r + 8 < p.nq) Elem<T>::store2(dq + static_cast<i64>(r + 8) * p.d_qk + c, x.z * p.scale, x.w * p.scale);
+  }
+}

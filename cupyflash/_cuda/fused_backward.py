@@ -1,0 +1,49 @@
+"""The warp-specialized fused backward's launches (cuda_src/attention_bwd_ws.cu): the preprocess, the fused
+kernel over q, k, v and dout's tensor maps with its float32 dq accumulator and the counters of its ordered adds,
+then dq's conversion. Called unplanned: it serves long sequences, whose GPU time dwarfs a call's host time.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+from cupyflash._arrays import cupy
+from cupyflash._cuda import tiles, tma
+from cupyflash._cuda.compile import sm_count
+from cupyflash._cuda.launch import CPointer, launch, launch_shape
+from cupyflash._cuda.params import PARAMS_BYTES
+
+MAPPED = ("q", "k", "v", "dout")  # the inputs it reads through tensor maps, in BwdTensorMaps' order
+
+
+def describable(arrays, sizes, strides) -> bool:
+    """Whether tensor maps describe its inputs (no broadcast batch dims, 16-byte aligned strides)."""
+    return tma.available() and all(tma.describable(arrays[name], sizes, strides[name]) for name in MAPPED)
+
+
+def run(functions, variant, params, arrays, sizes, strides, *, batch: int, nq: int, nk: int) -> None:
+    """Launch the fused backward of the dense problem whose parameters are ``params`` (dq, dk, dv and the
+    preprocess's workspaces among them), on the arrays (q, k, v, dout) ``arrays`` of collapsed layout
+    ``sizes``, ``strides``."""
+    t = variant.tiles("bwd")
+    m_blocks = -(-nq // t.block)
+    chunk = m_blocks * t.block * variant.head_dim  # dq_accum's floats per batch entry
+    # dq_accum (float32, in the dQ products' fragment order), then one counter per (batch entry, query block).
+    # Only the counters start at zero: the first key block at a query block stores its partial, the others add.
+    workspace = cupy.empty(batch * (chunk + m_blocks), dtype=numpy.float32)
+    dq_accum = workspace[:batch * chunk]
+    counters = workspace[batch * chunk:].view(numpy.int32)
+    stream = cupy.cuda.get_current_stream()
+    cupy.cuda.runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, stream.ptr)
+    rows = {"q": t.block, "k": tiles.WS_BWD_KEYS, "v": tiles.WS_BWD_KEYS, "dout": t.block}
+    maps = tma.TensorMaps(arrays, sizes, strides, rows).encode({name: arrays[name].data.ptr for name in MAPPED})
+    # Key blocks take their turn at a query block in the order they reach it where all of a batch entry's CTAs
+    # can be resident at once (one per SM); otherwise in the order of their index (attention_bwd_ws.cu).
+    by_arrival = -(-nk // tiles.WS_BWD_KEYS) <= sm_count(cupy.cuda.runtime.getDevice())
+    argument = params.view(PARAMS_BYTES)
+    launch(functions, variant, "preprocess", nq, batch, params)
+    grid, block, smem = launch_shape(variant, "bwd", nk, batch)
+    functions["bwd"](grid, block, (argument, CPointer(maps.ctypes.data), dq_accum, counters, numpy.int32(by_arrival)),
+                     shared_mem=smem)
+    grid, block, smem = launch_shape(variant, "dq_convert", nq, batch)
+    functions["dq_convert"](grid, block, (argument, dq_accum), shared_mem=smem)

@@ -1,0 +1,119 @@
+"""The warp-specialized fused backward (cuda_src/attention_bwd_ws.cu) on Hopper: 16-bit, plain or causal, head
+dims up to 128, sequences from tiles.WS_BWD_MIN_LENGTH on. Needs a GPU of compute capability 9.0:
+
+    python -m pytest -m gpu tests/gpu/test_gpu_fused_backward.py
+
+Short problems reach it with WS_BWD_MIN_LENGTH lowered (the kernel is the same at every length); every
+allocation starts as NaN, so an element of dq, dk or dv that is never written, or a workspace read before it is
+written, fails the reference check.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash._cuda import dense_fast, fused_backward, launch, tiles
+from cupyflash._cuda.compile import current_device
+from cupyflash._cuda.variants import Features, select
+from helpers.checks import assert_matches_reference
+from helpers.gpu import nan_filled_allocations
+from helpers.modifiers import run
+from helpers.problems import random_problem
+
+cupy = pytest.importorskip("cupy")
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+@pytest.fixture
+def any_length(monkeypatch):
+    """The fused backward at every length (plans and the fast path's table forgotten, before and after, so
+    that no call reuses launches chosen under the other threshold)."""
+    if not current_device().wgmma:
+        pytest.skip("the fused backward runs on compute capability 9.0 only")
+    monkeypatch.setattr(tiles, "WS_BWD_MIN_LENGTH", {d: 1 for d in tiles.WS_BWD_MIN_LENGTH})
+    launch.plans.clear()
+    dense_fast._table.clear()
+    yield
+    launch.plans.clear()
+    dense_fast._table.clear()
+
+
+def _fused(dtype, d, dv, causal, nq, nk):
+    return select(Features.of("bwd", np.dtype(dtype), d, dv, causal, lengths=(nq, nk)), current_device())
+
+
+def _problem(rng, dtype, batch, nq, nk, d, dv=None):
+    dv = d if dv is None else dv
+    return random_problem(rng, batch + (nq, d), batch + (nk, d), batch + (nk, dv), dtype, xp=cupy)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq, nk", [(333, 397), (397, 261), (128, 128), (1000, 64), (70, 1100)])
+@pytest.mark.parametrize("d", [40, 64, 100, 128])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_fused_backward_matches_the_reference(rng, any_length, dtype, d, nq, nk, causal):
+    """Sizes off every block: partial query and key blocks, Nq > Nk (causal rows that see no key, whose dq is
+    0 and whose query blocks no key block adds to) and Nq < Nk (key blocks no query sees: dk = dv = 0), head
+    dims padded to the kernel's."""
+    assert _fused(dtype, d, d, causal, nq, nk).fused_backward
+    q, k, v, dout = _problem(rng, dtype, (2, 3), nq, nk, d)
+    with nan_filled_allocations():
+        results = run(q, k, v, dout, causal=causal)
+    assert_matches_reference(q, k, v, dout, results, causal=causal)
+
+
+@pytest.mark.parametrize("d, dv", [(64, 40), (48, 128)])
+def test_fused_backward_with_narrower_values_or_keys(rng, any_length, d, dv):
+    assert _fused(ml_dtypes.bfloat16, d, dv, True, 300, 500).fused_backward
+    q, k, v, dout = _problem(rng, ml_dtypes.bfloat16, (2, 2), 300, 500, d, dv)
+    with nan_filled_allocations():
+        results = run(q, k, v, dout, causal=True)
+    assert_matches_reference(q, k, v, dout, results, causal=True)
+
+
+@pytest.mark.parametrize("by_arrival", [True, False], ids=["by-arrival", "by-index"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fused_backward_is_bitwise_reproducible(rng, any_length, monkeypatch, causal, by_arrival):
+    """dq sums the key blocks' partials in an order fixed per query block, whichever CTA gets there first: two
+    runs agree bit for bit, in both orders the host picks from (key blocks in the order they reach a query
+    block, or in the order of their index where a batch entry's CTAs cannot all be resident at once). Many
+    batch entries, so that several waves of CTAs run and their timing differs between runs."""
+    if not by_arrival:  # every batch entry as if it had more key blocks than the GPU has SMs
+        monkeypatch.setattr(fused_backward, "sm_count", lambda device: 1)
+    q, k, v, dout = _problem(rng, ml_dtypes.bfloat16, (4, 24), 1100, 1300, 128)
+    out, lse = cupyflash.attention_forward(q, k, v, causal=causal)
+    first = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    for _ in range(3):
+        again = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        for a, b in zip(first, again):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
+    assert_matches_reference(q, k, v, dout, (out, lse, *first), causal=causal)
+
+
+def test_fused_backward_serves_long_sequences(rng):
+    """At the table's own threshold: the fused kernel is what a long 16-bit call takes, and a shorter one (or one
+    past CHAIN_ROWS) takes the two passes."""
+    if not current_device().wgmma:
+        pytest.skip("the fused backward runs on compute capability 9.0 only")
+    n = tiles.WS_BWD_MIN_LENGTH[128]
+    assert _fused(ml_dtypes.bfloat16, 128, 128, True, n + 5, n + 5).fused_backward
+    assert not _fused(ml_dtypes.bfloat16, 128, 128, True, n - 1, n + 5).fused_backward
+    assert not _fused(ml_dtypes.bfloat16, 128, 128, False, tiles.CHAIN_ROWS + 1, n).fused_backward
+    q, k, v, dout = _problem(rng, ml_dtypes.bfloat16, (1, 2), n + 5, n + 5, 128)
+    with nan_filled_allocations():
+        results = run(q, k, v, dout, causal=True)
+    assert_matches_reference(q, k, v, dout, results, causal=True)
+
+
+def test_broadcast_keys_take_the_two_passes(rng, any_length):
+    """GQA as broadcast k and v (a batch stride of 0): tensor maps cannot step through them, so the call takes
+    the two passes, with the same result as on materialized copies."""
+    q, k, v, dout = _problem(rng, ml_dtypes.bfloat16, (2, 4), 300, 260, 64)
+    k_b, v_b = (cupy.broadcast_to(x[:, :1], x.shape) for x in (k, v))
+    with nan_filled_allocations():
+        results = run(q, k_b, v_b, dout, causal=True)
+    assert_matches_reference(q, k_b, v_b, dout, results, causal=True)
