@@ -19,7 +19,7 @@ from cupyflash._cuda.launch import (CHAIN_ROWS, Plan, launch, launch_summed, pas
 from cupyflash._cuda.params import (dbias_buffer, dense_params, kernel_ready, layout, mod_arrays, packed_params,
                                     packed_slopes, slopes, unpad)
 from cupyflash._cuda.tiles import WS_BLOCK_MASK_TILES, WS_WARPGROUP_ROWS
-from cupyflash._cuda.variants import Features, row_width, select
+from cupyflash._cuda.variants import Features, backward_lengths, row_width, select
 from cupyflash._modifiers import BLOCK_MASK_TILE
 
 
@@ -124,7 +124,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
         plan.launch(addresses, dropout)
         dense_fast.remember(fast_key, plan, dense_fast.BACKWARD_NAMES, outputs, dropout, scratch)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d_v), None
-    features = Features.of("bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, lengths=(nq, nk))
+    lengths = backward_lengths(math.prod(batch_shape), nq, nk, max(d_w, d_v_w))
+    features = Features.of("bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, lengths=lengths)
     variant = select(features, current_device())
     # float32 on Hopper: the passes read float16 pieces of q, k, v, dout; the preprocess reads out and dout
     # themselves. (Never planned: the pieces are made per call anyway.)

@@ -240,6 +240,10 @@ WS_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CEL
 WS_BWD_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CELLS
                                  if path == "ws" and size == 2 and kernel == "bwd"}))
 WS_BWD_MIN_LENGTH = {64: 2048, 128: 4096}
+# ... and the least work, batch entries x Nq x Nk x HEAD_DIM (2^34: about 0.4 ms of GPU time): the fused backward
+# is launched unplanned (fused_backward.py: tensor maps encoded, parameters built per call), so a call with less
+# work than that could spend longer on the host than the planned two passes take on the GPU.
+WS_BWD_MIN_WORK = 1 << 34
 WS_BWD_KEYS = 128  # the key block of a fused backward CTA (BwdWsTraits::BLOCK_N)
 # The most rows one launch of a backward pass sums a gradient over (queries for dK/dV, keys for dQ). The
 # tensor cores' float32 accumulation truncates, ~2e-8 relative per 16-row step: 1.5e-4 over 2^17 rows, below

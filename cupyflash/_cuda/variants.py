@@ -241,6 +241,12 @@ class Features:
                    packed, lengths=lengths)
 
 
+def backward_lengths(batch: int, nq: int, nk: int, head_dim: int) -> tuple[int, int]:
+    """What a dense backward's Features carry as its lengths: (Nq, Nk) where its work (batch entries x Nq x Nk x
+    HEAD_DIM) reaches tiles.WS_BWD_MIN_WORK, else (0, 0), which keeps it on the two passes."""
+    return (nq, nk) if batch * nq * nk * head_dim >= tiles.WS_BWD_MIN_WORK else (0, 0)
+
+
 def row_width(d: int, dtype: str) -> int:
     """A head dim of d elements as the kernels read rows: padded to a multiple of 16 bytes (cp.async's width;
     the padding is zeros)."""

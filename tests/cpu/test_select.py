@@ -12,7 +12,7 @@ from cupyflash import _dropout, _modifiers
 from cupyflash._cuda import backend, launch, tiles, tma
 from cupyflash._cuda.source import source
 from cupyflash._cuda.variants import (BOUNDED_SOFTCAP_MAX, DTYPES, FP8, MODS, PATHS, SCORES, Device, Features, Variant,
-                                      select, shipped_variants)
+                                      backward_lengths, select, shipped_variants)
 
 HOPPER = Device(wgmma=True, large_smem=True)
 AMPERE = Device()  # mma.sync and an sm_80 CTA's shared memory: every GPU but Hopper (and no GPU at all)
@@ -563,3 +563,16 @@ def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(
     assert _backward((1 << 16, 1 << 16), dtype=np.float32).path == "pieces"
     assert _backward((1 << 16, 1 << 16), dtype=np.float64).path != "ws"
     assert not _backward((0, 0)).fused_backward  # lengths not given: the two passes
+
+
+def test_backward_lengths_keep_calls_with_little_work_on_the_two_passes():
+    """The backward's Features carry (Nq, Nk) only where batch x Nq x Nk x HEAD_DIM reaches WS_BWD_MIN_WORK: a
+    long sequence in one or two heads stays on the planned two passes (host time), the same in 64 heads not."""
+    n = tiles.WS_BWD_MIN_LENGTH[128]
+    assert backward_lengths(64, n, n, 128) == (n, n)
+    assert backward_lengths(1, n, n, 128) == (0, 0)
+    assert backward_lengths(1, 1 << 17, 1 << 17, 128) == (1 << 17, 1 << 17)
+    least = next(b for b in range(1, 1 << 20) if b * n * n * 128 >= tiles.WS_BWD_MIN_WORK)
+    assert backward_lengths(least, n, n + 3, 128) == (n, n + 3) and backward_lengths(least - 1, n, n, 128) == (0, 0)
+    assert _backward(backward_lengths(least - 1, n, n, 128)).path == "wgmma"
+    assert _backward(backward_lengths(least, n, n, 128)).fused_backward

@@ -3,7 +3,8 @@ dims up to 128, sequences from tiles.WS_BWD_MIN_LENGTH on. Needs a GPU of comput
 
     python -m pytest -m gpu tests/gpu/test_gpu_fused_backward.py
 
-Short problems reach it with WS_BWD_MIN_LENGTH lowered (the kernel is the same at every length); every
+Short problems reach it with WS_BWD_MIN_LENGTH and WS_BWD_MIN_WORK lowered (the kernel is the same at every
+length); every
 allocation starts as NaN, so an element of dq, dk or dv that is never written, or a workspace read before it is
 written, fails the reference check.
 """
@@ -15,7 +16,7 @@ import pytest
 import cupyflash
 from cupyflash._cuda import dense_fast, fused_backward, launch, tiles
 from cupyflash._cuda.compile import current_device
-from cupyflash._cuda.variants import Features, select
+from cupyflash._cuda.variants import Features, backward_lengths, select
 from helpers.checks import assert_matches_reference
 from helpers.gpu import nan_filled_allocations
 from helpers.modifiers import run
@@ -35,6 +36,7 @@ def any_length(monkeypatch):
     if not current_device().wgmma:
         pytest.skip("the fused backward runs on compute capability 9.0 only")
     monkeypatch.setattr(tiles, "WS_BWD_MIN_LENGTH", {d: 1 for d in tiles.WS_BWD_MIN_LENGTH})
+    monkeypatch.setattr(tiles, "WS_BWD_MIN_WORK", 0)
     launch.plans.clear()
     dense_fast._table.clear()
     yield
@@ -95,15 +97,18 @@ def test_fused_backward_is_bitwise_reproducible(rng, any_length, monkeypatch, ca
 
 
 def test_fused_backward_serves_long_sequences(rng):
-    """At the table's own threshold: the fused kernel is what a long 16-bit call takes, and a shorter one (or one
-    past CHAIN_ROWS) takes the two passes."""
+    """At the table's own thresholds: the fused kernel is what a long 16-bit call with enough work takes, and a
+    shorter one (or one past CHAIN_ROWS, or one with less work) takes the two passes."""
     if not current_device().wgmma:
         pytest.skip("the fused backward runs on compute capability 9.0 only")
     n = tiles.WS_BWD_MIN_LENGTH[128]
     assert _fused(ml_dtypes.bfloat16, 128, 128, True, n + 5, n + 5).fused_backward
     assert not _fused(ml_dtypes.bfloat16, 128, 128, True, n - 1, n + 5).fused_backward
     assert not _fused(ml_dtypes.bfloat16, 128, 128, False, tiles.CHAIN_ROWS + 1, n).fused_backward
-    q, k, v, dout = _problem(rng, ml_dtypes.bfloat16, (1, 2), n + 5, n + 5, 128)
+    batch = (3, 4)  # 12 (n + 5)^2 128 >= WS_BWD_MIN_WORK
+    assert backward_lengths(12, n + 5, n + 5, 128) == (n + 5, n + 5)
+    assert backward_lengths(1, n + 5, n + 5, 128) == (0, 0)
+    q, k, v, dout = _problem(rng, ml_dtypes.bfloat16, batch, n + 5, n + 5, 128)
     with nan_filled_allocations():
         results = run(q, k, v, dout, causal=True)
     assert_matches_reference(q, k, v, dout, results, causal=True)
