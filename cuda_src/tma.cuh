@@ -1,5 +1,7 @@
 // tma.cuh — Hopper's tensor-memory-accelerator copies (cp.async.bulk.tensor) and the shared-memory
-// mbarriers that count their bytes, for the warp-specialized forward (attention_fwd_ws.cu).
+// mbarriers that count their bytes, for the warp-specialized forward and backward (attention_fwd_ws.cu,
+// attention_bwd_ws.cu); the bulk copies from shared to global memory (plain or adding float32) and the named
+// barriers the backward's warpgroups meet at.
 //
 // A tensor map (CUtensorMap, 128 bytes, encoded on the host by cupyflash/_cuda/tma.py) describes one input as a
 // 5-d tensor (columns, rows, batch2, batch1, batch0) with the batch strides of the collapsed layout, and a
