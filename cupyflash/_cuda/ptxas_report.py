@@ -24,6 +24,7 @@ from cupyflash._cuda.variants import Variant, variants_for
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+_PROPERTIES = re.compile(r"Function properties for (\w+)")
 # ptxas' C7510-C7519 notes: it serialized a kernel's warpgroup products (wgmma), naming the function. Such a
 # kernel loses the overlap of its products with everything else (docs/design/compile.md).
 _SERIALIZED = re.compile(r"\(C751\d\).*?function '(\w+)'")
@@ -42,21 +43,30 @@ def nvrtc_version() -> tuple[int, int]:
 
 def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
     """Per mangled entry: registers, spills, stack frame, static shared memory, and how many notes say that
-    its warpgroup products were serialized (``serialized_wgmma``)."""
+    its warpgroup products were serialized (``serialized_wgmma``). A function the entry calls (not inlined)
+    has its own properties after the entry's: its spills and stack frame count for the entry too (the larger
+    of the two), so that they are never read in place of the entry's."""
     found: dict[str, dict[str, int]] = {}
 
     def entry(name: str) -> dict[str, int]:
         return found.setdefault(name, {"registers": -1, "spill_stores": -1, "spill_loads": -1, "stack_frame": -1,
                                        "static_smem": 0, "serialized_wgmma": 0})
 
-    current = None
+    current, current_name, properties_of = None, None, None
     for line in log.splitlines():
         if m := _SERIALIZED.search(line):
             entry(m.group(1))["serialized_wgmma"] += 1
         elif m := _ENTRY.search(line):
-            current = entry(m.group(1))
+            current_name = m.group(1)
+            current = entry(current_name)
+        elif m := _PROPERTIES.search(line):
+            properties_of = m.group(1)
         elif current is not None and (m := _FRAME.search(line)):
-            current.update(stack_frame=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+            frame = dict(stack_frame=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+            if properties_of == current_name or properties_of is None:
+                current.update(frame)
+            else:  # a function the entry calls
+                current.update({name: max(value, current[name]) for name, value in frame.items()})
         elif current is not None and (m := _USED.search(line)):
             current.update(registers=int(m.group(1)), static_smem=int(m.group(2) or 0))
     return found

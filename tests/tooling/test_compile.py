@@ -220,3 +220,28 @@ def test_parse_ptxas_reads_every_field():
                               "static_smem": 528, "serialized_wgmma": 0}
     assert found["_Z1bv"] == {"registers": 90, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0,
                               "static_smem": 0, "serialized_wgmma": 1}
+
+
+def test_parse_ptxas_counts_a_called_functions_spills_for_its_entry():
+    """A function that is not inlined gets its own properties after its caller's: its spills count for the entry
+    that calls it, and its clean report never stands in for the entry's spills."""
+    log = "\n".join([
+        "ptxas info    : Compiling entry function '_Z1av' for 'sm_90a'",
+        "ptxas info    : Function properties for _Z1av",
+        "    104 bytes stack frame, 28 bytes spill stores, 28 bytes spill loads",
+        "ptxas info    : Function properties for _Z6calleev",
+        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+        "ptxas info    : Used 168 registers, used 1 barriers, 904 bytes cmem[0]",
+        "ptxas info    : Compiling entry function '_Z1bv' for 'sm_90a'",
+        "ptxas info    : Function properties for _Z1bv",
+        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+        "ptxas info    : Function properties for _Z6calleev",
+        "    16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads",
+        "ptxas info    : Used 96 registers, used 1 barriers, 904 bytes cmem[0]",
+    ])
+    from cupyflash._cuda.ptxas_report import parse_ptxas
+
+    found = parse_ptxas(log)
+    assert (found["_Z1av"]["spill_stores"], found["_Z1av"]["stack_frame"]) == (28, 104)
+    assert (found["_Z1bv"]["spill_stores"], found["_Z1bv"]["spill_loads"], found["_Z1bv"]["stack_frame"]) == (8, 4, 16)
+    assert "_Z6calleev" not in found
