@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_attention  # noqa: E402  (TorchSDPA)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-numpy_int = np.int32
 BLOCK_M = {64: 128, 128: 64}  # query rows a step, by head dim
 STAGES = 2
 parser = argparse.ArgumentParser()
@@ -96,7 +95,7 @@ class Fused:
         # Key blocks take their turn by arrival where a batch entry's CTAs can all be resident at once.
         key_blocks = -(-nk // 128)
         fits = key_blocks <= cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
-        self.by_arrival = numpy_int(fits if by_arrival is None else by_arrival)
+        self.by_arrival = np.int32(fits if by_arrival is None else by_arrival)
 
     def __call__(self):
         self.workspace.fill(0)

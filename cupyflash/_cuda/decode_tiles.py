@@ -82,6 +82,7 @@ class DecodeVariant:
     path = "decode"
     kernels = ("decode", "append")
     modules = (("decode", "append"),)
+    sources = modules  # the kernels grouped by the source they compile from (``code``): the one module
 
     @property
     def itemsize(self) -> int:

@@ -123,8 +123,7 @@ def compile_variant(variant: Variant, arch: str) -> list[dict]:
     target = variant.compile_targets()[arch]
     options = [*OPTIONS, f"-arch={target}", "-Xptxas", "-v"]
     rows = []
-    # The kernels in groups of one source file (the fused backward's preprocess is another file's).
-    for kernels in variant.sources if isinstance(variant, Variant) else (variant.kernels,):
+    for kernels in variant.sources:  # (the fused backward's preprocess is another file's)
         names = {kernel: variant.name_expression(kernel) for kernel in kernels}
         code = variant.code(kernels)
         stats = _cached([code, options, list(names.values())],

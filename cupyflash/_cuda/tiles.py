@@ -22,11 +22,11 @@ A cell is ``NUM_WARPS.BLOCK.D_CHUNK`` then, after ``/``, its flags:
   p   the backward's products stay in flight while the next tile's elementwise work runs (PIPELINED)
   a   ... across the loop's turn too (ACROSS_TURN)
   c   the dK/dV pass copies each query tile's lse and delta with cp.async (LSE_BY_COPY)
-  rN  the warp-specialized forward's ring of N K/V slots (STAGES)
+  rN  the warp-specialized forward's ring of N K/V slots, the fused backward's of N q/dout slots (STAGES)
   w   it rounds P to 16 bits after the previous P V's wait, so P V is one wgmma per k-step (PACK_AFTER_WAIT)
   o   two warps of its copying warpgroup store out (STORE_WARPS)
 ``=``: the plain cell; ``.``: not built. BLOCK is the streamed tile: keys (fwd, dq) or queries (dkdv, bwd).
-D_CHUNK: the output (fwd) or gradient (dkdv, dq) columns per CTA; a CTA's rows are 16 per computing warp
+D_CHUNK: the output (fwd) or gradient (dkdv, dq, bwd) columns per CTA; a CTA's rows are 16 per computing warp
 (8 with d). Every cell compiles with no register spills for sm_80 and sm_90 (CI checks); cells other than
 the plain ones exist because the plain tiles spilled there or ran slower. docs/design/tiles.md gives each
 reason and measurement.

@@ -101,7 +101,7 @@ class Variant:
     def sources(self) -> tuple[tuple[str, ...], ...]:
         """The kernels grouped by the source file they come from (``code``): one group, except the fused
         backward's, whose preprocess is the two passes'."""
-        return (("preprocess",), ("bwd", "dq_convert")) if self.fused_backward else (self.kernels,)
+        return self.modules if self.fused_backward else (self.kernels,)
 
     def tiles(self, kernel: str) -> Tiles:
         return tiles.lookup(self.path, self.itemsize, self.head_dim, kernel, self.form)
