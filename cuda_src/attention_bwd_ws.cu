@@ -4,10 +4,10 @@
 //
 // Layout: q, dout (b, nq, d) and k, v (b, nk, d) of one dense batch, read through TMA tensor maps (tma.cuh);
 // lse_log2 and delta (b, nq) float32; dk, dv (b, nk, d) contiguous. dq_accum: float32, (b, ceil(nq / BLOCK_M),
-// 2 consumers, DQ_CHUNK) in the order the dQ products' accumulators hold it (DqChunk below), never zeroed: the
-// first key block at a query block stores its partial there (DETERMINISTIC; otherwise the host zeroes it);
-// attention_bwd_dq_convert_kernel scales and rounds it into dq (b, nq, d). dq_counters: an int per (batch
-// entry, query block), zero at launch. Saves nothing.
+// DQ_CHAINS, 2 consumers, DQ_CHUNK) in the order the dQ products' accumulators hold it (DqChunk below), never
+// zeroed: the first key block of a chain at a query block stores its partial there (DETERMINISTIC; otherwise
+// the host zeroes it); attention_bwd_dq_convert_kernel sums the chains, scales and rounds into dq (b, nq, d).
+// dq_counters: an int per (batch entry, query block, chain), zero at launch. Saves nothing.
 //
 // A CTA per (block of BLOCK_N = 128 keys, batch entry) streams every query block that sees its keys
 // (KeyBlockWalk: in which order), in three warpgroups:
@@ -58,6 +58,12 @@ struct BwdWsTraits {
   static constexpr bool DQ_SPLIT_ROWS = BLOCK_M == 128;
   static constexpr int DQ_COLS = DQ_SPLIT_ROWS ? HEAD_DIM : HEAD_DIM / 2, DQ_TILES = DQ_COLS / 8;
   static constexpr int DQ_CHUNK = 64 * DQ_COLS;  // floats of one consumer's dQ_partial
+  // The ordered adds run in DQ_CHAINS chains per query block (the key block of rank r in chain r % DQ_CHAINS),
+  // each into its own float32 accumulator, summed in chain order by the conversion: a key block then waits only
+  // for the add DQ_CHAINS ranks before its own. Two where key blocks reach a query block one step apart (by
+  // arrival with 128-query blocks: as many query blocks as key blocks), so that an add's round trip may take two
+  // steps; with 64-query blocks they come two steps apart already, and a second accumulator only costs its reads.
+  static constexpr int DQ_CHAINS = BLOCK_M == 128 ? 2 : 1;
   static constexpr int COPY_REGISTERS = 24, COMPUTE_REGISTERS = 240;
   // dK += dS^T Q runs on into the next query block's S^T and dP^T, holding dS^T's fragments across the turn,
   // where they fit: 64-query blocks (with 128 ptxas serialized the products for registers).
@@ -207,22 +213,25 @@ __device__ __forceinline__ void add_release(int* counter, int value) {
 template <class K>
 __device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_accum, int* dq_counters,
                                              const KeyBlockWalk<K>& walk, const AttnParams& p) {
-  float* rows = dq_accum + static_cast<i64>(walk.b) * walk.m_blocks * 2 * K::DQ_CHUNK;
-  int* counters = dq_counters + static_cast<i64>(walk.b) * walk.m_blocks;
+  float* rows = dq_accum + static_cast<i64>(walk.b) * walk.m_blocks * K::DQ_CHAINS * 2 * K::DQ_CHUNK;
+  int* counters = dq_counters + walk.b * walk.m_blocks * K::DQ_CHAINS;
 #pragma unroll 1
   for (int i = 0; i < walk.steps(); ++i) {
     const int m = walk.query_block(i);
     mbar_wait(cta.dq_full(), i & 1);
-    float* to = rows + static_cast<i64>(m) * 2 * K::DQ_CHUNK;
+    const float* from = cta.sdQ(0);
+    const int rank = K::DETERMINISTIC ? walk.rank(m, p) : 0, chain = rank % K::DQ_CHAINS;
+    float* to = rows + static_cast<i64>(m * K::DQ_CHAINS + chain) * 2 * K::DQ_CHUNK;
+    int* counter = counters + m * K::DQ_CHAINS + chain;
     if constexpr (K::DETERMINISTIC) {
-      // The first key block stores its partial (dq_accum is not zeroed), the others add theirs in turn.
-      const int rank = walk.rank(m, p);
-      while (load_acquire(counters + m) != rank) {
+      // The first key block of a chain stores its partial (dq_accum is not zeroed), the others add theirs in turn.
+      const int link = rank / K::DQ_CHAINS;
+      while (load_acquire(counter) != link) {
       }
-      if (rank == 0) bulk_store(to, cta.sdQ(0), 2 * K::DQ_CHUNK * 4);
-      else bulk_reduce_add_f32(to, cta.sdQ(0), 2 * K::DQ_CHUNK * 4);
+      if (link == 0) bulk_store(to, from, 2 * K::DQ_CHUNK * 4);
+      else bulk_reduce_add_f32(to, from, 2 * K::DQ_CHUNK * 4);
     } else {
-      bulk_reduce_add_f32(to, cta.sdQ(0), 2 * K::DQ_CHUNK * 4);
+      bulk_reduce_add_f32(to, from, 2 * K::DQ_CHUNK * 4);
     }
     bulk_commit();
     bulk_wait_read<0>();
@@ -230,7 +239,7 @@ __device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_a
     if constexpr (K::DETERMINISTIC) {
       bulk_wait<0>();
       asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk adds before the release below
-      add_release(counters + m, 1);
+      add_release(counter, 1);
     }
   }
   bulk_wait<0>();  // the last adds have read the staging buffers before the CTA's shared memory goes away
@@ -377,14 +386,23 @@ __global__ void __launch_bounds__(256)
 attention_bwd_dq_convert_kernel(const AttnParams p, const float* dq_accum) {
   using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, 2, IS_CAUSAL, true>;
   const int b = batch_index(), m = blockIdx.x;
-  const bool added = p.nk > 0 && (!IS_CAUSAL || m * BLOCK_M + BLOCK_M - 1 + (p.nk - p.nq) >= 0);
+  // The key blocks that added to this query block: all, or causal those up to the last that sees its last row.
+  const int key_blocks = ceil_div(p.nk, K::BLOCK_N);
+  const int added = IS_CAUSAL ? min(key_blocks, floor_div(m * BLOCK_M + BLOCK_M - 1 + (p.nk - p.nq), K::BLOCK_N) + 1)
+                              : key_blocks;
   const int wg = threadIdx.x / 128, thread = threadIdx.x % 128;
-  const float* chunk = dq_accum + ((static_cast<i64>(b) * gridDim.x + m) * 2 + wg) * K::DQ_CHUNK;
+  const float* chunk = dq_accum + ((static_cast<i64>(b) * gridDim.x + m) * K::DQ_CHAINS * 2 + wg) * K::DQ_CHUNK;
   const int row0 = m * BLOCK_M + (K::DQ_SPLIT_ROWS ? 64 * wg : 0), col0 = K::DQ_SPLIT_ROWS ? 0 : K::DQ_COLS * wg;
   T* dq = static_cast<T*>(p.dq) + static_cast<i64>(b) * p.nq * p.d_qk;
 #pragma unroll
   for (int j = 0; j < K::DQ_TILES; ++j) {
-    const float4 x = added ? *reinterpret_cast<const float4*>(chunk + (j * 128 + thread) * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int chain = 0; chain < K::DQ_CHAINS; ++chain) {  // the chains' sums in chain order
+      if (chain >= added) break;
+      const float4 y = *reinterpret_cast<const float4*>(chunk + chain * 2 * K::DQ_CHUNK + (j * 128 + thread) * 4);
+      x = make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w);
+    }
     const int c = col0 + DqChunk::col(thread, j, 0);
     if (c >= p.d_qk) continue;
     const int r = row0 + DqChunk::row(thread, 0);

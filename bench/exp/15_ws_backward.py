@@ -79,8 +79,9 @@ class Fused:
         self.lse_log2, self.delta = cupy.empty_like(lse), cupy.empty_like(lse)
         self.m_blocks = -(-nq // self.bm)
         # dq_accum and the counters of the ordered adds, zeroed by one fill per call
-        self.workspace = cupy.empty(self.batch * self.m_blocks * (self.bm * d + 1), dtype=cupy.float32)
-        self.dq_accum = self.workspace[:self.batch * self.m_blocks * self.bm * d]
+        chains = tiles.ws_bwd_dq_chains(self.bm)
+        self.workspace = cupy.empty(self.batch * self.m_blocks * chains * (self.bm * d + 1), dtype=cupy.float32)
+        self.dq_accum = self.workspace[:self.batch * self.m_blocks * chains * self.bm * d]
         self.counters = self.workspace[self.dq_accum.size:].view(cupy.int32)
         arrays, sizes, strides, _ = layout(self.batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout})
         others = {"dq": self.dq, "dk": self.dk, "dv": self.dv, "lse": lse, "lse_log2": self.lse_log2,

@@ -27,10 +27,12 @@ def run(functions, variant, params, arrays, sizes, strides, *, batch: int, nq: i
     ``sizes``, ``strides``."""
     t = variant.tiles("bwd")
     m_blocks = -(-nq // t.block)
-    chunk = m_blocks * t.block * variant.head_dim  # dq_accum's floats per batch entry
-    # dq_accum (float32, in the dQ products' fragment order), then one counter per (batch entry, query block).
-    # Only the counters start at zero: the first key block at a query block stores its partial, the others add.
-    workspace = cupy.empty(batch * (chunk + m_blocks), dtype=numpy.float32)
+    chains = tiles.ws_bwd_dq_chains(t.block)
+    chunk = m_blocks * chains * t.block * variant.head_dim  # dq_accum's floats per batch entry
+    # dq_accum (float32, a sum per chain of ordered adds, in the dQ products' fragment order), then one counter
+    # per (batch entry, query block, chain). Only the counters start at zero: the first key block of a chain at
+    # a query block stores its partial, the others add.
+    workspace = cupy.empty(batch * (chunk + m_blocks * chains), dtype=numpy.float32)
     dq_accum = workspace[:batch * chunk]
     counters = workspace[batch * chunk:].view(numpy.int32)
     stream = cupy.cuda.get_current_stream()

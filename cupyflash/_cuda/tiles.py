@@ -245,6 +245,14 @@ WS_BWD_MIN_LENGTH = {64: 2048, 128: 4096}
 # work than that could spend longer on the host than the planned two passes take on the GPU.
 WS_BWD_MIN_WORK = 1 << 34
 WS_BWD_KEYS = 128  # the key block of a fused backward CTA (BwdWsTraits::BLOCK_N)
+
+
+def ws_bwd_dq_chains(block: int) -> int:
+    """The fused backward's chains of ordered dq adds per query block of ``block`` rows, each with its own float32
+    accumulator (BwdWsTraits::DQ_CHAINS): two with 128-query blocks, one with 64."""
+    return 2 if block == 128 else 1
+
+
 # The most rows one launch of a backward pass sums a gradient over (queries for dK/dV, keys for dQ). The
 # tensor cores' float32 accumulation truncates, ~2e-8 relative per 16-row step: 1.5e-4 over 2^17 rows, below
 # the rounding of a float16 result, but percents over millions. Longer axes run the pass in chunks of
