@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 import cupyflash
-from cupyflash._cuda import compile as compile_, variants
+from cupyflash._cuda import compile as compile_, dense_fast, launch, variants
 
 SLOTS = 1 << 16
 FIELDS = ("writer_dq_full", "writer_poll", "writer_land", "consumer_data", "consumer_staging", "consumer_total",
@@ -88,6 +88,10 @@ for d, causal, n in ((128, False, 8192), (128, False, 16384), (128, True, 16384)
     q, k, v, dout = (cupy.asarray(rng.standard_normal((batch, heads, n, d), dtype=np.float32).astype(BF16))
                      for _ in range(4))
     out, lse = cupyflash.attention_forward(q, k, v, causal=causal)
+    # a fresh module for each row (loaded from CuPy's cache), so that built[-1] is this row's
+    compile_.modules.clear()
+    launch.plans.clear()
+    dense_fast._table.clear()
     cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
     module = built[-1]
     pointer = module.get_global("wait_clocks")
