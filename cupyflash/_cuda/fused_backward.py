@@ -21,6 +21,16 @@ def describable(arrays, sizes, strides) -> bool:
     return tma.available() and all(tma.describable(arrays[name], sizes, strides[name]) for name in MAPPED)
 
 
+def adds_by_arrival(nk: int, head_dim: int, causal: bool, sms: int) -> bool:
+    """Whether key blocks take their turn at a query block in the order they reach it (attention_bwd_ws.cu), else
+    in the order of their index. By arrival only where all of a batch entry's CTAs can be resident at once (one
+    per SM: a CTA may wait for one launched after it), and without a causal mask below
+    tiles.WS_BWD_INDEX_ORDER_KEYS keys, from where the index order was faster."""
+    if -(-nk // tiles.WS_BWD_KEYS) > sms:
+        return False
+    return causal or nk < tiles.WS_BWD_INDEX_ORDER_KEYS[head_dim]
+
+
 def run(functions, variant, params, arrays, sizes, strides, *, batch: int, nq: int, nk: int) -> None:
     """Launch the fused backward of the dense problem whose parameters are ``params`` (dq, dk, dv and the
     preprocess's workspaces among them), on the arrays (q, k, v, dout) ``arrays`` of collapsed layout
@@ -39,9 +49,7 @@ def run(functions, variant, params, arrays, sizes, strides, *, batch: int, nq: i
     cupy.cuda.runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, stream.ptr)
     rows = {"q": t.block, "k": tiles.WS_BWD_KEYS, "v": tiles.WS_BWD_KEYS, "dout": t.block}
     maps = tma.TensorMaps(arrays, sizes, strides, rows).encode({name: arrays[name].data.ptr for name in MAPPED})
-    # Key blocks take their turn at a query block in the order they reach it where all of a batch entry's CTAs
-    # can be resident at once (one per SM); otherwise in the order of their index (attention_bwd_ws.cu).
-    by_arrival = -(-nk // tiles.WS_BWD_KEYS) <= sm_count(cupy.cuda.runtime.getDevice())
+    by_arrival = adds_by_arrival(nk, variant.head_dim, variant.causal, sm_count(cupy.cuda.runtime.getDevice()))
     argument = params.view(PARAMS_BYTES)
     launch(functions, variant, "preprocess", nq, batch, params)
     grid, block, smem = launch_shape(variant, "bwd", nk, batch)

@@ -245,6 +245,10 @@ WS_BWD_MIN_LENGTH = {64: 2048, 128: 4096}
 # work than that could spend longer on the host than the planned two passes take on the GPU.
 WS_BWD_MIN_WORK = 1 << 34
 WS_BWD_KEYS = 128  # the key block of a fused backward CTA (BwdWsTraits::BLOCK_N)
+# From how many keys a call without a causal mask adds dq in key-block order rather than by arrival (both fixed
+# orders): there every CTA walks the query blocks in one order, and that was 3-16% faster on an H200 in every run
+# at 16k keys, and at 8k with two chains (HEAD_DIM 64); within 3% or slower below (docs/design/backward.md).
+WS_BWD_INDEX_ORDER_KEYS = {64: 8192, 128: 16384}
 
 
 def ws_bwd_dq_chains(block: int) -> int:

@@ -560,6 +560,23 @@ def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(
                 assert _backward((shortest, shortest), dtype, d, False, **options).path == "wgmma", options
     for head_dim in (32, 96, 160, 256):
         assert _backward((1 << 16, 1 << 16), head_dim=head_dim).path == "wgmma", head_dim
+
+
+def test_fused_backward_adds_by_arrival_where_an_entry_fits_and_short_of_the_index_order_lengths():
+    """The fused backward's order of dq adds: by arrival only where a batch entry's key blocks (128 keys each) fit
+    on the SMs at once; without a causal mask, from WS_BWD_INDEX_ORDER_KEYS keys on, by index."""
+    from cupyflash._cuda.fused_backward import adds_by_arrival
+
+    assert set(tiles.WS_BWD_INDEX_ORDER_KEYS) == set(tiles.WS_BWD_HEAD_DIMS)
+    for head_dim, longest in tiles.WS_BWD_INDEX_ORDER_KEYS.items():
+        for sms in (132, 1000):
+            assert adds_by_arrival(longest - 1, head_dim, False, sms)
+            assert not adds_by_arrival(longest, head_dim, False, sms)
+            assert adds_by_arrival(longest, head_dim, True, sms)
+        assert adds_by_arrival(132 * 128, head_dim, True, 132)
+        assert not adds_by_arrival(132 * 128 + 1, head_dim, True, 132)  # 133 key blocks on 132 SMs
+        assert not adds_by_arrival(1000, head_dim, False, 7)  # 8 key blocks on 7 SMs
+        assert adds_by_arrival(1000, head_dim, True, 8)
     assert _backward((1 << 16, 1 << 16), dtype=np.float32).path == "pieces"
     assert _backward((1 << 16, 1 << 16), dtype=np.float64).path != "ws"
     assert not _backward((0, 0)).fused_backward  # lengths not given: the two passes

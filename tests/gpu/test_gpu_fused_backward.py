@@ -82,7 +82,8 @@ def test_fused_backward_with_narrower_values_or_keys(rng, any_length, d, dv):
 def test_fused_backward_is_bitwise_reproducible(rng, any_length, monkeypatch, causal, by_arrival):
     """dq sums the key blocks' partials in an order fixed per query block, whichever CTA gets there first: two
     runs agree bit for bit, in both orders the host picks from (key blocks in the order they reach a query
-    block, or in the order of their index where a batch entry's CTAs cannot all be resident at once). Many
+    block, or in the order of their index: where a batch entry's CTAs cannot all be resident at once, and without
+    a causal mask at long rows). Many
     batch entries, so that several waves of CTAs run and their timing differs between runs."""
     if not by_arrival:  # every batch entry as if it had more key blocks than the GPU has SMs
         monkeypatch.setattr(fused_backward, "sm_count", lambda device: 1)
