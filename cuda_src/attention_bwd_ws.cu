@@ -31,8 +31,8 @@
 // copy has read the staging buffers); named barrier 1 (both consumers: dS^T stored; at the end, done with sK
 // and sV before dk, dv are staged there), 2 + consumer (its dk, dv staged).
 // DETERMINISTIC: dq's float32 sums run in a fixed order per query block, so dq is bitwise reproducible (as dk
-// and dv are: one CTA sums each). Without it (an experiment's form, bench/exp/15_ws_backward.py) the adds land
-// in whatever order the CTAs reach a query block.
+// and dv are: one CTA sums each). Without it (attention_backward(deterministic=False)) the adds land in
+// whatever order the CTAs reach a query block, all into chain 0 of a zeroed dq_accum.
 #include "common.cuh"
 #include "params.cuh"
 #include "copy.cuh"

@@ -22,8 +22,8 @@ from numpy.typing import DTypeLike
 
 from cupyflash import _cpu, _dropout, _fp8_api, _modifiers, _varlen
 from cupyflash._arrays import Array, lse_dtype, sum_to_shape
-from cupyflash._checks import (check_array_types, check_causal, check_dtypes, check_forward_outputs, check_head_dims,
-                               check_shapes, resolve_scale)
+from cupyflash._checks import (check_array_types, check_bool, check_causal, check_dtypes, check_forward_outputs,
+                               check_head_dims, check_shapes, resolve_scale)
 from cupyflash._cuda import backend as _gpu
 from cupyflash._cuda import dense_fast
 from cupyflash._fp8 import FP8Tensor
@@ -219,7 +219,7 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
                        causal: bool = False, scale: float | None = None, window: tuple[int, int] | None = None,
                        softcap: float = 0.0, alibi_slopes: Array | None = None, bias: Array | None = None,
                        mask: Array | None = None, block_mask: Array | None = None, dropout_p: float = 0.0,
-                       dropout_seed: int | None = None) -> tuple[Array, ...]:
+                       dropout_seed: int | None = None, deterministic: bool = True) -> tuple[Array, ...]:
     """Gradients of attention with respect to q, k and v.
 
     Parameters
@@ -234,6 +234,12 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
         The log-sum-exp returned by :func:`attention_forward` with the same arguments.
     causal, scale, window, softcap, alibi_slopes, bias, mask, block_mask, dropout_p, dropout_seed
         Exactly as passed to :func:`attention_forward` (the same seed regenerates the same dropout mask).
+    deterministic : bool, default True
+        True: the same inputs give the same bits, run after run. False lets a faster path add dq's
+        float32 partial sums in whatever order they arrive, so dq's last bits may vary between runs
+        (as with cuDNN's and FlashAttention-3's backward); today that is the fused backward (bfloat16
+        or float16 on Hopper, long sequences, no score modifiers or dropout). Every other call is
+        deterministic either way.
 
     Returns
     -------
@@ -267,10 +273,13 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
     if any(isinstance(x, FP8Tensor) for x in (q, k, v)):
         raise TypeError("attention_backward does not take FP8 inputs: the FP8 forward has no backward (as in "
                         "FlashAttention-3); run the training step in bfloat16 or float16")
+    if deterministic is not True:
+        deterministic = check_bool("deterministic", deterministic)
     fast = None
     if alibi_slopes is None and bias is None and mask is None and block_mask is None:
-        fast = dense_fast.key("bwd", (dout, q, k, v, out, lse), causal, scale, window, softcap, dropout_p,
-                              dropout_seed)
+        # (unordered calls keep their plans apart: at some lengths only they take the fused backward)
+        fast = dense_fast.key("bwd" if deterministic else "bwd-unordered", (dout, q, k, v, out, lse), causal, scale,
+                              window, softcap, dropout_p, dropout_seed)
         outputs = dense_fast.backward(fast, dout, q, k, v, out, lse, dropout_seed)
         if outputs is not None:
             return tuple(g if g.shape == x.shape else sum_to_shape(g, x.shape, lse.dtype)
@@ -287,7 +296,7 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
     qb, kb, vb = (_broadcast(xp, x, batch) for x in (q, k, v))
     *grads, dbias = problem.backend().attention_backward(
         dout, qb, kb, vb, out, lse, scale=problem.scale, causal=problem.causal, mods=problem.mods,
-        dropout=dropout, **_fast_key(fast),
+        dropout=dropout, deterministic=deterministic, **_fast_key(fast),
     )
     grads = tuple(sum_to_shape(g, x.shape, lse_dtype(problem.dtype)) for g, x in zip(grads, (q, k, v)))
     return grads + ((dbias,) if bias is not None else ())

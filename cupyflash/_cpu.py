@@ -83,8 +83,9 @@ def _forward_query_block(q, k, v, i0, i1, tiles):
     return out_i, lse_i
 
 
-def attention_backward(dout, q, k, v, out, lse, *, scale, causal, mods=None, dropout=None):
-    """Returns dq, dk, dv with the full batch shape, in the inputs' dtype, and dbias or None.
+def attention_backward(dout, q, k, v, out, lse, *, scale, causal, mods=None, dropout=None, deterministic=True):
+    """Returns dq, dk, dv with the full batch shape, in the inputs' dtype, and dbias or None. Deterministic
+    whatever ``deterministic`` says (NumPy's sums run in one order).
 
     dbias has the bias's own shape ``mods.bias_shape`` and dtype (summed over its broadcast dims in
     float32; in float64 for float64 inputs); None when there is no bias.

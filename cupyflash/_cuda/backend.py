@@ -94,9 +94,10 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, mods=None, dropout=None,
-                       fast_key=None):
+                       fast_key=None, deterministic: bool = True):
     """dq, dk, dv with the full (broadcast) batch shape, in the input dtype, and dbias (the bias's shape
-    and dtype) or None. ``fast_key`` as in attention_forward."""
+    and dtype) or None. ``fast_key`` as in attention_forward. ``deterministic=False`` lets the fused backward
+    add dq in any order (bfloat16 / float16 on Hopper, long sequences); every other path is deterministic."""
     batch_shape, (nq, d), nk, d_v = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
     d_w, d_v_w = _widths(q.dtype, d, d_v)
     given = dout, q, k, v, out, lse
@@ -114,7 +115,10 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     delta = cupy.empty(batch_shape + (nq,), dtype=acc)
     addresses = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv, "lse": lse,
                  "lse_log2": lse_log2, "delta": delta, **slopes(mods)}
-    key = plan_key("bwd", addresses, scale, causal, mods, dropout) if max(nq, nk) <= CHAIN_ROWS else None
+    # (an unordered call keys its plans apart: where its fused backward takes a length, the ordered call's plan
+    # may be the two passes)
+    direction = "bwd" if deterministic else "bwd-unordered"
+    key = plan_key(direction, addresses, scale, causal, mods, dropout) if max(nq, nk) <= CHAIN_ROWS else None
     plan = plans.get(key) if key is not None else None
     outputs = [(x.shape, x.dtype) for x in (dq, dk, dv, lse_log2, delta)]
     # Gradients of inputs broadcast over leading dims (stride 0) are summed after the call: scratch memory.
@@ -125,7 +129,8 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
         dense_fast.remember(fast_key, plan, dense_fast.BACKWARD_NAMES, outputs, dropout, scratch)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d_v), None
     lengths = backward_lengths(math.prod(batch_shape), nq, nk, max(d_w, d_v_w))
-    features = Features.of("bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, lengths=lengths)
+    features = Features.of("bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, lengths=lengths,
+                           deterministic=deterministic)
     variant = select(features, current_device())
     # float32 on Hopper: the passes read float16 pieces of q, k, v, dout; the preprocess reads out and dout
     # themselves. (Never planned: the pieces are made per call anyway.)

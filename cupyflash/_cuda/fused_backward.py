@@ -40,13 +40,15 @@ def run(functions, variant, params, arrays, sizes, strides, *, batch: int, nq: i
     chains = tiles.ws_bwd_dq_chains(t.block)
     chunk = m_blocks * chains * t.block * variant.head_dim  # dq_accum's floats per batch entry
     # dq_accum (float32, a sum per chain of ordered adds, in the dQ products' fragment order), then one counter
-    # per (batch entry, query block, chain). Only the counters start at zero: the first key block of a chain at
-    # a query block stores its partial, the others add.
+    # per (batch entry, query block, chain). In order, only the counters start at zero: the first key block of a
+    # chain at a query block stores its partial, the others add. Unordered, every key block adds (into chain 0)
+    # and dq_accum starts at zero too.
     workspace = cupy.empty(batch * (chunk + m_blocks * chains), dtype=numpy.float32)
     dq_accum = workspace[:batch * chunk]
     counters = workspace[batch * chunk:].view(numpy.int32)
     stream = cupy.cuda.get_current_stream()
-    cupy.cuda.runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, stream.ptr)
+    zeroed = counters if variant.deterministic else workspace
+    cupy.cuda.runtime.memsetAsync(zeroed.data.ptr, 0, zeroed.nbytes, stream.ptr)
     rows = {"q": t.block, "k": tiles.WS_BWD_KEYS, "v": tiles.WS_BWD_KEYS, "dout": t.block}
     maps = tma.TensorMaps(arrays, sizes, strides, rows).encode({name: arrays[name].data.ptr for name in MAPPED})
     by_arrival = adds_by_arrival(nk, variant.head_dim, variant.causal, sm_count(cupy.cuda.runtime.getDevice()))

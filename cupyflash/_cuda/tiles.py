@@ -240,6 +240,9 @@ WS_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CEL
 WS_BWD_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CELLS
                                  if path == "ws" and size == 2 and kernel == "bwd"}))
 WS_BWD_MIN_LENGTH = {64: 2048, 128: 4096}
+# ... and with unordered dq adds (deterministic=False) and no causal mask, where the order's cost had kept the
+# two passes: at D = 128 2k unordered adds were 1.10x the two passes (causal 0.97x: causal keeps the above).
+WS_BWD_MIN_LENGTH_UNORDERED = {64: 2048, 128: 2048}
 # ... and the least work, batch entries x Nq x Nk x HEAD_DIM (2^34: about 0.4 ms of GPU time): the fused backward
 # is launched unplanned (fused_backward.py: tensor maps encoded, parameters built per call), so a call with less
 # work than that could spend longer on the host than the planned two passes take on the GPU.
@@ -249,6 +252,13 @@ WS_BWD_KEYS = 128  # the key block of a fused backward CTA (BwdWsTraits::BLOCK_N
 # orders): there every CTA walks the query blocks in one order, and that was 3-16% faster on an H200 in every run
 # at 16k keys, and at 8k with two chains (HEAD_DIM 64); within 3% or slower below (docs/design/backward.md).
 WS_BWD_INDEX_ORDER_KEYS = {64: 8192, 128: 16384}
+
+
+def ws_bwd_min_length(head_dim: int, causal: bool, deterministic: bool) -> int:
+    """The shortest min(Nq, Nk) the fused backward serves at this HEAD_DIM."""
+    if deterministic or causal:
+        return WS_BWD_MIN_LENGTH[head_dim]
+    return WS_BWD_MIN_LENGTH_UNORDERED[head_dim]
 
 
 def ws_bwd_dq_chains(block: int) -> int:

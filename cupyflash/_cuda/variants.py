@@ -53,7 +53,8 @@ class Variant:
     with modifiers ``causal`` travels as the window's right edge and is False here, except in the softcap's
     own backward, which takes it as the plain kernels do. ``score``: one of SCORES (forwards).
     ``block_mask``: the warp-specialized forward's walk of a block mask (other kernels skip block-mask
-    tiles in their ``all`` form, and the backward in ``scalars`` too)."""
+    tiles in their ``all`` form, and the backward in ``scalars`` too). ``deterministic``: False for the fused
+    backward whose dq adds land in any order (``attention_backward(deterministic=False)``); True elsewhere."""
 
     direction: str  # "fwd", "bwd" or "probs"
     dtype: str  # one of DTYPES
@@ -65,6 +66,7 @@ class Variant:
     score: str = "plain"
     block_mask: bool = False
     out_dtype: str = ""  # out's dtype where it is not the inputs' (the FP8 forward's)
+    deterministic: bool = True
 
     @property
     def itemsize(self) -> int:
@@ -128,8 +130,9 @@ class Variant:
         mods = f"Mods::{self.mods}"
         if kernel == "probs":
             return f"attention_probs_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {b[wgmma]}>"
-        if kernel == "bwd":  # the fused backward: its dq adds always in key-block order (deterministic)
-            return f"attention_bwd_ws_kernel<{c}, {hd}, {t.block}, {t.stages}, {b[self.causal]}, true>"
+        if kernel == "bwd":  # the fused backward: its dq adds in a fixed order per query block, or in any
+            return (f"attention_bwd_ws_kernel<{c}, {hd}, {t.block}, {t.stages}, {b[self.causal]}, "
+                    f"{b[self.deterministic]}>")
         if kernel == "dq_convert":
             return f"attention_bwd_dq_convert_kernel<{c}, {hd}, {t.block}, {b[self.causal]}>"
         if kernel == "fwd" and self.path == "ws":  # the scalars there are a dense batch's (no cu_seqlens)
@@ -182,8 +185,9 @@ class Variant:
             kind += ", causal" if self.causal else ""
         extras = [self.path] + ([self.score] if self.score != "plain" else []) + (["block mask"] if self.block_mask else [])
         out = f" -> {self.out_dtype}" if self.out_dtype else ""
+        order = "" if self.deterministic else " unordered dq adds"
         return (f"{self.direction} {self.dtype}{out} HEAD_DIM={self.head_dim} {kind}" + (" dropout" if self.dropout else "")
-                + f" ({', '.join(extras)})")
+                + order + f" ({', '.join(extras)})")
 
 
 @dataclass(frozen=True)
@@ -214,6 +218,7 @@ class Features:
     packed: bool = False
     tma: bool = True
     lengths: tuple[int, int] = (0, 0)  # (Nq, Nk) where the choice depends on them (the backward), else 0s
+    deterministic: bool = True  # the backward's: False lets the fused backward add dq in any order
 
     @property
     def has_mods(self) -> bool:
@@ -226,19 +231,19 @@ class Features:
 
     @classmethod
     def of(cls, direction: str, dtype, d: int, d_v: int, causal: bool, mods=None, dropout=None,
-           packed: bool = False, lengths: tuple[int, int] = (0, 0)) -> "Features":
+           packed: bool = False, lengths: tuple[int, int] = (0, 0), deterministic: bool = True) -> "Features":
         """The features of a call: ``mods`` a resolved cupyflash._modifiers.Modifiers or None, ``dropout``
         a cupyflash._dropout.Dropout or None, ``lengths`` (Nq, Nk) for a dense backward (the fused backward
-        serves long sequences only)."""
+        serves long sequences only), ``deterministic`` the backward's."""
         name = dtype if isinstance(dtype, str) else numpy.dtype(dtype).name
         head_dim = max(row_width(d, name), row_width(d_v, name))
         lengths = tuple(int(n) for n in lengths)
         if mods is None:
             return cls(direction, name, head_dim, bool(causal), dropout=dropout is not None, packed=packed,
-                       lengths=lengths)
+                       lengths=lengths, deterministic=deterministic)
         return cls(direction, name, head_dim, bool(causal), mods.window, mods.softcap, mods.alibi_slopes is not None,
                    mods.bias is not None or mods.mask is not None, mods.block_mask is not None, dropout is not None,
-                   packed, lengths=lengths)
+                   packed, lengths=lengths, deterministic=deterministic)
 
 
 def backward_lengths(batch: int, nq: int, nk: int, head_dim: int) -> tuple[int, int]:
@@ -282,10 +287,11 @@ def select(f: Features, device: Device) -> Variant:
     softcap_alone = f.direction == "bwd" and single and f.softcap > 0 and f.window == (-1, -1)
     window_alone = single and f.softcap == 0
     warp_specialized = ws and (scalars or not has_mods)
-    # The fused backward: plain or causal, 16-bit, on tensor maps, for sequences from its shortest to CHAIN_ROWS.
+    # The fused backward: plain or causal, 16-bit, on tensor maps, for sequences from its shortest to CHAIN_ROWS
+    # (with unordered adds and no causal mask, from a shorter length).
     fused_backward = (f.direction == "bwd" and wgmma and itemsize == 2 and not has_mods and not f.dropout and f.tma
-                      and head_dim in tiles.WS_BWD_HEAD_DIMS
-                      and tiles.WS_BWD_MIN_LENGTH[head_dim] <= min(f.lengths) and max(f.lengths) <= tiles.CHAIN_ROWS)
+                      and head_dim in tiles.WS_BWD_HEAD_DIMS and max(f.lengths) <= tiles.CHAIN_ROWS
+                      and tiles.ws_bwd_min_length(head_dim, f.causal, f.deterministic) <= min(f.lengths))
     if not has_mods:
         mods = "none"
     elif scalars:
@@ -307,7 +313,7 @@ def select(f: Features, device: Device) -> Variant:
         score = "alibi_half_first" if f.right_edge else "alibi"
     causal = f.causal and mods in ("none", "softcap")
     return Variant(f.direction, f.dtype, head_dim, path, mods, causal, f.dropout, score,
-                   warp_specialized and ws_block_mask)
+                   warp_specialized and ws_block_mask, deterministic=f.deterministic or not fused_backward)
 
 
 def shipped_variants() -> list[Variant]:
@@ -341,7 +347,8 @@ def shipped_variants() -> list[Variant]:
                 if tiles.has(path, itemsize, head_dim, "all"):
                     found.append(Variant("probs", dtype, head_dim, path, "all"))
             if tiles.has("ws", itemsize, head_dim, kernel="bwd"):
-                found += [Variant("bwd", dtype, head_dim, "ws", causal=c) for c in (False, True)]
+                found += [Variant("bwd", dtype, head_dim, "ws", causal=c, deterministic=ordered)
+                          for ordered in (True, False) for c in (False, True)]
             if tiles.has("ws", itemsize, head_dim):
                 ws = Variant("fwd", dtype, head_dim, "ws")
                 found += [dataclasses.replace(ws, causal=c) for c in (False, True)]

@@ -515,17 +515,17 @@ def test_fp8_variants():
 
 # ------------------------------------------------------------------------------------------ the fused backward
 def _backward(lengths, dtype=ml_dtypes.bfloat16, head_dim=128, causal=True, device=HOPPER, dropout=None, dv=None,
-              packed=False, tma_ok=True, **options):
+              packed=False, tma_ok=True, deterministic=True, **options):
     mods = _modifiers.resolve(np, np.dtype(dtype), (2, 3), 100, 120, **options) if options else None
     features = Features.of("bwd", np.dtype(dtype), head_dim, head_dim if dv is None else dv, causal, mods, dropout,
-                           packed, lengths=lengths)
+                           packed, lengths=lengths, deterministic=deterministic)
     return select(dataclasses.replace(features, tma=tma_ok), device)
 
 
 def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(monkeypatch):
     """16-bit dense backwards on Hopper at head dims up to 128, plain or causal, from the table's shortest length
     (the shorter of Nq, Nk) to CHAIN_ROWS: the fused kernel, its three kernels named from the table's cell (always
-    the ordered adds), a CTA per 128 keys and its conversion per query block, shared memory within 227 KiB. Shorter
+    the ordered adds by default), a CTA per 128 keys and its conversion per query block, shared memory within 227 KiB. Shorter
     or longer calls, score modifiers, dropout, packed batches, float32, inputs TMA cannot read, other head dims and
     the mma.sync path take the two passes."""
     monkeypatch.setattr(launch, "cupy", _fake_cupy())
@@ -560,6 +560,37 @@ def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(
                 assert _backward((shortest, shortest), dtype, d, False, **options).path == "wgmma", options
     for head_dim in (32, 96, 160, 256):
         assert _backward((1 << 16, 1 << 16), head_dim=head_dim).path == "wgmma", head_dim
+
+
+def test_unordered_adds_take_the_fused_backward_from_its_own_shortest_length():
+    """deterministic=False: the fused backward with unordered dq adds (its kernel's DETERMINISTIC false), from
+    WS_BWD_MIN_LENGTH_UNORDERED without a causal mask and WS_BWD_MIN_LENGTH with one; every other call keeps its
+    variant, deterministic whatever was asked."""
+    assert set(tiles.WS_BWD_MIN_LENGTH_UNORDERED) == set(tiles.WS_BWD_HEAD_DIMS)
+    for dtype, ctype in HALVES:
+        for head_dim in tiles.WS_BWD_HEAD_DIMS:
+            for causal in (False, True):
+                shortest = tiles.ws_bwd_min_length(head_dim, causal, False)
+                assert shortest == (tiles.WS_BWD_MIN_LENGTH if causal else tiles.WS_BWD_MIN_LENGTH_UNORDERED)[head_dim]
+                assert shortest <= tiles.ws_bwd_min_length(head_dim, causal, True)
+                v = _backward((shortest, shortest), dtype, head_dim, causal, deterministic=False)
+                assert v == Variant("bwd", np.dtype(dtype).name, head_dim, "ws", causal=causal, deterministic=False)
+                assert v in SHIPPED_SET and "unordered dq adds" in str(v)
+                t = v.tiles("bwd")
+                assert v.name_expression("bwd") == (f"attention_bwd_ws_kernel<{ctype}, {head_dim}, {t.block}, "
+                                                    f"{t.stages}, {_bool(causal)}, false>")
+                ordered = Variant("bwd", np.dtype(dtype).name, head_dim, "ws", causal=causal)
+                assert v.name_expression("dq_convert") == ordered.name_expression("dq_convert")  # one conversion
+                shorter = _backward((shortest - 1, shortest), dtype, head_dim, causal, deterministic=False)
+                assert shorter == Variant("bwd", np.dtype(dtype).name, head_dim, "wgmma", causal=causal)
+                assert shorter.deterministic
+    # the ordered call at the unordered one's shortest non-causal length keeps the two passes
+    n = tiles.WS_BWD_MIN_LENGTH_UNORDERED[128]
+    if n < tiles.WS_BWD_MIN_LENGTH[128]:
+        assert _backward((n, n), causal=False).path == "wgmma"
+    for options in (dict(softcap=5.0), dict(window=(10, 0))):
+        assert _backward((1 << 14, 1 << 14), causal=False, deterministic=False, **options).deterministic
+    assert _backward((1 << 14, 1 << 14), causal=False, deterministic=False, device=AMPERE).deterministic
 
 
 def test_fused_backward_adds_by_arrival_where_an_entry_fits_and_short_of_the_index_order_lengths():

@@ -157,7 +157,7 @@ def test_name_expressions_carry_the_cells_switches():
                 assert name.startswith(f"attention_bwd_{kernel}_kernel<")
             elif kernel == "bwd":
                 assert name == (f"attention_bwd_ws_kernel<{CTYPES[v.dtype]}, {v.head_dim}, {t.block}, {t.stages}, "
-                                f"{_bool(v.causal)}, true>"), (v, name)
+                                f"{_bool(v.causal)}, {_bool(v.deterministic)}>"), (v, name)
             elif kernel == "dq_convert":
                 assert name == f"attention_bwd_dq_convert_kernel<{CTYPES[v.dtype]}, {v.head_dim}, {t.block}, {_bool(v.causal)}>"
             elif v.path == "ws":

@@ -245,3 +245,22 @@ def test_reference_validates_shapes():
         reference.attention(q, np.zeros((NK, D + 1)), v)
     with pytest.raises(ValueError, match=re.escape(f"dout has shape {(NQ, 1)}")):
         reference.attention_backward(np.zeros((NQ, 1)), q, k, v)
+
+
+@pytest.mark.parametrize("deterministic", [1, "no", None, np.array([False])])
+def test_deterministic_must_be_a_bool(deterministic):
+    arrays = _arrays()
+    out, lse = cupyflash.attention_forward(arrays["q"], arrays["k"], arrays["v"])
+    with pytest.raises(TypeError, match=re.escape(f"deterministic must be a bool, got {deterministic!r}")):
+        cupyflash.attention_backward(arrays["dout"], arrays["q"], arrays["k"], arrays["v"], out, lse,
+                                     deterministic=deterministic)
+
+
+def test_the_cpu_backward_is_the_same_either_way():
+    """deterministic=False changes nothing on the CPU: NumPy's sums run in one order."""
+    rng = np.random.default_rng()
+    q, k, v, dout = (rng.standard_normal(SHAPES[name], dtype=np.float32) for name in ("q", "k", "v", "dout"))
+    out, lse = cupyflash.attention_forward(q, k, v, causal=True)
+    for a, b in zip(cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True),
+                    cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=np.bool_(False))):
+        np.testing.assert_array_equal(a, b)

@@ -36,6 +36,7 @@ def any_length(monkeypatch):
     if not current_device().wgmma:
         pytest.skip("the fused backward runs on compute capability 9.0 only")
     monkeypatch.setattr(tiles, "WS_BWD_MIN_LENGTH", {d: 1 for d in tiles.WS_BWD_MIN_LENGTH})
+    monkeypatch.setattr(tiles, "WS_BWD_MIN_LENGTH_UNORDERED", {d: 1 for d in tiles.WS_BWD_MIN_LENGTH_UNORDERED})
     monkeypatch.setattr(tiles, "WS_BWD_MIN_WORK", 0)
     launch.plans.clear()
     dense_fast._table.clear()
@@ -44,8 +45,21 @@ def any_length(monkeypatch):
     dense_fast._table.clear()
 
 
-def _fused(dtype, d, dv, causal, nq, nk):
-    return select(Features.of("bwd", np.dtype(dtype), d, dv, causal, lengths=(nq, nk)), current_device())
+def _fused(dtype, d, dv, causal, nq, nk, deterministic=True):
+    return select(Features.of("bwd", np.dtype(dtype), d, dv, causal, lengths=(nq, nk), deterministic=deterministic),
+                  current_device())
+
+
+def _launches(monkeypatch):
+    """The variants fused_backward.run launches, in order."""
+    launched, real = [], fused_backward.run
+
+    def spy(functions, variant, *args, **kwargs):
+        launched.append(variant)
+        return real(functions, variant, *args, **kwargs)
+
+    monkeypatch.setattr(fused_backward, "run", spy)
+    return launched
 
 
 def _problem(rng, dtype, batch, nq, nk, d, dv=None):
@@ -113,6 +127,44 @@ def test_fused_backward_serves_long_sequences(rng):
     with nan_filled_allocations():
         results = run(q, k, v, dout, causal=True)
     assert_matches_reference(q, k, v, dout, results, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq, nk", [(333, 397), (1000, 64), (70, 1100)])
+@pytest.mark.parametrize("d", [64, 100])
+def test_unordered_fused_backward_matches_the_reference(rng, any_length, monkeypatch, d, nq, nk, causal):
+    """deterministic=False: the fused kernel whose dq adds land in any order (into an accumulator the host
+    zeroes: allocations start as NaN here), against float64 at awkward sizes, head dims 64 and 128 (two chains
+    of the ordered form's layout at 64)."""
+    launched = _launches(monkeypatch)
+    q, k, v, dout = _problem(rng, np.float16 if d == 64 else ml_dtypes.bfloat16, (2, 3), nq, nk, d)
+    out, lse = cupyflash.attention_forward(q, k, v, causal=causal)
+    with nan_filled_allocations():
+        grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=False)
+    assert [x.deterministic for x in launched] == [False]
+    assert_matches_reference(q, k, v, dout, (out, lse, *grads), causal=causal)
+
+
+def test_unordered_adds_serve_from_their_own_length(rng, monkeypatch):
+    """At the table's own thresholds: a non-causal bfloat16 call at HEAD_DIM 128 of WS_BWD_MIN_LENGTH_UNORDERED
+    takes the unordered fused kernel with deterministic=False and the two passes without; both match float64,
+    and a planned ordered call of the same layout does not serve the unordered one."""
+    if not current_device().wgmma:
+        pytest.skip("the fused backward runs on compute capability 9.0 only")
+    n = tiles.WS_BWD_MIN_LENGTH_UNORDERED[128]
+    batch = (4, -(-tiles.WS_BWD_MIN_WORK // (4 * n * n * 128)))  # enough work for the fused backward
+    assert backward_lengths(batch[0] * batch[1], n, n, 128) == (n, n)
+    assert _fused(ml_dtypes.bfloat16, 128, 128, False, n, n, deterministic=False).fused_backward
+    launched = _launches(monkeypatch)
+    q, k, v, dout = _problem(rng, ml_dtypes.bfloat16, batch, n, n, 128)
+    out, lse = cupyflash.attention_forward(q, k, v)
+    ordered = cupyflash.attention_backward(dout, q, k, v, out, lse)
+    ordered_again = cupyflash.attention_backward(dout, q, k, v, out, lse)  # planned, then through the fast path
+    unordered = cupyflash.attention_backward(dout, q, k, v, out, lse, deterministic=False)
+    expected = [False] if n < tiles.WS_BWD_MIN_LENGTH[128] else [True, True, False]
+    assert [x.deterministic for x in launched] == expected
+    for grads in (ordered, ordered_again, unordered):
+        assert_matches_reference(q, k, v, dout, (out, lse, *grads), causal=False)
 
 
 def test_broadcast_keys_take_the_two_passes(rng, any_length):
