@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark cupyflash against a hand-written CuPy attention and, when torch is importable, torch's SDPA
 backends ``flash`` (FlashAttention-2), ``cudnn`` and ``efficient`` on the same inputs (shared through
-DLPack, no copy).
+DLPack, no copy). ``--backends ... ours-unordered`` adds ours with ``attention_backward(deterministic=False)``.
 
     python bench/bench_attention.py                          # every case (split by --cases on a 10-min budget)
     python bench/bench_attention.py --quick                  # 8 bf16 cases
@@ -76,6 +76,7 @@ SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128, 256)
 DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}
 BACKENDS = ("ours", "flash", "cudnn", "efficient", "naive")
+UNORDERED = "ours-unordered"  # ours with attention_backward(deterministic=False); on request (--backends)
 TORCH_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
 QUICK = dict(dtypes=("bf16",), head_dims=(64, 128), seqlens=(2048, 8192))
 BWD_FLOPS_FACTOR = 2.5
@@ -135,7 +136,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="bf16, D in 64 and 128, N in 2k and 8k")
     parser.add_argument("--cases", metavar="REGEX", help="only cases whose name matches (re.search)")
-    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS + (UNORDERED,))
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (>= 20)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--timing", choices=TIMINGS, default="call",
@@ -229,6 +230,14 @@ class Ours:
         return cupyflash.attention_backward(self.dout, self.q, self.k, self.v, *self.saved, **self.options)
 
 
+class OursUnordered(Ours):
+    """Ours, the backward allowed to add dq in any order (deterministic=False)."""
+
+    def backward(self):
+        return cupyflash.attention_backward(self.dout, self.q, self.k, self.v, *self.saved, **self.options,
+                                            deterministic=False)
+
+
 class Naive:
     """matmul -> softmax (float32) -> matmul in CuPy, materializing the N x N scores; backward by hand.
 
@@ -298,8 +307,8 @@ class TorchSDPA:
 
 
 def make_backend(name, *arrays, causal, scale, dropout=0.0):
-    if name == "ours":
-        return Ours(*arrays, causal, scale, dropout)
+    if name in ("ours", UNORDERED):
+        return (Ours if name == "ours" else OursUnordered)(*arrays, causal, scale, dropout)
     if name == "naive":
         if dropout:
             raise RuntimeError("the hand-written CuPy attention has no dropout")
@@ -471,7 +480,8 @@ def _ratio(a, b):
 def print_speed_tables(results, backends):
     for phase, title in (("fwd", "forward"), ("bwd", "backward")):
         print(f"\n{title}, TFLOP/s (ratios > 1: ours is faster)")
-        cols = list(backends) + ["ours/flash", "ours/cudnn"]
+        unordered = [UNORDERED] if UNORDERED in backends else []
+        cols = list(backends) + ["ours/flash", "ours/cudnn"] + ["unord/cudnn"] * len(unordered)
         header = f"{'case':24} | " + " | ".join(f"{c:>10}" for c in cols)
         print(header)
         print("-" * len(header))
@@ -480,6 +490,7 @@ def print_speed_tables(results, backends):
             row = r[phase]
             cells = [_cell(row.get(b, missing)) for b in backends]
             cells += [_ratio(row.get("ours", missing), row.get(peer, missing)) for peer in ("flash", "cudnn")]
+            cells += [_ratio(row.get(name, missing), row.get("cudnn", missing)) for name in unordered]
             print(f"{r['case']:24} | " + " | ".join(f"{c:>10}" for c in cells))
 
 
