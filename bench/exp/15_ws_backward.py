@@ -1,6 +1,7 @@
 """The warp-specialized fused backward (cuda_src/attention_bwd_ws.cu), in each order of its dq adds (by arrival,
-the shipped one where the host allows it; by key-block index; unordered), against the two-pass backward, the
-library's own choice and cuDNN (torch SDPA) in the same run. Correctness first: on a small awkward problem
+the shipped one where the host allows it; by key-block index; unordered, walking rotated or by index), against
+the two-pass backward, the library's own choice (ordered, and with deterministic=False) and cuDNN (torch SDPA)
+in the same run. Correctness first: on a small awkward problem
 each of dq, dk, dv against a float64 reference (max error beside the two-pass backward's), and on every timed
 problem against the two-pass results. Then the median of 15 (L2 flushed and a spin before each call, GPU work
 only) on FlashAttention's shapes (16k tokens, hidden 2048). The fused forms' times include everything they
@@ -199,6 +200,7 @@ if not args.check_only:
                 fused = Fused(q, k, v, out, lse, dout, causal)
                 unordered = Fused(q, k, v, out, lse, dout, causal, deterministic=False)
                 by_index = Fused(q, k, v, out, lse, dout, causal, by_arrival=False)
+                unordered_by_index = Fused(q, k, v, out, lse, dout, causal, deterministic=False, by_arrival=False)
                 got = [x.copy() for x in fused()]
                 again = [x.copy() for x in fused()]
                 same = all(bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()) for a, b in zip(got, again))
@@ -207,19 +209,25 @@ if not args.check_only:
                 t_fused = ms(fused)
                 t_unordered = ms(unordered)
                 t_by_index = ms(by_index)
+                t_unordered_by_index = ms(unordered_by_index)
+                t_library_unordered = ms(lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                                              deterministic=False))
                 t_two = ms(lambda: two_passes(dout, q, k, v, out, lse, causal))
                 t_library = ms(lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal))
                 sdpa = bench_attention.TorchSDPA("cudnn", q, k, v, dout, causal, 1 / math.sqrt(d))
                 sdpa.prepare_backward()
                 t_cudnn = ms(sdpa.backward)
                 flops = 2.5 * 4 * batch * heads * n * n * d * (0.5 if causal else 1)
-                times = {"fused": t_fused, "unordered": t_unordered, "by_index": t_by_index, "two_pass": t_two,
+                times = {"fused": t_fused, "unordered": t_unordered, "by_index": t_by_index,
+                         "unordered_by_index": t_unordered_by_index, "library_unordered": t_library_unordered,
+                         "two_pass": t_two,
                          "library": t_library, "cudnn": t_cudnn}
                 tf = {name: flops / t / 1e9 for name, t in times.items()}
                 results["timings"].append({"d": d, "causal": causal, "n": n, "agree": agree, "reproducible": same,
                                            "tflops": tf})
                 print(f"D={d:3d} {'causal' if causal else 'full  '} N={n:5d}: fused {tf['fused']:6.1f} unordered "
-                      f"{tf['unordered']:6.1f} by-index {tf['by_index']:6.1f} library {tf['library']:6.1f} two-pass "
+                      f"{tf['unordered']:6.1f} (by index {tf['unordered_by_index']:6.1f}) by-index {tf['by_index']:6.1f} library "
+                      f"{tf['library']:6.1f} (unordered {tf['library_unordered']:6.1f}) two-pass "
                       f"{tf['two_pass']:6.1f} cudnn {tf['cudnn']:6.1f} TFLOP/s  "
                       f"fused/cudnn {tf['fused'] / tf['cudnn']:.2f}  vs two-pass dq/dk/dv "
                       + " ".join(f"{e:.1e}" for e in agree) + f" reproducible {same}", flush=True)
