@@ -356,7 +356,7 @@ def validate(name, case, arrays, scale, dropout=0.0):
     q, k, v, dout = arrays
     small = small_problem(case, np.random.default_rng(1))
     options = dict(causal=case.causal, scale=scale)
-    if dropout and name == "ours":
+    if dropout and name in ("ours", UNORDERED):
         options.update(dropout_p=dropout, dropout_seed=DROPOUT_SEED)
         backend = make_backend(name, *(cupy.asarray(x) for x in small), causal=case.causal, scale=scale,
                                dropout=dropout)

@@ -44,7 +44,7 @@
 // q, k, v and dout's maps, one kernel parameter.
 struct BwdTensorMaps { TensorMap q, k, v, dout; };
 
-template <typename T_, int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool IS_CAUSAL_, bool DETERMINISTIC_>
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool IS_CAUSAL_, bool DETERMINISTIC_, int DQ_CHAINS_>
 struct BwdWsTraits {
   using T = T_;
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_M = BLOCK_M_, STAGES = STAGES_;
@@ -60,10 +60,12 @@ struct BwdWsTraits {
   static constexpr int DQ_CHUNK = 64 * DQ_COLS;  // floats of one consumer's dQ_partial
   // The ordered adds run in DQ_CHAINS chains per query block (the key block of rank r in chain r % DQ_CHAINS),
   // each into its own float32 accumulator, summed in chain order by the conversion: a key block then waits only
-  // for the add DQ_CHAINS ranks before its own. Two where key blocks reach a query block one step apart (by
-  // arrival with 128-query blocks: as many query blocks as key blocks), so that an add's round trip may take two
-  // steps; with 64-query blocks they come two steps apart already, and a second accumulator only costs its reads.
-  static constexpr int DQ_CHAINS = BLOCK_M == 128 ? 2 : 1;
+  // for the add DQ_CHAINS ranks before its own. The host's choice (tiles.ws_bwd_dq_chains): two where key blocks
+  // reach a query block one step apart (by arrival with 128-query blocks: as many query blocks as key blocks),
+  // so that an add's round trip may take two steps; one with 64-query blocks, which come two steps apart
+  // already, and unordered (every add into chain 0).
+  static constexpr int DQ_CHAINS = DQ_CHAINS_;
+  static_assert(DQ_CHAINS >= 1 && (DETERMINISTIC || DQ_CHAINS == 1), "unordered adds go into one accumulator");
   static constexpr int COPY_REGISTERS = 24, COMPUTE_REGISTERS = 240;
   // dK += dS^T Q runs on into the next query block's S^T and dP^T, holding dS^T's fragments across the turn,
   // where they fit: 64-query blocks (with 128 ptxas serialized the products for registers).
@@ -194,8 +196,9 @@ __device__ __forceinline__ void bwd_copy_tiles(const BwdWsCta<K>& cta, const Att
   }
 }
 
-// The ordered adds: a global counter per (batch entry, query block) counts the key blocks whose dQ_partial has
-// landed there; a key block waits until it equals its rank (KeyBlockWalk::rank), adds, and counts itself.
+// The ordered adds: a global counter per (batch entry, query block, chain) counts the key blocks whose
+// dQ_partial has landed in that chain's accumulator; the key block of rank r (KeyBlockWalk::rank) waits until
+// chain r % DQ_CHAINS's count equals r / DQ_CHAINS, adds, and counts itself.
 __device__ __forceinline__ int load_acquire(const int* counter) {
   int value;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
@@ -214,7 +217,7 @@ template <class K>
 __device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_accum, int* dq_counters,
                                              const KeyBlockWalk<K>& walk, const AttnParams& p) {
   float* rows = dq_accum + static_cast<i64>(walk.b) * walk.m_blocks * K::DQ_CHAINS * 2 * K::DQ_CHUNK;
-  int* counters = dq_counters + walk.b * walk.m_blocks * K::DQ_CHAINS;
+  int* counters = dq_counters + static_cast<i64>(walk.b) * walk.m_blocks * K::DQ_CHAINS;
 #pragma unroll 1
   for (int i = 0; i < walk.steps(); ++i) {
     const int m = walk.query_block(i);
@@ -342,11 +345,11 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
   store_tile<typename K::OutTile, K::HEAD_DIM, 128>(dv, p.d_v, stage_v, rows, p.d_v, thread);
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int STAGES, bool IS_CAUSAL, bool DETERMINISTIC>
+template <typename T, int HEAD_DIM, int BLOCK_M, int STAGES, bool IS_CAUSAL, bool DETERMINISTIC, int DQ_CHAINS>
 __global__ void __launch_bounds__(3 * 128, 1)
 attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMaps maps, float* dq_accum,
                         int* dq_counters, int by_arrival) {
-  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DETERMINISTIC>;
+  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DETERMINISTIC, DQ_CHAINS>;
   using Cta = BwdWsCta<K>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) u64 bars[Cta::BARRIERS];
@@ -381,10 +384,10 @@ attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMap
 // dq = scale * dq_accum, rounded to T: a CTA per (query block, batch entry), a thread per accumulator thread of
 // the two consumers' chunks (DqChunk). A query block no key block adds to (causal: queries before every key,
 // or no keys at all) has 0 for dq and nothing in dq_accum.
-template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL>
+template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL, int DQ_CHAINS>
 __global__ void __launch_bounds__(256)
 attention_bwd_dq_convert_kernel(const AttnParams p, const float* dq_accum) {
-  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, 2, IS_CAUSAL, true>;
+  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, 2, IS_CAUSAL, true, DQ_CHAINS>;
   const int b = batch_index(), m = blockIdx.x;
   // The key blocks that added to this query block: all, or causal those up to the last that sees its last row.
   const int key_blocks = ceil_div(p.nk, K::BLOCK_N);

@@ -235,11 +235,11 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
     causal, scale, window, softcap, alibi_slopes, bias, mask, block_mask, dropout_p, dropout_seed
         Exactly as passed to :func:`attention_forward` (the same seed regenerates the same dropout mask).
     deterministic : bool, default True
-        True: the same inputs give the same bits, run after run. False lets a faster path add dq's
-        float32 partial sums in whatever order they arrive, so dq's last bits may vary between runs
-        (as with cuDNN's and FlashAttention-3's backward); today that is the fused backward (bfloat16
-        or float16 on Hopper, long sequences, no score modifiers or dropout). Every other call is
-        deterministic either way.
+        True: the same inputs give the same bits, run after run (``dbias`` of a broadcast ``bias``
+        aside, below). False lets a faster path add dq's float32 partial sums in whatever order they
+        arrive, so dq's last bits may vary between runs (as with cuDNN's and FlashAttention-3's
+        backward); today that is the fused backward (bfloat16 or float16 on Hopper, long sequences,
+        no score modifiers or dropout). Every other call behaves the same either way.
 
     Returns
     -------

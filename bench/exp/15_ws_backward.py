@@ -57,9 +57,10 @@ def kernels(d, causal, deterministic):
     key = (d, causal, deterministic)
     if key not in _modules:
         bm = BLOCK_M[d]
+        chains = tiles.ws_bwd_dq_chains(bm, deterministic)
         names = [f"attention_bwd_ws_kernel<bfloat16_t, {d}, {bm}, {STAGES}, {str(causal).lower()}, "
-                 f"{str(deterministic).lower()}>",
-                 f"attention_bwd_dq_convert_kernel<bfloat16_t, {d}, {bm}, {str(causal).lower()}>"]
+                 f"{str(deterministic).lower()}, {chains}>",
+                 f"attention_bwd_dq_convert_kernel<bfloat16_t, {d}, {bm}, {str(causal).lower()}, {chains}>"]
         module = cupy.RawModule(code=module_code("attention_bwd_ws.cu", names),
                                 options=OPTIONS + (f"-arch={WGMMA_ARCH}",), name_expressions=names)
         main, convert = (module.get_function(n) for n in names)
@@ -80,7 +81,7 @@ class Fused:
         self.lse_log2, self.delta = cupy.empty_like(lse), cupy.empty_like(lse)
         self.m_blocks = -(-nq // self.bm)
         # dq_accum and the counters of the ordered adds, zeroed by one fill per call
-        chains = tiles.ws_bwd_dq_chains(self.bm)
+        chains = tiles.ws_bwd_dq_chains(self.bm, deterministic)
         self.workspace = cupy.empty(self.batch * self.m_blocks * chains * (self.bm * d + 1), dtype=cupy.float32)
         self.dq_accum = self.workspace[:self.batch * self.m_blocks * chains * self.bm * d]
         self.counters = self.workspace[self.dq_accum.size:].view(cupy.int32)

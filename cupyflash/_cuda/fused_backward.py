@@ -37,7 +37,7 @@ def run(functions, variant, params, arrays, sizes, strides, *, batch: int, nq: i
     ``sizes``, ``strides``."""
     t = variant.tiles("bwd")
     m_blocks = -(-nq // t.block)
-    chains = tiles.ws_bwd_dq_chains(t.block)
+    chains = tiles.ws_bwd_dq_chains(t.block, variant.deterministic)
     chunk = m_blocks * chains * t.block * variant.head_dim  # dq_accum's floats per batch entry
     # dq_accum (float32, a sum per chain of ordered adds, in the dQ products' fragment order), then one counter
     # per (batch entry, query block, chain). In order, only the counters start at zero: the first key block of a

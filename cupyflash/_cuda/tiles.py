@@ -241,7 +241,7 @@ WS_BWD_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in
                                  if path == "ws" and size == 2 and kernel == "bwd"}))
 WS_BWD_MIN_LENGTH = {64: 2048, 128: 4096}
 # ... and with unordered dq adds (deterministic=False) and no causal mask, where the order's cost had kept the
-# two passes: at D = 128 2k unordered adds were 1.10x the two passes (causal 0.97x: causal keeps the above).
+# two passes: at D = 128 2k unordered adds were 1.11x the two passes (causal 0.97x: causal keeps the above).
 WS_BWD_MIN_LENGTH_UNORDERED = {64: 2048, 128: 2048}
 # ... and the least work, batch entries x Nq x Nk x HEAD_DIM (2^34: about 0.4 ms of GPU time): the fused backward
 # is launched unplanned (fused_backward.py: tensor maps encoded, parameters built per call), so a call with less
@@ -261,10 +261,10 @@ def ws_bwd_min_length(head_dim: int, causal: bool, deterministic: bool) -> int:
     return WS_BWD_MIN_LENGTH_UNORDERED[head_dim]
 
 
-def ws_bwd_dq_chains(block: int) -> int:
+def ws_bwd_dq_chains(block: int, deterministic: bool = True) -> int:
     """The fused backward's chains of ordered dq adds per query block of ``block`` rows, each with its own float32
-    accumulator (BwdWsTraits::DQ_CHAINS): two with 128-query blocks, one with 64."""
-    return 2 if block == 128 else 1
+    accumulator (its kernels' DQ_CHAINS): two with 128-query blocks, one with 64; unordered adds, one."""
+    return 2 if block == 128 and deterministic else 1
 
 
 # The most rows one launch of a backward pass sums a gradient over (queries for dK/dV, keys for dQ). The

@@ -539,10 +539,12 @@ def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(
                 assert v in SHIPPED_SET and v.kernels == ("preprocess", "bwd", "dq_convert")
                 t = v.tiles("bwd")
                 assert t == v.tiles("dq_convert") == tiles.lookup("ws", 2, head_dim, "bwd", "plain")
+                chains = tiles.ws_bwd_dq_chains(t.block)
+                assert chains == (2 if t.block == 128 else 1)
                 assert v.name_expression("bwd") == (f"attention_bwd_ws_kernel<{ctype}, {head_dim}, {t.block}, "
-                                                    f"{t.stages}, {_bool(causal)}, true>")
+                                                    f"{t.stages}, {_bool(causal)}, true, {chains}>")
                 assert v.name_expression("dq_convert") == \
-                    f"attention_bwd_dq_convert_kernel<{ctype}, {head_dim}, {t.block}, {_bool(causal)}>"
+                    f"attention_bwd_dq_convert_kernel<{ctype}, {head_dim}, {t.block}, {_bool(causal)}, {chains}>"
                 assert "attention_bwd_ws_kernel" in v.code(("bwd", "dq_convert"))
                 assert "attention_bwd_preprocess_kernel" in v.code(("preprocess",))
                 assert launch.launch_shape(v, "bwd", 1000, 6) == ((8, 6, 1), (384,), v.smem("bwd"))
@@ -560,6 +562,9 @@ def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(
                 assert _backward((shortest, shortest), dtype, d, False, **options).path == "wgmma", options
     for head_dim in (32, 96, 160, 256):
         assert _backward((1 << 16, 1 << 16), head_dim=head_dim).path == "wgmma", head_dim
+    assert _backward((1 << 16, 1 << 16), dtype=np.float32).path == "pieces"
+    assert _backward((1 << 16, 1 << 16), dtype=np.float64).path != "ws"
+    assert not _backward((0, 0)).fused_backward  # lengths not given: the two passes
 
 
 def test_unordered_adds_take_the_fused_backward_from_its_own_shortest_length():
@@ -571,16 +576,18 @@ def test_unordered_adds_take_the_fused_backward_from_its_own_shortest_length():
         for head_dim in tiles.WS_BWD_HEAD_DIMS:
             for causal in (False, True):
                 shortest = tiles.ws_bwd_min_length(head_dim, causal, False)
-                assert shortest == (tiles.WS_BWD_MIN_LENGTH if causal else tiles.WS_BWD_MIN_LENGTH_UNORDERED)[head_dim]
+                ordered_shortest = tiles.WS_BWD_MIN_LENGTH if causal else tiles.WS_BWD_MIN_LENGTH_UNORDERED
+                assert shortest == ordered_shortest[head_dim]
                 assert shortest <= tiles.ws_bwd_min_length(head_dim, causal, True)
                 v = _backward((shortest, shortest), dtype, head_dim, causal, deterministic=False)
                 assert v == Variant("bwd", np.dtype(dtype).name, head_dim, "ws", causal=causal, deterministic=False)
                 assert v in SHIPPED_SET and "unordered dq adds" in str(v)
                 t = v.tiles("bwd")
+                # unordered adds go into one accumulator: one chain, for the kernel and its conversion
                 assert v.name_expression("bwd") == (f"attention_bwd_ws_kernel<{ctype}, {head_dim}, {t.block}, "
-                                                    f"{t.stages}, {_bool(causal)}, false>")
-                ordered = Variant("bwd", np.dtype(dtype).name, head_dim, "ws", causal=causal)
-                assert v.name_expression("dq_convert") == ordered.name_expression("dq_convert")  # one conversion
+                                                    f"{t.stages}, {_bool(causal)}, false, 1>")
+                assert v.name_expression("dq_convert") == \
+                    f"attention_bwd_dq_convert_kernel<{ctype}, {head_dim}, {t.block}, {_bool(causal)}, 1>"
                 shorter = _backward((shortest - 1, shortest), dtype, head_dim, causal, deterministic=False)
                 assert shorter == Variant("bwd", np.dtype(dtype).name, head_dim, "wgmma", causal=causal)
                 assert shorter.deterministic
@@ -608,9 +615,6 @@ def test_fused_backward_adds_by_arrival_where_an_entry_fits_and_short_of_the_ind
         assert not adds_by_arrival(132 * 128 + 1, head_dim, True, 132)  # 133 key blocks on 132 SMs
         assert not adds_by_arrival(1000, head_dim, False, 7)  # 8 key blocks on 7 SMs
         assert adds_by_arrival(1000, head_dim, True, 8)
-    assert _backward((1 << 16, 1 << 16), dtype=np.float32).path == "pieces"
-    assert _backward((1 << 16, 1 << 16), dtype=np.float64).path != "ws"
-    assert not _backward((0, 0)).fused_backward  # lengths not given: the two passes
 
 
 def test_backward_lengths_keep_calls_with_little_work_on_the_two_passes():

@@ -156,10 +156,13 @@ def test_name_expressions_carry_the_cells_switches():
                 assert name.endswith(tail), (v, name)
                 assert name.startswith(f"attention_bwd_{kernel}_kernel<")
             elif kernel == "bwd":
+                chains = tiles.ws_bwd_dq_chains(t.block, v.deterministic)
                 assert name == (f"attention_bwd_ws_kernel<{CTYPES[v.dtype]}, {v.head_dim}, {t.block}, {t.stages}, "
-                                f"{_bool(v.causal)}, {_bool(v.deterministic)}>"), (v, name)
+                                f"{_bool(v.causal)}, {_bool(v.deterministic)}, {chains}>"), (v, name)
             elif kernel == "dq_convert":
-                assert name == f"attention_bwd_dq_convert_kernel<{CTYPES[v.dtype]}, {v.head_dim}, {t.block}, {_bool(v.causal)}>"
+                chains = tiles.ws_bwd_dq_chains(t.block, v.deterministic)
+                assert name == (f"attention_bwd_dq_convert_kernel<{CTYPES[v.dtype]}, {v.head_dim}, {t.block}, "
+                                f"{_bool(v.causal)}, {chains}>")
             elif v.path == "ws":
                 out = CTYPES[v.out_dtype or v.dtype]
                 assert name.endswith(f"{_bool(t.pack_after_wait)}, {_bool(t.store_warps)}, {out}>"), (v, name)

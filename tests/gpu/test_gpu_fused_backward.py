@@ -1,9 +1,10 @@
 """The warp-specialized fused backward (cuda_src/attention_bwd_ws.cu) on Hopper: 16-bit, plain or causal, head
-dims up to 128, sequences from tiles.WS_BWD_MIN_LENGTH on. Needs a GPU of compute capability 9.0:
+dims 33-64 and 97-128, sequences from tiles.WS_BWD_MIN_LENGTH on (with deterministic=False and no causal mask,
+from WS_BWD_MIN_LENGTH_UNORDERED). Needs a GPU of compute capability 9.0:
 
     python -m pytest -m gpu tests/gpu/test_gpu_fused_backward.py
 
-Short problems reach it with WS_BWD_MIN_LENGTH and WS_BWD_MIN_WORK lowered (the kernel is the same at every
+Short problems reach it with its length thresholds and WS_BWD_MIN_WORK lowered (the kernel is the same at every
 length); every
 allocation starts as NaN, so an element of dq, dk or dv that is never written, or a workspace read before it is
 written, fails the reference check.
@@ -163,7 +164,9 @@ def test_unordered_adds_serve_from_their_own_length(rng, monkeypatch):
     unordered = cupyflash.attention_backward(dout, q, k, v, out, lse, deterministic=False)
     expected = [False] if n < tiles.WS_BWD_MIN_LENGTH[128] else [True, True, False]
     assert [x.deterministic for x in launched] == expected
-    for grads in (ordered, ordered_again, unordered):
+    for a, b in zip(ordered, ordered_again):
+        assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
+    for grads in (ordered, unordered):
         assert_matches_reference(q, k, v, dout, (out, lse, *grads), causal=False)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash._cuda import compile as compile_, decode, decode_fast, launch
+from cupyflash._cuda import compile as compile_, decode, decode_fast, fused_backward, launch
 
 cupy = pytest.importorskip("cupy")
 
@@ -59,18 +59,27 @@ def test_after_warmup_calls_compile_nothing(monkeypatch, capsys, cold):
     device = cupy.cuda.Device().id
     assert all((device, v) in compile_.modules for v in warmed)
     # a forward and a backward for each causal, and on Hopper the fused backward of long sequences besides
-    fused = sum(v.fused_backward for v in warmed)
-    assert fused == (2 if compile_.current_device().wgmma else 0)
-    assert first.count("(compiled)") + first.count("(disk cache)") == len(warmed) == 4 + fused
+    fused_variants = [v for v in warmed if v.fused_backward]
+    assert len(fused_variants) == (2 if compile_.current_device().wgmma else 0)
+    assert first.count("(compiled)") + first.count("(disk cache)") == len(warmed) == 4 + len(fused_variants)
     monkeypatch.setattr(cupy, "RawModule", _no_compiling)
+    launched, real_run = [], fused_backward.run
+
+    def run_fused(functions, variant, *args, **kwargs):
+        launched.append(variant)
+        real_run(functions, variant, *args, **kwargs)
+
+    monkeypatch.setattr(fused_backward, "run", run_fused)
     rng = np.random.default_rng(0)
-    # D = 36 and 40 both run on HEAD_DIM 64; 4 heads of 8192 rows are enough work for the fused backward
-    for shape in ((1, 2, 70, 36), (1, 4, 8192, 36)):
+    # D = 36 and 40 both run on HEAD_DIM 64 (rows 40 wide); 8 heads of 8192 rows are enough work for the fused
+    # backward (8 x 8192^2 x 40 >= WS_BWD_MIN_WORK)
+    for shape in ((1, 2, 70, 36), (1, 8, 8192, 36)):
         q, k, v = (cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(np.float16)) for _ in range(3))
         for causal in (False, True):
             out, lse = cupyflash.attention_forward(q, k, v, causal=causal)
             cupyflash.attention_backward(out, q, k, v, out, lse, causal=causal)
     cupy.cuda.Device().synchronize()
+    assert launched == fused_variants  # the long calls took the warmed fused variants
     assert cupyflash.warmup(dtypes="float16", head_dims=40, verbose=True) == warmed
     assert capsys.readouterr().out.count("(already loaded)") == len(warmed)
 
