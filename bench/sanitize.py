@@ -6,7 +6,7 @@
     python bench/sanitize.py --variants '^bwd/bf16/(64|128)/' --out /tmp/sanitize
     python bench/sanitize.py --all-rows                   # one table row per kernel instantiation
 
-Variants are named ``{fwd,bwd,probs}/{fp16,bf16,fp32,fp64}/HEAD_DIM/PATH/FORM[/SCORE][/block-mask][/dropout]``
+Variants are named ``{fwd,bwd,probs}/{fp16,bf16,fp32,fp64}/HEAD_DIM/PATH/FORM[/SCORE][/block-mask][/dropout][/unordered]``
 with PATH the tile table's path (mma, large, wgmma, pieces, ws) and FORM plain, causal or the modifiers'
 instantiation (scalars, softcap, softcap-causal, window, all): every module of
 cupyflash._cuda.variants.shipped_variants() that the GPU at hand can run (Hopper's paths need compute
@@ -31,7 +31,9 @@ problems with head dim D = HEAD_DIM, so each kernel is exactly the variant named
 - a packed variable-length batch where the API sends one to the variant (scalars; all with dropout):
   sequences of 0, 70, 1, 150 queries and 90, 0, 40, 270 keys, 2 heads sharing one key/value head, causal
   with ALiBi;
-- dropout variants: the same calls with dropout_p = 0.2.
+- dropout variants: the same calls with dropout_p = 0.2;
+- the fused backward (path ws, and its unordered form): q (2, 3, 333, D), k and v (2, 3, 397, D) with its length
+  thresholds lowered, twice: key blocks adding in the order they reach a query block, then in index order.
 
 The worker turns CuPy's memory pool off, so every array is its own cudaMalloc: memcheck then knows each
 array's exact bounds (with ``--padding`` bytes of guard after each allocation), and initcheck sees fresh,
@@ -53,6 +55,7 @@ the slowest. Split the work with ``--tools`` or ``--variants`` if a run must fit
 
 import argparse
 import collections
+import contextlib
 import glob
 import os
 import re
@@ -70,9 +73,12 @@ TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
 KERNEL_FAMILIES = ("attention_fwd_kernel", "attention_fwd_wgmma_kernel", "attention_fwd_ws_kernel",
                    "attention_bwd_preprocess_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel",
-                   "attention_probs_kernel", "split_f32_kernel")
+                   "attention_probs_kernel", "split_f32_kernel", "attention_bwd_ws_kernel",
+                   "attention_bwd_dq_convert_kernel")
 OTHER = "other (CuPy kernels, API calls, unattributed)"
 PLAIN_SHAPE = dict(batch=(2,), nq=70, nk=90)
+# The fused backward, its length thresholds lowered: several key blocks and query blocks, partial ones at the end.
+FUSED_SHAPE = dict(batch=(2, 3), nq=333, nk=397)
 MODS_SHAPE = dict(batch=(1, 2), nq=150, nk=270)  # 2 x 3 block-mask tiles; Nk even for paired dbias stores
 
 
@@ -83,6 +89,7 @@ def variant_label(variant):
         form = "causal" if variant.mods == "none" else form + "-causal"
     extras = ([variant.score] if variant.score != "plain" else []) + (["block-mask"] if variant.block_mask else [])
     extras += ["dropout"] if variant.dropout else []
+    extras += [] if variant.deterministic else ["unordered"]
     return "/".join([variant.direction, DTYPE_NAMES[variant.dtype], str(variant.head_dim), variant.path, form, *extras])
 
 
@@ -206,6 +213,31 @@ def _packed_options(variant):
     return [(True, dict(alibi_slopes=_Stand()))]
 
 
+@contextlib.contextmanager
+def _fused_at_any_length(variant):
+    """For a fused-backward variant, its thresholds lowered (shortest length, least work) so that small problems
+    take it, and no plan kept from before; other variants as they are."""
+    if not variant.fused_backward:
+        yield
+        return
+    from cupyflash._cuda import dense_fast, launch, tiles
+
+    names = ("WS_BWD_MIN_LENGTH", "WS_BWD_MIN_LENGTH_UNORDERED", "WS_BWD_MIN_WORK")
+    saved = {name: getattr(tiles, name) for name in names}
+    tiles.WS_BWD_MIN_LENGTH = {d: 1 for d in saved["WS_BWD_MIN_LENGTH"]}
+    tiles.WS_BWD_MIN_LENGTH_UNORDERED = {d: 1 for d in saved["WS_BWD_MIN_LENGTH_UNORDERED"]}
+    tiles.WS_BWD_MIN_WORK = 0
+    launch.plans.clear()
+    dense_fast._table.clear()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(tiles, name, value)
+        launch.plans.clear()
+        dense_fast._table.clear()
+
+
 def _selected(variant, causal, options, device, packed=False, tma=True):
     """The variant the API selects for a call of ``variant``'s direction, dtype and head dim with these
     options on a device with these abilities; ``tma`` False: with k and v broadcast along a batch dim, which
@@ -220,9 +252,12 @@ def _selected(variant, causal, options, device, packed=False, tma=True):
         mods = Modifiers(options.get("window", (-1, -1)), options.get("softcap", 0.0), options.get("alibi_slopes"),
                          options.get("bias"), None, options.get("mask"), options.get("block_mask"))
     dropout = object() if variant.dropout else None
+    # The fused backward is chosen by length (its thresholds lowered where it runs: _fused_at_any_length)
+    lengths = (FUSED_SHAPE["nq"], FUSED_SHAPE["nk"]) if variant.fused_backward else (0, 0)
     features = Features.of(variant.direction, variant.dtype, variant.head_dim, variant.head_dim, causal, mods,
-                           dropout, packed)
-    return select(dataclasses.replace(features, tma=tma), device)
+                           dropout, packed, lengths=lengths, deterministic=variant.deterministic)
+    with _fused_at_any_length(variant):
+        return select(dataclasses.replace(features, tma=tma), device)
 
 
 def run_variant(variant, rng):
@@ -240,7 +275,7 @@ def run_variant(variant, rng):
     device = _device(no_wgmma=not _hopper_path(variant))
     dtype = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
              "float64": np.float64}[variant.dtype]
-    shape = MODS_SHAPE if variant.mods != "none" else PLAIN_SHAPE
+    shape = MODS_SHAPE if variant.mods != "none" else FUSED_SHAPE if variant.fused_backward else PLAIN_SHAPE
     q, k, v, dout = _problem(rng, dtype, shape["batch"], shape["nq"], shape["nk"], variant.head_dim)
     dropout = dict(dropout_p=0.2, dropout_seed=7) if variant.dropout else {}
     ran = 0
@@ -259,7 +294,9 @@ def run_variant(variant, rng):
             cupyflash.attention_probs(q, keys, values, causal=causal, **options)
             continue
         out, lse = cupyflash.attention_forward(q, keys, values, causal=causal, **options, **dropout)
-        if variant.direction == "bwd":
+        if variant.fused_backward:
+            _fused_calls(variant, dout, q, keys, values, out, lse, causal)
+        elif variant.direction == "bwd":
             cupyflash.attention_backward(dout, q, keys, values, out, lse, causal=causal, **options, **dropout)
     for causal, options in _packed_options(variant):
         if _selected(variant, causal, options, device, packed=True) == variant:
@@ -268,6 +305,22 @@ def run_variant(variant, rng):
     if not ran:
         raise RuntimeError(f"no call selects {variant_label(variant)} on this GPU")
     cupy.cuda.Device().synchronize()
+
+
+def _fused_calls(variant, dout, q, k, v, out, lse, causal):
+    """The fused backward twice: its key blocks in the order they reach a query block, then in the order of their
+    index (as where an entry's key blocks outnumber the SMs)."""
+    import cupyflash
+    from cupyflash._cuda import fused_backward
+
+    with _fused_at_any_length(variant):
+        cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=variant.deterministic)
+        sm_count = fused_backward.sm_count
+        fused_backward.sm_count = lambda device: 1
+        try:
+            cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=variant.deterministic)
+        finally:
+            fused_backward.sm_count = sm_count
 
 
 def _packed_call(rng, dtype, variant, dropout):
