@@ -7,7 +7,8 @@
 // out (b, nq, dv) and lse (b, nq) float32, contiguous. Saved for the backward: lse only (the FP8 forward
 // has no backward).
 //
-// A CTA of three warpgroups, one per SM, persistent. Tiles (BLOCK_M = 128 query rows of one batch entry) are
+// A CTA of 1 + WGS warpgroups (WGS = 2, or 3 where the tile table's cell has 16 warps), one per SM, persistent.
+// Tiles (BLOCK_M = 64 WGS query rows of one batch entry) are
 // numbered in sections of batch entries whose K and V fit in L2 together; in a section, row blocks from the
 // last (with causal rows, the longest first). CTA c runs tile c first, then whichever tile the launch's
 // counter hands it next, so CTAs that drew short tiles draw more.
@@ -18,18 +19,18 @@
 //    copies overlap this one's last products and its epilogue. A slot's K and V are released apart: K once
 //    both warpgroups' S = Q K^T from it is done, V after their P V, so that the next K lands while the
 //    previous block's P V still reads its V. It gives its registers to the others (setmaxnreg).
-//    STORE_WARPS: its warps 1 and 2 store out for the computing warpgroups (store_out_tiles).
-//  - The consumers (warpgroups 1 and 2, compute_tile) each own 64 of the tile's rows and run
+//    STORE_WARPS: its warps 1 .. WGS store out for the computing warpgroups (store_out_tiles).
+//  - The consumers (warpgroups 1 .. WGS, compute_tile) each own 64 of the tile's rows and run
 //    attention_fwd_wgmma_kernel's loop on them: S_j = Q K_j^T issued beside the previous block's O += P V,
-//    the online softmax of S_j under that product. Both read every slot of the ring, so each K/V tile
-//    crosses L2 once per 128 rows; each computes only the key blocks of its own rows' band (a window's two
+//    the online softmax of S_j under that product. All read every slot of the ring, so each K/V tile
+//    crosses L2 once per BLOCK_M rows; each computes only the key blocks of its own rows' band (a window's two
 //    halves differ by a block), waits for and releases the others. Their epilogue (finish_tile) stages out
 //    through their own half of the q buffer and stores it, or with STORE_WARPS hands the staged rows to
 //    its storing warp and goes on to the next tile.
 // Barriers (tma.cuh): q_full[Q_BUFFERS] (the copy's bytes, or the copier's arrival alone once no tile is
-// left), q_empty[Q_BUFFERS] (8 consumer warps, or the 2 storing warps, after the epilogue read the buffer),
-// k_full / v_full[STAGES] (bytes), k_empty / v_empty[STAGES] (8 consumer warps, after their S, or P V, from
-// the slot), and with STORE_WARPS out_full[2][2] (a computing warpgroup's 128 threads, once its out is
+// left), q_empty[Q_BUFFERS] (4 WGS consumer warps, or the WGS storing warps, after the epilogue read the
+// buffer), k_full / v_full[STAGES] (bytes), k_empty / v_empty[STAGES] (4 WGS consumer warps, after their S, or
+// P V, from the slot), and with STORE_WARPS out_full[2][WGS] (a computing warpgroup's 128 threads, once its out is
 // staged).
 // Nothing waits on a __syncthreads after the start, so the warpgroups drift apart and one's softmax and
 // epilogue overlap the other's products.
@@ -138,7 +139,8 @@ struct Fp8Descales {
 
 // The kernel's compile-time configuration: its template parameters, tile shapes and register split.
 template <typename T_, int HEAD_DIM_, int BLOCK_N_, int STAGES_, bool IS_CAUSAL_, Mods MODS_, bool BOUNDED_,
-          bool ALIBI_, bool HALF_FIRST_, bool BLOCK_MASK_, bool PACK_AFTER_WAIT_, bool STORE_WARPS_, typename OutT_>
+          bool ALIBI_, bool HALF_FIRST_, bool BLOCK_MASK_, bool PACK_AFTER_WAIT_, bool STORE_WARPS_, typename OutT_,
+          int WGS_>
 struct WsTraits {
   using T = T_;
   using OutT = OutT_;  // out's type: T, or for e4m3 inputs half_t or bfloat16_t
@@ -147,7 +149,9 @@ struct WsTraits {
   static constexpr bool IS_CAUSAL = IS_CAUSAL_, BOUNDED = BOUNDED_, ALIBI = ALIBI_, HALF_FIRST = HALF_FIRST_;
   static constexpr bool BLOCK_MASK = BLOCK_MASK_, PACK_AFTER_WAIT = PACK_AFTER_WAIT_, STORE_WARPS = STORE_WARPS_;
   static constexpr Mods MODS = MODS_;
-  static constexpr int BLOCK_M = 128, WG_ROWS = 64;
+  // WGS computing warpgroups of 64 rows each: two, or three (FlashAttention-3's 192-row tiles at small head
+  // dims: the softmax's exponentials there weigh as much as the products, and a third warpgroup's overlap them).
+  static constexpr int WGS = WGS_, WG_ROWS = 64, BLOCK_M = WGS * WG_ROWS;
   using QTile = SwizzledTile<T, WG_ROWS, HEAD_DIM>;  // one warpgroup's q rows; stages its out at the end
   using KVTile = SwizzledTile<T, BLOCK_N, HEAD_DIM>;
   // V's tile: as K's, read transposed by P V; for e4m3 V^T's (head dims as rows, keys as K-major columns), as
@@ -156,14 +160,16 @@ struct WsTraits {
   static constexpr int S_TILES = BLOCK_N / 8, O_TILES = HEAD_DIM / 8, P_STEPS = BLOCK_N / wgmma_k<T>();
   // The bounded softcap's exponentials on the FMA units: one n-tile of S in eight (more cost time).
   static constexpr unsigned SOFTCAP_POLY_TILES = 0x80808080u & ((1u << S_TILES) - 1u);
-  static constexpr u32 CONSUMER_WARPS = 8;
+  static constexpr u32 CONSUMER_WARPS = 4 * WGS;
   // q buffers: two, so that the next tile's q lands while this one runs, where they leave the ring room
   // (rows of at most 256 bytes); one at 16-bit HEAD_DIM 256, whose two would take 128 KiB of the 227.
   static constexpr int Q_BUFFERS = HEAD_DIM * sizeof(T) <= 256 ? 2 : 1;
-  static constexpr int BARRIERS = (STORE_WARPS ? 8 : 4) + 4 * STAGES;
+  static constexpr int BARRIERS = 4 + 4 * STAGES + (STORE_WARPS ? 2 * WGS : 0);
   // Registers: 32 for the copies, 232 for each computing warpgroup (24 / 240 spilled); with the storing
-  // warps 40 / 224 (32 / 232 spilled).
-  static constexpr int COPY_REGISTERS = STORE_WARPS ? 40 : 32, COMPUTE_REGISTERS = STORE_WARPS ? 224 : 232;
+  // warps 40 / 224 (32 / 232 spilled). Three computing warpgroups share the 64K registers four ways: 160
+  // each beside 32 (152 beside the storing warps' 40).
+  static constexpr int COPY_REGISTERS = STORE_WARPS ? 40 : 32;
+  static constexpr int COMPUTE_REGISTERS = WGS == 2 ? (STORE_WARPS ? 224 : 232) : (STORE_WARPS ? 152 : 160);
 
   static_assert((sizeof(T) == 2 && (MODS == Mods::none || MODS == Mods::window || MODS == Mods::dense_scalars)) ||
                 (FP8 && MODS == Mods::none && !STORE_WARPS),
@@ -177,6 +183,7 @@ struct WsTraits {
   static_assert(!BOUNDED || (MODS == Mods::dense_scalars && IsBfloat16<T>::value), "bounded: bfloat16 scalars");
   static_assert(!ALIBI || (MODS == Mods::dense_scalars && !BOUNDED), "ALiBi folded: the scalars, row max");
   static_assert(!HALF_FIRST || ALIBI, "the half-width first block: ALiBi's form");
+  static_assert(WGS == 2 || (WGS == 3 && !BLOCK_MASK && !HALF_FIRST), "two or three computing warpgroups");
   static_assert(!BLOCK_MASK || (MODS == Mods::dense_scalars && BLOCK_M == BLOCK_MASK_TILE && BLOCK_N == BLOCK_MASK_TILE),
                 "the block mask: the scalars, a tile and a key block per block-mask tile");
 };
@@ -187,7 +194,7 @@ template <class K>
 struct WsCta {
   using T = typename K::T;
   const AttnParams& p;
-  T* sQ;  // [Q_BUFFERS][2 warpgroups] QTile
+  T* sQ;  // [Q_BUFFERS][WGS] QTile
   T* sK;  // [STAGES] KVTile
   T* sV;  // [STAGES] VTile
   u64* bars;
@@ -205,17 +212,16 @@ struct WsCta {
   __device__ __forceinline__ u32 v_empty(int slot) const { return smem_u32(&bars[4 + 3 * K::STAGES + slot]); }
   // A computing warpgroup's out staged in its half of a q buffer, for its storing warp.
   __device__ __forceinline__ u32 out_full(int buffer, int group) const {
-    return smem_u32(&bars[4 + 4 * K::STAGES + 2 * buffer + group]);
+    return smem_u32(&bars[4 + 4 * K::STAGES + K::WGS * buffer + group]);
   }
 
   // Thread 0, before the CTA's first barrier.
   __device__ __forceinline__ void init_barriers() const {
     for (int buffer = 0; buffer < K::Q_BUFFERS; ++buffer) {
       mbar_init(q_full(buffer), 1);
-      mbar_init(q_empty(buffer), K::STORE_WARPS ? 2 : K::CONSUMER_WARPS);  // the storing warps, or the computing ones
+      mbar_init(q_empty(buffer), K::STORE_WARPS ? K::WGS : K::CONSUMER_WARPS);  // the storing warps, or the computing ones
       if constexpr (K::STORE_WARPS) {
-        mbar_init(out_full(buffer, 0), 128);
-        mbar_init(out_full(buffer, 1), 128);
+        for (int group = 0; group < K::WGS; ++group) mbar_init(out_full(buffer, group), 128);
       }
     }
     for (int slot = 0; slot < K::STAGES; ++slot) {
@@ -283,10 +289,11 @@ __device__ __forceinline__ void copy_tiles(const WsCta<K>& cta, const TensorMaps
     const RowBlock<typename K::OutT, 8, K::BLOCK_M, K::BLOCK_N, K::IS_CAUSAL, K::MODS> rows(p, b, seq, m0, nullptr);
     const int words = buffer * TILE_BITMAP_WORDS;  // ws_on_words, published with tile_ids by q_full's arrival
     if constexpr (K::BLOCK_MASK) fill_on_blocks(words, p, b, m0, rows.n_first, rows.n_blocks);
-    mbar_expect(cta.q_full(buffer), 2 * QTile::SIZE * sizeof(T));
-    tma_load_tile<QTile>(cta.sQ + 2 * buffer * QTile::SIZE, maps.q, m0, b0, b1, b2, cta.q_full(buffer));
-    tma_load_tile<QTile>(cta.sQ + (2 * buffer + 1) * QTile::SIZE, maps.q, m0 + K::WG_ROWS, b0, b1, b2,
-                         cta.q_full(buffer));
+    mbar_expect(cta.q_full(buffer), K::WGS * QTile::SIZE * sizeof(T));
+#pragma unroll
+    for (int group = 0; group < K::WGS; ++group)
+      tma_load_tile<QTile>(cta.sQ + (K::WGS * buffer + group) * QTile::SIZE, maps.q, m0 + K::WG_ROWS * group, b0, b1,
+                           b2, cta.q_full(buffer));
     for (int n = cta.prev_visited(words, rows.n_blocks - 1, rows.n_first); n >= rows.n_first;
          n = cta.prev_visited(words, n - 1, rows.n_first), ++t) {
       const int slot = t % K::STAGES;
@@ -325,7 +332,7 @@ __device__ __forceinline__ void store_out_tiles(const WsCta<K>& cta, int group, 
     mbar_wait(cta.out_full(buffer, group), phase);
     // One 16-byte chunk per lane, a row pair per step, not rolled out: store_tile's loop for 32 threads (its
     // generic one, unrolled) spilled within these warps' 40 registers.
-    const T* staged = cta.sQ + (2 * buffer + group) * QTile::SIZE;
+    const T* staged = cta.sQ + (K::WGS * buffer + group) * QTile::SIZE;
     constexpr int CHUNKS = K::HEAD_DIM / QTile::VEC, ROW_STEP = WARP_SIZE / CHUNKS;
     const int c = (lane % CHUNKS) * QTile::VEC, rows = min(K::WG_ROWS, p.nq - row0);
     if (c < p.d_v) {
@@ -350,7 +357,7 @@ __device__ __forceinline__ void finish_tile(const WsCta<K>& cta, const Rows& row
                                             int warp, int lane, int nq, float v_unit = 1.f) {
   using QTile = typename K::QTile;
   const AttnParams& p = cta.p;
-  typename K::T* sQ_wg = cta.sQ + (2 * buffer + wg) * QTile::SIZE;
+  typename K::T* sQ_wg = cta.sQ + (K::WGS * buffer + wg) * QTile::SIZE;
   float inv_sum[2], row_lse[2];
   softmax.finalize(exp_scale, inv_sum, row_lse);
   if constexpr (K::FP8) {
@@ -403,7 +410,7 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
   using OutT = typename K::OutT;
   const RowBlock<OutT, 8, K::BLOCK_M, K::BLOCK_N, K::IS_CAUSAL, K::MODS> tile(p, b, seq, m0, nullptr);  // the copies' blocks
   const RowBlock<OutT, 4, K::WG_ROWS, K::BLOCK_N, K::IS_CAUSAL, K::MODS> rows(p, b, seq, m0 + K::WG_ROWS * wg, nullptr);
-  T* sQ_wg = cta.sQ + (2 * buffer + wg) * QTile::SIZE;
+  T* sQ_wg = cta.sQ + (K::WGS * buffer + wg) * QTile::SIZE;
   const int words = buffer * TILE_BITMAP_WORDS;  // this tile's ws_on_words (BLOCK_MASK)
   float acc_o[O_TILES][4];  // HALF_FIRST: zeroed once the first block's softmax, which can use its registers, is done
   if constexpr (!K::HALF_FIRST) zero_acc(acc_o);
@@ -548,17 +555,17 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, Mods MODS, bool BOUNDED, bool ALIBI,
-          bool HALF_FIRST, bool BLOCK_MASK, bool PACK_AFTER_WAIT, bool STORE_WARPS, typename OutT>
-__global__ void __launch_bounds__(3 * 128, 1)
+          bool HALF_FIRST, bool BLOCK_MASK, bool PACK_AFTER_WAIT, bool STORE_WARPS, typename OutT, int WGS>
+__global__ void __launch_bounds__((WGS + 1) * 128, 1)
 attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps maps, int* tile_counter) {
   using K = WsTraits<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, MODS, BOUNDED, ALIBI, HALF_FIRST, BLOCK_MASK,
-                     PACK_AFTER_WAIT, STORE_WARPS, OutT>;
+                     PACK_AFTER_WAIT, STORE_WARPS, OutT, WGS>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) u64 bars[K::BARRIERS];
   __shared__ int tile_ids[2];
   __shared__ int section_entries;
-  T* sQ = reinterpret_cast<T*>(smem_aligned(smem_raw));  // [Q_BUFFERS][2 warpgroups] QTile
-  T* sK = sQ + 2 * K::Q_BUFFERS * K::QTile::SIZE;         // [STAGES] KVTile
+  T* sQ = reinterpret_cast<T*>(smem_aligned(smem_raw));  // [Q_BUFFERS][WGS] QTile
+  T* sK = sQ + WGS * K::Q_BUFFERS * K::QTile::SIZE;       // [STAGES] KVTile
   T* sV = sK + STAGES * K::KVTile::SIZE;                  // [STAGES] VTile
   WsCta<K> cta{p, sQ, sK, sV, bars, tile_ids, &section_entries};
   if (threadIdx.x == 0) {
@@ -573,7 +580,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   if (threadIdx.x < 128) {  // the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(K::COPY_REGISTERS) : "memory");
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    if (STORE_WARPS && (warp == 1 || warp == 2)) {
+    if (STORE_WARPS && warp >= 1 && warp <= WGS) {
       store_out_tiles(cta, warp - 1, lane);
       return;
     }

@@ -341,11 +341,13 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
                     f"attention_fwd_ws_kernel<{ctype}, {head_dim}, {t.block}, {t.stages}, {_bool(causal)}, {mods}, "
                     f"{_bool(chosen.score == 'bounded')}, {_bool(chosen.score.startswith('alibi'))}, "
                     f"{_bool(chosen.score == 'alibi_half_first')}, false, {_bool(t.pack_after_wait)}, "
-                    f"{_bool(t.store_warps)}, {ctype}>")
-                assert chosen.threads("fwd") == 3 * 128 and t.rows == 128 and t.copy_warps == tiles.WS_COPY_WARPS
-                for rows, batch, ctas in ((1000, 3, 24), (8192, 32, 132), (1, 1, 1)):
+                    f"{_bool(t.store_warps)}, {ctype}, {t.rows // 64}>")
+                assert chosen.threads("fwd") == (t.rows // 64 + 1) * 128 and t.rows in (128, 192)
+                assert t.copy_warps == tiles.WS_COPY_WARPS
+                for rows, batch in ((1000, 3), (8192, 32), (1, 1)):
                     grid, block_shape, smem = launch.launch_shape(chosen, "fwd", rows, batch)
-                    assert (grid, block_shape, smem) == ((ctas, 1, 1), (384,), chosen.smem("fwd")), (rows, batch)
+                    ctas = min(132, -(-rows // t.rows) * batch)  # a CTA per SM, at most one per tile
+                    assert (grid, block_shape, smem) == ((ctas, 1, 1), (chosen.threads("fwd"),), chosen.smem("fwd"))
                 assert chosen.smem("fwd") + 1024 <= 227 * 1024
                 assert "attention_fwd_ws_kernel" in chosen.code()
                 assert chosen in SHIPPED_SET and not chosen.block_mask
@@ -429,7 +431,7 @@ def test_a_block_mask_forward_walks_it_on_the_warp_specialized_kernel():
             assert chosen.name_expression("fwd") == (
                 f"attention_fwd_ws_kernel<{ctype}, 128, {t.block}, {t.stages}, false, Mods::dense_scalars, "
                 f"{_bool(bounded)}, {_bool(alibi)}, {_bool(half)}, true, {_bool(t.pack_after_wait)}, "
-                f"{_bool(t.store_warps)}, {ctype}>"), options
+                f"{_bool(t.store_warps)}, {ctype}, 2>"), options
             assert chosen in SHIPPED_SET
             assert dataclasses.replace(chosen, block_mask=False) in SHIPPED_SET  # the same form without the walk
             backward = _chosen("bwd", dtype, causal=causal, block_mask=ON, **options)
@@ -480,7 +482,7 @@ def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward():
             if chosen.path == "ws":
                 t = chosen.tiles("fwd")
                 expected = (f"Mods::dense_scalars, true, false, false, false, {_bool(t.pack_after_wait)}, "
-                            f"{_bool(t.store_warps)}, bfloat16_t>")
+                            f"{_bool(t.store_warps)}, bfloat16_t, {t.rows // 64}>")
             else:
                 expected = "Mods::scalars, false, true, 1>"
             assert chosen.name_expression("fwd").endswith(expected), chosen.name_expression("fwd")
@@ -509,7 +511,7 @@ def test_fp8_variants():
         assert v.path == "ws" and v.direction == "fwd" and v.mods == "none" and v.itemsize == 1
         name = v.name_expression("fwd")
         assert name.startswith(f"attention_fwd_ws_kernel<e4m3_t, {v.head_dim}, ")
-        assert name.endswith({"bfloat16": ", bfloat16_t>", "float16": ", half_t>"}[v.out_dtype])
+        assert name.endswith({"bfloat16": ", bfloat16_t, 2>", "float16": ", half_t, 2>"}[v.out_dtype])
         assert v.compile_targets() == {"sm_90": "sm_90a"}
 
 
