@@ -3,8 +3,11 @@
 bfloat16 forward on the same shapes (FlashAttention's: 16k tokens, hidden 2048). L2 flushed and a spin before
 every call (GPU work only), median of 10. Writes $OUT/fp8_exp.json.
 
-    PYTHONPATH=. python bench/exp/12_fp8_tiles.py
+    PYTHONPATH=. python bench/exp/12_fp8_tiles.py [--cells 64=12.128.64/r4w,16.128.64/r4w ...]
+
+A cell of 16 warps runs three computing warpgroups (192-row tiles).
 """
+import argparse
 import json
 import os
 import numpy as np, cupy, ml_dtypes
@@ -15,6 +18,12 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 CONFIGS = {64: ["12.128.64/r4w", "12.192.64/r4w", "12.192.64/r3w"],
            128: ["12.128.128/r3w", "12.128.128/r4w", "12.192.128/r3w"],
            256: ["12.64.256/r4w", "12.64.256/r3w"]}
+parser = argparse.ArgumentParser()
+parser.add_argument("--cells", action="append", default=[], metavar="D=CELL,CELL",
+                    help="candidate cells for head dim D instead of the built-in list (only the dims given run)")
+args = parser.parse_args()
+if args.cells:
+    CONFIGS = {int(spec.split("=")[0]): spec.split("=")[1].split(",") for spec in args.cells}
 flush = cupy.empty(256 << 20, dtype=cupy.uint8)
 def ms(fn):
     def before():
