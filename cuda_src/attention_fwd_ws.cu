@@ -117,8 +117,8 @@ __device__ __forceinline__ int l2_section_entries(const AttnParams& p) {
 }
 
 // The descales of an e4m3 batch entry b (AttnParams' fp8 fields: per flat batch entry, contiguous, one per
-// fp8_descale_rows rows): q's of a tile, k's of a key block (both multiples of the block, or one per
-// entry), v's of a key block. Without FP8: ones, and nothing read.
+// fp8_descale_rows rows): q's of a warpgroup's rows, k's and v's of a key block (row blocks are multiples of
+// both, or one descale per entry). Without FP8: ones, and nothing read.
 template <bool FP8>
 struct Fp8Descales {
   const AttnParams& p;
@@ -416,9 +416,10 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
   if constexpr (!K::HALF_FIRST) zero_acc(acc_o);
   OnlineSoftmax<float, K::FP8> softmax;
   softmax.init();
-  // e4m3: q's descale (one per tile: its row blocks are multiples of BLOCK_M) joins the exponent's scale.
+  // e4m3: q's descale (one per warpgroup: q's row blocks are multiples of 128, so a warpgroup's 64 rows lie
+  // in one, where a 192-row tile may not) joins the exponent's scale.
   const Fp8Descales<K::FP8> descales(p, b);
-  const float exp_scale = K::ALIBI ? 1.f : rows.exp_scale() * descales.q(m0);
+  const float exp_scale = K::ALIBI ? 1.f : rows.exp_scale() * descales.q(m0 + K::WG_ROWS * wg);
   float alibi_cols[S_TILES][2];  // ALIBI: the slope times this thread's column offsets in a key block
   if constexpr (K::ALIBI) rows.mods.alibi_columns(alibi_cols, lane);
   // e4m3: block n's k and v descales, loaded while the block before it is worked on (from global memory:

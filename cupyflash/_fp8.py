@@ -24,7 +24,7 @@ from cupyflash._arrays import Array, array_module, from_float, is_cupy, to_float
 from cupyflash._checks import check_float_array
 
 E4M3_MAX = 448.0  # the largest finite float8 e4m3fn value
-BLOCK_ROWS = 128  # a row block of several scales is a multiple of the GPU kernel's tile of rows
+BLOCK_ROWS = 128  # a row block of several scales holds whole key blocks and warpgroup rows of the GPU kernel
 SCALE_DTYPE = np.dtype(np.float32)
 INPUT_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
 FLOAT_DTYPES = INPUT_DTYPES + (np.dtype(np.float64),)
@@ -86,7 +86,7 @@ class FP8Tensor:
         checked).
     block : int
         Rows per scale: ``N`` (or more) for one scale per slice, otherwise a positive multiple of 128
-        (the GPU kernel's tile of rows); quantize_fp8 gives 1 when N = 0.
+        (the GPU kernel's row blocks); quantize_fp8 gives 1 when N = 0.
 
     Returns
     -------
@@ -219,7 +219,7 @@ def quantize_fp8(x: Array, *, block: int | str | None = None) -> FP8Tensor:
         ``None`` (default): one scale per slice ``x[..., :, :]`` (per sequence and head, as in
         FlashAttention-3), scale shape ``(*lead, 1)``. ``"tensor"``: one scale for all of x, scale shape
         ``(1, ..., 1, 1)``. An int: one scale per ``block`` rows of each slice, a positive multiple of 128
-        (the GPU kernel's tile of rows), scale shape ``(*lead, ceil(N / block))``.
+        (the GPU kernel's row blocks), scale shape ``(*lead, ceil(N / block))``.
 
     Returns
     -------
@@ -268,6 +268,6 @@ def _resolve_block(block, n):
     if isinstance(block, (bool, np.bool_)) or not isinstance(block, numbers.Integral):
         raise TypeError(f"block must be None, 'tensor' or an int, got {block!r} ({type(block).__name__})")
     if block < 1 or block % BLOCK_ROWS:
-        raise ValueError(f"block must be a positive multiple of {BLOCK_ROWS} (the GPU kernel's tile of rows), "
+        raise ValueError(f"block must be a positive multiple of {BLOCK_ROWS} (the GPU kernel's row blocks), "
                          f"got {block}")
     return int(block)

@@ -502,7 +502,7 @@ def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward():
 
 def test_fp8_variants():
     """The FP8 forward: e4m3 inputs on the warp-specialized path at the table's 1-byte HEAD_DIMs, plain and
-    causal, out in bfloat16 or float16, which the name expression's last parameter spells."""
+    causal, out in bfloat16 or float16."""
     fp8 = [v for v in SHIPPED if v.dtype == FP8]
     assert tiles.FP8_HEAD_DIMS == (64, 128, 256)
     assert {(v.head_dim, v.causal, v.out_dtype) for v in fp8} == \
@@ -511,7 +511,10 @@ def test_fp8_variants():
         assert v.path == "ws" and v.direction == "fwd" and v.mods == "none" and v.itemsize == 1
         name = v.name_expression("fwd")
         assert name.startswith(f"attention_fwd_ws_kernel<e4m3_t, {v.head_dim}, ")
-        assert name.endswith({"bfloat16": ", bfloat16_t, 2>", "float16": ", half_t, 2>"}[v.out_dtype])
+        # the last parameter but one spells out; the last, the computing warpgroups (three at HEAD_DIM 64)
+        warpgroups = v.tiles("fwd").rows // 64
+        assert warpgroups == (3 if v.head_dim == 64 else 2)
+        assert name.endswith({"bfloat16": f", bfloat16_t, {warpgroups}>", "float16": f", half_t, {warpgroups}>"}[v.out_dtype])
         assert v.compile_targets() == {"sm_90": "sm_90a"}
 
 
