@@ -6,14 +6,16 @@
     python bench/sanitize.py --variants '^bwd/bf16/(64|128)/' --out /tmp/sanitize
     python bench/sanitize.py --all-rows                   # one table row per kernel instantiation
 
-Variants are named ``{fwd,bwd,probs}/{fp16,bf16,fp32,fp64}/HEAD_DIM/PATH/FORM[/SCORE][/block-mask][/dropout][/unordered]``
-with PATH the tile table's path (mma, large, wgmma, pieces, ws) and FORM plain, causal or the modifiers'
-instantiation (scalars, softcap, softcap-causal, window, all): every module of
+Variants are named
+``{fwd,bwd,probs}/{fp16,bf16,fp32,fp64,fp8}/HEAD_DIM/PATH/FORM[/SCORE][/block-mask][/dropout][/unordered][/OUT]``
+with PATH the tile table's path (mma, large, wgmma, pieces, ws), FORM plain, causal or the modifiers'
+instantiation (scalars, softcap, softcap-causal, window, all) and OUT the dtype of out where it is not the
+inputs' (the FP8 forward's: ``fwd/fp8/HEAD_DIM/ws/{plain,causal}/{out-bf16,out-fp16}``): every module of
 cupyflash._cuda.variants.shipped_variants() that the GPU at hand can run (Hopper's paths need compute
-capability 9.0; the large float64 tiles 9.0 or more, where they replace the mma ones). ``--variants`` is a
-regular expression searched in those names. Each variant runs through the public API, with options chosen
-so that the API's own selection picks exactly that variant (checked before the run), and
-CUPYFLASH_NO_WGMMA set to pick its path.
+capability 9.0, and so does FP8; the large float64 tiles 9.0 or more, where they replace the mma ones).
+``--variants`` is a regular expression searched in those names. Each variant runs through the public API,
+with options chosen so that the API's own selection picks exactly that variant (checked before the run),
+and CUPYFLASH_NO_WGMMA set to pick its path.
 
 How it works. This script first compiles the selected variants into CuPy's on-disk kernel cache, in
 parallel, so that no sanitized process compiles. Then, for each tool, one ``compute-sanitizer --tool TOOL``
@@ -33,7 +35,12 @@ problems with head dim D = HEAD_DIM, so each kernel is exactly the variant named
   with ALiBi;
 - dropout variants: the same calls with dropout_p = 0.2;
 - the fused backward (path ws, and its unordered form): q (2, 3, 333, D), k and v (2, 3, 397, D) with its length
-  thresholds lowered, twice: key blocks adding in the order they reach a query block, then in index order.
+  thresholds lowered, twice: key blocks adding in the order they reach a query block, then in index order;
+- FP8 (forward only: there is no FP8 backward): q, k, v quantized by ``quantize_fp8`` on the host, then
+  ``attention_forward`` with the variant's causal and out_dtype, twice: the plain and causal shapes with one
+  descale per slice (``block=None``), then q (1, 2, 150, D), k and v (1, 2, 270, D) with ``block=128``, so that
+  the kernel reads descales per row block (q's 2, k's and v's 3, the last ones partial) and rescales its sum
+  where v's changes. Each call also runs the pass that writes V^T (``fp8_values_transposed``).
 
 The worker turns CuPy's memory pool off, so every array is its own cudaMalloc: memcheck then knows each
 array's exact bounds (with ``--padding`` bytes of guard after each allocation), and initcheck sees fresh,
@@ -70,16 +77,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
-DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64", "float8_e4m3": "fp8"}
+# fp8_values_transposed: the FP8 forward's pass that writes V^T before its kernel (cupyflash/_cuda/fp8.py).
 KERNEL_FAMILIES = ("attention_fwd_kernel", "attention_fwd_wgmma_kernel", "attention_fwd_ws_kernel",
                    "attention_bwd_preprocess_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel",
                    "attention_probs_kernel", "split_f32_kernel", "attention_bwd_ws_kernel",
-                   "attention_bwd_dq_convert_kernel")
+                   "attention_bwd_dq_convert_kernel", "fp8_values_transposed")
 OTHER = "other (CuPy kernels, API calls, unattributed)"
 PLAIN_SHAPE = dict(batch=(2,), nq=70, nk=90)
 # The fused backward, its length thresholds lowered: several key blocks and query blocks, partial ones at the end.
 FUSED_SHAPE = dict(batch=(2, 3), nq=333, nk=397)
 MODS_SHAPE = dict(batch=(1, 2), nq=150, nk=270)  # 2 x 3 block-mask tiles; Nk even for paired dbias stores
+# The FP8 forward's calls: (shape, quantize_fp8's block). One descale per slice on the plain shapes; then blocks
+# of 128 rows (the smallest allowed) on the modifiers' shapes, so that q has 2 row blocks and k, v 3, the last
+# ones partial: the kernel then looks up a descale per warpgroup and key block and rescales its sum between v's.
+FP8_CALLS = ((PLAIN_SHAPE, None), (MODS_SHAPE, 128))
 
 
 # ============================================================================= variants
@@ -90,6 +102,8 @@ def variant_label(variant):
     extras = ([variant.score] if variant.score != "plain" else []) + (["block-mask"] if variant.block_mask else [])
     extras += ["dropout"] if variant.dropout else []
     extras += [] if variant.deterministic else ["unordered"]
+    # The FP8 forward's out dtype is its own compile-time choice: without it two variants would share a label.
+    extras += [f"out-{DTYPE_NAMES[variant.out_dtype]}"] if variant.out_dtype else []
     return "/".join([variant.direction, DTYPE_NAMES[variant.dtype], str(variant.head_dim), variant.path, form, *extras])
 
 
@@ -112,6 +126,12 @@ def _hopper_path(variant) -> bool:
     from cupyflash._cuda.variants import HOPPER_PATHS
 
     return variant.path in HOPPER_PATHS
+
+
+def _fp8(variant) -> bool:
+    from cupyflash._cuda.variants import FP8
+
+    return variant.dtype == FP8
 
 
 def reachable(variant, device) -> bool:
@@ -137,10 +157,21 @@ def selected_variants(pattern):
 
 
 def compile_into_cache(variants, jobs):
-    """Build the variants' modules into CuPy's cache, several at a time; returns the failures as messages."""
+    """Build the variants' modules into CuPy's cache, several at a time, and the FP8 forward's V^T pass where an
+    FP8 variant is among them (it is no variant's module); returns the failures as messages."""
     from cupyflash._cuda.compile import compile_ahead
 
-    return compile_ahead(variants, max_workers=jobs)
+    problems = compile_ahead(variants, max_workers=jobs)
+    if any(_fp8(v) for v in variants):
+        import cupy
+
+        from cupyflash._cuda import fp8
+
+        try:
+            fp8._module(cupy.cuda.Device().id)
+        except Exception as error:  # noqa: BLE001 - the worker then compiles (and reports) on its own
+            problems.append(f"{fp8.SOURCE} {fp8.KERNEL}: {type(error).__name__}: {error}")
+    return problems
 
 
 # ============================================================================= worker (runs under the sanitizer)
@@ -161,6 +192,11 @@ def _calls(variant, rng, dtype):
     are stand-ins, for selection only."""
     import numpy as np
 
+    if _fp8(variant):  # causal and out_dtype are all it takes; the inputs' quantization is FP8_CALLS'
+        import ml_dtypes
+
+        out_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[variant.out_dtype]
+        return [(variant.causal, dict(out_dtype=out_dtype))]
     (b, h), nq, nk = MODS_SHAPE["batch"], MODS_SHAPE["nq"], MODS_SHAPE["nk"]
 
     def array(make):
@@ -247,6 +283,8 @@ def _selected(variant, causal, options, device, packed=False, tma=True):
     from cupyflash._cuda.variants import Features, select
     from cupyflash._modifiers import Modifiers
 
+    if _fp8(variant):
+        return _fp8_selected(variant.head_dim, causal, options, device, packed)
     mods = None
     if options:
         mods = Modifiers(options.get("window", (-1, -1)), options.get("softcap", 0.0), options.get("alibi_slopes"),
@@ -258,6 +296,21 @@ def _selected(variant, causal, options, device, packed=False, tma=True):
                            dropout, packed, lengths=lengths, deterministic=variant.deterministic)
     with _fused_at_any_length(variant):
         return select(dataclasses.replace(features, tma=tma), device)
+
+
+def _fp8_selected(head_dim, causal, options, device, packed=False):
+    """The variant the FP8 forward takes for e4m3 q, k, v of this head dim, as cupyflash._cuda.fp8.prepare picks
+    it (FP8 calls bypass Features and select), or None where the API sends the call nowhere: FP8 needs
+    compute capability 9.0 alone, which ``device.wgmma`` stands for here (``_device`` reads it with
+    CUPYFLASH_NO_WGMMA unset, a switch the FP8 forward ignores); it takes no modifiers and no packed batch.
+    Its tensor maps never see a broadcast batch dim (q and k are copied whole), so ``tma`` does not matter."""
+    from cupyflash._cuda.fp8 import head_dim_for
+    from cupyflash._cuda.variants import fp8_variant
+    from cupyflash._fp8_api import resolve_out_dtype
+
+    if not device.wgmma or packed or set(options) - {"out_dtype"}:
+        return None
+    return fp8_variant(head_dim_for(head_dim), bool(causal), resolve_out_dtype(options.get("out_dtype")).name)
 
 
 def run_variant(variant, rng):
@@ -273,6 +326,9 @@ def run_variant(variant, rng):
     # CUPYFLASH_NO_WGMMA switch.
     os.environ["CUPYFLASH_NO_WGMMA"] = "0" if _hopper_path(variant) else "1"
     device = _device(no_wgmma=not _hopper_path(variant))
+    if _fp8(variant):
+        _run_fp8(variant, rng, device)
+        return
     dtype = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
              "float64": np.float64}[variant.dtype]
     shape = MODS_SHAPE if variant.mods != "none" else FUSED_SHAPE if variant.fused_backward else PLAIN_SHAPE
@@ -305,6 +361,44 @@ def run_variant(variant, rng):
     if not ran:
         raise RuntimeError(f"no call selects {variant_label(variant)} on this GPU")
     cupy.cuda.Device().synchronize()
+
+
+def _run_fp8(variant, rng, device):
+    """The FP8 forward on FP8_CALLS' inputs, through each call that selects ``variant``: forward only, as there is
+    no FP8 backward. quantize_fp8 runs on the host, as the other variants' inputs are made there, so that its
+    CuPy kernels stay out of the report; the holders then take the bytes and descales to the GPU."""
+    import cupy
+    import numpy as np
+
+    import cupyflash
+
+    def quantized(shape, block):
+        held = cupyflash.quantize_fp8(rng.standard_normal(shape, dtype=np.float32), block=block)
+        return cupyflash.FP8Tensor(cupy.asarray(held.data), cupy.asarray(held.scale), held.block)
+
+    ran = 0
+    for causal, options in _calls(variant, rng, None):
+        if _selected(variant, causal, options, device) != variant:
+            continue
+        for shape, block in FP8_CALLS:
+            q, k, v = (quantized(shape["batch"] + (n, variant.head_dim), block)
+                       for n in (shape["nq"], shape["nk"], shape["nk"]))
+            cupyflash.attention_forward(q, k, v, causal=causal, **options)
+            ran += 1
+    if not ran:
+        raise RuntimeError(f"no call selects {variant_label(variant)} on this GPU")
+    cupy.cuda.Device().synchronize()
+
+
+def kernel_names(variant):
+    """The name expressions of the kernels a run of ``variant`` launches: its own, and for FP8 the V^T pass
+    before its forward."""
+    names = [variant.name_expression(kernel) for kernel in variant.kernels]
+    if _fp8(variant):
+        from cupyflash._cuda import fp8
+
+        names.append(fp8.KERNEL)
+    return names
 
 
 def _fused_calls(variant, dout, q, k, v, out, lse, causal):
@@ -357,8 +451,8 @@ def worker(pattern):
             failures += 1
             print(f"FAILED {label}: {type(error).__name__}: {error}", flush=True)
             continue
-        for kernel in variant.kernels:
-            print(f"RAN {label} {variant.name_expression(kernel)}", flush=True)
+        for kernel in kernel_names(variant):
+            print(f"RAN {label} {kernel}", flush=True)
         print(f"done {label} in {time.perf_counter() - started:.1f} s", flush=True)
     print(f"WORKER DONE {len(variants)} variants, {failures} failed", flush=True)
     return 1 if failures else 0
@@ -506,8 +600,8 @@ def print_table(results, all_rows):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {','.join(TOOLS)}")
-    parser.add_argument("--variants", default=".", help="regex searched in fwd|bwd|probs/fp16|bf16|fp32/HEAD_DIM/"
-                                                         "plain|causal|mods|scalars (default: all)")
+    parser.add_argument("--variants", default=".", help="regex searched in the names fwd|bwd|probs/fp16|bf16|fp32|"
+                                                         "fp64|fp8/HEAD_DIM/PATH/FORM[/...] (default: all)")
     parser.add_argument("--out", default="/tmp/cupyflash-sanitize", help="folder for the logs (default: %(default)s)")
     parser.add_argument("--jobs", type=int, default=0, help="tools run at once (default: all of them)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per tool (default 3600)")
