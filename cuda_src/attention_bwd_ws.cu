@@ -25,11 +25,11 @@
 //      (DK_ACROSS: on into the next query block's S^T and dP^T).
 //    dS^T has two buffers, so one consumer's store of the next block's never meets the other's dQ product
 //    still reading this one's (the barrier each block keeps them within a block of each other).
-// Barriers (tma.cuh): kv_full (K and V's bytes), step_full[STAGES] (q and dout's bytes, and the producer's
-// 32 lanes once their lse_log2 and delta are stored), step_empty[STAGES] (8 consumer warps, after the slot's
-// last product), dq_full (8 consumer warps, their dQ_partial staged), dq_empty (the writer, once its bulk
-// copy has read the staging buffers); named barrier 1 (both consumers: dS^T stored; at the end, done with sK
-// and sV before dk, dv are staged there), 2 + consumer (its dk, dv staged).
+// Barriers (tma.cuh): kv_full (K and V's bytes), step_full[STAGES] (q and dout's bytes, and the producer's 32
+// lanes once their lse_log2 and delta are stored), step_empty[STAGES] (the 256 consumer threads, after the slot's
+// last product), dq_full (8 consumer warps, their dQ_partial staged), dq_empty (the writer, once its bulk copy
+// has read the staging buffers); named barrier 1 (both consumers: dS^T stored; at the end, done with sK and sV
+// before dk, dv are staged there), 2 + consumer (its dk, dv staged).
 // DETERMINISTIC: dq's float32 sums run in a fixed order per query block, so dq is bitwise reproducible (as dk
 // and dv are: one CTA sums each). Without it (attention_backward(deterministic=False)) the adds land in
 // whatever order the CTAs reach a query block, all into chain 0 of a zeroed dq_accum.
@@ -280,7 +280,7 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
     if (K::DK_ACROSS && !first) {
       fence_operands(acc_dk);
       fence_fragments(ds_frag);
-      if (lane == 0) mbar_arrive(cta.step_empty((i - 1) % K::STAGES));  // the previous slot is read out
+      mbar_arrive(cta.step_empty((i - 1) % K::STAGES));  // the previous slot is read out
     }
     if (K::IS_CAUSAL && key0 + K::WG_KEYS - 1 > m * BLOCK_M + offset)  // keys after some of these queries
       mask.apply_transposed(acc_s, key0 + warp * 16, m * BLOCK_M, lane);
@@ -318,7 +318,7 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
       wgmma_wait<0>();
       fence_operands(acc_dk);
       fence_fragments(ds_frag);
-      if (lane == 0) mbar_arrive(cta.step_empty(s));
+      mbar_arrive(cta.step_empty(s));
     }
     first = false;
   }
@@ -358,7 +358,9 @@ attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMap
     mbar_init(cta.kv_full(), 1);
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(cta.step_full(s), WARP_SIZE);
-      mbar_init(cta.step_empty(s), K::CONSUMER_WARPS);
+      // Every consumer thread: each has read lse_log2 and delta from the slot, and its own arrival orders its
+      // reads before the producer's next stores there.
+      mbar_init(cta.step_empty(s), K::CONSUMER_WARPS * WARP_SIZE);
     }
     mbar_init(cta.dq_full(), K::CONSUMER_WARPS);
     mbar_init(cta.dq_empty(), 1);

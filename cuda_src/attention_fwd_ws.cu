@@ -27,11 +27,11 @@
 //    halves differ by a block), waits for and releases the others. Their epilogue (finish_tile) stages out
 //    through their own half of the q buffer and stores it, or with STORE_WARPS hands the staged rows to
 //    its storing warp and goes on to the next tile.
-// Barriers (tma.cuh): q_full[Q_BUFFERS] (the copy's bytes, or the copier's arrival alone once no tile is
-// left), q_empty[Q_BUFFERS] (4 WGS consumer warps, or the WGS storing warps, after the epilogue read the
-// buffer), k_full / v_full[STAGES] (bytes), k_empty / v_empty[STAGES] (4 WGS consumer warps, after their S, or
-// P V, from the slot), and with STORE_WARPS out_full[2][WGS] (a computing warpgroup's 128 threads, once its out is
-// staged).
+// Barriers (tma.cuh): q_full[Q_BUFFERS] (the copy's bytes, or the copier's arrival alone once no tile is left),
+// q_empty[Q_BUFFERS] (every thread of the 4 WGS consumer warps, or of the WGS storing warps, after the epilogue
+// read the buffer), k_full / v_full[STAGES] (bytes), k_empty / v_empty[STAGES] (4 WGS consumer warps, after their
+// S, or P V, from the slot), and with STORE_WARPS out_full[2][WGS] (a computing warpgroup's 128 threads, once its
+// out is staged).
 // Nothing waits on a __syncthreads after the start, so the warpgroups drift apart and one's softmax and
 // epilogue overlap the other's products.
 // MODS: Mods::none (IS_CAUSAL as the plain kernels), Mods::window (the window alone, causal travelling in
@@ -219,7 +219,9 @@ struct WsCta {
   __device__ __forceinline__ void init_barriers() const {
     for (int buffer = 0; buffer < K::Q_BUFFERS; ++buffer) {
       mbar_init(q_full(buffer), 1);
-      mbar_init(q_empty(buffer), K::STORE_WARPS ? K::WGS : K::CONSUMER_WARPS);  // the storing warps, or the computing ones
+      // Every thread of the storing warps, or of the computing ones, arrives once it has read what it reads of
+      // the buffer (and tile_ids): its own arrival orders its own reads before the next tile's copy.
+      mbar_init(q_empty(buffer), (K::STORE_WARPS ? K::WGS : K::CONSUMER_WARPS) * WARP_SIZE);
       if constexpr (K::STORE_WARPS) {
         for (int group = 0; group < K::WGS; ++group) mbar_init(out_full(buffer, group), 128);
       }
@@ -342,8 +344,7 @@ __device__ __forceinline__ void store_out_tiles(const WsCta<K>& cta, int group, 
             *reinterpret_cast<const uint4*>(staged + QTile::offset(r, c));
     }
     fence_async_shared();  // these reads of the buffer come before the copy of a later tile's q into it
-    __syncwarp();
-    if (lane == 0) mbar_arrive(cta.q_empty(buffer));
+    mbar_arrive(cta.q_empty(buffer));
   }
 }
 
@@ -372,8 +373,7 @@ __device__ __forceinline__ void finish_tile(const WsCta<K>& cta, const Rows& row
       for (int j = 0; j < K::O_TILES; ++j)
         if (8 * j + col < p.d_v) Elem<typename K::OutT>::store2(out + 8 * j + col, acc_o[j][2 * r] * f, acc_o[j][2 * r + 1] * f);
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(cta.q_empty(buffer));  // q's buffer is free once the products are done
+    mbar_arrive(cta.q_empty(buffer));  // q's buffer is free once the products are done
   } else {
     acc_to_smem<QTile, K::O_TILES>(sQ_wg, warp * 16, acc_o, inv_sum, lane);
     rows.write_lse(warp * 16, row_lse, lane);
@@ -383,8 +383,7 @@ __device__ __forceinline__ void finish_tile(const WsCta<K>& cta, const Rows& row
       asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");  // this warpgroup's rows are staged
       store_tile<QTile, K::HEAD_DIM, 128>(rows.out, p.out_stride[3], sQ_wg, nq - rows.m0, p.d_v, threadIdx.x % 128);
       fence_async_shared();  // these reads of the buffer come before the copy of a later tile's q into it
-      __syncwarp();
-      if (lane == 0) mbar_arrive(cta.q_empty(buffer));
+      mbar_arrive(cta.q_empty(buffer));
     }
   }
 }
@@ -417,9 +416,10 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
   OnlineSoftmax<float, K::FP8> softmax;
   softmax.init();
   // e4m3: q's descale (one per warpgroup: q's row blocks are multiples of 128, so a warpgroup's 64 rows lie
-  // in one, where a 192-row tile may not) joins the exponent's scale.
+  // in one, where a 192-row tile may not) joins the exponent's scale. A warpgroup whose rows all lie past nq
+  // (a short last tile) still runs; it reads the last row's descale, as the table ends there.
   const Fp8Descales<K::FP8> descales(p, b);
-  const float exp_scale = K::ALIBI ? 1.f : rows.exp_scale() * descales.q(m0 + K::WG_ROWS * wg);
+  const float exp_scale = K::ALIBI ? 1.f : rows.exp_scale() * descales.q(min(m0 + K::WG_ROWS * wg, p.nq - 1));
   float alibi_cols[S_TILES][2];  // ALIBI: the slope times this thread's column offsets in a key block
   if constexpr (K::ALIBI) rows.mods.alibi_columns(alibi_cols, lane);
   // e4m3: block n's k and v descales, loaded while the block before it is worked on (from global memory:

@@ -161,3 +161,28 @@ def test_help_runs_without_a_gpu(sanitize, capsys):
         sanitize.main(["--help"])
     assert exit_.value.code == 0
     assert "--variants" in capsys.readouterr().out
+
+
+def test_the_report_counts_unprinted_errors_apart(sanitize):
+    """A sanitizer log prints its first errors only: the summary is the count of record, printed errors are
+    blamed on their kernels, the rest are counted as not printed (not as 'other', not twice)."""
+    kernel = "attention_bwd_dq_convert_kernel<half_t, (int)64, (int)128, (bool)0, (int)2>(AttnParams, const float *)"
+    error = ("========= Uninitialized __global__ memory read of size 16 bytes\n"
+             f"=========     at void {kernel}+0x2e0\n=========     by thread (2,0,0) in block (0,4,0)\n=========\n")
+    text = ("========= COMPUTE-SANITIZER\n" + 3 * error + "========= ERROR SUMMARY: 1003 errors\n"
+            "========= ERROR SUMMARY: 1000 errors were not printed. Use --print-limit option to adjust\n")
+    summary, warnings, errors = sanitize.parse_report(text)
+    assert summary == 1003 and warnings == 0
+    assert errors == {sanitize.normalize_kernel(*sanitize._KERNEL.search(kernel).groups()): 3,
+                      sanitize.NOT_PRINTED: 1000}
+    # Every error printed: nothing left over.
+    summary, _, errors = sanitize.parse_report("========= COMPUTE-SANITIZER\n" + error + "========= ERROR SUMMARY: 1 error\n")
+    assert summary == 1 and sum(errors.values()) == 1 and sanitize.NOT_PRINTED not in errors
+
+
+def test_zeroed_empty_allocates_zeros_and_passes_the_rest_through(sanitize):
+    """The initcheck run's stand-in for the fused backward's cupy module (NumPy behind it here)."""
+    stand_in = sanitize._ZeroedEmpty(np)
+    x = stand_in.empty(5, dtype=np.float32)
+    assert x.dtype == np.float32 and not x.any()
+    assert stand_in.float32 is np.float32
