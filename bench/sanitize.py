@@ -35,7 +35,8 @@ problems with head dim D = HEAD_DIM, so each kernel is exactly the variant named
   with ALiBi;
 - dropout variants: the same calls with dropout_p = 0.2;
 - the fused backward (path ws, and its unordered form): q (2, 3, 333, D), k and v (2, 3, 397, D) with its length
-  thresholds lowered, twice: key blocks adding in the order they reach a query block, then in index order;
+  thresholds lowered, twice: key blocks adding in the order they reach a query block, then in index order (the
+  unordered form walks by arrival both times: the library never walks it in index order);
 - FP8 (forward only: there is no FP8 backward): q, k, v quantized by ``quantize_fp8`` on the host, then
   ``attention_forward`` with the variant's causal and out_dtype, twice: the plain and causal shapes with one
   descale per slice (``block=None``), then q (1, 2, 150, D), k and v (1, 2, 270, D) with ``block=128``, so that

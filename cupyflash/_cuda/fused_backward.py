@@ -21,11 +21,15 @@ def describable(arrays, sizes, strides) -> bool:
     return tma.available() and all(tma.describable(arrays[name], sizes, strides[name]) for name in MAPPED)
 
 
-def adds_by_arrival(nk: int, head_dim: int, causal: bool, sms: int) -> bool:
+def adds_by_arrival(nk: int, head_dim: int, causal: bool, sms: int, deterministic: bool = True) -> bool:
     """Whether key blocks take their turn at a query block in the order they reach it (attention_bwd_ws.cu), else
-    in the order of their index. By arrival only where all of a batch entry's CTAs can be resident at once (one
-    per SM: a CTA may wait for one launched after it), and without a causal mask below
-    tiles.WS_BWD_INDEX_ORDER_KEYS keys, from where the index order was faster."""
+    in the order of their index. In order: by arrival only where all of a batch entry's CTAs can be resident at
+    once (one per SM: a CTA may wait for one launched after it), and without a causal mask below
+    tiles.WS_BWD_INDEX_ORDER_KEYS keys, from where the index order was faster. Unordered adds wait for nothing,
+    so their key blocks always walk as by arrival, each from its own query block: in index order every CTA adds
+    into the same query block's accumulator at once (D = 128 full 16k ran 0.91x as fast)."""
+    if not deterministic:
+        return True
     if -(-nk // tiles.WS_BWD_KEYS) > sms:
         return False
     return causal or nk < tiles.WS_BWD_INDEX_ORDER_KEYS[head_dim]
@@ -51,7 +55,8 @@ def run(functions, variant, params, arrays, sizes, strides, *, batch: int, nq: i
     cupy.cuda.runtime.memsetAsync(zeroed.data.ptr, 0, zeroed.nbytes, stream.ptr)
     rows = {"q": t.block, "k": tiles.WS_BWD_KEYS, "v": tiles.WS_BWD_KEYS, "dout": t.block}
     maps = tma.TensorMaps(arrays, sizes, strides, rows).encode({name: arrays[name].data.ptr for name in MAPPED})
-    by_arrival = adds_by_arrival(nk, variant.head_dim, variant.causal, sm_count(cupy.cuda.runtime.getDevice()))
+    by_arrival = adds_by_arrival(nk, variant.head_dim, variant.causal, sm_count(cupy.cuda.runtime.getDevice()),
+                                 variant.deterministic)
     argument = params.view(PARAMS_BYTES)
     launch(functions, variant, "preprocess", nq, batch, params)
     grid, block, smem = launch_shape(variant, "bwd", nk, batch)

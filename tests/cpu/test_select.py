@@ -619,6 +619,9 @@ def test_fused_backward_adds_by_arrival_where_an_entry_fits_and_short_of_the_ind
         assert adds_by_arrival(132 * 128, head_dim, True, 132)
         assert not adds_by_arrival(132 * 128 + 1, head_dim, True, 132)  # 133 key blocks on 132 SMs
         assert not adds_by_arrival(1000, head_dim, False, 7)  # 8 key blocks on 7 SMs
+        # Unordered adds wait for nothing: by arrival at any length, on any GPU.
+        for nk, causal, sms in ((1 << 20, False, 132), (1000, False, 7), (longest, False, 132), (1 << 20, True, 1)):
+            assert adds_by_arrival(nk, head_dim, causal, sms, deterministic=False)
         assert adds_by_arrival(1000, head_dim, True, 8)
 
 
