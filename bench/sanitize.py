@@ -405,7 +405,7 @@ def kernel_names(variant):
 
 def _fused_calls(variant, dout, q, k, v, out, lse, causal):
     """The fused backward twice: its key blocks in the order they reach a query block, then in the order of their
-    index (as where an entry's key blocks outnumber the SMs)."""
+    index (as where an entry's key blocks outnumber the SMs); unordered adds walk by arrival both times."""
     import cupyflash
     from cupyflash._cuda import fused_backward
 

@@ -113,8 +113,8 @@ struct BwdWsCta {
 };
 
 // The query blocks a key block's CTA visits, in its order, and where it stands among the key blocks that add to
-// each (the ordered adds: DETERMINISTIC). BY_ARRIVAL (the host's choice: a batch entry's key blocks fit on the
-// GPU at once): each key block takes its place in the order the CTAs reach a query block when they run in step,
+// each (the ordered adds: DETERMINISTIC). BY_ARRIVAL (the host's choice: in order, where a batch entry's key
+// blocks fit on the GPU at once; unordered, always): each key block takes its place in the order the CTAs reach a query block when they run in step,
 // so that none waits while all keep pace: without a causal mask key block n starts at query block
 // floor(n M / NB) (of M query blocks, NB key blocks) and goes round, so that no two are ever at the same one;
 // with it, each goes up from its first query block, and at any query block the later key blocks (which start

@@ -8,16 +8,15 @@
 // has no backward).
 //
 // A CTA of 1 + WGS warpgroups (WGS = 2, or 3 where the tile table's cell has 16 warps), one per SM, persistent.
-// Tiles (BLOCK_M = 64 WGS query rows of one batch entry) are
-// numbered in sections of batch entries whose K and V fit in L2 together; in a section, row blocks from the
-// last (with causal rows, the longest first). CTA c runs tile c first, then whichever tile the launch's
+// Tiles (BLOCK_M = 64 · WGS query rows of one batch entry) are numbered in sections of batch entries whose K and
+// V fit in L2 together; in a section, row blocks from the last (with causal rows, the longest first). CTA c runs tile c first, then whichever tile the launch's
 // counter hands it next, so CTAs that drew short tiles draw more.
 //  - The producer (warpgroup 0, copy_tiles): one thread issues every TMA copy and the others leave. Per
 //    tile, q goes into one of two buffers (the next tile's q lands while this one runs; one at 16-bit
 //    HEAD_DIM 256, where two would crowd the ring), then the K and V tiles of the key blocks its rows see,
 //    last to first, into a ring of STAGES (K, V) slots that runs on across tiles, so the next tile's first
 //    copies overlap this one's last products and its epilogue. A slot's K and V are released apart: K once
-//    both warpgroups' S = Q K^T from it is done, V after their P V, so that the next K lands while the
+//    all computing warpgroups' S = Q K^T from it is done, V after their P V, so that the next K lands while the
 //    previous block's P V still reads its V. It gives its registers to the others (setmaxnreg).
 //    STORE_WARPS: its warps 1 .. WGS store out for the computing warpgroups (store_out_tiles).
 //  - The consumers (warpgroups 1 .. WGS, compute_tile) each own 64 of the tile's rows and run
@@ -25,15 +24,15 @@
 //    the online softmax of S_j under that product. All read every slot of the ring, so each K/V tile
 //    crosses L2 once per BLOCK_M rows; each computes only the key blocks of its own rows' band (a window's two
 //    halves differ by a block), waits for and releases the others. Their epilogue (finish_tile) stages out
-//    through their own half of the q buffer and stores it, or with STORE_WARPS hands the staged rows to
+//    through their own QTile of the q buffer and stores it, or with STORE_WARPS hands the staged rows to
 //    its storing warp and goes on to the next tile.
 // Barriers (tma.cuh): q_full[Q_BUFFERS] (the copy's bytes, or the copier's arrival alone once no tile is left),
-// q_empty[Q_BUFFERS] (every thread of the 4 WGS consumer warps, or of the WGS storing warps, after the epilogue
-// read the buffer), k_full / v_full[STAGES] (bytes), k_empty / v_empty[STAGES] (4 WGS consumer warps, after their
+// q_empty[Q_BUFFERS] (every thread of the 4 · WGS consumer warps, or of the WGS storing warps, after the epilogue
+// read the buffer), k_full / v_full[STAGES] (bytes), k_empty / v_empty[STAGES] (4 · WGS consumer warps, after their
 // S, or P V, from the slot), and with STORE_WARPS out_full[2][WGS] (a computing warpgroup's 128 threads, once its
 // out is staged).
 // Nothing waits on a __syncthreads after the start, so the warpgroups drift apart and one's softmax and
-// epilogue overlap the other's products.
+// epilogue overlap the others' products.
 // MODS: Mods::none (IS_CAUSAL as the plain kernels), Mods::window (the window alone, causal travelling in
 // it as the right edge) or Mods::dense_scalars (window, softcap and ALiBi, as Mods::scalars' forward takes
 // them, on a dense batch). BOUNDED (bfloat16 dense_scalars): softcapped scores without ALiBi, whose softmax
@@ -210,7 +209,7 @@ struct WsCta {
   __device__ __forceinline__ u32 v_full(int slot) const { return smem_u32(&bars[4 + K::STAGES + slot]); }
   __device__ __forceinline__ u32 k_empty(int slot) const { return smem_u32(&bars[4 + 2 * K::STAGES + slot]); }
   __device__ __forceinline__ u32 v_empty(int slot) const { return smem_u32(&bars[4 + 3 * K::STAGES + slot]); }
-  // A computing warpgroup's out staged in its half of a q buffer, for its storing warp.
+  // A computing warpgroup's out staged in its own QTile of a q buffer, for its storing warp.
   __device__ __forceinline__ u32 out_full(int buffer, int group) const {
     return smem_u32(&bars[4 + 4 * K::STAGES + K::WGS * buffer + group]);
   }
@@ -314,7 +313,7 @@ __device__ __forceinline__ void copy_tiles(const WsCta<K>& cta, const TensorMaps
 }
 
 // STORE_WARPS: warp 1 + group of the copying warpgroup stores computing warpgroup `group`'s out, staged in its
-// half of each tile's q buffer, so that the computing warps go on to their next tile as soon as out is
+// own QTile of each tile's q buffer, so that the computing warps go on to their next tile as soon as out is
 // staged (a short band's tiles spend a large share of their time in the epilogue).
 template <class K>
 __device__ __forceinline__ void store_out_tiles(const WsCta<K>& cta, int group, int lane) {

@@ -24,7 +24,7 @@ A cell is ``NUM_WARPS.BLOCK.D_CHUNK`` then, after ``/``, its flags:
   c   the dK/dV pass copies each query tile's lse and delta with cp.async (LSE_BY_COPY)
   rN  the warp-specialized forward's ring of N K/V slots, the fused backward's of N q/dout slots (STAGES)
   w   it rounds P to 16 bits after the previous P V's wait, so P V is one wgmma per k-step (PACK_AFTER_WAIT)
-  o   two warps of its copying warpgroup store out (STORE_WARPS)
+  o   warps of its copying warpgroup store out, one per computing warpgroup (STORE_WARPS)
 ``=``: the plain cell; ``.``: not built. BLOCK is the streamed tile: keys (fwd, dq) or queries (dkdv, bwd).
 D_CHUNK: the output (fwd) or gradient (dkdv, dq, bwd) columns per CTA; a CTA's rows are 16 per computing warp
 (8 with d). Every cell compiles with no register spills for sm_80 and sm_90 (CI checks); cells other than
@@ -248,8 +248,8 @@ WS_BWD_MIN_LENGTH_UNORDERED = {64: 2048, 128: 2048}
 # work than that could spend longer on the host than the planned two passes take on the GPU.
 WS_BWD_MIN_WORK = 1 << 34
 WS_BWD_KEYS = 128  # the key block of a fused backward CTA (BwdWsTraits::BLOCK_N)
-# From how many keys a call without a causal mask adds dq in key-block order rather than by arrival (both fixed
-# orders): there every CTA walks the query blocks in one order, and that was 3-16% faster on an H200 in every run
+# From how many keys an ordered call without a causal mask adds dq in key-block order rather than by arrival
+# (both fixed orders; unordered adds always walk as by arrival): there every CTA walks the query blocks in one order, and that was 3-16% faster on an H200 in every run
 # at 16k keys, and at 8k with two chains (HEAD_DIM 64); within 3% or slower below (docs/design/backward.md).
 WS_BWD_INDEX_ORDER_KEYS = {64: 8192, 128: 16384}
 

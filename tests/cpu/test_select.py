@@ -341,8 +341,8 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
                     f"attention_fwd_ws_kernel<{ctype}, {head_dim}, {t.block}, {t.stages}, {_bool(causal)}, {mods}, "
                     f"{_bool(chosen.score == 'bounded')}, {_bool(chosen.score.startswith('alibi'))}, "
                     f"{_bool(chosen.score == 'alibi_half_first')}, false, {_bool(t.pack_after_wait)}, "
-                    f"{_bool(t.store_warps)}, {ctype}, {t.rows // 64}>")
-                assert chosen.threads("fwd") == (t.rows // 64 + 1) * 128 and t.rows in (128, 192)
+                    f"{_bool(t.store_warps)}, {ctype}, {t.rows // tiles.WS_WARPGROUP_ROWS}>")
+                assert chosen.threads("fwd") == (t.rows // tiles.WS_WARPGROUP_ROWS + 1) * 128 and t.rows in (128, 192)
                 assert t.copy_warps == tiles.WS_COPY_WARPS
                 for rows, batch in ((1000, 3), (8192, 32), (1, 1)):
                     grid, block_shape, smem = launch.launch_shape(chosen, "fwd", rows, batch)
@@ -482,7 +482,7 @@ def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward():
             if chosen.path == "ws":
                 t = chosen.tiles("fwd")
                 expected = (f"Mods::dense_scalars, true, false, false, false, {_bool(t.pack_after_wait)}, "
-                            f"{_bool(t.store_warps)}, bfloat16_t, {t.rows // 64}>")
+                            f"{_bool(t.store_warps)}, bfloat16_t, {t.rows // tiles.WS_WARPGROUP_ROWS}>")
             else:
                 expected = "Mods::scalars, false, true, 1>"
             assert chosen.name_expression("fwd").endswith(expected), chosen.name_expression("fwd")
@@ -512,7 +512,7 @@ def test_fp8_variants():
         name = v.name_expression("fwd")
         assert name.startswith(f"attention_fwd_ws_kernel<e4m3_t, {v.head_dim}, ")
         # the last parameter but one spells out; the last, the computing warpgroups (three at HEAD_DIM 64)
-        warpgroups = v.tiles("fwd").rows // 64
+        warpgroups = v.tiles("fwd").rows // tiles.WS_WARPGROUP_ROWS
         assert warpgroups == (3 if v.head_dim == 64 else 2)
         assert name.endswith({"bfloat16": f", bfloat16_t, {warpgroups}>", "float16": f", half_t, {warpgroups}>"}[v.out_dtype])
         assert v.compile_targets() == {"sm_90": "sm_90a"}

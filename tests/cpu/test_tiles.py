@@ -169,7 +169,8 @@ def test_name_expressions_carry_the_cells_switches():
                                 f"{_bool(v.causal)}, {chains}>")
             elif v.path == "ws":
                 out = CTYPES[v.out_dtype or v.dtype]
-                assert name.endswith(f"{_bool(t.pack_after_wait)}, {_bool(t.store_warps)}, {out}, {t.rows // 64}>"), \
+                warpgroups = t.rows // tiles.WS_WARPGROUP_ROWS
+                assert name.endswith(f"{_bool(t.pack_after_wait)}, {_bool(t.store_warps)}, {out}, {warpgroups}>"), \
                     (v, name)
                 assert f", {t.block}, {t.stages}, " in name
     dkdv = Variant("bwd", "float16", 128, "wgmma").name_expression("dkdv")
