@@ -249,8 +249,9 @@ WS_BWD_MIN_LENGTH_UNORDERED = {64: 2048, 128: 2048}
 WS_BWD_MIN_WORK = 1 << 34
 WS_BWD_KEYS = 128  # the key block of a fused backward CTA (BwdWsTraits::BLOCK_N)
 # From how many keys an ordered call without a causal mask adds dq in key-block order rather than by arrival
-# (both fixed orders; unordered adds always walk as by arrival): there every CTA walks the query blocks in one order, and that was 3-16% faster on an H200 in every run
-# at 16k keys, and at 8k with two chains (HEAD_DIM 64); within 3% or slower below (docs/design/backward.md).
+# (both fixed orders; unordered adds always walk as by arrival): there every CTA walks the query blocks in one
+# order, and that was 3-16% faster on an H200 in every run at 16k keys, and at 8k with two chains (HEAD_DIM 64);
+# within 3% or slower below (docs/design/backward.md).
 WS_BWD_INDEX_ORDER_KEYS = {64: 8192, 128: 16384}
 
 

@@ -176,7 +176,8 @@ def test_the_report_counts_unprinted_errors_apart(sanitize):
     assert errors == {sanitize.normalize_kernel(*sanitize._KERNEL.search(kernel).groups()): 3,
                       sanitize.NOT_PRINTED: 1000}
     # Every error printed: nothing left over.
-    summary, _, errors = sanitize.parse_report("========= COMPUTE-SANITIZER\n" + error + "========= ERROR SUMMARY: 1 error\n")
+    text = "========= COMPUTE-SANITIZER\n" + error + "========= ERROR SUMMARY: 1 error\n"
+    summary, _, errors = sanitize.parse_report(text)
     assert summary == 1 and sum(errors.values()) == 1 and sanitize.NOT_PRINTED not in errors
 
 

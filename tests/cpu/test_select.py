@@ -514,7 +514,8 @@ def test_fp8_variants():
         # the last parameter but one spells out; the last, the computing warpgroups (three at HEAD_DIM 64)
         warpgroups = v.tiles("fwd").rows // tiles.WS_WARPGROUP_ROWS
         assert warpgroups == (3 if v.head_dim == 64 else 2)
-        assert name.endswith({"bfloat16": f", bfloat16_t, {warpgroups}>", "float16": f", half_t, {warpgroups}>"}[v.out_dtype])
+        out = {"bfloat16": "bfloat16_t", "float16": "half_t"}[v.out_dtype]
+        assert name.endswith(f", {out}, {warpgroups}>")
         assert v.compile_targets() == {"sm_90": "sm_90a"}
 
 
@@ -530,9 +531,9 @@ def _backward(lengths, dtype=ml_dtypes.bfloat16, head_dim=128, causal=True, devi
 def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(monkeypatch):
     """16-bit dense backwards on Hopper at head dims up to 128, plain or causal, from the table's shortest length
     (the shorter of Nq, Nk) to CHAIN_ROWS: the fused kernel, its three kernels named from the table's cell (always
-    the ordered adds by default), a CTA per 128 keys and its conversion per query block, shared memory within 227 KiB. Shorter
-    or longer calls, score modifiers, dropout, packed batches, float32, inputs TMA cannot read, other head dims and
-    the mma.sync path take the two passes."""
+    the ordered adds by default), a CTA per 128 keys and its conversion per query block, shared memory within
+    227 KiB. Shorter or longer calls, score modifiers, dropout, packed batches, float32, inputs TMA cannot read,
+    other head dims and the mma.sync path take the two passes."""
     monkeypatch.setattr(launch, "cupy", _fake_cupy())
     assert tiles.WS_BWD_HEAD_DIMS == (64, 128) and set(tiles.WS_BWD_MIN_LENGTH) == set(tiles.WS_BWD_HEAD_DIMS)
     for dtype, ctype in HALVES:
