@@ -9,7 +9,7 @@
 // the host zeroes it); attention_bwd_dq_convert_kernel sums the chains, scales and rounds into dq (b, nq, d).
 // dq_counters: an int per (batch entry, query block, chain), zero at launch. Saves nothing.
 //
-// A CTA per (block of BLOCK_N = 128 keys, batch entry) streams every query block that sees its keys
+// A CTA per (block of BLOCK_N = 128 keys, or 64 PAIRED, batch entry) streams every query block that sees its keys
 // (KeyBlockWalk: in which order), in three warpgroups:
 //  - the producer (warpgroup 0). Warp 0: K and V once; per query block, q and dout by TMA (its lane 0) and
 //    lse_log2 and delta (its 32 lanes, +inf and 0 past nq) into a ring of STAGES slots. Warp 1, one lane: the
@@ -25,11 +25,14 @@
 //      (DK_ACROSS: on into the next query block's S^T and dP^T).
 //    dS^T has two buffers, so one consumer's store of the next block's never meets the other's dQ product
 //    still reading this one's (the barrier each block keeps them within a block of each other).
+//  - PAIRED (HEAD_DIM 256): both consumers on the same 64 keys, one holding dV, the other dK
+//    (bwd_consume_paired); each half of dQ_partial's columns, staged over the slot's q or dout tile.
 // Barriers (tma.cuh): kv_full (K and V's bytes), step_full[STAGES] (q and dout's bytes, and the producer's 32
 // lanes once their lse_log2 and delta are stored), step_empty[STAGES] (the 256 consumer threads, after the slot's
-// last product), dq_full (8 consumer warps, their dQ_partial staged), dq_empty (the writer, once its bulk copy
-// has read the staging buffers); named barrier 1 (both consumers: dS^T stored; at the end, done with sK and sV
-// before dk, dv are staged there), 2 + consumer (its dk, dv staged).
+// last product; paired, the writer), dq_full (8 consumer warps, their dQ_partial staged; paired, one per slot,
+// all 256 threads), dq_empty (the writer, once its bulk copy has read the staging buffers); named barrier 1 (both
+// consumers: dS^T stored; at the end, done with sK and sV before dk, dv are staged there), 2 + consumer (its dk,
+// dv staged); paired, p_full and ds_full between the consumers instead of named barrier 1.
 // DETERMINISTIC: dq's float32 sums run in a fixed order per query block, so dq is bitwise reproducible (as dk
 // and dv are: one CTA sums each). Without it (attention_backward(deterministic=False)) the adds land in
 // whatever order the CTAs reach a query block, all into chain 0 of a zeroed dq_accum.
@@ -44,12 +47,17 @@
 // q, k, v and dout's maps, one kernel parameter.
 struct BwdTensorMaps { TensorMap q, k, v, dout; };
 
-template <typename T_, int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool IS_CAUSAL_, bool DETERMINISTIC_, int DQ_CHAINS_>
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool IS_CAUSAL_, bool DETERMINISTIC_, int DQ_CHAINS_,
+          bool PAIRED_>
 struct BwdWsTraits {
   using T = T_;
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_M = BLOCK_M_, STAGES = STAGES_;
   static constexpr bool IS_CAUSAL = IS_CAUSAL_, DETERMINISTIC = DETERMINISTIC_;
-  static constexpr int BLOCK_N = 128, WG_KEYS = 64;
+  // PAIRED (HEAD_DIM 256, where one consumer's dK and dV over 64 keys would take all 256 registers): both
+  // consumers work on the same 64 keys, one holding dV (S^T, P^T, dV += P^T dO), the other dK (dP^T, dS^T with
+  // the first's P^T handed over in shared memory, dK += dS^T Q); each then half of dQ_partial's columns.
+  static constexpr bool PAIRED = PAIRED_;
+  static constexpr int BLOCK_N = PAIRED ? 64 : 128, WG_KEYS = 64;
   using KVTile = SwizzledTile<T, BLOCK_N, HEAD_DIM>;
   using QTile = SwizzledTile<T, BLOCK_M, HEAD_DIM>;    // q and dout
   using DsTile = SwizzledTile<T, BLOCK_N, BLOCK_M>;    // dS^T: the block's keys x the step's queries
@@ -66,13 +74,19 @@ struct BwdWsTraits {
   // already, and unordered (every add into chain 0).
   static constexpr int DQ_CHAINS = DQ_CHAINS_;
   static_assert(DQ_CHAINS >= 1 && (DETERMINISTIC || DQ_CHAINS == 1), "unordered adds go into one accumulator");
+  // setmaxnreg only moves registers within the CTA's 168 x 384.
   static constexpr int COPY_REGISTERS = 24, COMPUTE_REGISTERS = 240;
+  static_assert(128 * COPY_REGISTERS + 256 * COMPUTE_REGISTERS <= 168 * 384, "the CTA's registers, redistributed");
   // dK += dS^T Q runs on into the next query block's S^T and dP^T, holding dS^T's fragments across the turn,
   // where they fit: 64-query blocks (with 128 ptxas serialized the products for registers).
-  static constexpr bool DK_ACROSS = BLOCK_M == 64;
+  static constexpr bool DK_ACROSS = BLOCK_M == 64 && !PAIRED;
   static constexpr u32 CONSUMER_WARPS = 8;
   static_assert(sizeof(T) == 2 && (BLOCK_M == 64 || BLOCK_M == 128) && HEAD_DIM % 64 == 0 && DQ_COLS % 64 == 0,
                 "16-bit; query blocks of 64 or 128; head dims in whole 64-column atoms");
+  // Paired, the q and dout tiles of a slot take the two consumers' dQ_partial once read (a float32 staging
+  // buffer of its own would not fit beside them): a consumer's chunk is as large as one of the tiles.
+  static_assert(!PAIRED || (BLOCK_M == 64 && DQ_CHUNK * 4 == QTile::SIZE * static_cast<int>(sizeof(T))),
+                "paired: 64-query blocks, a dQ_partial chunk the size of a q tile");
   static_assert(STAGES >= 2, "the next query block lands while this one is worked on");
 };
 
@@ -95,20 +109,38 @@ struct BwdWsCta {
   static constexpr int K_AT = 0, V_AT = K_AT + K::KVTile::SIZE, Q_AT = V_AT + K::KVTile::SIZE;
   static constexpr int DO_AT = Q_AT + K::STAGES * K::QTile::SIZE, DS_AT = DO_AT + K::STAGES * K::QTile::SIZE;
   static constexpr int DQ_AT = DS_AT + 2 * K::DsTile::SIZE;  // in T, then float32 buffers
+  // The float32 buffers: unpaired, both consumers' dQ_partial staging; paired, the P^T handed over (a
+  // consumer's S^T accumulator, thread by thread), its dQ_partial staged in the slot's q and dout tiles.
+  static constexpr int F32_STAGED = K::PAIRED ? K::WG_KEYS * K::BLOCK_M : 2 * K::DQ_CHUNK;
   __device__ __forceinline__ T* sK() const { return base + K_AT; }
   __device__ __forceinline__ T* sV() const { return base + V_AT; }
   __device__ __forceinline__ T* sQ(int s) const { return base + Q_AT + s * K::QTile::SIZE; }
   __device__ __forceinline__ T* sdO(int s) const { return base + DO_AT + s * K::QTile::SIZE; }
   __device__ __forceinline__ T* sdS(int i) const { return base + DS_AT + i * K::DsTile::SIZE; }
-  __device__ __forceinline__ float* sdQ(int wg) const { return reinterpret_cast<float*>(base + DQ_AT) + wg * K::DQ_CHUNK; }
-  __device__ __forceinline__ float* sLse(int s) const { return sdQ(2) + s * K::BLOCK_M; }
-  __device__ __forceinline__ float* sDelta(int s) const { return sdQ(2) + (K::STAGES + s) * K::BLOCK_M; }
+  __device__ __forceinline__ float* f32() const { return reinterpret_cast<float*>(base + DQ_AT); }
+  // Where consumer wg stages its dQ_partial of slot s's query block: paired, over the tile its own gradient's
+  // product read (dV reads dout, dK reads q).
+  __device__ __forceinline__ float* sdQ(int wg, int s) const {
+    if constexpr (K::PAIRED) return reinterpret_cast<float*>(wg == 0 ? sdO(s) : sQ(s));
+    return f32() + wg * K::DQ_CHUNK;
+  }
+  __device__ __forceinline__ float* sP() const { return f32(); }
+  __device__ __forceinline__ float* sLse(int s) const { return f32() + F32_STAGED + s * K::BLOCK_M; }
+  __device__ __forceinline__ float* sDelta(int s) const { return f32() + F32_STAGED + (K::STAGES + s) * K::BLOCK_M; }
   __device__ __forceinline__ u32 kv_full() const { return smem_u32(&bars[0]); }
   __device__ __forceinline__ u32 step_full(int s) const { return smem_u32(&bars[1 + s]); }
   __device__ __forceinline__ u32 step_empty(int s) const { return smem_u32(&bars[1 + K::STAGES + s]); }
-  __device__ __forceinline__ u32 dq_full() const { return smem_u32(&bars[1 + 2 * K::STAGES]); }
-  __device__ __forceinline__ u32 dq_empty() const { return smem_u32(&bars[2 + 2 * K::STAGES]); }
-  static constexpr int BARRIERS = 3 + 2 * K::STAGES;
+  __device__ __forceinline__ u32 dq_empty() const { return smem_u32(&bars[1 + 2 * K::STAGES]); }
+  // dQ_partial staged: unpaired one barrier (the consumers wait for dq_empty before staging again); paired one
+  // per slot, since the consumers stage into a slot the writer has not yet released.
+  __device__ __forceinline__ u32 dq_full(int s) const {
+    return smem_u32(&bars[2 + 2 * K::STAGES + (K::PAIRED ? s : 0)]);
+  }
+  // Paired, between the two consumers (mbarriers, every thread of the arriving consumer): p_full, P^T handed
+  // over (and once more at the end: wg 0 is done with sK); ds_full, dS^T stored.
+  __device__ __forceinline__ u32 p_full() const { return smem_u32(&bars[2 + 3 * K::STAGES]); }
+  __device__ __forceinline__ u32 ds_full() const { return smem_u32(&bars[3 + 3 * K::STAGES]); }
+  static constexpr int BARRIERS = 2 + 2 * K::STAGES + (K::PAIRED ? K::STAGES + 2 : 1);
   __device__ __forceinline__ static u32 parity(int i) { return static_cast<u32>((i / K::STAGES) & 1); }
 };
 
@@ -181,7 +213,8 @@ __device__ __forceinline__ void bwd_copy_tiles(const BwdWsCta<K>& cta, const Att
   for (int i = 0; i < walk.steps(); ++i) {
     const int s = i % K::STAGES, row0 = walk.query_block(i) * K::BLOCK_M;
     if (i >= K::STAGES) mbar_wait(cta.step_empty(s), cta.parity(i - K::STAGES));
-#pragma unroll
+    // Paired (four TMA copies per tile at HEAD_DIM 256) the unrolled loads spilled in the warpgroup's 24 registers.
+#pragma unroll(K::PAIRED ? 1 : K::BLOCK_M / WARP_SIZE)
     for (int r = lane; r < K::BLOCK_M; r += WARP_SIZE) {
       cta.sLse(s)[r] = row0 + r < p.nq ? lse_log2[row0 + r] : pos_inf();  // P = 0 past nq
       cta.sDelta(s)[r] = row0 + r < p.nq ? delta[row0 + r] : 0.f;
@@ -216,29 +249,36 @@ __device__ __forceinline__ void add_release(int* counter, int value) {
 template <class K>
 __device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_accum, int* dq_counters,
                                              const KeyBlockWalk<K>& walk, const AttnParams& p) {
-  float* rows = dq_accum + static_cast<i64>(walk.b) * walk.m_blocks * K::DQ_CHAINS * 2 * K::DQ_CHUNK;
-  int* counters = dq_counters + static_cast<i64>(walk.b) * walk.m_blocks * K::DQ_CHAINS;
 #pragma unroll 1
   for (int i = 0; i < walk.steps(); ++i) {
-    const int m = walk.query_block(i);
-    mbar_wait(cta.dq_full(), i & 1);
-    const float* from = cta.sdQ(0);
+    const int m = walk.query_block(i), s = i % K::STAGES;
     const int rank = K::DETERMINISTIC ? walk.rank(m, p) : 0, chain = rank % K::DQ_CHAINS;
-    float* to = rows + static_cast<i64>(m * K::DQ_CHAINS + chain) * 2 * K::DQ_CHUNK;
-    int* counter = counters + m * K::DQ_CHAINS + chain;
+    if constexpr (K::PAIRED) mbar_wait(cta.dq_full(s), cta.parity(i));
+    else mbar_wait(cta.dq_full(0), i & 1);
+    // The accumulator and counter of (batch entry, query block, chain), from the kernel's arguments each time
+    // (the producer warpgroup's 24 registers hold no pointers across the loop).
+    const i64 at = (static_cast<i64>(walk.b) * walk.m_blocks + m) * K::DQ_CHAINS + chain;
+    float* to = dq_accum + at * 2 * K::DQ_CHUNK;
+    int* counter = dq_counters + at;
+    // The first key block of a chain stores its partial (dq_accum is not zeroed), the others add theirs in turn.
+    bool store = false;
     if constexpr (K::DETERMINISTIC) {
-      // The first key block of a chain stores its partial (dq_accum is not zeroed), the others add theirs in turn.
       const int link = rank / K::DQ_CHAINS;
       while (load_acquire(counter) != link) {
       }
-      if (link == 0) bulk_store(to, from, 2 * K::DQ_CHUNK * 4);
-      else bulk_reduce_add_f32(to, from, 2 * K::DQ_CHUNK * 4);
-    } else {
-      bulk_reduce_add_f32(to, from, 2 * K::DQ_CHUNK * 4);
+      store = link == 0;
+    }
+    // Unpaired the two chunks are contiguous in shared memory, paired each lies in its own tile of the slot.
+    constexpr int COPIES = K::PAIRED ? 2 : 1, BYTES = 2 * K::DQ_CHUNK * 4 / COPIES;
+#pragma unroll
+    for (int c = 0; c < COPIES; ++c) {
+      if (store) bulk_store(to + c * K::DQ_CHUNK, cta.sdQ(c, s), BYTES);
+      else bulk_reduce_add_f32(to + c * K::DQ_CHUNK, cta.sdQ(c, s), BYTES);
     }
     bulk_commit();
     bulk_wait_read<0>();
-    mbar_arrive(cta.dq_empty());  // the staging buffers may be written again
+    // The staging buffers may be written again: paired, the slot itself is free for the next query block.
+    mbar_arrive(K::PAIRED ? cta.step_empty(s) : cta.dq_empty());
     if constexpr (K::DETERMINISTIC) {
       bulk_wait<0>();
       asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk adds before the release below
@@ -246,6 +286,20 @@ __device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_a
     }
   }
   bulk_wait<0>();  // the last adds have read the staging buffers before the CTA's shared memory goes away
+}
+
+// Keys [key0, key0 + 64)'s rows of a gradient (dk or dv, times row_scale) from a consumer's accumulator: staged in
+// `stage` (64 rows of sK or sV, which no product reads any more), then stored.
+template <class K>
+__device__ __forceinline__ void store_gradient(const float (&acc)[K::G_TILES][4], typename K::T* stage, void* to,
+                                               int stride, const float (&row_scale)[2], const AttnParams& p, int b,
+                                               int key0, int wg, int warp, int lane) {
+  using T = typename K::T;
+  acc_to_smem<typename K::OutTile, K::G_TILES>(stage, warp * 16, acc, row_scale, lane);
+  named_barrier_sync(2 + wg, 128);
+  const int rows = min(K::WG_KEYS, p.nk - key0);
+  T* rows_at = static_cast<T*>(to) + (static_cast<i64>(b) * p.nk + key0) * stride;
+  store_tile<typename K::OutTile, K::HEAD_DIM, 128>(rows_at, stride, stage, rows, stride, threadIdx.x % 128);
 }
 
 // A consumer (wg 0 or 1: keys [n0 + 64 wg, + 64) of the block) over every query block from m_first; then dk, dv.
@@ -263,7 +317,7 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
   const Mask<K::IS_CAUSAL> mask{p.nk, offset};
   const float ones[2] = {1.f, 1.f};
   float acc_dk[G_TILES][4], acc_dv[G_TILES][4];
-  float* staging = cta.sdQ(wg);
+  float* staging = cta.sdQ(wg, 0);
   mbar_wait(cta.kv_full(), 0);
   bool first = true;  // the first dV and dK products overwrite their accumulators (no zeroed registers)
   u32 ds_frag[P_STEPS][4];  // dS^T for dK += dS^T Q, which runs on into the next query block's S^T and dP^T
@@ -313,7 +367,7 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
       *reinterpret_cast<float4*>(staging + (j * 128 + thread) * 4) = make_float4(acc_dq[j][0], acc_dq[j][1], acc_dq[j][2], acc_dq[j][3]);
     fence_async_shared();  // the stores before the bulk copy that reads them
     __syncwarp();
-    if (lane == 0) mbar_arrive(cta.dq_full());
+    if (lane == 0) mbar_arrive(cta.dq_full(0));
     if constexpr (!K::DK_ACROSS) {
       wgmma_wait<0>();
       fence_operands(acc_dk);
@@ -332,24 +386,109 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
   // dk = scale * dS^T Q summed, dv: staged in this consumer's half of sK and sV once both consumers' last dQ
   // products (which read all of sK) are done.
   named_barrier_sync(1, 256);
-  T* stage_k = cta.sK() + wg * K::OutTile::SIZE;
-  T* stage_v = cta.sV() + wg * K::OutTile::SIZE;
   const float dk_scale[2] = {p.scale, p.scale};
-  acc_to_smem<typename K::OutTile, G_TILES>(stage_k, warp * 16, acc_dk, dk_scale, lane);
-  acc_to_smem<typename K::OutTile, G_TILES>(stage_v, warp * 16, acc_dv, ones, lane);
-  named_barrier_sync(2 + wg, 128);
-  const int rows = min(K::WG_KEYS, p.nk - key0);
-  T* dk = static_cast<T*>(p.dk) + (static_cast<i64>(b) * p.nk + key0) * p.d_qk;
-  T* dv = static_cast<T*>(p.dv) + (static_cast<i64>(b) * p.nk + key0) * p.d_v;
-  store_tile<typename K::OutTile, K::HEAD_DIM, 128>(dk, p.d_qk, stage_k, rows, p.d_qk, thread);
-  store_tile<typename K::OutTile, K::HEAD_DIM, 128>(dv, p.d_v, stage_v, rows, p.d_v, thread);
+  store_gradient<K>(acc_dk, cta.sK() + wg * K::OutTile::SIZE, p.dk, p.d_qk, dk_scale, p, b, key0, wg, warp, lane);
+  store_gradient<K>(acc_dv, cta.sV() + wg * K::OutTile::SIZE, p.dv, p.d_v, ones, p, b, key0, wg, warp, lane);
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int STAGES, bool IS_CAUSAL, bool DETERMINISTIC, int DQ_CHAINS>
+// A consumer of a PAIRED CTA (keys [n0, n0 + 64), both consumers): wg 0 computes S^T, P^T (handed to wg 1
+// through sP) and dV += P^T dO; wg 1 dP^T, dS^T = P^T (dP^T - delta) (stored for the dQ products) and
+// dK += dS^T Q. After a barrier of both, each its half of dQ_partial's columns, staged over the slot's dout
+// (wg 0) or q tile (wg 1) for the writer, which then frees the slot. Then dv (wg 0) or dk (wg 1).
+template <class K, int WG>
+__device__ __forceinline__ void bwd_consume_paired(const BwdWsCta<K>& cta, const AttnParams& p,
+                                                   const KeyBlockWalk<K>& walk, int warp, int lane) {
+  constexpr int wg = WG;  // each role its own straight-line code (one loop for both had ptxas serialize the products)
+  using T = typename K::T;
+  using QTile = typename K::QTile;
+  using KVTile = typename K::KVTile;
+  constexpr int S_TILES = K::S_TILES, G_TILES = K::G_TILES, P_STEPS = K::P_STEPS, BLOCK_M = K::BLOCK_M;
+  const int thread = threadIdx.x % 128;
+  const int b = walk.b, key0 = walk.n * K::BLOCK_N;
+  const int offset = p.nk - p.nq;  // causal: query i sees key j <= i + offset
+  const Mask<K::IS_CAUSAL> mask{p.nk, offset};
+  const float ones[2] = {1.f, 1.f};
+  float acc_g[G_TILES][4];  // dV (wg 0) or dK (wg 1)
+  float* handover = cta.sP();
+  mbar_wait(cta.kv_full(), 0);
+  bool first = true;  // the first products overwrite acc_g (no zeroed registers)
+  for (int i = 0; i < walk.steps(); ++i) {
+    const int s = i % K::STAGES, m = walk.query_block(i);
+    const T* sQ_s = cta.sQ(s);
+    const T* sdO_s = cta.sdO(s);
+    mbar_wait(cta.step_full(s), cta.parity(i));
+    float acc_s[S_TILES][4];  // S^T then P^T (wg 0), dP^T then dS^T (wg 1)
+    u32 frag[P_STEPS][4];     // P^T or dS^T as the gradient product's A operand
+    T* sdS_i = cta.sdS(i & 1);
+    if constexpr (WG == 0) {
+      wg_issue_abt<T, K::HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, cta.sK(), 0, sQ_s);
+      wgmma_wait<0>();
+      fence_operands(acc_s);
+      if (K::IS_CAUSAL && key0 + K::WG_KEYS - 1 > m * BLOCK_M + offset)  // keys after some of these queries
+        mask.apply_transposed(acc_s, key0 + warp * 16, m * BLOCK_M, lane);
+      probs_from_scores_cols(acc_s, cta.sLse(s), p.scale_log2, lane);
+      // Thread t of wg 1 holds the same elements of dP^T as thread t here of P^T: no index math, no conflicts.
+#pragma unroll
+      for (int j = 0; j < S_TILES; ++j)
+        *reinterpret_cast<float4*>(handover + (j * 128 + thread) * 4) =
+            make_float4(acc_s[j][0], acc_s[j][1], acc_s[j][2], acc_s[j][3]);
+      mbar_arrive(cta.p_full());
+      pack_fragments<T>(acc_s, frag);
+      wg_issue_pb<T, P_STEPS, G_TILES, QTile>(acc_g, frag, sdO_s, 0, !first);
+    } else {
+      wg_issue_abt<T, K::HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, cta.sV(), 0, sdO_s);
+      wgmma_wait<0>();
+      fence_operands(acc_s);
+      mbar_wait(cta.p_full(), i & 1);
+      float prob[S_TILES][4];
+#pragma unroll
+      for (int j = 0; j < S_TILES; ++j) {
+        const float4 x = *reinterpret_cast<const float4*>(handover + (j * 128 + thread) * 4);
+        prob[j][0] = x.x, prob[j][1] = x.y, prob[j][2] = x.z, prob[j][3] = x.w;
+      }
+      dscores_cols(acc_s, prob, cta.sDelta(s), lane);
+      pack_fragments<T>(acc_s, frag);
+      wg_issue_pb<T, P_STEPS, G_TILES, QTile>(acc_g, frag, sQ_s, 0, !first);
+      acc_to_smem<typename K::DsTile, S_TILES>(sdS_i, warp * 16, acc_s, ones, lane);
+      fence_async_shared();  // the stores before the products that read them
+      mbar_arrive(cta.ds_full());
+    }
+    // dS^T stored, for both consumers' dQ products. Wg 1 has read the handed-over P^T, which wg 0 may overwrite
+    // from here; wg 1 reaches the next block's P^T (and then overwrites this dS^T buffer's twin) only once wg 0
+    // has finished this block's dQ product.
+    mbar_wait(cta.ds_full(), i & 1);
+    float acc_dq[K::DQ_TILES][4];
+    wg_issue_atb<T, K::BLOCK_N / 16, K::DQ_TILES, typename K::DsTile, KVTile>(acc_dq, sdS_i, 0, cta.sK(), K::DQ_COLS * wg);
+    wgmma_wait<0>();
+    fence_operands(acc_g);
+    fence_operands(acc_dq);
+    fence_fragments(frag);
+    // Over the tile this consumer's gradient product read, now done with: the slot stays the writer's until
+    // its bulk copy has read the partial.
+    float* staging = cta.sdQ(wg, s);
+#pragma unroll
+    for (int j = 0; j < K::DQ_TILES; ++j)
+      *reinterpret_cast<float4*>(staging + (j * 128 + thread) * 4) = make_float4(acc_dq[j][0], acc_dq[j][1], acc_dq[j][2], acc_dq[j][3]);
+    fence_async_shared();  // the stores before the bulk copy that reads them
+    mbar_arrive(cta.dq_full(s));
+    first = false;
+  }
+  if (first) zero_acc(acc_g);  // no query sees these keys
+  // Wg 0's last dQ product (which reads sK) is done before wg 1 stages dk there; wg 1's last dP^T (which reads
+  // sV) was, before its last ds_full.
+  if constexpr (WG == 0) mbar_arrive(cta.p_full());
+  else mbar_wait(cta.p_full(), walk.steps() & 1);
+  const float dk_scale[2] = {p.scale, p.scale};
+  if constexpr (WG == 0) store_gradient<K>(acc_g, cta.sV(), p.dv, p.d_v, ones, p, b, key0, wg, warp, lane);
+  else store_gradient<K>(acc_g, cta.sK(), p.dk, p.d_qk, dk_scale, p, b, key0, wg, warp, lane);
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int STAGES, bool IS_CAUSAL, bool DETERMINISTIC, int DQ_CHAINS,
+          bool PAIRED>
 __global__ void __launch_bounds__(3 * 128, 1)
 attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMaps maps, float* dq_accum,
                         int* dq_counters, int by_arrival) {
-  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DETERMINISTIC, DQ_CHAINS>;
+  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DETERMINISTIC, DQ_CHAINS, PAIRED>;
   using Cta = BwdWsCta<K>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) u64 bars[Cta::BARRIERS];
@@ -359,10 +498,16 @@ attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMap
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(cta.step_full(s), WARP_SIZE);
       // Every consumer thread: each has read lse_log2 and delta from the slot, and its own arrival orders its
-      // reads before the producer's next stores there.
-      mbar_init(cta.step_empty(s), K::CONSUMER_WARPS * WARP_SIZE);
+      // reads before the producer's next stores there. Paired, the writer frees the slot, once every consumer
+      // thread has arrived on dq_full(s) (after its reads) and the bulk copy has read the staged partials.
+      mbar_init(cta.step_empty(s), PAIRED ? 1 : K::CONSUMER_WARPS * WARP_SIZE);
+      if (PAIRED) mbar_init(cta.dq_full(s), K::CONSUMER_WARPS * WARP_SIZE);
     }
-    mbar_init(cta.dq_full(), K::CONSUMER_WARPS);
+    if (PAIRED) {
+      mbar_init(cta.p_full(), 128);
+      mbar_init(cta.ds_full(), 128);
+    }
+    if (!PAIRED) mbar_init(cta.dq_full(0), K::CONSUMER_WARPS);
     mbar_init(cta.dq_empty(), 1);
     mbar_init_fence();
   }
@@ -380,16 +525,18 @@ attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMap
   // The warpgroup through a shuffle: warp-uniform as the compiler sees it (see attention_fwd_ws.cu).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0) - 1;
   const int warp = (threadIdx.x / WARP_SIZE) % 4, lane = threadIdx.x % WARP_SIZE;
-  bwd_consume(cta, p, KeyBlockWalk<K>(p, by_arrival), wg, warp, lane);
+  if constexpr (!PAIRED) bwd_consume(cta, p, KeyBlockWalk<K>(p, by_arrival), wg, warp, lane);
+  else if (wg == 0) bwd_consume_paired<K, 0>(cta, p, KeyBlockWalk<K>(p, by_arrival), warp, lane);
+  else bwd_consume_paired<K, 1>(cta, p, KeyBlockWalk<K>(p, by_arrival), warp, lane);
 }
 
 // dq = scale * dq_accum, rounded to T: a CTA per (query block, batch entry), a thread per accumulator thread of
 // the two consumers' chunks (DqChunk). A query block no key block adds to (causal: queries before every key,
 // or no keys at all) has 0 for dq and nothing in dq_accum.
-template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL, int DQ_CHAINS>
+template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL, int DQ_CHAINS, bool PAIRED>
 __global__ void __launch_bounds__(256)
 attention_bwd_dq_convert_kernel(const AttnParams p, const float* dq_accum) {
-  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, 2, IS_CAUSAL, true, DQ_CHAINS>;
+  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, 2, IS_CAUSAL, true, DQ_CHAINS, PAIRED>;
   const int b = batch_index(), m = blockIdx.x;
   // The key blocks that added to this query block: all, or causal those up to the last that sees its last row.
   const int key_blocks = ceil_div(p.nk, K::BLOCK_N);

@@ -27,15 +27,12 @@ from cupyflash._cuda import dense_fast, launch as launches, tiles, tma
 from cupyflash._cuda.compile import current_device, functions
 from cupyflash._cuda.launch import CPointer, launch
 from cupyflash._cuda.params import PARAMS_BYTES, dense_params, layout
-from cupyflash._cuda.source import OPTIONS, WGMMA_ARCH, module_code
-from cupyflash._cuda.variants import Features, select
+from cupyflash._cuda.variants import Features, Variant, select
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_attention  # noqa: E402  (TorchSDPA)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-BLOCK_M = {64: 128, 128: 64}  # query rows a step, by head dim
-STAGES = 2
 parser = argparse.ArgumentParser()
 parser.add_argument("--dims", default="128,64")
 parser.add_argument("--seqlens", default="1k,2k,8k")
@@ -45,28 +42,11 @@ dims = [int(x) for x in args.dims.split(",")]
 seqlens = [int(x[:-1]) * 1024 if x.endswith("k") else int(x) for x in args.seqlens.split(",")]
 
 
-def smem_bytes(d, bm):
-    dq_cols = d if bm == 128 else d // 2
-    return (2 * 128 * d + 2 * STAGES * bm * d + 2 * 128 * bm) * 2 + (2 * 64 * dq_cols + 2 * STAGES * bm) * 4 + 1024
-
-
-_modules = {}
-
-
 def kernels(d, causal, deterministic):
-    key = (d, causal, deterministic)
-    if key not in _modules:
-        bm = BLOCK_M[d]
-        chains = tiles.ws_bwd_dq_chains(bm, deterministic)
-        names = [f"attention_bwd_ws_kernel<bfloat16_t, {d}, {bm}, {STAGES}, {str(causal).lower()}, "
-                 f"{str(deterministic).lower()}, {chains}>",
-                 f"attention_bwd_dq_convert_kernel<bfloat16_t, {d}, {bm}, {str(causal).lower()}, {chains}>"]
-        module = cupy.RawModule(code=module_code("attention_bwd_ws.cu", names),
-                                options=OPTIONS + (f"-arch={WGMMA_ARCH}",), name_expressions=names)
-        main, convert = (module.get_function(n) for n in names)
-        main.max_dynamic_shared_size_bytes = smem_bytes(d, bm)
-        _modules[key] = (main, convert)
-    return _modules[key]
+    """The library's fused-backward kernels of this head dim (its tile-table cell), and the cell."""
+    variant = Variant("bwd", "bfloat16", d, "ws", causal=causal, deterministic=deterministic)
+    found = functions(variant)
+    return found["bwd"], found["dq_convert"], variant
 
 
 class Fused:
@@ -76,12 +56,14 @@ class Fused:
         self.batch_shape, (nq, d), nk = q.shape[:-2], q.shape[-2:], k.shape[-2]
         self.nq, self.nk, self.d, self.causal = nq, nk, d, causal
         self.batch = math.prod(self.batch_shape)
-        self.bm = BLOCK_M[d]
+        self.main, self.convert, self.variant = kernels(d, causal, deterministic)
+        t = self.variant.tiles("bwd")
+        self.bm, self.keys = t.block, t.rows  # query rows a step, keys a CTA
         self.dq, self.dk, self.dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
         self.lse_log2, self.delta = cupy.empty_like(lse), cupy.empty_like(lse)
         self.m_blocks = -(-nq // self.bm)
         # dq_accum and the counters of the ordered adds, zeroed by one fill per call
-        chains = tiles.ws_bwd_dq_chains(self.bm, deterministic)
+        chains = tiles.ws_bwd_dq_chains(self.variant.tiles("bwd"), deterministic)
         self.workspace = cupy.empty(self.batch * self.m_blocks * chains * (self.bm * d + 1), dtype=cupy.float32)
         self.dq_accum = self.workspace[:self.batch * self.m_blocks * chains * self.bm * d]
         self.counters = self.workspace[self.dq_accum.size:].view(cupy.int32)
@@ -92,11 +74,10 @@ class Fused:
                                    scale=1 / math.sqrt(d), others=others, causal=causal)
         self.pre_variant = select(Features.of("bwd", q.dtype, d, d, causal, None), current_device())
         self.pre = functions(self.pre_variant)
-        maps = tma.TensorMaps(arrays, sizes, strides, {"q": self.bm, "k": 128, "v": 128, "dout": self.bm})
+        maps = tma.TensorMaps(arrays, sizes, strides, {"q": self.bm, "k": self.keys, "v": self.keys, "dout": self.bm})
         self.maps = maps.encode({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "dout": dout.data.ptr})
-        self.main, self.convert = kernels(d, causal, deterministic)
         # Key blocks take their turn by arrival where a batch entry's CTAs can all be resident at once.
-        key_blocks = -(-nk // 128)
+        key_blocks = -(-nk // self.keys)
         fits = key_blocks <= cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
         self.by_arrival = np.int32(fits if by_arrival is None else by_arrival)
 
@@ -104,9 +85,9 @@ class Fused:
         self.workspace.fill(0)
         launch(self.pre, self.pre_variant, "preprocess", self.nq, self.batch, self.params)
         arg = self.params.view(PARAMS_BYTES)
-        self.main((-(-self.nk // 128), self.batch), (384,), (arg, CPointer(self.maps.ctypes.data), self.dq_accum,
-                                                                 self.counters, self.by_arrival),
-                  shared_mem=smem_bytes(self.d, self.bm))
+        self.main((-(-self.nk // self.keys), self.batch), (384,), (arg, CPointer(self.maps.ctypes.data),
+                                                                    self.dq_accum, self.counters, self.by_arrival),
+                  shared_mem=self.variant.smem("bwd"))
         self.convert((self.m_blocks, self.batch), (256,), (arg, self.dq_accum))
         return self.dq, self.dk, self.dv
 

@@ -21,16 +21,18 @@ def describable(arrays, sizes, strides) -> bool:
     return tma.available() and all(tma.describable(arrays[name], sizes, strides[name]) for name in MAPPED)
 
 
-def adds_by_arrival(nk: int, head_dim: int, causal: bool, sms: int, deterministic: bool = True) -> bool:
+def adds_by_arrival(nk: int, head_dim: int, causal: bool, sms: int, deterministic: bool = True,
+                    keys: int = 128) -> bool:
     """Whether key blocks take their turn at a query block in the order they reach it (attention_bwd_ws.cu), else
     in the order of their index. In order: by arrival only where all of a batch entry's CTAs can be resident at
     once (one per SM: a CTA may wait for one launched after it), and without a causal mask below
     tiles.WS_BWD_INDEX_ORDER_KEYS keys, from where the index order was faster. Unordered adds wait for nothing,
     so their key blocks always walk as by arrival, each from its own query block: in index order every CTA
-    would add into the same query block's accumulator at once (docs/design/backward.md)."""
+    would add into the same query block's accumulator at once (docs/design/backward.md). ``keys``: a CTA's key
+    block."""
     if not deterministic:
         return True
-    if -(-nk // tiles.WS_BWD_KEYS) > sms:
+    if -(-nk // keys) > sms:
         return False
     return causal or nk < tiles.WS_BWD_INDEX_ORDER_KEYS[head_dim]
 
@@ -41,7 +43,7 @@ def run(functions, variant, params, arrays, sizes, strides, *, batch: int, nq: i
     ``sizes``, ``strides``."""
     t = variant.tiles("bwd")
     m_blocks = -(-nq // t.block)
-    chains = tiles.ws_bwd_dq_chains(t.block, variant.deterministic)
+    chains = tiles.ws_bwd_dq_chains(t, variant.deterministic)
     chunk = m_blocks * chains * t.block * variant.head_dim  # dq_accum's floats per batch entry
     # dq_accum (float32, a sum per chain of ordered adds, in the dQ products' fragment order), then one counter
     # per (batch entry, query block, chain). In order, only the counters start at zero: the first key block of a
@@ -53,10 +55,10 @@ def run(functions, variant, params, arrays, sizes, strides, *, batch: int, nq: i
     stream = cupy.cuda.get_current_stream()
     zeroed = counters if variant.deterministic else workspace
     cupy.cuda.runtime.memsetAsync(zeroed.data.ptr, 0, zeroed.nbytes, stream.ptr)
-    rows = {"q": t.block, "k": tiles.WS_BWD_KEYS, "v": tiles.WS_BWD_KEYS, "dout": t.block}
+    rows = {"q": t.block, "k": t.rows, "v": t.rows, "dout": t.block}
     maps = tma.TensorMaps(arrays, sizes, strides, rows).encode({name: arrays[name].data.ptr for name in MAPPED})
     by_arrival = adds_by_arrival(nk, variant.head_dim, variant.causal, sm_count(cupy.cuda.runtime.getDevice()),
-                                 variant.deterministic)
+                                 variant.deterministic, t.rows)
     argument = params.view(PARAMS_BYTES)
     launch(functions, variant, "preprocess", nq, batch, params)
     grid, block, smem = launch_shape(variant, "bwd", nk, batch)

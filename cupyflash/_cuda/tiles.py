@@ -17,7 +17,8 @@ alone's backward) and ``window`` (a window alone). Kernels: ``fwd`` (attention_p
 warp-specialized fused backward, plain and causal; its dq conversion reads the same cell).
 
 A cell is ``NUM_WARPS.BLOCK.D_CHUNK`` then, after ``/``, its flags:
-  d   duo: two warps share 16 rows, one holding each gradient (dkdv, dq: Tiles.paired)
+  d   duo: two warps share 16 rows, one holding each gradient (dkdv, dq: Tiles.paired); the fused backward's
+      two consumers share 64 keys, one holding dV, the other dK (PAIRED)
   xN  the launch bounds ask for N resident CTAs per SM (wgmma forward: short CTAs hide each other's setup)
   p   the backward's products stay in flight while the next tile's elementwise work runs (PIPELINED)
   a   ... across the loop's turn too (ACROSS_TURN)
@@ -153,6 +154,7 @@ ws     2  128  fwd   12.128.128/r2w .              .              .             
 ws     2  256  fwd   12.64.256/r2w  .              .              .              =              =
 ws     2  64   bwd   12.128.64/r2   .              .              .              .              .
 ws     2  128  bwd   12.64.128/r2   .              .              .              .              .
+ws     2  256  bwd   12.64.256/r2d  .              .              .              .              .
 ws     1  64   fwd   16.128.64/r4w  .              .              .              .              .
 ws     1  128  fwd   12.128.128/r3w .              .              .              .              .
 ws     1  256  fwd   12.64.256/r4w  .              .              .              .              .
@@ -235,24 +237,25 @@ WS_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CEL
                              if path == "ws" and size == 2 and kernel == "fwd"}))
 # The warp-specialized fused backward (cuda_src/attention_bwd_ws.cu): its HEAD_DIMs, and the shortest
 # sequences it serves (min(Nq, Nk)): below them the two passes were faster (dq_accum's per-row cost and the
-# ordered adds weigh more on short loops; bench/exp/15_ws_backward.py). Longer than CHAIN_ROWS, the two passes,
-# which sum in chunks.
+# ordered adds weigh more on short loops; bench/exp/15_ws_backward.py; at HEAD_DIM 256 the library's fused call
+# at 1k was 0.95x the two passes without a causal mask, 0.83x with; at 2k 1.11x and 1.01x). Longer than
+# CHAIN_ROWS, the two passes, which sum in chunks.
 WS_BWD_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CELLS
                                  if path == "ws" and size == 2 and kernel == "bwd"}))
-WS_BWD_MIN_LENGTH = {64: 2048, 128: 4096}
+WS_BWD_MIN_LENGTH = {64: 2048, 128: 4096, 256: 2048}
 # ... and with unordered dq adds (deterministic=False) and no causal mask, where the order's cost had kept the
 # two passes: at D = 128 2k unordered adds were 1.11x the two passes (causal 0.97x: causal keeps the above).
-WS_BWD_MIN_LENGTH_UNORDERED = {64: 2048, 128: 2048}
+WS_BWD_MIN_LENGTH_UNORDERED = {64: 2048, 128: 2048, 256: 2048}
 # ... and the least work, batch entries x Nq x Nk x HEAD_DIM (2^34: about 0.4 ms of GPU time): the fused backward
 # is launched unplanned (fused_backward.py: tensor maps encoded, parameters built per call), so a call with less
 # work than that could spend longer on the host than the planned two passes take on the GPU.
 WS_BWD_MIN_WORK = 1 << 34
-WS_BWD_KEYS = 128  # the key block of a fused backward CTA (BwdWsTraits::BLOCK_N)
 # From how many keys an ordered call without a causal mask adds dq in key-block order rather than by arrival
 # (both fixed orders; unordered adds always walk as by arrival): there every CTA walks the query blocks in one
 # order, and that was 3-16% faster on an H200 in every run at 16k keys, and at 8k with two chains (HEAD_DIM 64);
-# within 3% or slower below (docs/design/backward.md).
-WS_BWD_INDEX_ORDER_KEYS = {64: 8192, 128: 16384}
+# within 3% or slower below (docs/design/backward.md). At HEAD_DIM 256 (64-key blocks) by arrival was 12% faster
+# at 8k; from 16k a batch entry's 256 key blocks outnumber an H100's or H200's SMs, where the index order serves.
+WS_BWD_INDEX_ORDER_KEYS = {64: 8192, 128: 16384, 256: 16384}
 
 
 def ws_bwd_min_length(head_dim: int, causal: bool, deterministic: bool) -> int:
@@ -262,10 +265,12 @@ def ws_bwd_min_length(head_dim: int, causal: bool, deterministic: bool) -> int:
     return WS_BWD_MIN_LENGTH_UNORDERED[head_dim]
 
 
-def ws_bwd_dq_chains(block: int, deterministic: bool = True) -> int:
-    """The fused backward's chains of ordered dq adds per query block of ``block`` rows, each with its own float32
-    accumulator (its kernels' DQ_CHAINS): two with 128-query blocks, one with 64; unordered adds, one."""
-    return 2 if block == 128 and deterministic else 1
+def ws_bwd_dq_chains(t: Tiles, deterministic: bool = True) -> int:
+    """The fused backward's chains of ordered dq adds per query block, each with its own float32 accumulator (its
+    kernels' DQ_CHAINS), for its cell t: two where query blocks are as long as key blocks (HEAD_DIM 64: 128 and
+    128; 256: 64 and 64), so that by arrival consecutive ranks reach a query block one step apart; one where
+    they come two steps apart already (HEAD_DIM 128: 64 queries, 128 keys); unordered adds, one."""
+    return 2 if t.block == t.rows and deterministic else 1
 
 
 # The most rows one launch of a backward pass sums a gradient over (queries for dK/dV, keys for dQ). The
@@ -333,9 +338,11 @@ def smem_bytes(path: str, itemsize: int, head_dim: int, kernel: str, t: Tiles) -
     tiles have unpadded rows and start on an SMEM_ALIGN boundary the kernel finds itself)."""
     if kernel in ("preprocess", "dq_convert"):
         return 0
-    if path == "ws" and kernel == "bwd":  # BwdWsCta: K, V; q, dout and dS^T tiles; float32 dQ staging, lse, delta
+    if path == "ws" and kernel == "bwd":  # BwdWsCta: K, V; q, dout and dS^T tiles; float32 dQ staging (paired:
+        # the handed-over P^T, the staging in the slots' tiles), lse, delta
         tiles = 2 * t.rows * head_dim + 2 * t.stages * t.block * head_dim + 2 * t.rows * t.block
-        return SMEM_ALIGN + itemsize * tiles + 4 * (t.block * head_dim + 2 * t.stages * t.block)
+        staged = t.rows * t.block if t.paired else t.block * head_dim
+        return SMEM_ALIGN + itemsize * tiles + 4 * (staged + 2 * t.stages * t.block)
     if path == "ws":  # q buffers of a tile's rows, ``stages`` slots of a K and a V tile
         return SMEM_ALIGN + itemsize * head_dim * (ws_q_buffers(itemsize, head_dim) * t.rows + 2 * t.stages * t.block)
     swizzled = path != "mma" and path != "large"

@@ -132,10 +132,10 @@ class Variant:
             return f"attention_probs_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {b[wgmma]}>"
         if kernel == "bwd":  # the fused backward: its dq adds in a fixed order per query block, or in any
             return (f"attention_bwd_ws_kernel<{c}, {hd}, {t.block}, {t.stages}, {b[self.causal]}, "
-                    f"{b[self.deterministic]}, {tiles.ws_bwd_dq_chains(t.block, self.deterministic)}>")
+                    f"{b[self.deterministic]}, {tiles.ws_bwd_dq_chains(t, self.deterministic)}, {b[t.paired]}>")
         if kernel == "dq_convert":
-            chains = tiles.ws_bwd_dq_chains(t.block, self.deterministic)
-            return f"attention_bwd_dq_convert_kernel<{c}, {hd}, {t.block}, {b[self.causal]}, {chains}>"
+            chains = tiles.ws_bwd_dq_chains(t, self.deterministic)
+            return f"attention_bwd_dq_convert_kernel<{c}, {hd}, {t.block}, {b[self.causal]}, {chains}, {b[t.paired]}>"
         if kernel == "fwd" and self.path == "ws":  # the scalars there are a dense batch's (no cu_seqlens)
             mods = "Mods::dense_scalars" if self.mods == "scalars" else mods
             return (f"attention_fwd_ws_kernel<{c}, {hd}, {t.block}, {t.stages}, {b[self.causal]}, {mods}, "

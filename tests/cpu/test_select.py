@@ -529,15 +529,16 @@ def _backward(lengths, dtype=ml_dtypes.bfloat16, head_dim=128, causal=True, devi
 
 
 def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(monkeypatch):
-    """16-bit dense backwards on Hopper at head dims up to 128, plain or causal, from the table's shortest length
-    (the shorter of Nq, Nk) to CHAIN_ROWS: the fused kernel, its three kernels named from the table's cell (always
-    the ordered adds by default), a CTA per 128 keys and its conversion per query block, shared memory within
-    227 KiB. Shorter or longer calls, score modifiers, dropout, packed batches, float32, inputs TMA cannot read,
-    other head dims and the mma.sync path take the two passes."""
+    """16-bit dense backwards on Hopper at head dims 33-64, 97-128 and 193-256, plain or causal, from the table's
+    shortest length (the shorter of Nq, Nk) to CHAIN_ROWS: the fused kernel, its three kernels named from the
+    table's cell (always the ordered adds by default), a CTA per 128 keys (64 at HEAD_DIM 256, where its two
+    consumers pair up) and its conversion per query block, shared memory within 227 KiB. Shorter or longer
+    calls, score modifiers, dropout, packed batches, float32, inputs TMA cannot read, other head dims and the
+    mma.sync path take the two passes."""
     monkeypatch.setattr(launch, "cupy", _fake_cupy())
-    assert tiles.WS_BWD_HEAD_DIMS == (64, 128) and set(tiles.WS_BWD_MIN_LENGTH) == set(tiles.WS_BWD_HEAD_DIMS)
+    assert tiles.WS_BWD_HEAD_DIMS == (64, 128, 256) and set(tiles.WS_BWD_MIN_LENGTH) == set(tiles.WS_BWD_HEAD_DIMS)
     for dtype, ctype in HALVES:
-        for d, head_dim in ((40, 64), (64, 64), (100, 128), (128, 128)):
+        for d, head_dim in ((40, 64), (64, 64), (100, 128), (128, 128), (200, 256), (256, 256)):
             shortest = tiles.WS_BWD_MIN_LENGTH[head_dim]
             for causal in (False, True):
                 v = _backward((shortest, shortest + 1), dtype, d, causal)
@@ -545,17 +546,19 @@ def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(
                 assert v in SHIPPED_SET and v.kernels == ("preprocess", "bwd", "dq_convert")
                 t = v.tiles("bwd")
                 assert t == v.tiles("dq_convert") == tiles.lookup("ws", 2, head_dim, "bwd", "plain")
-                chains = tiles.ws_bwd_dq_chains(t.block)
-                assert chains == (2 if t.block == 128 else 1)
+                chains = tiles.ws_bwd_dq_chains(t)
+                assert t.paired == (head_dim == 256) and t.rows == (64 if t.paired else 128)
+                assert chains == (2 if t.block == t.rows else 1)
+                paired = _bool(t.paired)
                 assert v.name_expression("bwd") == (f"attention_bwd_ws_kernel<{ctype}, {head_dim}, {t.block}, "
-                                                    f"{t.stages}, {_bool(causal)}, true, {chains}>")
-                assert v.name_expression("dq_convert") == \
-                    f"attention_bwd_dq_convert_kernel<{ctype}, {head_dim}, {t.block}, {_bool(causal)}, {chains}>"
+                                                    f"{t.stages}, {_bool(causal)}, true, {chains}, {paired}>")
+                assert v.name_expression("dq_convert") == (f"attention_bwd_dq_convert_kernel<{ctype}, {head_dim}, "
+                                                           f"{t.block}, {_bool(causal)}, {chains}, {paired}>")
                 assert "attention_bwd_ws_kernel" in v.code(("bwd", "dq_convert"))
                 assert "attention_bwd_preprocess_kernel" in v.code(("preprocess",))
-                assert launch.launch_shape(v, "bwd", 1000, 6) == ((8, 6, 1), (384,), v.smem("bwd"))
+                assert launch.launch_shape(v, "bwd", 1000, 6) == ((-(-1000 // t.rows), 6, 1), (384,), v.smem("bwd"))
                 assert launch.launch_shape(v, "dq_convert", 1000, 6) == ((-(-1000 // t.block), 6, 1), (256,), 0)
-                assert v.smem("bwd") <= 227 * 1024 and t.rows == tiles.WS_BWD_KEYS
+                assert v.smem("bwd") <= 227 * 1024
                 # the two passes of the same call
                 two_passes = Variant("bwd", np.dtype(dtype).name, head_dim, "wgmma", causal=causal)
                 for lengths in ((shortest - 1, shortest), (shortest, shortest - 1), (tiles.CHAIN_ROWS + 1, shortest)):
@@ -566,7 +569,7 @@ def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(
                 assert _backward((shortest, shortest), dtype, d, causal, packed=True).path == "wgmma"
             for options in (dict(window=(10, 0)), dict(softcap=5.0), dict(alibi_slopes=SLOPES)):
                 assert _backward((shortest, shortest), dtype, d, False, **options).path == "wgmma", options
-    for head_dim in (32, 96, 160, 256):
+    for head_dim in (32, 96, 160, 192):
         assert _backward((1 << 16, 1 << 16), head_dim=head_dim).path == "wgmma", head_dim
     assert _backward((1 << 16, 1 << 16), dtype=np.float32).path == "pieces"
     assert _backward((1 << 16, 1 << 16), dtype=np.float64).path != "ws"
@@ -590,10 +593,11 @@ def test_unordered_adds_take_the_fused_backward_from_its_own_shortest_length():
                 assert v in SHIPPED_SET and "unordered dq adds" in str(v)
                 t = v.tiles("bwd")
                 # unordered adds go into one accumulator: one chain, for the kernel and its conversion
+                paired = _bool(t.paired)
                 assert v.name_expression("bwd") == (f"attention_bwd_ws_kernel<{ctype}, {head_dim}, {t.block}, "
-                                                    f"{t.stages}, {_bool(causal)}, false, 1>")
+                                                    f"{t.stages}, {_bool(causal)}, false, 1, {paired}>")
                 assert v.name_expression("dq_convert") == \
-                    f"attention_bwd_dq_convert_kernel<{ctype}, {head_dim}, {t.block}, {_bool(causal)}, 1>"
+                    f"attention_bwd_dq_convert_kernel<{ctype}, {head_dim}, {t.block}, {_bool(causal)}, 1, {paired}>"
                 shorter = _backward((shortest - 1, shortest), dtype, head_dim, causal, deterministic=False)
                 assert shorter == Variant("bwd", np.dtype(dtype).name, head_dim, "wgmma", causal=causal)
                 assert shorter.deterministic
@@ -607,23 +611,24 @@ def test_unordered_adds_take_the_fused_backward_from_its_own_shortest_length():
 
 
 def test_fused_backward_adds_by_arrival_where_an_entry_fits_and_short_of_the_index_order_lengths():
-    """The fused backward's order of dq adds: by arrival only where a batch entry's key blocks (128 keys each) fit
-    on the SMs at once; without a causal mask, from WS_BWD_INDEX_ORDER_KEYS keys on, by index."""
+    """The fused backward's order of dq adds: by arrival only where a batch entry's key blocks (of 128 keys, or 64
+    paired) fit on the SMs at once; without a causal mask, from WS_BWD_INDEX_ORDER_KEYS keys on, by index."""
     from cupyflash._cuda.fused_backward import adds_by_arrival
 
     assert set(tiles.WS_BWD_INDEX_ORDER_KEYS) == set(tiles.WS_BWD_HEAD_DIMS)
     for head_dim, longest in tiles.WS_BWD_INDEX_ORDER_KEYS.items():
-        for sms in (132, 1000):
-            assert adds_by_arrival(longest - 1, head_dim, False, sms)
-            assert not adds_by_arrival(longest, head_dim, False, sms)
-            assert adds_by_arrival(longest, head_dim, True, sms)
-        assert adds_by_arrival(132 * 128, head_dim, True, 132)
-        assert not adds_by_arrival(132 * 128 + 1, head_dim, True, 132)  # 133 key blocks on 132 SMs
-        assert not adds_by_arrival(1000, head_dim, False, 7)  # 8 key blocks on 7 SMs
+        keys = tiles.lookup("ws", 2, head_dim, "bwd", "plain").rows
+        for sms in (1000, 2000):
+            assert adds_by_arrival(longest - 1, head_dim, False, sms, keys=keys)
+            assert not adds_by_arrival(longest, head_dim, False, sms, keys=keys)
+            assert adds_by_arrival(longest, head_dim, True, sms, keys=keys)
+        assert adds_by_arrival(132 * keys, head_dim, True, 132, keys=keys)
+        assert not adds_by_arrival(132 * keys + 1, head_dim, True, 132, keys=keys)  # 133 key blocks on 132 SMs
+        assert not adds_by_arrival(7 * keys + 1, head_dim, False, 7, keys=keys)  # 8 key blocks on 7 SMs
         # Unordered adds wait for nothing: by arrival at any length, on any GPU.
         for nk, causal, sms in ((1 << 20, False, 132), (1000, False, 7), (longest, False, 132), (1 << 20, True, 1)):
-            assert adds_by_arrival(nk, head_dim, causal, sms, deterministic=False)
-        assert adds_by_arrival(1000, head_dim, True, 8)
+            assert adds_by_arrival(nk, head_dim, causal, sms, deterministic=False, keys=keys)
+        assert adds_by_arrival(8 * keys, head_dim, True, 8, keys=keys)
 
 
 def test_backward_lengths_keep_calls_with_little_work_on_the_two_passes():

@@ -101,8 +101,8 @@ def test_the_flags_are_where_they_must_be():
     """PIPELINED (p) and ACROSS_TURN (a, only with p) on the wgmma backward's 16-bit passes without dropout
     or the modifiers' arrays; LSE_BY_COPY (c) on dK/dV passes; paired warps (d) on plain backward passes; CTAs per
     SM (x) on the wgmma forward; the ring (r), PACK_AFTER_WAIT (w) and STORE_WARPS (o) on the
-    warp-specialized forward, which always has a ring and a copying warpgroup; the ring (r) alone on the fused
-    backward, in its plain form."""
+    warp-specialized forward, which always has a ring and a copying warpgroup; the ring (r) on the fused
+    backward, in its plain form, paired (d) at HEAD_DIM 256 alone."""
     for (path, itemsize, head_dim, kernel, form), t in tiles.CELLS.items():
         where = (path, itemsize, head_dim, kernel, form)
         if t.pipelined:
@@ -110,11 +110,13 @@ def test_the_flags_are_where_they_must_be():
             assert form in ("plain", "scalars", "window"), where
         assert not t.across_turn or t.pipelined, where
         assert not t.lse_by_copy or kernel == "dkdv", where
-        assert not t.paired or (kernel in ("dkdv", "dq") and form == "plain"), where
+        assert not t.paired or (kernel in ("dkdv", "dq", "bwd") and form == "plain"), where
         assert t.ctas_per_sm == 1 or (path == "wgmma" and kernel == "fwd"), where
         if path == "ws" and kernel == "bwd":
             assert form == "plain" and t.stages >= 2 and t.copy_warps == tiles.WS_COPY_WARPS, where
-            assert not (t.pack_after_wait or t.store_warps) and t.rows == tiles.WS_BWD_KEYS, where
+            assert not (t.pack_after_wait or t.store_warps), where
+            # two consumers of 64 keys each, or paired on the same 64 (HEAD_DIM 256: dK and dV would not fit one)
+            assert t.rows == (64 if t.paired else 128) and t.paired == (head_dim == 256), where
         elif path == "ws":
             assert kernel == "fwd" and t.stages > 0 and t.copy_warps == tiles.WS_COPY_WARPS, where
         else:
@@ -148,7 +150,7 @@ def test_the_tiles_fit_the_kernels():
 def test_name_expressions_carry_the_cells_switches():
     """Each backward pass's name carries its cell's PAIRED, PIPELINED and ACROSS_TURN (and the dK/dV pass
     LSE_BY_COPY), the warp-specialized forward's its ring, PACK_AFTER_WAIT and STORE_WARPS, the fused backward's
-    (and its dq conversion's) its query block, and its ring."""
+    (and its dq conversion's) its query block, its ring and PAIRED."""
     for v in SHIPPED:
         for kernel in v.kernels:
             if kernel in ("preprocess", "probs"):
@@ -160,13 +162,13 @@ def test_name_expressions_carry_the_cells_switches():
                 assert name.endswith(tail), (v, name)
                 assert name.startswith(f"attention_bwd_{kernel}_kernel<")
             elif kernel == "bwd":
-                chains = tiles.ws_bwd_dq_chains(t.block, v.deterministic)
+                chains = tiles.ws_bwd_dq_chains(t, v.deterministic)
                 assert name == (f"attention_bwd_ws_kernel<{CTYPES[v.dtype]}, {v.head_dim}, {t.block}, {t.stages}, "
-                                f"{_bool(v.causal)}, {_bool(v.deterministic)}, {chains}>"), (v, name)
+                                f"{_bool(v.causal)}, {_bool(v.deterministic)}, {chains}, {_bool(t.paired)}>"), (v, name)
             elif kernel == "dq_convert":
-                chains = tiles.ws_bwd_dq_chains(t.block, v.deterministic)
+                chains = tiles.ws_bwd_dq_chains(t, v.deterministic)
                 assert name == (f"attention_bwd_dq_convert_kernel<{CTYPES[v.dtype]}, {v.head_dim}, {t.block}, "
-                                f"{_bool(v.causal)}, {chains}>")
+                                f"{_bool(v.causal)}, {chains}, {_bool(t.paired)}>")
             elif v.path == "ws":
                 out = CTYPES[v.out_dtype or v.dtype]
                 warpgroups = t.rows // tiles.WS_WARPGROUP_ROWS

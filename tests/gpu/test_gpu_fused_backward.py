@@ -1,5 +1,5 @@
 """The warp-specialized fused backward (cuda_src/attention_bwd_ws.cu) on Hopper: 16-bit, plain or causal, head
-dims 33-64 and 97-128, sequences from tiles.WS_BWD_MIN_LENGTH on (with deterministic=False and no causal mask,
+dims 33-64, 97-128 and 193-256, sequences from tiles.WS_BWD_MIN_LENGTH on (with deterministic=False and no causal mask,
 from WS_BWD_MIN_LENGTH_UNORDERED). Needs a GPU of compute capability 9.0:
 
     python -m pytest -m gpu tests/gpu/test_gpu_fused_backward.py
@@ -70,7 +70,7 @@ def _problem(rng, dtype, batch, nq, nk, d, dv=None):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nq, nk", [(333, 397), (397, 261), (128, 128), (1000, 64), (70, 1100)])
-@pytest.mark.parametrize("d", [40, 64, 100, 128])
+@pytest.mark.parametrize("d", [40, 64, 100, 128, 200, 256])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_fused_backward_matches_the_reference(rng, any_length, dtype, d, nq, nk, causal):
     """Sizes off every block: partial query and key blocks, Nq > Nk (causal rows that see no key, whose dq is
@@ -83,7 +83,7 @@ def test_fused_backward_matches_the_reference(rng, any_length, dtype, d, nq, nk,
     assert_matches_reference(q, k, v, dout, results, causal=causal)
 
 
-@pytest.mark.parametrize("d, dv", [(64, 40), (48, 128)])
+@pytest.mark.parametrize("d, dv", [(64, 40), (48, 128), (256, 224)])
 def test_fused_backward_with_narrower_values_or_keys(rng, any_length, d, dv):
     assert _fused(ml_dtypes.bfloat16, d, dv, True, 300, 500).fused_backward
     q, k, v, dout = _problem(rng, ml_dtypes.bfloat16, (2, 2), 300, 500, d, dv)
@@ -92,9 +92,10 @@ def test_fused_backward_with_narrower_values_or_keys(rng, any_length, d, dv):
     assert_matches_reference(q, k, v, dout, results, causal=True)
 
 
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("by_arrival", [True, False], ids=["by-arrival", "by-index"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_fused_backward_is_bitwise_reproducible(rng, any_length, monkeypatch, causal, by_arrival):
+def test_fused_backward_is_bitwise_reproducible(rng, any_length, monkeypatch, causal, by_arrival, d):
     """dq sums the key blocks' partials in an order fixed per query block, whichever CTA gets there first: two
     runs agree bit for bit, in both orders the host picks from (key blocks in the order they reach a query
     block, or in the order of their index: where a batch entry's CTAs cannot all be resident at once, and without
@@ -102,7 +103,7 @@ def test_fused_backward_is_bitwise_reproducible(rng, any_length, monkeypatch, ca
     batch entries, so that several waves of CTAs run and their timing differs between runs."""
     if not by_arrival:  # every batch entry as if it had more key blocks than the GPU has SMs
         monkeypatch.setattr(fused_backward, "sm_count", lambda device: 1)
-    q, k, v, dout = _problem(rng, ml_dtypes.bfloat16, (4, 24), 1100, 1300, 128)
+    q, k, v, dout = _problem(rng, ml_dtypes.bfloat16, (4, 24), 1100, 1300, d)
     out, lse = cupyflash.attention_forward(q, k, v, causal=causal)
     first = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
     for _ in range(3):
@@ -132,11 +133,11 @@ def test_fused_backward_serves_long_sequences(rng):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nq, nk", [(333, 397), (1000, 64), (70, 1100)])
-@pytest.mark.parametrize("d", [64, 100])
+@pytest.mark.parametrize("d", [64, 100, 256])
 def test_unordered_fused_backward_matches_the_reference(rng, any_length, monkeypatch, d, nq, nk, causal):
     """deterministic=False: the fused kernel whose dq adds land in any order (into an accumulator the host
-    zeroes: allocations start as NaN here), against float64 at awkward sizes, head dims 64 and 128 (two chains
-    of the ordered form's layout at 64)."""
+    zeroes: allocations start as NaN here), against float64 at awkward sizes, head dims 64, 128 and 256 (two
+    chains of the ordered form's layout at 64; paired consumers at 256)."""
     launched = _launches(monkeypatch)
     q, k, v, dout = _problem(rng, np.float16 if d == 64 else ml_dtypes.bfloat16, (2, 3), nq, nk, d)
     out, lse = cupyflash.attention_forward(q, k, v, causal=causal)
