@@ -16,7 +16,7 @@
 //    dq writer (bwd_write_dq), which adds both consumers' dQ_partial into dq_accum by a bulk reduce, in
 //    key-block order (DETERMINISTIC). The other warps leave; the warpgroup gives its registers to the
 //    consumers (setmaxnreg).
-//  - two consumers (warpgroups 1 and 2), each owning 64 of the block's keys, per query block:
+//  - two consumers (warpgroups 1 and 2), each owning 64 of the block's keys (paired: below), per query block:
 //      S^T = K Q^T and dP^T = V dO^T issued together; P^T = exp2(S^T scale_log2 - lse_log2) under dP^T;
 //      dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q with P^T, dS^T from registers (as the
 //      two-pass backward's dK/dV pass); dS^T stored to shared memory under dV; after a barrier of both
@@ -30,9 +30,9 @@
 // Barriers (tma.cuh): kv_full (K and V's bytes), step_full[STAGES] (q and dout's bytes, and the producer's 32
 // lanes once their lse_log2 and delta are stored), step_empty[STAGES] (the 256 consumer threads, after the slot's
 // last product; paired, the writer), dq_full (8 consumer warps, their dQ_partial staged; paired, one per slot,
-// all 256 threads), dq_empty (the writer, once its bulk copy has read the staging buffers); named barrier 1 (both
-// consumers: dS^T stored; at the end, done with sK and sV before dk, dv are staged there), 2 + consumer (its dk,
-// dv staged); paired, p_full and ds_full between the consumers instead of named barrier 1.
+// all 256 threads), dq_empty (unpaired: the writer, once its bulk copy has read the staging buffers); named
+// barrier 1 (both consumers: dS^T stored; at the end, done with sK and sV before dk, dv are staged there),
+// 2 + consumer (its dk, dv staged); paired, p_full and ds_full between the consumers instead of named barrier 1.
 // DETERMINISTIC: dq's float32 sums run in a fixed order per query block, so dq is bitwise reproducible (as dk
 // and dv are: one CTA sums each). Without it (attention_backward(deterministic=False)) the adds land in
 // whatever order the CTAs reach a query block, all into chain 0 of a zeroed dq_accum.
@@ -74,7 +74,8 @@ struct BwdWsTraits {
   // already, and unordered (every add into chain 0).
   static constexpr int DQ_CHAINS = DQ_CHAINS_;
   static_assert(DQ_CHAINS >= 1 && (DETERMINISTIC || DQ_CHAINS == 1), "unordered adds go into one accumulator");
-  // setmaxnreg only moves registers within the CTA's 168 x 384.
+  // setmaxnreg only moves registers within the CTA's own: 168 a thread as launched (__launch_bounds__(384, 1):
+  // 65536 / 384, rounded down to a multiple of 8).
   static constexpr int COPY_REGISTERS = 24, COMPUTE_REGISTERS = 240;
   static_assert(128 * COPY_REGISTERS + 256 * COMPUTE_REGISTERS <= 168 * 384, "the CTA's registers, redistributed");
   // dK += dS^T Q runs on into the next query block's S^T and dP^T, holding dS^T's fragments across the turn,
@@ -241,11 +242,12 @@ __device__ __forceinline__ void add_release(int* counter, int value) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(counter), "r"(value) : "memory");
 }
 
-// The dq writer (the producer warpgroup's warp 1, one lane): per query block, both consumers' dQ_partial (one
-// contiguous 2 * DQ_CHUNK floats in the staging buffers and in dq_accum) into dq_accum by a bulk copy.
-// DETERMINISTIC: in rank order, the first stored and the others added, each count released once the adds have
-// landed; otherwise added in any order. Waiting here, not in the consumers, lets them go on to the next query
-// block (until they need the staging buffers again).
+// The dq writer (the producer warpgroup's warp 1, one lane): per query block, both consumers' dQ_partial into
+// dq_accum (2 * DQ_CHUNK contiguous floats there) by bulk copies: one from the contiguous staging buffers, or,
+// paired, one from each of the slot's two tiles, after which it frees the slot. DETERMINISTIC: in rank order,
+// the first stored and the others added, each count released once the adds have landed; otherwise added in any
+// order. Waiting here, not in the consumers, lets them go on to the next query block (until they need the
+// staging buffers, or paired the slot, again).
 template <class K>
 __device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_accum, int* dq_counters,
                                              const KeyBlockWalk<K>& walk, const AttnParams& p) {
@@ -391,10 +393,10 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
   store_gradient<K>(acc_dv, cta.sV() + wg * K::OutTile::SIZE, p.dv, p.d_v, ones, p, b, key0, wg, warp, lane);
 }
 
-// A consumer of a PAIRED CTA (keys [n0, n0 + 64), both consumers): wg 0 computes S^T, P^T (handed to wg 1
-// through sP) and dV += P^T dO; wg 1 dP^T, dS^T = P^T (dP^T - delta) (stored for the dQ products) and
-// dK += dS^T Q. After a barrier of both, each its half of dQ_partial's columns, staged over the slot's dout
-// (wg 0) or q tile (wg 1) for the writer, which then frees the slot. Then dv (wg 0) or dk (wg 1).
+// A consumer of a PAIRED CTA (keys [n0, n0 + 64), both consumers): wg 0 computes S^T, P^T (handed over to wg 1
+// through sP, p_full) and dV += P^T dO; wg 1 dP^T, dS^T = P^T (dP^T - delta) (stored for the dQ products,
+// ds_full) and dK += dS^T Q. Once dS^T is stored, each its half of dQ_partial's columns, staged over the slot's
+// dout (wg 0) or q tile (wg 1) for the writer, which then frees the slot. Then dv (wg 0) or dk (wg 1).
 template <class K, int WG>
 __device__ __forceinline__ void bwd_consume_paired(const BwdWsCta<K>& cta, const AttnParams& p,
                                                    const KeyBlockWalk<K>& walk, int warp, int lane) {
@@ -454,21 +456,24 @@ __device__ __forceinline__ void bwd_consume_paired(const BwdWsCta<K>& cta, const
       mbar_arrive(cta.ds_full());
     }
     // dS^T stored, for both consumers' dQ products. Wg 1 has read the handed-over P^T, which wg 0 may overwrite
-    // from here; wg 1 reaches the next block's P^T (and then overwrites this dS^T buffer's twin) only once wg 0
-    // has finished this block's dQ product.
+    // from here; wg 1 reaches the next block's P^T (and then stores dS^T again) only once wg 0 has finished this
+    // block's dQ product, so one dS^T buffer would do here: the second is the unpaired layout's.
     mbar_wait(cta.ds_full(), i & 1);
     float acc_dq[K::DQ_TILES][4];
-    wg_issue_atb<T, K::BLOCK_N / 16, K::DQ_TILES, typename K::DsTile, KVTile>(acc_dq, sdS_i, 0, cta.sK(), K::DQ_COLS * wg);
+    wg_issue_atb<T, K::BLOCK_N / 16, K::DQ_TILES, typename K::DsTile, KVTile>(acc_dq, sdS_i, 0, cta.sK(),
+                                                                             K::DQ_COLS * wg);
     wgmma_wait<0>();
     fence_operands(acc_g);
     fence_operands(acc_dq);
     fence_fragments(frag);
-    // Over the tile this consumer's gradient product read, now done with: the slot stays the writer's until
-    // its bulk copy has read the partial.
+    // Over the tile this consumer's gradient product read (waited for above); the other consumer's product
+    // that reads it (wg 1's dP^T reads dout, wg 0's S^T reads q) finished before ds_full, or p_full. The slot
+    // stays the writer's until its bulk copy has read the partial.
     float* staging = cta.sdQ(wg, s);
 #pragma unroll
     for (int j = 0; j < K::DQ_TILES; ++j)
-      *reinterpret_cast<float4*>(staging + (j * 128 + thread) * 4) = make_float4(acc_dq[j][0], acc_dq[j][1], acc_dq[j][2], acc_dq[j][3]);
+      *reinterpret_cast<float4*>(staging + (j * 128 + thread) * 4) =
+          make_float4(acc_dq[j][0], acc_dq[j][1], acc_dq[j][2], acc_dq[j][3]);
     fence_async_shared();  // the stores before the bulk copy that reads them
     mbar_arrive(cta.dq_full(s));
     first = false;

@@ -21,8 +21,8 @@ def describable(arrays, sizes, strides) -> bool:
     return tma.available() and all(tma.describable(arrays[name], sizes, strides[name]) for name in MAPPED)
 
 
-def adds_by_arrival(nk: int, head_dim: int, causal: bool, sms: int, deterministic: bool = True,
-                    keys: int = 128) -> bool:
+def adds_by_arrival(nk: int, head_dim: int, causal: bool, sms: int, deterministic: bool = True, *,
+                    keys: int) -> bool:
     """Whether key blocks take their turn at a query block in the order they reach it (attention_bwd_ws.cu), else
     in the order of their index. In order: by arrival only where all of a batch entry's CTAs can be resident at
     once (one per SM: a CTA may wait for one launched after it), and without a causal mask below
@@ -58,7 +58,7 @@ def run(functions, variant, params, arrays, sizes, strides, *, batch: int, nq: i
     rows = {"q": t.block, "k": t.rows, "v": t.rows, "dout": t.block}
     maps = tma.TensorMaps(arrays, sizes, strides, rows).encode({name: arrays[name].data.ptr for name in MAPPED})
     by_arrival = adds_by_arrival(nk, variant.head_dim, variant.causal, sm_count(cupy.cuda.runtime.getDevice()),
-                                 variant.deterministic, t.rows)
+                                 variant.deterministic, keys=t.rows)
     argument = params.view(PARAMS_BYTES)
     launch(functions, variant, "preprocess", nq, batch, params)
     grid, block, smem = launch_shape(variant, "bwd", nk, batch)

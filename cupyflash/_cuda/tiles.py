@@ -237,9 +237,8 @@ WS_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CEL
                              if path == "ws" and size == 2 and kernel == "fwd"}))
 # The warp-specialized fused backward (cuda_src/attention_bwd_ws.cu): its HEAD_DIMs, and the shortest
 # sequences it serves (min(Nq, Nk)): below them the two passes were faster (dq_accum's per-row cost and the
-# ordered adds weigh more on short loops; bench/exp/15_ws_backward.py; at HEAD_DIM 256 the library's fused call
-# at 1k was 0.95x the two passes without a causal mask, 0.83x with; at 2k 1.11x and 1.01x). Longer than
-# CHAIN_ROWS, the two passes, which sum in chunks.
+# ordered adds weigh more on short loops; bench/exp/15_ws_backward.py and docs/design/backward.md, HEAD_DIM 256
+# included). Longer than CHAIN_ROWS, the two passes, which sum in chunks.
 WS_BWD_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CELLS
                                  if path == "ws" and size == 2 and kernel == "bwd"}))
 WS_BWD_MIN_LENGTH = {64: 2048, 128: 4096, 256: 2048}
@@ -253,8 +252,9 @@ WS_BWD_MIN_WORK = 1 << 34
 # From how many keys an ordered call without a causal mask adds dq in key-block order rather than by arrival
 # (both fixed orders; unordered adds always walk as by arrival): there every CTA walks the query blocks in one
 # order, and that was 3-16% faster on an H200 in every run at 16k keys, and at 8k with two chains (HEAD_DIM 64);
-# within 3% or slower below (docs/design/backward.md). At HEAD_DIM 256 (64-key blocks) by arrival was 12% faster
-# at 8k; from 16k a batch entry's 256 key blocks outnumber an H100's or H200's SMs, where the index order serves.
+# within 3% or slower below (docs/design/backward.md). At HEAD_DIM 256 (64-key blocks) by arrival was the faster
+# at 8k, and past 132 x 64 keys a batch entry's key blocks outnumber an H100's or H200's SMs (adds_by_arrival),
+# so the index order serves there from 8,449 keys already.
 WS_BWD_INDEX_ORDER_KEYS = {64: 8192, 128: 16384, 256: 16384}
 
 
@@ -267,9 +267,10 @@ def ws_bwd_min_length(head_dim: int, causal: bool, deterministic: bool) -> int:
 
 def ws_bwd_dq_chains(t: Tiles, deterministic: bool = True) -> int:
     """The fused backward's chains of ordered dq adds per query block, each with its own float32 accumulator (its
-    kernels' DQ_CHAINS), for its cell t: two where query blocks are as long as key blocks (HEAD_DIM 64: 128 and
-    128; 256: 64 and 64), so that by arrival consecutive ranks reach a query block one step apart; one where
-    they come two steps apart already (HEAD_DIM 128: 64 queries, 128 keys); unordered adds, one."""
+    kernels' DQ_CHAINS), for its cell t. Where query blocks are as long as key blocks (HEAD_DIM 64: 128 and 128;
+    256: 64 and 64), consecutive ranks reach a query block one step apart by arrival: two chains, so that an
+    add's round trip may take two steps. One where they come two steps apart already (HEAD_DIM 128: 64 queries,
+    128 keys), and for unordered adds."""
     return 2 if t.block == t.rows and deterministic else 1
 
 
