@@ -6,11 +6,12 @@ DLPack, no copy). ``--backends ... ours-unordered`` adds ours with ``attention_b
     python bench/bench_attention.py                          # every case (split by --cases on a 10-min budget)
     python bench/bench_attention.py --quick                  # 8 bf16 cases
     python bench/bench_attention.py --cases 'bf16-d128-.*-n8k' --json results.json
+    python bench/bench_attention.py --head-dims 80 96 192 --cases '^bf16-'   # other head dims
     python bench/bench_attention.py --cold-start --memory --no-speed
     python bench/bench_attention.py --quick --memory --json results.json --plot   # PNGs next to the JSON
 
 Shapes follow FlashAttention's benchmark: 16384 tokens in all (batch B = 16384 // N) and hidden 2048
-(heads H = 2048 // D), N in 512 ... 16k, D in 64, 128, 256, causal and not, bf16, fp16, fp32. Case names
+(heads H = 2048 // D), N in 512 ... 16k, D in 64, 128, 256 (--head-dims), causal and not, bf16, fp16, fp32. Case names
 read ``bf16-d128-causal-n8k``. FLOPs: forward 4·B·H·N²·D (halved for causal); backward 2.5 × forward.
 
 Every backend is validated once per case before it is timed: its forward on the timed inputs (the last
@@ -136,6 +137,8 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="bf16, D in 64 and 128, N in 2k and 8k")
     parser.add_argument("--cases", metavar="REGEX", help="only cases whose name matches (re.search)")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS), metavar="D",
+                        help="head dims of the grid (default %(default)s; heads H = 2048 // D)")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS + (UNORDERED,))
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (>= 20)")
     parser.add_argument("--warmup", type=int, default=5)
@@ -156,6 +159,8 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.repeats < 20:
         parser.error("--repeats must be >= 20")
+    if any(not 1 <= d <= 256 for d in args.head_dims):
+        parser.error(f"--head-dims must lie in 1..256, got {args.head_dims}")
     if args.plot and not args.json:
         parser.error("--plot draws the --json file: give --json PATH too")
     return args
@@ -200,7 +205,7 @@ def _cuda_version(v):
 
 
 def select_cases(args):
-    grid = QUICK if args.quick else dict(dtypes=tuple(DTYPES), head_dims=HEAD_DIMS, seqlens=SEQLENS)
+    grid = QUICK if args.quick else dict(dtypes=tuple(DTYPES), head_dims=tuple(args.head_dims), seqlens=SEQLENS)
     cases = [Case(dt, d, n, causal) for dt in grid["dtypes"] for d in grid["head_dims"]
              for causal in (False, True) for n in grid["seqlens"]]
     if args.cases:

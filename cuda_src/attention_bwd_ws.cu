@@ -537,33 +537,55 @@ attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMap
 
 // dq = scale * dq_accum, rounded to T: a CTA per (query block, batch entry), a thread per accumulator thread of
 // the two consumers' chunks (DqChunk). A query block no key block adds to (causal: queries before every key,
-// or no keys at all) has 0 for dq and nothing in dq_accum.
+// or no keys at all) has 0 for dq and nothing in dq_accum. It reads every float of its chunks before it stores
+// (the compiler may not move a load of dq_accum above a store to dq, which could alias: one DRAM round trip per
+// tile made this kernel latency-bound), and the rounded rows go out through shared memory as 16-byte pieces of
+// whole rows (the fragments' 4-byte pairs would fill half of each 32-byte sector per store).
 template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL, int DQ_CHAINS, bool PAIRED>
 __global__ void __launch_bounds__(256)
 attention_bwd_dq_convert_kernel(const AttnParams p, const float* dq_accum) {
   using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, 2, IS_CAUSAL, true, DQ_CHAINS, PAIRED>;
+  constexpr int ROW = K::DQ_COLS + 8;  // staged row, in T: 16 bytes of padding keep the pairs' rows on other banks
+  __shared__ __align__(16) T staged[2][64 * ROW];
   const int b = batch_index(), m = blockIdx.x;
   // The key blocks that added to this query block: all, or causal those up to the last that sees its last row.
   const int key_blocks = ceil_div(p.nk, K::BLOCK_N);
   const int added = IS_CAUSAL ? min(key_blocks, floor_div(m * BLOCK_M + BLOCK_M - 1 + (p.nk - p.nq), K::BLOCK_N) + 1)
                               : key_blocks;
   const int wg = threadIdx.x / 128, thread = threadIdx.x % 128;
-  const float* chunk = dq_accum + ((static_cast<i64>(b) * gridDim.x + m) * K::DQ_CHAINS * 2 + wg) * K::DQ_CHUNK;
-  const int row0 = m * BLOCK_M + (K::DQ_SPLIT_ROWS ? 64 * wg : 0), col0 = K::DQ_SPLIT_ROWS ? 0 : K::DQ_COLS * wg;
-  T* dq = static_cast<T*>(p.dq) + static_cast<i64>(b) * p.nq * p.d_qk;
+  const float4* chunk = reinterpret_cast<const float4*>(
+      dq_accum + ((static_cast<i64>(b) * gridDim.x + m) * K::DQ_CHAINS * 2 + wg) * K::DQ_CHUNK);
+  float4 x[K::DQ_TILES];
+#pragma unroll
+  for (int j = 0; j < K::DQ_TILES; ++j) x[j] = added > 0 ? __ldg(chunk + j * 128 + thread) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int chain = 1; chain < K::DQ_CHAINS; ++chain) {  // the chains' sums in chain order
+    if (chain >= added) break;
+#pragma unroll
+    for (int j = 0; j < K::DQ_TILES; ++j) {
+      const float4 y = __ldg(chunk + chain * 2 * K::DQ_CHUNK / 4 + j * 128 + thread);
+      x[j] = make_float4(x[j].x + y.x, x[j].y + y.y, x[j].z + y.z, x[j].w + y.w);
+    }
+  }
+  T* own = staged[wg];
+  const int r = DqChunk::row(thread, 0);
 #pragma unroll
   for (int j = 0; j < K::DQ_TILES; ++j) {
-    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int c = DqChunk::col(thread, j, 0);
+    Elem<T>::store2(own + r * ROW + c, x[j].x * p.scale, x[j].y * p.scale);
+    Elem<T>::store2(own + (r + 8) * ROW + c, x[j].z * p.scale, x[j].w * p.scale);
+  }
+  __syncthreads();
+  // Each consumer's 64 rows x DQ_COLS: its rows from row0, its columns from col0 (of the row's d_qk, a multiple
+  // of 8 on the tensor-map path, and dq's rows start on 16 bytes).
+  const int row0 = m * BLOCK_M + (K::DQ_SPLIT_ROWS ? 64 * wg : 0), col0 = K::DQ_SPLIT_ROWS ? 0 : K::DQ_COLS * wg;
+  T* dq = static_cast<T*>(p.dq) + static_cast<i64>(b) * p.nq * p.d_qk;
+  constexpr int PIECES = K::DQ_COLS / 8;  // 16-byte pieces per staged row
 #pragma unroll
-    for (int chain = 0; chain < K::DQ_CHAINS; ++chain) {  // the chains' sums in chain order
-      if (chain >= added) break;
-      const float4 y = *reinterpret_cast<const float4*>(chunk + chain * 2 * K::DQ_CHUNK + (j * 128 + thread) * 4);
-      x = make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w);
-    }
-    const int c = col0 + DqChunk::col(thread, j, 0);
-    if (c >= p.d_qk) continue;
-    const int r = row0 + DqChunk::row(thread, 0);
-    if (r < p.nq) Elem<T>::store2(dq + static_cast<i64>(r) * p.d_qk + c, x.x * p.scale, x.y * p.scale);
-    if (r + 8 < p.nq) Elem<T>::store2(dq + static_cast<i64>(r + 8) * p.d_qk + c, x.z * p.scale, x.w * p.scale);
+  for (int i = thread; i < 64 * PIECES; i += 128) {
+    const int row = i / PIECES, col = (i % PIECES) * 8;
+    if (row0 + row < p.nq && col0 + col < p.d_qk)
+      *reinterpret_cast<uint4*>(dq + static_cast<i64>(row0 + row) * p.d_qk + col0 + col) =
+          *reinterpret_cast<const uint4*>(own + row * ROW + col);
   }
 }
