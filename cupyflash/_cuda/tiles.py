@@ -241,10 +241,18 @@ WS_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CEL
 # included). Longer than CHAIN_ROWS, the two passes, which sum in chunks.
 WS_BWD_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CELLS
                                  if path == "ws" and size == 2 and kernel == "bwd"}))
-WS_BWD_MIN_LENGTH = {64: 2048, 128: 4096, 256: 2048}
-# ... and with unordered dq adds (deterministic=False) and no causal mask, where the order's cost had kept the
-# two passes: at D = 128 2k unordered adds were 1.11x the two passes (causal 0.97x: causal keeps the above).
-WS_BWD_MIN_LENGTH_UNORDERED = {64: 2048, 128: 2048, 256: 2048}
+# The smallest head dim each warp-specialized HEAD_DIM serves, padded (ws_head_dim): the forward at 128 from 65
+# and at 256 from 129, where the wgmma forward at the table's 96, 160 and 192 ran at 0.58-0.81 of cuDNN and the
+# padded warp-specialized one at 0.72-1.07 (more at every length, H200); the fused backward at 256 only from 193
+# (at 160 it ran 0.78-0.97 of the two passes: the padding's products cost more than the fusion saves).
+WS_SERVES_FROM = {"fwd": {64: 33, 128: 65, 256: 129}, "bwd": {64: 33, 128: 65, 256: 193}}
+assert all(tuple(dims) == (WS_HEAD_DIMS if kernel == "fwd" else WS_BWD_HEAD_DIMS)
+           for kernel, dims in WS_SERVES_FROM.items()), "a serving range for each warp-specialized HEAD_DIM"
+WS_BWD_MIN_LENGTH = {64: 1024, 128: 1024, 256: 1024}
+# ... and with unordered dq adds (deterministic=False) and no causal mask. The two differed (2k / 4k at HEAD_DIM
+# 128) while the dq conversion ran at a quarter of its DRAM floor; since, the fused kernel is the faster from 1k
+# in both orders and at 512 slower in some (H200, bench_attention.py: docs/design/backward.md).
+WS_BWD_MIN_LENGTH_UNORDERED = {64: 1024, 128: 1024, 256: 1024}
 # ... and the least work, batch entries x Nq x Nk x HEAD_DIM (2^34: about 0.4 ms of GPU time): the fused backward
 # is launched unplanned (fused_backward.py: tensor maps encoded, parameters built per call), so a call with less
 # work than that could spend longer on the host than the planned two passes take on the GPU.
@@ -316,6 +324,16 @@ def padded_head_dim(d: int) -> int:
         if d <= head_dim:
             return head_dim
     raise ValueError(f"head dim must be at most {MAX_HEAD_DIM}, got {d}")
+
+
+def ws_head_dim(d: int, kernel: str = "fwd") -> int | None:
+    """The HEAD_DIM of the warp-specialized 16-bit kernel ("fwd", or "bwd": the fused backward) that serves a head
+    dim of d elements, or None: the smallest of its head dims that holds d, from WS_SERVES_FROM on (the tensor
+    maps' zero fill supplies the columns past d)."""
+    for head_dim, first in WS_SERVES_FROM[kernel].items():
+        if d <= head_dim:
+            return head_dim if d >= first else None
+    return None
 
 
 def preprocess_lanes(itemsize: int, head_dim: int) -> int:

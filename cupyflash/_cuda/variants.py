@@ -268,15 +268,18 @@ def ws_walks_block_mask(itemsize: int, head_dim: int) -> bool:
 def select(f: Features, device: Device) -> Variant:
     """The variant that serves a call with features ``f`` on a device with abilities ``device``."""
     itemsize, head_dim = ITEMSIZES[f.dtype], tiles.padded_head_dim(f.head_dim)
+    # The warp-specialized kernels' HEAD_DIMs for this head dim (16-bit), which may be wider than the table's.
+    ws_fwd = tiles.ws_head_dim(f.head_dim, "fwd") if itemsize == 2 else None
+    ws_bwd = tiles.ws_head_dim(f.head_dim, "bwd") if itemsize == 2 else None
     # Packed batches and attention_probs read cu_seqlens or every option at run time: the modifiers' kernels.
     has_mods = f.has_mods or f.direction == "probs" or f.packed
     pieces = (f.direction != "probs" and not has_mods and not f.dropout and tiles.has("pieces", itemsize, head_dim))
     wgmma = device.wgmma and (tiles.has("wgmma", itemsize, head_dim) or pieces)
-    ws = (f.direction == "fwd" and wgmma and itemsize == 2 and tiles.has("ws", itemsize, head_dim) and f.tma
+    ws = (f.direction == "fwd" and wgmma and ws_fwd is not None and tiles.has("ws", itemsize, ws_fwd) and f.tma
           and not f.dropout and not f.packed)
     # A block mask with no bias or mask: the warp-specialized forward walks it; other forwards with a block
     # mask take the ``all`` form, whose walk costs the scalars' forwards time; the backward's scalars walk it.
-    ws_block_mask = ws and f.block_mask and not f.arrays and ws_walks_block_mask(itemsize, head_dim)
+    ws_block_mask = ws and f.block_mask and not f.arrays and ws_walks_block_mask(itemsize, ws_fwd)
     # The scalars' form exists where the table has its cells (not for float64: two of its passes spilled).
     scalars = (has_mods and f.direction != "probs" and not f.dropout and tiles.has("mma", itemsize, head_dim, "scalars")
                and (not f.has_mods or ws_block_mask or (not f.arrays and (not f.block_mask or f.direction == "bwd"))))
@@ -291,8 +294,8 @@ def select(f: Features, device: Device) -> Variant:
     # The fused backward: plain or causal, 16-bit, on tensor maps, for sequences from its shortest to CHAIN_ROWS
     # (with unordered adds and no causal mask, from a shorter length).
     fused_backward = (f.direction == "bwd" and wgmma and itemsize == 2 and not has_mods and not f.dropout and f.tma
-                      and head_dim in tiles.WS_BWD_HEAD_DIMS and max(f.lengths) <= tiles.CHAIN_ROWS
-                      and tiles.ws_bwd_min_length(head_dim, f.causal, f.deterministic) <= min(f.lengths))
+                      and ws_bwd is not None and max(f.lengths) <= tiles.CHAIN_ROWS
+                      and tiles.ws_bwd_min_length(ws_bwd, f.causal, f.deterministic) <= min(f.lengths))
     if not has_mods:
         mods = "none"
     elif scalars:
@@ -313,6 +316,8 @@ def select(f: Features, device: Device) -> Variant:
     elif warp_specialized and f.alibi:
         score = "alibi_half_first" if f.right_edge else "alibi"
     causal = f.causal and mods in ("none", "softcap")
+    if path == "ws":
+        head_dim = ws_fwd if f.direction == "fwd" else ws_bwd
     return Variant(f.direction, f.dtype, head_dim, path, mods, causal, f.dropout, score,
                    warp_specialized and ws_block_mask, deterministic=f.deterministic or not fused_backward)
 

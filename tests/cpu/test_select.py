@@ -287,15 +287,21 @@ def test_float64_takes_the_large_tiles_where_the_shared_memory_allows():
 def test_the_device_decides_the_path():
     """16-bit at HEAD_DIM 64: mma.sync without Hopper's paths, wgmma (the forward: warp-specialized) with them;
     on a device with the large shared memory alone (Hopper with CUPYFLASH_NO_WGMMA=1) the mma.sync kernels
-    too. Head dims 64, 128 and 256 have the warp-specialized forward; 96 does not."""
+    too. The warp-specialized forward serves head dims 33-256 at its HEAD_DIMs 64, 128 and 256 (96 at 128, 160
+    and 192 at 256, padded); 32 and below keep the wgmma forward."""
     for direction in ("fwd", "bwd"):
         assert _chosen(direction, head_dim=64, device=AMPERE).path == "mma"
         assert _chosen(direction, head_dim=64, device=LARGE_SMEM_ONLY).path == "mma"
     assert _chosen("bwd", head_dim=64, device=HOPPER).path == "wgmma"
     assert _chosen("probs", head_dim=64, causal=False, device=HOPPER).path == "wgmma"
-    for head_dim in (64, 128, 256):
-        assert _chosen("fwd", head_dim=head_dim, device=HOPPER).path == "ws"
-    assert _chosen("fwd", head_dim=96, device=HOPPER).path == "wgmma"
+    for head_dim, ws in ((33, 64), (64, 64), (65, 128), (96, 128), (128, 128), (129, 256), (192, 256), (256, 256)):
+        chosen = _chosen("fwd", head_dim=head_dim, device=HOPPER)
+        assert (chosen.path, chosen.head_dim) == ("ws", ws), head_dim
+    for head_dim in (16, 32):
+        assert _chosen("fwd", head_dim=head_dim, device=HOPPER).path == "wgmma"
+    assert [tiles.ws_head_dim(d) for d in (1, 32, 33, 64, 65, 128, 129, 256, 257)] == \
+        [None, None, 64, 64, 128, 128, 256, 256, None]
+    assert [tiles.ws_head_dim(d, "bwd") for d in (32, 33, 96, 160, 192, 193, 256)] == [None, 64, 128, None, None, 256, 256]
 
 
 # ------------------------------------------------------------------------------------------ warp-specialized
@@ -318,7 +324,7 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
     scalars = dict(softcap=20.0, window=(50, 3), alibi_slopes=SLOPES)
     for dtype, ctype in HALVES:
         for head_dim in _wgmma_head_dims():
-            listed = head_dim in tiles.WS_HEAD_DIMS
+            listed = tiles.ws_head_dim(head_dim) is not None
             # (causal as the kernel takes it, its Mods, the options, the variant chosen)
             forwards = [(causal, "Mods::none", {}, _chosen(dtype=dtype, head_dim=head_dim, causal=causal))
                         for causal in (False, True)]
@@ -334,11 +340,12 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
             assert _chosen(dtype=dtype, head_dim=head_dim, dropout=DROPOUT).path == "wgmma"
             if not listed:
                 continue
+            ws_dim = tiles.ws_head_dim(head_dim)  # 96 at 128, 160 and 192 at 256
             for causal, mods, options, chosen in forwards:
                 t = chosen.tiles("fwd")
-                assert t == tiles.lookup("ws", 2, head_dim, "fwd", chosen.form)
+                assert chosen.head_dim == ws_dim and t == tiles.lookup("ws", 2, ws_dim, "fwd", chosen.form)
                 assert chosen.name_expression("fwd") == (
-                    f"attention_fwd_ws_kernel<{ctype}, {head_dim}, {t.block}, {t.stages}, {_bool(causal)}, {mods}, "
+                    f"attention_fwd_ws_kernel<{ctype}, {ws_dim}, {t.block}, {t.stages}, {_bool(causal)}, {mods}, "
                     f"{_bool(chosen.score == 'bounded')}, {_bool(chosen.score.startswith('alibi'))}, "
                     f"{_bool(chosen.score == 'alibi_half_first')}, false, {_bool(t.pack_after_wait)}, "
                     f"{_bool(t.store_warps)}, {ctype}, {t.rows // tiles.WS_WARPGROUP_ROWS}>")
@@ -569,8 +576,12 @@ def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(
                 assert _backward((shortest, shortest), dtype, d, causal, packed=True).path == "wgmma"
             for options in (dict(window=(10, 0)), dict(softcap=5.0), dict(alibi_slopes=SLOPES)):
                 assert _backward((shortest, shortest), dtype, d, False, **options).path == "wgmma", options
-    for head_dim in (32, 96, 160, 192):
-        assert _backward((1 << 16, 1 << 16), head_dim=head_dim).path == "wgmma", head_dim
+    assert _backward((1 << 16, 1 << 16), head_dim=32).path == "wgmma"
+    for head_dim, ws_dim in ((33, 64), (96, 128), (193, 256)):  # padded to the fused backward's HEAD_DIM
+        chosen = _backward((1 << 16, 1 << 16), head_dim=head_dim)
+        assert (chosen.path, chosen.head_dim, chosen.fused_backward) == ("ws", ws_dim, True), head_dim
+    for head_dim in (160, 192):  # the two passes at the table's HEAD_DIM
+        assert _backward((1 << 16, 1 << 16), head_dim=head_dim) == Variant("bwd", "bfloat16", head_dim, "wgmma", causal=True)
     assert _backward((1 << 16, 1 << 16), dtype=np.float32).path == "pieces"
     assert _backward((1 << 16, 1 << 16), dtype=np.float64).path != "ws"
     assert not _backward((0, 0)).fused_backward  # lengths not given: the two passes
@@ -634,7 +645,8 @@ def test_fused_backward_adds_by_arrival_where_an_entry_fits_and_short_of_the_ind
 def test_backward_lengths_keep_calls_with_little_work_on_the_two_passes():
     """The backward's Features carry (Nq, Nk) only where batch x Nq x Nk x HEAD_DIM reaches WS_BWD_MIN_WORK: a
     long sequence in one or two heads stays on the planned two passes (host time), the same in 64 heads not."""
-    n = tiles.WS_BWD_MIN_LENGTH[128]
+    n = 4096
+    assert n >= tiles.WS_BWD_MIN_LENGTH[128]
     assert backward_lengths(64, n, n, 128) == (n, n)
     assert backward_lengths(1, n, n, 128) == (0, 0)
     assert backward_lengths(1, 1 << 17, 1 << 17, 128) == (1 << 17, 1 << 17)

@@ -158,8 +158,9 @@ def test_window_alone_long_bands(rng, dtype, window, causal, head_dim):
     forward, backward = (_selected(d, dtype, head_dim, causal, mods) for d in ("fwd", "bwd"))
     if _hopper_paths():
         assert forward.mods == backward.mods == "window" and backward.path == "wgmma"
-        assert forward.path == ("ws" if head_dim in tiles.WS_HEAD_DIMS else "wgmma")
-        assert forward.tiles("fwd") == tiles.lookup(forward.path, 2, head_dim, "fwd", "window")
+        ws = tiles.ws_head_dim(head_dim)
+        assert forward.path == ("ws" if ws else "wgmma")
+        assert forward.tiles("fwd") == tiles.lookup(forward.path, 2, ws or head_dim, "fwd", "window")
         for kernel in ("dkdv", "dq"):
             assert backward.tiles(kernel) == tiles.lookup("wgmma", 2, head_dim, kernel, "window")
     else:
@@ -348,13 +349,13 @@ def test_warp_specialized_forward_on_the_per_thread_default_stream_from_threads(
     assert_matches_reference(q, k, v, dout, (*expected[0], *grads), causal=True)
 
 
-@pytest.mark.parametrize("d, dv", [(100, 120), (128, 104), (97, 97)])
+@pytest.mark.parametrize("d, dv", [(100, 120), (128, 104), (97, 97), (80, 80), (72, 96), (136, 136), (160, 192)])
 def test_warp_specialized_forward_narrower_heads(rng, monkeypatch, d, dv):
-    """Head dims padded up to a HEAD_DIM of tiles.WS_HEAD_DIMS: the tensor maps' zero fill supplies the columns
-    past d (and dv), and only dv columns of out are written."""
+    """Head dims padded up to a HEAD_DIM of tiles.WS_HEAD_DIMS (tiles.ws_head_dim): the tensor maps' zero fill
+    supplies the columns past d (and dv), and only dv columns of out are written."""
     if not _hopper_paths():
         pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
-    assert tiles.padded_head_dim(max(d, dv)) in tiles.WS_HEAD_DIMS
+    assert tiles.ws_head_dim(max(d, dv)) in tiles.WS_HEAD_DIMS
     counter = _CountTensorMaps(monkeypatch)
     launch.plans.clear()
     q, k, v, dout = _random_problem(rng, (1, 3, 333, d), (1, 3, 400, d), (1, 3, 400, dv), ml_dtypes.bfloat16)
