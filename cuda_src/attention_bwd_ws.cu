@@ -498,6 +498,9 @@ attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMap
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) u64 bars[Cta::BARRIERS];
   const Cta cta{reinterpret_cast<T*>(smem_aligned(smem_raw)), bars};
+  // Past 65535 entries the grid's batch axis is split over y and z (launch._grid) and its last CTAs fall past the
+  // batch: the whole CTA leaves before any barrier.
+  if (batch_index() >= p.batch) return;
   if (threadIdx.x == 0) {
     mbar_init(cta.kv_full(), 1);
     for (int s = 0; s < STAGES; ++s) {
@@ -548,6 +551,7 @@ attention_bwd_dq_convert_kernel(const AttnParams p, const float* dq_accum) {
   constexpr int ROW = K::DQ_COLS + 8;  // staged row, in T: 16 bytes of padding keep the pairs' rows on other banks
   __shared__ __align__(16) T staged[2][64 * ROW];
   const int b = batch_index(), m = blockIdx.x;
+  if (b >= p.batch) return;  // a CTA past the batch (launch._grid), before the barrier: the whole CTA leaves
   // The key blocks that added to this query block: all, or causal those up to the last that sees its last row.
   const int key_blocks = ceil_div(p.nk, K::BLOCK_N);
   const int added = IS_CAUSAL ? min(key_blocks, floor_div(m * BLOCK_M + BLOCK_M - 1 + (p.nk - p.nq), K::BLOCK_N) + 1)

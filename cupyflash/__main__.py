@@ -52,7 +52,7 @@ class Case:
     ``modifiers``: also every score modifier at once (window, softcap, ALiBi, bias, mask, block mask), or
     "scalars": window, softcap, ALiBi and block mask alone (the backward's kernels compiled without the
     modifiers' arrays; the forward with a block mask runs the full ones, or on Hopper at 16 bits and
-    head dims 65-128 the warp-specialized forward's block-mask walk), or "softcap": the softcap alone
+    head dims 33-128 the warp-specialized forward's block-mask walk), or "softcap": the softcap alone
     (on Hopper its backward's Mods::softcap passes, causal included), or "window": the window alone (on
     Hopper the Mods::window forward and backward)."""
 

@@ -63,7 +63,8 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPES,
         ``"fp32"``, ``"fp64"`` too).
     head_dims : int or sequence of ints, optional
         Head dims from 1 to 256, as the calls will pass them (``max(D, Dv)`` when they differ);
-        each is rounded up to the kernel head dim the API would pick (80 warms the HEAD_DIM 96 kernels).
+        each is rounded up to the kernel head dims the API would pick (80 warms the HEAD_DIM 96 kernels,
+        and on Hopper at 16 bits the forward and the fused backward at HEAD_DIM 128).
         Default: every kernel head dim (16, 32, 64, 96, 128, 160, 192, 256).
     causal : bool or sequence of bools, optional
         The masks to warm; default both.

@@ -244,7 +244,7 @@ WS_BWD_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in
 # The smallest head dim each warp-specialized HEAD_DIM serves, padded (ws_head_dim): the forward at 128 from 65
 # and at 256 from 129, where the wgmma forward at the table's 96, 160 and 192 ran at 0.58-0.81 of cuDNN and the
 # padded warp-specialized one at 0.72-1.07 (more at every length, H200); the fused backward at 256 only from 193
-# (at 160 it ran 0.78-0.97 of the two passes: the padding's products cost more than the fusion saves).
+# (at 160 it ran 0.76-0.91 of the two passes and at 192 0.92-1.03: the padding's products cost what the fusion saves).
 WS_SERVES_FROM = {"fwd": {64: 33, 128: 65, 256: 129}, "bwd": {64: 33, 128: 65, 256: 193}}
 assert all(tuple(dims) == (WS_HEAD_DIMS if kernel == "fwd" else WS_BWD_HEAD_DIMS)
            for kernel, dims in WS_SERVES_FROM.items()), "a serving range for each warp-specialized HEAD_DIM"

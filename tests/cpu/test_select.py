@@ -536,7 +536,7 @@ def _backward(lengths, dtype=ml_dtypes.bfloat16, head_dim=128, causal=True, devi
 
 
 def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(monkeypatch):
-    """16-bit dense backwards on Hopper at head dims 33-64, 97-128 and 193-256, plain or causal, from the table's
+    """16-bit dense backwards on Hopper at head dims 33-128 and 193-256, plain or causal, from the table's
     shortest length (the shorter of Nq, Nk) to CHAIN_ROWS: the fused kernel, its three kernels named from the
     table's cell (always the ordered adds by default), a CTA per 128 keys (64 at HEAD_DIM 256, where its two
     consumers pair up) and its conversion per query block, shared memory within 227 KiB. Shorter or longer
@@ -612,10 +612,10 @@ def test_unordered_adds_take_the_fused_backward_from_its_own_shortest_length():
                 shorter = _backward((shortest - 1, shortest), dtype, head_dim, causal, deterministic=False)
                 assert shorter == Variant("bwd", np.dtype(dtype).name, head_dim, "wgmma", causal=causal)
                 assert shorter.deterministic
-    # the ordered call at the unordered one's shortest non-causal length keeps the two passes
-    n = tiles.WS_BWD_MIN_LENGTH_UNORDERED[128]
-    if n < tiles.WS_BWD_MIN_LENGTH[128]:
-        assert _backward((n, n), causal=False).path == "wgmma"
+    # shorter than both forms' shortest lengths, an ordered or unordered call keeps the two passes
+    n = min(tiles.WS_BWD_MIN_LENGTH_UNORDERED[128], tiles.WS_BWD_MIN_LENGTH[128])
+    for deterministic in (True, False):
+        assert _backward((n - 1, n - 1), causal=False, deterministic=deterministic).path == "wgmma"
     for options in (dict(softcap=5.0), dict(window=(10, 0))):
         assert _backward((1 << 14, 1 << 14), causal=False, deterministic=False, **options).deterministic
     assert _backward((1 << 14, 1 << 14), causal=False, deterministic=False, device=AMPERE).deterministic

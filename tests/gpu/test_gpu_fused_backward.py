@@ -134,11 +134,11 @@ def test_fused_backward_serves_long_sequences(rng):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nq, nk", [(333, 397), (1000, 64), (70, 1100)])
-@pytest.mark.parametrize("d", [64, 100, 256])
+@pytest.mark.parametrize("d", [64, 80, 100, 256])
 def test_unordered_fused_backward_matches_the_reference(rng, any_length, monkeypatch, d, nq, nk, causal):
     """deterministic=False: the fused kernel whose dq adds land in any order (into an accumulator the host
     zeroes: allocations start as NaN here), against float64 at awkward sizes, head dims 64, 128 and 256 (two
-    chains of the ordered form's layout at 64; paired consumers at 256)."""
+    chains of the ordered form's layout at 64; paired consumers at 256; 80 padded to 128)."""
     launched = _launches(monkeypatch)
     q, k, v, dout = _problem(rng, np.float16 if d == 64 else ml_dtypes.bfloat16, (2, 3), nq, nk, d)
     out, lse = cupyflash.attention_forward(q, k, v, causal=causal)

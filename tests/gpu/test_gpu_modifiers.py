@@ -364,6 +364,26 @@ def test_warp_specialized_forward_narrower_heads(rng, monkeypatch, d, dv):
     assert_matches_reference(q, k, v, dout, results, causal=True, window=(200, 0))
 
 
+@pytest.mark.parametrize("d", [80, 160])
+def test_padded_head_dims_fall_back_to_their_own_wgmma_forward(rng, monkeypatch, d):
+    """Head dims that the warp-specialized forward serves padded (65-96 at 128, 129-192 at 256), with k and v
+    shared across heads (no tensor map): the wgmma forward at the table's own HEAD_DIM (96, 160), plain causal
+    and with a window alone, matching float64."""
+    if not _hopper_paths():
+        pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
+    loaded = []  # the variants whose kernels the calls ask for
+    functions = backend.functions
+    monkeypatch.setattr(backend, "functions", lambda variant: loaded.append(variant) or functions(variant))
+    q, k, v, dout = _random_problem(rng, (2, 4, 300, d), (2, 1, 333, d), (2, 1, 333, d), ml_dtypes.bfloat16)
+    launch.plans.clear()
+    for options in ({}, {"window": (50, 0)}):
+        loaded.clear()
+        results = _run(q, k, v, dout, causal=True, **options)
+        forward = next(variant for variant in loaded if variant.direction == "fwd")
+        assert (forward.path, forward.head_dim) == ("wgmma", tiles.padded_head_dim(d)), options
+        assert_matches_reference(q, k, v, dout, results, causal=True, **options)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
 def test_warp_specialized_forward_falls_back_where_tma_cannot_read(rng, monkeypatch, dtype):
     """Shared k and v heads (a broadcast batch dim, stride 0, that a tensor map cannot step through) take
