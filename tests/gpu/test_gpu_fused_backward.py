@@ -113,6 +113,23 @@ def test_fused_backward_is_bitwise_reproducible(rng, any_length, monkeypatch, ca
     assert_matches_reference(q, k, v, dout, (out, lse, *first), causal=causal)
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["ordered", "unordered"])
+def test_fused_backward_with_more_batch_entries_than_a_grid_dimension_holds(rng, any_length, deterministic):
+    """70000 entries > 65535: the launch splits the batch over the grid's y and z, so the last CTAs of the fused
+    kernel and of its conversion fall past the batch and must leave. Allocations start as NaN: every gradient
+    is written; the first and last entries match float64."""
+    assert _fused(np.float16, 40, 40, True, 40, 50, deterministic).fused_backward
+    q, k, v, dout = _problem(rng, np.float16, (70000,), 40, 50, 40)
+    with nan_filled_allocations():
+        out, lse = cupyflash.attention_forward(q, k, v, causal=True)
+        grads = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=deterministic)
+    results = (out, lse, *grads)
+    assert all(bool(cupy.isfinite(x).all()) for x in results)
+    for entries in (slice(0, 3), slice(-3, None)):
+        assert_matches_reference(q[entries], k[entries], v[entries], dout[entries],
+                                 tuple(x[entries] for x in results), causal=True)
+
+
 def test_fused_backward_serves_long_sequences(rng):
     """At the table's own thresholds: the fused kernel is what a long 16-bit call with enough work takes, and a
     shorter one (or one past CHAIN_ROWS, or one with less work) takes the two passes."""
