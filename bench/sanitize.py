@@ -260,10 +260,9 @@ def _fused_at_any_length(variant):
         return
     from cupyflash._cuda import dense_fast, launch, tiles
 
-    names = ("WS_BWD_MIN_LENGTH", "WS_BWD_MIN_LENGTH_UNORDERED", "WS_BWD_MIN_WORK")
+    names = ("WS_BWD_MIN_LENGTH", "WS_BWD_MIN_WORK")
     saved = {name: getattr(tiles, name) for name in names}
     tiles.WS_BWD_MIN_LENGTH = {d: 1 for d in saved["WS_BWD_MIN_LENGTH"]}
-    tiles.WS_BWD_MIN_LENGTH_UNORDERED = {d: 1 for d in saved["WS_BWD_MIN_LENGTH_UNORDERED"]}
     tiles.WS_BWD_MIN_WORK = 0
     launch.plans.clear()
     dense_fast._table.clear()

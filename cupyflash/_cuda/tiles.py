@@ -248,11 +248,9 @@ WS_BWD_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in
 WS_SERVES_FROM = {"fwd": {64: 33, 128: 65, 256: 129}, "bwd": {64: 33, 128: 65, 256: 193}}
 assert all(tuple(dims) == (WS_HEAD_DIMS if kernel == "fwd" else WS_BWD_HEAD_DIMS)
            for kernel, dims in WS_SERVES_FROM.items()), "a serving range for each warp-specialized HEAD_DIM"
+# The shortest min(Nq, Nk) the fused backward serves, with ordered or unordered dq adds alike: from 1k it was the
+# faster in both orders, at 512 slower in some rows (H200, bench_attention.py: docs/design/backward.md).
 WS_BWD_MIN_LENGTH = {64: 1024, 128: 1024, 256: 1024}
-# ... and with unordered dq adds (deterministic=False) and no causal mask. The two differed (2k / 4k at HEAD_DIM
-# 128) while the dq conversion ran at a quarter of its DRAM floor; since, the fused kernel is the faster from 1k
-# in both orders and at 512 slower in some (H200, bench_attention.py: docs/design/backward.md).
-WS_BWD_MIN_LENGTH_UNORDERED = {64: 1024, 128: 1024, 256: 1024}
 # ... and the least work, batch entries x Nq x Nk x HEAD_DIM (2^34: about 0.4 ms of GPU time): the fused backward
 # is launched unplanned (fused_backward.py: tensor maps encoded, parameters built per call), so a call with less
 # work than that could spend longer on the host than the planned two passes take on the GPU.
@@ -264,13 +262,6 @@ WS_BWD_MIN_WORK = 1 << 34
 # at 8k, and past 132 x 64 keys a batch entry's key blocks outnumber an H100's or H200's SMs (adds_by_arrival),
 # so the index order serves there from 8,449 keys already.
 WS_BWD_INDEX_ORDER_KEYS = {64: 8192, 128: 16384, 256: 16384}
-
-
-def ws_bwd_min_length(head_dim: int, causal: bool, deterministic: bool) -> int:
-    """The shortest min(Nq, Nk) the fused backward serves at this HEAD_DIM."""
-    if deterministic or causal:
-        return WS_BWD_MIN_LENGTH[head_dim]
-    return WS_BWD_MIN_LENGTH_UNORDERED[head_dim]
 
 
 def ws_bwd_dq_chains(t: Tiles, deterministic: bool = True) -> int:

@@ -291,11 +291,10 @@ def select(f: Features, device: Device) -> Variant:
     softcap_alone = f.direction == "bwd" and single and f.softcap > 0 and f.window == (-1, -1)
     window_alone = single and f.softcap == 0
     warp_specialized = ws and (scalars or not has_mods)
-    # The fused backward: plain or causal, 16-bit, on tensor maps, for sequences from its shortest to CHAIN_ROWS
-    # (with unordered adds and no causal mask, from a shorter length).
+    # The fused backward: plain or causal, 16-bit, on tensor maps, for sequences from its shortest to CHAIN_ROWS.
     fused_backward = (f.direction == "bwd" and wgmma and itemsize == 2 and not has_mods and not f.dropout and f.tma
                       and ws_bwd is not None and max(f.lengths) <= tiles.CHAIN_ROWS
-                      and tiles.ws_bwd_min_length(ws_bwd, f.causal, f.deterministic) <= min(f.lengths))
+                      and tiles.WS_BWD_MIN_LENGTH[ws_bwd] <= min(f.lengths))
     if not has_mods:
         mods = "none"
     elif scalars:

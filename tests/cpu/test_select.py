@@ -587,18 +587,14 @@ def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(
     assert not _backward((0, 0)).fused_backward  # lengths not given: the two passes
 
 
-def test_unordered_adds_take_the_fused_backward_from_its_own_shortest_length():
+def test_unordered_adds_take_the_fused_backward_from_the_same_shortest_length():
     """deterministic=False: the fused backward with unordered dq adds (its kernel's DETERMINISTIC false), from
-    WS_BWD_MIN_LENGTH_UNORDERED without a causal mask and WS_BWD_MIN_LENGTH with one; every other call keeps its
-    variant, deterministic whatever was asked."""
-    assert set(tiles.WS_BWD_MIN_LENGTH_UNORDERED) == set(tiles.WS_BWD_HEAD_DIMS)
+    WS_BWD_MIN_LENGTH as in order; every other call keeps its variant, deterministic whatever was asked."""
     for dtype, ctype in HALVES:
         for head_dim in tiles.WS_BWD_HEAD_DIMS:
             for causal in (False, True):
-                shortest = tiles.ws_bwd_min_length(head_dim, causal, False)
-                ordered_shortest = tiles.WS_BWD_MIN_LENGTH if causal else tiles.WS_BWD_MIN_LENGTH_UNORDERED
-                assert shortest == ordered_shortest[head_dim]
-                assert shortest <= tiles.ws_bwd_min_length(head_dim, causal, True)
+                shortest = tiles.WS_BWD_MIN_LENGTH[head_dim]
+                assert _backward((shortest, shortest), dtype, head_dim, causal).fused_backward
                 v = _backward((shortest, shortest), dtype, head_dim, causal, deterministic=False)
                 assert v == Variant("bwd", np.dtype(dtype).name, head_dim, "ws", causal=causal, deterministic=False)
                 assert v in SHIPPED_SET and "unordered dq adds" in str(v)
@@ -612,8 +608,8 @@ def test_unordered_adds_take_the_fused_backward_from_its_own_shortest_length():
                 shorter = _backward((shortest - 1, shortest), dtype, head_dim, causal, deterministic=False)
                 assert shorter == Variant("bwd", np.dtype(dtype).name, head_dim, "wgmma", causal=causal)
                 assert shorter.deterministic
-    # shorter than both forms' shortest lengths, an ordered or unordered call keeps the two passes
-    n = min(tiles.WS_BWD_MIN_LENGTH_UNORDERED[128], tiles.WS_BWD_MIN_LENGTH[128])
+    # shorter, an ordered or unordered call keeps the two passes
+    n = tiles.WS_BWD_MIN_LENGTH[128]
     for deterministic in (True, False):
         assert _backward((n - 1, n - 1), causal=False, deterministic=deterministic).path == "wgmma"
     for options in (dict(softcap=5.0), dict(window=(10, 0))):

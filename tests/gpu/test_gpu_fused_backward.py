@@ -1,6 +1,6 @@
 """The warp-specialized fused backward (cuda_src/attention_bwd_ws.cu) on Hopper: 16-bit, plain or causal, head
-dims 33-128 and 193-256 (at HEAD_DIM 64, 128 or 256: tiles.ws_head_dim), sequences from tiles.WS_BWD_MIN_LENGTH on (with deterministic=False and no causal mask,
-from WS_BWD_MIN_LENGTH_UNORDERED). Needs a GPU of compute capability 9.0:
+dims 33-128 and 193-256 (at HEAD_DIM 64, 128 or 256: tiles.ws_head_dim), sequences from tiles.WS_BWD_MIN_LENGTH on (ordered or unordered dq adds). Needs a GPU of compute
+capability 9.0:
 
     python -m pytest -m gpu tests/gpu/test_gpu_fused_backward.py
 
@@ -37,7 +37,6 @@ def any_length(monkeypatch):
     if not current_device().wgmma:
         pytest.skip("the fused backward runs on compute capability 9.0 only")
     monkeypatch.setattr(tiles, "WS_BWD_MIN_LENGTH", {d: 1 for d in tiles.WS_BWD_MIN_LENGTH})
-    monkeypatch.setattr(tiles, "WS_BWD_MIN_LENGTH_UNORDERED", {d: 1 for d in tiles.WS_BWD_MIN_LENGTH_UNORDERED})
     monkeypatch.setattr(tiles, "WS_BWD_MIN_WORK", 0)
     launch.plans.clear()
     dense_fast._table.clear()
@@ -165,13 +164,13 @@ def test_unordered_fused_backward_matches_the_reference(rng, any_length, monkeyp
     assert_matches_reference(q, k, v, dout, (out, lse, *grads), causal=causal)
 
 
-def test_unordered_adds_serve_from_their_own_length(rng, monkeypatch):
-    """At the table's own thresholds: a non-causal bfloat16 call at HEAD_DIM 128 of WS_BWD_MIN_LENGTH_UNORDERED
-    takes the unordered fused kernel with deterministic=False and the two passes without; both match float64,
-    and a planned ordered call of the same layout does not serve the unordered one."""
+def test_unordered_adds_serve_from_the_same_length(rng, monkeypatch):
+    """At the table's own threshold: a non-causal bfloat16 call at HEAD_DIM 128 of WS_BWD_MIN_LENGTH takes the
+    fused kernel in order (planned, then again through the fast path, bit for bit) and with deterministic=False
+    its unordered form, not the ordered call's plan; all match float64."""
     if not current_device().wgmma:
         pytest.skip("the fused backward runs on compute capability 9.0 only")
-    n = tiles.WS_BWD_MIN_LENGTH_UNORDERED[128]
+    n = tiles.WS_BWD_MIN_LENGTH[128]
     batch = (4, -(-tiles.WS_BWD_MIN_WORK // (4 * n * n * 128)))  # enough work for the fused backward
     assert backward_lengths(batch[0] * batch[1], n, n, 128) == (n, n)
     assert _fused(ml_dtypes.bfloat16, 128, 128, False, n, n, deterministic=False).fused_backward
@@ -181,8 +180,7 @@ def test_unordered_adds_serve_from_their_own_length(rng, monkeypatch):
     ordered = cupyflash.attention_backward(dout, q, k, v, out, lse)
     ordered_again = cupyflash.attention_backward(dout, q, k, v, out, lse)  # planned, then through the fast path
     unordered = cupyflash.attention_backward(dout, q, k, v, out, lse, deterministic=False)
-    expected = [False] if n < tiles.WS_BWD_MIN_LENGTH[128] else [True, True, False]
-    assert [x.deterministic for x in launched] == expected
+    assert [x.deterministic for x in launched] == [True, True, False]
     for a, b in zip(ordered, ordered_again):
         assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
     for grads in (ordered, unordered):
