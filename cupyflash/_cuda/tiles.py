@@ -151,6 +151,7 @@ pieces 4  128  dkdv  8.32.64/c      .              .              .             
 pieces 4  128  dq    8.32.128       .              .              .              .              .
 ws     2  64   fwd   16.128.64/r4w  .              .              .              12.128.64/r2wo 12.128.64/r2w
 ws     2  128  fwd   12.128.128/r2w .              .              .              =              12.64.128/r4o
+ws     2  192  fwd   12.64.192/r2w  .              .              .              =              =
 ws     2  256  fwd   12.64.256/r2w  .              .              .              =              =
 ws     2  64   bwd   12.128.64/r2   .              .              .              .              .
 ws     2  128  bwd   12.64.128/r2   .              .              .              .              .
@@ -241,11 +242,12 @@ WS_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CEL
 # included). Longer than CHAIN_ROWS, the two passes, which sum in chunks.
 WS_BWD_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CELLS
                                  if path == "ws" and size == 2 and kernel == "bwd"}))
-# The smallest head dim each warp-specialized HEAD_DIM serves, padded (ws_head_dim): the forward at 128 from 65
-# and at 256 from 129, where the wgmma forward at the table's 96, 160 and 192 ran at 0.58-0.81 of cuDNN and the
-# padded warp-specialized one at 0.72-1.07 (more at every length, H200); the fused backward at 256 only from 193
-# (at 160 it ran 0.76-0.91 of the two passes and at 192 0.92-1.03: the padding's products cost what the fusion saves).
-WS_SERVES_FROM = {"fwd": {64: 33, 128: 65, 256: 129}, "bwd": {64: 33, 128: 65, 256: 193}}
+# The smallest head dim each warp-specialized HEAD_DIM serves, padded (ws_head_dim): the forward at 128 from 65,
+# at 192 from 129 and at 256 from 193. The wgmma forward at the table's 96, 160 and 192 ran at 0.58-0.81 of cuDNN,
+# the warp-specialized one padded to 128 / 256 at 0.72-1.07, and at 160 and 192 on its own 192 cell at 0.91-1.08
+# (1.18-1.38x the padding to 256, H200). The fused backward at 256 only from 193 (at 160 it ran 0.76-0.91 of the
+# two passes and at 192 0.92-1.03: the padding's products cost what the fusion saves).
+WS_SERVES_FROM = {"fwd": {64: 33, 128: 65, 192: 129, 256: 193}, "bwd": {64: 33, 128: 65, 256: 193}}
 assert all(tuple(dims) == (WS_HEAD_DIMS if kernel == "fwd" else WS_BWD_HEAD_DIMS)
            for kernel, dims in WS_SERVES_FROM.items()), "a serving range for each warp-specialized HEAD_DIM"
 # The shortest min(Nq, Nk) the fused backward serves, with ordered or unordered dq adds alike: from 1k it was the

@@ -294,13 +294,13 @@ def test_the_device_decides_the_path():
         assert _chosen(direction, head_dim=64, device=LARGE_SMEM_ONLY).path == "mma"
     assert _chosen("bwd", head_dim=64, device=HOPPER).path == "wgmma"
     assert _chosen("probs", head_dim=64, causal=False, device=HOPPER).path == "wgmma"
-    for head_dim, ws in ((33, 64), (64, 64), (65, 128), (96, 128), (128, 128), (129, 256), (192, 256), (256, 256)):
+    for head_dim, ws in ((33, 64), (64, 64), (65, 128), (96, 128), (128, 128), (129, 192), (192, 192), (193, 256), (256, 256)):
         chosen = _chosen("fwd", head_dim=head_dim, device=HOPPER)
         assert (chosen.path, chosen.head_dim) == ("ws", ws), head_dim
     for head_dim in (16, 32):
         assert _chosen("fwd", head_dim=head_dim, device=HOPPER).path == "wgmma"
     assert [tiles.ws_head_dim(d) for d in (1, 32, 33, 64, 65, 128, 129, 256, 257)] == \
-        [None, None, 64, 64, 128, 128, 256, 256, None]
+        [None, None, 64, 64, 128, 128, 192, 256, None]
     assert [tiles.ws_head_dim(d, "bwd") for d in (32, 33, 96, 160, 192, 193, 256)] == [None, 64, 128, None, None, 256, 256]
 
 
@@ -455,7 +455,8 @@ def test_a_block_mask_forward_walks_it_on_the_warp_specialized_kernel():
     for chosen in full:
         assert not chosen.block_mask and chosen.path != "ws" and "Mods::all" in chosen.name_expression("fwd"), chosen
     assert {v for v in SHIPPED if v.block_mask} == {dataclasses.replace(v, block_mask=True) for v in SHIPPED
-                                                     if v.path == "ws" and v.mods == "scalars" and v.head_dim != 256}
+                                                     if v.path == "ws" and v.mods == "scalars"
+                                                     and v.tiles("fwd").block == 128}  # key blocks: the mask's tiles
 
 
 def test_the_warp_specialized_block_mask_walk_holds_2048_key_tiles(monkeypatch):

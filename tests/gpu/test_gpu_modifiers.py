@@ -72,12 +72,12 @@ def _check(rng, dtype, batch, nq, nk, d, causal, which, *, dv=None, bias_shape=N
 @pytest.mark.parametrize("which", [[], ["window"], ["softcap", "alibi_slopes"], ["window", "softcap", "block_mask"]],
                          ids=["plain", "window", "softcap-alibi", "window-softcap-block-mask"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d, dtype", [(40, np.float16), (64, ml_dtypes.bfloat16), (200, ml_dtypes.bfloat16),
-                                      (256, np.float16)], ids=["d40-float16", "d64", "d200", "d256-float16"])
+@pytest.mark.parametrize("d, dtype", [(40, np.float16), (64, ml_dtypes.bfloat16), (176, ml_dtypes.bfloat16),
+                                      (192, np.float16), (200, ml_dtypes.bfloat16), (256, np.float16)],
+                         ids=["d40-float16", "d64", "d176", "d192-float16", "d200", "d256-float16"])
 def test_warp_specialized_forward_at_each_head_dim(rng, d, dtype, causal, which):
-    """The warp-specialized forward at 16-bit HEAD_DIM 64 (128-key blocks) and 256 (64-key blocks, one q
-    buffer; a block mask takes the other forward there),
-    head dims padded to them or not, with more row blocks than the GPU has SMs so that CTAs run several
+    """The warp-specialized forward at 16-bit HEAD_DIM 64 (128-key blocks), 192 and 256 (64-key blocks, one q
+    buffer; a block mask takes the other forward there), head dims padded to them or not, with more row blocks than the GPU has SMs so that CTAs run several
     tiles, on sizes off the tile grid."""
     if not _hopper_paths():
         pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
