@@ -4,7 +4,7 @@
 //
 // Layout: q, dout (b, nq, d) and k, v (b, nk, d) of one dense batch, read through TMA tensor maps (tma.cuh);
 // lse_log2 and delta (b, nq) float32; dk, dv (b, nk, d) contiguous. dq_accum: float32, (b, ceil(nq / BLOCK_M),
-// DQ_CHAINS, 2 consumers, DQ_CHUNK) in the order the dQ products' accumulators hold it (DqChunk below), never
+// DQ_CHAINS, DQ_RECORD: each consumer's dQ_partial in turn) in the order the dQ products' accumulators hold it (DqChunk), never
 // zeroed: the first key block of a chain at a query block stores its partial there (DETERMINISTIC; otherwise
 // the host zeroes it); attention_bwd_dq_convert_kernel sums the chains, scales and rounds into dq (b, nq, d).
 // dq_counters: an int per (batch entry, query block, chain), zero at launch. Saves nothing.
@@ -25,8 +25,8 @@
 //      (DK_ACROSS: on into the next query block's S^T and dP^T).
 //    dS^T has two buffers, so one consumer's store of the next block's never meets the other's dQ product
 //    still reading this one's (the barrier each block keeps them within a block of each other).
-//  - PAIRED (HEAD_DIM 256): both consumers on the same 64 keys, one holding dV, the other dK
-//    (bwd_consume_paired); each half of dQ_partial's columns, staged over the slot's q or dout tile.
+//  - PAIRED (HEAD_DIM 192 and 256): both consumers on the same 64 keys, one holding dV, the other dK
+//    (bwd_consume_paired); each a share of dQ_partial's columns, staged over the slot's q or dout tile.
 // Barriers (tma.cuh): kv_full (K and V's bytes), step_full[STAGES] (q and dout's bytes, and the producer's 32
 // lanes once their lse_log2 and delta are stored), step_empty[STAGES] (the 256 consumer threads, after the slot's
 // last product; paired, the writer), dq_full (8 consumer warps, their dQ_partial staged; paired, one per slot,
@@ -64,8 +64,17 @@ struct BwdWsTraits {
   using OutTile = SwizzledTile<T, WG_KEYS, HEAD_DIM>;  // a consumer's dk or dv rows, staged in sK or sV
   static constexpr int S_TILES = BLOCK_M / 8, G_TILES = HEAD_DIM / 8, P_STEPS = BLOCK_M / 16;
   static constexpr bool DQ_SPLIT_ROWS = BLOCK_M == 128;
-  static constexpr int DQ_COLS = DQ_SPLIT_ROWS ? HEAD_DIM : HEAD_DIM / 2, DQ_TILES = DQ_COLS / 8;
-  static constexpr int DQ_CHUNK = 64 * DQ_COLS;  // floats of one consumer's dQ_partial
+  // Split by columns, each consumer's share of dQ_partial is whole 64-column atoms of sK (the dQ product's B
+  // operand cannot start inside one): halves at HEAD_DIM 256; at 192 two atoms for wg 0 and one for wg 1, which
+  // takes P^T from wg 0 and so reaches its dQ product later.
+  static constexpr int DQ_COLS0 = DQ_SPLIT_ROWS ? HEAD_DIM : (HEAD_DIM / 2 + 63) / 64 * 64;
+  static constexpr int DQ_COLS1 = DQ_SPLIT_ROWS ? HEAD_DIM : HEAD_DIM - DQ_COLS0;
+  __host__ __device__ static constexpr int dq_cols(int wg) { return wg == 0 ? DQ_COLS0 : DQ_COLS1; }
+  __host__ __device__ static constexpr int dq_col0(int wg) { return DQ_SPLIT_ROWS ? 0 : wg * DQ_COLS0; }
+  // Floats of consumer wg's dQ_partial, and where it starts in its (query block, chain) record of dq_accum.
+  __host__ __device__ static constexpr int dq_chunk(int wg) { return 64 * dq_cols(wg); }
+  __host__ __device__ static constexpr int dq_chunk_at(int wg) { return wg * dq_chunk(0); }
+  static constexpr int DQ_RECORD = dq_chunk(0) + dq_chunk(1);  // floats per (query block, chain)
   // The ordered adds run in DQ_CHAINS chains per query block (the key block of rank r in chain r % DQ_CHAINS),
   // each into its own float32 accumulator, summed in chain order by the conversion: a key block then waits only
   // for the add DQ_CHAINS ranks before its own. The host's choice (tiles.ws_bwd_dq_chains): two where key blocks
@@ -82,16 +91,23 @@ struct BwdWsTraits {
   // where they fit: 64-query blocks (with 128 ptxas serialized the products for registers).
   static constexpr bool DK_ACROSS = BLOCK_M == 64 && !PAIRED;
   static constexpr u32 CONSUMER_WARPS = 8;
-  static_assert(sizeof(T) == 2 && (BLOCK_M == 64 || BLOCK_M == 128) && HEAD_DIM % 64 == 0 && DQ_COLS % 64 == 0,
-                "16-bit; query blocks of 64 or 128; head dims in whole 64-column atoms");
+  static_assert(sizeof(T) == 2 && (BLOCK_M == 64 || BLOCK_M == 128) && HEAD_DIM % 64 == 0 && DQ_COLS0 % 64 == 0 &&
+                DQ_COLS1 % 64 == 0 && DQ_COLS1 > 0, "16-bit; query blocks of 64 or 128; head dims in whole 64-column atoms");
+  static_assert(DQ_SPLIT_ROWS || DQ_COLS0 + DQ_COLS1 == HEAD_DIM, "split by columns, the shares cover the row");
   // Paired, the q and dout tiles of a slot take the two consumers' dQ_partial once read (a float32 staging
-  // buffer of its own would not fit beside them): a consumer's chunk is as large as one of the tiles.
-  static_assert(!PAIRED || (BLOCK_M == 64 && DQ_CHUNK * 4 == QTile::SIZE * static_cast<int>(sizeof(T))),
-                "paired: 64-query blocks, a dQ_partial chunk the size of a q tile");
+  // buffer of its own would not fit beside them); what of wg 0's share a tile cannot hold (HEAD_DIM 192: a
+  // third of it) goes to a small buffer per slot. Its chunk is laid out n-tile after n-tile (DqChunk), so the
+  // first TILE_DQ_TILES n-tiles lie in the tile and the rest in the overflow.
+  static constexpr int TILE_FLOATS = QTile::SIZE * static_cast<int>(sizeof(T)) / 4;
+  static constexpr int DQ_OVERFLOW = PAIRED && dq_chunk(0) > TILE_FLOATS ? dq_chunk(0) - TILE_FLOATS : 0;
+  static constexpr int TILE_DQ_TILES = TILE_FLOATS / 512;  // an n-tile of a chunk: 128 threads x 4 floats
+  static_assert(!PAIRED || (BLOCK_M == 64 && dq_chunk(1) <= TILE_FLOATS && dq_chunk(0) <= 2 * TILE_FLOATS &&
+                            TILE_FLOATS % 512 == 0),
+                "paired: 64-query blocks, wg 1's dQ_partial within a tile, wg 0's within a tile and its overflow");
   static_assert(STAGES >= 2, "the next query block lands while this one is worked on");
 };
 
-// One consumer's dQ_partial (64 rows x DQ_COLS) as a flat chunk: thread i of the warpgroup holds accumulator
+// One consumer's dQ_partial (64 rows x its columns) as a flat chunk: thread i of the warpgroup holds accumulator
 // n-tile j's four values at float4 index j * 128 + i, so its stores to the staging buffer are 16 bytes wide and
 // consecutive across threads. Element (r, c) of the chunk: warp w = r / 16 of the group, lane 4 (r % 8) + (c % 8)
 // / 2, n-tile c / 8, value 2 (r % 16 >= 8) + c % 2.
@@ -112,7 +128,7 @@ struct BwdWsCta {
   static constexpr int DQ_AT = DS_AT + 2 * K::DsTile::SIZE;  // in T, then float32 buffers
   // The float32 buffers: unpaired, both consumers' dQ_partial staging; paired, the P^T handed over (a
   // consumer's S^T accumulator, thread by thread), its dQ_partial staged in the slot's q and dout tiles.
-  static constexpr int F32_STAGED = K::PAIRED ? K::WG_KEYS * K::BLOCK_M : 2 * K::DQ_CHUNK;
+  static constexpr int F32_STAGED = K::PAIRED ? K::WG_KEYS * K::BLOCK_M + K::STAGES * K::DQ_OVERFLOW : K::DQ_RECORD;
   __device__ __forceinline__ T* sK() const { return base + K_AT; }
   __device__ __forceinline__ T* sV() const { return base + V_AT; }
   __device__ __forceinline__ T* sQ(int s) const { return base + Q_AT + s * K::QTile::SIZE; }
@@ -123,8 +139,10 @@ struct BwdWsCta {
   // product read (dV reads dout, dK reads q).
   __device__ __forceinline__ float* sdQ(int wg, int s) const {
     if constexpr (K::PAIRED) return reinterpret_cast<float*>(wg == 0 ? sdO(s) : sQ(s));
-    return f32() + wg * K::DQ_CHUNK;
+    return f32() + K::dq_chunk_at(wg);
   }
+  // Paired, the n-tiles of wg 0's dQ_partial past its tile (HEAD_DIM 192), slot s's.
+  __device__ __forceinline__ float* sdQ_overflow(int s) const { return f32() + K::WG_KEYS * K::BLOCK_M + s * K::DQ_OVERFLOW; }
   __device__ __forceinline__ float* sP() const { return f32(); }
   __device__ __forceinline__ float* sLse(int s) const { return f32() + F32_STAGED + s * K::BLOCK_M; }
   __device__ __forceinline__ float* sDelta(int s) const { return f32() + F32_STAGED + (K::STAGES + s) * K::BLOCK_M; }
@@ -243,8 +261,8 @@ __device__ __forceinline__ void add_release(int* counter, int value) {
 }
 
 // The dq writer (the producer warpgroup's warp 1, one lane): per query block, both consumers' dQ_partial into
-// dq_accum (2 * DQ_CHUNK contiguous floats there) by bulk copies: one from the contiguous staging buffers, or,
-// paired, one from each of the slot's two tiles, after which it frees the slot. DETERMINISTIC: in rank order,
+// dq_accum (DQ_RECORD contiguous floats there) by bulk copies: one from the contiguous staging buffers, or,
+// paired, one from each of the slot's two tiles (and its overflow), after which it frees the slot. DETERMINISTIC: in rank order,
 // the first stored and the others added, each count released once the adds have landed; otherwise added in any
 // order. Waiting here, not in the consumers, lets them go on to the next query block (until they need the
 // staging buffers, or paired the slot, again).
@@ -260,7 +278,7 @@ __device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_a
     // The accumulator and counter of (batch entry, query block, chain), from the kernel's arguments each time
     // (the producer warpgroup's 24 registers hold no pointers across the loop).
     const i64 at = (static_cast<i64>(walk.b) * walk.m_blocks + m) * K::DQ_CHAINS + chain;
-    float* to = dq_accum + at * 2 * K::DQ_CHUNK;
+    float* to = dq_accum + at * K::DQ_RECORD;
     int* counter = dq_counters + at;
     // The first key block of a chain stores its partial (dq_accum is not zeroed), the others add theirs in turn.
     bool store = false;
@@ -270,12 +288,18 @@ __device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_a
       }
       store = link == 0;
     }
-    // Unpaired the two chunks are contiguous in shared memory, paired each lies in its own tile of the slot.
-    constexpr int COPIES = K::PAIRED ? 2 : 1, BYTES = 2 * K::DQ_CHUNK * 4 / COPIES;
-#pragma unroll
-    for (int c = 0; c < COPIES; ++c) {
-      if (store) bulk_store(to + c * K::DQ_CHUNK, cta.sdQ(c, s), BYTES);
-      else bulk_reduce_add_f32(to + c * K::DQ_CHUNK, cta.sdQ(c, s), BYTES);
+    // Unpaired the two chunks are contiguous in shared memory, paired each lies in its own tile of the slot
+    // (wg 0's last n-tiles, past its tile, in the slot's overflow).
+    auto copy = [&](int at_float, const float* from, int floats) {
+      if (store) bulk_store(to + at_float, from, floats * 4);
+      else bulk_reduce_add_f32(to + at_float, from, floats * 4);
+    };
+    if constexpr (!K::PAIRED) {
+      copy(0, cta.sdQ(0, s), K::DQ_RECORD);
+    } else {
+      copy(0, cta.sdQ(0, s), K::dq_chunk(0) - K::DQ_OVERFLOW);
+      if constexpr (K::DQ_OVERFLOW > 0) copy(K::dq_chunk(0) - K::DQ_OVERFLOW, cta.sdQ_overflow(s), K::DQ_OVERFLOW);
+      copy(K::dq_chunk_at(1), cta.sdQ(1, s), K::dq_chunk(1));
     }
     bulk_commit();
     bulk_wait_read<0>();
@@ -353,9 +377,11 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
     acc_to_smem<DsTile, S_TILES>(sdS_i, K::WG_KEYS * wg + warp * 16, acc_dp, ones, lane);
     fence_async_shared();  // the stores before the products that read them
     named_barrier_sync(1, 256);
-    float acc_dq[K::DQ_TILES][4];
-    wg_issue_atb<T, K::BLOCK_N / 16, K::DQ_TILES, DsTile, KVTile>(acc_dq, sdS_i, K::DQ_SPLIT_ROWS ? 64 * wg : 0, cta.sK(),
-                                                                 K::DQ_SPLIT_ROWS ? 0 : K::DQ_COLS * wg);
+    constexpr int DQ_TILES = K::DQ_COLS0 / 8;  // unpaired, both shares alike
+    static_assert(K::DQ_COLS0 == K::DQ_COLS1, "unpaired: halves");
+    float acc_dq[DQ_TILES][4];
+    wg_issue_atb<T, K::BLOCK_N / 16, DQ_TILES, DsTile, KVTile>(acc_dq, sdS_i, K::DQ_SPLIT_ROWS ? 64 * wg : 0, cta.sK(),
+                                                              K::DQ_SPLIT_ROWS ? 0 : K::DQ_COLS0 * wg);
     wg_issue_pb<T, P_STEPS, G_TILES, QTile>(acc_dk, ds_frag, sQ_s, 0, !first);
     wgmma_wait<1>();  // dV and dQ_partial; dK runs on under the staging and into the next block
     fence_operands(acc_dv);
@@ -365,7 +391,7 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
     // block's has read it.
     if (i > 0) mbar_wait(cta.dq_empty(), (i - 1) & 1);
 #pragma unroll
-    for (int j = 0; j < K::DQ_TILES; ++j)
+    for (int j = 0; j < DQ_TILES; ++j)
       *reinterpret_cast<float4*>(staging + (j * 128 + thread) * 4) = make_float4(acc_dq[j][0], acc_dq[j][1], acc_dq[j][2], acc_dq[j][3]);
     fence_async_shared();  // the stores before the bulk copy that reads them
     __syncwarp();
@@ -395,8 +421,9 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
 
 // A consumer of a PAIRED CTA (keys [n0, n0 + 64), both consumers): wg 0 computes S^T, P^T (handed over to wg 1
 // through sP, p_full) and dV += P^T dO; wg 1 dP^T, dS^T = P^T (dP^T - delta) (stored for the dQ products,
-// ds_full) and dK += dS^T Q. Once dS^T is stored, each its half of dQ_partial's columns, staged over the slot's
-// dout (wg 0) or q tile (wg 1) for the writer, which then frees the slot. Then dv (wg 0) or dk (wg 1).
+// ds_full) and dK += dS^T Q. Once dS^T is stored, each its share of dQ_partial's columns, staged over the slot's
+// dout (wg 0, and the slot's overflow) or q tile (wg 1) for the writer, which then frees the slot. Then dv
+// (wg 0) or dk (wg 1).
 template <class K, int WG>
 __device__ __forceinline__ void bwd_consume_paired(const BwdWsCta<K>& cta, const AttnParams& p,
                                                    const KeyBlockWalk<K>& walk, int warp, int lane) {
@@ -459,9 +486,9 @@ __device__ __forceinline__ void bwd_consume_paired(const BwdWsCta<K>& cta, const
     // from here; wg 1 reaches the next block's P^T (and then stores dS^T again) only once wg 0 has finished this
     // block's dQ product, so one dS^T buffer would do here: the second is the unpaired layout's.
     mbar_wait(cta.ds_full(), i & 1);
-    float acc_dq[K::DQ_TILES][4];
-    wg_issue_atb<T, K::BLOCK_N / 16, K::DQ_TILES, typename K::DsTile, KVTile>(acc_dq, sdS_i, 0, cta.sK(),
-                                                                             K::DQ_COLS * wg);
+    constexpr int DQ_TILES = K::dq_cols(WG) / 8;
+    float acc_dq[DQ_TILES][4];
+    wg_issue_atb<T, K::BLOCK_N / 16, DQ_TILES, typename K::DsTile, KVTile>(acc_dq, sdS_i, 0, cta.sK(), K::dq_col0(WG));
     wgmma_wait<0>();
     fence_operands(acc_g);
     fence_operands(acc_dq);
@@ -470,9 +497,10 @@ __device__ __forceinline__ void bwd_consume_paired(const BwdWsCta<K>& cta, const
     // that reads it (wg 1's dP^T reads dout, wg 0's S^T reads q) finished before ds_full, or p_full. The slot
     // stays the writer's until its bulk copy has read the partial.
     float* staging = cta.sdQ(wg, s);
+    float* overflow = cta.sdQ_overflow(s) - K::TILE_DQ_TILES * 512;  // n-tile j >= TILE_DQ_TILES at j * 512 from here
 #pragma unroll
-    for (int j = 0; j < K::DQ_TILES; ++j)
-      *reinterpret_cast<float4*>(staging + (j * 128 + thread) * 4) =
+    for (int j = 0; j < DQ_TILES; ++j)
+      *reinterpret_cast<float4*>((j < K::TILE_DQ_TILES ? staging : overflow) + (j * 128 + thread) * 4) =
           make_float4(acc_dq[j][0], acc_dq[j][1], acc_dq[j][2], acc_dq[j][3]);
     fence_async_shared();  // the stores before the bulk copy that reads them
     mbar_arrive(cta.dq_full(s));
@@ -538,6 +566,50 @@ attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMap
   else bwd_consume_paired<K, 1>(cta, p, KeyBlockWalk<K>(p, by_arrival), warp, lane);
 }
 
+// One consumer's share of attention_bwd_dq_convert_kernel (below): its chunk (64 rows x COLS, at `chunk` in each
+// chain's record) summed over the chains, scaled and rounded into `own`, then (after the CTA's barrier) stored
+// from `own` to dq's rows from row0 and columns from col0.
+template <class K, int COLS>
+__device__ __forceinline__ void stage_dq_share(const AttnParams& p, const float4* chunk, int added,
+                                               typename K::T* own, int thread) {
+  using T = typename K::T;
+  constexpr int TILES = COLS / 8, ROW = COLS + 8;  // staged row, in T: 16 bytes of padding keep the pairs' rows on other banks
+  float4 x[TILES];
+#pragma unroll
+  for (int j = 0; j < TILES; ++j) x[j] = added > 0 ? __ldg(chunk + j * 128 + thread) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int chain = 1; chain < K::DQ_CHAINS; ++chain) {  // the chains' sums in chain order
+    if (chain >= added) break;
+#pragma unroll
+    for (int j = 0; j < TILES; ++j) {
+      const float4 y = __ldg(chunk + chain * K::DQ_RECORD / 4 + j * 128 + thread);
+      x[j] = make_float4(x[j].x + y.x, x[j].y + y.y, x[j].z + y.z, x[j].w + y.w);
+    }
+  }
+  const int r = DqChunk::row(thread, 0);
+#pragma unroll
+  for (int j = 0; j < TILES; ++j) {
+    const int c = DqChunk::col(thread, j, 0);
+    Elem<T>::store2(own + r * ROW + c, x[j].x * p.scale, x[j].y * p.scale);
+    Elem<T>::store2(own + (r + 8) * ROW + c, x[j].z * p.scale, x[j].w * p.scale);
+  }
+}
+template <class K, int COLS>
+__device__ __forceinline__ void store_dq_share(const AttnParams& p, const typename K::T* own, int row0, int col0,
+                                               int b, int thread) {
+  using T = typename K::T;
+  constexpr int ROW = COLS + 8;
+  T* dq = static_cast<T*>(p.dq) + static_cast<i64>(b) * p.nq * p.d_qk;
+  constexpr int PIECES = COLS / 8;  // 16-byte pieces per staged row
+#pragma unroll
+  for (int i = thread; i < 64 * PIECES; i += 128) {
+    const int row = i / PIECES, col = (i % PIECES) * 8;
+    if (row0 + row < p.nq && col0 + col < p.d_qk)
+      *reinterpret_cast<uint4*>(dq + static_cast<i64>(row0 + row) * p.d_qk + col0 + col) =
+          *reinterpret_cast<const uint4*>(own + row * ROW + col);
+  }
+}
+
 // dq = scale * dq_accum, rounded to T: a CTA per (query block, batch entry), a thread per accumulator thread of
 // the two consumers' chunks (DqChunk). A query block no key block adds to (causal: queries before every key,
 // or no keys at all) has 0 for dq and nothing in dq_accum. It reads every float of its chunks before it stores
@@ -548,8 +620,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL, int DQ_CHAINS, 
 __global__ void __launch_bounds__(256)
 attention_bwd_dq_convert_kernel(const AttnParams p, const float* dq_accum) {
   using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, 2, IS_CAUSAL, true, DQ_CHAINS, PAIRED>;
-  constexpr int ROW = K::DQ_COLS + 8;  // staged row, in T: 16 bytes of padding keep the pairs' rows on other banks
-  __shared__ __align__(16) T staged[2][64 * ROW];
+  __shared__ __align__(16) T staged[2][64 * (K::DQ_COLS0 + 8)];
   const int b = batch_index(), m = blockIdx.x;
   if (b >= p.batch) return;  // a CTA past the batch (launch._grid), before the barrier: the whole CTA leaves
   // The key blocks that added to this query block: all, or causal those up to the last that sees its last row.
@@ -557,39 +628,14 @@ attention_bwd_dq_convert_kernel(const AttnParams p, const float* dq_accum) {
   const int added = IS_CAUSAL ? min(key_blocks, floor_div(m * BLOCK_M + BLOCK_M - 1 + (p.nk - p.nq), K::BLOCK_N) + 1)
                               : key_blocks;
   const int wg = threadIdx.x / 128, thread = threadIdx.x % 128;
-  const float4* chunk = reinterpret_cast<const float4*>(
-      dq_accum + ((static_cast<i64>(b) * gridDim.x + m) * K::DQ_CHAINS * 2 + wg) * K::DQ_CHUNK);
-  float4 x[K::DQ_TILES];
-#pragma unroll
-  for (int j = 0; j < K::DQ_TILES; ++j) x[j] = added > 0 ? __ldg(chunk + j * 128 + thread) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-  for (int chain = 1; chain < K::DQ_CHAINS; ++chain) {  // the chains' sums in chain order
-    if (chain >= added) break;
-#pragma unroll
-    for (int j = 0; j < K::DQ_TILES; ++j) {
-      const float4 y = __ldg(chunk + chain * 2 * K::DQ_CHUNK / 4 + j * 128 + thread);
-      x[j] = make_float4(x[j].x + y.x, x[j].y + y.y, x[j].z + y.z, x[j].w + y.w);
-    }
-  }
-  T* own = staged[wg];
-  const int r = DqChunk::row(thread, 0);
-#pragma unroll
-  for (int j = 0; j < K::DQ_TILES; ++j) {
-    const int c = DqChunk::col(thread, j, 0);
-    Elem<T>::store2(own + r * ROW + c, x[j].x * p.scale, x[j].y * p.scale);
-    Elem<T>::store2(own + (r + 8) * ROW + c, x[j].z * p.scale, x[j].w * p.scale);
-  }
+  const float* record = dq_accum + (static_cast<i64>(b) * gridDim.x + m) * K::DQ_CHAINS * K::DQ_RECORD;
+  // Each consumer's 64 rows x its columns: its rows from row0, its columns from col0 (of the row's d_qk, a
+  // multiple of 8 on the tensor-map path, and dq's rows start on 16 bytes).
+  const int row0 = m * BLOCK_M + (K::DQ_SPLIT_ROWS ? 64 * wg : 0), col0 = K::dq_col0(wg);
+  const float4* chunk = reinterpret_cast<const float4*>(record + K::dq_chunk_at(wg));
+  if (wg == 0) stage_dq_share<K, K::DQ_COLS0>(p, chunk, added, staged[0], thread);
+  else stage_dq_share<K, K::DQ_COLS1>(p, chunk, added, staged[1], thread);
   __syncthreads();
-  // Each consumer's 64 rows x DQ_COLS: its rows from row0, its columns from col0 (of the row's d_qk, a multiple
-  // of 8 on the tensor-map path, and dq's rows start on 16 bytes).
-  const int row0 = m * BLOCK_M + (K::DQ_SPLIT_ROWS ? 64 * wg : 0), col0 = K::DQ_SPLIT_ROWS ? 0 : K::DQ_COLS * wg;
-  T* dq = static_cast<T*>(p.dq) + static_cast<i64>(b) * p.nq * p.d_qk;
-  constexpr int PIECES = K::DQ_COLS / 8;  // 16-byte pieces per staged row
-#pragma unroll
-  for (int i = thread; i < 64 * PIECES; i += 128) {
-    const int row = i / PIECES, col = (i % PIECES) * 8;
-    if (row0 + row < p.nq && col0 + col < p.d_qk)
-      *reinterpret_cast<uint4*>(dq + static_cast<i64>(row0 + row) * p.d_qk + col0 + col) =
-          *reinterpret_cast<const uint4*>(own + row * ROW + col);
-  }
+  if (wg == 0) store_dq_share<K, K::DQ_COLS0>(p, staged[0], row0, col0, b, thread);
+  else store_dq_share<K, K::DQ_COLS1>(p, staged[1], row0, col0, b, thread);
 }

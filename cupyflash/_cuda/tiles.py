@@ -155,6 +155,7 @@ ws     2  192  fwd   12.64.192/r2w  .              .              .             
 ws     2  256  fwd   12.64.256/r2w  .              .              .              =              =
 ws     2  64   bwd   12.128.64/r2   .              .              .              .              .
 ws     2  128  bwd   12.64.128/r2   .              .              .              .              .
+ws     2  192  bwd   12.64.192/r2d  .              .              .              .              .
 ws     2  256  bwd   12.64.256/r2d  .              .              .              .              .
 ws     1  64   fwd   16.128.64/r4w  .              .              .              .              .
 ws     1  128  fwd   12.128.128/r3w .              .              .              .              .
@@ -245,14 +246,15 @@ WS_BWD_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in
 # The smallest head dim each warp-specialized HEAD_DIM serves, padded (ws_head_dim): the forward at 128 from 65,
 # at 192 from 129 and at 256 from 193. The wgmma forward at the table's 96, 160 and 192 ran at 0.58-0.81 of cuDNN,
 # the warp-specialized one padded to 128 / 256 at 0.72-1.07, and at 160 and 192 on its own 192 cell at 0.91-1.08
-# (1.18-1.38x the padding to 256, H200). The fused backward at 256 only from 193 (at 160 it ran 0.76-0.91 of the
-# two passes and at 192 0.92-1.03: the padding's products cost what the fusion saves).
-WS_SERVES_FROM = {"fwd": {64: 33, 128: 65, 192: 129, 256: 193}, "bwd": {64: 33, 128: 65, 256: 193}}
+# (1.18-1.38x the padding to 256, H200). The fused backward: at 192 only from 161 (at 192 it ran 1.09-1.24x the
+# two passes, at 160 0.94-1.06x their own HEAD_DIM 160: a fifth of its products padding), at 256 from 193
+# (padded to 256, 160 and 192 had run 0.76-1.03x the two passes).
+WS_SERVES_FROM = {"fwd": {64: 33, 128: 65, 192: 129, 256: 193}, "bwd": {64: 33, 128: 65, 192: 161, 256: 193}}
 assert all(tuple(dims) == (WS_HEAD_DIMS if kernel == "fwd" else WS_BWD_HEAD_DIMS)
            for kernel, dims in WS_SERVES_FROM.items()), "a serving range for each warp-specialized HEAD_DIM"
 # The shortest min(Nq, Nk) the fused backward serves, with ordered or unordered dq adds alike: from 1k it was the
 # faster in both orders, at 512 slower in some rows (H200, bench_attention.py: docs/design/backward.md).
-WS_BWD_MIN_LENGTH = {64: 1024, 128: 1024, 256: 1024}
+WS_BWD_MIN_LENGTH = {64: 1024, 128: 1024, 192: 1024, 256: 1024}
 # ... and the least work, batch entries x Nq x Nk x HEAD_DIM (2^34: about 0.4 ms of GPU time): the fused backward
 # is launched unplanned (fused_backward.py: tensor maps encoded, parameters built per call), so a call with less
 # work than that could spend longer on the host than the planned two passes take on the GPU.
@@ -263,7 +265,15 @@ WS_BWD_MIN_WORK = 1 << 34
 # within 3% or slower below (docs/design/backward.md). At HEAD_DIM 256 (64-key blocks) by arrival was the faster
 # at 8k, and past 132 x 64 keys a batch entry's key blocks outnumber an H100's or H200's SMs (adds_by_arrival),
 # so the index order serves there from 8,449 keys already.
-WS_BWD_INDEX_ORDER_KEYS = {64: 8192, 128: 16384, 256: 16384}
+WS_BWD_INDEX_ORDER_KEYS = {64: 8192, 128: 16384, 192: 16384, 256: 16384}
+
+
+def ws_bwd_dq_overflow(itemsize: int, head_dim: int, t: Tiles) -> int:
+    """Floats per slot of a paired fused backward's dQ staging past the slot's dout tile (its kernel's
+    DQ_OVERFLOW): the first consumer's share of dQ_partial's columns is whole 64-column atoms (128 of 192), more
+    than the tile holds."""
+    first_share = 64 * (-(-head_dim // 128) * 64)  # 64 rows x (head_dim / 2 rounded up to 64 columns)
+    return max(0, first_share - t.block * head_dim * itemsize // 4)
 
 
 def ws_bwd_dq_chains(t: Tiles, deterministic: bool = True) -> int:
@@ -353,7 +363,7 @@ def smem_bytes(path: str, itemsize: int, head_dim: int, kernel: str, t: Tiles) -
     if path == "ws" and kernel == "bwd":  # BwdWsCta: K, V; q, dout and dS^T tiles; float32 dQ staging (paired:
         # the handed-over P^T, the staging in the slots' tiles), lse, delta
         tiles = 2 * t.rows * head_dim + 2 * t.stages * t.block * head_dim + 2 * t.rows * t.block
-        staged = t.rows * t.block if t.paired else t.block * head_dim
+        staged = t.rows * t.block + t.stages * ws_bwd_dq_overflow(itemsize, head_dim, t) if t.paired else t.block * head_dim
         return SMEM_ALIGN + itemsize * tiles + 4 * (staged + 2 * t.stages * t.block)
     if path == "ws":  # q buffers of a tile's rows, ``stages`` slots of a K and a V tile
         return SMEM_ALIGN + itemsize * head_dim * (ws_q_buffers(itemsize, head_dim) * t.rows + 2 * t.stages * t.block)

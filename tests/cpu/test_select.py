@@ -301,7 +301,8 @@ def test_the_device_decides_the_path():
         assert _chosen("fwd", head_dim=head_dim, device=HOPPER).path == "wgmma"
     assert [tiles.ws_head_dim(d) for d in (1, 32, 33, 64, 65, 128, 129, 256, 257)] == \
         [None, None, 64, 64, 128, 128, 192, 256, None]
-    assert [tiles.ws_head_dim(d, "bwd") for d in (32, 33, 96, 160, 192, 193, 256)] == [None, 64, 128, None, None, 256, 256]
+    assert [tiles.ws_head_dim(d, "bwd") for d in (32, 33, 96, 128, 129, 160, 161, 192, 193, 256)] == \
+        [None, 64, 128, 128, None, None, 192, 192, 256, 256]
 
 
 # ------------------------------------------------------------------------------------------ warp-specialized
@@ -537,16 +538,16 @@ def _backward(lengths, dtype=ml_dtypes.bfloat16, head_dim=128, causal=True, devi
 
 
 def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(monkeypatch):
-    """16-bit dense backwards on Hopper at head dims 33-128 and 193-256, plain or causal, from the table's
+    """16-bit dense backwards on Hopper at head dims 33-128 and 161-256, plain or causal, from the table's
     shortest length (the shorter of Nq, Nk) to CHAIN_ROWS: the fused kernel, its three kernels named from the
-    table's cell (always the ordered adds by default), a CTA per 128 keys (64 at HEAD_DIM 256, where its two
-    consumers pair up) and its conversion per query block, shared memory within 227 KiB. Shorter or longer
+    table's cell (always the ordered adds by default), a CTA per 128 keys (64 at HEAD_DIM 192 and 256, where its
+    two consumers pair up) and its conversion per query block, shared memory within 227 KiB. Shorter or longer
     calls, score modifiers, dropout, packed batches, float32, inputs TMA cannot read, other head dims and the
     mma.sync path take the two passes."""
     monkeypatch.setattr(launch, "cupy", _fake_cupy())
-    assert tiles.WS_BWD_HEAD_DIMS == (64, 128, 256) and set(tiles.WS_BWD_MIN_LENGTH) == set(tiles.WS_BWD_HEAD_DIMS)
+    assert tiles.WS_BWD_HEAD_DIMS == (64, 128, 192, 256) and set(tiles.WS_BWD_MIN_LENGTH) == set(tiles.WS_BWD_HEAD_DIMS)
     for dtype, ctype in HALVES:
-        for d, head_dim in ((40, 64), (64, 64), (100, 128), (128, 128), (200, 256), (256, 256)):
+        for d, head_dim in ((40, 64), (64, 64), (100, 128), (128, 128), (168, 192), (192, 192), (200, 256), (256, 256)):
             shortest = tiles.WS_BWD_MIN_LENGTH[head_dim]
             for causal in (False, True):
                 v = _backward((shortest, shortest + 1), dtype, d, causal)
@@ -555,8 +556,8 @@ def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(
                 t = v.tiles("bwd")
                 assert t == v.tiles("dq_convert") == tiles.lookup("ws", 2, head_dim, "bwd", "plain")
                 chains = tiles.ws_bwd_dq_chains(t)
-                assert t.paired == (head_dim == 256) and t.rows == (64 if t.paired else 128)
-                assert chains == {64: 2, 128: 1, 256: 2}[head_dim]
+                assert t.paired == (head_dim > 128) and t.rows == (64 if t.paired else 128)
+                assert chains == {64: 2, 128: 1, 192: 2, 256: 2}[head_dim]
                 paired = _bool(t.paired)
                 assert v.name_expression("bwd") == (f"attention_bwd_ws_kernel<{ctype}, {head_dim}, {t.block}, "
                                                     f"{t.stages}, {_bool(causal)}, true, {chains}, {paired}>")
@@ -568,7 +569,8 @@ def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(
                 assert launch.launch_shape(v, "dq_convert", 1000, 6) == ((-(-1000 // t.block), 6, 1), (256,), 0)
                 assert v.smem("bwd") <= 227 * 1024
                 # the two passes of the same call
-                two_passes = Variant("bwd", np.dtype(dtype).name, head_dim, "wgmma", causal=causal)
+                table_dim = min(h for h in tiles.HEAD_DIMS if h >= d)  # the two passes' own HEAD_DIM
+                two_passes = Variant("bwd", np.dtype(dtype).name, table_dim, "wgmma", causal=causal)
                 for lengths in ((shortest - 1, shortest), (shortest, shortest - 1), (tiles.CHAIN_ROWS + 1, shortest)):
                     assert _backward(lengths, dtype, d, causal) == two_passes, lengths
                 assert _backward((shortest, shortest), dtype, d, causal, tma_ok=False) == two_passes
@@ -578,11 +580,11 @@ def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(
             for options in (dict(window=(10, 0)), dict(softcap=5.0), dict(alibi_slopes=SLOPES)):
                 assert _backward((shortest, shortest), dtype, d, False, **options).path == "wgmma", options
     assert _backward((1 << 16, 1 << 16), head_dim=32).path == "wgmma"
-    for head_dim, ws_dim in ((33, 64), (96, 128), (193, 256)):  # padded to the fused backward's HEAD_DIM
+    for head_dim, ws_dim in ((33, 64), (96, 128), (161, 192), (193, 256)):  # padded to its HEAD_DIM
         chosen = _backward((1 << 16, 1 << 16), head_dim=head_dim)
         assert (chosen.path, chosen.head_dim, chosen.fused_backward) == ("ws", ws_dim, True), head_dim
-    for head_dim in (160, 192):  # the two passes at the table's HEAD_DIM
-        assert _backward((1 << 16, 1 << 16), head_dim=head_dim) == Variant("bwd", "bfloat16", head_dim, "wgmma", causal=True)
+    for head_dim in (129, 160):  # the two passes at the table's HEAD_DIM 160
+        assert _backward((1 << 16, 1 << 16), head_dim=head_dim) == Variant("bwd", "bfloat16", 160, "wgmma", causal=True)
     assert _backward((1 << 16, 1 << 16), dtype=np.float32).path == "pieces"
     assert _backward((1 << 16, 1 << 16), dtype=np.float64).path != "ws"
     assert not _backward((0, 0)).fused_backward  # lengths not given: the two passes

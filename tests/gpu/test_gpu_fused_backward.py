@@ -1,6 +1,6 @@
 """The warp-specialized fused backward (cuda_src/attention_bwd_ws.cu) on Hopper: 16-bit, plain or causal, head
-dims 33-128 and 193-256 (at HEAD_DIM 64, 128 or 256: tiles.ws_head_dim), sequences from tiles.WS_BWD_MIN_LENGTH on (ordered or unordered dq adds). Needs a GPU of compute
-capability 9.0:
+dims 33-128 and 161-256 (at HEAD_DIM 64, 128, 192 or 256: tiles.ws_head_dim), sequences from tiles.WS_BWD_MIN_LENGTH on
+(ordered or unordered dq adds). Needs a GPU of compute capability 9.0:
 
     python -m pytest -m gpu tests/gpu/test_gpu_fused_backward.py
 
@@ -69,7 +69,7 @@ def _problem(rng, dtype, batch, nq, nk, d, dv=None):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nq, nk", [(333, 397), (397, 261), (128, 128), (1000, 64), (70, 1100)])
-@pytest.mark.parametrize("d", [40, 64, 80, 96, 128, 200, 256])
+@pytest.mark.parametrize("d", [40, 64, 80, 96, 128, 168, 192, 200, 256])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_fused_backward_matches_the_reference(rng, any_length, dtype, d, nq, nk, causal):
     """Sizes off every block: partial query and key blocks, Nq > Nk (causal rows that see no key, whose dq is
@@ -82,7 +82,7 @@ def test_fused_backward_matches_the_reference(rng, any_length, dtype, d, nq, nk,
     assert_matches_reference(q, k, v, dout, results, causal=causal)
 
 
-@pytest.mark.parametrize("d, dv", [(64, 40), (48, 128), (256, 224)])
+@pytest.mark.parametrize("d, dv", [(64, 40), (48, 128), (192, 136), (256, 224)])
 def test_fused_backward_with_narrower_values_or_keys(rng, any_length, d, dv):
     assert _fused(ml_dtypes.bfloat16, d, dv, True, 300, 500).fused_backward
     q, k, v, dout = _problem(rng, ml_dtypes.bfloat16, (2, 2), 300, 500, d, dv)
@@ -91,7 +91,7 @@ def test_fused_backward_with_narrower_values_or_keys(rng, any_length, d, dv):
     assert_matches_reference(q, k, v, dout, results, causal=True)
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [128, 192, 256])
 @pytest.mark.parametrize("by_arrival", [True, False], ids=["by-arrival", "by-index"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fused_backward_is_bitwise_reproducible(rng, any_length, monkeypatch, causal, by_arrival, d):
@@ -150,11 +150,12 @@ def test_fused_backward_serves_long_sequences(rng):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nq, nk", [(333, 397), (1000, 64), (70, 1100)])
-@pytest.mark.parametrize("d", [64, 80, 100, 256])
+@pytest.mark.parametrize("d", [64, 80, 100, 176, 256])
 def test_unordered_fused_backward_matches_the_reference(rng, any_length, monkeypatch, d, nq, nk, causal):
     """deterministic=False: the fused kernel whose dq adds land in any order (into an accumulator the host
-    zeroes: allocations start as NaN here), against float64 at awkward sizes, head dims 64, 128 and 256 (two
-    chains of the ordered form's layout at 64; paired consumers at 256; 80 padded to 128)."""
+    zeroes: allocations start as NaN here), against float64 at awkward sizes, head dims 64, 128, 192 and 256
+    (two chains of the ordered form's layout at 64; paired consumers at 192 and 256; 80 padded to 128, 176 to
+    192)."""
     launched = _launches(monkeypatch)
     q, k, v, dout = _problem(rng, np.float16 if d == 64 else ml_dtypes.bfloat16, (2, 3), nq, nk, d)
     out, lse = cupyflash.attention_forward(q, k, v, causal=causal)
