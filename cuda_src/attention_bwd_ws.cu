@@ -4,9 +4,9 @@
 //
 // Layout: q, dout (b, nq, d) and k, v (b, nk, d) of one dense batch, read through TMA tensor maps (tma.cuh);
 // lse_log2 and delta (b, nq) float32; dk, dv (b, nk, d) contiguous. dq_accum: float32, (b, ceil(nq / BLOCK_M),
-// DQ_CHAINS, DQ_RECORD: each consumer's dQ_partial in turn) in the order the dQ products' accumulators hold it (DqChunk), never
-// zeroed: the first key block of a chain at a query block stores its partial there (DETERMINISTIC; otherwise
-// the host zeroes it); attention_bwd_dq_convert_kernel sums the chains, scales and rounds into dq (b, nq, d).
+// DQ_CHAINS, DQ_RECORD: each consumer's dQ_partial in turn) in the order the dQ products' accumulators hold it
+// (DqChunk), never zeroed: the first key block of a chain at a query block stores its partial there (DETERMINISTIC;
+// otherwise the host zeroes it); attention_bwd_dq_convert_kernel sums the chains, scales and rounds into dq (b, nq, d).
 // dq_counters: an int per (batch entry, query block, chain), zero at launch. Saves nothing.
 //
 // A CTA per (block of BLOCK_N = 128 keys, or 64 PAIRED, batch entry) streams every query block that sees its keys
@@ -53,9 +53,9 @@ struct BwdWsTraits {
   using T = T_;
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_M = BLOCK_M_, STAGES = STAGES_;
   static constexpr bool IS_CAUSAL = IS_CAUSAL_, DETERMINISTIC = DETERMINISTIC_;
-  // PAIRED (HEAD_DIM 256, where one consumer's dK and dV over 64 keys would take all 256 registers): both
-  // consumers work on the same 64 keys, one holding dV (S^T, P^T, dV += P^T dO), the other dK (dP^T, dS^T with
-  // the first's P^T handed over in shared memory, dK += dS^T Q); each then half of dQ_partial's columns.
+  // PAIRED (HEAD_DIM 192 and 256, where one consumer's dK and dV over 64 keys would take 192 or all 256 registers):
+  // both consumers work on the same 64 keys, one holding dV (S^T, P^T, dV += P^T dO), the other dK (dP^T, dS^T
+  // with the first's P^T handed over in shared memory, dK += dS^T Q); each then a share of dQ_partial's columns.
   static constexpr bool PAIRED = PAIRED_;
   static constexpr int BLOCK_N = PAIRED ? 64 : 128, WG_KEYS = 64;
   using KVTile = SwizzledTile<T, BLOCK_N, HEAD_DIM>;
@@ -92,12 +92,13 @@ struct BwdWsTraits {
   static constexpr bool DK_ACROSS = BLOCK_M == 64 && !PAIRED;
   static constexpr u32 CONSUMER_WARPS = 8;
   static_assert(sizeof(T) == 2 && (BLOCK_M == 64 || BLOCK_M == 128) && HEAD_DIM % 64 == 0 && DQ_COLS0 % 64 == 0 &&
-                DQ_COLS1 % 64 == 0 && DQ_COLS1 > 0, "16-bit; query blocks of 64 or 128; head dims in whole 64-column atoms");
+                DQ_COLS1 % 64 == 0 && DQ_COLS1 > 0,
+                "16-bit; query blocks of 64 or 128; head dims in whole 64-column atoms");
   static_assert(DQ_SPLIT_ROWS || DQ_COLS0 + DQ_COLS1 == HEAD_DIM, "split by columns, the shares cover the row");
   // Paired, the q and dout tiles of a slot take the two consumers' dQ_partial once read (a float32 staging
   // buffer of its own would not fit beside them); what of wg 0's share a tile cannot hold (HEAD_DIM 192: a
-  // third of it) goes to a small buffer per slot. Its chunk is laid out n-tile after n-tile (DqChunk), so the
-  // first TILE_DQ_TILES n-tiles lie in the tile and the rest in the overflow.
+  // quarter of it, 4 of its 16 n-tiles) goes to a small buffer per slot. Its chunk is laid out n-tile after
+  // n-tile (DqChunk), so the first TILE_DQ_TILES n-tiles lie in the tile and the rest in the overflow.
   static constexpr int TILE_FLOATS = QTile::SIZE * static_cast<int>(sizeof(T)) / 4;
   static constexpr int DQ_OVERFLOW = PAIRED && dq_chunk(0) > TILE_FLOATS ? dq_chunk(0) - TILE_FLOATS : 0;
   static constexpr int TILE_DQ_TILES = TILE_FLOATS / 512;  // an n-tile of a chunk: 128 threads x 4 floats
@@ -127,7 +128,8 @@ struct BwdWsCta {
   static constexpr int DO_AT = Q_AT + K::STAGES * K::QTile::SIZE, DS_AT = DO_AT + K::STAGES * K::QTile::SIZE;
   static constexpr int DQ_AT = DS_AT + 2 * K::DsTile::SIZE;  // in T, then float32 buffers
   // The float32 buffers: unpaired, both consumers' dQ_partial staging; paired, the P^T handed over (a
-  // consumer's S^T accumulator, thread by thread), its dQ_partial staged in the slot's q and dout tiles.
+  // consumer's S^T accumulator, thread by thread) and each slot's overflow of wg 0's dQ_partial (the rest of
+  // which, and wg 1's, are staged in the slot's dout and q tiles).
   static constexpr int F32_STAGED = K::PAIRED ? K::WG_KEYS * K::BLOCK_M + K::STAGES * K::DQ_OVERFLOW : K::DQ_RECORD;
   __device__ __forceinline__ T* sK() const { return base + K_AT; }
   __device__ __forceinline__ T* sV() const { return base + V_AT; }
@@ -142,7 +144,9 @@ struct BwdWsCta {
     return f32() + K::dq_chunk_at(wg);
   }
   // Paired, the n-tiles of wg 0's dQ_partial past its tile (HEAD_DIM 192), slot s's.
-  __device__ __forceinline__ float* sdQ_overflow(int s) const { return f32() + K::WG_KEYS * K::BLOCK_M + s * K::DQ_OVERFLOW; }
+  __device__ __forceinline__ float* sdQ_overflow(int s) const {
+    return f32() + K::WG_KEYS * K::BLOCK_M + s * K::DQ_OVERFLOW;
+  }
   __device__ __forceinline__ float* sP() const { return f32(); }
   __device__ __forceinline__ float* sLse(int s) const { return f32() + F32_STAGED + s * K::BLOCK_M; }
   __device__ __forceinline__ float* sDelta(int s) const { return f32() + F32_STAGED + (K::STAGES + s) * K::BLOCK_M; }
@@ -260,12 +264,12 @@ __device__ __forceinline__ void add_release(int* counter, int value) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(counter), "r"(value) : "memory");
 }
 
-// The dq writer (the producer warpgroup's warp 1, one lane): per query block, both consumers' dQ_partial into
-// dq_accum (DQ_RECORD contiguous floats there) by bulk copies: one from the contiguous staging buffers, or,
-// paired, one from each of the slot's two tiles (and its overflow), after which it frees the slot. DETERMINISTIC: in rank order,
-// the first stored and the others added, each count released once the adds have landed; otherwise added in any
-// order. Waiting here, not in the consumers, lets them go on to the next query block (until they need the
-// staging buffers, or paired the slot, again).
+// The dq writer (the producer warpgroup's warp 1, one lane): per query block, both consumers' dQ_partial into dq_accum
+// (DQ_RECORD contiguous floats there) by bulk copies: one from the contiguous staging buffers, or, paired, one from
+// each of the slot's two tiles (and its overflow), after which it frees the slot. DETERMINISTIC: in rank order, the
+// first stored and the others added, each count released once the adds have landed; otherwise added in any order.
+// Waiting here, not in the consumers, lets them go on to the next query block (until they need the staging buffers, or
+// paired the slot, again).
 template <class K>
 __device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_accum, int* dq_counters,
                                              const KeyBlockWalk<K>& walk, const AttnParams& p) {
@@ -497,11 +501,12 @@ __device__ __forceinline__ void bwd_consume_paired(const BwdWsCta<K>& cta, const
     // that reads it (wg 1's dP^T reads dout, wg 0's S^T reads q) finished before ds_full, or p_full. The slot
     // stays the writer's until its bulk copy has read the partial.
     float* staging = cta.sdQ(wg, s);
-    float* overflow = cta.sdQ_overflow(s) - K::TILE_DQ_TILES * 512;  // n-tile j >= TILE_DQ_TILES at j * 512 from here
 #pragma unroll
-    for (int j = 0; j < DQ_TILES; ++j)
-      *reinterpret_cast<float4*>((j < K::TILE_DQ_TILES ? staging : overflow) + (j * 128 + thread) * 4) =
-          make_float4(acc_dq[j][0], acc_dq[j][1], acc_dq[j][2], acc_dq[j][3]);
+    for (int j = 0; j < DQ_TILES; ++j) {
+      // n-tiles past the tile (wg 0 at HEAD_DIM 192) go on in the slot's overflow
+      float* at = j < K::TILE_DQ_TILES ? staging + j * 512 : cta.sdQ_overflow(s) + (j - K::TILE_DQ_TILES) * 512;
+      *reinterpret_cast<float4*>(at + thread * 4) = make_float4(acc_dq[j][0], acc_dq[j][1], acc_dq[j][2], acc_dq[j][3]);
+    }
     fence_async_shared();  // the stores before the bulk copy that reads them
     mbar_arrive(cta.dq_full(s));
     first = false;
@@ -573,7 +578,8 @@ template <class K, int COLS>
 __device__ __forceinline__ void stage_dq_share(const AttnParams& p, const float4* chunk, int added,
                                                typename K::T* own, int thread) {
   using T = typename K::T;
-  constexpr int TILES = COLS / 8, ROW = COLS + 8;  // staged row, in T: 16 bytes of padding keep the pairs' rows on other banks
+  // A staged row, in T: 16 bytes of padding keep the pairs' rows on other banks.
+  constexpr int TILES = COLS / 8, ROW = COLS + 8;
   float4 x[TILES];
 #pragma unroll
   for (int j = 0; j < TILES; ++j) x[j] = added > 0 ? __ldg(chunk + j * 128 + thread) : make_float4(0.f, 0.f, 0.f, 0.f);

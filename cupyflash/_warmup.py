@@ -78,7 +78,7 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPES,
         first use.
     backward : bool, optional
         Also warm the backward's kernels (default True): on Hopper, for 16-bit head dims 33-128 and
-        193-256, both the two-pass backward and the fused one that long sequences take (in order: the
+        161-256, both the two-pass backward and the fused one that long sequences take (in order: the
         form ``attention_backward(deterministic=False)`` takes compiles at its first call).
     dropout : bool, optional
         Also warm the kernels that apply dropout (calls with ``dropout_p > 0``), for every

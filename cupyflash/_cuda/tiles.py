@@ -279,7 +279,7 @@ def ws_bwd_dq_overflow(itemsize: int, head_dim: int, t: Tiles) -> int:
 def ws_bwd_dq_chains(t: Tiles, deterministic: bool = True) -> int:
     """The fused backward's chains of ordered dq adds per query block, each with its own float32 accumulator (its
     kernels' DQ_CHAINS), for its cell t. Where query blocks are as long as key blocks (HEAD_DIM 64: 128 and 128;
-    256: 64 and 64), consecutive ranks reach a query block one step apart by arrival: two chains, so that an
+    192 and 256: 64 and 64), consecutive ranks reach a query block one step apart by arrival: two chains, so that an
     add's round trip may take two steps. One where they come two steps apart already (HEAD_DIM 128: 64 queries,
     128 keys), and for unordered adds."""
     return 2 if t.block == t.rows and deterministic else 1
@@ -361,7 +361,7 @@ def smem_bytes(path: str, itemsize: int, head_dim: int, kernel: str, t: Tiles) -
     if kernel in ("preprocess", "dq_convert"):
         return 0
     if path == "ws" and kernel == "bwd":  # BwdWsCta: K, V; q, dout and dS^T tiles; float32 dQ staging (paired:
-        # the handed-over P^T, the staging in the slots' tiles), lse, delta
+        # the handed-over P^T and each slot's overflow, the rest staged in the slots' tiles), lse, delta
         tiles = 2 * t.rows * head_dim + 2 * t.stages * t.block * head_dim + 2 * t.rows * t.block
         staged = t.rows * t.block + t.stages * ws_bwd_dq_overflow(itemsize, head_dim, t) if t.paired else t.block * head_dim
         return SMEM_ALIGN + itemsize * tiles + 4 * (staged + 2 * t.stages * t.block)
