@@ -116,7 +116,7 @@ __device__ __forceinline__ int l2_section_entries(const AttnParams& p) {
 }
 
 // The descales of an e4m3 batch entry b (AttnParams' fp8 fields: per flat batch entry, contiguous, one per
-// fp8_descale_rows rows): q's of a warpgroup's rows, k's and v's of a key block (row blocks are multiples of
+// block of rows): q's of a warpgroup's rows, k's and v's of a key block (row blocks are multiples of
 // both, or one descale per entry). Without FP8: ones, and nothing read.
 template <bool FP8>
 struct Fp8Descales {
@@ -124,7 +124,9 @@ struct Fp8Descales {
   int b;
   __device__ __forceinline__ Fp8Descales(const AttnParams& p_, int b_) : p(p_), b(b_) {}
   __device__ __forceinline__ float at(int which, int row) const {
-    return p.fp8_descale[which][b * p.fp8_descale_blocks[which] + row / p.fp8_descale_rows[which]];
+    const u64 product = static_cast<u64>(row) * p.fp8_descale_magic[which];  // row / R (AttnParams)
+    const int block = static_cast<int>(product >> p.fp8_descale_shift[which]);
+    return p.fp8_descale[which][b * p.fp8_descale_blocks[which] + block];
   }
   __device__ __forceinline__ float q(int row) const { return FP8 ? at(0, row) : 1.f; }
   // Key block `key / BLOCK_N`'s k and v descales.

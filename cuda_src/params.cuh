@@ -93,11 +93,14 @@ struct AttnParams {
   // (pieces.cuh, Pieces; the forward reads e_k and e_v only, it splits q itself). Unused (null) elsewhere.
   const int* split_exponents;
   // e4m3 inputs (the warp-specialized forward's FP8 form): the descales of q, k, v (real value = stored value *
-  // descale), per flat batch entry (contiguous) and per block of fp8_descale_rows rows, fp8_descale_blocks of
-  // them per entry. Unused (null) elsewhere.
+  // descale), per flat batch entry (contiguous) and per block of R rows, fp8_descale_blocks of them per entry.
+  // A row's block, row / R, is (row * fp8_descale_magic) >> fp8_descale_shift in 64 bits (exact for rows below
+  // 2^31, cupyflash/_cuda/fp8.py: division_magic), so that the loop over key blocks divides in two instructions,
+  // not a division's dependent chain of about twenty. Unused (null) elsewhere.
   const float* fp8_descale[3];
   int fp8_descale_blocks[3];
-  int fp8_descale_rows[3];
+  u32 fp8_descale_magic[3];
+  int fp8_descale_shift[3];
 };
 
 // The real-valued parameters in a kernel's accumulator type A (float; double for float64 inputs).

@@ -106,6 +106,17 @@ def _descales(x, batch_shape, batch: int):
     return flat.reshape(batch, blocks), max(1, rows)
 
 
+def division_magic(divisor: int) -> tuple[int, int]:
+    """(magic, shift) with row // divisor == (row * magic) >> shift for every 0 <= row < 2**31, magic < 2**32:
+    the kernel's descale block of a row (AttnParams.fp8_descale_magic). With l = ceil(log2(divisor)), shift =
+    31 + l and magic = ceil(2**shift / divisor) = 2**shift / divisor + e (0 <= e < 1), the product over 2**shift
+    is row / divisor plus row * e / 2**shift < 2**-l <= 1 / divisor, which never reaches the next integer."""
+    if not 1 <= divisor < 2 ** 31:
+        raise ValueError(f"divisor must be in [1, 2**31), got {divisor}")
+    shift = 31 + (divisor - 1).bit_length()
+    return -(-(1 << shift) // divisor), shift
+
+
 def attention_forward_fp8(q, k, v, *, scale: float, causal: bool, out_dtype):
     """out (*batch, Nq, Dv) in ``out_dtype`` (float16 or bfloat16) and lse (*batch, Nq) float32 of e4m3
     holders whose data and scales are broadcast to one batch shape (the API validated them and handled empty
@@ -133,7 +144,9 @@ def prepare(q, k, v, *, scale: float, causal: bool, out_dtype):
                           others={"lse": lse}, causal=causal)
     params["fp8_descale"] = [table.data.ptr for table, _ in descales]
     params["fp8_descale_blocks"] = [table.shape[1] for table, _ in descales]
-    params["fp8_descale_rows"] = [rows for _, rows in descales]
+    magic = [division_magic(rows) for _, rows in descales]
+    params["fp8_descale_magic"] = [m for m, _ in magic]
+    params["fp8_descale_shift"] = [shift for _, shift in magic]
     block = variant.tiles("fwd").block
     maps = tma.TensorMaps(arrays, sizes, strides, {"q": WS_WARPGROUP_ROWS, "k": block, "v": head_dim},
                           {"q": _atom_bytes(head_dim), "k": _atom_bytes(head_dim), "v": _atom_bytes(block)})

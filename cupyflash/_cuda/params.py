@@ -30,7 +30,8 @@ PARAMS_DTYPE = numpy.dtype(
                                           "dropout_scale_f64")]
     + [("split_exponents", numpy.uint64)]
     + [("fp8_descale", numpy.uint64, (3,))]
-    + [(name, numpy.int32, (3,)) for name in ("fp8_descale_blocks", "fp8_descale_rows")],
+    + [("fp8_descale_blocks", numpy.int32, (3,)), ("fp8_descale_magic", numpy.uint32, (3,)),
+       ("fp8_descale_shift", numpy.int32, (3,))],
     align=True,
 )
 # A launch passes the same bytes as one opaque value: CuPy finds a NumPy argument's address through

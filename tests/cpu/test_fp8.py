@@ -509,3 +509,29 @@ def test_a_block_past_n_is_one_scale_per_slice(rng):
     assert np.array_equal(huge.dequantize(), x8.dequantize())
     assert np.array_equal(cupyflash.attention(huge, huge, huge, causal=True).view(np.uint16),
                           cupyflash.attention(x8, x8, x8, causal=True).view(np.uint16))
+
+
+# ------------------------------------------------------------------------------------------ the descale's block
+def test_division_magic_is_floor_division_below_2_to_the_31(rng):
+    """The kernel finds a row's descale block as (row * magic) >> shift in 64 bits: exact for every divisor it
+    can be given and every row below 2**31, the magic a 32-bit unsigned value and the product below 2**64."""
+    from cupyflash._cuda.fp8 import division_magic
+    divisors = np.concatenate([np.arange(1, 1025), 128 * np.arange(1, 513), 2 ** np.arange(31) - 1, 2 ** np.arange(31),
+                               rng.integers(1, 2 ** 31, 200)])
+    for d in (int(x) for x in divisors if 1 <= x < 2 ** 31):
+        magic, shift = division_magic(d)
+        assert 0 < magic < 2 ** 32 and shift < 64
+        multiples = d * np.arange(0, 2 ** 31 // d, max(1, 2 ** 31 // d // 64))
+        rows = np.concatenate([multiples, rng.integers(0, 2 ** 31, 64)])
+        rows = np.unique(np.concatenate([rows, rows - 1, rows + 1, [2 ** 31 - 1]]))
+        rows = rows[(rows >= 0) & (rows < 2 ** 31)].astype(object)  # Python ints: the product is exact
+        got = np.array([(int(r) * magic) >> shift for r in rows])
+        assert np.array_equal(got, np.array([int(r) // d for r in rows])), d
+        assert max(int(r) * magic for r in rows) < 2 ** 64
+
+
+def test_division_magic_refuses_divisors_outside_its_range():
+    from cupyflash._cuda.fp8 import division_magic
+    for d in (0, -3, 2 ** 31):
+        with pytest.raises(ValueError, match="divisor must be in"):
+            division_magic(d)

@@ -126,7 +126,9 @@ def test_the_flags_are_where_they_must_be():
 def test_the_tiles_fit_the_kernels():
     """Whole warpgroups on Hopper's paths; the whole head dim per CTA in their forwards; column chunks that
     divide HEAD_DIM; a CTA's rows and its streamed block that divide a block-mask tile (a tile never straddles
-    two); shared memory within what the variant's targets give a CTA."""
+    two); the FP8 forward's key blocks (1-byte rows, no block mask) divide quantize_fp8's row blocks, as a key
+    block takes one k and one v descale; shared memory within what the variant's targets give a CTA."""
+    from cupyflash._fp8 import BLOCK_ROWS as FP8_BLOCK_ROWS
     from cupyflash._modifiers import BLOCK_MASK_TILE
 
     for (path, itemsize, head_dim, kernel, form), t in tiles.CELLS.items():
@@ -136,7 +138,7 @@ def test_the_tiles_fit_the_kernels():
             if kernel == "fwd":
                 assert t.d_chunk == head_dim, where
         assert head_dim % t.d_chunk == 0, where
-        assert BLOCK_MASK_TILE % t.block == 0, where
+        assert (FP8_BLOCK_ROWS if itemsize == 1 else BLOCK_MASK_TILE) % t.block == 0, where
         # a CTA's rows are whole block-mask tiles, except the warp-specialized forward's three-warpgroup tiles of
         # 192 rows, which its forms with a block mask never take
         assert BLOCK_MASK_TILE % t.rows == 0 or (path, kernel, t.rows, form) in (
