@@ -8,9 +8,13 @@ the kernels run at (NVML's SM clock sampled while each forward runs back to back
 %globaltimer in a spin kernel beside them), and the ex2 rate per clock (independent chains on every SM), so
 that each floor can be written in TFLOP/s and set beside the measured forwards and the target.
 
-    PYTHONPATH=. python bench/exp/19_fp8_floors.py [--dims 64,128,256] [--n 16384] [--json PATH]
+    PYTHONPATH=. python bench/exp/19_fp8_floors.py [--dims 64,128,256] [--n 16384] [--gemm] [--json PATH]
 
 Writes $OUT/fp8_floors.json (or --json).
+
+What it taught (H200, 2026-11-27, bench/log/2026-11-27-h200-fp8-floors.txt): ex2 runs at 16 per clock per SM;
+the bf16 forward runs into the power limit (1.67-1.86 GHz), the FP8 one barely (1.83-1.98); per clock the FP8
+forward at D = 128 did no more work than the bf16 one, so its products are not what bounds it.
 """
 import argparse
 import json
@@ -31,6 +35,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--dims", default="64,128,256")
 parser.add_argument("--n", type=int, default=16384)
 parser.add_argument("--seconds", type=float, default=1.5, help="how long each forward runs back to back")
+parser.add_argument("--gemm", action="store_true", help="also time cuBLAS's bf16 and FP8 matrix products (torch), "
+                    "the tensor cores' rate as a library reaches it")
 parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "fp8_floors.json"))
 args = parser.parse_args()
 
@@ -111,6 +117,43 @@ def nvml_sampler():
     return sample
 
 
+def gemm_rates(sample):
+    """TFLOP/s and SM clock (NVML) of cuBLAS's 8192^3 products through torch: bf16, and e4m3 (torch._scaled_mm,
+    B column-major as it requires) with a bf16 out. The tensor cores' rate as a library reaches it, at the clock
+    it holds."""
+    import torch
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    forms = {"bf16": lambda: a @ b,
+             "fp8": lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)}
+    found = {}
+    for name, call in forms.items():
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(20):
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        found[f"{name}_tflops"] = 2 * n ** 3 / statistics.median(times) / 1e9
+
+        def back_to_back(call=call):
+            stop = time.perf_counter() + args.seconds
+            while time.perf_counter() < stop:
+                for _ in range(10):
+                    call()
+                torch.cuda.synchronize()
+        found[f"{name}_clock_ghz_nvml"] = sample(back_to_back) if sample else None
+    return found
+
+
 def inputs(d, n):
     b, h = 16384 // n, 2048 // d
     rng = np.random.default_rng(d + n)
@@ -122,6 +165,9 @@ def main():
     results = {"device": cupy.cuda.runtime.getDeviceProperties(device.id)["name"].decode(), "sms": sms}
     results["ex2_per_clock_per_sm"] = ex2_per_clock_per_sm()
     results["clock_ghz_idle_spin"] = clock_ghz_spin()
+    if args.gemm:
+        results["gemm"] = gemm_rates(sample)
+        print("cuBLAS 8192^3:", {key: round(value, 3) for key, value in results["gemm"].items() if value}, flush=True)
     flush = cupy.empty(256 << 20, dtype=cupy.uint8)
 
     def before():
