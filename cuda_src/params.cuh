@@ -96,7 +96,7 @@ struct AttnParams {
   // descale), per flat batch entry (contiguous) and per block of R rows, fp8_descale_blocks of them per entry.
   // A row's block, row / R, is (row * fp8_descale_magic) >> fp8_descale_shift in 64 bits (exact for rows below
   // 2^31, cupyflash/_cuda/fp8.py: division_magic), so that the loop over key blocks divides in two instructions,
-  // not a division's dependent chain of about twenty. Unused (null) elsewhere.
+  // not a division's dependent chain of about 25. Unused (null) elsewhere.
   const float* fp8_descale[3];
   int fp8_descale_blocks[3];
   u32 fp8_descale_magic[3];
