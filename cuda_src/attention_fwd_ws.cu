@@ -141,7 +141,7 @@ struct Fp8Descales {
 // The kernel's compile-time configuration: its template parameters, tile shapes and register split.
 template <typename T_, int HEAD_DIM_, int BLOCK_N_, int STAGES_, bool IS_CAUSAL_, Mods MODS_, bool BOUNDED_,
           bool ALIBI_, bool HALF_FIRST_, bool BLOCK_MASK_, bool PACK_AFTER_WAIT_, bool STORE_WARPS_, typename OutT_,
-          int WGS_>
+          int WGS_, int PV_COLS_, bool S_FIRST_>
 struct WsTraits {
   using T = T_;
   using OutT = OutT_;  // out's type: T, or for e4m3 inputs half_t or bfloat16_t
@@ -159,6 +159,17 @@ struct WsTraits {
   // 8-bit products have no transposed B.
   using VTile = typename Select<FP8, SwizzledTile<T, HEAD_DIM, BLOCK_N>, KVTile>::type;
   static constexpr int S_TILES = BLOCK_N / 8, O_TILES = HEAD_DIM / 8, P_STEPS = BLOCK_N / wgmma_k<T>();
+  // e4m3: a key block's P V goes into accumulators of its own (8-bit products keep about 13 significant bits of
+  // the accumulator they add to), which O then adds in float32: whole, or in PV_CHUNKS chunks of PV_COLS columns
+  // (the tile table's vN) where a second accumulator as wide as O does not fit beside it and S's. S_FIRST (s): a
+  // key block's S and its softmax run alone, then the previous block's P V, so that S's registers and the P V
+  // chunks' never live at once (HEAD_DIM 256, whose O takes 128 of a computing thread's 232 registers).
+  // Otherwise the chunks take turns in two accumulators, one chunk's product running while the previous one is
+  // added.
+  static constexpr int PV_COLS = PV_COLS_;
+  static constexpr bool S_FIRST = S_FIRST_;
+  static constexpr int PV_CHUNKS = PV_COLS ? HEAD_DIM / PV_COLS : 1;
+  static constexpr int PV_TILES = O_TILES / PV_CHUNKS, PV_BUFFERS = PV_CHUNKS > 1 && !S_FIRST ? 2 : 1;
   // The bounded softcap's exponentials on the FMA units: one n-tile of S in eight (more cost time).
   static constexpr unsigned SOFTCAP_POLY_TILES = 0x80808080u & ((1u << S_TILES) - 1u);
   static constexpr u32 CONSUMER_WARPS = 4 * WGS;
@@ -181,6 +192,9 @@ struct WsTraits {
   static_assert(!(FP8 && (BLOCK_MASK || ALIBI || HALF_FIRST || BOUNDED)), "e4m3: plain or causal only");
   static_assert(!(IS_CAUSAL && MODS != Mods::none), "with modifiers, causal is the window's right edge");
   static_assert(STAGES >= 2, "S_j is issued beside P_(j-1) V: two slots at least");
+  static_assert(PV_COLS == 0 || (FP8 && HEAD_DIM % PV_COLS == 0 && PV_COLS % 16 == 0), "e4m3: chunks of 16k columns");
+  static_assert(PV_CHUNKS == 1 || !PACK_AFTER_WAIT, "P V in chunks reads P_(j-1) while P_j is packed apart");
+  static_assert(!S_FIRST || (FP8 && PV_CHUNKS > 1), "S first: the e4m3 forward's chunked P V");
   static_assert(!BOUNDED || (MODS == Mods::dense_scalars && IsBfloat16<T>::value), "bounded: bfloat16 scalars");
   static_assert(!ALIBI || (MODS == Mods::dense_scalars && !BOUNDED), "ALiBi folded: the scalars, row max");
   static_assert(!HALF_FIRST || ALIBI, "the half-width first block: ALiBi's form");
@@ -414,6 +428,11 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
   const int words = buffer * TILE_BITMAP_WORDS;  // this tile's ws_on_words (BLOCK_MASK)
   float acc_o[O_TILES][4];  // HALF_FIRST: zeroed once the first block's softmax, which can use its registers, is done
   if constexpr (!K::HALF_FIRST) zero_acc(acc_o);
+  // e4m3: each key block's P V in accumulators of their own (WsTraits::PV_CHUNKS), which O then adds in float32.
+  // 8-bit tensor cores keep about 13 significant bits of the accumulator they add to and cut the rest: fed O
+  // itself, every k-step would cut O's low bits, an error that grows with the keys; fed a fresh one, only a
+  // block's own sum is cut.
+  float acc_pv[K::FP8 ? K::PV_BUFFERS : 1][K::FP8 ? K::PV_TILES : 1][4];
   OnlineSoftmax<float, K::FP8> softmax;
   softmax.init();
   // e4m3: q's descale (one per warpgroup: q's row blocks are multiples of 128, so a warpgroup's 64 rows lie
@@ -450,10 +469,35 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
     if constexpr (K::FP8) pack_e4m3_fragments(acc_s, frags);
     else pack_fragments<T>(acc_s, frags);
   };
-  auto issue_pv = [&](u32 (&frags)[P_STEPS][4], const T* v_tile) {  // O += P V, one commit group
-    if constexpr (K::FP8) wg_issue_pbt<T, P_STEPS, O_TILES, typename K::VTile>(acc_o, frags, v_tile);
+  auto issue_pv = [&](u32 (&frags)[P_STEPS][4], const T* v_tile) {  // O += P V (e4m3: its first chunk), one commit group
+    if constexpr (K::FP8) wg_issue_pbt<T, P_STEPS, K::PV_TILES, typename K::VTile>(acc_pv[0], frags, v_tile, 0);
     else wg_issue_pb<T, P_STEPS, O_TILES, KVTile, K::PACK_AFTER_WAIT>(acc_o, frags, v_tile, 0);
   };
+  // After issue_pv and whatever ran under it, the rest of P V. e4m3: O = (O + P V) * rescale, chunk by chunk, each
+  // chunk issued before the previous one is added (into the other accumulator where there are two; S_FIRST: one,
+  // issued once the previous is added). 16-bit: the product is waited for (O holds it), and the caller rescales O
+  // once V is released.
+  auto finish_pv = [&](u32 (&frags)[P_STEPS][4], const T* v_tile, const float (&rescale)[2]) {
+    if constexpr (K::FP8) {
+      constexpr int CHUNKS = K::PV_CHUNKS, TILES = K::PV_TILES, BUFFERS = K::PV_BUFFERS;
+      using VTile = typename K::VTile;
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+        if (BUFFERS == 1 && c > 0) wg_issue_pbt<T, P_STEPS, TILES, VTile>(acc_pv[0], frags, v_tile, 8 * TILES * c);
+        if (BUFFERS == 2 && c + 1 < CHUNKS)
+          wg_issue_pbt<T, P_STEPS, TILES, VTile>(acc_pv[(c + 1) % 2], frags, v_tile, 8 * TILES * (c + 1));
+        if (BUFFERS == 2 && c + 1 < CHUNKS) wgmma_wait<1>();
+        else wgmma_wait<0>();
+        fence_operands(acc_pv[c % BUFFERS]);
+        add_rescaled<TILES>(acc_o, TILES * c, acc_pv[c % BUFFERS], rescale);
+      }
+    } else {
+      wgmma_wait<0>();
+      fence_operands(acc_o);
+    }
+    fence_fragments(frags);
+  };
+  const float unchanged[2] = {1.f, 1.f};
   // This warpgroup's key blocks [lo, hi] among the tile's [tile.n_first, tile.n_blocks), the first one it
   // visits (hi's, if no block mask turns it off).
   const bool has_rows = rows.m0 < seq.nq();
@@ -516,6 +560,28 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
         n = cta.prev_visited(words, n, lo);
         if (n < lo) break;
       }
+      if constexpr (K::S_FIRST) {  // S_n alone and its softmax, then O = (O + P_prev V) * rescale in chunks
+        mbar_wait(cta.k_full(t % STAGES), cta.parity(t));
+        float acc_s[S_TILES][4];
+        scores_alone<T, K::HEAD_DIM, QTile, KVTile>(acc_s, sQ_wg, cta.sK + (t % STAGES) * KVTile::SIZE,
+                                                    cta.k_empty(t % STAGES), lane);
+        float rescale[2];
+        scores_to_probs(acc_s, n, rescale);
+        u32 p_next[P_STEPS][4];
+        pack(acc_s, p_next);
+        fence_fragments(p_next);  // P packed before the products start: S's registers are free for them
+        mbar_wait(cta.v_full(t_cur % STAGES), cta.parity(t_cur));
+        const T* v_tile = cta.sV + (t_cur % STAGES) * K::VTile::SIZE;
+        issue_pv(p_cur, v_tile);
+        finish_pv(p_cur, v_tile, rescale);
+        if (lane == 0) mbar_arrive(cta.v_empty(t_cur % STAGES));  // the previous V is read out
+#pragma unroll
+        for (int kt = 0; kt < P_STEPS; ++kt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) p_cur[kt][i] = p_next[kt][i];
+        t_cur = t;
+        continue;
+      }
       mbar_wait(cta.k_full(t % STAGES), cta.parity(t));
       float acc_s[S_TILES][4];
       wg_issue_abt<T, K::HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ_wg, 0, cta.sK + (t % STAGES) * KVTile::SIZE);
@@ -529,11 +595,9 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
       u32 p_next[P_STEPS][4];
       if constexpr (K::PACK_AFTER_WAIT) fence_operands(acc_s);  // P in float32 before the wait
       else pack(acc_s, p_next);
-      wgmma_wait<0>();
-      fence_operands(acc_o);
-      fence_fragments(p_cur);
+      finish_pv(p_cur, cta.sV + (t_cur % STAGES) * K::VTile::SIZE, rescale);
       if (lane == 0) mbar_arrive(cta.v_empty(t_cur % STAGES));  // the previous V is read out
-      rescale_rows(acc_o, rescale);  // O = (O + P_prev V) * exp(m_old - m_new)
+      if constexpr (!K::FP8) rescale_rows(acc_o, rescale);  // O = (O + P_prev V) * exp(m_old - m_new)
       if constexpr (K::PACK_AFTER_WAIT) {
         pack(acc_s, p_cur);
       } else {
@@ -547,9 +611,7 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
     // The last block's P V.
     mbar_wait(cta.v_full(t_cur % STAGES), cta.parity(t_cur));
     issue_pv(p_cur, cta.sV + (t_cur % STAGES) * K::VTile::SIZE);
-    wgmma_wait<0>();
-    fence_operands(acc_o);
-    fence_fragments(p_cur);
+    finish_pv(p_cur, cta.sV + (t_cur % STAGES) * K::VTile::SIZE, unchanged);
     if (lane == 0) mbar_arrive(cta.v_empty(t_cur % STAGES));
     pass_over(cta.visited(words, tile.n_first, lo - 1));
   }
@@ -557,11 +619,12 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, Mods MODS, bool BOUNDED, bool ALIBI,
-          bool HALF_FIRST, bool BLOCK_MASK, bool PACK_AFTER_WAIT, bool STORE_WARPS, typename OutT, int WGS>
+          bool HALF_FIRST, bool BLOCK_MASK, bool PACK_AFTER_WAIT, bool STORE_WARPS, typename OutT, int WGS,
+          int PV_COLS, bool S_FIRST>
 __global__ void __launch_bounds__((WGS + 1) * 128, 1)
 attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps maps, int* tile_counter) {
   using K = WsTraits<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, MODS, BOUNDED, ALIBI, HALF_FIRST, BLOCK_MASK,
-                     PACK_AFTER_WAIT, STORE_WARPS, OutT, WGS>;
+                     PACK_AFTER_WAIT, STORE_WARPS, OutT, WGS, PV_COLS, S_FIRST>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) u64 bars[K::BARRIERS];
   __shared__ int tile_ids[2];

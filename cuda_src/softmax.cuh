@@ -167,3 +167,21 @@ template <int N_TILES, typename A>
 __device__ __forceinline__ void rescale_rows(A (&acc)[N_TILES][4], const A (&f)[2]) {
   if (__any_sync(0xffffffffu, f[0] != A(1) || f[1] != A(1))) scale_rows(acc, f);
 }
+
+// O = (O + B) * f over O's n-tiles [first, first + N_TILES), rows g by f[0] and g + 8 by f[1]: a key block's
+// products B, summed apart from O, join it before the softmax's factor for O applies (the multiply skipped,
+// warp-uniformly, as in rescale_rows).
+template <int N_TILES, int O_TILES, typename A>
+__device__ __forceinline__ void add_rescaled(A (&acc)[O_TILES][4], int first, const A (&block)[N_TILES][4],
+                                             const A (&f)[2]) {
+#pragma unroll
+  for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[first + j][e] += block[j][e];
+  if (__any_sync(0xffffffffu, f[0] != A(1) || f[1] != A(1))) {
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[first + j][e] *= f[e >> 1];
+  }
+}

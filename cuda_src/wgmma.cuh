@@ -332,23 +332,27 @@ __device__ __forceinline__ void wg_pb_steps(float (&c)[N_TILES][4], u32 (&a)[K_S
   }
 }
 
-// Start C[64 x 8*N_TILES] += P B^T for 8-bit inputs, as one commit group: P as packed fragments
-// (pack_e4m3_fragments), B K-major: rows [0, 8*N_TILES) of b_tile are C's columns (V^T's head dims), its
-// columns the keys, in the fragments' k order. The fragments must stay untouched until wgmma_wait has seen
-// the group complete.
+// Start C[64 x 8*N_TILES] = P B^T for 8-bit inputs, as one commit group: P as packed fragments
+// (pack_e4m3_fragments), B K-major: rows [n_begin, n_begin + 8*N_TILES) of b_tile are C's columns (V^T's head
+// dims), its columns the keys, in the fragments' k order. C is overwritten (its first k-step has scale-d = 0), never
+// added to: 8-bit products keep about 13 significant bits of the accumulator they add to, so a caller sums
+// such products in float32 itself. The fragments must stay untouched until wgmma_wait has seen the group
+// complete.
 template <typename T, int K_STEPS, int N_TILES, class BTile>
-__device__ __forceinline__ void wg_issue_pbt(float (&c)[N_TILES][4], u32 (&a)[K_STEPS][4], const T* b_tile) {
+__device__ __forceinline__ void wg_issue_pbt(float (&c)[N_TILES][4], u32 (&a)[K_STEPS][4], const T* b_tile,
+                                             int n_begin) {
   constexpr int WIDTH = wgmma_width<8 * N_TILES>(), K_STEP = wgmma_k<T>();
-  const u64 b = desc_k_major<BTile>(b_tile, 0);
+  const u64 b = desc_k_major<BTile>(b_tile, n_begin);
   wgmma_fence();
-  fence_operands(c);
   fence_fragments(a);
 #pragma unroll
   for (int kt = 0; kt < K_STEPS; ++kt)
 #pragma unroll
-    for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH)
-      WgmmaOp<T, WIDTH>::rs(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt],
-                            b + k_major_step<BTile>(K_STEP * kt) + (static_cast<u64>(n0 * BTile::ATOM_BYTES) >> 4));
+    for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
+      const u64 b_step = b + k_major_step<BTile>(K_STEP * kt) + (static_cast<u64>(n0 * BTile::ATOM_BYTES) >> 4);
+      if (kt == 0) WgmmaOp<T, WIDTH>::rs_zero(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt], b_step);
+      else WgmmaOp<T, WIDTH>::rs(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt], b_step);
+    }
   wgmma_commit();
 }
 

@@ -26,6 +26,8 @@ A cell is ``NUM_WARPS.BLOCK.D_CHUNK`` then, after ``/``, its flags:
   rN  the warp-specialized forward's ring of N K/V slots, the fused backward's of N q/dout slots (STAGES)
   w   it rounds P to 16 bits after the previous P V's wait, so P V is one wgmma per k-step (PACK_AFTER_WAIT)
   o   warps of its copying warpgroup store out, one per computing warpgroup (STORE_WARPS)
+  vN  the FP8 forward's P V in chunks of N columns, each added to O in float32 apart (PV_COLS; without it, whole)
+  s   the FP8 forward runs a key block's S and softmax alone, then the previous block's P V (S_FIRST)
 ``=``: the plain cell; ``.``: not built. BLOCK is the streamed tile: keys (fwd, dq) or queries (dkdv, bwd).
 D_CHUNK: the output (fwd) or gradient (dkdv, dq, bwd) columns per CTA; a CTA's rows are 16 per computing warp
 (8 with d). Every cell compiles with no register spills for sm_80 and sm_90 (CI checks); cells other than
@@ -157,9 +159,9 @@ ws     2  64   bwd   12.128.64/r2   .              .              .             
 ws     2  128  bwd   12.64.128/r2   .              .              .              .              .
 ws     2  192  bwd   12.64.192/r2d  .              .              .              .              .
 ws     2  256  bwd   12.64.256/r2d  .              .              .              .              .
-ws     1  64   fwd   16.128.64/r4w  .              .              .              .              .
-ws     1  128  fwd   12.128.128/r3w .              .              .              .              .
-ws     1  256  fwd   12.64.256/r4w  .              .              .              .              .
+ws     1  64   fwd   16.128.64/r4v32 .              .              .              .              .
+ws     1  128  fwd   12.128.128/r4w .              .              .              .              .
+ws     1  256  fwd   12.64.256/r4v128s .              .              .              .              .
 """
 
 
@@ -178,6 +180,8 @@ class Tiles:
     lse_by_copy: bool = False
     pack_after_wait: bool = False
     store_warps: bool = False
+    pv_cols: int = 0  # the FP8 forward's P V in chunks of this many columns (0: whole)
+    scores_first: bool = False
     copy_warps: int = 0  # ws: the warps that only copy and own no rows (its first warpgroup)
 
     @property
@@ -191,8 +195,9 @@ class Tiles:
 
 
 _FLAGS = {"d": "paired", "p": "pipelined", "a": "across_turn", "c": "lse_by_copy", "w": "pack_after_wait",
-          "o": "store_warps"}
-_COUNTS = {"x": "ctas_per_sm", "r": "stages"}
+          "o": "store_warps",
+          "s": "scores_first"}
+_COUNTS = {"x": "ctas_per_sm", "r": "stages", "v": "pv_cols"}
 WS_COPY_WARPS = 4  # the warp-specialized forward's first warpgroup copies (TMA) and owns no rows
 
 

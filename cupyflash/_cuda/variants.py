@@ -141,7 +141,8 @@ class Variant:
             return (f"attention_fwd_ws_kernel<{c}, {hd}, {t.block}, {t.stages}, {b[self.causal]}, {mods}, "
                     f"{b[self.score == 'bounded']}, {b[self.score.startswith('alibi')]}, "
                     f"{b[self.score == 'alibi_half_first']}, {b[self.block_mask]}, {b[t.pack_after_wait]}, "
-                    f"{b[t.store_warps]}, {CTYPES[self.out_dtype or self.dtype]}, {t.rows // tiles.WS_WARPGROUP_ROWS}>")
+                    f"{b[t.store_warps]}, {CTYPES[self.out_dtype or self.dtype]}, {t.rows // tiles.WS_WARPGROUP_ROWS}, "
+                    f"{t.pv_cols}, {b[t.scores_first]}>")
         if kernel == "fwd" and wgmma:  # no column chunks: the whole head dim per CTA
             return (f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {b[self.causal]}, {mods}, "
                     f"{b[self.dropout]}, {b[self.score == 'bounded']}, {t.ctas_per_sm}>")

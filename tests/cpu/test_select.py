@@ -349,7 +349,7 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
                     f"attention_fwd_ws_kernel<{ctype}, {ws_dim}, {t.block}, {t.stages}, {_bool(causal)}, {mods}, "
                     f"{_bool(chosen.score == 'bounded')}, {_bool(chosen.score.startswith('alibi'))}, "
                     f"{_bool(chosen.score == 'alibi_half_first')}, false, {_bool(t.pack_after_wait)}, "
-                    f"{_bool(t.store_warps)}, {ctype}, {t.rows // tiles.WS_WARPGROUP_ROWS}>")
+                    f"{_bool(t.store_warps)}, {ctype}, {t.rows // tiles.WS_WARPGROUP_ROWS}, 0, false>")
                 assert chosen.threads("fwd") == (t.rows // tiles.WS_WARPGROUP_ROWS + 1) * 128 and t.rows in (128, 192)
                 assert t.copy_warps == tiles.WS_COPY_WARPS
                 for rows, batch in ((1000, 3), (8192, 32), (1, 1)):
@@ -439,7 +439,7 @@ def test_a_block_mask_forward_walks_it_on_the_warp_specialized_kernel():
             assert chosen.name_expression("fwd") == (
                 f"attention_fwd_ws_kernel<{ctype}, 128, {t.block}, {t.stages}, false, Mods::dense_scalars, "
                 f"{_bool(bounded)}, {_bool(alibi)}, {_bool(half)}, true, {_bool(t.pack_after_wait)}, "
-                f"{_bool(t.store_warps)}, {ctype}, 2>"), options
+                f"{_bool(t.store_warps)}, {ctype}, 2, 0, false>"), options
             assert chosen in SHIPPED_SET
             assert dataclasses.replace(chosen, block_mask=False) in SHIPPED_SET  # the same form without the walk
             backward = _chosen("bwd", dtype, causal=causal, block_mask=ON, **options)
@@ -491,7 +491,7 @@ def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward():
             if chosen.path == "ws":
                 t = chosen.tiles("fwd")
                 expected = (f"Mods::dense_scalars, true, false, false, false, {_bool(t.pack_after_wait)}, "
-                            f"{_bool(t.store_warps)}, bfloat16_t, {t.rows // tiles.WS_WARPGROUP_ROWS}>")
+                            f"{_bool(t.store_warps)}, bfloat16_t, {t.rows // tiles.WS_WARPGROUP_ROWS}, 0, false>")
             else:
                 expected = "Mods::scalars, false, true, 1>"
             assert chosen.name_expression("fwd").endswith(expected), chosen.name_expression("fwd")
@@ -520,11 +520,14 @@ def test_fp8_variants():
         assert v.path == "ws" and v.direction == "fwd" and v.mods == "none" and v.itemsize == 1
         name = v.name_expression("fwd")
         assert name.startswith(f"attention_fwd_ws_kernel<e4m3_t, {v.head_dim}, ")
-        # the last parameter but one spells out; the last, the computing warpgroups (three at HEAD_DIM 64)
-        warpgroups = v.tiles("fwd").rows // tiles.WS_WARPGROUP_ROWS
+        # then out's type, the computing warpgroups (three at HEAD_DIM 64), P V's chunks and S_FIRST (its P V
+        # apart from S's product at HEAD_DIM 256, whose registers hold no second accumulator beside S's)
+        t = v.tiles("fwd")
+        warpgroups = t.rows // tiles.WS_WARPGROUP_ROWS
         assert warpgroups == (3 if v.head_dim == 64 else 2)
+        assert t.scores_first == (v.head_dim == 256)
         out = {"bfloat16": "bfloat16_t", "float16": "half_t"}[v.out_dtype]
-        assert name.endswith(f", {out}, {warpgroups}>")
+        assert name.endswith(f", {out}, {warpgroups}, {t.pv_cols}, {'true' if t.scores_first else 'false'}>")
         assert v.compile_targets() == {"sm_90": "sm_90a"}
 
 

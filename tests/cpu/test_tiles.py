@@ -101,8 +101,9 @@ def test_the_flags_are_where_they_must_be():
     """PIPELINED (p) and ACROSS_TURN (a, only with p) on the wgmma backward's 16-bit passes without dropout
     or the modifiers' arrays; LSE_BY_COPY (c) on dK/dV passes; paired warps (d) on plain backward passes; CTAs per
     SM (x) on the wgmma forward; the ring (r), PACK_AFTER_WAIT (w) and STORE_WARPS (o) on the
-    warp-specialized forward, which always has a ring and a copying warpgroup; the ring (r) on the fused
-    backward, in its plain form, paired (d) at HEAD_DIM 256 alone."""
+    warp-specialized forward, which always has a ring and a copying warpgroup; the P V chunks (v) and S_FIRST (s)
+    on its FP8 form alone; the ring (r) on the fused backward, in its plain form, paired (d) at HEAD_DIM 256
+    alone."""
     for (path, itemsize, head_dim, kernel, form), t in tiles.CELLS.items():
         where = (path, itemsize, head_dim, kernel, form)
         if t.pipelined:
@@ -121,6 +122,11 @@ def test_the_flags_are_where_they_must_be():
             assert kernel == "fwd" and t.stages > 0 and t.copy_warps == tiles.WS_COPY_WARPS, where
         else:
             assert not (t.stages or t.pack_after_wait or t.store_warps or t.copy_warps), where
+        if itemsize != 1:  # the FP8 forward's alone: P V in chunks of its own accumulators, S first
+            assert not (t.pv_cols or t.scores_first), where
+        elif t.pv_cols:
+            assert head_dim % t.pv_cols == 0 and t.pv_cols % 16 == 0 and not t.pack_after_wait, where
+        assert not t.scores_first or t.pv_cols, where
 
 
 def test_the_tiles_fit_the_kernels():
@@ -151,7 +157,8 @@ def test_the_tiles_fit_the_kernels():
 
 def test_name_expressions_carry_the_cells_switches():
     """Each backward pass's name carries its cell's PAIRED, PIPELINED and ACROSS_TURN (and the dK/dV pass
-    LSE_BY_COPY), the warp-specialized forward's its ring, PACK_AFTER_WAIT and STORE_WARPS, the fused backward's
+    LSE_BY_COPY), the warp-specialized forward's its ring, PACK_AFTER_WAIT, STORE_WARPS and the FP8 form's P V
+    chunks and S_FIRST, the fused backward's
     (and its dq conversion's) its query block, its ring and PAIRED."""
     for v in SHIPPED:
         for kernel in v.kernels:
@@ -174,8 +181,8 @@ def test_name_expressions_carry_the_cells_switches():
             elif v.path == "ws":
                 out = CTYPES[v.out_dtype or v.dtype]
                 warpgroups = t.rows // tiles.WS_WARPGROUP_ROWS
-                assert name.endswith(f"{_bool(t.pack_after_wait)}, {_bool(t.store_warps)}, {out}, {warpgroups}>"), \
-                    (v, name)
+                assert name.endswith(f"{_bool(t.pack_after_wait)}, {_bool(t.store_warps)}, {out}, {warpgroups}, "
+                                     f"{t.pv_cols}, {_bool(t.scores_first)}>"), (v, name)
                 assert f", {t.block}, {t.stages}, " in name
     dkdv = Variant("bwd", "float16", 128, "wgmma").name_expression("dkdv")
     assert dkdv == "attention_bwd_dkdv_kernel<half_t, 128, 4, 64, 128, false, Mods::none, true, false, false, true, " \
