@@ -72,7 +72,10 @@ class FP8Tensor:
     """Float8 e4m3fn values with a float32 scale per block of rows: the input of the FP8 attention forward.
 
     :func:`quantize_fp8` builds one; the constructor takes arrays made elsewhere (e.g. an FP8 KV cache).
-    Immutable: its arrays are kept, not copied, and must not be written afterwards.
+    Immutable: its arrays are kept, not copied, and must not be written afterwards. The GPU forward keeps
+    what it derives from a holder with it (v's bytes transposed for the kernel, descale tables, copies of
+    broadcast data), so that later calls on the same holder skip that work: about the holder's data size
+    again for a holder used as v, freed with the holder.
 
     Parameters
     ----------
@@ -106,11 +109,20 @@ class FP8Tensor:
     True
     """
 
-    __slots__ = ("data", "scale", "block")
+    __slots__ = ("data", "scale", "block", "_kept")
 
     def __init__(self, data: Array, scale: Array, block: int):
         block = _check_holder(data, scale, block, contiguous=True)
         _set(self, data, scale, block)
+
+    def kept(self, key, derive):
+        """``derive()``, computed once per ``key`` and kept with the holder: the back ends' arrays derived
+        from its data and scale, which never change."""
+        kept = self._kept
+        found = kept.get(key)
+        if found is None:
+            found = kept.setdefault(key, derive())
+        return found
 
     def __setattr__(self, name, value):
         raise AttributeError(f"FP8Tensor is immutable: cannot set {name}")
@@ -163,6 +175,7 @@ def _set(holder, data, scale, block):
     object.__setattr__(holder, "data", data)
     object.__setattr__(holder, "scale", scale)
     object.__setattr__(holder, "block", block)
+    object.__setattr__(holder, "_kept", {})
 
 
 def _check_holder(data, scale, block, contiguous):

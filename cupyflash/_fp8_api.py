@@ -17,6 +17,7 @@ import numpy as np
 from cupyflash import _fp8_cpu
 from cupyflash._arrays import cupy
 from cupyflash._checks import check_array_types, check_causal, check_head_dims, check_shapes, resolve_scale
+from cupyflash._cuda import dense_fast
 from cupyflash._fp8 import FP8Tensor
 
 OUT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
@@ -36,8 +37,16 @@ def check_all_fp8(arrays: dict) -> None:
 def attention_forward(q, k, v, *, causal, scale, out_dtype, unsupported):
     """out (..., Nq, Dv) ``out_dtype`` (default bfloat16) and lse (..., Nq) float32 of FP8Tensors q, k, v.
 
-    ``unsupported`` maps the names of the options FP8 does not take to whether each was given.
+    ``unsupported`` maps the names of the options FP8 does not take to whether each was given. A GPU call whose
+    layout was checked before goes straight to its plan (cupyflash._cuda.dense_fast, fp8_key).
     """
+    fast = None if any(unsupported.values()) else dense_fast.fp8_key(q, k, v, causal, scale, out_dtype)
+    if fast is not None:
+        from cupyflash._cuda import fp8 as _gpu_fp8  # loaded only when an FP8 forward runs on a GPU
+
+        outputs = _gpu_fp8.forward_fast(fast, q, k, v)
+        if outputs is not None:
+            return outputs
     check_all_fp8(dict(q=q, k=k, v=v))
     for name, given in unsupported.items():
         if given:
@@ -51,13 +60,15 @@ def attention_forward(q, k, v, *, causal, scale, out_dtype, unsupported):
     nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     if math.prod(batch) == 0 or nq == 0 or nk == 0:
         return xp.zeros(batch + (nq, dv), dtype=out_dtype), xp.full(batch + (nq,), -np.inf, dtype=np.float32)
-    q, k, v = (x.broadcast_to(batch) for x in (q, k, v))
     if xp is np:
+        q, k, v = (x.broadcast_to(batch) for x in (q, k, v))
         return _fp8_cpu.attention_forward_fp8(q, k, v, scale=scale, causal=causal, out_dtype=out_dtype)
     check_compute_capability(cupy.cuda.Device().compute_capability)
     from cupyflash._cuda import fp8 as _gpu_fp8  # loaded only when an FP8 forward runs on a GPU
 
-    return _gpu_fp8.attention_forward_fp8(q, k, v, scale=scale, causal=causal, out_dtype=out_dtype)
+    # The holders themselves, not broadcast copies: the GPU path keeps what it derives from each with it.
+    return _gpu_fp8.attention_forward_fp8(q, k, v, batch, scale=scale, causal=causal, out_dtype=out_dtype,
+                                          fast_key=fast)
 
 
 def resolve_out_dtype(out_dtype) -> np.dtype:

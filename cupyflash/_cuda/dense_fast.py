@@ -1,7 +1,8 @@
 """The fast path of dense calls on the GPU: ``attention_forward`` and ``attention_backward`` with arguments of
 the layout of an earlier, fully checked call skip the checks and go straight to that call's launch plan. A
 training loop calls every layer with the same layouts on every step; its host time is then the plan's
-launches and the outputs' allocation.
+launches and the outputs' allocation. The FP8 forward takes the same path (``fp8_key``): its key is its
+holders' layouts, and its plan reads the arrays each holder keeps (cupyflash/_cuda/fp8.py, kernel_inputs).
 
 The key is everything the checks and the plan depend on but the arrays' addresses and the dropout seed's
 value: every array's shape, strides, dtype, address modulo 16 and device, the current device, each option's
@@ -52,13 +53,34 @@ def key(direction: str, arrays: tuple, causal, scale, window, softcap, dropout_p
     return tuple(parts)
 
 
-def _lookup(found):
+def fp8_key(q, k, v, causal, scale, out_dtype) -> tuple | None:
+    """The layout key of an FP8 forward (module docstring; q, k, v FP8Tensors): each holder's data and scale
+    layout and block, and the options by value and type; None where the call cannot take the fast path
+    (NumPy holders, or anything that is not an FP8Tensor)."""
+    if cupy is None:
+        return None
+    ndarray = cupy.ndarray
+    parts = ["fp8", None, causal, scale, out_dtype, type(causal), type(scale), type(out_dtype)]
+    for x in (q, k, v):
+        data, scale_array = getattr(x, "data", None), getattr(x, "scale", None)
+        if type(data) is not ndarray or type(scale_array) is not ndarray or type(x).__name__ != "FP8Tensor":
+            return None  # (NumPy calls make no CUDA call here)
+        memory = data.data
+        parts += (data.shape, data.strides, memory.ptr & 15, memory.device_id, scale_array.shape,
+                  scale_array.strides, scale_array.dtype, x.block)
+    parts[1] = cupy.cuda.runtime.getDevice()
+    return tuple(parts)
+
+
+def lookup(found):
+    """The kept call of layout key ``found``, or None (no key, an unknown one, or an unhashable option)."""
     if found is None:
         return None
     try:
         return _table.get(found)
     except TypeError:  # an unhashable option (a window given as a list): the checked path
         return None
+
 
 
 def _round_keys(call, dropout_seed):
@@ -79,8 +101,9 @@ class _Call:
     The second one returns to the pool once its arrays are released (CuPy's pool is stream-ordered); the
     first one when the last returned array is."""
 
-    def __init__(self, plan: Plan, names, outputs, returned: int, dropout_p: float, scratch=()):
+    def __init__(self, plan: Plan, names, outputs, returned: int, dropout_p: float, scratch=(), context=None):
         self.plan = plan
+        self.context = context  # what the caller needs to find the inputs (the FP8 forward's batch shape)
         self.slots = plan.slots(names)  # where the addresses of the inputs and then of the outputs go
         self.maps = plan.tensor_maps is not None
         self.dropout_p = dropout_p
@@ -131,26 +154,28 @@ def _packed(arrays) -> tuple[list[int], int]:
 def forward(found, q, k, v, dropout_seed):
     """(out, lse) of a forward whose layout key is ``found``, or None when the key is unknown or the seed
     must go through the checks."""
-    call = _lookup(found)
+    call = lookup(found)
     return None if call is None else call.run([q, k, v], dropout_seed)
 
 
 def backward(found, dout, q, k, v, out, lse, dropout_seed):
     """[dq, dk, dv] of a backward whose layout key is ``found``, or None as ``forward``."""
-    call = _lookup(found)
+    call = lookup(found)
     return None if call is None else call.run([q, k, v, out, dout, lse], dropout_seed)
 
 
 FORWARD_NAMES = ("q", "k", "v", "out", "lse")
+FP8_NAMES = ("q", "k", "v", "fp8_descale_q", "fp8_descale_k", "fp8_descale_v", "out", "lse")
 BACKWARD_NAMES = ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "lse_log2", "delta")
 
 
-def remember(found, plan: Plan, names, outputs, dropout, scratch=()) -> None:
+def remember(found, plan: Plan, names, outputs, dropout, scratch=(), context=None) -> None:
     """Let later calls with the layout key ``found`` (None: not eligible) launch ``plan`` directly, allocating
     ``outputs`` ((shape, dtype) of each, in the order of the output names in ``names``: out and lse of a
     forward, returned; dq, dk, dv of a backward, returned, then its workspaces lse_log2 and delta).
     ``scratch``: the indices of returned outputs that are summed into smaller arrays after the call (the
-    gradients of inputs broadcast over leading dims): kept out of the allocation the call's results hold."""
+    gradients of inputs broadcast over leading dims): kept out of the allocation the call's results hold.
+    ``context``: kept with the call for the caller (``lookup(found).context``)."""
     if found is None:
         return
     try:
@@ -160,5 +185,5 @@ def remember(found, plan: Plan, names, outputs, dropout, scratch=()) -> None:
         return
     if len(_table) >= MAX_LAYOUTS:
         _table.pop(next(iter(_table)))  # the oldest
-    returned = 2 if names == FORWARD_NAMES else 3
-    _table[found] = _Call(plan, names, outputs, returned, 0.0 if dropout is None else dropout.p, scratch)
+    returned = 3 if names == BACKWARD_NAMES else 2
+    _table[found] = _Call(plan, names, outputs, returned, 0.0 if dropout is None else dropout.p, scratch, context)

@@ -1,9 +1,10 @@
 """The FP8 forward on the GPU: q, k, v as e4m3 bytes with their descales (``FP8Tensor`` holders) through the
 warp-specialized forward's e4m3 form (cuda_src/attention_fwd_ws.cu, ``K::FP8``).
 
-What the kernel reads, made here per call:
+What the kernel reads (kernel_inputs), derived from each holder once per batch shape and kept with it
+(``FP8Tensor.kept``: a holder's arrays never change), so that a later call on the same holders only launches:
 - q and k as (*batch, N, D) contiguous bytes, D padded with zeros to a multiple of 16 bytes (TMA's row
-  stride);
+  stride): the holder's own data where it already is so;
 - V^T, (*batch, Dv, Nk') with Nk' = Nk rounded up to 32 and zeros past Nk (cuda_src/fp8_values.cu, one
   pass): 8-bit ``wgmma`` reads its B operand only K-major, so the keys must be V's columns. Within every 32
   keys they are listed in the order in which the register operand P holds them (KEY_ORDER; wgmma.cuh,
@@ -11,7 +12,7 @@ What the kernel reads, made here per call:
   shuffles;
 - the descales as float32 (batch, blocks) per flat batch entry.
 Broadcast (GQA) q and k are copied whole (TMA cannot step through a stride-0 batch dim); V^T is written per
-entry anyway.
+entry anyway. A call's plan is kept under its layout key (dense_fast.fp8_key), as a dense call's is.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import math
 import numpy
 
 from cupyflash._arrays import cupy
-from cupyflash._cuda import tma
+from cupyflash._cuda import dense_fast, tma
 from cupyflash._cuda.compile import functions
 from cupyflash._cuda.launch import Plan
 from cupyflash._cuda.params import dense_params, kernel_ready, layout, unpad
@@ -96,14 +97,37 @@ def transposed_values(v):
     return vt
 
 
-def _descales(x, batch_shape, batch: int):
-    """x's descales as float32 (batch, blocks), contiguous per flat batch entry, and rows per descale (one
-    descale: the whole sequence, so that the kernel's int32 row count holds any block at least as long)."""
-    scale = x.scale
-    blocks = scale.shape[-1]
-    flat = cupy.ascontiguousarray(cupy.broadcast_to(scale, batch_shape + (blocks,)), dtype=numpy.float32)
-    rows = int(x.block) if blocks > 1 else x.data.shape[-2]
-    return flat.reshape(batch, blocks), max(1, rows)
+def _descales(x, batch_shape):
+    """x's descales as float32 (batch, blocks), contiguous per flat batch entry."""
+    blocks = x.scale.shape[-1]
+    flat = cupy.ascontiguousarray(cupy.broadcast_to(x.scale, batch_shape + (blocks,)), dtype=numpy.float32)
+    return flat.reshape(math.prod(batch_shape), blocks)
+
+
+def descale_rows(x) -> int:
+    """Rows per descale of holder x: its block, or with one descale the whole sequence (so that the kernel's
+    int32 row count holds any block at least as long)."""
+    return max(1, int(x.block) if x.scale.shape[-1] > 1 else x.data.shape[-2])
+
+
+def kernel_inputs(q, k, v, batch_shape) -> list:
+    """[q, k, V^T, q's, k's and v's descale tables] as the kernel reads them (module docstring) for holders whose
+    data broadcast to ``batch_shape``, each kept with its holder (FP8Tensor.kept; looked up inline here: this
+    runs on every call)."""
+    width = -(-q.data.shape[-1] // 16) * 16
+    rows_key, values_key, tables_key = ("rows", batch_shape, width), ("values", batch_shape), ("descales", batch_shape)
+    found = [q._kept.get(rows_key), k._kept.get(rows_key), v._kept.get(values_key), q._kept.get(tables_key),
+             k._kept.get(tables_key), v._kept.get(tables_key)]
+    if any(x is None for x in found):  # (arrays compare elementwise: no `in`)
+        def rows(x):
+            return _rows(cupy.broadcast_to(x.data, batch_shape + x.data.shape[-2:]), width)
+
+        def values():
+            return transposed_values(cupy.broadcast_to(v.data, batch_shape + v.data.shape[-2:]))
+
+        found = [q.kept(rows_key, lambda: rows(q)), k.kept(rows_key, lambda: rows(k)), v.kept(values_key, values),
+                 *(x.kept(tables_key, lambda x=x: _descales(x, batch_shape)) for x in (q, k, v))]
+    return found
 
 
 def division_magic(divisor: int) -> tuple[int, int]:
@@ -117,38 +141,48 @@ def division_magic(divisor: int) -> tuple[int, int]:
     return -(-(1 << shift) // divisor), shift
 
 
-def attention_forward_fp8(q, k, v, *, scale: float, causal: bool, out_dtype):
-    """out (*batch, Nq, Dv) in ``out_dtype`` (float16 or bfloat16) and lse (*batch, Nq) float32 of e4m3
-    holders whose data and scales are broadcast to one batch shape (the API validated them and handled empty
-    problems)."""
-    plan, out, lse, d_v, _ = prepare(q, k, v, scale=scale, causal=causal, out_dtype=out_dtype)
-    plan.launch(None, None)  # the arrays prepare made stay alive until the launch is queued
+def attention_forward_fp8(q, k, v, batch_shape, *, scale: float, causal: bool, out_dtype, fast_key=None):
+    """out (*batch, Nq, Dv) in ``out_dtype`` (float16 or bfloat16) and lse (*batch, Nq) float32 of e4m3 holders
+    whose data and scales broadcast to ``batch_shape`` (the API validated them and handled empty problems).
+    ``fast_key``: the call's dense_fast.fp8_key, under which its plan is kept."""
+    inputs = kernel_inputs(q, k, v, batch_shape)
+    plan, out, lse, d_v = prepare(q, k, v, inputs, batch_shape, scale=scale, causal=causal, out_dtype=out_dtype)
+    plan.launch(None, None)
+    dense_fast.remember(fast_key, plan, dense_fast.FP8_NAMES, [(out.shape, out.dtype), (lse.shape, lse.dtype)],
+                        None, context=batch_shape)
     return unpad(out, d_v), lse
 
 
-def prepare(q, k, v, *, scale: float, causal: bool, out_dtype):
-    """(plan, out, lse, Dv, the arrays the plan reads): everything but the launch."""
-    batch_shape, (nq, d), nk, d_v = q.data.shape[:-2], q.data.shape[-2:], k.data.shape[-2], v.data.shape[-1]
+def forward_fast(found, q, k, v):
+    """(out, lse) of a call whose layout key ``found`` has a kept plan, launched on the arrays the holders keep;
+    None where there is none (the checked path then runs)."""
+    call = dense_fast.lookup(found)
+    if call is None:
+        return None
+    out, lse = call.run(kernel_inputs(q, k, v, call.context), None)
+    return unpad(out, v.data.shape[-1]), lse
+
+
+def prepare(q, k, v, inputs, batch_shape, *, scale: float, causal: bool, out_dtype):
+    """(plan, out, lse, Dv): everything but the launch, for the kernel's ``inputs`` (kernel_inputs)."""
+    (nq, d), nk, d_v = q.data.shape[-2:], k.data.shape[-2], v.data.shape[-1]
     batch = math.prod(batch_shape)
     head_dim = head_dim_for(max(d, d_v))
-    d_w = -(-d // 16) * 16
-    qd, kd = _rows(q.data, d_w), _rows(k.data, d_w)
-    vt = transposed_values(v.data)
+    qd, kd, vt, *tables = inputs
     d_v_w = d_v + d_v % 2  # the kernel stores out in pairs of columns, 4-byte aligned
     out = cupy.empty(batch_shape + (nq, d_v_w), dtype=out_dtype)
     lse = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
     arrays, sizes, strides, _ = layout(batch_shape, {"q": qd, "k": kd, "v": vt, "out": out})  # all contiguous
     variant = fp8_variant(head_dim, bool(causal), numpy.dtype(out_dtype).name)
-    descales = [_descales(x, batch_shape, batch) for x in (q, k, v)]
-    params = dense_params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, d_v=d_v_w, scale=scale,
-                          others={"lse": lse}, causal=causal)
-    params["fp8_descale"] = [table.data.ptr for table, _ in descales]
-    params["fp8_descale_blocks"] = [table.shape[1] for table, _ in descales]
-    magic = [division_magic(rows) for _, rows in descales]
+    params = dense_params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=qd.shape[-1], d_v=d_v_w,
+                          scale=scale, others={"lse": lse}, causal=causal)
+    params["fp8_descale"] = [table.data.ptr for table in tables]
+    params["fp8_descale_blocks"] = [table.shape[1] for table in tables]
+    magic = [division_magic(descale_rows(x)) for x in (q, k, v)]
     params["fp8_descale_magic"] = [m for m, _ in magic]
     params["fp8_descale_shift"] = [shift for _, shift in magic]
     block = variant.tiles("fwd").block
     maps = tma.TensorMaps(arrays, sizes, strides, {"q": WS_WARPGROUP_ROWS, "k": block, "v": head_dim},
                           {"q": _atom_bytes(head_dim), "k": _atom_bytes(head_dim), "v": _atom_bytes(block)})
     plan = Plan(functions(variant), variant, params, [("fwd", nq, batch)], maps, arrays)
-    return plan, out, lse, d_v, (arrays, descales)
+    return plan, out, lse, d_v

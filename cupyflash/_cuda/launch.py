@@ -119,6 +119,8 @@ _PLAN_CACHE_SIZE = 256
 _ADDRESS_WORDS = {name: PARAMS_DTYPE.fields[name][1] // 8
                   for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta",
                                "alibi_slopes", "split_exponents")}
+_ADDRESS_WORDS.update({f"fp8_descale_{name}": PARAMS_DTYPE.fields["fp8_descale"][1] // 8 + i
+                       for i, name in enumerate("qkv")})  # the FP8 forward's descale tables
 _KEYS_DTYPE, _KEYS_OFFSET = PARAMS_DTYPE.fields["dropout_keys"][:2]
 KEY_WORDS = slice(_KEYS_OFFSET // 4, _KEYS_OFFSET // 4 + _KEYS_DTYPE.shape[0])  # as uint32 words
 plans: dict[tuple, "Plan"] = {}

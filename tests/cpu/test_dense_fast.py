@@ -199,7 +199,7 @@ def test_valid_seeds_give_the_checked_paths_round_keys(rng):
 
 
 # ---------------------------------------------------------------------------------------------------
-# remember and _lookup: the table of known layouts
+# remember and lookup: the table of known layouts
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -224,8 +224,8 @@ def test_the_oldest_layout_goes_past_max_layouts(table, monkeypatch):
         dense_fast.remember(_layout(i), StandInPlan(), dense_fast.FORWARD_NAMES, outputs, None)
         assert len(table) == min(i + 1, 3)
     assert list(table) == [_layout(2), _layout(3), _layout(4)]
-    assert dense_fast._lookup(_layout(0)) is None and dense_fast._lookup(_layout(1)) is None
-    assert dense_fast._lookup(_layout(4)) is table[_layout(4)]
+    assert dense_fast.lookup(_layout(0)) is None and dense_fast.lookup(_layout(1)) is None
+    assert dense_fast.lookup(_layout(4)) is table[_layout(4)]
     # A known layout is neither replaced nor moved, and evicts nothing.
     kept = table[_layout(2)]
     dense_fast.remember(_layout(2), StandInPlan(), dense_fast.FORWARD_NAMES, outputs, None)
@@ -251,7 +251,14 @@ def test_keys_the_table_cannot_hold_are_passed_over(table):
     dense_fast.remember(unhashable, StandInPlan(), dense_fast.FORWARD_NAMES, CALLS["forward"][1], None)
     dense_fast.remember(None, StandInPlan(), dense_fast.FORWARD_NAMES, CALLS["forward"][1], None)
     assert table == {}
-    assert dense_fast._lookup(unhashable) is None and dense_fast._lookup(None) is None
+    assert dense_fast.lookup(unhashable) is None and dense_fast.lookup(None) is None
     assert dense_fast.forward(unhashable, None, None, None, None) is None
     assert dense_fast.backward(None, None, None, None, None, None, None, None) is None
-    assert dense_fast._lookup(_layout(1)) is None  # hashable but unknown
+    assert dense_fast.lookup(_layout(1)) is None  # hashable but unknown
+
+
+def test_fp8_holders_on_numpy_have_no_key():
+    """The FP8 forward's key: None for NumPy holders (the CPU path has no plan) and for anything but holders."""
+    x8 = cupyflash.quantize_fp8(np.ones((2, 16, 64), np.float32))
+    assert dense_fast.fp8_key(x8, x8, x8, False, None, None) is None
+    assert dense_fast.fp8_key(x8.data, x8, x8, False, None, None) is None

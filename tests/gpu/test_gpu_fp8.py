@@ -13,7 +13,10 @@ import pytest
 
 import cupyflash
 from cupyflash import FP8Tensor, hadamard_rotate, quantize_fp8, reference
-from helpers.checks import to_host
+from cupyflash._cuda import dense_fast
+from cupyflash._fp8 import DECODE_TABLE, encode_e4m3
+from helpers.checks import assert_bitwise_equal, to_host
+from helpers.gpu import nan_filled_allocations
 
 cupy = pytest.importorskip("cupy")
 
@@ -186,3 +189,87 @@ def test_kernel_one_descale_with_a_huge_block(rng, hopper):
     x8 = quantize_fp8(cupy.asarray(_varied(rng, (2, 300, 128))))
     huge = FP8Tensor(x8.data, x8.scale, 2 ** 40)
     _check_kernel(huge, huge, huge, causal=False)
+
+
+# ------------------------------------------------------------------------------------------ long sequences
+def _last_rows(q8, k8, v8, rows, causal):
+    """Over the last ``rows`` query rows (Nq = Nk), float64 on the GPU: attention of the dequantized inputs, and
+    the FP8 algorithm with exact sums (the format's own error: e4m3 q, k, v, and P = 2^(c S - c max + 8) rounded
+    to e4m3, l from P before its rounding)."""
+    qd, kd, vd = (x.dequantize(np.float64) for x in (q8, k8, v8))
+    n, d = qd.shape[-2], qd.shape[-1]
+    s = qd[..., n - rows:, :] @ kd.swapaxes(-1, -2)
+    if causal:
+        s = cupy.where(cupy.arange(n)[None, :] > cupy.arange(n - rows, n)[:, None], -cupy.inf, s)
+    s = (s - s.max(axis=-1, keepdims=True)) * (np.log2(np.e) / np.sqrt(d))
+    p = cupy.exp2(s)
+    exact = (p @ vd) / p.sum(axis=-1, keepdims=True)
+    p = cupy.exp2(s + 8).astype(np.float32)
+    p8 = cupy.asarray(DECODE_TABLE)[encode_e4m3(p)].astype(np.float64)
+    return exact, (p8 @ vd) / p.astype(np.float64).sum(axis=-1, keepdims=True)
+
+
+def _relative(x, ref):
+    return float(cupy.linalg.norm((x - ref).ravel()) / cupy.linalg.norm(ref.ravel()))
+
+
+@pytest.mark.parametrize("d, causal, v_mean", [(64, True, 0.5), (128, True, 0.5), (256, False, 0.5),
+                                               (128, False, 0.0)])
+def test_kernel_error_does_not_grow_with_the_keys(hopper, d, causal, v_mean):
+    """65,536 keys and v with a mean, where accumulating P V in the FP8 tensor cores' own accumulator lost a
+    third of out: the last rows (they see every key) against float64 attention of the dequantized inputs within
+    5e-3, and within 1.5x the format's own error (the algorithm with exact sums) plus one bfloat16 rounding of
+    out. The format's error sets the bound for a v of zero mean: about 2.6e-2 there (P's e4m3 rounding, averaged
+    over many keys, against an out near 0)."""
+    n, rows = 65536, 256
+    rng = cupy.random.default_rng(d + 7 * causal)
+    q, k, v = (rng.standard_normal((1, 2, n, d), dtype=np.float32) for _ in range(3))
+    v += np.float32(v_mean)
+    q8, k8, v8 = (quantize_fp8(x, block=128) for x in (q, k, v))
+    with nan_filled_allocations():
+        out, _ = cupyflash.attention_forward(q8, k8, v8, causal=causal)
+    ref, emulated = _last_rows(q8, k8, v8, rows, causal)
+    error, format_error = _relative(out[..., n - rows:, :].astype(np.float64), ref), _relative(emulated, ref)
+    assert error <= 1.5 * format_error + OUT_ULP[np.dtype(BF16)], (error, format_error)
+    if v_mean:
+        assert error <= 5e-3, error
+
+
+# ------------------------------------------------------------------------------------------ the fast path
+def test_repeated_calls_take_the_kept_plan_and_inputs(rng, hopper):
+    """A second call on the same holders takes the plan of the first (dense_fast) and the arrays kept with the
+    holders (V^T among them), with bitwise the same results; new holders of the same layout take the same plan
+    and their own arrays; a broadcast (GQA) layout keeps its copies with the holders too."""
+    q8 = quantize_fp8(cupy.asarray(_varied(rng, (2, 4, 300, 128))), block=128)
+    k8, v8 = (quantize_fp8(cupy.asarray(_varied(rng, (2, 4, 500, 128)))) for _ in range(2))
+    dense_fast._table.clear()
+    first = cupyflash.attention_forward(q8, k8, v8, causal=True)
+    assert len(dense_fast._table) == 1 and len(v8._kept) == 2  # V^T and v's descale table
+    kept = dict(v8._kept)
+    with nan_filled_allocations():
+        again = cupyflash.attention_forward(q8, k8, v8, causal=True)
+    assert len(dense_fast._table) == 1 and all(v8._kept[key] is kept[key] for key in kept)
+    assert_bitwise_equal(first, again, ("out", "lse"))
+    other = [quantize_fp8(cupy.asarray(_varied(rng, x.shape))) for x in (k8, v8)]
+    _check_kernel(q8, *other, causal=True)
+    assert len(dense_fast._table) == 1
+    q_gqa = quantize_fp8(cupy.asarray(_varied(rng, (2, 2, 3, 200, 64))), block=128)
+    k_gqa, v_gqa = (quantize_fp8(cupy.asarray(_varied(rng, (2, 2, 1, 400, 64)))) for _ in range(2))
+    first = cupyflash.attention_forward(q_gqa, k_gqa, v_gqa)
+    with nan_filled_allocations():
+        again = cupyflash.attention_forward(q_gqa, k_gqa, v_gqa)
+    assert len(dense_fast._table) == 2 and ("rows", (2, 2, 3), 64) in k_gqa._kept
+    assert_bitwise_equal(first, again, ("out", "lse"))
+    _check_kernel(q_gqa, k_gqa, v_gqa, causal=False)
+
+
+def test_fast_path_keys_on_the_options(rng, hopper):
+    """Another causal, scale or out_dtype is another plan; an option FP8 does not take still raises."""
+    x8 = quantize_fp8(cupy.asarray(_varied(rng, (1, 2, 256, 64))))
+    dense_fast._table.clear()
+    results = [cupyflash.attention_forward(x8, x8, x8, causal=c, scale=s, out_dtype=o)
+               for c, s, o in ((False, None, None), (True, None, None), (True, 0.2, None), (True, 0.2, np.float16))]
+    assert len(dense_fast._table) == 4 and results[3][0].dtype == np.float16
+    assert not np.array_equal(to_host(results[0][0]), to_host(results[1][0]))
+    with pytest.raises(ValueError, match="window is not supported with FP8 inputs"):
+        cupyflash.attention_forward(x8, x8, x8, causal=True, window=(4, 0))

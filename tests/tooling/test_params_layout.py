@@ -55,8 +55,14 @@ def test_the_launch_arguments_are_the_structs_bytes():
     assert params.PARAMS_BYTES.itemsize == params.PARAMS_DTYPE.itemsize
     assert f32_pieces._JOBS_BYTES.itemsize == f32_pieces._JOBS_DTYPE.itemsize
     for name, word in launch._ADDRESS_WORDS.items():
-        base, offset = params.PARAMS_DTYPE.fields[name][:2]
-        assert base == np.dtype(np.uint64) and offset == 8 * word, name
+        if name.startswith("fp8_descale_"):  # an element of the array of q's, k's and v's descale tables
+            base, offset = params.PARAMS_DTYPE.fields["fp8_descale"][:2]
+            assert base.base == np.dtype(np.uint64) and base.shape == (3,)
+            offset += 8 * "qkv".index(name[-1])
+        else:
+            base, offset = params.PARAMS_DTYPE.fields[name][:2]
+            assert base == np.dtype(np.uint64), name
+        assert offset == 8 * word, name
     keys, offset = params.PARAMS_DTYPE.fields["dropout_keys"][:2]
     assert keys.base == np.dtype(np.uint32) and keys.shape == (20,)
     assert launch.KEY_WORDS == slice(offset // 4, offset // 4 + 20)
