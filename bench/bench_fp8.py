@@ -6,11 +6,18 @@ accuracy experiment.
 
 Speed: FlashAttention's benchmark shapes (16384 tokens, hidden 2048: B = 16384 // N, H = 2048 // D), causal and
 not. The bfloat16 inputs are quantized once, untimed (``quantize_fp8``, one descale per sequence and head); the
-FP8 call's time includes what it does per call besides the kernel (V^T, the descales' tables). Both take
-``--timing gpu`` of bench_attention.py: L2 flushed before every call and a spin that covers the host's issue, so
-the events time the GPU's work alone; median of --repeats. TFLOP/s count the same FLOPs for both: 4·B·H·N²·D,
-halved for causal. Before timing, each call's last 256 rows of two heads are checked against the float64
-reference on the inputs it computed with (FP8: the dequantized ones); the relative max errors are printed.
+FP8 call's time includes everything it does per call besides the kernel. Each call is timed two ways, median of
+--repeats:
+
+- ``gpu``: ``--timing gpu`` of bench_attention.py: L2 flushed before every call and a spin that covers the host's
+  issue, so that the events time the GPU's work alone;
+- ``user``: as a user's loop sees it: the GPU idle, events recorded around the call, then a wait for the end
+  event, so that the host's time to issue the call counts wherever the GPU would wait for it.
+
+``host``: the host's microseconds per call, calls queued behind a spin (no launch waits for the GPU). TFLOP/s
+count the same FLOPs for both: 4·B·H·N²·D, halved for causal. Before timing, each call's last 256 rows of two
+heads are checked against the float64 reference on the inputs it computed with (FP8: the dequantized ones); the
+relative max errors are printed.
 
 Accuracy (FlashAttention-3's experiment): q, k, v ~ N(0, 1) + N(0, 100) · Bernoulli(0.001), B = 1, H = 16,
 N = 8k, D = 128; RMSE of out against float64 attention on the unquantized inputs, for: block quantization
@@ -36,7 +43,7 @@ import cupy  # noqa: E402
 
 import cupyflash  # noqa: E402
 from bench_attention import Case, L2Flush, inputs_for, median_ms  # noqa: E402
-from cupyflash import reference  # noqa: E402
+from cupyflash import _timing, reference  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CHECK_ROWS, CHECK_HEADS = 256, 2
@@ -55,6 +62,22 @@ def check(out, q, k, v, causal):
     return float(np.abs(got - ref).max() / np.abs(ref).max())
 
 
+def user_ms(call, args):
+    """Median milliseconds of ``call()`` between events with the GPU idle before it (host time included)."""
+    for _ in range(args.warmup):
+        call()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(args.repeats):
+        cupy.cuda.get_current_stream().synchronize()
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return float(np.median(times))
+
+
 def speed_row(case, args, flush):
     q, k, v, _ = inputs_for(case)
     fq, fk, fv = (cupyflash.quantize_fp8(x) for x in (q, k, v))
@@ -68,9 +91,13 @@ def speed_row(case, args, flush):
         row[f"{name}_err"] = check(call(), *inputs, case.causal)
         ms = median_ms(call, args, flush)
         row[f"{name}_ms"], row[f"{name}_tflops"] = ms, case.flops_fwd / ms / 1e9
+        row[f"{name}_user_ms"] = user_ms(call, args)
+        row[f"{name}_host_us"] = _timing.host_us(call, calls=20, repeats=5, spin_ms=20)
     row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
-    print(f"{case.name:24} bf16 {row['bf16_tflops']:7.1f}  fp8 {row['fp8_tflops']:7.1f} TFLOP/s  "
-          f"x{row['speedup']:.2f}  err bf16 {row['bf16_err']:.1e} fp8 {row['fp8_err']:.1e}", flush=True)
+    row["user_speedup"] = row["bf16_user_ms"] / row["fp8_user_ms"]
+    print(f"{case.name:24} gpu: bf16 {row['bf16_tflops']:7.1f} fp8 {row['fp8_tflops']:7.1f} TFLOP/s x{row['speedup']:.2f}"
+          f" | user: x{row['user_speedup']:.2f} | host us bf16 {row['bf16_host_us']:.0f} fp8 {row['fp8_host_us']:.0f}"
+          f" | err bf16 {row['bf16_err']:.1e} fp8 {row['fp8_err']:.1e}", flush=True)
     return row
 
 

@@ -22,9 +22,9 @@ dout = cupy.ones_like(out)
 cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
 args = (q, k, v)
 found = dense_fast.key("fwd", args, True, None, None, 0.0, 0.0, None)
-call = dense_fast._lookup(found)
+call = dense_fast.lookup(found)
 bwd_found = dense_fast.key("bwd", (dout, q, k, v, out, lse), True, None, None, 0.0, 0.0, None)
-bwd_call = dense_fast._lookup(bwd_found)
+bwd_call = dense_fast.lookup(bwd_found)
 spare = [cupy.empty_like(x) for x in (out, lse, q, k, v, lse, lse)]  # where the timed launches write
 pointers = [x.data.ptr for x in args + tuple(spare[:2])]
 bwd_pointers = [x.data.ptr for x in (q, k, v, out, dout, lse, *spare[2:])]
@@ -32,7 +32,7 @@ memory = cupy.cuda.alloc(1024)
 rows = {
     "attention_forward (fast path)": lambda: cupyflash.attention_forward(q, k, v, causal=True),
     "dense_fast.key fwd": lambda: dense_fast.key("fwd", args, True, None, None, 0.0, 0.0, None),
-    "dense_fast._lookup fwd": lambda: dense_fast._lookup(found),
+    "dense_fast.lookup fwd": lambda: dense_fast.lookup(found),
     "_Call.run fwd": lambda: call.run([q, k, v], None),
     "plan.launch_with fwd (no alloc)": lambda: call.plan.launch_with(call.slots, pointers),
     "cupy.cuda.alloc": lambda: cupy.cuda.alloc(1 << 20),

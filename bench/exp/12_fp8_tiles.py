@@ -1,5 +1,5 @@
 """The FP8 forward's tiles on one GPU: for each candidate cell of the tile table (1-byte rows), the kernel alone
-(a prepared plan, launched again), the whole call and the host-side preparation's GPU time, against our
+(a prepared plan, launched again), the whole call and the host-side preparation of a plan, against our
 bfloat16 forward on the same shapes (FlashAttention's: 16k tokens, hidden 2048). L2 flushed and a spin before
 every call (GPU work only), median of 10. Writes $OUT/fp8_exp.json.
 
@@ -12,7 +12,7 @@ import json
 import os
 import numpy as np, cupy, ml_dtypes
 import cupyflash
-from cupyflash._cuda import tiles, compile as C, fp8 as F
+from cupyflash._cuda import tiles, compile as C, dense_fast, fp8 as F
 from cupyflash import _timing
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CONFIGS = {64: ["12.128.64/r4w", "12.192.64/r4w", "12.192.64/r3w"],
@@ -62,13 +62,18 @@ for d, cells in CONFIGS.items():
             for cell in cells:
                 tiles.CELLS[("ws", 1, d, "fwd", "plain")] = tiles._parse_cell(cell, "ws")
                 C.modules.clear()
+                dense_fast._table.clear()  # the calls' kept plans are the previous cell's
+                batch = fq.shape[:-2]
                 try:
-                    plan, out, lse, dv, keep = F.prepare(fq, fk, fv, scale=d ** -0.5, causal=causal, out_dtype=BF16)
+                    inputs = F.kernel_inputs(fq, fk, fv, batch)
+                    plan, out, lse, dv = F.prepare(fq, fk, fv, inputs, batch, scale=d ** -0.5, causal=causal,
+                                                   out_dtype=BF16)
                     t_k = ms(lambda: plan.launch(None, None))
                     of = cupyflash.attention_forward(fq, fk, fv, causal=causal)[0][:2].astype(np.float32)
                     err = float(cupy.abs(of - ob).max() / cupy.abs(ob).max())
                     t_c = ms(lambda: cupyflash.attention_forward(fq, fk, fv, causal=causal))
-                    t_p = ms(lambda: F.prepare(fq, fk, fv, scale=d ** -0.5, causal=causal, out_dtype=BF16))
+                    t_p = ms(lambda: F.prepare(fq, fk, fv, inputs, batch, scale=d ** -0.5, causal=causal,
+                                               out_dtype=BF16))
                     line += f" | {cell}: kernel {flops/t_k/1e9:6.0f} call {flops/t_c/1e9:6.0f} prep {t_p*1e3:5.0f}us err {err:.1e}"
                     rows.append(dict(d=d, n=n, causal=causal, cell=cell, bf16_ms=t_bf, kernel_ms=t_k, call_ms=t_c, prep_ms=t_p, flops=flops))
                 except Exception as e:
