@@ -18,14 +18,29 @@ MAX_SPLITS = 128  # the most parts attention_with_kvcache splits a sequence's ke
 SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
 
 
+def check_array(name, x):
+    """x must be a numpy.ndarray or a cupy.ndarray in the machine's byte order. NumPy's masked arrays and matrices
+    are refused by name (a mask would be ignored; a matrix's operators are not an array's); other subclasses of
+    numpy.ndarray are taken as the arrays they are."""
+    if is_cupy(x):
+        return
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray or a cupy.ndarray, got {type(x).__module__}."
+                        f"{type(x).__qualname__}")
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a numpy.ma.MaskedArray, whose mask cupyflash would ignore; pass "
+                        f"{name}.filled(value), or numpy.asarray({name}) for its data as it is")
+    if isinstance(x, np.matrix):
+        raise TypeError(f"{name} is a numpy.matrix; pass numpy.asarray({name}), a numpy.ndarray")
+    if not x.dtype.isnative:
+        raise TypeError(f"{name} has dtype {x.dtype.str}, not in this machine's byte order; pass "
+                        f"{name}.astype({name}.dtype.newbyteorder('='))")
+
+
 def check_array_types(arrays):
-    """All arrays must be NumPy, or all CuPy on the current device. Returns numpy or cupy."""
+    """All arrays must be NumPy, or all CuPy on the current device (check_array each). Returns numpy or cupy."""
     for name, x in arrays.items():
-        if not (isinstance(x, np.ndarray) or is_cupy(x)):
-            raise TypeError(
-                f"{name} must be a numpy.ndarray or a cupy.ndarray, got {type(x).__module__}."
-                f"{type(x).__qualname__}"
-            )
+        check_array(name, x)
     kinds = {name: "cupy" if is_cupy(x) else "numpy" for name, x in arrays.items()}
     if len(set(kinds.values())) > 1:
         listing = ", ".join(f"{name} is {kind}" for name, kind in kinds.items())
@@ -45,9 +60,7 @@ def check_array_types(arrays):
 def check_float_array(name, x, dtypes, expected, dims):
     """One array argument of a helper (quantize_fp8, hadamard_rotate): NumPy or CuPy, a dtype among ``dtypes``
     (``expected`` names them), and at least the trailing ``dims`` (e.g. "(..., N, D)")."""
-    if not (isinstance(x, np.ndarray) or is_cupy(x)):
-        raise TypeError(f"{name} must be a numpy.ndarray or a cupy.ndarray, got {type(x).__module__}."
-                        f"{type(x).__qualname__}")
+    check_array(name, x)
     if x.dtype not in dtypes:
         raise TypeError(f"{name} has dtype {x.dtype}; expected {expected}")
     min_ndim = dims.count(",")

@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from cupyflash._arrays import lse_dtype, matmul_seen, sum_to_shape
+from cupyflash._arrays import lse_dtype, matmul_seen, quiet_float_errors, sum_to_shape
 from cupyflash._dropout import keep_mask
 from cupyflash._modifiers import BLOCK_MASK_TILE, Modifiers
 from cupyflash._varlen import sequence_view
@@ -44,6 +44,7 @@ assert BLOCK_MASK_TILE % BLOCK_Q == 0 and BLOCK_MASK_TILE % BLOCK_K == 0
 _NO_MODIFIERS = Modifiers((-1, -1), 0.0, None, None, None, None, None)
 
 
+@quiet_float_errors
 def attention_forward(q, k, v, *, scale, causal, mods=None, dropout=None):
     """Returns out (*batch, Nq, Dv) in the inputs' dtype and lse (*batch, Nq) ``lse_dtype`` (float32; float64
     for float64 inputs)."""
@@ -83,6 +84,7 @@ def _forward_query_block(q, k, v, i0, i1, tiles):
     return out_i, lse_i
 
 
+@quiet_float_errors
 def attention_backward(dout, q, k, v, out, lse, *, scale, causal, mods=None, dropout=None, deterministic=True):
     """Returns dq, dk, dv with the full batch shape, in the inputs' dtype, and dbias or None. Deterministic
     whatever ``deterministic`` says (NumPy's sums run in one order).
@@ -133,6 +135,7 @@ def _backward_key_block(dout, q, k, v, lse, delta, dq, dbias, j0, j1, tiles):
     return dk_j, dv_j
 
 
+@quiet_float_errors
 def attention_probs(q, k, v, *, scale, causal, mods=None):
     """Returns P (*batch, Nq, Nk) float32 (float64 for float64 inputs): exp(s - lse) with the forward's
     lse; 0 where keys are hidden (NaN there too in a row whose lse is NaN, as on the GPU)."""
@@ -277,6 +280,7 @@ def _transpose(x):
 # its heads grouped as (Hk, G) so that k and v broadcast over the G query heads of each group.
 
 
+@quiet_float_errors
 def attention_varlen_forward(q, k, v, packed, *, scale, causal, mods=None, dropout=None):
     """out (total_q, H, Dv) in the inputs' dtype and lse (H, total_q) float32 (float64 for float64 inputs)."""
     out = np.zeros((packed.total_q, packed.heads, packed.dv), dtype=q.dtype)
@@ -294,6 +298,7 @@ def attention_varlen_forward(q, k, v, packed, *, scale, causal, mods=None, dropo
     return out, lse
 
 
+@quiet_float_errors
 def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale, causal, mods=None, dropout=None):
     """dq, dk, dv in the shapes and dtype of q, k, v (dk, dv summed over each group's query heads)."""
     dq, dk, dv = (np.zeros(x.shape, dtype=q.dtype) for x in (q, k, v))

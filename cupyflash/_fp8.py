@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from cupyflash._arrays import Array, array_module, from_float, is_cupy, to_float
-from cupyflash._checks import check_float_array
+from cupyflash._checks import check_array, check_float_array
 
 E4M3_MAX = 448.0  # the largest finite float8 e4m3fn value
 BLOCK_ROWS = 128  # a row block of several scales holds whole key blocks and warpgroup rows of the GPU kernel
@@ -180,9 +180,7 @@ def _set(holder, data, scale, block):
 
 def _check_holder(data, scale, block, contiguous):
     for name, x in (("data", data), ("scale", scale)):
-        if not (isinstance(x, np.ndarray) or is_cupy(x)):
-            raise TypeError(f"{name} must be a numpy.ndarray or a cupy.ndarray, got {type(x).__module__}."
-                            f"{type(x).__qualname__}")
+        check_array(name, x)
     if is_cupy(data) != is_cupy(scale):
         raise TypeError(f"data is {'cupy' if is_cupy(data) else 'numpy'} but scale is "
                         f"{'cupy' if is_cupy(scale) else 'numpy'}; they must be of one array type")

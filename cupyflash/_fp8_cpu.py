@@ -24,13 +24,14 @@ Queries are processed BLOCK_Q rows at a time, so memory stays O(BLOCK_Q * Nk) pe
 
 import numpy as np
 
-from cupyflash._arrays import from_float
+from cupyflash._arrays import from_float, quiet_float_errors
 from cupyflash._fp8 import decode_e4m3, encode_e4m3, row_scales
 
 BLOCK_Q = 256
 P_OFFSET = 256.0  # 2^8: the e4m3 value of a probability of 1
 
 
+@quiet_float_errors
 def attention_forward_fp8(q, k, v, *, scale, causal, out_dtype):
     """Returns out (*lead, Nq, Dv) ``out_dtype`` and lse (*lead, Nq) float32.
 

@@ -15,9 +15,10 @@ feed it to the matrix units.
 import numpy as np
 
 from cupyflash import _cpu, _modifiers
-from cupyflash._arrays import lse_dtype
+from cupyflash._arrays import lse_dtype, quiet_float_errors
 
 
+@quiet_float_errors
 def attention_with_kvcache(call):
     """Append ``call.k``, ``call.v`` (if any), then attend: out (B, Hq, Nq, Dv) in the inputs' dtype and
     lse (B, Hq, Nq) ``lse_dtype``; a sequence with no key (L_b = 0) gets out 0 and lse -inf."""
@@ -41,6 +42,7 @@ def attention_with_kvcache(call):
     return out, lse
 
 
+@quiet_float_errors
 def append(call):
     """Write the new keys (rotated) and values into the caches at positions cache_seqlens[b] + j, in place."""
     if call.nnew == 0:

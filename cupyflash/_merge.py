@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupyflash._arrays import Array, lse_dtype
+from cupyflash._arrays import Array, lse_dtype, quiet_float_errors
 from cupyflash._checks import SUPPORTED_DTYPES, check_array_types
 
 
+@quiet_float_errors
 def merge_attention_states(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> tuple[Array, Array]:
     """Merge the attention of the same queries over two disjoint sets of keys.
 
@@ -64,6 +65,7 @@ def merge_attention_states(out_a: Array, lse_a: Array, out_b: Array, lse_b: Arra
     return _merge(xp, (out_a, out_b), (lse_a, lse_b), out_a.shape, out_a.dtype)
 
 
+@quiet_float_errors
 def merge_attention_states_stacked(out: Array, lse: Array) -> tuple[Array, Array]:
     """Merge the attention of the same queries over S disjoint sets of keys, stacked along axis 0.
 

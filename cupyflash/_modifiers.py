@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cupyflash._arrays import Array, cupy, is_cupy
+from cupyflash._checks import check_array
 
 BLOCK_MASK_TILE = 128  # queries x keys covered by one block_mask element; part of the public API
 
@@ -81,7 +82,8 @@ def resolve(xp, dtype, batch, nq, nk, *, window=None, softcap=0.0, alibi_slopes=
     if bias is not None:
         bias = _check_array("bias", bias, xp, full, "(..., Nq, Nk)")
         if bias.dtype not in (np.dtype(dtype), np.dtype(np.float32)):
-            raise TypeError(f"bias has dtype {bias.dtype}; expected the inputs' dtype {np.dtype(dtype)} or float32")
+            expected = "float32" if np.dtype(dtype) == np.float32 else f"the inputs' dtype {np.dtype(dtype)} or float32"
+            raise TypeError(f"bias has dtype {bias.dtype}; expected {expected}")
         bias_shape = bias.shape
     if mask is not None:
         mask = _check_array("mask", mask, xp, full, "(..., Nq, Nk)")
@@ -130,6 +132,7 @@ def _check_array(name, x, xp, shape, described):
     if not isinstance(x, xp.ndarray):
         raise TypeError(f"{name} must be a {xp.__name__}.ndarray like q, k, v, got {type(x).__module__}."
                         f"{type(x).__qualname__}")
+    check_array(name, x)
     if xp is not np:
         current = xp.cuda.Device().id
         if x.device.id != current:

@@ -12,11 +12,12 @@ import functools
 
 import numpy as np
 
-from cupyflash._arrays import is_cupy
+from cupyflash._arrays import is_cupy, quiet_float_errors
 from cupyflash._checks import check_bool, resolve_scale
 from cupyflash._modifiers import check_softcap, check_window
 
 
+@quiet_float_errors
 def rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray | list[int],
            interleaved: bool = False) -> np.ndarray:
     """Rotary position embedding in float64: row ``i`` of ``x`` rotated at position ``positions[i]``.
@@ -67,6 +68,7 @@ def rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarra
     return out
 
 
+@quiet_float_errors
 def attention_with_kvcache(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray | None = None,
                            v: np.ndarray | None = None, *, cache_seqlens: int | np.ndarray,
                            block_table: np.ndarray | None = None, rotary_cos: np.ndarray | None = None,

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from cupyflash import _dropout, _modifiers, _reference_kvcache, _varlen
-from cupyflash._arrays import is_cupy, matmul_seen, sum_to_shape
+from cupyflash._arrays import is_cupy, matmul_seen, quiet_float_errors, sum_to_shape
 from cupyflash._checks import check_causal, check_shapes, resolve_scale
 
 _BIAS_DTYPES_EXTRA = (np.dtype(ml_dtypes.bfloat16),)  # floating point, though NumPy's kind is not "f"
@@ -29,6 +29,7 @@ attention_with_kvcache = _reference_kvcache.attention_with_kvcache
 rotary = _reference_kvcache.rotary
 
 
+@quiet_float_errors
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = False, scale: float | None = None,
               return_lse: bool = False, window: tuple[int, int] | None = None, softcap: float = 0.0,
               alibi_slopes: np.ndarray | None = None, bias: np.ndarray | None = None,
@@ -137,6 +138,7 @@ def _drop(p, dropout):
     return np.where(keep, p * dropout.scale, 0.0)
 
 
+@quiet_float_errors
 def attention_probs(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = False,
                     scale: float | None = None, window: tuple[int, int] | None = None, softcap: float = 0.0,
                     alibi_slopes: np.ndarray | None = None, bias: np.ndarray | None = None,
@@ -174,6 +176,7 @@ def attention_probs(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool
     return _softmax(s)[0]
 
 
+@quiet_float_errors
 def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = False,
                        scale: float | None = None, window: tuple[int, int] | None = None, softcap: float = 0.0,
                        alibi_slopes: np.ndarray | None = None, bias: np.ndarray | None = None,
@@ -245,6 +248,7 @@ def _backward(dout, q, k, v, causal, scale, options, dropout, bias=None):
     return grads + (sum_to_shape(ds, bias.shape, np.float64),)
 
 
+@quiet_float_errors
 def attention_varlen(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray,
                      *, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, causal: bool = False,
                      scale: float | None = None, return_lse: bool = False, window: tuple[int, int] | None = None,
@@ -299,6 +303,7 @@ def attention_varlen(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: 
     return (out, lse) if return_lse else out
 
 
+@quiet_float_errors
 def attention_varlen_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray,
                               cu_seqlens_k: np.ndarray, *, max_seqlen_q: int | None = None,
                               max_seqlen_k: int | None = None, causal: bool = False, scale: float | None = None,

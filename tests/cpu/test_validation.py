@@ -264,3 +264,72 @@ def test_the_cpu_backward_is_the_same_either_way():
     for a, b in zip(cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True),
                     cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=np.bool_(False))):
         np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------------------------------------ arrays NumPy would read
+# differently: refused by name, with the fix
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_masked_arrays_and_matrices_are_refused_by_name(name):
+    arrays = _arrays(np.float32)
+    masked = dict(arrays, **{name: np.ma.masked_array(arrays[name])})
+    with pytest.raises(TypeError, match=rf"^{name} is a numpy\.ma\.MaskedArray, whose mask cupyflash would ignore"):
+        cupyflash.attention(masked["q"], masked["k"], masked["v"])
+    two_d = {n: np.zeros((4, 8), np.float32) for n in ("q", "k", "v")}
+    two_d[name] = np.asmatrix(two_d[name])
+    with pytest.raises(TypeError, match=rf"^{name} is a numpy\.matrix; pass numpy\.asarray\({name}\)"):
+        cupyflash.attention(two_d["q"], two_d["k"], two_d["v"])
+
+
+def test_other_ndarray_subclasses_are_taken_as_arrays(tmp_path):
+    """A memory-mapped array is an array: it runs like its copy."""
+    q = np.lib.format.open_memmap(tmp_path / "q.npy", mode="w+", dtype=np.float32, shape=(2, 5, 8))
+    q[...] = np.random.default_rng(0).standard_normal(q.shape)
+    k = np.random.default_rng(1).standard_normal((2, 7, 8)).astype(np.float32)
+    assert np.array_equal(cupyflash.attention(q, k, k), cupyflash.attention(np.array(q), k, k))
+
+
+def test_big_endian_arrays_are_refused_with_the_fix():
+    arrays = _arrays(np.float32)
+    q = arrays["q"].astype(">f4")
+    with pytest.raises(TypeError, match=r"^q has dtype >f4, not in this machine's byte order; pass "
+                                        r"q\.astype\(q\.dtype\.newbyteorder\('='\)\)"):
+        cupyflash.attention(q, arrays["k"], arrays["v"])
+    bias = np.zeros((NQ, NK), ">f4")
+    with pytest.raises(TypeError, match=r"^bias has dtype >f4, not in this machine's byte order"):
+        cupyflash.attention(arrays["q"], arrays["k"], arrays["v"], bias=bias)
+    with pytest.raises(TypeError, match=r"^x has dtype >f4, not in this machine's byte order"):
+        cupyflash.quantize_fp8(np.zeros((4, 16), ">f4"))
+
+
+def test_bias_dtype_message_names_each_dtype_once():
+    arrays = _arrays(np.float32)
+    with pytest.raises(TypeError, match=r"^bias has dtype float64; expected float32$"):
+        cupyflash.attention(arrays["q"], arrays["k"], arrays["v"], bias=np.zeros((NQ, NK)))
+    arrays = _arrays(np.float16)
+    with pytest.raises(TypeError, match=r"^bias has dtype float64; expected the inputs' dtype float16 or float32$"):
+        cupyflash.attention(arrays["q"], arrays["k"], arrays["v"], bias=np.zeros((NQ, NK)))
+
+
+def test_non_finite_inputs_raise_no_numpy_warnings():
+    """NaN and inf in the inputs, and rows that see no key, give the documented NaN, inf and zeros without a
+    RuntimeWarning from NumPy reaching the caller (they are errors here), on the CPU path and in the reference."""
+    import warnings
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 6, 8)).astype(np.float32) for _ in range(3))
+    k[..., 2, :] = np.inf
+    v[..., 4, 0] = np.nan
+    dout = np.ones_like(q)
+    cache_k, cache_v = np.zeros((1, 2, 8, 8), np.float32), np.zeros((1, 2, 8, 8), np.float32)
+    cache_k[..., 1, :] = np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = cupyflash.attention_forward(q, k, v, window=(1, 0))
+        cupyflash.attention_backward(dout, q, k, v, out, lse, window=(1, 0))
+        reference.attention(q, k, v, window=(1, 0))
+        reference.attention_backward(dout, q, k, v, window=(1, 0))
+        cupyflash.attention(q, k, v, mask=np.zeros((6, 6), bool))  # no row sees a key: out 0, lse -inf
+        cupyflash.merge_attention_states(out, lse, out, np.full_like(lse, -np.inf))
+        cupyflash.attention_with_kvcache(q[..., :1, :], cache_k, cache_v, cache_seqlens=3)
+    assert np.isnan(out).any() and np.isfinite(out[..., 0, :]).all()
