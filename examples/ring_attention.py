@@ -58,11 +58,16 @@ def compare(xp, n, dtype, ring):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--n", type=int, default=None, help="sequence length (default 16384 on GPUs, 512 on CPU)")
+    parser.add_argument("--n", type=int, default=None,
+                        help="sequence length, a multiple of 2W (default: 16384 on GPUs, 512 on CPU, rounded up to one)")
     parser.add_argument("--cpu", type=int, default=None, metavar="W", help="W ranks as threads, NumPy arrays")
     args = parser.parse_args(argv)
+
+    def length(default, world_size):  # zigzag shards cut the sequence into 2W equal chunks
+        return args.n or -(-default // (2 * world_size)) * 2 * world_size
+
     if args.cpu is not None:
-        n = args.n or 512
+        n = length(512, args.cpu)
         ring = dist.InProcessGroup(args.cpu).run(lambda comm: rank_work(comm, np, n, np.float32))[0]
         print(f"{args.cpu} ranks (threads), N = {n}, float32, causal:")
         compare(np, n, np.float32, ring)
@@ -71,7 +76,7 @@ def main(argv=None):
     import ml_dtypes
 
     comm = dist.init()  # RANK, WORLD_SIZE, LOCAL_RANK from the launcher; picks this rank's GPU
-    n, dtype = args.n or 16384, ml_dtypes.bfloat16
+    n, dtype = length(16384, comm.world_size), ml_dtypes.bfloat16
     ring = rank_work(comm, cupy, n, dtype)
     if comm.rank == 0:
         print(f"{comm.world_size} GPUs, N = {n}, bfloat16, causal:")

@@ -336,7 +336,7 @@ def init(backend: object | None = None, *, world_size: int | None = None, rank: 
     else:
         local = env[2] if env else rank
     if device is None:
-        device = local % cupy.cuda.runtime.getDeviceCount()
+        device = local % _device_count()
     cupy.cuda.Device(device).use()
     if world_size == 1:
         return Communicator(None, 1, 0)
@@ -353,3 +353,16 @@ def init(backend: object | None = None, *, world_size: int | None = None, rank: 
     if store is not None:
         store.stop()
     return Communicator(nccl_backend, world_size, rank)
+
+
+def _device_count() -> int:
+    """The CUDA devices this process sees; a RuntimeError that says so where there is none usable (no driver, a
+    driver too old for CuPy's runtime, no device), as warmup() says it."""
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # cudaErrorInsufficientDriver, cudaErrorNoDevice, a runtime library missing
+        raise RuntimeError(f"cupyflash.distributed.init needs a CUDA device per rank, but CUDA reports none usable "
+                           f"({type(exc).__name__}: {exc}); for NumPy arrays use InProcessGroup") from None
+    if count < 1:
+        raise RuntimeError("cupyflash.distributed.init needs a CUDA device per rank, but the CUDA driver reports none")
+    return count

@@ -99,6 +99,8 @@ def main(argv=None) -> int:
     parser.add_argument("script", help="the Python script every process runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     ns = parser.parse_args(argv)
+    if ns.nproc < 1:
+        parser.error(f"--nproc must be at least 1, got {ns.nproc}")
     return launch(ns.nproc, [sys.executable, ns.script, *ns.args], port=ns.port)
 
 

@@ -15,9 +15,13 @@ What this file proves:
 * Argument errors: a rank whose call differs from the others' makes every rank raise; invalid arguments
   raise the single-process function's own error on every rank; nothing hangs.
 * InProcessGroup: results in rank order, failures propagate without hanging, the group is reusable.
+* Without a usable GPU, init() says so; the example runs on CPU ranks.
 """
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -26,10 +30,12 @@ import pytest
 import cupyflash
 from cupyflash import distributed as dist
 from cupyflash import reference
+from cupyflash._arrays import cupy
 from cupyflash.distributed import _schedule
 from cupyflash.distributed._layout import chunk_length, chunks_of
 from helpers.checks import assert_bitwise_equal, assert_matches_reference as assert_matches_reference_scaled
 from helpers.checks import max_abs
+from helpers.gpu import gpu_available
 from helpers.modifiers import SOFTCAP, alibi_slopes
 from helpers.problems import random_array, random_problem
 
@@ -666,3 +672,21 @@ def test_package_exports():
     assert dist.LAYOUTS == ("zigzag", "contiguous")
     for name in dist.__all__:
         assert hasattr(dist, name), name
+
+
+@pytest.mark.skipif(cupy is None or gpu_available(), reason="checks a machine whose CuPy sees no usable GPU")
+def test_init_without_a_usable_gpu_says_so():
+    """As warmup() does: a RuntimeError that names the call and CUDA's answer, not CUDA's own exception."""
+    with pytest.raises(RuntimeError, match=r"^cupyflash\.distributed\.init needs a CUDA device per rank, but CUDA "
+                                           r"reports none usable \(.+\); for NumPy arrays use InProcessGroup$"):
+        dist.init(rank=0, world_size=1)
+
+
+def test_the_example_runs_on_cpu_ranks_with_its_default_length():
+    """examples/ring_attention.py --cpu 3: its default length is rounded up to a multiple of 2W for zigzag
+    shards (512 -> 516), and the ring matches one device."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(root / "examples" / "ring_attention.py"), "--cpu", "3"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "3 ranks (threads), N = 516" in done.stdout
