@@ -10,7 +10,7 @@ from cupyflash._modifiers import BLOCK_MASK_TILE, block_mask_from_dense
 from cupyflash._rotation import hadamard_rotate
 from cupyflash._warmup import warmup
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "attention",

@@ -18,6 +18,7 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -92,6 +93,8 @@ TOTAL_TOKENS, HIDDEN = 16384, 2048
 
 def main(argv=None):
     args = _parse_args(argv)
+    if args.docs is not None:
+        return show_docs(args.docs)
     cupy, why_no_gpu = _find_gpu()
     report = Report()
     _print_versions(cupy)
@@ -131,7 +134,37 @@ def _parse_args(argv):
     parser.add_argument("--arch", nargs="+", default=list(ARCHES), choices=ARCHES, metavar="SM",
                         help="architectures for the compile report (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    parser.add_argument("--docs", nargs="?", const="", metavar="PAGE",
+                        help="print a page of the documentation (e.g. fp8, api, distributed) and exit; without "
+                             "PAGE, list the pages")
     return parser.parse_args(argv)
+
+
+def docs_dir() -> Path | None:
+    """The user's documentation: docs/ inside the package (a wheel) or beside it (the source tree, editable
+    installs); None where neither is there."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "docs", here.parent / "docs"):
+        if (candidate / "api.md").is_file():
+            return candidate
+    return None
+
+
+def show_docs(page: str) -> int:
+    """Print docs/<page>.md, or list the pages (page ""); 2 where there is no such page."""
+    folder = docs_dir()
+    if folder is None:
+        print("cupyflash: the documentation is not installed beside the package", file=sys.stderr)
+        return 2
+    pages = sorted(p.stem for p in folder.glob("*.md"))
+    name = page[:-3] if page.endswith(".md") else page
+    if name in pages:
+        print((folder / f"{name}.md").read_text())
+        return 0
+    if page:
+        print(f"cupyflash: no documentation page {page!r}", file=sys.stderr)
+    print("pages (python -m cupyflash --docs PAGE): " + ", ".join(pages), file=sys.stderr if page else sys.stdout)
+    return 2 if page else 0
 
 
 class Report:
@@ -445,5 +478,16 @@ def _print_compile_table(by_arch):
         print(f"{name:{width}} | " + " | ".join(cells))
 
 
+def run(argv=None) -> int:
+    """main(), ended quietly where the reader of its output goes away (``python -m cupyflash | head``): the
+    exit code is then 141, a shell's for a pipe closed under it, with no traceback."""
+    try:
+        return main(argv)
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at devnull so that the flush has nowhere to fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -1,7 +1,8 @@
 """Attention against a key/value cache, for decoding: ``attention_with_kvcache``.
 
 NumPy inputs run on the CPU path (cupyflash._kvcache_cpu), CuPy inputs on the GPU (cupyflash._cuda.decode).
-The semantics are written out in the docstring below and in docs/inference.md.
+The semantics are written out in the docstring below and in the inference page of the documentation
+(``python -m cupyflash --docs inference``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 One process per GPU (``python -m cupyflash.distributed.launch --nproc 2 script.py``); each holds a shard of
 q, k, v along the sequence axis, and the key/value shards travel around a ring. ``InProcessGroup`` runs the
-same ring over threads of one process (NumPy or CuPy arrays). docs/distributed.md explains.
+same ring over threads of one process (NumPy or CuPy arrays). ``python -m cupyflash --docs distributed``
+explains.
 """
 
 from cupyflash.distributed._comm import Communicator, InProcessGroup, init

@@ -48,7 +48,8 @@ def chunk_length(n: int, layout: str, world_size: int, name: str) -> int:
         raise ValueError(
             f"{name} has {n} rows along the sequence axis, which the {layout!r} layout cannot cut into "
             f"{parts} equal chunks ({'2W' if layout == 'zigzag' else 'W'} for W = {world_size}); pad the "
-            f"sequence to a multiple of {parts} (docs/distributed.md shows how to hide the padding)")
+            f"sequence to a multiple of {parts} (`python -m cupyflash --docs distributed` shows how to hide the "
+            "padding)")
     return n // parts
 
 
@@ -59,7 +60,8 @@ def shard(x: Array, comm: Comm, layout: str = "zigzag", axis: int = -2) -> Array
     ----------
     x : numpy.ndarray or cupy.ndarray, shape (..., N, D) for q, k, v, dout (or (..., N) with ``axis=-1``)
         The whole array; every rank passes the same one. N must split into equal chunks: 2W for
-        "zigzag", W for "contiguous" (pad the sequence otherwise; docs/distributed.md shows how).
+        "zigzag", W for "contiguous" (pad the sequence otherwise; ``python -m cupyflash --docs distributed``
+        shows how).
     comm : Communicator or an InProcessGroup's communicator
         Its ``rank`` and ``world_size`` pick the shard.
     layout : {"zigzag", "contiguous"}, optional

@@ -62,3 +62,24 @@ def test_no_check_checks_nothing():
     result, seconds = _run(["--no-check", "--no-bench"], hide_cupy=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "self-check against" not in result.stdout and "nothing was checked" in result.stdout
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """``python -m cupyflash | head -1``: the pipe closes under the run, which ends quietly (exit code 141, as a
+    shell's for a closed pipe) instead of a BrokenPipeError traceback."""
+    command = [sys.executable, "-c", HIDE_CUPY, "--no-bench"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    assert proc.stdout.readline().startswith(b"cupyflash")
+    proc.stdout.close()  # as head does after its line
+    _, errors = proc.communicate(timeout=10 * SECONDS)
+    assert proc.returncode == 141 and b"Traceback" not in errors and b"BrokenPipe" not in errors, errors.decode()
+
+
+def test_docs_prints_a_page_and_lists_them():
+    """``--docs fp8`` prints docs/fp8.md; ``--docs`` lists the pages; an unknown page exits 2 with the list."""
+    result, _ = _run(["--docs", "fp8"], hide_cupy=True)
+    assert result.returncode == 0 and result.stdout == (ROOT / "docs" / "fp8.md").read_text() + "\n"
+    result, _ = _run(["--docs"], hide_cupy=True)
+    assert result.returncode == 0 and "api, deployment" in result.stdout and "fp8" in result.stdout
+    result, _ = _run(["--docs", "nope"], hide_cupy=True)
+    assert result.returncode == 2 and "no documentation page 'nope'" in result.stderr and "fp8" in result.stderr

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -23,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNEL_SUFFIXES = (".cu", ".cuh")
 RUNTIME_REQUIREMENTS = {"numpy", "ml_dtypes"}  # CuPy is optional (the extras); SciPy is the tests' (test extra)
 SUBPACKAGES = ("cupyflash", "cupyflash/_cuda", "cupyflash/distributed")
-BUILD_INPUTS = ("setup.cfg", "pyproject.toml", "MANIFEST.in", "README.md", "cupyflash", "cuda_src")
+BUILD_INPUTS = ("setup.cfg", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE", "CHANGELOG.md", "cupyflash",
+                "cuda_src", "docs")
+SDIST_INPUTS = BUILD_INPUTS + ("tests", "bench")  # what MANIFEST.in adds to the packages
 
 
 def _in_ci():
@@ -53,21 +56,30 @@ def _normalize(name):
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory):
+def _need_build_tools():
     missing = [m for m in ("setuptools", "wheel") if importlib.util.find_spec(m) is None]
     if missing:
         reason = f"building a wheel offline needs {missing} (the test extra installs them)"
         if _in_ci():
             pytest.fail(reason)
         pytest.skip(reason)
+
+
+def _source_copy(tmp_path_factory, names):
     src = tmp_path_factory.mktemp("src")
-    for name in BUILD_INPUTS:
+    for name in names:
         path = ROOT / name
         if path.is_dir():
             shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.py[cod]"))
         elif path.exists():
             shutil.copy2(path, src / name)
+    return src
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    _need_build_tools()
+    src = _source_copy(tmp_path_factory, BUILD_INPUTS)
     dist = tmp_path_factory.mktemp("dist")
     cmd = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
            "--no-index", "--quiet", "-w", str(dist)]
@@ -78,11 +90,29 @@ def wheel(tmp_path_factory):
         names = zf.namelist()
         (meta_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         metadata = email.parser.Parser().parsestr(zf.read(meta_name).decode())
+        licences = [zf.read(n).decode() for n in names if ".dist-info/" in n and n.endswith("LICENSE")]
+    return names, metadata, licences
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory):
+    """(names, PKG-INFO) of the source distribution, built offline by setuptools' own backend."""
+    _need_build_tools()
+    src = _source_copy(tmp_path_factory, SDIST_INPUTS)
+    dist = tmp_path_factory.mktemp("sdist")
+    code = "import sys, setuptools.build_meta as backend; print(backend.build_sdist(sys.argv[1]))"
+    result = subprocess.run([sys.executable, "-c", code, str(dist)], cwd=src, capture_output=True, text=True)
+    assert result.returncode == 0, f"build_sdist failed:\n{result.stdout}\n{result.stderr}"
+    (path,) = dist.glob("cupyflash-*.tar.gz")
+    with tarfile.open(path) as tf:
+        names = [n.split("/", 1)[1] for n in tf.getnames() if "/" in n]
+        (info,) = [m for m in tf.getmembers() if m.name.count("/") == 1 and m.name.endswith("/PKG-INFO")]
+        metadata = email.parser.Parser().parsestr(tf.extractfile(info).read().decode())
     return names, metadata
 
 
 def test_wheel_ships_every_kernel_source(wheel):
-    names, _ = wheel
+    names, _, _ = wheel
     expected = _kernel_sources()
     assert expected, f"no .cu/.cuh files in {ROOT / 'cuda_src'}"
     shipped = sorted(n[len("cupyflash/cuda_src/"):] for n in names if n.startswith("cupyflash/cuda_src/"))
@@ -90,7 +120,7 @@ def test_wheel_ships_every_kernel_source(wheel):
 
 
 def test_wheel_ships_every_module(wheel):
-    names, _ = wheel
+    names, _, _ = wheel
     expected = _python_modules()
     assert "cupyflash/_cuda/__init__.py" in expected and "cupyflash/_cuda/variants.py" in expected
     shipped = sorted(n for n in names if re.fullmatch(r"cupyflash/(?:_cuda/|distributed/)?[^/]+\.py", n))
@@ -106,15 +136,24 @@ def test_every_package_directory_is_shipped():
     assert found == sorted(SUBPACKAGES), found
 
 
+def test_wheel_ships_the_user_documentation(wheel):
+    """docs/*.md as cupyflash/docs/ (``python -m cupyflash --docs PAGE`` reads them), without docs/design/."""
+    names, _, _ = wheel
+    expected = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    assert "fp8.md" in expected
+    shipped = sorted(n[len("cupyflash/docs/"):] for n in names if n.startswith("cupyflash/docs/") and n.endswith(".md"))
+    assert shipped == expected
+
+
 def test_wheel_ships_py_typed(wheel):
     # PEP 561: without the marker, type checkers ignore the package's own hints.
-    names, _ = wheel
+    names, _, _ = wheel
     assert (ROOT / "cupyflash" / "py.typed").is_file()
     assert "cupyflash/py.typed" in names
 
 
 def test_wheel_metadata(wheel):
-    _, metadata = wheel
+    _, metadata, _ = wheel
     assert metadata["Name"] == "cupyflash"
     assert metadata["Version"] == _static_version()
     requires = metadata.get_all("Requires-Dist") or []
@@ -124,6 +163,41 @@ def test_wheel_metadata(wheel):
     assert not [r for r in requires if r.lower().startswith("torch")], "torch must never be a dependency"
     extras = set(metadata.get_all("Provides-Extra") or [])
     assert {"cuda12", "cuda13", "test"} <= extras, extras
+    _assert_project_metadata(metadata)
+
+
+def _assert_project_metadata(metadata):
+    """The licence (an SPDX identifier), who made it, which Pythons, what it is for, and the README as the
+    long description."""
+    assert metadata["License"] == "BSD-3-Clause" or metadata["License-Expression"] == "BSD-3-Clause"
+    assert metadata["Author"] and metadata["Summary"]
+    assert metadata["Requires-Python"] == ">=3.10"
+    classifiers = set(metadata.get_all("Classifier") or [])
+    assert {"Programming Language :: Python :: 3.10", "Programming Language :: Python :: 3.13",
+            "Operating System :: POSIX :: Linux", "Environment :: GPU :: NVIDIA CUDA",
+            "Topic :: Scientific/Engineering :: Artificial Intelligence"} <= classifiers, classifiers
+    assert any(c.startswith("Development Status :: ") for c in classifiers)
+    assert metadata["Keywords"] and "cupy" in metadata["Keywords"]
+    body = metadata.get_payload() or metadata["Description"] or ""
+    assert body.lstrip().startswith("# cupyflash"), body[:80]
+
+
+def test_the_licence_ships_in_the_wheel_and_the_sdist(wheel, sdist):
+    """LICENSE (BSD-3-Clause) in the wheel's dist-info and at the sdist's top, with CHANGELOG.md; the sdist's
+    PKG-INFO carries the same metadata; the notebook and raw logs (bench/log/) stay out of it."""
+    _, _, licences = wheel
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("BSD 3-Clause License") and licences == [text]
+    names, metadata = sdist
+    assert {"LICENSE", "CHANGELOG.md", "README.md", "cuda_src/attention_fwd_ws.cu", "bench/bench_fp8.py"} <= set(names)
+    assert not [n for n in names if n.startswith("bench/log/")]
+    _assert_project_metadata(metadata)
+
+
+def test_changelog_leads_with_this_version():
+    """CHANGELOG.md's first version heading is the package's version."""
+    match = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE)
+    assert match and match.group(1) == _static_version(), match
 
 
 def test_installed_package_finds_kernel_sources():
@@ -140,7 +214,7 @@ def test_installed_package_finds_kernel_sources():
 def test_readme_shows_the_ci_commands():
     script = (ROOT / ".ci" / "run").read_text()
     readme = (ROOT / "README.md").read_text()
-    for var in ("INSTALL_CMD", "TEST_CMD"):
+    for var in ("INSTALL_CMD", "TEST_CMD", "COMPILE_TEST_CMD"):
         match = re.search(rf"^{var}='([^']+)'$", script, re.MULTILINE)
         assert match, f".ci/run defines no {var}"
         assert match.group(1) in readme, f"README.md does not show .ci/run's {var}: {match.group(1)}"
