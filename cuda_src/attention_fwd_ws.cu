@@ -1,59 +1,18 @@
-// attention_fwd_ws.cu — the warp-specialized fused attention forward (Hopper, fp16/bf16, and the FP8
-// forward on e4m3 inputs): out = softmax(scale * q k^T) v and its log-sum-exp, as attention_fwd.cu computes
-// them, in FlashAttention-3's layout.
+// attention_fwd_ws.cu — the warp-specialized fused attention forward (Hopper, fp16/bf16, and the FP8 forward on
+// e4m3 inputs): out = softmax(scale * q k^T) v and its log-sum-exp, as attention_fwd.cu computes them, in
+// FlashAttention-3's layout.
 //
-// Layout: q (b, nq, d), k (b, nk, d), v (b, nk, dv) of one dense batch, read through TMA tensor maps
-// (tma.cuh; the host checks that the strides allow them); FP8: v as V^T (b, dv, nk rounded up to 32).
-// out (b, nq, dv) and lse (b, nq) float32, contiguous. Saved for the backward: lse only (the FP8 forward
-// has no backward).
+// Layout: q (b, nq, d), k (b, nk, d), v (b, nk, dv) of one dense batch, read through TMA tensor maps (tma.cuh;
+// FP8: v as V^T (b, dv, nk rounded up to 32), keys in the P fragments' order); out (b, nq, dv) and lse (b, nq)
+// float32, contiguous. Saves for the backward: lse only (the FP8 forward has no backward).
 //
-// A CTA of 1 + WGS warpgroups (WGS = 2, or 3 where the tile table's cell has 16 warps), one per SM, persistent.
-// Tiles (BLOCK_M = 64 · WGS query rows of one batch entry) are numbered in sections of batch entries whose K and
-// V fit in L2 together; in a section, row blocks from the last (with causal rows, the longest first). CTA c runs tile c first, then whichever tile the launch's
-// counter hands it next, so CTAs that drew short tiles draw more.
-//  - The producer (warpgroup 0, copy_tiles): one thread issues every TMA copy and the others leave. Per
-//    tile, q goes into one of two buffers (the next tile's q lands while this one runs; one at 16-bit
-//    HEAD_DIM 256, where two would crowd the ring), then the K and V tiles of the key blocks its rows see,
-//    last to first, into a ring of STAGES (K, V) slots that runs on across tiles, so the next tile's first
-//    copies overlap this one's last products and its epilogue. A slot's K and V are released apart: K once
-//    all computing warpgroups' S = Q K^T from it is done, V after their P V, so that the next K lands while the
-//    previous block's P V still reads its V. It gives its registers to the others (setmaxnreg).
-//    STORE_WARPS: its warps 1 .. WGS store out for the computing warpgroups (store_out_tiles).
-//  - The consumers (warpgroups 1 .. WGS, compute_tile) each own 64 of the tile's rows and run
-//    attention_fwd_wgmma_kernel's loop on them: S_j = Q K_j^T issued beside the previous block's O += P V,
-//    the online softmax of S_j under that product. All read every slot of the ring, so each K/V tile
-//    crosses L2 once per BLOCK_M rows; each computes only the key blocks of its own rows' band (a window's two
-//    halves differ by a block), waits for and releases the others. Their epilogue (finish_tile) stages out
-//    through their own QTile of the q buffer and stores it, or with STORE_WARPS hands the staged rows to
-//    its storing warp and goes on to the next tile.
-// Barriers (tma.cuh): q_full[Q_BUFFERS] (the copy's bytes, or the copier's arrival alone once no tile is left),
-// q_empty[Q_BUFFERS] (every thread of the 4 · WGS consumer warps, or of the WGS storing warps, after the epilogue
-// read the buffer), k_full / v_full[STAGES] (bytes), k_empty / v_empty[STAGES] (4 · WGS consumer warps, after their
-// S, or P V, from the slot), and with STORE_WARPS out_full[2][WGS] (a computing warpgroup's 128 threads, once its
-// out is staged).
-// Nothing waits on a __syncthreads after the start, so the warpgroups drift apart and one's softmax and
-// epilogue overlap the others' products.
-// MODS: Mods::none (IS_CAUSAL as the plain kernels), Mods::window (the window alone, causal travelling in
-// it as the right edge) or Mods::dense_scalars (window, softcap and ALiBi, as Mods::scalars' forward takes
-// them, on a dense batch). BOUNDED (bfloat16 dense_scalars): softcapped scores without ALiBi, whose softmax
-// takes 1 as every row's max, as attention_fwd.cu's BOUNDED instantiations do. ALIBI (dense_scalars with
-// slopes): the slopes' column term fused with the exponent's scale and their row term a shift of the
-// softmax (ScoreMods::alibi_log2). HALF_FIRST (ALIBI with a window that has a right edge, causal among
-// them): a tile's first key block, whose S and softmax nothing overlaps, runs over its first 64 keys only
-// where a warpgroup's rows see none in its second half (warpgroup 0 on a causal diagonal block); the forms
-// that never take it compile without it, which it would slow. BLOCK_MASK (dense_scalars with a block mask
-// and no other array): a tile of 128 rows is one line of the block mask and a key block one of its tiles;
-// the copier fills the line's bits for the tile's q buffer (block_mask.cuh, fill_on_blocks) before q_full
-// publishes it, copies only the blocks that are on, and every computing warp walks the same blocks.
-// FP8 (T = e4m3_t; out in OutT, bfloat16 or float16; plain or causal): k-steps of 32; v arrives as V^T (8-bit
-// wgmma reads B K-major only) with the keys of every 32 in the order the P fragments hold them
-// (wgmma.cuh, pack_e4m3_fragments; the host writes it: cuda_src/fp8_values.cu); the softmax keeps P's
-// largest at 2^8 (OnlineSoftmax's FULL_RANGE); q's descale joins the exponent's scale, k's is the softmax's
-// tile factor, v's rescales O per key block (Fp8Descales); out is stored from registers. docs/design/fp8.md.
-// PACK_AFTER_WAIT and STORE_WARPS come from the host's tile table (compute_tile and store_out_tiles say
-// what they do). docs/design/warp_specialized_forward.md has the measurements behind each choice.
-// tile_counter: one int, zero at launch; the launch's last draw zeroes it for the next launch on the stream
-// (the host keeps one per stream).
+// A persistent CTA per SM: warpgroup 0 copies (copy_tiles: q per tile, then the K/V tiles of its key blocks into
+// a ring of STAGES slots; with STORE_WARPS, warps 1 .. WGS store out), warpgroups 1 .. WGS compute 64 rows each
+// (compute_tile: S_j = Q K_j^T beside the previous block's P V, the online softmax under it), all synchronized by
+// mbarriers alone. Tiles come from a per-launch counter (tile_counter: one int, zero at launch; the launch's last
+// draw zeroes it again), ordered in L2 sections (WsCta::tile_at). The forms (MODS, BOUNDED, ALIBI, HALF_FIRST,
+// BLOCK_MASK, FP8's PV_COLS and S_FIRST) and the measurements behind each choice:
+// docs/design/warp_specialized_forward.md and docs/design/fp8.md.
 #include "common.cuh"
 #include "params.cuh"
 #include "mods.cuh"

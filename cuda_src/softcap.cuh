@@ -11,9 +11,8 @@
 // rounding of the logits, so out and the gradients keep their 16-bit accuracy and lse carries that
 // absolute error (README, score modifiers). The forward, the backward and attention_probs take the same
 // t, so P is the same function in all three. float32 takes the accurate libdevice tanhf (float32 accuracy
-// is the point of that dtype), float64 libdevice's tanh. (An exact 16-bit tanh, 1 - 2 / (2^(2 log2(e) x)
-// + 1), took five instructions, two of them special-function ones: the softcapped forward ran at 0.70-0.75x
-// of plain, GPU time, against 0.83-0.88x with tanh.approx.)
+// is the point of that dtype), float64 libdevice's tanh. (An exact 16-bit tanh takes five instructions, two of
+// them special-function ones, and was slower: docs/design/modifiers.md.)
 template <typename T, typename A>
 struct SoftcapTanh {
   A k;  // scale / softcap

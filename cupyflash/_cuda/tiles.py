@@ -242,34 +242,27 @@ HEAD_DIMS = tuple(sorted({head_dim for path, _, head_dim, _, _ in CELLS if path 
 assert HEAD_DIMS[-1] == MAX_HEAD_DIM, "the table's widest head dim is the API's"
 WS_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CELLS
                              if path == "ws" and size == 2 and kernel == "fwd"}))
-# The warp-specialized fused backward (cuda_src/attention_bwd_ws.cu): its HEAD_DIMs, and the shortest
-# sequences it serves (min(Nq, Nk)): below them the two passes were faster (dq_accum's per-row cost and the
-# ordered adds weigh more on short loops; bench/exp/15_ws_backward.py and docs/design/backward.md, HEAD_DIM 256
-# included). Longer than CHAIN_ROWS, the two passes, which sum in chunks.
+# The warp-specialized fused backward (cuda_src/attention_bwd_ws.cu): its HEAD_DIMs. Longer than CHAIN_ROWS the
+# two passes serve, which sum in chunks.
 WS_BWD_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CELLS
                                  if path == "ws" and size == 2 and kernel == "bwd"}))
-# The smallest head dim each warp-specialized HEAD_DIM serves, padded (ws_head_dim): the forward at 128 from 65,
-# at 192 from 129 and at 256 from 193. The wgmma forward at the table's 96, 160 and 192 ran at 0.58-0.81 of cuDNN,
-# the warp-specialized one padded to 128 / 256 at 0.72-1.07, and at 160 and 192 on its own 192 cell at 0.91-1.08
-# (1.18-1.38x the padding to 256, H200). The fused backward: at 192 only from 161 (at 192 it ran 1.09-1.24x the
-# two passes, at 160 0.94-1.06x their own HEAD_DIM 160: a fifth of its products padding), at 256 from 193
-# (padded to 256, 160 and 192 had run 0.76-1.03x the two passes).
+# The smallest head dim each warp-specialized HEAD_DIM serves, padded (ws_head_dim): padding onto the next cell beat
+# the wgmma forward's own cells; the fused backward's 192 cell only from 161, where padding stops costing more
+# than the two passes (docs/design/tiles.md, serving ranges).
 WS_SERVES_FROM = {"fwd": {64: 33, 128: 65, 192: 129, 256: 193}, "bwd": {64: 33, 128: 65, 192: 161, 256: 193}}
 assert all(tuple(dims) == (WS_HEAD_DIMS if kernel == "fwd" else WS_BWD_HEAD_DIMS)
            for kernel, dims in WS_SERVES_FROM.items()), "a serving range for each warp-specialized HEAD_DIM"
-# The shortest min(Nq, Nk) the fused backward serves, with ordered or unordered dq adds alike: from 1k it was the
-# faster in both orders, at 512 slower in some rows (H200, bench_attention.py: docs/design/backward.md).
+# The shortest min(Nq, Nk) the fused backward serves, in either dq order: below it the two passes are faster
+# (dq_accum's per-row cost and the ordered adds weigh more on short loops; docs/design/tiles.md).
 WS_BWD_MIN_LENGTH = {64: 1024, 128: 1024, 192: 1024, 256: 1024}
 # ... and the least work, batch entries x Nq x Nk x HEAD_DIM (2^34: about 0.4 ms of GPU time): the fused backward
 # is launched unplanned (fused_backward.py: tensor maps encoded, parameters built per call), so a call with less
 # work than that could spend longer on the host than the planned two passes take on the GPU.
 WS_BWD_MIN_WORK = 1 << 34
 # From how many keys an ordered call without a causal mask adds dq in key-block order rather than by arrival
-# (both fixed orders; unordered adds always walk as by arrival): there every CTA walks the query blocks in one
-# order, and that was 3-16% faster on an H200 in every run at 16k keys, and at 8k with two chains (HEAD_DIM 64);
-# within 3% or slower below (docs/design/backward.md). At HEAD_DIM 256 (64-key blocks) by arrival was the faster
-# at 8k, and past 132 x 64 keys a batch entry's key blocks outnumber an H100's or H200's SMs (adds_by_arrival),
-# so the index order serves there from 8,449 keys already.
+# (unordered adds always walk as by arrival): there every CTA walks the query blocks in one order, which is faster
+# from these lengths on (docs/design/tiles.md); at HEAD_DIM 256 past 132 x 64 keys a batch entry's key blocks
+# outnumber an H100's or H200's SMs (adds_by_arrival), so the index order serves there from 8,449 keys.
 WS_BWD_INDEX_ORDER_KEYS = {64: 8192, 128: 16384, 192: 16384, 256: 16384}
 
 
