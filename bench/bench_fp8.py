@@ -95,7 +95,8 @@ def speed_row(case, args, flush):
         row[f"{name}_host_us"] = _timing.host_us(call, calls=20, repeats=5, spin_ms=20)
     row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
     row["user_speedup"] = row["bf16_user_ms"] / row["fp8_user_ms"]
-    print(f"{case.name:24} gpu: bf16 {row['bf16_tflops']:7.1f} fp8 {row['fp8_tflops']:7.1f} TFLOP/s x{row['speedup']:.2f}"
+    print(f"{case.name:24} gpu: bf16 {row['bf16_tflops']:7.1f} fp8 {row['fp8_tflops']:7.1f} TFLOP/s "
+          f"x{row['speedup']:.2f}"
           f" | user: x{row['user_speedup']:.2f} | host us bf16 {row['bf16_host_us']:.0f} fp8 {row['fp8_host_us']:.0f}"
           f" | err bf16 {row['bf16_err']:.1e} fp8 {row['fp8_err']:.1e}", flush=True)
     return row

@@ -158,7 +158,8 @@ struct WsTraits {
   static_assert(!ALIBI || (MODS == Mods::dense_scalars && !BOUNDED), "ALiBi folded: the scalars, row max");
   static_assert(!HALF_FIRST || ALIBI, "the half-width first block: ALiBi's form");
   static_assert(WGS == 2 || (WGS == 3 && !BLOCK_MASK && !HALF_FIRST), "two or three computing warpgroups");
-  static_assert(!BLOCK_MASK || (MODS == Mods::dense_scalars && BLOCK_M == BLOCK_MASK_TILE && BLOCK_N == BLOCK_MASK_TILE),
+  static_assert(!BLOCK_MASK ||
+                    (MODS == Mods::dense_scalars && BLOCK_M == BLOCK_MASK_TILE && BLOCK_N == BLOCK_MASK_TILE),
                 "the block mask: the scalars, a tile and a key block per block-mask tile");
 };
 
@@ -345,7 +346,8 @@ __device__ __forceinline__ void finish_tile(const WsCta<K>& cta, const Rows& row
       const float f = inv_sum[r] * v_unit;
 #pragma unroll
       for (int j = 0; j < K::O_TILES; ++j)
-        if (8 * j + col < p.d_v) Elem<typename K::OutT>::store2(out + 8 * j + col, acc_o[j][2 * r] * f, acc_o[j][2 * r + 1] * f);
+        if (8 * j + col < p.d_v)
+          Elem<typename K::OutT>::store2(out + 8 * j + col, acc_o[j][2 * r] * f, acc_o[j][2 * r + 1] * f);
     }
     mbar_arrive(cta.q_empty(buffer));  // q's buffer is free once the products are done
   } else {
@@ -381,7 +383,8 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
   cta.tile_at(w, b, m0);
   const SeqInfo<false> seq(p, b);
   using OutT = typename K::OutT;
-  const RowBlock<OutT, 8, K::BLOCK_M, K::BLOCK_N, K::IS_CAUSAL, K::MODS> tile(p, b, seq, m0, nullptr);  // the copies' blocks
+  // The copies' blocks (the whole tile's), and this warpgroup's rows.
+  const RowBlock<OutT, 8, K::BLOCK_M, K::BLOCK_N, K::IS_CAUSAL, K::MODS> tile(p, b, seq, m0, nullptr);
   const RowBlock<OutT, 4, K::WG_ROWS, K::BLOCK_N, K::IS_CAUSAL, K::MODS> rows(p, b, seq, m0 + K::WG_ROWS * wg, nullptr);
   T* sQ_wg = cta.sQ + (K::WGS * buffer + wg) * QTile::SIZE;
   const int words = buffer * TILE_BITMAP_WORDS;  // this tile's ws_on_words (BLOCK_MASK)
@@ -428,7 +431,8 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
     if constexpr (K::FP8) pack_e4m3_fragments(acc_s, frags);
     else pack_fragments<T>(acc_s, frags);
   };
-  auto issue_pv = [&](u32 (&frags)[P_STEPS][4], const T* v_tile) {  // O += P V (e4m3: its first chunk), one commit group
+  // O += P V (e4m3: its first chunk, into its own accumulator), one commit group.
+  auto issue_pv = [&](u32 (&frags)[P_STEPS][4], const T* v_tile) {
     if constexpr (K::FP8) wg_issue_pbt<T, P_STEPS, K::PV_TILES, typename K::VTile>(acc_pv[0], frags, v_tile, 0);
     else wg_issue_pb<T, P_STEPS, O_TILES, KVTile, K::PACK_AFTER_WAIT>(acc_o, frags, v_tile, 0);
   };

@@ -7,8 +7,8 @@
 // scores in units of t (the logit is softcap * t: the softcap goes into the exponent's scale, as the scale
 // does for raw scores), so t is all a score costs. 16-bit inputs take the hardware's tanh.approx.f32 (one
 // special-function instruction, as FlashAttention-2 and -3 do): its relative error, documented as at most
-// 2^-11 (measured 2^-16.5 on an H100), puts at most softcap times that on a logit, below the 16-bit
-// rounding of the logits, so out and the gradients keep their 16-bit accuracy and lse carries that
+// 2^-11 (docs/design/modifiers.md has what it measured), puts at most softcap times that on a logit, below
+// the 16-bit rounding of the logits, so out and the gradients keep their 16-bit accuracy and lse carries that
 // absolute error (README, score modifiers). The forward, the backward and attention_probs take the same
 // t, so P is the same function in all three. float32 takes the accurate libdevice tanhf (float32 accuracy
 // is the point of that dtype), float64 libdevice's tanh. (An exact 16-bit tanh takes five instructions, two of

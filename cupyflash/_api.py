@@ -46,8 +46,8 @@ def attention(q: Array | FP8Tensor, k: Array | FP8Tensor, v: Array | FP8Tensor, 
         Values, same dtype as ``q``. ``1 <= D, Dv <= 256``.
 
         Or q, k, v all :class:`FP8Tensor` (:func:`quantize_fp8`): the FP8 forward, for inference
-        (``python -m cupyflash --docs fp8``). It takes ``causal`` and ``scale`` only (the other options raise ``ValueError``),
-        needs a Hopper GPU for CuPy data, and has no backward.
+        (``python -m cupyflash --docs fp8``). It takes ``causal`` and ``scale`` only (the other options
+        raise ``ValueError``), needs a Hopper GPU for CuPy data, and has no backward.
     causal : bool, optional
         Mask out keys "in the future". The mask is aligned to the bottom-right corner of the
         Nq x Nk score matrix, as in FlashAttention-2: query ``i`` sees key ``j`` iff
@@ -150,8 +150,8 @@ def attention_forward(q: Array | FP8Tensor, k: Array | FP8Tensor, v: Array | FP8
     ----------
     q, k, v, causal, scale
         As in :func:`attention`: q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv), one dtype among
-        float16, bfloat16, float32, float64, or all three :class:`FP8Tensor` (the FP8 forward, ``python -m cupyflash --docs fp8``);
-        ``causal`` is bottom-right aligned; ``scale`` defaults to ``1 / sqrt(D)``.
+        float16, bfloat16, float32, float64, or all three :class:`FP8Tensor` (the FP8 forward,
+        ``python -m cupyflash --docs fp8``); ``causal`` is bottom-right aligned; ``scale`` defaults to ``1 / sqrt(D)``.
     window, softcap, alibi_slopes, bias, mask, block_mask
         The score modifiers, as in :func:`attention`.
     dropout_p, dropout_seed
