@@ -187,9 +187,9 @@ def attention_forward(q: Array | FP8Tensor, k: Array | FP8Tensor, v: Array | FP8
     ('bfloat16', True)
     """
     if isinstance(q, FP8Tensor) or isinstance(k, FP8Tensor) or isinstance(v, FP8Tensor):
-        unsupported = dict(window=window is not None, softcap=softcap != 0, alibi_slopes=alibi_slopes is not None,
-                           bias=bias is not None, mask=mask is not None, block_mask=block_mask is not None,
-                           dropout_p=dropout_p != 0)
+        # Whether each option FP8 does not take was given, in the order of _fp8_api.UNSUPPORTED.
+        unsupported = (window is not None, softcap != 0, alibi_slopes is not None, bias is not None,
+                       mask is not None, block_mask is not None, dropout_p != 0)
         return _fp8_api.attention_forward(q, k, v, causal=causal, scale=scale, out_dtype=out_dtype,
                                           unsupported=unsupported)
     if out_dtype is not None:
@@ -361,11 +361,11 @@ def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
     v : array, shape (total_k, Hk, Dv)
         Keys and values likewise; ``Hk`` divides ``H`` and query head ``h`` uses key/value head
         ``h // (H // Hk)`` (grouped-query attention).
-    cu_seqlens_q, cu_seqlens_k : int32 arrays, shape (batch + 1,)
+    cu_seqlens_q, cu_seqlens_k : int32 or int64 arrays, or sequences of ints, shape (batch + 1,)
         Offsets of the sequences: sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]``
         and key rows ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]``. They start at 0, never decrease, and end at
-        total_q (total_k). Empty sequences are fine. Of q's array type (NumPy or CuPy); they are read back
-        to the host to be checked (batch + 1 integers).
+        total_q (total_k). Empty sequences are fine. Arrays are of q's array type (NumPy or CuPy); they are
+        read back to the host to be checked (batch + 1 integers).
     max_seqlen_q, max_seqlen_k : int, optional
         Bounds on the sequence lengths (FlashAttention's arguments); computed from the offsets when None.
     causal, scale, window, softcap, dropout_p, dropout_seed

@@ -9,6 +9,7 @@ Forward only: there is no FP8 backward (as in FlashAttention-3).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import ml_dtypes
@@ -34,21 +35,22 @@ def check_all_fp8(arrays: dict) -> None:
                         f"{', '.join(arrays)} as FP8Tensors (quantize_fp8) or none")
 
 
+UNSUPPORTED = ("window", "softcap", "alibi_slopes", "bias", "mask", "block_mask", "dropout_p")
+
+
 def attention_forward(q, k, v, *, causal, scale, out_dtype, unsupported):
     """out (..., Nq, Dv) ``out_dtype`` (default bfloat16) and lse (..., Nq) float32 of FP8Tensors q, k, v.
 
-    ``unsupported`` maps the names of the options FP8 does not take to whether each was given. A GPU call whose
-    layout was checked before goes straight to its plan (cupyflash._cuda.dense_fast, fp8_key).
+    ``unsupported``: whether each option of UNSUPPORTED (those FP8 does not take) was given, in its order. A
+    GPU call whose layout was checked before goes straight to its plan (cupyflash._cuda.dense_fast, fp8_key).
     """
-    fast = None if any(unsupported.values()) else dense_fast.fp8_key(q, k, v, causal, scale, out_dtype)
+    fast = None if any(unsupported) else dense_fast.fp8_key(q, k, v, causal, scale, out_dtype)
     if fast is not None:
-        from cupyflash._cuda import fp8 as _gpu_fp8  # loaded only when an FP8 forward runs on a GPU
-
-        outputs = _gpu_fp8.forward_fast(fast, q, k, v)
+        outputs = _gpu().forward_fast(fast, q, k, v)
         if outputs is not None:
             return outputs
     check_all_fp8(dict(q=q, k=k, v=v))
-    for name, given in unsupported.items():
+    for name, given in zip(UNSUPPORTED, unsupported):
         if given:
             raise ValueError(f"{name} is not supported with FP8 inputs")
     xp = check_array_types(dict(q=q.data, k=k.data, v=v.data))
@@ -64,11 +66,17 @@ def attention_forward(q, k, v, *, causal, scale, out_dtype, unsupported):
         q, k, v = (x.broadcast_to(batch) for x in (q, k, v))
         return _fp8_cpu.attention_forward_fp8(q, k, v, scale=scale, causal=causal, out_dtype=out_dtype)
     check_compute_capability(cupy.cuda.Device().compute_capability)
-    from cupyflash._cuda import fp8 as _gpu_fp8  # loaded only when an FP8 forward runs on a GPU
-
     # The holders themselves, not broadcast copies: the GPU path keeps what it derives from each with it.
-    return _gpu_fp8.attention_forward_fp8(q, k, v, batch, scale=scale, causal=causal, out_dtype=out_dtype,
+    return _gpu().attention_forward_fp8(q, k, v, batch, scale=scale, causal=causal, out_dtype=out_dtype,
                                           fast_key=fast)
+
+
+@functools.cache
+def _gpu():
+    """cupyflash._cuda.fp8, loaded when an FP8 forward first runs on a GPU (and then found in one call)."""
+    from cupyflash._cuda import fp8
+
+    return fp8
 
 
 def resolve_out_dtype(out_dtype) -> np.dtype:

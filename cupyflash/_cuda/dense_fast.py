@@ -25,6 +25,7 @@ import numpy
 from cupyflash._arrays import cupy
 from cupyflash._cuda.launch import Plan
 from cupyflash._dropout import SEED_LIMIT, Dropout
+from cupyflash._fp8 import FP8Tensor
 
 MAX_LAYOUTS = 256
 _ALIGN = 256  # bytes between the outputs within their allocation (CuPy's own allocations' alignment)
@@ -54,22 +55,32 @@ def key(direction: str, arrays: tuple, causal, scale, window, softcap, dropout_p
 
 
 def fp8_key(q, k, v, causal, scale, out_dtype) -> tuple | None:
-    """The layout key of an FP8 forward (module docstring; q, k, v FP8Tensors): each holder's data and scale
-    layout and block, and the options by value and type; None where the call cannot take the fast path
-    (NumPy holders, or anything that is not an FP8Tensor)."""
+    """The layout key of an FP8 forward (module docstring; q, k, v FP8Tensors): each holder's layout
+    (holder_layout, kept with the holder: its arrays never change), and the options by value and type; None
+    where the call cannot take the fast path (NumPy holders, or anything that is not an FP8Tensor)."""
     if cupy is None:
         return None
-    ndarray = cupy.ndarray
-    parts = ["fp8", None, causal, scale, out_dtype, type(causal), type(scale), type(out_dtype)]
-    for x in (q, k, v):
-        data, scale_array = getattr(x, "data", None), getattr(x, "scale", None)
-        if type(data) is not ndarray or type(scale_array) is not ndarray or type(x).__name__ != "FP8Tensor":
-            return None  # (NumPy calls make no CUDA call here)
-        memory = data.data
-        parts += (data.shape, data.strides, memory.ptr & 15, memory.device_id, scale_array.shape,
-                  scale_array.strides, scale_array.dtype, x.block)
-    parts[1] = cupy.cuda.runtime.getDevice()
-    return tuple(parts)
+    try:
+        layouts = (q._kept["layout"], k._kept["layout"], v._kept["layout"])
+    except (KeyError, AttributeError):  # a holder's first call, or not a holder (its own check then says so)
+        if not all(type(x) is FP8Tensor for x in (q, k, v)):
+            return None
+        layouts = tuple(x.kept("layout", lambda x=x: holder_layout(x)) for x in (q, k, v))
+    if None in layouts:  # (the layouts are tuples: none of them equals None)
+        return None
+    return ("fp8", cupy.cuda.runtime.getDevice(), causal, scale, out_dtype, type(causal), type(scale),
+            type(out_dtype)) + layouts
+
+
+def holder_layout(x) -> tuple | None:
+    """What the FP8 plan depends on of holder x: its data's shape, strides, address modulo 16 and device, its
+    scale's shape, strides and dtype, and its block; None where data or scale is not a CuPy array."""
+    data, scale = x.data, x.scale
+    if type(data) is not cupy.ndarray or type(scale) is not cupy.ndarray:
+        return None  # (NumPy calls make no CUDA call here)
+    memory = data.data
+    return (data.shape, data.strides, memory.ptr & 15, memory.device_id, scale.shape, scale.strides, scale.dtype,
+            x.block)
 
 
 def lookup(found):
@@ -119,7 +130,9 @@ class _Call:
         for i, offset in zip(spare, spare_offsets):
             self.places[i] = (1, offset)
 
-    def run(self, inputs, dropout_seed):
+    def run(self, pointers: list, dropout_seed):
+        """The outputs of a launch on inputs at these addresses (in the plan's order of names), or None where
+        the dropout seed must go through the checks."""
         if dropout_seed is None and self.dropout_p == 0.0:  # the common call
             keys = None
         else:
@@ -132,8 +145,7 @@ class _Call:
         places = self.places
         outputs = [ndarray(shape, dtype, memory[place[0]] + place[1])
                    for (shape, dtype), place in zip(self.returned, places)]
-        pointers = [x.data.ptr for x in inputs]
-        pointers += [memory[which].ptr + offset for which, offset in places]
+        pointers = pointers + [memory[which].ptr + offset for which, offset in places]
         self.plan.launch_with(self.slots, pointers, keys, pointers[:3] if self.maps else None)
         return outputs
 
@@ -155,13 +167,13 @@ def forward(found, q, k, v, dropout_seed):
     """(out, lse) of a forward whose layout key is ``found``, or None when the key is unknown or the seed
     must go through the checks."""
     call = lookup(found)
-    return None if call is None else call.run([q, k, v], dropout_seed)
+    return None if call is None else call.run([q.data.ptr, k.data.ptr, v.data.ptr], dropout_seed)
 
 
 def backward(found, dout, q, k, v, out, lse, dropout_seed):
     """[dq, dk, dv] of a backward whose layout key is ``found``, or None as ``forward``."""
     call = lookup(found)
-    return None if call is None else call.run([q, k, v, out, dout, lse], dropout_seed)
+    return None if call is None else call.run([x.data.ptr for x in (q, k, v, out, dout, lse)], dropout_seed)
 
 
 FORWARD_NAMES = ("q", "k", "v", "out", "lse")

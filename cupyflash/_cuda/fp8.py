@@ -2,7 +2,8 @@
 warp-specialized forward's e4m3 form (cuda_src/attention_fwd_ws.cu, ``K::FP8``).
 
 What the kernel reads (kernel_inputs), derived from each holder once per batch shape and kept with it
-(``FP8Tensor.kept``: a holder's arrays never change), so that a later call on the same holders only launches:
+(``FP8Tensor.kept``: a holder's arrays never change), with their addresses (kernel_addresses), so that a later
+call on the same holders only launches:
 - q and k as (*batch, N, D) contiguous bytes, D padded with zeros to a multiple of 16 bytes (TMA's row
   stride): the holder's own data where it already is so;
 - V^T, (*batch, Dv, Nk') with Nk' = Nk rounded up to 32 and zeros past Nk (cuda_src/fp8_values.cu, one
@@ -112,22 +113,35 @@ def descale_rows(x) -> int:
 
 def kernel_inputs(q, k, v, batch_shape) -> list:
     """[q, k, V^T, q's, k's and v's descale tables] as the kernel reads them (module docstring) for holders whose
-    data broadcast to ``batch_shape``, each kept with its holder (FP8Tensor.kept; looked up inline here: this
-    runs on every call)."""
+    data broadcast to ``batch_shape``, each kept with its holder (FP8Tensor.kept)."""
     width = -(-q.data.shape[-1] // 16) * 16
-    rows_key, values_key, tables_key = ("rows", batch_shape, width), ("values", batch_shape), ("descales", batch_shape)
-    found = [q._kept.get(rows_key), k._kept.get(rows_key), v._kept.get(values_key), q._kept.get(tables_key),
-             k._kept.get(tables_key), v._kept.get(tables_key)]
-    if any(x is None for x in found):  # (arrays compare elementwise: no `in`)
-        def rows(x):
-            return _rows(cupy.broadcast_to(x.data, batch_shape + x.data.shape[-2:]), width)
+    rows_key, tables_key = ("rows", batch_shape, width), ("descales", batch_shape)
 
-        def values():
-            return transposed_values(cupy.broadcast_to(v.data, batch_shape + v.data.shape[-2:]))
+    def rows(x):
+        return _rows(cupy.broadcast_to(x.data, batch_shape + x.data.shape[-2:]), width)
 
-        found = [q.kept(rows_key, lambda: rows(q)), k.kept(rows_key, lambda: rows(k)), v.kept(values_key, values),
-                 *(x.kept(tables_key, lambda x=x: _descales(x, batch_shape)) for x in (q, k, v))]
-    return found
+    def values():
+        return transposed_values(cupy.broadcast_to(v.data, batch_shape + v.data.shape[-2:]))
+
+    return [q.kept(rows_key, lambda: rows(q)), k.kept(rows_key, lambda: rows(k)),
+            v.kept(("values", batch_shape), values),
+            *(x.kept(tables_key, lambda x=x: _descales(x, batch_shape)) for x in (q, k, v))]
+
+
+def kernel_addresses(q, k, v, batch_shape) -> list:
+    """The device addresses of kernel_inputs(q, k, v, batch_shape), in its order. Each holder keeps those of
+    its own arrays, by the part it plays (q or k: its rows; v: its V^T), so that a call on holders seen
+    before makes three lookups here (this runs on every call)."""
+    rows_key, values_key = ("row addresses", batch_shape), ("value addresses", batch_shape)
+    try:
+        (q_rows, q_table), (k_rows, k_table), (vt, v_table) = q._kept[rows_key], k._kept[rows_key], v._kept[values_key]
+    except KeyError:
+        inputs = kernel_inputs(q, k, v, batch_shape)
+        q_rows, k_rows, vt, q_table, k_table, v_table = (x.data.ptr for x in inputs)
+        for x, key, pair in ((q, rows_key, (q_rows, q_table)), (k, rows_key, (k_rows, k_table)),
+                             (v, values_key, (vt, v_table))):
+            x.kept(key, lambda pair=pair: pair)
+    return [q_rows, k_rows, vt, q_table, k_table, v_table]
 
 
 def division_magic(divisor: int) -> tuple[int, int]:
@@ -159,7 +173,7 @@ def forward_fast(found, q, k, v):
     call = dense_fast.lookup(found)
     if call is None:
         return None
-    out, lse = call.run(kernel_inputs(q, k, v, call.context), None)
+    out, lse = call.run(kernel_addresses(q, k, v, call.context), None)
     return unpad(out, v.data.shape[-1]), lse
 
 

@@ -261,4 +261,7 @@ def test_fp8_holders_on_numpy_have_no_key():
     """The FP8 forward's key: None for NumPy holders (the CPU path has no plan) and for anything but holders."""
     x8 = cupyflash.quantize_fp8(np.ones((2, 16, 64), np.float32))
     assert dense_fast.fp8_key(x8, x8, x8, False, None, None) is None
+    assert x8._kept == {"layout": None}  # found once, kept with the holder
+    assert dense_fast.fp8_key(x8, x8, x8, False, None, None) is None
     assert dense_fast.fp8_key(x8.data, x8, x8, False, None, None) is None
+    assert dense_fast.fp8_key(x8, x8, x8.data, False, None, None) is None
