@@ -161,16 +161,22 @@ __device__ __forceinline__ void scale_rows(A (&acc)[N_TILES][4], const A (&f)[2]
   }
 }
 
-// The output accumulator's rescaling by OnlineSoftmax::update's factors, skipped (warp-uniformly) when
-// no row of the warp moved its reference: the common case once a row's max has settled.
+// Whether OnlineSoftmax::update's factors rescale any row of the warp (a warp-uniform answer). Once a row's
+// max has settled they are all 1: the common case, whose multiplies are then skipped.
+template <typename A>
+__device__ __forceinline__ bool any_rescaled(const A (&f)[2]) {
+  return __any_sync(0xffffffffu, f[0] != A(1) || f[1] != A(1));
+}
+
+// The output accumulator's rescaling by OnlineSoftmax::update's factors (skipped as any_rescaled says).
 template <int N_TILES, typename A>
 __device__ __forceinline__ void rescale_rows(A (&acc)[N_TILES][4], const A (&f)[2]) {
-  if (__any_sync(0xffffffffu, f[0] != A(1) || f[1] != A(1))) scale_rows(acc, f);
+  if (any_rescaled(f)) scale_rows(acc, f);
 }
 
 // O = (O + B) * f over O's n-tiles [first, first + N_TILES), rows g by f[0] and g + 8 by f[1]: a key block's
-// products B, summed apart from O, join it before the softmax's factor for O applies (the multiply skipped,
-// warp-uniformly, as in rescale_rows).
+// products B, summed apart from O, join it before the softmax's factor for O applies (the multiply skipped as
+// any_rescaled says).
 template <int N_TILES, int O_TILES, typename A>
 __device__ __forceinline__ void add_rescaled(A (&acc)[O_TILES][4], int first, const A (&block)[N_TILES][4],
                                              const A (&f)[2]) {
@@ -178,7 +184,7 @@ __device__ __forceinline__ void add_rescaled(A (&acc)[O_TILES][4], int first, co
   for (int j = 0; j < N_TILES; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[first + j][e] += block[j][e];
-  if (__any_sync(0xffffffffu, f[0] != A(1) || f[1] != A(1))) {
+  if (any_rescaled(f)) {
 #pragma unroll
     for (int j = 0; j < N_TILES; ++j)
 #pragma unroll

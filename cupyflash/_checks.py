@@ -37,6 +37,50 @@ def check_array(name, x):
                         f"{name}.astype({name}.dtype.newbyteorder('='))")
 
 
+INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+def is_sequence(x) -> bool:
+    """Whether an index argument was given as a Python sequence (a list or a tuple) rather than an array."""
+    return isinstance(x, (list, tuple))
+
+
+def index_array(name, x, xp, expected="an int32 or int64 array or a sequence of ints"):
+    """An integer index argument (cache_seqlens, block_table, cu_seqlens_q, cu_seqlens_k), by one rule: an int32
+    or int64 array of the inputs' array module ``xp`` (check_array_types checks the module with the others), or a
+    rectangular sequence (lists or tuples, nested for 2-D) of ints, which becomes an int64 array of ``xp``.
+    Returns (the array, its values on the host or None): a NumPy array's and a sequence's values are there
+    without a device-to-host copy, so the callers check them at no cost."""
+    if is_sequence(x):
+        try:
+            host = np.array(x)
+        except ValueError:
+            raise ValueError(f"{name} is a ragged sequence; expected a rectangular sequence of ints or an int32 or "
+                             "int64 array") from None
+        if host.size == 0 and host.dtype.kind == "f":
+            host = host.astype(np.int64)  # (an empty list is float64 to NumPy)
+        if host.dtype.kind not in "iu" or (host.dtype == np.uint64 and host.size and host.max() > 2**63 - 1):
+            raise TypeError(f"{name} must hold integers; got a sequence that NumPy reads as {host.dtype}")
+        host = host.astype(np.int64)
+        return (host if xp is np else cupy.asarray(host)), host
+    if not (isinstance(x, np.ndarray) or is_cupy(x)):
+        raise TypeError(f"{name} must be {expected}, got {type(x).__module__}.{type(x).__qualname__}")
+    if check_array_types({name: x}) is not xp:
+        raise TypeError(f"cannot mix NumPy and CuPy arrays: {name} is {'cupy' if is_cupy(x) else 'numpy'} but the "
+                        f"inputs are {xp.__name__}; pass {name} as the inputs' array type, or as a sequence of ints")
+    if x.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be {expected}, got dtype {x.dtype}")
+    return x, (x if isinstance(x, np.ndarray) else None)
+
+
+def int32_indices(xp, x):
+    """x (int32 or int64) as the contiguous int32 array the kernels read. int64 values past int32's range are
+    clipped, not wrapped, so that an invalid index stays invalid (the kernels and checks then say so)."""
+    if x.dtype != np.int32:
+        x = xp.clip(x, -2**31, 2**31 - 1)
+    return xp.ascontiguousarray(x, dtype=np.int32)
+
+
 def check_array_types(arrays):
     """All arrays must be NumPy, or all CuPy on the current device (check_array each). Returns numpy or cupy."""
     for name, x in arrays.items():

@@ -37,12 +37,14 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k: Array | 
     k, v : arrays (B, Hk, Nnew, D / Dv), optional
         New keys and values, written in place into the caches at positions ``cache_seqlens[b] ...
         cache_seqlens[b] + Nnew - 1`` (through the block table when paged) before attention runs.
-    cache_seqlens : int or integer array (B,)
+    cache_seqlens : int, or int32 or int64 array (B,), or a sequence of ints
         Valid cached positions per sequence before this call (not modified). Attention runs over
         ``L_b = cache_seqlens[b] + Nnew`` keys.
-    block_table : int32 array (B, max_pages), optional
+    block_table : int32 or int64 array (B, max_pages), or nested sequences of ints, optional
         Page ``block_table[b, p]`` of the caches holds positions ``p * page_size ... + page_size - 1`` of
-        sequence ``b``; any page size >= 1.
+        sequence ``b``; any page size >= 1. Sequences may share pages that lie below all their
+        ``cache_seqlens`` (a common prefix); a page that ``k`` and ``v`` are appended into must be used by
+        no other sequence or position (checked where the table's values are: ``python -m cupyflash --docs inference``).
     rotary_cos, rotary_sin : arrays (max_pos, rotary_dim / 2), optional
         Rotary position embedding of ``q`` and of the new ``k`` (before it is written), on the first
         ``rotary_dim`` dims: ``rotary_interleaved=False`` rotates dim ``i`` with ``i + rotary_dim / 2``

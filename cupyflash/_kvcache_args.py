@@ -7,14 +7,18 @@ Layouts (``B`` sequences, ``Hq`` query heads over ``Hk`` key/value heads, ``G = 
     k_cache       (B, Hk, Ncache, D)  contiguous, or (num_pages, Hk, page_size, D) with a block table
     v_cache       like k_cache with Dv
     k, v          (B, Hk, Nnew, D / Dv), appended at positions cache_seqlens[b] ... + Nnew
-    cache_seqlens (B,) integers (or one int for every sequence)
-    block_table   (B, max_pages) int32: page block_table[b, p] holds positions p*page_size ... + page_size
+    cache_seqlens (B,) int32 or int64 (or a sequence of ints, or one int for every sequence)
+    block_table   (B, max_pages) int32 or int64 (or nested sequences of ints): page block_table[b, p] holds
+                  positions p*page_size ... + page_size
 
-Values that live on the GPU (``cache_seqlens``, ``block_table``) are checked on the host only where that
-costs no synchronisation (NumPy arrays, Python ints) or when ``CUPYFLASH_CHECK_VALUES=1`` asks for it;
-otherwise the kernels check them: a sequence whose values are out of range gets NaN out and lse rows, no
-memory outside the arrays is touched, and none of its new keys is written when its cache_seqlens is out of
-range (with a block-table entry outside the cache, only the positions of that page are skipped).
+The index arguments follow _checks.index_array's rule; int32 arrays are read in place, others are copied to
+int32 per call. Values that live on the GPU (``cache_seqlens``, ``block_table``) are checked on the host only
+where that costs no synchronisation (NumPy arrays, sequences, Python ints) or when ``CUPYFLASH_CHECK_VALUES=1``
+asks for it; otherwise the kernels check them: a sequence whose values are out of range gets NaN out and lse
+rows, no memory outside the arrays is touched, and none of its new keys is written when its cache_seqlens is
+out of range (with a block-table entry outside the cache, only the positions of that page are skipped). Where
+the block table's values are checked, a page that new keys are appended into must also be used by no other
+sequence or position: two appends into one page would write the same positions, which no kernel can tell.
 q, k and v are read with a unit last stride: where theirs is not, they are copied (they are small).
 """
 
@@ -28,7 +32,7 @@ import numpy as np
 
 from cupyflash._arrays import cupy, lse_dtype
 from cupyflash._checks import (MAX_HEAD_DIM, MAX_SPLITS, SUPPORTED_DTYPES, check_array_types, check_bool,
-                               check_dtypes, resolve_scale)
+                               check_dtypes, index_array, int32_indices, resolve_scale)
 from cupyflash._modifiers import check_softcap, check_window
 
 
@@ -154,10 +158,15 @@ def resolve(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=N
         raise ValueError("k and v must be given together (new keys and values to append) or both be None")
     if k is not None:
         arrays.update(k=k, v=v)
-    others = dict(block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
-    if not isinstance(cache_seqlens, numbers.Integral) or isinstance(cache_seqlens, (bool, np.bool_)):
-        others["cache_seqlens"] = cache_seqlens
+    others = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
     xp = check_array_types({**arrays, **{name: x for name, x in others.items() if x is not None}})
+    seqlens_host = None
+    if not _is_int(cache_seqlens):
+        cache_seqlens, seqlens_host = index_array("cache_seqlens", cache_seqlens, xp,
+                                                  "an int, a sequence of ints or an int32 or int64 array")
+    table_host = None
+    if block_table is not None:
+        block_table, table_host = index_array("block_table", block_table, xp)
     check_dtypes(arrays)
     for name, x in arrays.items():
         if x.ndim != 4:
@@ -181,10 +190,8 @@ def resolve(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=N
     if paged:
         if block_table.ndim != 2 or block_table.shape[0] != batch:
             raise ValueError(f"block_table must be (B, max_pages) = ({batch}, max_pages), got shape {block_table.shape}")
-        if block_table.dtype != np.int32:
-            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
-        if block_table.size and block_table.strides[1] != block_table.itemsize:
-            block_table = xp.ascontiguousarray(block_table)  # the kernels read each row's pages contiguously
+        if block_table.dtype != np.int32 or (block_table.size and block_table.strides[1] != block_table.itemsize):
+            block_table = int32_indices(xp, block_table)  # the kernels read each row's pages contiguously, int32
         if k_cache.shape[2] < 1:
             raise ValueError(f"a paged k_cache (num_pages, Hk, page_size, D) needs page_size >= 1, got {k_cache.shape}")
         capacity = block_table.shape[1] * k_cache.shape[2]
@@ -210,9 +217,10 @@ def resolve(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=N
     q = _unit_last_stride(xp, q)
     if k is not None:
         k, v = _unit_last_stride(xp, k), _unit_last_stride(xp, v)
-    seqlens, seqlen_all, lengths = _resolve_seqlens(xp, cache_seqlens, batch, capacity - nnew, paged)
-    if paged and lengths is not None and (isinstance(block_table, np.ndarray) or check_values_requested()):
-        _check_block_table(block_table, k_cache.shape[0], lengths, nnew, k_cache.shape[2])
+    seqlens, seqlen_all, lengths = _resolve_seqlens(xp, cache_seqlens, seqlens_host, batch, capacity - nnew, paged)
+    if paged and lengths is not None and (table_host is not None or check_values_requested()):
+        _check_block_table(block_table if table_host is None else table_host, k_cache.shape[0], lengths, nnew,
+                           k_cache.shape[2])
     causal = check_bool("causal", causal)
     window = check_window(window)
     span = rotary_span(nnew, nq, queries_advance(causal, window))
@@ -256,33 +264,31 @@ def _check_writable(name, cache):
                              "to it in place, so every position needs its own memory")
 
 
-def _resolve_seqlens(xp, cache_seqlens, batch, limit, paged):
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _resolve_seqlens(xp, cache_seqlens, host, batch, limit, paged):
     """(cache_seqlens as int32 (B,) of module xp or None, the one int for every sequence or None, the lengths
-    on the host where they are known without a synchronisation or checking is asked for, else None); the
-    values checked where they are on the host."""
+    on the host where they are known without a synchronisation (``host``: index_array's) or checking is asked
+    for, else None); the values checked where they are on the host."""
     where = "max_pages * page_size" if paged else "Ncache"
-    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, (bool, np.bool_)):
+    if _is_int(cache_seqlens):
         n = int(cache_seqlens)
         _check_seqlen_values(np.array([n]), limit, where)
         lengths = np.full((batch,), n, dtype=np.int32)
         return (lengths, None, lengths) if xp is np else (None, n, lengths)
     if cache_seqlens.ndim != 1 or cache_seqlens.shape[0] != batch:
-        raise ValueError(f"cache_seqlens must be an int or an array of shape (B,) = ({batch},), got shape "
+        raise ValueError(f"cache_seqlens must be an int or of shape (B,) = ({batch},), got shape "
                          f"{cache_seqlens.shape}")
-    if cache_seqlens.dtype.kind not in "iu":
-        raise TypeError(f"cache_seqlens must hold integers (int32), got {cache_seqlens.dtype}")
-    lengths = None
-    if isinstance(cache_seqlens, np.ndarray):
-        lengths = cache_seqlens
-    elif check_values_requested():
+    lengths = host
+    if lengths is None and check_values_requested():
         lengths = cupy.asnumpy(cache_seqlens)
     if lengths is not None:
         _check_seqlen_values(lengths, limit, where)
-    # The kernels read it as a contiguous int32 vector: a cast or a strided view is copied. Values past int32
-    # are clipped first (not wrapped), so that they stay out of range and the kernels give NaN rows.
-    if cache_seqlens.dtype != np.int32:
-        cache_seqlens = xp.clip(cache_seqlens, -2**31, 2**31 - 1)
-    return xp.ascontiguousarray(cache_seqlens, dtype=np.int32), None, lengths
+    # The kernels read it as a contiguous int32 vector: a cast or a strided view is copied (int32_indices: values
+    # past int32 stay out of range, so that the kernels give NaN rows).
+    return int32_indices(xp, cache_seqlens), None, lengths
 
 
 def _check_seqlen_values(values, limit, where):
@@ -294,14 +300,32 @@ def _check_seqlen_values(values, limit, where):
 
 
 def _check_block_table(block_table, num_pages, lengths, nnew, page_size):
-    """Every page a sequence uses (positions below cache_seqlens + Nnew) must exist."""
+    """Every page a sequence uses (positions below cache_seqlens + Nnew) must exist, and a page that k and v are
+    appended into must be used nowhere else: sharing a page to read it (a common prefix) is fine, but two
+    sequences appending into one page, or one appending over keys that another reads, write the same positions."""
     table = block_table if isinstance(block_table, np.ndarray) else cupy.asnumpy(block_table)
-    used = (np.arange(table.shape[1])[None, :] * page_size) < (lengths[:, None].astype(np.int64) + nnew)
+    first = np.arange(table.shape[1], dtype=np.int64)[None, :] * page_size  # each page's first position
+    end = lengths[:, None].astype(np.int64) + nnew
+    used = first < end
     bad = np.argwhere(used & ((table < 0) | (table >= num_pages)))
     if bad.size:
         b, p = (int(x) for x in bad[0])
         raise ValueError(f"block_table[{b}, {p}] = {int(table[b, p])} is not a page of k_cache (0 .. num_pages - 1 "
                          f"= {num_pages - 1})")
+    if not nnew:
+        return
+    written = used & (first + page_size > end - nnew)  # pages holding positions cache_seqlens .. + Nnew - 1
+    uses = np.bincount(table[used].astype(np.int64), minlength=num_pages)
+    shared = np.argwhere(written & (uses[np.where(used, table, 0)] > 1))
+    if shared.size:
+        b, p = (int(x) for x in shared[0])
+        page = int(table[b, p])
+        others = [(int(c), int(r)) for c, r in np.argwhere(used & (table == page)) if (c, r) != (b, p)]
+        raise ValueError(f"block_table[{b}, {p}] = {page}: k and v would be appended into page {page}, which "
+                         f"block_table[{others[0][0]}, {others[0][1]}] uses too; a page that new keys are written "
+                         "into must be used by no other sequence or position (a page may be shared to be read, "
+                         "such as a common prefix, where it lies wholly below the cache_seqlens of every sequence "
+                         "that uses it)")
 
 
 def _resolve_rotary(xp, cos, sin, d, dtype, lengths, span):

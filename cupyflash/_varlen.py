@@ -1,14 +1,15 @@
 """Variable-length packed batches: their layout, their validation, and views of one sequence.
 
 FlashAttention's conventions: the sequences of a batch are packed along the rows, ``q (total_q, H, D)``,
-``k (total_k, Hk, D)``, ``v (total_k, Hk, Dv)``, and ``cu_seqlens_q`` (int32, batch + 1 entries, from 0 up to
-total_q) says that sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` (likewise the keys
-with ``cu_seqlens_k``). Query head ``h`` attends with key/value head ``h // (H // Hk)`` (grouped heads: Hk
-divides H). Each sequence is attended alone, exactly as the dense functions would attend it: causal is
-bottom-right aligned per sequence, and a sequence with no key gives zeros (lse -inf). ``lse`` comes back as
-``(H, total_q)`` float32 (float64 for float64 inputs). The flat batch index of (sequence s, query head h),
-which dropout's mask and ALiBi's slopes (broadcastable to ``(batch, H)``) follow, is ``s * H + h``. Nothing
-is ever padded: the kernels read each sequence's rows in place.
+``k (total_k, Hk, D)``, ``v (total_k, Hk, Dv)``, and ``cu_seqlens_q`` (int32 or int64, an array or a
+sequence, batch + 1 entries, from 0 up to total_q) says that sequence ``s`` owns query rows
+``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` (likewise the keys with ``cu_seqlens_k``). Query head ``h`` attends
+with key/value head ``h // (H // Hk)`` (grouped heads: Hk divides H). Each sequence is attended alone, exactly
+as the dense functions would attend it: causal is bottom-right aligned per sequence, and a sequence with no
+key gives zeros (lse -inf). ``lse`` comes back as ``(H, total_q)`` float32 (float64 for float64 inputs). The
+flat batch index of (sequence s, query head h), which dropout's mask and ALiBi's slopes (broadcastable to
+``(batch, H)``) follow, is ``s * H + h``. Nothing is ever padded: the kernels read each sequence's rows in
+place.
 
 Validation reads ``cu_seqlens_q`` and ``cu_seqlens_k`` back to the host (batch + 1 integers each): that
 is how bad offsets become clear errors rather than wrong results.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cupyflash._checks import check_array_types, check_head_dims
+from cupyflash._checks import check_array_types, check_head_dims, index_array
 from cupyflash._checks import check_dtypes as _check_dtypes
 
 
@@ -66,7 +67,7 @@ def check(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     """Validate a packed problem: ``arrays`` holds q, k, v (and dout, out, lse for the backward).
     ``check_dtypes=False`` (the float64 reference) accepts any dtype."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
-    xp = check_array_types({**arrays, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
+    xp = check_array_types(arrays)
     dtype = _check_dtypes(arrays) if check_dtypes else q.dtype
     for name, x, what in (("q", q, "(total_q, H, D)"), ("k", k, "(total_k, Hk, D)"), ("v", v, "(total_k, Hk, Dv)")):
         if x.ndim != 3:
@@ -80,8 +81,8 @@ def check(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         raise ValueError(f"the key/value heads Hk = {kv_heads} (k.shape[1]) must divide the query heads "
                          f"H = {heads} (q.shape[1])")
     check_head_dims(q, v)
-    cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q", "total_q")
-    cu_k = _offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k", "total_k")
+    cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, xp, q.shape[0], "q", "total_q")
+    cu_k = _offsets("cu_seqlens_k", cu_seqlens_k, xp, k.shape[0], "k", "total_k")
     if len(cu_q) != len(cu_k):
         raise ValueError(f"cu_seqlens_q has {len(cu_q)} entries but cu_seqlens_k has {len(cu_k)}; both must be "
                          "batch + 1")
@@ -98,14 +99,13 @@ def check(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     return packed
 
 
-def _offsets(name, cu, rows, tensor, total):
-    """cu_seqlens: int32, 1-D, at least one entry, 0 first, non-decreasing, ``rows`` last; returned as
-    int64 on the host."""
-    if cu.dtype != np.int32:
-        raise TypeError(f"{name} must be an int32 array, got dtype {cu.dtype}")
+def _offsets(name, cu, xp, rows, tensor, total):
+    """cu_seqlens (index_array's rule: int32 or int64, an array or a sequence): 1-D, at least one entry, 0
+    first, non-decreasing, ``rows`` last; returned as int64 on the host."""
+    cu, host = index_array(name, cu, xp)
     if cu.ndim != 1 or cu.shape[0] < 1:
         raise ValueError(f"{name} must be 1-D with batch + 1 entries, got shape {cu.shape}")
-    host = (cu if isinstance(cu, np.ndarray) else cu.get()).astype(np.int64)
+    host = (cu.get() if host is None else host).astype(np.int64)
     if host[0] != 0:
         raise ValueError(f"{name} must start at 0, got {host[0]}")
     if np.any(np.diff(host) < 0):

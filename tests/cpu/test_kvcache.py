@@ -61,6 +61,35 @@ def test_one_int_for_every_sequence(rng):
     check(p)
 
 
+@pytest.mark.parametrize("form", ["int64", "list", "tuple", "strided int32"])
+@pytest.mark.parametrize("page_size", [None, 4])
+def test_index_arguments_by_one_rule(rng, page_size, form):
+    """cache_seqlens and block_table as int64 arrays, lists, tuples or strided int32 views: the results of
+    contiguous int32 arrays, bit for bit, with the same appends."""
+    p = make_problem(rng, np.float16, [3, 9, 17], nq=2, nnew=2, page_size=page_size, causal=True)
+    convert = {"int64": lambda x: x.astype(np.int64), "list": lambda x: x.tolist(),
+               "tuple": lambda x: tuple(map(tuple, x)) if x.ndim == 2 else tuple(x.tolist()),
+               "strided int32": lambda x: np.repeat(x, 2, axis=-1)[..., ::2]}[form]
+    options = {name: convert(p.options[name]) if name in ("cache_seqlens", "block_table") else value
+               for name, value in p.options.items() if value is not None}
+    given = Problem(p.q, p.k_cache.copy(), p.v_cache.copy(), p.k, p.v, options)
+    for x, y in zip((*run(given), given.k_cache, given.v_cache), (*check(p), p.k_cache, p.v_cache)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_pages_shared_to_be_read_are_fine(rng):
+    """A common prefix: two sequences list the same pages below both their cache_seqlens and append each into
+    its own pages; the results are those of private copies of the prefix."""
+    p = make_problem(rng, np.float32, [9, 13], nq=1, nnew=2, page_size=4)
+    table = p.options["block_table"].copy()
+    shared = Problem(p.q, p.k_cache.copy(), p.v_cache.copy(), p.k, p.v, dict(p.options, block_table=table))
+    for cache in (p.k_cache, p.v_cache, shared.k_cache, shared.v_cache):
+        cache[table[1, :2]] = cache[table[0, :2]]  # sequence 1's first 8 positions are sequence 0's
+    table[1, :2] = table[0, :2]  # ... and are read from sequence 0's pages
+    for x, y in zip(run(shared), check(p)):
+        np.testing.assert_array_equal(x, y)
+
+
 @pytest.mark.parametrize("page_size", [None, 4])
 def test_flash_attention_layout_is_written_in_place(rng, page_size):
     """(B, S, Hk, D) caches (paged: (num_pages, page_size, Hk, D)) passed as .transpose(0, 2, 1, 3) views
@@ -178,11 +207,35 @@ ERRORS = {
     "seqlen negative": (lambda rng: dict(cache_seqlens=np.array([-1, 5], np.int32)), ValueError,
                         r"cache_seqlens\[0\] = -1 is out of range"),
     "seqlen float": (lambda rng: dict(cache_seqlens=np.array([2.0, 5.0])), TypeError,
-                     r"cache_seqlens must hold integers"),
+                     r"cache_seqlens must be an int, a sequence of ints or an int32 or int64 array, got dtype "
+                     r"float64"),
+    "seqlen uint32": (lambda rng: dict(cache_seqlens=np.array([2, 5], np.uint32)), TypeError,
+                      r"cache_seqlens must be .* got dtype uint32"),
+    "seqlen floats in a list": (lambda rng: dict(cache_seqlens=[2.0, 5.0]), TypeError,
+                                r"cache_seqlens must hold integers; got a sequence that NumPy reads as float64"),
+    "seqlen None": (lambda rng: dict(cache_seqlens=None), TypeError,
+                    r"cache_seqlens must be an int, a sequence of ints or an int32 or int64 array, got "
+                    r"builtins.NoneType"),
+    "seqlen list too long": (lambda rng: dict(cache_seqlens=[2, 5, 1]), ValueError,
+                             r"cache_seqlens must be an int or of shape \(B,\) = \(2,\), got shape \(3,\)"),
     "page out of range": (lambda rng: dict(block_table=np.array([[0, 1, 2] * 4, [3, 99, 4] * 4], np.int32)),
                           ValueError, r"block_table\[1, 1\] = 99 is not a page of k_cache"),
-    "block_table int64": (lambda rng: dict(block_table=np.zeros((2, 12), np.int64)), TypeError,
-                          r"block_table must be int32"),
+    "block_table uint8": (lambda rng: dict(block_table=np.zeros((2, 12), np.uint8)), TypeError,
+                          r"block_table must be an int32 or int64 array or a sequence of ints, got dtype uint8"),
+    "block_table ragged": (lambda rng: dict(block_table=[[0, 1, 2], [3, 4]]), ValueError,
+                           r"block_table is a ragged sequence"),
+    "block_table page past int32": (lambda rng: dict(block_table=np.full((2, 12), 2**40, np.int64)), ValueError,
+                                    r"block_table\[0, 0\] = 1099511627776 is not a page of k_cache"),
+    # Sequence 0 appends at position 2, into page 0, which sequence 1 reads (its positions 0 .. 3).
+    "append into a shared page": (lambda rng: dict(block_table=np.array([[0] + list(range(1, 12)),
+                                                                         [0] + list(range(12, 23))], np.int32)),
+                                  ValueError, r"block_table\[0, 0\] = 0: k and v would be appended into page 0, "
+                                              r"which block_table\[1, 0\] uses too"),
+    # Sequence 1 (5 keys) appends at position 5, into its page 1, which it also lists as its page 0.
+    "append into its own page twice": (lambda rng: dict(block_table=np.array([list(range(12)),
+                                                                              [13, 13] + list(range(14, 24))],
+                                                                             np.int32)),
+                                       ValueError, r"block_table\[1, 1\] = 13: .* which block_table\[1, 0\] uses"),
     "read-only cache": (lambda rng: dict(k_cache=_read_only(np.zeros((26, HK, 4, D), np.float16))), ValueError,
                         r"k_cache is read-only"),
     "broadcast cache": (lambda rng: dict(v_cache=_writable_broadcast(np.zeros((1, HK, 4, DV), np.float16), 26)),

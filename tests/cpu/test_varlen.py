@@ -118,7 +118,11 @@ def _bad(rng, **changes):
 
 
 @pytest.mark.parametrize("changes, error, text", [
-    (dict(cu_seqlens_q=np.array([0, 3, 7], np.int64)), TypeError, "cu_seqlens_q must be an int32 array"),
+    (dict(cu_seqlens_q=np.array([0, 3, 7], np.uint32)), TypeError,
+     "cu_seqlens_q must be an int32 or int64 array or a sequence of ints, got dtype uint32"),
+    (dict(cu_seqlens_k=[0.0, 3.0, 7.0]), TypeError, "cu_seqlens_k must hold integers"),
+    (dict(cu_seqlens_k=None), TypeError, "cu_seqlens_k must be an int32 or int64 array or a sequence of ints, "
+                                         "got builtins.NoneType"),
     (dict(cu_seqlens_k=np.array([0, 5, 3, 7], np.int32)), ValueError, "cu_seqlens_k must be non-decreasing"),
     (dict(cu_seqlens_q=np.array([0, 3, 6], np.int32)), ValueError, r"last entry of cu_seqlens_q is 6 but q has 7"),
     (dict(cu_seqlens_k=np.array([0, 7], np.int32)), ValueError, "cu_seqlens_q has 3 entries but cu_seqlens_k has 2"),
@@ -131,6 +135,21 @@ def test_bad_offsets(rng, changes, error, text):
     args = _bad(rng, **changes)
     with pytest.raises(error, match=text):
         cupyflash.attention_varlen(**args)
+
+
+@pytest.mark.parametrize("form", ["int64", "list", "tuple"])
+def test_offsets_by_one_rule(rng, form):
+    """cu_seqlens as int64 arrays, lists or tuples: the results of int32 arrays, bit for bit."""
+    args = _bad(rng)
+    convert = {"int64": lambda x: x.astype(np.int64), "list": lambda x: x.tolist(),
+               "tuple": lambda x: tuple(x.tolist())}[form]
+    given = {**args, "cu_seqlens_q": convert(args["cu_seqlens_q"]), "cu_seqlens_k": convert(args["cu_seqlens_k"])}
+    np.testing.assert_array_equal(cupyflash.attention_varlen(**given), cupyflash.attention_varlen(**args))
+    expected = cupyflash.reference.attention_varlen(*(args[name].astype(np.float64) for name in "qkv"),
+                                                    args["cu_seqlens_q"], args["cu_seqlens_k"])
+    got = cupyflash.reference.attention_varlen(*(args[name].astype(np.float64) for name in "qkv"),
+                                               given["cu_seqlens_q"], given["cu_seqlens_k"])
+    np.testing.assert_array_equal(got, expected)
 
 
 def test_bad_shapes(rng):

@@ -286,13 +286,17 @@ def test_views_of_fused_projections(rng):
 
 
 STRIDED = {"cache_seqlens-every-other-int": ("cache_seqlens", lambda x: cupy.repeat(x, 2)[::2]),
-           "block_table-column-major": ("block_table", cupy.asfortranarray)}
+           "block_table-column-major": ("block_table", cupy.asfortranarray),
+           "cache_seqlens-int64": ("cache_seqlens", lambda x: x.astype(cupy.int64)),
+           "block_table-int64": ("block_table", lambda x: x.astype(cupy.int64)),
+           "cache_seqlens-list": ("cache_seqlens", lambda x: x.get().tolist()),
+           "block_table-nested-lists": ("block_table", lambda x: x.get().tolist())}
 
 
 @pytest.mark.parametrize("case", STRIDED)
-def test_strided_cache_seqlens_and_block_table(rng, case):
-    """cache_seqlens as a strided view and a column-major block table (as NumPy's path takes them) give the
-    reference's results."""
+def test_index_arguments_by_one_rule(rng, case):
+    """cache_seqlens and block_table as strided views, column-major, int64, or Python lists (as NumPy's path
+    takes them) give the reference's results."""
     name, layout = STRIDED[case]
     p = _device_problem(rng, np.float16, [5, 40, 63, 200], nq=2, nnew=1, page_size=16, capacity=256, d=64, dv=64,
                         causal=True)
@@ -415,6 +419,32 @@ def test_out_of_range_gpu_values(rng, monkeypatch, case):
     monkeypatch.setenv("CUPYFLASH_CHECK_VALUES", "1")
     before = on_host(p)
     with pytest.raises(ValueError, match=message):
+        _run(p)
+    for name in ("k_cache", "v_cache"):
+        assert np.array_equal(bits(on_host(getattr(p, name))), bits(getattr(before, name))), f"{name} was written"
+
+
+def test_appends_into_a_shared_page_are_refused_where_checked(rng, monkeypatch):
+    """Two sequences listing one page that one of them appends into: under CUPYFLASH_CHECK_VALUES=1 (a device
+    block table's values are checked on the host) the call raises, naming both entries, and writes nothing; a
+    prefix page shared below both sequences' cache_seqlens is fine, and gives private copies' results."""
+    host = make_problem(rng, np.float16, [20, 37], nq=1, nnew=2, page_size=16, capacity=64, d=64, dv=64)
+    table = host.options["block_table"]
+    for cache in (host.k_cache, host.v_cache):
+        cache[table[1, 0]] = cache[table[0, 0]]  # sequence 1's first 16 positions are sequence 0's
+    private = to_device(host)
+    out, lse = run(private)
+    table[1, 0] = table[0, 0]  # ... and now read from sequence 0's page
+    shared = to_device(host)
+    got_out, got_lse = run(shared)
+    assert same_bits(got_out, out) and same_bits(got_lse, lse)
+
+    monkeypatch.setenv("CUPYFLASH_CHECK_VALUES", "1")
+    table[1, 1] = table[0, 1]  # sequence 0 appends at 20 and 21, into its page 1, which sequence 1 reads
+    p = to_device(host)
+    before = on_host(p)
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = \d+: k and v would be appended into page \d+, "
+                                         r"which block_table\[1, 1\] uses too"):
         _run(p)
     for name in ("k_cache", "v_cache"):
         assert np.array_equal(bits(on_host(getattr(p, name))), bits(getattr(before, name))), f"{name} was written"

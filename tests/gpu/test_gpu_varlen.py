@@ -100,6 +100,16 @@ def test_matches_reference(rng, dtype, head_dim, causal):
     _check(*problem, _run(*problem, causal=causal), causal=causal)
 
 
+@pytest.mark.parametrize("form", ["int64", "list"])
+def test_offsets_by_one_rule(rng, form):
+    """cu_seqlens as int64 CuPy arrays or Python lists: the results of int32 arrays, bit for bit."""
+    q, k, v, dout, cu_q, cu_k = _problem(rng, np.float16, 4, 2, 64, 64)
+    given = [x.astype(cupy.int64) if form == "int64" else x.get().tolist() for x in (cu_q, cu_k)]
+    for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), _run(q, k, v, dout, *given, causal=True),
+                          _run(q, k, v, dout, cu_q, cu_k, causal=True)):
+        assert same_bits(x, y), f"{name} differs with {form} offsets"
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
 def test_mma_sync_path(rng, monkeypatch, dtype, causal):
