@@ -218,6 +218,7 @@ def written(h: Problem) -> np.ndarray:
     (h: a host problem)."""
     mask = np.zeros(h.k_cache.shape[:3], dtype=bool)
     table, page_size = h.options.get("block_table"), h.k_cache.shape[2]
+    table = None if table is None else np.asarray(table)  # (a block table may be given as nested lists)
     for b, start in enumerate(h.seqlens()):
         for pos in range(start, start + h.nnew):
             if table is None:
@@ -267,6 +268,7 @@ def sequence(h: Problem, cache, b, length):
     table = h.options.get("block_table")
     if table is None:
         return cache[b, :, :length]
+    table = np.asarray(table)  # (nested lists too)
     positions = np.arange(length)
     page_size = cache.shape[2]
     return cache[table[b, positions // page_size], :, positions % page_size].transpose(1, 0, 2)
