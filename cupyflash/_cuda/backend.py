@@ -146,15 +146,20 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     others = {"dq": dq, "dk": dk, "dv": dv, "lse": lse, "lse_log2": lse_log2, "delta": delta}
     params = dense_params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, d_v=d_v_w, scale=scale,
                           others=others, mods=mods, causal=causal, dropout=dropout)
-    if variant.fused_backward:
-        if fused_backward.describable(arrays, sizes, strides):
-            fused_backward.run(functions(variant), variant, params, arrays, sizes, strides, batch=batch, nq=nq, nk=nk)
-            return unpad(dq, d), unpad(dk, d), unpad(dv, d_v), None
+    if variant.fused_backward and not fused_backward.describable(arrays, sizes, strides):
         variant = select(dataclasses.replace(features, tma=False), current_device())
     kernels = functions(variant)
-    if key is not None and not copied:  # (the launches of a chained pass are not planned: key is None)
-        plan = Plan(kernels, variant, params, [("preprocess", nq, batch), ("dkdv", nk, batch), ("dq", nq, batch)])
-        remember(key, plan)
+    if variant.fused_backward or (key is not None and not copied):
+        # (the launches of a chained pass are not planned: key is None; the fused backward is never chained)
+        if variant.fused_backward:
+            plan = fused_backward.FusedBackwardPlan(kernels, variant, params, arrays, sizes, strides, batch=batch,
+                                                    nq=nq, nk=nk)
+        else:
+            plan = Plan(kernels, variant, params, [("preprocess", nq, batch), ("dkdv", nk, batch), ("dq", nq, batch)])
+        if key is not None and not copied:
+            remember(key, plan)
+        else:
+            fast_key = None
         plan.launch(None, None)
         dense_fast.remember(fast_key, plan, dense_fast.BACKWARD_NAMES, outputs, dropout, scratch)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d_v), None

@@ -1,6 +1,8 @@
 """The warp-specialized fused backward's launches (cuda_src/attention_bwd_ws.cu): the preprocess, the fused
 kernel over q, k, v and dout's tensor maps with its float32 dq accumulator and the counters of its ordered adds,
-then dq's conversion. Called unplanned: it serves long sequences, whose GPU time dwarfs a call's host time.
+then dq's conversion. A launch plan (``FusedBackwardPlan``, a launch.Plan) like the two passes': a dense call's
+later calls with the same layout write the addresses, encode the maps where they moved, zero a new workspace
+and launch (at 2k rows the GPU's time is under a millisecond, so a checked call's host time would show).
 """
 
 from __future__ import annotations
@@ -10,8 +12,7 @@ import numpy
 from cupyflash._arrays import cupy
 from cupyflash._cuda import tiles, tma
 from cupyflash._cuda.compile import sm_count
-from cupyflash._cuda.launch import CPointer, launch, launch_shape
-from cupyflash._cuda.params import PARAMS_BYTES
+from cupyflash._cuda.launch import CPointer, Plan
 
 MAPPED = ("q", "k", "v", "dout")  # the inputs it reads through tensor maps, in BwdTensorMaps' order
 
@@ -37,32 +38,43 @@ def adds_by_arrival(nk: int, head_dim: int, causal: bool, sms: int, deterministi
     return causal or nk < tiles.WS_BWD_INDEX_ORDER_KEYS[head_dim]
 
 
-def run(functions, variant, params, arrays, sizes, strides, *, batch: int, nq: int, nk: int) -> None:
-    """Launch the fused backward of the dense problem whose parameters are ``params`` (dq, dk, dv and the
-    preprocess's workspaces among them), on the arrays (q, k, v, dout) ``arrays`` of collapsed layout
-    ``sizes``, ``strides``."""
-    t = variant.tiles("bwd")
-    m_blocks = -(-nq // t.block)
-    chains = tiles.ws_bwd_dq_chains(t, variant.deterministic)
-    chunk = m_blocks * chains * t.block * variant.head_dim  # dq_accum's floats per batch entry
-    # dq_accum (float32, a sum per chain of ordered adds, in the dQ products' fragment order), then one counter
-    # per (batch entry, query block, chain). In order, only the counters start at zero: the first key block of a
-    # chain at a query block stores its partial, the others add. Unordered, every key block adds (into chain 0)
-    # and dq_accum starts at zero too.
-    workspace = cupy.empty(batch * (chunk + m_blocks * chains), dtype=numpy.float32)
-    dq_accum = workspace[:batch * chunk]
-    counters = workspace[batch * chunk:].view(numpy.int32)
-    stream = cupy.cuda.get_current_stream()
-    zeroed = counters if variant.deterministic else workspace
-    cupy.cuda.runtime.memsetAsync(zeroed.data.ptr, 0, zeroed.nbytes, stream.ptr)
-    rows = {"q": t.block, "k": t.rows, "v": t.rows, "dout": t.block}
-    maps = tma.TensorMaps(arrays, sizes, strides, rows).encode({name: arrays[name].data.ptr for name in MAPPED})
-    by_arrival = adds_by_arrival(nk, variant.head_dim, variant.causal, sm_count(cupy.cuda.runtime.getDevice()),
-                                 variant.deterministic, keys=t.rows)
-    argument = params.view(PARAMS_BYTES)
-    launch(functions, variant, "preprocess", nq, batch, params)
-    grid, block, smem = launch_shape(variant, "bwd", nk, batch)
-    functions["bwd"](grid, block, (argument, CPointer(maps.ctypes.data), dq_accum, counters, numpy.int32(by_arrival)),
-                     shared_mem=smem)
-    grid, block, smem = launch_shape(variant, "dq_convert", nq, batch)
-    functions["dq_convert"](grid, block, (argument, dq_accum), shared_mem=smem)
+class FusedBackwardPlan(Plan):
+    """The fused backward of one dense layout (``params``: its parameters; ``arrays``, ``sizes``, ``strides``: q,
+    k, v, dout of collapsed layout, for the tensor maps). Each launch reads q, k, v and dout's addresses from
+    its parameter words (so launch.Plan's launch and launch_with serve as they are) and allocates its own
+    workspace: dq_accum (float32, a sum per chain of ordered adds, in the dQ products' fragment order), then one
+    counter per (batch entry, query block, chain). In order, only the counters start at zero: the first key
+    block of a chain at a query block stores its partial, the others add. Unordered, every key block adds (into
+    chain 0) and dq_accum starts at zero too."""
+
+    def __init__(self, functions, variant, params, arrays, sizes, strides, *, batch: int, nq: int, nk: int):
+        super().__init__(functions, variant, params, [("preprocess", nq, batch), ("bwd", nk, batch),
+                                                      ("dq_convert", nq, batch)])
+        t = variant.tiles("bwd")
+        m_blocks = -(-nq // t.block)
+        chains = tiles.ws_bwd_dq_chains(t, variant.deterministic)
+        accum = batch * m_blocks * chains * t.block * variant.head_dim  # dq_accum's floats
+        self._workspace = accum + batch * m_blocks * chains  # floats, the counters after dq_accum
+        self._counters_at = accum * 4  # bytes
+        zeroed_from = accum * 4 if variant.deterministic else 0
+        self._zeroed = (zeroed_from, self._workspace * 4 - zeroed_from)  # (first byte, bytes)
+        self._fused_maps = tma.TensorMaps(arrays, sizes, strides, {"q": t.block, "k": t.rows, "v": t.rows,
+                                                                   "dout": t.block})
+        self._address_words = self.slots(MAPPED)
+        self._by_arrival = numpy.int32(adds_by_arrival(nk, variant.head_dim, variant.causal,
+                                                       sm_count(cupy.cuda.runtime.getDevice()), variant.deterministic,
+                                                       keys=t.rows))
+
+    def _launch_locked(self, map_addresses) -> None:
+        words = self._slots
+        maps = self._fused_maps.encode({name: words[w] for name, w in zip(MAPPED, self._address_words)})
+        workspace = cupy.cuda.alloc(self._workspace * 4)  # freed to the stream-ordered pool after the launches
+        start, nbytes = self._zeroed
+        cupy.cuda.runtime.memsetAsync(workspace.ptr + start, 0, nbytes, cupy.cuda.get_current_stream().ptr)
+        dq_accum, counters = numpy.uint64(workspace.ptr), numpy.uint64(workspace.ptr + self._counters_at)
+        (pre, pre_grid, pre_block, pre_smem), (bwd, grid, block, smem), (convert, c_grid, c_block, c_smem) = \
+            self.launches
+        argument = self._argument
+        pre(pre_grid, pre_block, (argument,), pre_smem)
+        bwd(grid, block, (argument, CPointer(maps.ctypes.data), dq_accum, counters, self._by_arrival), smem)
+        convert(c_grid, c_block, (argument, dq_accum), c_smem)

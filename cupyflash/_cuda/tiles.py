@@ -255,9 +255,9 @@ assert all(tuple(dims) == (WS_HEAD_DIMS if kernel == "fwd" else WS_BWD_HEAD_DIMS
 # The shortest min(Nq, Nk) the fused backward serves, in either dq order: below it the two passes are faster
 # (dq_accum's per-row cost and the ordered adds weigh more on short loops; docs/design/tiles.md).
 WS_BWD_MIN_LENGTH = {64: 1024, 128: 1024, 192: 1024, 256: 1024}
-# ... and the least work, batch entries x Nq x Nk x HEAD_DIM (2^34: about 0.4 ms of GPU time): the fused backward
-# is launched unplanned (fused_backward.py: tensor maps encoded, parameters built per call), so a call with less
-# work than that could spend longer on the host than the planned two passes take on the GPU.
+# ... and the least work, batch entries x Nq x Nk x HEAD_DIM (2^34: about 0.4 ms of GPU time), set when the fused
+# backward was launched unplanned (its host time then 300-600 us a call); it now has a plan like the two passes',
+# and the threshold stays until the two are timed against each other below it (docs/design/backward.md).
 WS_BWD_MIN_WORK = 1 << 34
 # From how many keys an ordered call without a causal mask adds dq in key-block order rather than by arrival
 # (unordered adds always walk as by arrival): there every CTA walks the query blocks in one order, which is faster

@@ -63,13 +63,13 @@ def test_after_warmup_calls_compile_nothing(monkeypatch, capsys, cold):
     assert len(fused_variants) == (2 if compile_.current_device().wgmma else 0)
     assert first.count("(compiled)") + first.count("(disk cache)") == len(warmed) == 4 + len(fused_variants)
     monkeypatch.setattr(cupy, "RawModule", _no_compiling)
-    launched, real_run = [], fused_backward.run
+    launched, real_launch = [], fused_backward.FusedBackwardPlan._launch_locked
 
-    def run_fused(functions, variant, *args, **kwargs):
-        launched.append(variant)
-        real_run(functions, variant, *args, **kwargs)
+    def launch_fused(plan, *args, **kwargs):
+        launched.append(plan.variant)
+        real_launch(plan, *args, **kwargs)
 
-    monkeypatch.setattr(fused_backward, "run", run_fused)
+    monkeypatch.setattr(fused_backward.FusedBackwardPlan, "_launch_locked", launch_fused)
     rng = np.random.default_rng(0)
     # D = 36 and 40 both run on HEAD_DIM 64 (rows 40 wide); 8 heads of 8192 rows are enough work for the fused
     # backward (8 x 8192^2 x 40 >= WS_BWD_MIN_WORK)
