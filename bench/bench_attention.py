@@ -63,6 +63,7 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import cupyflash
 import cupy
+
 from cupyflash import _timing, reference
 
 try:  # torch is optional, and never a dependency of cupyflash itself
@@ -88,7 +89,9 @@ GRAD_TOLERANCE_FACTOR = 2
 VALIDATION_ROWS, VALIDATION_HEADS, VALIDATION_BWD_N = 256, 2, 512
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 TIMINGS = ("call", "gpu")
-HOST_COVER_MS = 20.0  # --timing gpu: the spin before each timed call (a full-bias backward took the host 5.7 ms to issue)
+HOST_COVER_MS = (
+    20.0  # --timing gpu: the spin before each timed call (a full-bias backward took the host 5.7 ms to issue)
+)
 MIB = 1024 * 1024
 MEMORY_SEQLENS = (4096, 8192, 16384, 32768, 65536, 131072)
 # fp16, not bf16, so that the hand-written CuPy attention runs in the inputs' dtype (no bf16 matmul in CuPy).
@@ -101,8 +104,11 @@ class Case:
     def __init__(self, dtype, d, n, causal):
         self.dtype, self.d, self.n, self.causal = dtype, d, n, causal
         self.b, self.h = TOTAL_TOKENS // n, HIDDEN // d
-        self.name = f"{dtype}-d{d}-{'causal' if causal else 'full'}-n{n // 1024}k" if n >= 1024 else \
-            f"{dtype}-d{d}-{'causal' if causal else 'full'}-n{n}"
+        self.name = (
+            f"{dtype}-d{d}-{'causal' if causal else 'full'}-n{n // 1024}k"
+            if n >= 1024
+            else f"{dtype}-d{d}-{'causal' if causal else 'full'}-n{n}"
+        )
         self.flops_fwd = 4 * self.b * self.h * n * n * d / (2 if causal else 1)
         self.flops_bwd = BWD_FLOPS_FACTOR * self.flops_fwd
 
@@ -117,7 +123,9 @@ def main(argv=None):
         print(f"{key:10} {value}")
     if args.speed:
         cases = select_cases(args)
-        print(f"\n{len(cases)} cases, backends {', '.join(args.backends)}, {args.repeats} repeats, timing {args.timing}")
+        print(
+            f"\n{len(cases)} cases, backends {', '.join(args.backends)}, {args.repeats} repeats, timing {args.timing}"
+        )
         results["timing"] = args.timing
         results["cases"] = [run_case(case, args) for case in cases]
         print_speed_tables(results["cases"], args.backends)
@@ -137,25 +145,47 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="bf16, D in 64 and 128, N in 2k and 8k")
     parser.add_argument("--cases", metavar="REGEX", help="only cases whose name matches (re.search)")
-    parser.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS), metavar="D",
-                        help="head dims of the grid (default %(default)s; heads H = 2048 // D)")
+    parser.add_argument(
+        "--head-dims",
+        type=int,
+        nargs="+",
+        default=list(HEAD_DIMS),
+        metavar="D",
+        help="head dims of the grid (default %(default)s; heads H = 2048 // D)",
+    )
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS + (UNORDERED,))
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (>= 20)")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--timing", choices=TIMINGS, default="call",
-                        help="call: the host's time to issue a call counts where it exceeds the L2 flush; "
-                             "gpu: the GPU's work alone (a spin covers the host; module docstring)")
-    parser.add_argument("--naive-max-n", type=int, default=4096,
-                        help="time the hand-written CuPy attention only up to this N (it is slow and "
-                             "materializes N x N; default %(default)s)")
-    parser.add_argument("--dropout", type=float, default=0.0, metavar="P",
-                        help="dropout probability for every backend (default 0: none)")
+    parser.add_argument(
+        "--timing",
+        choices=TIMINGS,
+        default="call",
+        help="call: the host's time to issue a call counts where it exceeds the L2 flush; "
+        "gpu: the GPU's work alone (a spin covers the host; module docstring)",
+    )
+    parser.add_argument(
+        "--naive-max-n",
+        type=int,
+        default=4096,
+        help="time the hand-written CuPy attention only up to this N (it is slow and "
+        "materializes N x N; default %(default)s)",
+    )
+    parser.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="dropout probability for every backend (default 0: none)",
+    )
     parser.add_argument("--no-speed", dest="speed", action="store_false", help="skip the speed tables")
     parser.add_argument("--cold-start", action="store_true", help="measure time to first result")
     parser.add_argument("--memory", action="store_true", help="measure extra peak memory, N 4k..128k")
     parser.add_argument("--json", metavar="PATH", help="also write every result as JSON")
-    parser.add_argument("--plot", action="store_true",
-                        help="after writing --json, draw PNGs of it next to it (bench/plot.py; needs matplotlib)")
+    parser.add_argument(
+        "--plot",
+        action="store_true",
+        help="after writing --json, draw PNGs of it next to it (bench/plot.py; needs matplotlib)",
+    )
     args = parser.parse_args(argv)
     if args.repeats < 20:
         parser.error("--repeats must be >= 20")
@@ -188,12 +218,11 @@ def environment():
     props = cupy.cuda.runtime.getDeviceProperties(device.id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     return {
-        "device": f"{name} (compute capability {props['major']}.{props['minor']}, "
-                  f"{props['multiProcessorCount']} SMs)",
+        "device": f"{name} (compute capability {props['major']}.{props['minor']}, {props['multiProcessorCount']} SMs)",
         "cupyflash": cupyflash.__version__,
         "cupy": cupy.__version__,
         "cuda": f"runtime {_cuda_version(cupy.cuda.runtime.runtimeGetVersion())}, "
-                f"driver {_cuda_version(cupy.cuda.runtime.driverGetVersion())}",
+        f"driver {_cuda_version(cupy.cuda.runtime.driverGetVersion())}",
         "torch": torch.__version__ if torch is not None else "not importable",
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -206,8 +235,13 @@ def _cuda_version(v):
 
 def select_cases(args):
     grid = QUICK if args.quick else dict(dtypes=tuple(DTYPES), head_dims=tuple(args.head_dims), seqlens=SEQLENS)
-    cases = [Case(dt, d, n, causal) for dt in grid["dtypes"] for d in grid["head_dims"]
-             for causal in (False, True) for n in grid["seqlens"]]
+    cases = [
+        Case(dt, d, n, causal)
+        for dt in grid["dtypes"]
+        for d in grid["head_dims"]
+        for causal in (False, True)
+        for n in grid["seqlens"]
+    ]
     if args.cases:
         cases = [c for c in cases if re.search(args.cases, c.name)]
     return cases
@@ -239,8 +273,9 @@ class OursUnordered(Ours):
     """Ours, the backward allowed to add dq in any order (deterministic=False)."""
 
     def backward(self):
-        return cupyflash.attention_backward(self.dout, self.q, self.k, self.v, *self.saved, **self.options,
-                                            deterministic=False)
+        return cupyflash.attention_backward(
+            self.dout, self.q, self.k, self.v, *self.saved, **self.options, deterministic=False
+        )
 
 
 class Naive:
@@ -295,8 +330,9 @@ class TorchSDPA:
     def _sdpa(self, q, k, v):
         with sdpa_kernel([self.backend]), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns about every backend it cannot use
-            return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.scale,
-                                                  dropout_p=self.dropout)
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=self.causal, scale=self.scale, dropout_p=self.dropout
+            )
 
     def forward(self):
         # Under no_grad torch skips dropout only in nn.Module's eval mode, not in the functional call.
@@ -342,8 +378,10 @@ def inputs_for(case):
         _INPUTS.clear()
         cupy.get_default_memory_pool().free_all_blocks()
         rng = np.random.default_rng(0)
-        _INPUTS[case.dtype] = [cupy.asarray(rng.standard_normal(TOTAL_TOKENS * HIDDEN, dtype=np.float32)
-                                            .astype(DTYPES[case.dtype])) for _ in range(4)]
+        _INPUTS[case.dtype] = [
+            cupy.asarray(rng.standard_normal(TOTAL_TOKENS * HIDDEN, dtype=np.float32).astype(DTYPES[case.dtype]))
+            for _ in range(4)
+        ]
     size = case.b * case.h * case.n * case.d  # below 16384 x 2048 where D does not divide 2048
     return [x[:size].reshape(case.b, case.h, case.n, case.d) for x in _INPUTS[case.dtype]]
 
@@ -364,8 +402,9 @@ def validate(name, case, arrays, scale, dropout=0.0):
     options = dict(causal=case.causal, scale=scale)
     if dropout and name in ("ours", UNORDERED):
         options.update(dropout_p=dropout, dropout_seed=DROPOUT_SEED)
-        backend = make_backend(name, *(cupy.asarray(x) for x in small), causal=case.causal, scale=scale,
-                               dropout=dropout)
+        backend = make_backend(
+            name, *(cupy.asarray(x) for x in small), causal=case.causal, scale=scale, dropout=dropout
+        )
         fwd_err = rel_err(to_float64(backend.forward()), reference.attention(*small[:3], **options))
     else:
         rows, heads = min(VALIDATION_ROWS, case.n), VALIDATION_HEADS
@@ -403,7 +442,9 @@ class L2Flush:
             self.spin_cycles = int(HOST_COVER_MS * cupy.cuda.Device().attributes["ClockRate"])
             self.spin = cupy.RawKernel(
                 'extern "C" __global__ void spin(long long cycles) {'
-                '  const long long t0 = clock64(); while (clock64() - t0 < cycles) {} }', "spin")
+                "  const long long t0 = clock64(); while (clock64() - t0 < cycles) {} }",
+                "spin",
+            )
 
     def __call__(self):
         self.buffer.fill(0)
@@ -415,13 +456,13 @@ def median_ms(fn, args, flush):
     """The bench's timing of ``fn`` after ``flush`` (an L2Flush). With --timing gpu a call that took the
     host longer to issue than the spin covers would count host time again: that raises."""
     max_host_ms = HOST_COVER_MS if flush.timing == "gpu" else None
-    return _timing.median_ms(fn, warmup=args.warmup, repeats=args.repeats, before_each=flush,
-                             max_host_ms=max_host_ms)
+    return _timing.median_ms(fn, warmup=args.warmup, repeats=args.repeats, before_each=flush, max_host_ms=max_host_ms)
 
 
 def is_oom(exc):
     return isinstance(exc, cupy.cuda.memory.OutOfMemoryError) or (
-        torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError))
+        torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError)
+    )
 
 
 def release_memory():
@@ -432,12 +473,23 @@ def release_memory():
 
 def run_case(case, args):
     arrays = inputs_for(case)
-    scale = case.d ** -0.5
+    scale = case.d**-0.5
     flush = L2Flush(args.timing)
     tol = TOLERANCES[case.dtype]
-    result = {"case": case.name, "dtype": case.dtype, "d": case.d, "n": case.n, "causal": case.causal,
-              "b": case.b, "h": case.h, "flops_fwd": case.flops_fwd, "flops_bwd": case.flops_bwd,
-              "dropout": args.dropout, "fwd": {}, "bwd": {}}
+    result = {
+        "case": case.name,
+        "dtype": case.dtype,
+        "d": case.d,
+        "n": case.n,
+        "causal": case.causal,
+        "b": case.b,
+        "h": case.h,
+        "flops_fwd": case.flops_fwd,
+        "flops_bwd": case.flops_bwd,
+        "dropout": args.dropout,
+        "fwd": {},
+        "bwd": {},
+    }
     for name in args.backends:
         if name == "naive" and (case.n > args.naive_max_n or args.dropout):
             result["fwd"][name] = result["bwd"][name] = {"status": "skip"}
@@ -532,15 +584,28 @@ print(json.dumps(dict(import_s=t_import, first_forward_s=t2 - t1, first_backward
 
 def cold_start():
     c = COLD_START_CASE
-    print(f"\ncold start: {c['dtype']}, H={c['heads']}, N={c['seqlen']}, D={c['head_dim']}, "
-          f"causal={c['causal']}, fresh process each time")
+    print(
+        f"\ncold start: {c['dtype']}, H={c['heads']}, N={c['seqlen']}, D={c['head_dim']}, "
+        f"causal={c['causal']}, fresh process each time"
+    )
     results = {"case": c}
     repo = str(Path(__file__).resolve().parents[1])
     with tempfile.TemporaryDirectory(prefix="cupyflash-cold-") as cache:
-        env = dict(os.environ, CUPY_CACHE_DIR=cache,
-                   PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-        argv = [sys.executable, "-c", COLD_START_SCRIPT, c["dtype"], str(c["heads"]), str(c["seqlen"]),
-                str(c["head_dim"]), "1" if c["causal"] else "0"]
+        env = dict(
+            os.environ,
+            CUPY_CACHE_DIR=cache,
+            PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+        )
+        argv = [
+            sys.executable,
+            "-c",
+            COLD_START_SCRIPT,
+            c["dtype"],
+            str(c["heads"]),
+            str(c["seqlen"]),
+            str(c["head_dim"]),
+            "1" if c["causal"] else "0",
+        ]
         for label in ("cold cache", "warm cache"):
             t0 = time.perf_counter()
             proc = subprocess.run(argv, env=env, capture_output=True, text=True)
@@ -557,8 +622,14 @@ def cold_start():
     for label in ("cold cache", "warm cache"):
         r = results.get(label, {})
         if "import_s" in r:
-            print(f"{label:12} | " + " | ".join(f"{r[k]:7.2f}s" for k in ("import_s", "first_forward_s",
-                  "first_backward_s", "second_forward_s", "process_wall_s")) + f" | {r['cache_files']}")
+            print(
+                f"{label:12} | "
+                + " | ".join(
+                    f"{r[k]:7.2f}s"
+                    for k in ("import_s", "first_forward_s", "first_backward_s", "second_forward_s", "process_wall_s")
+                )
+                + f" | {r['cache_files']}"
+            )
     return results
 
 
@@ -609,8 +680,10 @@ def extra_peak_mib(fn):
 
 def memory_table(args):
     c = MEMORY_CASE
-    print(f"\nextra peak memory beyond the inputs, MiB: {c['dtype']}, B=1, H={c['heads']}, D={c['head_dim']}, "
-          f"causal={c['causal']} (ours' minimum: out + lse forward, dq + dk + dv backward)")
+    print(
+        f"\nextra peak memory beyond the inputs, MiB: {c['dtype']}, B=1, H={c['heads']}, D={c['head_dim']}, "
+        f"causal={c['causal']} (ours' minimum: out + lse forward, dq + dk + dv backward)"
+    )
     names = [n for n in ("ours", "naive", "flash") if n in args.backends and (n != "flash" or torch is not None)]
     columns = ["min fwd", "min bwd"] + [f"{n} {p}" for n in names for p in ("fwd", "bwd")]
     header = f"{'N':>7} | " + " | ".join(f"{c:>11}" for c in columns)
@@ -646,8 +719,10 @@ def memory_table(args):
         rows.append(row)
         cells = [row["min_fwd_mib"], row["min_bwd_mib"]]
         cells += [row[f"{name}_{p}_mib"] for name in names for p in ("fwd", "bwd")]
-        print(f"{n:>7} | " + " | ".join(f"{x:11.1f}" if isinstance(x, float) else f"{x[:11]:>11}"
-                                        for x in cells), flush=True)
+        print(
+            f"{n:>7} | " + " | ".join(f"{x:11.1f}" if isinstance(x, float) else f"{x[:11]:>11}" for x in cells),
+            flush=True,
+        )
     return rows
 
 

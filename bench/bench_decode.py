@@ -30,12 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy  # noqa: E402
+import dram_floor  # noqa: E402
 
 import cupyflash  # noqa: E402
-import dram_floor  # noqa: E402
 from cupyflash import _timing  # noqa: E402
 
 ROTATE_BYTES = 256 << 20
+
+
 def gpu_time_us(fn, calls: int = 50, repeats: int = 7) -> float:
     """Median GPU time per call with the launches queued behind a spin kernel (host cost hidden)."""
     fn()
@@ -119,9 +121,11 @@ def ours(problem: Problem):
     def run(s):
         if s["paged"] is not None:
             k, v, table = s["paged"]
-            return cupyflash.attention_with_kvcache(s["q"], k, v, cache_seqlens=problem.seqlens, block_table=table,
-                                                    causal=causal)
+            return cupyflash.attention_with_kvcache(
+                s["q"], k, v, cache_seqlens=problem.seqlens, block_table=table, causal=causal
+            )
         return cupyflash.attention_with_kvcache(s["q"], s["k"], s["v"], cache_seqlens=problem.seqlens, causal=causal)
+
     return run
 
 
@@ -138,6 +142,7 @@ def peer(problem: Problem, backend: str):
         q, k, v = tensors[id(s)]
         with sdpa_kernel([kind]):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
     return run
 
 
@@ -159,11 +164,11 @@ def check(problem: Problem, rng, fns: dict) -> float:
     else:
         k = cupy.asnumpy(s["k"][b, hk].astype(np.float64))
         v = cupy.asnumpy(s["v"][b, hk].astype(np.float64))
-    q = cupy.asnumpy(s["q"][b, hk * group:(hk + 1) * group].astype(np.float64))
+    q = cupy.asnumpy(s["q"][b, hk * group : (hk + 1) * group].astype(np.float64))
     scores = q @ k.swapaxes(-1, -2) / math.sqrt(problem.d)
     p = np.exp(scores - scores.max(-1, keepdims=True))
     ref = (p @ v) / p.sum(-1, keepdims=True)
-    got = cupy.asnumpy(out[b, hk * group:(hk + 1) * group].astype(np.float64))
+    got = cupy.asnumpy(out[b, hk * group : (hk + 1) * group].astype(np.float64))
     error = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
     if not error < 1e-2:
         raise AssertionError(f"ours is off by {error:.2e} (relative)")
@@ -178,8 +183,17 @@ def check(problem: Problem, rng, fns: dict) -> float:
 
 def row(rng, dtype, batch, nq, nk, d, hq=32, hk=8, page_size=None, peers=("flash", "cudnn"), timing=("gpu", "loop")):
     problem = Problem(rng, dtype, batch, hq, hk, nq, nk, d, page_size)
-    result = dict(dtype=np.dtype(dtype).name, B=batch, Hq=hq, Hk=hk, Nq=nq, Nk=nk, D=d, page_size=page_size,
-                  kv_mb=problem.kv_bytes / 2**20)
+    result = dict(
+        dtype=np.dtype(dtype).name,
+        B=batch,
+        Hq=hq,
+        Hk=hk,
+        Nq=nq,
+        Nk=nk,
+        D=d,
+        page_size=page_size,
+        kv_mb=problem.kv_bytes / 2**20,
+    )
     runs = {"ours": ours(problem)}
     for name in peers:
         try:
@@ -219,9 +233,12 @@ def host_rows(rng):
     def theirs_plain():
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-    rows = dict(ours_host_us=host_time_us(mine), torch_flash_host_us=host_time_us(theirs),
-                torch_default_host_us=host_time_us(theirs_plain),
-                empty_cupy_launch_us=host_time_us(_timing.launch_empty))
+    rows = dict(
+        ours_host_us=host_time_us(mine),
+        torch_flash_host_us=host_time_us(theirs),
+        torch_default_host_us=host_time_us(theirs_plain),
+        empty_cupy_launch_us=host_time_us(_timing.launch_empty),
+    )
     # A decode step captured once in a CUDA graph, replayed: the host cost of a serving loop that does so.
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
@@ -241,6 +258,7 @@ def host_rows(rng):
 
 def _bf16():
     import ml_dtypes
+
     return ml_dtypes.bfloat16
 
 
@@ -265,16 +283,17 @@ def main():
     results["read_floor_tbps"] = (2 << 30) / floor_ms / 1e9
     print(f"DRAM read floor: {results['read_floor_tbps']:.2f} TB/s", flush=True)
     if "main" in parts:
-        for batch in ((8,) if args.quick else (1, 8, 64)):
-            for nk in ((8192, 131072) if args.quick else (2048, 8192, 32768, 131072)):
+        for batch in (8,) if args.quick else (1, 8, 64):
+            for nk in (8192, 131072) if args.quick else (2048, 8192, 32768, 131072):
                 if 2 * batch * 8 * nk * 128 * 2 > 40e9:
                     continue
                 results["rows"].append(dict(kind="main", **row(rng, bf16, batch, 1, nk, 128)))
                 print(_line(results["rows"][-1]), flush=True)
     if "paged" in parts:
         for page_size in (None, 16, 64, 256):
-            results["rows"].append(dict(kind="paged", **row(rng, bf16, 8, 1, 32768, 128, page_size=page_size,
-                                                            peers=())))
+            results["rows"].append(
+                dict(kind="paged", **row(rng, bf16, 8, 1, 32768, 128, page_size=page_size, peers=()))
+            )
             print(_line(results["rows"][-1]), flush=True)
     if "nq" in parts:
         for nq in (4, 16):
@@ -308,10 +327,11 @@ def plot(results: dict, path: str) -> None:
 
     rows = [r for r in results["rows"] if any(f"{p}_gpu_us" in r for p in ("flash", "cudnn"))]
     short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
-    labels = [f"{r['kind']} {short.get(r['dtype'], r['dtype'])} B{r['B']} Nq{r['Nq']} Nk{r['Nk'] // 1024}k D{r['D']}"
-              for r in rows]
-    ratios = [r["ours_gpu_us"] / min(r[f"{p}_gpu_us"] for p in ("flash", "cudnn") if f"{p}_gpu_us" in r)
-              for r in rows]
+    labels = [
+        f"{r['kind']} {short.get(r['dtype'], r['dtype'])} B{r['B']} Nq{r['Nq']} Nk{r['Nk'] // 1024}k D{r['D']}"
+        for r in rows
+    ]
+    ratios = [r["ours_gpu_us"] / min(r[f"{p}_gpu_us"] for p in ("flash", "cudnn") if f"{p}_gpu_us" in r) for r in rows]
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 0.32 * len(rows) + 1.5), sharey=True)
     y = np.arange(len(rows))
     left.barh(y, ratios, color=["tab:green" if x <= 1.0 else "tab:orange" for x in ratios])
@@ -320,8 +340,9 @@ def plot(results: dict, path: str) -> None:
     left.invert_yaxis()
     left.set_xlabel("GPU time, ours / faster of torch SDPA flash and cuDNN (lower is better)")
     right.barh(y, [r.get("ours_tbps", 0) for r in rows], color="tab:blue")
-    right.axvline(results.get("read_floor_tbps", 0), color="black", linestyle="--", linewidth=0.8,
-                  label="DRAM read floor")
+    right.axvline(
+        results.get("read_floor_tbps", 0), color="black", linestyle="--", linewidth=0.8, label="DRAM read floor"
+    )
     right.set_xlabel("ours, TB/s of the cache read")
     right.legend(loc="lower right", fontsize=7)
     figure.suptitle(f"attention_with_kvcache, {results['device']}", fontsize=9)
@@ -330,8 +351,10 @@ def plot(results: dict, path: str) -> None:
 
 
 def _line(r) -> str:
-    cells = [f"{r['kind']:5s} {r['dtype']:8s} B{r['B']:<3d} Nq{r['Nq']:<2d} Nk{r['Nk']:<6d} D{r['D']:<3d} "
-             f"ps{r['page_size'] or '-':<4} {r['kv_mb']:8.0f}MB"]
+    cells = [
+        f"{r['kind']:5s} {r['dtype']:8s} B{r['B']:<3d} Nq{r['Nq']:<2d} Nk{r['Nk']:<6d} D{r['D']:<3d} "
+        f"ps{r['page_size'] or '-':<4} {r['kv_mb']:8.0f}MB"
+    ]
     for t in ("gpu", "loop"):
         ours_t = r.get(f"ours_{t}_us")
         best = min([r[f"{p}_{t}_us"] for p in ("flash", "cudnn") if f"{p}_{t}_us" in r], default=None)

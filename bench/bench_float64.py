@@ -12,6 +12,7 @@ against the float64 reference (relative max-norm <= 1e-12 for ours, out and grad
 events, warm-up, L2 flushed before each call, median of --repeats (the 64k row, seconds per call, one
 warm-up and --long-repeats). Both run in this one process on the same GPU, so the ratio is a same-run ratio.
 """
+
 import argparse
 import json
 import sys
@@ -22,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention as ba  # noqa: E402  (also finds cupyflash in a checkout that is not installed)
-
 import cupy  # noqa: E402
+
 import cupyflash  # noqa: E402
 from cupyflash import reference  # noqa: E402
 
@@ -97,7 +98,10 @@ def validate(name, make, causal, rng):
     backend.prepare_backward()
     grads = backend.backward()
     host = [x.get() for x in (q, k, v, dout)]
-    refs = (reference.attention(*host[:3], causal=causal), *reference.attention_backward(host[3], *host[:3], causal=causal))
+    refs = (
+        reference.attention(*host[:3], causal=causal),
+        *reference.attention_backward(host[3], *host[:3], causal=causal),
+    )
     errors = [ba.rel_err(cupy.asnumpy(cupy.from_dlpack(x)), ref) for x, ref in zip((out, *grads), refs)]
     bound = OURS_RTOL if name == "ours" else 1e-10
     if max(errors) > bound:
@@ -163,7 +167,10 @@ def main(argv=None):
 
 def print_table(rows):
     print("\nfloat64, TFLOP/s (backward counted as 2.5x forward); ratio = ours / math (target >= 2.0)")
-    print(f"{'N':>6} {'mask':6} | {'phase':5} | {'ours':>7} | {'math':>7} | {'ratio':>6} | {'ours ms':>9} | {'math ms':>9}")
+    print(
+        f"{'N':>6} {'mask':6} | {'phase':5} | {'ours':>7} | {'math':>7} | {'ratio':>6} | "
+        f"{'ours ms':>9} | {'math ms':>9}"
+    )
     for row in rows:
         for phase, factor in (("fwd", 1.0), ("bwd", ba.BWD_FLOPS_FACTOR)):
             flops = factor * row["flops_fwd"]
@@ -174,8 +181,10 @@ def print_table(rows):
             ms_cells = ["OOM" if x is None else f"{x:.2f}" for x in (ours, math)]
             if f"math_{phase}_ms" not in row:
                 cells[1], ms_cells[1], ratio = "n/a", "n/a", "-"
-            print(f"{row['n']:6} {'causal' if row['causal'] else 'full':6} | {phase:5} | {cells[0]:>7} | {cells[1]:>7} | "
-                  f"{ratio:>6} | {ms_cells[0]:>9} | {ms_cells[1]:>9}")
+            print(
+                f"{row['n']:6} {'causal' if row['causal'] else 'full':6} | {phase:5} | {cells[0]:>7} | {cells[1]:>7} | "
+                f"{ratio:>6} | {ms_cells[0]:>9} | {ms_cells[1]:>9}"
+            )
 
 
 if __name__ == "__main__":

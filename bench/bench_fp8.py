@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy  # noqa: E402
+from bench_attention import Case, L2Flush, inputs_for, median_ms  # noqa: E402
 
 import cupyflash  # noqa: E402
-from bench_attention import Case, L2Flush, inputs_for, median_ms  # noqa: E402
 from cupyflash import _timing, reference  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -83,10 +83,19 @@ def speed_row(case, args, flush):
     fq, fk, fv = (cupyflash.quantize_fp8(x) for x in (q, k, v))
     deq = [cupy.asnumpy(x.dequantize()[:1]) for x in (fq, fk, fv)]
     host = [cupy.asnumpy(x[:1]).astype(np.float32) for x in (q, k, v)]
-    row = {"case": case.name, "d": case.d, "n": case.n, "causal": case.causal, "b": case.b, "h": case.h,
-           "flops": case.flops_fwd}
-    calls = {"bf16": (lambda: cupyflash.attention_forward(q, k, v, causal=case.causal)[0], host),
-             "fp8": (lambda: cupyflash.attention_forward(fq, fk, fv, causal=case.causal)[0], deq)}
+    row = {
+        "case": case.name,
+        "d": case.d,
+        "n": case.n,
+        "causal": case.causal,
+        "b": case.b,
+        "h": case.h,
+        "flops": case.flops_fwd,
+    }
+    calls = {
+        "bf16": (lambda: cupyflash.attention_forward(q, k, v, causal=case.causal)[0], host),
+        "fp8": (lambda: cupyflash.attention_forward(fq, fk, fv, causal=case.causal)[0], deq),
+    }
     for name, (call, inputs) in calls.items():
         row[f"{name}_err"] = check(call(), *inputs, case.causal)
         ms = median_ms(call, args, flush)
@@ -95,10 +104,13 @@ def speed_row(case, args, flush):
         row[f"{name}_host_us"] = _timing.host_us(call, calls=20, repeats=5, spin_ms=20)
     row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
     row["user_speedup"] = row["bf16_user_ms"] / row["fp8_user_ms"]
-    print(f"{case.name:24} gpu: bf16 {row['bf16_tflops']:7.1f} fp8 {row['fp8_tflops']:7.1f} TFLOP/s "
-          f"x{row['speedup']:.2f}"
-          f" | user: x{row['user_speedup']:.2f} | host us bf16 {row['bf16_host_us']:.0f} fp8 {row['fp8_host_us']:.0f}"
-          f" | err bf16 {row['bf16_err']:.1e} fp8 {row['fp8_err']:.1e}", flush=True)
+    print(
+        f"{case.name:24} gpu: bf16 {row['bf16_tflops']:7.1f} fp8 {row['fp8_tflops']:7.1f} TFLOP/s "
+        f"x{row['speedup']:.2f}"
+        f" | user: x{row['user_speedup']:.2f} | host us bf16 {row['bf16_host_us']:.0f} fp8 {row['fp8_host_us']:.0f}"
+        f" | err bf16 {row['bf16_err']:.1e} fp8 {row['fp8_err']:.1e}",
+        flush=True,
+    )
     return row
 
 
@@ -117,10 +129,14 @@ def accuracy(seed=0, b=1, h=16, n=8192, d=128):
 
     found = {}
     qr, kr = cupyflash.hadamard_rotate(q, seed=1), cupyflash.hadamard_rotate(k, seed=1)
-    found["fp8 blocks of 128 + hadamard_rotate"] = rmse(cupyflash.attention(
-        *(cupyflash.quantize_fp8(x, block=128) for x in (qr, kr, v))))
-    found["fp8 q, k blocks of 128 + hadamard_rotate, v per sequence and head"] = rmse(cupyflash.attention(
-        cupyflash.quantize_fp8(qr, block=128), cupyflash.quantize_fp8(kr, block=128), cupyflash.quantize_fp8(v)))
+    found["fp8 blocks of 128 + hadamard_rotate"] = rmse(
+        cupyflash.attention(*(cupyflash.quantize_fp8(x, block=128) for x in (qr, kr, v)))
+    )
+    found["fp8 q, k blocks of 128 + hadamard_rotate, v per sequence and head"] = rmse(
+        cupyflash.attention(
+            cupyflash.quantize_fp8(qr, block=128), cupyflash.quantize_fp8(kr, block=128), cupyflash.quantize_fp8(v)
+        )
+    )
     found["fp8 per tensor"] = rmse(cupyflash.attention(*(cupyflash.quantize_fp8(x, block="tensor") for x in (q, k, v))))
     found["fp8 per sequence and head"] = rmse(cupyflash.attention(*(cupyflash.quantize_fp8(x) for x in (q, k, v))))
     found["bfloat16"] = rmse(cupyflash.attention(*(x.astype(BF16) for x in (q, k, v))))
@@ -144,9 +160,12 @@ def main(argv=None):
     print(f"# {result['device']}")
     if args.speed:
         flush = L2Flush("gpu")
-        result["speed"] = [speed_row(Case("bf16", d, n, causal), args, flush)
-                           for d in (int(x) for x in args.head_dims.split(","))
-                           for causal in (False, True) for n in (parse_size(s) for s in args.seqlens.split(","))]
+        result["speed"] = [
+            speed_row(Case("bf16", d, n, causal), args, flush)
+            for d in (int(x) for x in args.head_dims.split(","))
+            for causal in (False, True)
+            for n in (parse_size(s) for s in args.seqlens.split(","))
+        ]
     if args.accuracy:
         result["accuracy"] = accuracy()
     if args.json:

@@ -70,9 +70,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention as ba  # noqa: E402  (also finds cupyflash in a checkout that is not installed)
+import cupy  # noqa: E402
 import dram_floor  # noqa: E402
 
-import cupy  # noqa: E402
 import cupyflash  # noqa: E402
 from cupyflash import _modifiers, reference  # noqa: E402
 from cupyflash._cuda import compile as _compile  # noqa: E402
@@ -118,13 +118,15 @@ class Row:
     def options(self):
         """The score-modifier options, as words (the arrays are made by make_options)."""
         b, h, n = self.case.b, self.case.h, self.case.n
-        return {"plain": "-",
-                "bias": f"bias {(b, h, n, n) if self.kind == 'bias-full' else (1, 1, n, n)} bf16",
-                "window": f"window={WINDOW}",
-                "softcap": f"softcap={SOFTCAP}",
-                "alibi": f"alibi_slopes ({h},) float32",
-                "block-mask": f"block_mask {self.block_mask.shape if self.block_mask is not None else ''}, "
-                              f"{self.info.get('density', 0):.1%} on"}[self.group]
+        return {
+            "plain": "-",
+            "bias": f"bias {(b, h, n, n) if self.kind == 'bias-full' else (1, 1, n, n)} bf16",
+            "window": f"window={WINDOW}",
+            "softcap": f"softcap={SOFTCAP}",
+            "alibi": f"alibi_slopes ({h},) float32",
+            "block-mask": f"block_mask {self.block_mask.shape if self.block_mask is not None else ''}, "
+            f"{self.info.get('density', 0):.1%} on",
+        }[self.group]
 
 
 def seqlen_tag(n):
@@ -142,8 +144,15 @@ def build_rows(args):
         name = f"plain-{'causal' if causal else 'full'}-{seqlen_tag(n)}"
         if name not in plain:
             case = ba.Case(DTYPE, HEAD_DIM, n, causal)
-            plain[name] = Row(name, "plain", f"plain-{'causal' if causal else 'full'}", case,
-                              case.flops_fwd, case.flops_bwd, "convention")
+            plain[name] = Row(
+                name,
+                "plain",
+                f"plain-{'causal' if causal else 'full'}",
+                case,
+                case.flops_fwd,
+                case.flops_bwd,
+                "convention",
+            )
             rows.append(plain[name])
         return plain[name]
 
@@ -153,38 +162,91 @@ def build_rows(args):
             case = ba.Case(DTYPE, HEAD_DIM, n, False)
             compare = [(peer, "peer", case.flops_fwd, case.flops_bwd) for peer in PEERS]
             compare.append((base.name, "time", base.flops_fwd, base.flops_bwd))
-            rows.append(Row(f"bias-{shape}-{seqlen_tag(n)}", "bias", f"bias-{shape}", case, case.flops_fwd,
-                            case.flops_bwd, "convention", compare, TARGETS["bias"], PEERS))
+            rows.append(
+                Row(
+                    f"bias-{shape}-{seqlen_tag(n)}",
+                    "bias",
+                    f"bias-{shape}",
+                    case,
+                    case.flops_fwd,
+                    case.flops_bwd,
+                    "convention",
+                    compare,
+                    TARGETS["bias"],
+                    PEERS,
+                )
+            )
     for n in window_seqlens:
         case = ba.Case(DTYPE, HEAD_DIM, n, True)
         base = plain_row(n, True)
         base_fwd, base_bwd, base_areas = visited_flops(case, window=None)
         fwd, bwd, areas = visited_flops(case, window=WINDOW)
         pairs = band_pairs(n, WINDOW) * case.b * case.h
-        info = {"visited_area": areas, "plain_causal_visited_area": base_areas, "band_pairs": pairs,
-                "band_flops_fwd": 4 * HEAD_DIM * pairs, "band_flops_bwd": 10 * HEAD_DIM * pairs,
-                "plain_causal_visited_flops_fwd": base_fwd, "plain_causal_visited_flops_bwd": base_bwd}
+        info = {
+            "visited_area": areas,
+            "plain_causal_visited_area": base_areas,
+            "band_pairs": pairs,
+            "band_flops_fwd": 4 * HEAD_DIM * pairs,
+            "band_flops_bwd": 10 * HEAD_DIM * pairs,
+            "plain_causal_visited_flops_fwd": base_fwd,
+            "plain_causal_visited_flops_bwd": base_bwd,
+        }
         compare = [(base.name, "tflops", base_fwd, base_bwd)] + [(peer, "peer", fwd, bwd) for peer in WINDOW_PEERS]
-        rows.append(Row(f"window-{seqlen_tag(n)}", "window", "window", case, fwd, bwd, "visited tiles",
-                        compare, TARGETS["window"], WINDOW_PEERS, info=info))
+        rows.append(
+            Row(
+                f"window-{seqlen_tag(n)}",
+                "window",
+                "window",
+                case,
+                fwd,
+                bwd,
+                "visited tiles",
+                compare,
+                TARGETS["window"],
+                WINDOW_PEERS,
+                info=info,
+            )
+        )
     for group in ("softcap", "alibi"):
         for causal in (False, True):
             for n in seqlens:
                 case = ba.Case(DTYPE, HEAD_DIM, n, causal)
                 base = plain_row(n, causal)
                 mode = "causal" if causal else "full"
-                rows.append(Row(f"{group}-{mode}-{seqlen_tag(n)}", group, f"{group}-{mode}", case,
-                                case.flops_fwd, case.flops_bwd, "convention",
-                                [(base.name, "tflops", base.flops_fwd, base.flops_bwd)], TARGETS[group]))
+                rows.append(
+                    Row(
+                        f"{group}-{mode}-{seqlen_tag(n)}",
+                        group,
+                        f"{group}-{mode}",
+                        case,
+                        case.flops_fwd,
+                        case.flops_bwd,
+                        "convention",
+                        [(base.name, "tflops", base.flops_fwd, base.flops_bwd)],
+                        TARGETS[group],
+                    )
+                )
     n = QUICK_SEQLEN if quick else BLOCK_MASK_SEQLEN
     case = ba.Case(DTYPE, HEAD_DIM, n, False)
     base = plain_row(n, False)
     mask, p_off = random_block_mask(case.h, n, BLOCK_MASK_DENSITY, SEED)
     fwd, bwd, areas = visited_flops(case, window=(-1, -1), block_mask=mask)
     info = {"density": float(mask.mean()), "offdiagonal_probability": p_off, "visited_area": areas}
-    rows.append(Row(f"block-mask-{seqlen_tag(n)}", "block-mask", "block-mask", case, fwd, bwd, "visited tiles",
-                    [(base.name, "time", base.flops_fwd, base.flops_bwd)], TARGETS["block-mask"],
-                    block_mask=mask, info=info))
+    rows.append(
+        Row(
+            f"block-mask-{seqlen_tag(n)}",
+            "block-mask",
+            "block-mask",
+            case,
+            fwd,
+            bwd,
+            "visited tiles",
+            [(base.name, "time", base.flops_fwd, base.flops_bwd)],
+            TARGETS["block-mask"],
+            block_mask=mask,
+            info=info,
+        )
+    )
     if args.rows:
         keep = {r.name for r in rows if re.search(args.rows, r.name)}
         keep |= {against for r in rows if r.name in keep for against, how, *_ in r.compare if how != "peer"}
@@ -243,8 +305,11 @@ def kernel_tiles(case, kernel, *, window=None, block_mask=None):
     Hopper, the mma.sync ones elsewhere (and without a GPU, as in --dry-run); the modifiers' instantiation
     for a window or block mask, the plain one otherwise. The warp-specialized forward's computing
     warpgroups each visit their own 64 rows' key tiles (attention_fwd_ws.cu)."""
-    mods = None if window is None else _modifiers.resolve(np, BF16, (case.b, case.h), case.n, case.n,
-                                                          window=window, block_mask=block_mask)
+    mods = (
+        None
+        if window is None
+        else _modifiers.resolve(np, BF16, (case.b, case.h), case.n, case.n, window=window, block_mask=block_mask)
+    )
     features = Features.of("fwd" if kernel == "fwd" else "bwd", BF16, case.d, case.d, case.causal, mods)
     variant = select(features, _compile.current_device())
     t = variant.tiles(kernel)
@@ -359,8 +424,9 @@ def torch_bias_backend(peer, q, k, v, dout, causal, scale, bias, bias_grad):
         def _sdpa(self, q, k, v, bias=None):
             with ba.sdpa_kernel([self.backend]), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return ba.F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias if bias is None else bias,
-                                                         is_causal=self.causal, scale=self.scale)
+                return ba.F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=self.bias if bias is None else bias, is_causal=self.causal, scale=self.scale
+                )
 
         def prepare_backward(self):
             self.leaves = [x.detach().requires_grad_() for x in (self.q, self.k, self.v)]
@@ -442,7 +508,7 @@ def validate(row, name, cache):
     if key in cache:
         return cache[key]
     (q, k, v, dout), options = validation_problem(row)
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
     causal = row.case.causal
     want_out = reference.attention(q, k, v, causal=causal, scale=scale, **options)
     want_grads = reference.attention_backward(dout, q, k, v, causal=causal, scale=scale, **options)
@@ -451,7 +517,7 @@ def validate(row, name, cache):
     tol = ba.TOLERANCES[DTYPE]
     notes = []
     result = None
-    for bias_grad in ((True, False) if name in PEERS else (True,)):  # the bias peers: with dbias, else without
+    for bias_grad in (True, False) if name in PEERS else (True,):  # the bias peers: with dbias, else without
         attempt = f"{'with' if bias_grad else 'without'} the bias gradient: " if name in PEERS else ""
         try:
             backend = make_backend(name, *device, causal, scale, dev_options, bias_grad)
@@ -475,13 +541,14 @@ def validate(row, name, cache):
             break
         notes.append(f"{attempt}gradient error {bwd_err:.2e}")
     if name != "ours" and result.get("status") == "ok" and not result["bias_grad"]:
-        result["note"] = (f"torch {name} on {row.kind}: backward timed WITHOUT the bias gradient ("
-                          f"{notes[0].replace('with the bias gradient: ', 'with it: ', 1)})")
+        result["note"] = (
+            f"torch {name} on {row.kind}: backward timed WITHOUT the bias gradient ("
+            f"{notes[0].replace('with the bias gradient: ', 'with it: ', 1)})"
+        )
     elif notes:
         result["note"] = f"{name} on {row.kind}: " + "; ".join(notes)
     cache[key] = result
-    errs = (f"fwd {result['fwd_err']:.1e} bwd {result['bwd_err']:.1e}" if "fwd_err" in result
-            else result.get("error"))
+    errs = f"fwd {result['fwd_err']:.1e} bwd {result['bwd_err']:.1e}" if "fwd_err" in result else result.get("error")
     print(f"  validate {row.kind:15} {name:10} {result['status']:4} ({errs})", flush=True)
     return result
 
@@ -493,7 +560,7 @@ def validate(row, name, cache):
 def run_row(row, args, flush, cache):
     case = row.case
     q, k, v, dout = ba.inputs_for(case)
-    scale = case.d ** -0.5
+    scale = case.d**-0.5
     result = describe(row)
     result.update(validation={}, fwd={}, bwd={})
     names = ["ours"] + [p for p in row.peers if ba.torch is not None and not args.no_torch]
@@ -517,8 +584,10 @@ def run_row(row, args, flush, cache):
                 flops = row.flops_fwd if phase == "fwd" else row.flops_bwd
                 result[phase][name] = {"status": "ok", "ms": ms, "tflops": flops / ms / 1e9}
             except Exception as exc:
-                result[phase][name] = {"status": "OOM" if ba.is_oom(exc) else "n/a",
-                                       "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                result[phase][name] = {
+                    "status": "OOM" if ba.is_oom(exc) else "n/a",
+                    "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                }
             finally:
                 backend = None
                 ba.release_memory()
@@ -531,11 +600,24 @@ def run_row(row, args, flush, cache):
 
 def describe(row):
     c = row.case
-    return {"name": row.name, "group": row.group, "kind": row.kind, "dtype": DTYPE, "b": c.b, "h": c.h,
-            "n": c.n, "d": c.d, "causal": c.causal, "options": row.options, "flops_fwd": row.flops_fwd,
-            "flops_bwd": row.flops_bwd, "flops_counted_on": row.counted, "target": row.target,
-            "compare": [{"against": a, "how": how, "flops_fwd": ff, "flops_bwd": fb}
-                        for a, how, ff, fb in row.compare], **_jsonable(row.info)}
+    return {
+        "name": row.name,
+        "group": row.group,
+        "kind": row.kind,
+        "dtype": DTYPE,
+        "b": c.b,
+        "h": c.h,
+        "n": c.n,
+        "d": c.d,
+        "causal": c.causal,
+        "options": row.options,
+        "flops_fwd": row.flops_fwd,
+        "flops_bwd": row.flops_bwd,
+        "flops_counted_on": row.counted,
+        "target": row.target,
+        "compare": [{"against": a, "how": how, "flops_fwd": ff, "flops_bwd": fb} for a, how, ff, fb in row.compare],
+        **_jsonable(row.info),
+    }
 
 
 def _jsonable(x):
@@ -558,8 +640,7 @@ def add_ratios(results):
     for r in results:
         r["ratios"] = []
         for i, comp in enumerate(r["compare"]):
-            entry = {"against": comp["against"], "how": comp["how"],
-                     "target": r["target"] if i == 0 else None}
+            entry = {"against": comp["against"], "how": comp["how"], "target": r["target"] if i == 0 else None}
             for phase in ("fwd", "bwd"):
                 ours = r[phase].get("ours", {})
                 if comp["how"] == "peer":
@@ -605,11 +686,15 @@ def _ratio(entry, phase):
 
 
 def print_table(results):
-    print("\nms and TFLOP/s (window and block-mask rows, and the plain causal kernel in the window ratio, "
-          "counted on visited tiles)")
-    header = (f"{'row':20} | {'ours fwd ms  TF/s':>16} | {'ours bwd ms  TF/s':>16} | {'against':18} | "
-              f"{'its fwd ms  TF/s':>16} | {'its bwd ms  TF/s':>16} | {'ratio fwd':>10} | {'ratio bwd':>10} | "
-              "target")
+    print(
+        "\nms and TFLOP/s (window and block-mask rows, and the plain causal kernel in the window ratio, "
+        "counted on visited tiles)"
+    )
+    header = (
+        f"{'row':20} | {'ours fwd ms  TF/s':>16} | {'ours bwd ms  TF/s':>16} | {'against':18} | "
+        f"{'its fwd ms  TF/s':>16} | {'its bwd ms  TF/s':>16} | {'ratio fwd':>10} | {'ratio bwd':>10} | "
+        "target"
+    )
     print(header)
     print("-" * len(header))
     blank = " " * 16
@@ -625,12 +710,16 @@ def print_table(results):
                 label += " no dbias"
             target = f">= {e['target']:g}" if e["target"] is not None else ""
             mine = ours if first else [blank, blank]
-            print(f"{r['name'] if first else '':20} | {mine[0]} | {mine[1]} | {label[:18]:18} | {theirs[0]} | "
-                  f"{theirs[1]} | {_ratio(e, 'fwd')} | {_ratio(e, 'bwd')} | {target}")
+            print(
+                f"{r['name'] if first else '':20} | {mine[0]} | {mine[1]} | {label[:18]:18} | {theirs[0]} | "
+                f"{theirs[1]} | {_ratio(e, 'fwd')} | {_ratio(e, 'bwd')} | {target}"
+            )
     print("'no dbias': that torch backend's backward was timed without the bias gradient (see the notes)")
-    print("ratios: vs a torch peer time(peer)/time(ours); vs plain rows time(plain)/time(ours), except window, "
-          "softcap and alibi: TFLOP/s / TFLOP/s (window: both counted on visited tiles); block mask: "
-          "time(dense)/time(sparse)")
+    print(
+        "ratios: vs a torch peer time(peer)/time(ours); vs plain rows time(plain)/time(ours), except window, "
+        "softcap and alibi: TFLOP/s / TFLOP/s (window: both counted on visited tiles); block mask: "
+        "time(dense)/time(sparse)"
+    )
 
 
 def print_window_scaling(results):
@@ -638,16 +727,19 @@ def print_window_scaling(results):
     by_name = {r["name"]: r for r in results}
     if not windows:
         return
-    print(f"\nwindow {WINDOW} causal vs N (B·N = 16384 tokens in all: the band's cost stays flat, "
-          "causal grows with N)")
-    print(f"{'N':>6} {'B':>3} | {'window fwd ms':>13} {'bwd ms':>8} | {'causal fwd ms':>13} {'bwd ms':>8} | "
-          f"{'visited GFLOP fwd/bwd':>22} | {'band pairs/visited':>18}")
+    print(f"\nwindow {WINDOW} causal vs N (B·N = 16384 tokens in all: the band's cost stays flat, causal grows with N)")
+    print(
+        f"{'N':>6} {'B':>3} | {'window fwd ms':>13} {'bwd ms':>8} | {'causal fwd ms':>13} {'bwd ms':>8} | "
+        f"{'visited GFLOP fwd/bwd':>22} | {'band pairs/visited':>18}"
+    )
     for r in windows:
         base = by_name.get(r["compare"][0]["against"], {"fwd": {}, "bwd": {}})
         cells = [_ms(x.get("ours", {"status": "-"})) for x in (r["fwd"], r["bwd"], base["fwd"], base["bwd"])]
         share = r["band_pairs"] / r["visited_area"]["fwd"]
-        print(f"{r['n']:>6} {r['b']:>3} | {cells[0]:>13} {cells[1]:>8} | {cells[2]:>13} {cells[3]:>8} | "
-              f"{r['flops_fwd'] / 1e9:10.1f} / {r['flops_bwd'] / 1e9:9.1f} | {share:18.2f}")
+        print(
+            f"{r['n']:>6} {r['b']:>3} | {cells[0]:>13} {cells[1]:>8} | {cells[2]:>13} {cells[3]:>8} | "
+            f"{r['flops_fwd'] / 1e9:10.1f} / {r['flops_bwd'] / 1e9:9.1f} | {share:18.2f}"
+        )
 
 
 def add_window_floors(results, args):
@@ -662,8 +754,9 @@ def add_window_floors(results, args):
         elements = r["b"] * r["h"] * r["n"] * r["d"]
         if elements not in floors:
             flush = ba.L2Flush("gpu")
-            floors[elements] = dram_floor.attention_floors(elements, np.dtype(BF16).itemsize,
-                                                           lambda fn: ba.median_ms(fn, args, flush))
+            floors[elements] = dram_floor.attention_floors(
+                elements, np.dtype(BF16).itemsize, lambda fn: ba.median_ms(fn, args, flush)
+            )
         entry, r["dram_floor"] = r["ratios"][0], {}
         for phase in ("fwd", "bwd"):
             ours, ratio = r[phase].get("ours", {}), entry.get(phase)
@@ -679,12 +772,16 @@ def print_window_floors(results):
     windows = [r for r in results if r.get("dram_floor")]
     if not windows:
         return
-    print("\nwindow rows against this GPU's DRAM: floor = the fastest kernel that only reads q, k, v and writes "
-          "out (fwd), or reads q, k, v, out, dout and writes dq, dk, dv (bwd); target = the time the row's "
-          "target asks")
-    print(f"{'N':>6} | {'fwd MB':>6} {'floor ms':>8} {'TB/s':>5} {'target ms':>9} {'target/floor':>12} "
-          f"{'ours/floor':>10} | {'bwd MB':>6} {'floor ms':>8} {'TB/s':>5} {'target ms':>9} {'target/floor':>12} "
-          f"{'ours/floor':>10}")
+    print(
+        "\nwindow rows against this GPU's DRAM: floor = the fastest kernel that only reads q, k, v and writes "
+        "out (fwd), or reads q, k, v, out, dout and writes dq, dk, dv (bwd); target = the time the row's "
+        "target asks"
+    )
+    print(
+        f"{'N':>6} | {'fwd MB':>6} {'floor ms':>8} {'TB/s':>5} {'target ms':>9} {'target/floor':>12} "
+        f"{'ours/floor':>10} | {'bwd MB':>6} {'floor ms':>8} {'TB/s':>5} {'target ms':>9} {'target/floor':>12} "
+        f"{'ours/floor':>10}"
+    )
     below = False
     for r in windows:
         cells = []
@@ -714,45 +811,66 @@ def print_notes(cache):
 
 def dry_run(rows):
     window_case = ba.Case(DTYPE, HEAD_DIM, WINDOW_SEQLENS[0], True)
-    print(f"{len(rows)} rows, bf16, D = {HEAD_DIM}; tiles (rows x block) on this device, plain causal / window: "
-          + ", ".join(f"{k} {t[0]}x{t[1]} / {w[0]}x{w[1]}" for k in ("fwd", "dkdv", "dq")
-                      for t, w in [(kernel_tiles(window_case, k), kernel_tiles(window_case, k, window=WINDOW))]))
-    header = (f"{'row':20} {'B':>3} {'H':>3} {'N':>6} {'causal':>6}  {'options':40} {'fwd GFLOP':>10} "
-              f"{'bwd GFLOP':>10}  {'counted on':13} against (target)")
+    print(
+        f"{len(rows)} rows, bf16, D = {HEAD_DIM}; tiles (rows x block) on this device, plain causal / window: "
+        + ", ".join(
+            f"{k} {t[0]}x{t[1]} / {w[0]}x{w[1]}"
+            for k in ("fwd", "dkdv", "dq")
+            for t, w in [(kernel_tiles(window_case, k), kernel_tiles(window_case, k, window=WINDOW))]
+        )
+    )
+    header = (
+        f"{'row':20} {'B':>3} {'H':>3} {'N':>6} {'causal':>6}  {'options':40} {'fwd GFLOP':>10} "
+        f"{'bwd GFLOP':>10}  {'counted on':13} against (target)"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         c = r.case
         against = ", ".join(a for a, *_ in r.compare) or "-"
         target = f" (>= {r.target:g})" if r.target is not None else ""
-        print(f"{r.name:20} {c.b:>3} {c.h:>3} {c.n:>6} {'yes' if c.causal else 'no':>6}  {r.options:40} "
-              f"{r.flops_fwd / 1e9:10.1f} {r.flops_bwd / 1e9:10.1f}  {r.counted:13} {against}{target}")
+        print(
+            f"{r.name:20} {c.b:>3} {c.h:>3} {c.n:>6} {'yes' if c.causal else 'no':>6}  {r.options:40} "
+            f"{r.flops_fwd / 1e9:10.1f} {r.flops_bwd / 1e9:10.1f}  {r.counted:13} {against}{target}"
+        )
     for r in rows:
         if r.group == "window":
             i = r.info
             base_fwd, base_bwd = i["plain_causal_visited_flops_fwd"], i["plain_causal_visited_flops_bwd"]
-            print(f"{r.name}: visited area fwd/dkdv/dq {i['visited_area']} (band's exact pairs "
-                  f"{i['band_pairs']}); its plain causal baseline counted on visited tiles: "
-                  f"{base_fwd / 1e9:.1f} / {base_bwd / 1e9:.1f} GFLOP (convention: "
-                  f"{r.case.flops_fwd / 1e9:.1f} / {r.case.flops_bwd / 1e9:.1f})")
+            print(
+                f"{r.name}: visited area fwd/dkdv/dq {i['visited_area']} (band's exact pairs "
+                f"{i['band_pairs']}); its plain causal baseline counted on visited tiles: "
+                f"{base_fwd / 1e9:.1f} / {base_bwd / 1e9:.1f} GFLOP (convention: "
+                f"{r.case.flops_fwd / 1e9:.1f} / {r.case.flops_bwd / 1e9:.1f})"
+            )
         if r.group == "block-mask":
-            print(f"{r.name}: {r.info['density']:.2%} of tiles on (off-diagonal p = "
-                  f"{r.info['offdiagonal_probability']:.4f}), visited area {r.info['visited_area']}")
+            print(
+                f"{r.name}: {r.info['density']:.2%} of tiles on (off-diagonal p = "
+                f"{r.info['offdiagonal_probability']:.4f}), visited area {r.info['visited_area']}"
+            )
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="N = 2k only (block mask too: B = 8, H = 16)")
-    parser.add_argument("--rows", metavar="REGEX", help="only rows whose name matches (re.search), plus the "
-                        "plain rows they are compared with")
+    parser.add_argument(
+        "--rows",
+        metavar="REGEX",
+        help="only rows whose name matches (re.search), plus the plain rows they are compared with",
+    )
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (>= 20)")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--timing", choices=ba.TIMINGS, default="call",
-                        help="as bench_attention.py: call (host time beyond the L2 flush counts) or gpu")
+    parser.add_argument(
+        "--timing",
+        choices=ba.TIMINGS,
+        default="call",
+        help="as bench_attention.py: call (host time beyond the L2 flush counts) or gpu",
+    )
     parser.add_argument("--no-torch", action="store_true", help="time ours only, even when torch is importable")
     parser.add_argument("--json", metavar="PATH", help="also write every result as JSON")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="list the rows, shapes and FLOP counts, then stop (no GPU needed)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="list the rows, shapes and FLOP counts, then stop (no GPU needed)"
+    )
     args = parser.parse_args(argv)
     if args.repeats < 20:
         parser.error("--repeats must be >= 20")
@@ -765,15 +883,25 @@ def main(argv=None):
     if args.dry_run:
         dry_run(rows)
         return
-    results = {"environment": ba.environment(),
-               "settings": {"repeats": args.repeats, "warmup": args.warmup, "timing": args.timing, "quick": args.quick,
-                            "rows": args.rows, "torch": ba.torch is not None and not args.no_torch}}
+    results = {
+        "environment": ba.environment(),
+        "settings": {
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "timing": args.timing,
+            "quick": args.quick,
+            "rows": args.rows,
+            "torch": ba.torch is not None and not args.no_torch,
+        },
+    }
     for key, value in results["environment"].items():
         print(f"{key:10} {value}")
     if ba.torch is None or args.no_torch:
         print("torch not used: ours only")
-    print(f"\n{len(rows)} rows, {args.repeats} repeats after {args.warmup} warm-up calls, L2 flushed before each, "
-          f"timing {args.timing}")
+    print(
+        f"\n{len(rows)} rows, {args.repeats} repeats after {args.warmup} warm-up calls, L2 flushed before each, "
+        f"timing {args.timing}"
+    )
     flush = ba.L2Flush(args.timing)
     cache = {}
     results["rows"] = [run_row(row, args, flush, cache) for row in rows]

@@ -115,12 +115,17 @@ def exactness(comm, n, causal, layout):
     ql, kl, vl, dl = (dist.shard(x, comm, layout) for x in (q, k, v, dout))
     out_l, lse_l = dist.ring_attention_forward(ql, kl, vl, comm=comm, causal=causal, layout=layout)
     grads = dist.ring_attention_backward(dl, ql, kl, vl, out_l, lse_l, comm=comm, causal=causal, layout=layout)
-    ring = [dist.unshard(out_l, comm, layout), dist.unshard(lse_l, comm, layout, axis=-1),
-            *(dist.unshard(g, comm, layout) for g in grads)]
+    ring = [
+        dist.unshard(out_l, comm, layout),
+        dist.unshard(lse_l, comm, layout, axis=-1),
+        *(dist.unshard(g, comm, layout) for g in grads),
+    ]
     ring_err = errors(ring, ref)
     names = ("out", "lse", "dq", "dk", "dv")
-    return {name: {"one_gpu": a, "ring": b, "ratio": b / a if a else float("inf")}
-            for name, a, b in zip(names, one, ring_err)}
+    return {
+        name: {"one_gpu": a, "ring": b, "ratio": b / a if a else float("inf")}
+        for name, a, b in zip(names, one, ring_err)
+    }
 
 
 def speed(comm, n, causal, layout, repeats, parts=False):
@@ -196,8 +201,10 @@ def _parts(comm, ql, kl, vl, dl, causal, layout, repeats):
                 name = f"t{step}b{i} q{blk.q_rows.stop - blk.q_rows.start}xk{blk.k_rows.stop - blk.k_rows.start}"
                 found[name + " fwd"] = events_ms(lambda: cupyflash.attention_forward(*args, causal=blk.causal), repeats)
                 found[name + " merge"] = events_ms(lambda: states.merge_rows(acc, acc_lse, 0, out, lse), repeats)
-                found[name + " bwd"] = events_ms(lambda: cupyflash.attention_backward(
-                    dl[..., blk.q_rows, :], *args, out, lse, causal=blk.causal), repeats)
+                found[name + " bwd"] = events_ms(
+                    lambda: cupyflash.attention_backward(dl[..., blk.q_rows, :], *args, out, lse, causal=blk.causal),
+                    repeats,
+                )
         print("  parts: " + "  ".join(f"{k} {v:.2f}" for k, v in found.items()))
     comm.barrier()
     return found
@@ -207,8 +214,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="32k,128k,256k")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="calls before each timing (0 is fine where an earlier size compiled the kernels)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="calls before each timing (0 is fine where an earlier size compiled the kernels)",
+    )
     parser.add_argument("--exact-n", default="8k")
     parser.add_argument("--json", default=None)
     parser.add_argument("--parts", action="store_true", help="also time rank 0's steps one by one")
@@ -231,8 +242,10 @@ def main(argv=None):
         for causal, layout in ((True, "zigzag"), (False, "contiguous")):
             e = exactness(comm, n, causal, layout)
             result["exact"][f"causal={causal}"] = e
-            say(f"exactness N={n} causal={causal} {layout}: " + "  ".join(
-                f"{k} {x['ring']:.2e}/{x['one_gpu']:.2e}={x['ratio']:.2f}" for k, x in e.items()))
+            say(
+                f"exactness N={n} causal={causal} {layout}: "
+                + "  ".join(f"{k} {x['ring']:.2e}/{x['one_gpu']:.2e}={x['ratio']:.2f}" for k, x in e.items())
+            )
     if "speed" not in skip:
         connect(comm)
         result["speed"] = []
@@ -242,10 +255,12 @@ def main(argv=None):
                 row = speed(comm, n, causal, layout, args.repeats, args.parts)
                 result["speed"].append(row)
                 if comm.rank == 0:
-                    say(f"N={n:7d} causal={causal!s:5} {layout:10}  one fwd {row['one_fwd_ms']:9.2f} "
+                    say(
+                        f"N={n:7d} causal={causal!s:5} {layout:10}  one fwd {row['one_fwd_ms']:9.2f} "
                         f"fwd+bwd {row['one_fwd_bwd_ms']:9.2f} | ring fwd {row['ring_fwd_ms']:9.2f} "
                         f"fwd+bwd {row['ring_fwd_bwd_ms']:9.2f} ms | speedup fwd {row['speedup_fwd']:.3f} "
-                        f"fwd+bwd {row['speedup_fwd_bwd']:.3f} | pool {row['ring_pool_peak_GiB']:.2f} GiB")
+                        f"fwd+bwd {row['speedup_fwd_bwd']:.3f} | pool {row['ring_pool_peak_GiB']:.2f} GiB"
+                    )
     if comm.rank == 0 and args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     comm.barrier()

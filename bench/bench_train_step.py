@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 import cupy  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import torch_attention  # noqa: E402
 
 import cupyflash  # noqa: E402
-import torch_attention  # noqa: E402
 from cupyflash import _timing  # noqa: E402
 
 VOCAB = 4096
@@ -64,8 +64,9 @@ class Block(torch.nn.Module):
         self.heads, self.attention = heads, attention
         self.ln1, self.ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
         self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
-                                       torch.nn.Linear(4 * width, width))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
+        )
 
     def forward(self, x):
         batch, n, width = x.shape
@@ -108,7 +109,7 @@ def batches(count: int, batch: int, n: int, seed: int = 0):
     out = []
     for _ in range(count):
         motif = torch.randint(0, VOCAB, (batch, 64), generator=g)
-        out.append(motif.repeat(1, -(-(n + 1) // 64))[:, :n + 1].cuda())
+        out.append(motif.repeat(1, -(-(n + 1) // 64))[:, : n + 1].cuda())
     return out
 
 
@@ -119,8 +120,7 @@ def train(initial: GPT, attention: str, data, lr: float = LEARNING_RATE, timed_f
     """Losses of every step (a float list) and the wall-clock ms per step of steps timed_from..end."""
     model = copy.deepcopy(initial)
     model.set_attention(attention)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     losses = []
     torch.cuda.synchronize()
     start = None
@@ -162,19 +162,37 @@ def steps_rows(configs, steps: int, lr: float = LEARNING_RATE, rounds: int = 3, 
 
         (sdpa, *sdpa_again), (ours, *ours_again) = losses["sdpa"], losses["cupyflash"]
         delta = gap(sdpa, ours)
-        row = dict(width=width, heads=heads, n=n, batch=8, steps=steps, lr=lr,
-                   sdpa_ms=statistics.median(times["sdpa"]), cupyflash_ms=statistics.median(times["cupyflash"]),
-                   **{f"{name}_ms": statistics.median(times[name]) for name in extra},
-                   all_ms=times, max_loss_delta=delta, sdpa_vs_sdpa=max((gap(sdpa, x) for x in sdpa_again), default=float("nan")),
-                   cupyflash_vs_cupyflash=max((gap(ours, x) for x in ours_again), default=float("nan")), first_loss=sdpa[0], last_loss_sdpa=sdpa[-1],
-                   last_loss_cupyflash=ours[-1], losses_sdpa=sdpa, losses_cupyflash=ours)
+        row = dict(
+            width=width,
+            heads=heads,
+            n=n,
+            batch=8,
+            steps=steps,
+            lr=lr,
+            sdpa_ms=statistics.median(times["sdpa"]),
+            cupyflash_ms=statistics.median(times["cupyflash"]),
+            **{f"{name}_ms": statistics.median(times[name]) for name in extra},
+            all_ms=times,
+            max_loss_delta=delta,
+            sdpa_vs_sdpa=max((gap(sdpa, x) for x in sdpa_again), default=float("nan")),
+            cupyflash_vs_cupyflash=max((gap(ours, x) for x in ours_again), default=float("nan")),
+            first_loss=sdpa[0],
+            last_loss_sdpa=sdpa[-1],
+            last_loss_cupyflash=ours[-1],
+            losses_sdpa=sdpa,
+            losses_cupyflash=ours,
+        )
         row["ratio"] = row["cupyflash_ms"] / row["sdpa_ms"]
         row["first_steps_delta"] = [abs(a - b) for a, b in zip(sdpa[:10], ours[:10])]
-        print(f"  W={width} H={heads} N={n}: sdpa {row['sdpa_ms']:.2f} ms, cupyflash {row['cupyflash_ms']:.2f} ms "
-              f"({row['ratio']:.3f}x), max |dloss| {delta:.1e} (sdpa/sdpa {row['sdpa_vs_sdpa']:.1e}, ours/ours "
-              f"{row['cupyflash_vs_cupyflash']:.1e}), "
-              + "".join(f"{name} {row[name + '_ms']:.2f} ms, " for name in extra) + f"loss {row['first_loss']:.3f} -> "
-              f"{row['last_loss_sdpa']:.3f} / {row['last_loss_cupyflash']:.3f}", flush=True)
+        print(
+            f"  W={width} H={heads} N={n}: sdpa {row['sdpa_ms']:.2f} ms, cupyflash {row['cupyflash_ms']:.2f} ms "
+            f"({row['ratio']:.3f}x), max |dloss| {delta:.1e} (sdpa/sdpa {row['sdpa_vs_sdpa']:.1e}, ours/ours "
+            f"{row['cupyflash_vs_cupyflash']:.1e}), "
+            + "".join(f"{name} {row[name + '_ms']:.2f} ms, " for name in extra)
+            + f"loss {row['first_loss']:.3f} -> "
+            f"{row['last_loss_sdpa']:.3f} / {row['last_loss_cupyflash']:.3f}",
+            flush=True,
+        )
         rows.append(row)
     return rows
 
@@ -187,6 +205,7 @@ def host_us(fn, calls: int = 100, repeats: int = 9) -> float:
 def _planned(direction: str):
     """The launch plan the last call of this direction used (the cache keeps insertion order)."""
     from cupyflash._cuda.launch import plans
+
     return next(plan for key, plan in reversed(plans.items()) if key[0] == direction)
 
 
@@ -201,9 +220,11 @@ def floor_calls(direction: str):
         args += (cupy.cuda.function.CPointer(maps.ctypes.data), plan._tile_counter())
     launches = plan.launches
     if not plan.side_by_side:
+
         def run():
             for function, grid, block, smem in launches:
                 function(grid, block, args, shared_mem=smem)
+
         return run
     stream = cupy.cuda.get_current_stream()
     side = cupy.cuda.Stream(non_blocking=True)
@@ -218,12 +239,14 @@ def floor_calls(direction: str):
         f2(g2, b2, args, shared_mem=s2, stream=side)
         done.record(side)
         stream.wait_event(done)
+
     return run
 
 
 def host_rows():
     """Host time per call on the model's attention shape (B=8, H=8, N=1024, D=64, bf16, causal) and on D=128."""
     import ml_dtypes
+
     bf16 = np.dtype(ml_dtypes.bfloat16)
     rows = []
     for batch, heads, n, d, packed in ((8, 8, 1024, 64, False), (8, 8, 1024, 64, True), (8, 8, 1024, 128, False)):
@@ -231,8 +254,9 @@ def host_rows():
             qkv = cupy.random.standard_normal((batch, n, 3, heads, d), dtype=np.float32).astype(bf16)
             q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
         else:
-            q, k, v = (cupy.random.standard_normal((batch, heads, n, d), dtype=np.float32).astype(bf16)
-                       for _ in range(3))
+            q, k, v = (
+                cupy.random.standard_normal((batch, heads, n, d), dtype=np.float32).astype(bf16) for _ in range(3)
+            )
         out, lse = cupyflash.attention_forward(q, k, v, causal=True)
         dout = cupy.random.standard_normal(out.shape, dtype=np.float32).astype(bf16)
         fwd = host_us(lambda: cupyflash.attention_forward(q, k, v, causal=True))
@@ -244,11 +268,19 @@ def host_rows():
         q_t, k_t, v_t = (torch.from_dlpack(x) for x in (q, k, v))
         with torch.no_grad():
             sdpa = host_us(lambda: F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True))
-        row = dict(shape=f"{batch}x{heads}x{n}x{d}" + (" qkv view" if packed else ""), forward_us=fwd,
-                   forward_floor_us=fwd_floor, backward_us=bwd, backward_floor_us=bwd_floor, empty_us=empty,
-                   torch_sdpa_forward_us=sdpa, empty_launch_us=host_us(_timing.launch_empty))
-        print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
-              flush=True)
+        row = dict(
+            shape=f"{batch}x{heads}x{n}x{d}" + (" qkv view" if packed else ""),
+            forward_us=fwd,
+            forward_floor_us=fwd_floor,
+            backward_us=bwd,
+            backward_floor_us=bwd_floor,
+            empty_us=empty,
+            torch_sdpa_forward_us=sdpa,
+            empty_launch_us=host_us(_timing.launch_empty),
+        )
+        print(
+            "  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True
+        )
         rows.append(row)
     return rows
 
@@ -256,9 +288,11 @@ def host_rows():
 def autograd_step(qkv, dout, attention):
     """A callable that runs ``attention(q, k, v)`` on the (B, H, N, D) views of a packed (B, N, 3, H, D) ``qkv``
     and its backward with ``dout``: one attention's forward + backward through autograd, as in the model."""
+
     def run():
         q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
         attention(q, k, v).backward(dout)
+
     return run
 
 
@@ -273,10 +307,16 @@ def recipe_rows():
         sdpa = autograd_step(qkv, dout, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
         ours = autograd_step(qkv, dout, lambda q, k, v: torch_attention.attention(q, k, v, causal=True))
         # Ten calls per spin: more would fill the GPU's launch queue, and the host would wait for the spin.
-        row = dict(shape=f"{batch}x{heads}x{n}x{d} qkv view", sdpa_us=host_us(sdpa, calls=10, repeats=21),
-                   cupyflash_us=host_us(ours, calls=10, repeats=21))
-        print(f"  {row['shape']}: fwd+bwd through autograd, CPU us: sdpa {row['sdpa_us']:.1f}, "
-              f"cupyflash {row['cupyflash_us']:.1f}", flush=True)
+        row = dict(
+            shape=f"{batch}x{heads}x{n}x{d} qkv view",
+            sdpa_us=host_us(sdpa, calls=10, repeats=21),
+            cupyflash_us=host_us(ours, calls=10, repeats=21),
+        )
+        print(
+            f"  {row['shape']}: fwd+bwd through autograd, CPU us: sdpa {row['sdpa_us']:.1f}, "
+            f"cupyflash {row['cupyflash_us']:.1f}",
+            flush=True,
+        )
         rows.append(row)
     return rows
 
@@ -288,21 +328,29 @@ def main():
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--lr", type=float, default=LEARNING_RATE, help="AdamW's learning rate")
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the attentions per config")
-    parser.add_argument("--extra", default="", help="more variants: none (no attention), identity (a Python "
-                        "autograd.Function that passes v through)")
+    parser.add_argument(
+        "--extra",
+        default="",
+        help="more variants: none (no attention), identity (a Python autograd.Function that passes v through)",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     parts = args.only.split(",")
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
-    results = dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), torch=torch.__version__,
-                   cupy=cupy.__version__, date=time.strftime("%Y-%m-%d"))
+    results = dict(
+        device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+        torch=torch.__version__,
+        cupy=cupy.__version__,
+        date=time.strftime("%Y-%m-%d"),
+    )
     print(results, flush=True)
     # The steps first: after the other sections, torch's SDPA trains differently in this process (its losses
     # left ours by 2e-2 within 100 steps, where they stay within 1e-4 of ours in a fresh process; ours were
     # bitwise the same either way: bench/log/NOTES.md).
     if "steps" in parts:
-        results["steps"] = steps_rows(configs, args.steps, args.lr, args.rounds,
-                                      [x for x in args.extra.split(",") if x])
+        results["steps"] = steps_rows(
+            configs, args.steps, args.lr, args.rounds, [x for x in args.extra.split(",") if x]
+        )
     if "host" in parts:
         results["host"] = host_rows()
     if "recipe" in parts:
@@ -313,8 +361,10 @@ def main():
         print("\n| width | heads | N | SDPA ms/step | cupyflash ms/step | ratio | max abs dloss | SDPA vs SDPA |")
         print("|---|---|---|---|---|---|---|---|")
         for r in results["steps"]:
-            print(f"| {r['width']} | {r['heads']} | {r['n']} | {r['sdpa_ms']:.2f} | {r['cupyflash_ms']:.2f} | "
-                  f"{r['ratio']:.3f} | {r['max_loss_delta']:.1e} | {r['sdpa_vs_sdpa']:.1e} |")
+            print(
+                f"| {r['width']} | {r['heads']} | {r['n']} | {r['sdpa_ms']:.2f} | {r['cupyflash_ms']:.2f} | "
+                f"{r['ratio']:.3f} | {r['max_loss_delta']:.1e} | {r['sdpa_vs_sdpa']:.1e} |"
+            )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ time(padded) / time(varlen), target >= 1.0. Validation first: the packed output 
 reference on three sequences, and the padded dense output rows of those sequences against it too.
 Timing as bench_attention.py: CUDA events, warm-up, median of --repeats, L2 flushed before each call.
 """
+
 import argparse
 import json
 import sys
@@ -27,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention as ba  # noqa: E402  (also finds cupyflash in a checkout that is not installed)
-
 import cupy  # noqa: E402
+
 import cupyflash  # noqa: E402
 from cupyflash import reference  # noqa: E402
 
@@ -75,28 +76,34 @@ def main(argv=None):
     for x in (q, k, v, dout):
         buf = cupy.zeros((args.seqs, longest, h, d), dtype=dtype)
         for s in range(args.seqs):
-            buf[s, : lengths[s]] = x[cu[s]:cu[s + 1]]
+            buf[s, : lengths[s]] = x[cu[s] : cu[s + 1]]
         padded.append(cupy.ascontiguousarray(buf.transpose(0, 2, 1, 3)))
     print(ba.environment())
-    print(f"{args.seqs} sequences, lengths {lengths.min()}..{lengths.max()} (mean {lengths.mean():.0f}), "
-          f"total {total} tokens, padded {args.seqs * longest}; H={h}, D={d}, bf16")
+    print(
+        f"{args.seqs} sequences, lengths {lengths.min()}..{lengths.max()} (mean {lengths.mean():.0f}), "
+        f"total {total} tokens, padded {args.seqs * longest}; H={h}, D={d}, bf16"
+    )
     flush = ba.L2Flush()
     fn_torch = torch_varlen()
     results = {"lengths": lengths.tolist(), "heads": h, "head_dim": d, "rows": []}
     for causal in (False, True):
         useful = 4 * h * d * float(np.sum(lengths.astype(np.float64) ** 2)) / (2 if causal else 1)
         validate(q, k, v, cu, padded, lengths, causal)
-        saved = cupyflash.attention_varlen_forward(q, k, v, cu_dev, cu_dev, max_seqlen_q=longest,
-                                                   max_seqlen_k=longest, causal=causal)
+        saved = cupyflash.attention_varlen_forward(
+            q, k, v, cu_dev, cu_dev, max_seqlen_q=longest, max_seqlen_k=longest, causal=causal
+        )
         dense_saved = cupyflash.attention_forward(*padded[:3], causal=causal)
         timings = {
             ("varlen", "fwd"): lambda: cupyflash.attention_varlen_forward(
-                q, k, v, cu_dev, cu_dev, max_seqlen_q=longest, max_seqlen_k=longest, causal=causal),
+                q, k, v, cu_dev, cu_dev, max_seqlen_q=longest, max_seqlen_k=longest, causal=causal
+            ),
             ("varlen", "bwd"): lambda: cupyflash.attention_varlen_backward(
-                dout, q, k, v, *saved, cu_dev, cu_dev, max_seqlen_q=longest, max_seqlen_k=longest, causal=causal),
+                dout, q, k, v, *saved, cu_dev, cu_dev, max_seqlen_q=longest, max_seqlen_k=longest, causal=causal
+            ),
             ("padded", "fwd"): lambda: cupyflash.attention_forward(*padded[:3], causal=causal),
-            ("padded", "bwd"): lambda: cupyflash.attention_backward(padded[3], *padded[:3], *dense_saved,
-                                                                    causal=causal),
+            ("padded", "bwd"): lambda: cupyflash.attention_backward(
+                padded[3], *padded[:3], *dense_saved, causal=causal
+            ),
         }
         row = {"causal": causal, "useful_flops_fwd": useful, "useful_flops_bwd": ba.BWD_FLOPS_FACTOR * useful}
         for (name, phase), fn in timings.items():
@@ -146,8 +153,12 @@ def time_torch(fn, q, k, v, cu_dev, longest, causal, args, flush):
         cu_t = ba.torch.from_dlpack(cu_dev)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return ba._timing.median_ms(lambda: fn(tq, tk, tv, cu_t, cu_t, longest, longest, **mask),
-                                        warmup=args.warmup, repeats=args.repeats, before_each=flush)
+            return ba._timing.median_ms(
+                lambda: fn(tq, tk, tv, cu_t, cu_t, longest, longest, **mask),
+                warmup=args.warmup,
+                repeats=args.repeats,
+                before_each=flush,
+            )
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
         print(f"torch varlen_attn failed: {type(exc).__name__}: {exc}")
         return None
@@ -161,8 +172,10 @@ def print_table(rows):
             a, b = row[f"varlen_{phase}_tflops"], row[f"padded_{phase}_tflops"]
             torch_ms = row["torch_varlen_fwd_ms"] if phase == "fwd" else None
             torch_cell = "n/a" if torch_ms is None else f"{torch_ms:.3f} (ours {row[f'varlen_{phase}_ms']:.3f})"
-            print(f"{'causal' if row['causal'] else 'full':8} | {phase:5} | {a:8.1f} | {b:8.1f} | {a / b:6.2f} | "
-                  f"{torch_cell:>15}")
+            print(
+                f"{'causal' if row['causal'] else 'full':8} | {phase:5} | {a:8.1f} | {b:8.1f} | {a / b:6.2f} | "
+                f"{torch_cell:>15}"
+            )
 
 
 if __name__ == "__main__":

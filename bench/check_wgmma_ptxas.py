@@ -13,6 +13,7 @@ things are reported per variant, and the exit status is 1 if any appears:
   docs/design/compile.md tells what caused them.
 No GPU is needed. ptxas ships with the CUDA toolkit and in the nvidia-cuda-nvcc wheels.
 """
+
 import argparse
 import os
 import re
@@ -47,12 +48,16 @@ def problems(variant, ptxas):
         f.write(ptx_of(variant))
         path = f.name
     try:
-        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
-                             capture_output=True, text=True, check=True).stderr
+        log = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True, check=True
+        ).stderr
     finally:
         os.unlink(path)
-    return [line.strip() for line in log.splitlines()
-            if re.search(r"C751\d", line) or ("spill" in line and " 0 bytes spill stores, 0 bytes spill loads" not in line)]
+    return [
+        line.strip()
+        for line in log.splitlines()
+        if re.search(r"C751\d", line) or ("spill" in line and " 0 bytes spill stores, 0 bytes spill loads" not in line)
+    ]
 
 
 def main():
@@ -66,8 +71,10 @@ def main():
     bad = [(v, lines) for v, lines in found if lines]
     for v, lines in bad:
         print(v, *lines, sep="\n    ")
-    print(f"{len(variants)} wgmma variants, {len(bad)} with spills or serialized wgmma "
-          f"({subprocess.run([args.ptxas, '--version'], capture_output=True, text=True).stdout.splitlines()[-1]})")
+    print(
+        f"{len(variants)} wgmma variants, {len(bad)} with spills or serialized wgmma "
+        f"({subprocess.run([args.ptxas, '--version'], capture_output=True, text=True).stdout.splitlines()[-1]})"
+    )
     return 1 if bad else 0
 
 

@@ -81,7 +81,9 @@ def stream(inputs, outputs, items, grid):
     """One launch: each of ``outputs`` (cupy arrays of the inputs' size, 16-byte multiples) gets the XOR of
     ``inputs`` (1 to 5 arrays), chunk by chunk, output j's first word XOR j."""
     if not 1 <= len(inputs) <= MAX_INPUTS or not 1 <= len(outputs) <= MAX_OUTPUTS:
-        raise ValueError(f"1 to {MAX_INPUTS} inputs and 1 to {MAX_OUTPUTS} outputs, got {len(inputs)} and {len(outputs)}")
+        raise ValueError(
+            f"1 to {MAX_INPUTS} inputs and 1 to {MAX_OUTPUTS} outputs, got {len(inputs)} and {len(outputs)}"
+        )
     nbytes = inputs[0].nbytes
     if nbytes % 16 or any(x.nbytes != nbytes or not x.flags.c_contiguous for x in list(inputs) + list(outputs)):
         raise ValueError("the arrays must be C-contiguous, of one size, a multiple of 16 bytes")
@@ -171,8 +173,10 @@ def main():
     args = type("Args", (), {"warmup": 5, "repeats": 30})()
     floors = attention_floors(16384 * 16 * 128, 2, lambda fn: ba.median_ms(fn, args, flush))
     for phase, f in floors.items():
-        print(f"{phase}: {f['bytes'] / 1e6:.0f} MB in {f['ms']:.4f} ms, {f['tb_per_s']:.2f} TB/s "
-              f"({f['items']} chunks per thread, {f['grid']} CTAs)")
+        print(
+            f"{phase}: {f['bytes'] / 1e6:.0f} MB in {f['ms']:.4f} ms, {f['tb_per_s']:.2f} TB/s "
+            f"({f['items']} chunks per thread, {f['grid']} CTAs)"
+        )
 
 
 if __name__ == "__main__":

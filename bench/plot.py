@@ -133,7 +133,9 @@ def _draw_speed(fig, group, phases, results, device):
 
 def _draw_summary(fig, dtype, dims, groups, results, device):
     date = results.get("environment", {}).get("date", "").split(" ")[0]
-    fig.suptitle(f"{dtype} attention, TFLOP/s against N" + (f", {device}" if device else "") + (f", {date}" if date else ""))
+    fig.suptitle(
+        f"{dtype} attention, TFLOP/s against N" + (f", {device}" if device else "") + (f", {date}" if date else "")
+    )
     axes = fig.subplots(2, len(dims), squeeze=False)
     for column, d in enumerate(dims):
         for row, (phase, title) in enumerate(PHASES):
@@ -141,8 +143,15 @@ def _draw_summary(fig, dtype, dims, groups, results, device):
             for causal in (False, True):
                 for backend, points in _ordered(groups.get((dtype, d, causal), {}).get(phase, {})):
                     n, tflops = zip(*points)
-                    ax.plot(n, tflops, marker="o", markersize=3, linestyle="--" if causal else "-",
-                            color=_colour(backend), label=f"{backend}{' causal' if causal else ''}")
+                    ax.plot(
+                        n,
+                        tflops,
+                        marker="o",
+                        markersize=3,
+                        linestyle="--" if causal else "-",
+                        color=_colour(backend),
+                        label=f"{backend}{' causal' if causal else ''}",
+                    )
             _axes(ax, f"{title}, D = {d}", "N", "TFLOP/s")
             ax.set_ylim(bottom=0)
     fig.tight_layout()
@@ -151,16 +160,26 @@ def _draw_summary(fig, dtype, dims, groups, results, device):
 
 def _draw_memory(fig, memory, results, device):
     case = results.get("memory_case")  # absent from JSON written before bench_attention.py saved it
-    what = f"{case['dtype']}, B = 1, H = {case['heads']}, D = {case['head_dim']}, " \
-           f"{'causal' if case['causal'] else 'not causal'}" if case else ""
+    what = (
+        f"{case['dtype']}, B = 1, H = {case['heads']}, D = {case['head_dim']}, "
+        f"{'causal' if case['causal'] else 'not causal'}"
+        if case
+        else ""
+    )
     details = ", ".join(filter(None, (what, device)))
     fig.suptitle("extra peak memory beyond the inputs" + (f"\n{details}" if details else ""))
     for ax, (phase, title) in zip(fig.subplots(1, 2), PHASES):
         for name, points in _ordered(memory[phase]):
             n, mib = zip(*points)
             dashed = name == MIN_SERIES
-            ax.plot(n, mib, marker="" if dashed else "o", linestyle="--" if dashed else "-",
-                    color="grey" if dashed else _colour(name), label="minimum (outputs)" if dashed else name)
+            ax.plot(
+                n,
+                mib,
+                marker="" if dashed else "o",
+                linestyle="--" if dashed else "-",
+                color="grey" if dashed else _colour(name),
+                label="minimum (outputs)" if dashed else name,
+            )
         _axes(ax, title, "N", "MiB")
         ax.set_yscale("log")
     fig.tight_layout()

@@ -56,9 +56,9 @@ to the kernel named in it (template arguments normalized), and what cannot be at
 missing summary, 2 when compute-sanitizer is not found. Racecheck warnings are listed and fail the run only
 with ``--strict``.
 
-Logs: ``OUT/TOOL.sanitizer.log`` (the tool's report) and ``OUT/TOOL.worker.log`` (the worker's output).
-Runtime: tiny problems, so the time goes to loading and instrumenting ~310 modules per tool (~520 on Hopper); racecheck is
-the slowest. Split the work with ``--tools`` or ``--variants`` if a run must fit a time limit.
+Logs: ``OUT/TOOL.sanitizer.log`` (the tool's report) and ``OUT/TOOL.worker.log`` (the worker's output). Runtime: tiny
+problems, so the time goes to loading and instrumenting ~310 modules per tool (~520 on Hopper); racecheck is the
+slowest. Split the work with ``--tools`` or ``--variants`` if a run must fit a time limit.
 """
 
 import argparse
@@ -80,10 +80,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64", "float8_e4m3": "fp8"}
 # fp8_values_transposed: the FP8 forward's pass that writes V^T before its kernel (cupyflash/_cuda/fp8.py).
-KERNEL_FAMILIES = ("attention_fwd_kernel", "attention_fwd_wgmma_kernel", "attention_fwd_ws_kernel",
-                   "attention_bwd_preprocess_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel",
-                   "attention_probs_kernel", "split_f32_kernel", "attention_bwd_ws_kernel",
-                   "attention_bwd_dq_convert_kernel", "fp8_values_transposed")
+KERNEL_FAMILIES = (
+    "attention_fwd_kernel",
+    "attention_fwd_wgmma_kernel",
+    "attention_fwd_ws_kernel",
+    "attention_bwd_preprocess_kernel",
+    "attention_bwd_dkdv_kernel",
+    "attention_bwd_dq_kernel",
+    "attention_probs_kernel",
+    "split_f32_kernel",
+    "attention_bwd_ws_kernel",
+    "attention_bwd_dq_convert_kernel",
+    "fp8_values_transposed",
+)
 OTHER = "other (CuPy kernels, API calls, unattributed)"
 TOOL_VARIABLE = "CUPYFLASH_SANITIZER_TOOL"  # tells the worker which tool runs it
 PLAIN_SHAPE = dict(batch=(2,), nq=70, nk=90)
@@ -146,8 +155,9 @@ def reachable(variant, device) -> bool:
     device = device if _hopper_path(variant) else dataclasses.replace(device, wgmma=False)
     calls = [(causal, options, False, tma) for causal, options in _calls(variant, None, None) for tma in (True, False)]
     calls += [(causal, options, True, True) for causal, options in _packed_options(variant)]
-    return any(_selected(variant, causal, options, device, packed, tma) == variant
-               for causal, options, packed, tma in calls)
+    return any(
+        _selected(variant, causal, options, device, packed, tma) == variant for causal, options, packed, tma in calls
+    )
 
 
 def selected_variants(pattern):
@@ -215,12 +225,19 @@ def _calls(variant, rng, dtype):
     if variant.mods == "none":
         return [(variant.causal, {})]
     if variant.mods == "all":
-        first = dict(window=(100, 20), alibi_slopes=slopes,
-                     bias=array(lambda: rng.standard_normal((b, h, nq, nk), dtype=np.float32).astype(dtype)),
-                     mask=array(lambda: rng.random((nq, nk)) < 0.8), block_mask=tiles_off)
-        second = dict(softcap=5.0, alibi_slopes=slopes,
-                      bias=array(lambda: rng.standard_normal((b, 1, nq, nk), dtype=np.float32).astype(dtype)),
-                      mask=array(lambda: rng.random((1, 1, 1, nk)) < 0.8))
+        first = dict(
+            window=(100, 20),
+            alibi_slopes=slopes,
+            bias=array(lambda: rng.standard_normal((b, h, nq, nk), dtype=np.float32).astype(dtype)),
+            mask=array(lambda: rng.random((nq, nk)) < 0.8),
+            block_mask=tiles_off,
+        )
+        second = dict(
+            softcap=5.0,
+            alibi_slopes=slopes,
+            bias=array(lambda: rng.standard_normal((b, 1, nq, nk), dtype=np.float32).astype(dtype)),
+            mask=array(lambda: rng.random((1, 1, 1, nk)) < 0.8),
+        )
         return [(True, first), (False, second)]
     if variant.mods == "softcap":
         return [(variant.causal, dict(softcap=5.0))]
@@ -232,10 +249,16 @@ def _calls(variant, rng, dtype):
     if variant.score == "alibi":
         return [(False, dict(window=(100, -1), alibi_slopes=slopes, **extra))]
     if variant.score == "alibi_half_first":
-        return [(True, dict(alibi_slopes=slopes, **extra)), (False, dict(window=(100, 20), alibi_slopes=slopes, **extra))]
+        return [
+            (True, dict(alibi_slopes=slopes, **extra)),
+            (False, dict(window=(100, 20), alibi_slopes=slopes, **extra)),
+        ]
     # The scalars' plain form: a window with a softcap beyond the bounded form's reach; on the other paths
     # also ALiBi (the warp-specialized forward folds it), and in the backward the block mask.
-    calls = [(True, dict(window=(100, 20), softcap=50.0, **extra)), (False, dict(window=(40, 10), softcap=50.0, **extra))]
+    calls = [
+        (True, dict(window=(100, 20), softcap=50.0, **extra)),
+        (False, dict(window=(40, 10), softcap=50.0, **extra)),
+    ]
     if variant.path != "ws":
         calls += [(True, dict(window=(100, 20), alibi_slopes=slopes)), (False, dict(softcap=5.0, alibi_slopes=slopes))]
         if variant.direction == "bwd":
@@ -288,13 +311,30 @@ def _selected(variant, causal, options, device, packed=False, tma=True):
         return _fp8_selected(variant.head_dim, causal, options, device, packed)
     mods = None
     if options:
-        mods = Modifiers(options.get("window", (-1, -1)), options.get("softcap", 0.0), options.get("alibi_slopes"),
-                         options.get("bias"), None, options.get("mask"), options.get("block_mask"))
+        mods = Modifiers(
+            options.get("window", (-1, -1)),
+            options.get("softcap", 0.0),
+            options.get("alibi_slopes"),
+            options.get("bias"),
+            None,
+            options.get("mask"),
+            options.get("block_mask"),
+        )
     dropout = object() if variant.dropout else None
     # The fused backward is chosen by length (its thresholds lowered where it runs: _fused_at_any_length)
     lengths = (FUSED_SHAPE["nq"], FUSED_SHAPE["nk"]) if variant.fused_backward else (0, 0)
-    features = Features.of(variant.direction, variant.dtype, variant.head_dim, variant.head_dim, causal, mods,
-                           dropout, packed, lengths=lengths, deterministic=variant.deterministic)
+    features = Features.of(
+        variant.direction,
+        variant.dtype,
+        variant.head_dim,
+        variant.head_dim,
+        causal,
+        mods,
+        dropout,
+        packed,
+        lengths=lengths,
+        deterministic=variant.deterministic,
+    )
     with _fused_at_any_length(variant):
         return select(dataclasses.replace(features, tma=tma), device)
 
@@ -330,8 +370,9 @@ def run_variant(variant, rng):
     if _fp8(variant):
         _run_fp8(variant, rng, device)
         return
-    dtype = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
-             "float64": np.float64}[variant.dtype]
+    dtype = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}[
+        variant.dtype
+    ]
     shape = MODS_SHAPE if variant.mods != "none" else FUSED_SHAPE if variant.fused_backward else PLAIN_SHAPE
     q, k, v, dout = _problem(rng, dtype, shape["batch"], shape["nq"], shape["nk"], variant.head_dim)
     dropout = dict(dropout_p=0.2, dropout_seed=7) if variant.dropout else {}
@@ -382,8 +423,10 @@ def _run_fp8(variant, rng, device):
         if _selected(variant, causal, options, device) != variant:
             continue
         for shape, block in FP8_CALLS:
-            q, k, v = (quantized(shape["batch"] + (n, variant.head_dim), block)
-                       for n in (shape["nq"], shape["nk"], shape["nk"]))
+            q, k, v = (
+                quantized(shape["batch"] + (n, variant.head_dim), block)
+                for n in (shape["nq"], shape["nk"], shape["nk"])
+            )
             cupyflash.attention_forward(q, k, v, causal=causal, **options)
             ran += 1
     if not ran:
@@ -422,8 +465,9 @@ def _fused_calls(variant, dout, q, k, v, out, lse, causal):
             sm_count = fused_backward.sm_count
             fused_backward.sm_count = lambda device: 1
             try:
-                cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
-                                             deterministic=variant.deterministic)
+                cupyflash.attention_backward(
+                    dout, q, k, v, out, lse, causal=causal, deterministic=variant.deterministic
+                )
             finally:
                 fused_backward.sm_count = sm_count
         finally:
@@ -452,7 +496,9 @@ def _packed_call(rng, dtype, variant, dropout):
 
     lengths_q, lengths_k, d = [0, 70, 1, 150], [90, 0, 40, 270], variant.head_dim
     cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)) for n in (lengths_q, lengths_k))
-    q, dout = (cupy.asarray(rng.standard_normal((sum(lengths_q), 2, d), dtype=np.float32).astype(dtype)) for _ in range(2))
+    q, dout = (
+        cupy.asarray(rng.standard_normal((sum(lengths_q), 2, d), dtype=np.float32).astype(dtype)) for _ in range(2)
+    )
     k, v = (cupy.asarray(rng.standard_normal((sum(lengths_k), 1, d), dtype=np.float32).astype(dtype)) for _ in range(2))
     options = dict(causal=True, alibi_slopes=cupy.asarray(np.array([0.25, 0.0625], dtype=np.float32)), **dropout)
     out, lse = cupyflash.attention_varlen_forward(q, k, v, cu_q, cu_k, **options)
@@ -495,10 +541,14 @@ def find_sanitizer(explicit=None):
         return found
     roots = [os.environ.get(name) for name in ("CUDA_HOME", "CUDA_PATH", "CUDA_ROOT")]
     roots += ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True), "/opt/cuda"]
-    candidates = [os.path.join(root, sub, "compute-sanitizer") for root in roots if root
-                  for sub in ("bin", "compute-sanitizer")]
-    candidates += [os.path.join(path, "nvidia", "cuda_sanitizer_api", "compute-sanitizer", "compute-sanitizer")
-                   for path in sys.path if path]
+    candidates = [
+        os.path.join(root, sub, "compute-sanitizer") for root in roots if root for sub in ("bin", "compute-sanitizer")
+    ]
+    candidates += [
+        os.path.join(path, "nvidia", "cuda_sanitizer_api", "compute-sanitizer", "compute-sanitizer")
+        for path in sys.path
+        if path
+    ]
     return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
 
 
@@ -509,8 +559,18 @@ NOT_PRINTED = "not printed (past the sanitizer's --print-limit)"
 _RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY:\s*(\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
 _KERNEL = re.compile(r"(" + "|".join(KERNEL_FAMILIES) + r")(<[^>]*>)?")
 _CAST = re.compile(r"\((?:unsigned |signed )?(?:int|bool|long|long long|short|char)\)")
-_NOT_ERRORS = ("COMPUTE-SANITIZER", "Process ID", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY",
-               "Target application", "This application", "Note:", "Disabling", "Enabling")
+_NOT_ERRORS = (
+    "COMPUTE-SANITIZER",
+    "Process ID",
+    "ERROR SUMMARY",
+    "RACECHECK SUMMARY",
+    "LEAK SUMMARY",
+    "Target application",
+    "This application",
+    "Note:",
+    "Disabling",
+    "Enabling",
+)
 
 
 def normalize_kernel(family, args):
@@ -528,7 +588,7 @@ def parse_report(text):
     lines = [line.rstrip("\n") for line in text.splitlines() if line.startswith("=========")]
     blocks, current = [], None
     for line in lines:
-        body = line[len("========="):]
+        body = line[len("=========") :]
         if not body.strip():
             current = None
             continue
@@ -586,8 +646,9 @@ def run_tool(tool, sanitizer, args, out):
     started = time.perf_counter()
     with open(worker_log, "w") as stream:
         # Its own process group, so that a timeout ends the sanitized worker too, not only the sanitizer.
-        process = subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env=environment)
+        process = subprocess.Popen(
+            command, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True, env=environment
+        )
         try:
             code = process.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -598,8 +659,19 @@ def run_tool(tool, sanitizer, args, out):
     report = log.read_text(errors="replace") if log.exists() else ""
     summary, warnings, errors = parse_report(report)
     ran, failures, finished = parse_worker(worker_log.read_text(errors="replace"))
-    return dict(tool=tool, code=code, seconds=seconds, summary=summary, warnings=warnings, errors=errors,
-                ran=ran, failures=failures, finished=finished, log=log, worker_log=worker_log)
+    return dict(
+        tool=tool,
+        code=code,
+        seconds=seconds,
+        summary=summary,
+        warnings=warnings,
+        errors=errors,
+        ran=ran,
+        failures=failures,
+        finished=finished,
+        log=log,
+        worker_log=worker_log,
+    )
 
 
 def family_of(kernel):
@@ -634,14 +706,22 @@ def print_table(results, all_rows):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {','.join(TOOLS)}")
-    parser.add_argument("--variants", default=".", help="regex searched in the names fwd|bwd|probs/fp16|bf16|fp32|"
-                                                         "fp64|fp8/HEAD_DIM/PATH/FORM[/...] (default: all)")
+    parser.add_argument(
+        "--variants",
+        default=".",
+        help="regex searched in the names fwd|bwd|probs/fp16|bf16|fp32|"
+        "fp64|fp8/HEAD_DIM/PATH/FORM[/...] (default: all)",
+    )
     parser.add_argument("--out", default="/tmp/cupyflash-sanitize", help="folder for the logs (default: %(default)s)")
     parser.add_argument("--jobs", type=int, default=0, help="tools run at once (default: all of them)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per tool (default 3600)")
     parser.add_argument("--padding", type=int, default=64, help="memcheck guard bytes after each allocation (0: off)")
-    parser.add_argument("--api-errors", default="no", choices=("no", "explicit", "all"),
-                        help="compute-sanitizer --report-api-errors (default no: kernels only)")
+    parser.add_argument(
+        "--api-errors",
+        default="no",
+        choices=("no", "explicit", "all"),
+        help="compute-sanitizer --report-api-errors (default no: kernels only)",
+    )
     parser.add_argument("--sanitizer", default=None, help="path of compute-sanitizer (default: searched)")
     parser.add_argument("--all-rows", action="store_true", help="one row per kernel instantiation")
     parser.add_argument("--strict", action="store_true", help="racecheck warnings fail the run too")
@@ -656,9 +736,11 @@ def main(argv=None):
         parser.error(f"unknown tools {sorted(unknown)}; choose from {', '.join(TOOLS)}")
     sanitizer = find_sanitizer(args.sanitizer)
     if sanitizer is None:
-        print("compute-sanitizer not found: looked on PATH, in $CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda*/bin "
-              "and the nvidia-cuda-sanitizer-api package. It ships with the CUDA toolkit; pass --sanitizer PATH.",
-              file=sys.stderr)
+        print(
+            "compute-sanitizer not found: looked on PATH, in $CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda*/bin "
+            "and the nvidia-cuda-sanitizer-api package. It ships with the CUDA toolkit; pass --sanitizer PATH.",
+            file=sys.stderr,
+        )
         return 2
     variants = selected_variants(args.variants)
     if not variants:
@@ -672,8 +754,11 @@ def main(argv=None):
         problems = compile_into_cache(variants, jobs=max(1, min(16, os.cpu_count() or 1)))
     except Exception as error:  # noqa: BLE001 - the workers then compile (and report) on their own
         problems = [f"{type(error).__name__}: {error}"]
-    print(f"compiled into the kernel cache in {time.perf_counter() - started:.0f} s"
-          + (f"; {len(problems)} failed, e.g. {problems[0]}" if problems else ""), flush=True)
+    print(
+        f"compiled into the kernel cache in {time.perf_counter() - started:.0f} s"
+        + (f"; {len(problems)} failed, e.g. {problems[0]}" if problems else ""),
+        flush=True,
+    )
 
     with ThreadPoolExecutor(max_workers=args.jobs or len(tools)) as pool:
         results = list(pool.map(lambda tool: run_tool(tool, sanitizer, args, out), tools))
@@ -694,11 +779,21 @@ def main(argv=None):
             notes.append(f"exit status {r['code']}")
         if r["warnings"]:
             notes.append(f"{r['warnings']} racecheck warnings")
-        bad = bool(r["summary"] is None or r["summary"] or sum(r["errors"].values()) or r["failures"]
-                   or not r["finished"] or r["code"] != 0 or (args.strict and r["warnings"]))
+        bad = bool(
+            r["summary"] is None
+            or r["summary"]
+            or sum(r["errors"].values())
+            or r["failures"]
+            or not r["finished"]
+            or r["code"] != 0
+            or (args.strict and r["warnings"])
+        )
         failed |= bad
-        print(f"{r['tool']:>10}: {'FAIL' if bad else 'ok'} in {r['seconds']:.0f} s, {len(r['ran'])} kernels ran"
-              + (f"; {'; '.join(notes)}" if notes else "") + f"  [{r['log']}, {r['worker_log']}]")
+        print(
+            f"{r['tool']:>10}: {'FAIL' if bad else 'ok'} in {r['seconds']:.0f} s, {len(r['ran'])} kernels ran"
+            + (f"; {'; '.join(notes)}" if notes else "")
+            + f"  [{r['log']}, {r['worker_log']}]"
+        )
     return 1 if failed else 0
 
 

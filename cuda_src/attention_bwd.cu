@@ -65,21 +65,22 @@
 // this pass is memory-bound, and an element per lane left it at half the DRAM bandwidth
 // (docs/design/backward.md).
 template <typename T, int NUM_WARPS, int LANES>
-__global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
-attention_bwd_preprocess_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1) attention_bwd_preprocess_kernel(const AttnParams p) {
   constexpr int VEC = 16 / sizeof(T);  // elements per chunk
   static_assert(LANES >= 1 && LANES <= WARP_SIZE && WARP_SIZE % LANES == 0, "lanes per row");
   const int b = batch_index();
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int row = (blockIdx.x * NUM_WARPS + warp) * (WARP_SIZE / LANES) + lane / LANES;
   if (b >= p.batch) return;
-  const SeqInfo<true> seq(p, b);  // one instantiation serves every variant: no registers to save here
+  const SeqInfo<true> seq(p, b);      // one instantiation serves every variant: no registers to save here
   const bool valid = row < seq.nq();  // (no return before the shuffles: the row's lanes sum together)
   using A = acc_t<T>;
   A dot = A(0);
   if (valid) {
-    const T* out = static_cast<const T*>(p.out) + batch_offset(p.out_stride, b, p) + (seq.q_row + row) * p.out_stride[3];
-    const T* dout = static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + (seq.q_row + row) * p.dout_stride[3];
+    const T* out =
+        static_cast<const T*>(p.out) + batch_offset(p.out_stride, b, p) + (seq.q_row + row) * p.out_stride[3];
+    const T* dout =
+        static_cast<const T*>(p.dout) + batch_offset(p.dout_stride, b, p) + (seq.q_row + row) * p.dout_stride[3];
 #pragma unroll 1  // (unrolled, float and double rows took 144 registers: one CTA per SM)
     for (int c = (lane % LANES) * VEC; c < p.d_v; c += LANES * VEC) {
       const uint4 o4 = *reinterpret_cast<const uint4*>(out + c), d4 = *reinterpret_cast<const uint4*>(dout + c);
@@ -117,7 +118,6 @@ __device__ __forceinline__ void tile_from_smem(A (&x)[N_TILES][4], const A* src,
     for (int e = 0; e < 4; ++e) x[j][e] = src[(j * 4 + e) * WARP_SIZE + lane];
 }
 
-
 // The dropout dK/dV pass's dS, with the keep mask Z (keep_cols' bits) applied once, to P^T, which dV then
 // takes as it is: (1 - p) dS^T = (Z P^T) dP^T - P^T (1 - p) delta in place in dp (delta_kept: (1 - p) delta,
 // indexed along the columns) and P^T -> Z P^T in place in prob.
@@ -138,8 +138,7 @@ __device__ __forceinline__ void dscores_kept_cols(A (&dp)[N_TILES][4], A (&prob)
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_M, int D_CHUNK, bool IS_CAUSAL, Mods MODS, bool WGMMA,
           bool HAS_DROPOUT, bool PAIRED, bool PIPELINED, bool ACROSS_TURN, bool LSE_BY_COPY>
-__global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
-attention_bwd_dkdv_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1) attention_bwd_dkdv_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
   constexpr int BLOCK_N = (PAIRED ? 8 : 16) * NUM_WARPS;  // keys of this CTA, 16 per warp (PAIRED: per pair)
@@ -148,10 +147,10 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   using E = typename Select<PIECES, half_t, T>::type;  // the shared tiles' elements
   constexpr int COLS = PIECES ? 2 * HEAD_DIM : HEAD_DIM;
   using KVTile = SmemTile<E, BLOCK_N, COLS, WGMMA>;
-  using QTile = SmemTile<E, BLOCK_M, COLS, WGMMA>;      // the streamed q and dout tiles
+  using QTile = SmemTile<E, BLOCK_M, COLS, WGMMA>;        // the streamed q and dout tiles
   using OutTile = SmemTile<T, BLOCK_N, HEAD_DIM, WGMMA>;  // stages dk, dv at the end, in sK, sV
-  constexpr int S_TILES = BLOCK_M / 8;     // S^T tile: 16 keys x BLOCK_M queries per warp
-  constexpr int G_TILES = D_CHUNK / 8;     // gradient columns per CTA
+  constexpr int S_TILES = BLOCK_M / 8;                    // S^T tile: 16 keys x BLOCK_M queries per warp
+  constexpr int G_TILES = D_CHUNK / 8;                    // gradient columns per CTA
   constexpr int N_CHUNKS = HEAD_DIM / D_CHUNK;
   static_assert(HEAD_DIM % D_CHUNK == 0 && D_CHUNK % 16 == 0, "gradient column chunks");
   static_assert(!(HAS_MODS && IS_CAUSAL) || MODS == Mods::softcap, "with modifiers, causal is the window's right edge");
@@ -177,8 +176,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   E* sK = reinterpret_cast<E*>(WGMMA ? smem_aligned(smem_raw) : smem_raw);
   E* sV = sK + KVTile::SIZE;
-  E* sQ = sV + KVTile::SIZE;      // [2] QTile, double-buffered stream
-  E* sdO = sQ + 2 * QTile::SIZE;  // [2] QTile
+  E* sQ = sV + KVTile::SIZE;                              // [2] QTile, double-buffered stream
+  E* sdO = sQ + 2 * QTile::SIZE;                          // [2] QTile
   A* sLse = reinterpret_cast<A*>(sdO + 2 * QTile::SIZE);  // [2][BLOCK_M]
   A* sDelta = sLse + 2 * BLOCK_M;                         // [2][BLOCK_M]
   A* sP = sDelta + 2 * BLOCK_M;                           // PAIRED: [NUM_WARPS / 2][S_TILES * 4][32], P^T per pair
@@ -237,7 +236,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   // The pipelined Mods::scalars pass: the query blocks that need no bound checks, worked out once (as the
   // dQ pass does).
   int m_free_first = 0, m_free_last = -1;
-  if constexpr (PIPELINED && HAS_MODS) mods.template unchecked_query_blocks<BLOCK_M>(n0, n0 + BLOCK_N - 1, m_free_first, m_free_last);
+  if constexpr (PIPELINED && HAS_MODS)
+    mods.template unchecked_query_blocks<BLOCK_M>(n0, n0 + BLOCK_N - 1, m_free_first, m_free_last);
   TileBitmap own_bitmap;  // Mods::all's; Mods::scalars use the shared one
   TileBitmap& tile_bitmap = tile_bitmap_for<MODS>(own_bitmap);
   if constexpr (HAS_MODS) {
@@ -251,8 +251,10 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 
   auto load_stream = [&](int m_block, int buf) {
     const int m0 = m_block * BLOCK_M;
-    load_tile_async<QTile, THREADS, true>(sQ + buf * QTile::SIZE, q + m0 * p.q_stride[3], p.q_stride[3], seq.nq() - m0, qk_cols());
-    load_tile_async<QTile, THREADS, true>(sdO + buf * QTile::SIZE, dout + m0 * p.dout_stride[3], p.dout_stride[3], seq.nq() - m0, v_cols());
+    load_tile_async<QTile, THREADS, true>(sQ + buf * QTile::SIZE, q + m0 * p.q_stride[3], p.q_stride[3], seq.nq() - m0,
+                                          qk_cols());
+    load_tile_async<QTile, THREADS, true>(sdO + buf * QTile::SIZE, dout + m0 * p.dout_stride[3], p.dout_stride[3],
+                                          seq.nq() - m0, v_cols());
     if constexpr (!LSE_BY_COPY) {
       for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
         const bool valid = m0 + i < seq.nq();  // rows past nq: P = 0 through lse = +inf
@@ -266,8 +268,8 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
       for (int i = threadIdx.x; i < 2 * BLOCK_M; i += THREADS) {
         const bool is_delta = i >= BLOCK_M;
         const int r = is_delta ? i - BLOCK_M : i;
-        cp_async_small<sizeof(A)>(smem_u32((is_delta ? sDelta : sLse) + buf * BLOCK_M + r), (is_delta ? delta : lse_log2) + m0 + r,
-                                  m0 + r < seq.nq());
+        cp_async_small<sizeof(A)>(smem_u32((is_delta ? sDelta : sLse) + buf * BLOCK_M + r),
+                                  (is_delta ? delta : lse_log2) + m0 + r, m0 + r < seq.nq());
       }
     }
   };
@@ -320,10 +322,10 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
         const A* lse_i = sLse + buf * BLOCK_M;
         const A* delta_i = sDelta + buf * BLOCK_M;
         const int t = lane & 3;
-        mods.template probs_folded<true>(acc_s, acc_dp, n0 + warp * 16, m0, lane,
-                                         m_block < m_free_first || m_block > m_free_last,
-                                         [&](int j, int e) { return lse_i[j * 8 + 2 * t + (e & 1)]; },
-                                         [&](int j, int e) { return delta_i[j * 8 + 2 * t + (e & 1)]; });
+        mods.template probs_folded<true>(
+            acc_s, acc_dp, n0 + warp * 16, m0, lane, m_block < m_free_first || m_block > m_free_last,
+            [&](int j, int e) { return lse_i[j * 8 + 2 * t + (e & 1)]; },
+            [&](int j, int e) { return delta_i[j * 8 + 2 * t + (e & 1)]; });
         pack_fragments<T>(acc_s, p_frag);
         wg_issue_pb<T, S_TILES / 2, G_TILES, QTile>(acc_dv, p_frag, sdO_i, c0, !first);
         if (mods.capped()) {
@@ -384,10 +386,12 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
         // below (carrying 2^e_q).
         gemm_abt_pieces<HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, warp * 16, sQ_i);
         if (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + offset) mask.apply_transposed(acc_s, n0 + warp * 16, m0, lane);
-        probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p) * (q_factors.q * kv_factors.k), lane);
+        probs_from_scores_cols(acc_s, sLse + buf * BLOCK_M, Reals<A>::scale_log2(p) * (q_factors.q * kv_factors.k),
+                               lane);
         gemm_pb_pieces<HEAD_DIM, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, q_factors.dout);
         gemm_abt_pieces<HEAD_DIM, S_TILES, KVTile, QTile>(acc_dp, sV, warp * 16, sdO_i);
-        dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane, q_factors.dout * kv_factors.v);  // dP^T unscaled on the way
+        dscores_cols(acc_dp, acc_s, sDelta + buf * BLOCK_M, lane,
+                     q_factors.dout * kv_factors.v);  // dP^T unscaled on the way
       } else if constexpr (PAIRED) {
         if (role == 0) {  // S^T = K Q_i^T, P^T = exp(scale * S^T - lse), to the partner too
           gemm_abt<T, HEAD_DIM, S_TILES, KVTile, QTile>(acc_s, sK, row0, sQ_i, lane);
@@ -419,10 +423,10 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
         const A* lse_i = sLse + buf * BLOCK_M;
         const A* delta_i = sDelta + buf * BLOCK_M;
         const int t = lane & 3;
-        mods.template backward<true>(acc_s, acc_dp, n0 + warp * 16, m0, lane,
-                                     mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1),
-                                     [&](int j, int e) { return lse_i[j * 8 + 2 * t + (e & 1)]; },
-                                     [&](int j, int e) { return delta_i[j * 8 + 2 * t + (e & 1)]; }, false);
+        mods.template backward<true>(
+            acc_s, acc_dp, n0 + warp * 16, m0, lane, mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1),
+            [&](int j, int e) { return lse_i[j * 8 + 2 * t + (e & 1)]; },
+            [&](int j, int e) { return delta_i[j * 8 + 2 * t + (e & 1)]; }, false);
         if constexpr (HAS_DROPOUT) apply_keep(acc_s, keep);
         // dV += (Z * P^T) dO_i
         gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dv, acc_s, sdO_i, c0, lane);
@@ -455,8 +459,10 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
       }
 
       // dK += dS^T Q_i
-      if constexpr (PIECES) gemm_pb_pieces<HEAD_DIM, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, q_factors.q);
-      else if constexpr (!PAIRED) gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, lane);
+      if constexpr (PIECES)
+        gemm_pb_pieces<HEAD_DIM, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, q_factors.q);
+      else if constexpr (!PAIRED)
+        gemm_pb<T, S_TILES, G_TILES, QTile>(acc_dk, acc_dp, sQ_i, c0, lane);
       __syncthreads();  // this buffer (and PAIRED's P^T) is refilled two iterations on
       m_block = m_next;
     }
@@ -473,8 +479,10 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
   T* sK_out = reinterpret_cast<T*>(sK);
   T* sV_out = reinterpret_cast<T*>(sV);
   if constexpr (PAIRED) {
-    if (role == 0) acc_to_smem<OutTile, G_TILES>(sV_out, row0, acc_dk, dv_scales, lane);
-    else acc_to_smem<OutTile, G_TILES>(sK_out, row0, acc_dk, dk_scale, lane);
+    if (role == 0)
+      acc_to_smem<OutTile, G_TILES>(sV_out, row0, acc_dk, dv_scales, lane);
+    else
+      acc_to_smem<OutTile, G_TILES>(sK_out, row0, acc_dk, dk_scale, lane);
   } else {
     acc_to_smem<OutTile, G_TILES>(sK_out, row0, acc_dk, dk_scale, lane);
     acc_to_smem<OutTile, G_TILES>(sV_out, row0, acc_dv, dv_scales, lane);
@@ -488,8 +496,7 @@ attention_bwd_dkdv_kernel(const AttnParams p) {
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, Mods MODS, bool WGMMA,
           bool HAS_DROPOUT, bool PAIRED, bool PIPELINED, bool ACROSS_TURN>
-__global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
-attention_bwd_dq_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1) attention_bwd_dq_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
   constexpr int BLOCK_M = (PAIRED ? 8 : 16) * NUM_WARPS;  // queries of this CTA, 16 per warp (PAIRED: per pair)
@@ -497,8 +504,8 @@ attention_bwd_dq_kernel(const AttnParams p) {
   constexpr bool PIECES = WGMMA && sizeof(T) == 4;
   using E = typename Select<PIECES, half_t, T>::type;
   constexpr int COLS = PIECES ? 2 * HEAD_DIM : HEAD_DIM;
-  using QTile = SmemTile<E, BLOCK_M, COLS, WGMMA>;     // q and dout
-  using KVTile = SmemTile<E, BLOCK_N, COLS, WGMMA>;    // the streamed k and v tiles
+  using QTile = SmemTile<E, BLOCK_M, COLS, WGMMA>;        // q and dout
+  using KVTile = SmemTile<E, BLOCK_N, COLS, WGMMA>;       // the streamed k and v tiles
   using OutTile = SmemTile<T, BLOCK_M, HEAD_DIM, WGMMA>;  // stages dq at the end, in sQ
   constexpr int S_TILES = BLOCK_N / 8;
   constexpr int G_TILES = D_CHUNK / 8;
@@ -531,8 +538,8 @@ attention_bwd_dq_kernel(const AttnParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   E* sQ = reinterpret_cast<E*>(WGMMA ? smem_aligned(smem_raw) : smem_raw);
   E* sdO = sQ + QTile::SIZE;
-  E* sK = sdO + QTile::SIZE;       // [2] KVTile, double-buffered stream
-  E* sV = sK + 2 * KVTile::SIZE;   // [2] KVTile
+  E* sK = sdO + QTile::SIZE;                            // [2] KVTile, double-buffered stream
+  E* sV = sK + 2 * KVTile::SIZE;                        // [2] KVTile
   A* sP = reinterpret_cast<A*>(sV + 2 * KVTile::SIZE);  // PAIRED: [NUM_WARPS / 2][S_TILES * 4][32], P then dS
 
   const int b = batch_index();
@@ -553,7 +560,8 @@ attention_bwd_dq_kernel(const AttnParams p) {
   const E* q = static_cast<const E*>(p.q) + batch_offset(p.q_stride, b, p) + (seq.q_row + m0) * p.q_stride[3];
   const E* k = static_cast<const E*>(p.k) + batch_offset(p.k_stride, b, p) + seq.k_row * p.k_stride[3];
   const E* v = static_cast<const E*>(p.v) + batch_offset(p.v_stride, b, p) + seq.k_row * p.v_stride[3];
-  const E* dout = static_cast<const E*>(p.dout) + batch_offset(p.dout_stride, b, p) + (seq.q_row + m0) * p.dout_stride[3];
+  const E* dout =
+      static_cast<const E*>(p.dout) + batch_offset(p.dout_stride, b, p) + (seq.q_row + m0) * p.dout_stride[3];
   // Columns to read (pieces: whole rows, padded with zeros), where the loads use them.
   auto qk_cols = [&]() { return PIECES ? COLS : p.d_qk; };
   auto v_cols = [&]() { return PIECES ? COLS : p.d_v; };
@@ -562,7 +570,7 @@ attention_bwd_dq_kernel(const AttnParams p) {
   const Dropout dropout(p, b);
   // As in the dK/dV pass: without modifiers, (1 - p) dS in place of dS, and 1 / (1 - p) in dQ's final scale.
   constexpr bool DS_UNSCALED = HAS_DROPOUT && !HAS_MODS;
-  auto drop_dp = [&](A (&dp)[S_TILES][4], int n0) {  // dP -> Z * dP (DS_UNSCALED), else Z * dP / (1 - p)
+  auto drop_dp = [&](A(&dp)[S_TILES][4], int n0) {  // dP -> Z * dP (DS_UNSCALED), else Z * dP / (1 - p)
     if constexpr (HAS_DROPOUT) {
       dropout.drop_rows(dp, m0 + warp * 16, n0, lane, DS_UNSCALED ? A(1) : Reals<A>::dropout_scale(p));
     }
@@ -597,7 +605,8 @@ attention_bwd_dq_kernel(const AttnParams p) {
   // Mods::scalars and ::softcap: the key blocks that need no bound checks, worked out once (as the forward
   // does), not per tile from nq and nk; Mods::all has no registers to spare for them.
   int n_free_first = 0, n_free_last = -1;
-  if constexpr (HAS_MODS && MODS != Mods::all) mods.template unchecked_key_blocks<BLOCK_N>(m0, m0 + BLOCK_M - 1, n_free_first, n_free_last);
+  if constexpr (HAS_MODS && MODS != Mods::all)
+    mods.template unchecked_key_blocks<BLOCK_N>(m0, m0 + BLOCK_M - 1, n_free_first, n_free_last);
   TileBitmap own_bitmap;  // Mods::all's; Mods::scalars use the shared one
   TileBitmap& tile_bitmap = tile_bitmap_for<MODS>(own_bitmap);
   if constexpr (HAS_MODS) {
@@ -611,8 +620,10 @@ attention_bwd_dq_kernel(const AttnParams p) {
 
   auto load_stream = [&](int n_block, int buf) {
     const int n0 = n_block * BLOCK_N;
-    load_tile_async<KVTile, THREADS, true>(sK + buf * KVTile::SIZE, k + n0 * p.k_stride[3], p.k_stride[3], seq.nk() - n0, qk_cols());
-    load_tile_async<KVTile, THREADS, true>(sV + buf * KVTile::SIZE, v + n0 * p.v_stride[3], p.v_stride[3], seq.nk() - n0, v_cols());
+    load_tile_async<KVTile, THREADS, true>(sK + buf * KVTile::SIZE, k + n0 * p.k_stride[3], p.k_stride[3],
+                                           seq.nk() - n0, qk_cols());
+    load_tile_async<KVTile, THREADS, true>(sV + buf * KVTile::SIZE, v + n0 * p.v_stride[3], p.v_stride[3],
+                                           seq.nk() - n0, v_cols());
   };
 
   load_tile_async<QTile, THREADS, true>(sQ, q, p.q_stride[3], seq.nq() - m0, qk_cols());
@@ -650,7 +661,8 @@ attention_bwd_dq_kernel(const AttnParams p) {
       }
       if constexpr (HAS_MODS) {
         const bool check = n_block < n_free_first || n_block > n_free_last;
-        mods.probs_times_derivative(acc_s, m0 + warp * 16, n0, lane, check, [&](int, int e) { return row_lse[e >> 1]; });
+        mods.probs_times_derivative(acc_s, m0 + warp * 16, n0, lane, check,
+                                    [&](int, int e) { return row_lse[e >> 1]; });
       } else {
         if (n_block >= n_unmasked) mask.apply(acc_s, m0 + warp * 16, n0, lane);
 #pragma unroll
@@ -710,7 +722,8 @@ attention_bwd_dq_kernel(const AttnParams p) {
 #pragma unroll
         for (int j = 0; j < S_TILES; ++j) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] * (q_factors.dout * kv_factors.v) - row_delta[e >> 1]);
+          for (int e = 0; e < 4; ++e)
+            acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] * (q_factors.dout * kv_factors.v) - row_delta[e >> 1]);
         }
       } else if constexpr (PAIRED) {
         if (role == 0) {  // S = Q K_j^T, P = exp(scale * S - lse), to the partner
@@ -719,7 +732,8 @@ attention_bwd_dq_kernel(const AttnParams p) {
 #pragma unroll
           for (int j = 0; j < S_TILES; ++j) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[j][e] = fast_exp2(acc_s[j][e] * Reals<A>::scale_log2(p) - row_lse[e >> 1]);
+            for (int e = 0; e < 4; ++e)
+              acc_s[j][e] = fast_exp2(acc_s[j][e] * Reals<A>::scale_log2(p) - row_lse[e >> 1]);
           }
           tile_to_smem(sP_pair, acc_s, lane);
         } else {  // dP = dO V_j^T
@@ -744,10 +758,10 @@ attention_bwd_dq_kernel(const AttnParams p) {
         gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j, lane);
         drop_dp(acc_dp, n0);
         const bool check = MODS != Mods::all ? n_block < n_free_first || n_block > n_free_last
-                                                 : mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1);
-        mods.template backward<false>(acc_s, acc_dp, m0 + warp * 16, n0, lane, check,
-                                      [&](int, int e) { return row_lse[e >> 1]; },
-                                      [&](int, int e) { return row_delta[e >> 1]; }, c0 == 0);
+                                             : mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1);
+        mods.template backward<false>(
+            acc_s, acc_dp, m0 + warp * 16, n0, lane, check, [&](int, int e) { return row_lse[e >> 1]; },
+            [&](int, int e) { return row_delta[e >> 1]; }, c0 == 0);
       } else {
         // S = Q K_j^T, P = exp(scale * S - lse)
         gemm_abt<T, HEAD_DIM, S_TILES, QTile, KVTile>(acc_s, sQ, warp * 16, sK_j, lane);
@@ -769,8 +783,10 @@ attention_bwd_dq_kernel(const AttnParams p) {
       }
 
       // dQ += dS K_j (PAIRED: this warp's half of the chunk's columns)
-      if constexpr (PIECES) gemm_pb_pieces<HEAD_DIM, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0, kv_factors.k);
-      else gemm_pb<T, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0 + g0, lane);
+      if constexpr (PIECES)
+        gemm_pb_pieces<HEAD_DIM, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0, kv_factors.k);
+      else
+        gemm_pb<T, S_TILES, G_WARP, KVTile>(acc_dq, acc_dp, sK_j, c0 + g0, lane);
       __syncthreads();  // this buffer is refilled two iterations on
       n_block = n_next;
     }

@@ -45,7 +45,9 @@
 #include "tma.cuh"
 
 // q, k, v and dout's maps, one kernel parameter.
-struct BwdTensorMaps { TensorMap q, k, v, dout; };
+struct BwdTensorMaps {
+  TensorMap q, k, v, dout;
+};
 
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool IS_CAUSAL_, bool DETERMINISTIC_, int DQ_CHAINS_,
           bool PAIRED_>
@@ -92,7 +94,7 @@ struct BwdWsTraits {
   static constexpr bool DK_ACROSS = BLOCK_M == 64 && !PAIRED;
   static constexpr u32 CONSUMER_WARPS = 8;
   static_assert(sizeof(T) == 2 && (BLOCK_M == 64 || BLOCK_M == 128) && HEAD_DIM % 64 == 0 && DQ_COLS0 % 64 == 0 &&
-                DQ_COLS1 % 64 == 0 && DQ_COLS1 > 0,
+                    DQ_COLS1 % 64 == 0 && DQ_COLS1 > 0,
                 "16-bit; query blocks of 64 or 128; head dims in whole 64-column atoms");
   static_assert(DQ_SPLIT_ROWS || DQ_COLS0 + DQ_COLS1 == HEAD_DIM, "split by columns, the shares cover the row");
   // Paired, the q and dout tiles of a slot take the two consumers' dQ_partial once read (a float32 staging
@@ -113,7 +115,9 @@ struct BwdWsTraits {
 // consecutive across threads. Element (r, c) of the chunk: warp w = r / 16 of the group, lane 4 (r % 8) + (c % 8)
 // / 2, n-tile c / 8, value 2 (r % 16 >= 8) + c % 2.
 struct DqChunk {
-  __device__ __forceinline__ static int row(int thread, int e) { return (thread / 32) * 16 + (thread % 32) / 4 + 8 * (e >> 1); }
+  __device__ __forceinline__ static int row(int thread, int e) {
+    return (thread / 32) * 16 + (thread % 32) / 4 + 8 * (e >> 1);
+  }
   __device__ __forceinline__ static int col(int thread, int j, int e) { return 8 * j + 2 * (thread % 4) + (e & 1); }
 };
 
@@ -169,10 +173,10 @@ struct BwdWsCta {
 
 // The query blocks a key block's CTA visits, in its order, and where it stands among the key blocks that add to
 // each (the ordered adds: DETERMINISTIC). BY_ARRIVAL (the host's choice: in order, where a batch entry's key
-// blocks fit on the GPU at once; unordered, always): each key block takes its place in the order the CTAs reach a query block when they run in step,
-// so that none waits while all keep pace: without a causal mask key block n starts at query block
-// floor(n M / NB) (of M query blocks, NB key blocks) and goes round, so that no two are ever at the same one;
-// with it, each goes up from its first query block, and at any query block the later key blocks (which start
+// blocks fit on the GPU at once; unordered, always): each key block takes its place in the order the CTAs reach a query
+// block when they run in step, so that none waits while all keep pace: without a causal mask key block n starts at
+// query block floor(n M / NB) (of M query blocks, NB key blocks) and goes round, so that no two are ever at the same
+// one; with it, each goes up from its first query block, and at any query block the later key blocks (which start
 // nearer it) come first. A CTA may then wait for one of a higher index, launched after it: the host allows it
 // only where all of a batch entry's CTAs can be resident together. Otherwise every CTA goes through its query
 // blocks in one order (causal: from the last down, so that all reach each at the same step), and key blocks
@@ -208,8 +212,9 @@ struct KeyBlockWalk {
     auto starts_upto = [&](int x) {
       return x < 0 ? 0 : min(nb, static_cast<int>((static_cast<i64>(x + 1) * nb + m_blocks - 1) / m_blocks));
     };
-    const int earlier = start == m ? 0 : start < m ? starts_upto(m) - starts_upto(start)
-                                                   : nb - starts_upto(start) + starts_upto(m);
+    const int earlier = start == m  ? 0
+                        : start < m ? starts_upto(m) - starts_upto(start)
+                                    : nb - starts_upto(start) + starts_upto(m);
     return earlier + n - starts_upto(start - 1);
   }
 };
@@ -261,7 +266,7 @@ __device__ __forceinline__ int load_acquire(const int* counter) {
   return value;
 }
 __device__ __forceinline__ void add_release(int* counter, int value) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(counter), "r"(value) : "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(counter), "r"(value) : "memory");
 }
 
 // The dq writer (the producer warpgroup's warp 1, one lane): per query block, both consumers' dQ_partial into dq_accum
@@ -277,8 +282,10 @@ __device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_a
   for (int i = 0; i < walk.steps(); ++i) {
     const int m = walk.query_block(i), s = i % K::STAGES;
     const int rank = K::DETERMINISTIC ? walk.rank(m, p) : 0, chain = rank % K::DQ_CHAINS;
-    if constexpr (K::PAIRED) mbar_wait(cta.dq_full(s), cta.parity(i));
-    else mbar_wait(cta.dq_full(0), i & 1);
+    if constexpr (K::PAIRED)
+      mbar_wait(cta.dq_full(s), cta.parity(i));
+    else
+      mbar_wait(cta.dq_full(0), i & 1);
     // The accumulator and counter of (batch entry, query block, chain), from the kernel's arguments each time
     // (the producer warpgroup's 24 registers hold no pointers across the loop).
     const i64 at = (static_cast<i64>(walk.b) * walk.m_blocks + m) * K::DQ_CHAINS + chain;
@@ -295,8 +302,10 @@ __device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_a
     // Unpaired the two chunks are contiguous in shared memory, paired each lies in its own tile of the slot
     // (wg 0's last n-tiles, past its tile, in the slot's overflow).
     auto copy = [&](int at_float, const float* from, int floats) {
-      if (store) bulk_store(to + at_float, from, floats * 4);
-      else bulk_reduce_add_f32(to + at_float, from, floats * 4);
+      if (store)
+        bulk_store(to + at_float, from, floats * 4);
+      else
+        bulk_reduce_add_f32(to + at_float, from, floats * 4);
     };
     if constexpr (!K::PAIRED) {
       copy(0, cta.sdQ(0, s), K::DQ_RECORD);
@@ -343,13 +352,13 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
   constexpr int S_TILES = K::S_TILES, G_TILES = K::G_TILES, P_STEPS = K::P_STEPS, BLOCK_M = K::BLOCK_M;
   const int thread = threadIdx.x % 128;
   const int b = walk.b, key0 = walk.n * K::BLOCK_N + K::WG_KEYS * wg;  // this consumer's first key
-  const int offset = p.nk - p.nq;         // causal: query i sees key j <= i + offset
+  const int offset = p.nk - p.nq;                                      // causal: query i sees key j <= i + offset
   const Mask<K::IS_CAUSAL> mask{p.nk, offset};
   const float ones[2] = {1.f, 1.f};
   float acc_dk[G_TILES][4], acc_dv[G_TILES][4];
   float* staging = cta.sdQ(wg, 0);
   mbar_wait(cta.kv_full(), 0);
-  bool first = true;  // the first dV and dK products overwrite their accumulators (no zeroed registers)
+  bool first = true;        // the first dV and dK products overwrite their accumulators (no zeroed registers)
   u32 ds_frag[P_STEPS][4];  // dS^T for dK += dS^T Q, which runs on into the next query block's S^T and dP^T
   for (int i = 0; i < walk.steps(); ++i) {
     const int s = i % K::STAGES, m = walk.query_block(i);
@@ -385,7 +394,7 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
     static_assert(K::DQ_COLS0 == K::DQ_COLS1, "unpaired: halves");
     float acc_dq[DQ_TILES][4];
     wg_issue_atb<T, K::BLOCK_N / 16, DQ_TILES, DsTile, KVTile>(acc_dq, sdS_i, K::DQ_SPLIT_ROWS ? 64 * wg : 0, cta.sK(),
-                                                              K::DQ_SPLIT_ROWS ? 0 : K::DQ_COLS0 * wg);
+                                                               K::DQ_SPLIT_ROWS ? 0 : K::DQ_COLS0 * wg);
     wg_issue_pb<T, P_STEPS, G_TILES, QTile>(acc_dk, ds_frag, sQ_s, 0, !first);
     wgmma_wait<1>();  // dV and dQ_partial; dK runs on under the staging and into the next block
     fence_operands(acc_dv);
@@ -396,7 +405,8 @@ __device__ __forceinline__ void bwd_consume(const BwdWsCta<K>& cta, const AttnPa
     if (i > 0) mbar_wait(cta.dq_empty(), (i - 1) & 1);
 #pragma unroll
     for (int j = 0; j < DQ_TILES; ++j)
-      *reinterpret_cast<float4*>(staging + (j * 128 + thread) * 4) = make_float4(acc_dq[j][0], acc_dq[j][1], acc_dq[j][2], acc_dq[j][3]);
+      *reinterpret_cast<float4*>(staging + (j * 128 + thread) * 4) =
+          make_float4(acc_dq[j][0], acc_dq[j][1], acc_dq[j][2], acc_dq[j][3]);
     fence_async_shared();  // the stores before the bulk copy that reads them
     __syncwarp();
     if (lane == 0) mbar_arrive(cta.dq_full(0));
@@ -514,18 +524,22 @@ __device__ __forceinline__ void bwd_consume_paired(const BwdWsCta<K>& cta, const
   if (first) zero_acc(acc_g);  // no query sees these keys
   // Wg 0's last dQ product (which reads sK) is done before wg 1 stages dk there; wg 1's last dP^T (which reads
   // sV) was, before its last ds_full.
-  if constexpr (WG == 0) mbar_arrive(cta.p_full());
-  else mbar_wait(cta.p_full(), walk.steps() & 1);
+  if constexpr (WG == 0)
+    mbar_arrive(cta.p_full());
+  else
+    mbar_wait(cta.p_full(), walk.steps() & 1);
   const float dk_scale[2] = {p.scale, p.scale};
-  if constexpr (WG == 0) store_gradient<K>(acc_g, cta.sV(), p.dv, p.d_v, ones, p, b, key0, wg, warp, lane);
-  else store_gradient<K>(acc_g, cta.sK(), p.dk, p.d_qk, dk_scale, p, b, key0, wg, warp, lane);
+  if constexpr (WG == 0)
+    store_gradient<K>(acc_g, cta.sV(), p.dv, p.d_v, ones, p, b, key0, wg, warp, lane);
+  else
+    store_gradient<K>(acc_g, cta.sK(), p.dk, p.d_qk, dk_scale, p, b, key0, wg, warp, lane);
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int STAGES, bool IS_CAUSAL, bool DETERMINISTIC, int DQ_CHAINS,
           bool PAIRED>
-__global__ void __launch_bounds__(3 * 128, 1)
-attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMaps maps, float* dq_accum,
-                        int* dq_counters, int by_arrival) {
+__global__ void __launch_bounds__(3 * 128, 1) attention_bwd_ws_kernel(const AttnParams p,
+                                                                const __grid_constant__ BwdTensorMaps maps,
+                                                                float* dq_accum, int* dq_counters, int by_arrival) {
   using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DETERMINISTIC, DQ_CHAINS, PAIRED>;
   using Cta = BwdWsCta<K>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -556,27 +570,32 @@ attention_bwd_ws_kernel(const AttnParams p, const __grid_constant__ BwdTensorMap
   // Each role works out its key block's walk after setmaxnreg (values live across it would crowd the
   // producer's 24 registers).
   if (threadIdx.x < 128) {  // the producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(K::COPY_REGISTERS) : "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(K::COPY_REGISTERS) : "memory");
     const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / WARP_SIZE), 0);
-    if (warp == 0) bwd_copy_tiles(cta, p, maps, KeyBlockWalk<K>(p, by_arrival), threadIdx.x);
-    else if (threadIdx.x == WARP_SIZE) bwd_write_dq(cta, dq_accum, dq_counters, KeyBlockWalk<K>(p, by_arrival), p);
+    if (warp == 0)
+      bwd_copy_tiles(cta, p, maps, KeyBlockWalk<K>(p, by_arrival), threadIdx.x);
+    else if (threadIdx.x == WARP_SIZE)
+      bwd_write_dq(cta, dq_accum, dq_counters, KeyBlockWalk<K>(p, by_arrival), p);
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(K::COMPUTE_REGISTERS) : "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(K::COMPUTE_REGISTERS) : "memory");
   // The warpgroup through a shuffle: warp-uniform as the compiler sees it (see attention_fwd_ws.cu).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0) - 1;
   const int warp = (threadIdx.x / WARP_SIZE) % 4, lane = threadIdx.x % WARP_SIZE;
-  if constexpr (!PAIRED) bwd_consume(cta, p, KeyBlockWalk<K>(p, by_arrival), wg, warp, lane);
-  else if (wg == 0) bwd_consume_paired<K, 0>(cta, p, KeyBlockWalk<K>(p, by_arrival), warp, lane);
-  else bwd_consume_paired<K, 1>(cta, p, KeyBlockWalk<K>(p, by_arrival), warp, lane);
+  if constexpr (!PAIRED)
+    bwd_consume(cta, p, KeyBlockWalk<K>(p, by_arrival), wg, warp, lane);
+  else if (wg == 0)
+    bwd_consume_paired<K, 0>(cta, p, KeyBlockWalk<K>(p, by_arrival), warp, lane);
+  else
+    bwd_consume_paired<K, 1>(cta, p, KeyBlockWalk<K>(p, by_arrival), warp, lane);
 }
 
 // One consumer's share of attention_bwd_dq_convert_kernel (below): its chunk (64 rows x COLS, at `chunk` in each
 // chain's record) summed over the chains, scaled and rounded into `own`, then (after the CTA's barrier) stored
 // from `own` to dq's rows from row0 and columns from col0.
 template <class K, int COLS>
-__device__ __forceinline__ void stage_dq_share(const AttnParams& p, const float4* chunk, int added,
-                                               typename K::T* own, int thread) {
+__device__ __forceinline__ void stage_dq_share(const AttnParams& p, const float4* chunk, int added, typename K::T* own,
+                                               int thread) {
   using T = typename K::T;
   // A staged row, in T: 16 bytes of padding keep the pairs' rows on other banks.
   constexpr int TILES = COLS / 8, ROW = COLS + 8;
@@ -601,8 +620,8 @@ __device__ __forceinline__ void stage_dq_share(const AttnParams& p, const float4
   }
 }
 template <class K, int COLS>
-__device__ __forceinline__ void store_dq_share(const AttnParams& p, const typename K::T* own, int row0, int col0,
-                                               int b, int thread) {
+__device__ __forceinline__ void store_dq_share(const AttnParams& p, const typename K::T* own, int row0, int col0, int b,
+                                               int thread) {
   using T = typename K::T;
   constexpr int ROW = COLS + 8;
   T* dq = static_cast<T*>(p.dq) + static_cast<i64>(b) * p.nq * p.d_qk;
@@ -623,25 +642,28 @@ __device__ __forceinline__ void store_dq_share(const AttnParams& p, const typena
 // tile made this kernel latency-bound), and the rounded rows go out through shared memory as 16-byte pieces of
 // whole rows (the fragments' 4-byte pairs would fill half of each 32-byte sector per store).
 template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL, int DQ_CHAINS, bool PAIRED>
-__global__ void __launch_bounds__(256)
-attention_bwd_dq_convert_kernel(const AttnParams p, const float* dq_accum) {
+__global__ void __launch_bounds__(256) attention_bwd_dq_convert_kernel(const AttnParams p, const float* dq_accum) {
   using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, 2, IS_CAUSAL, true, DQ_CHAINS, PAIRED>;
   __shared__ __align__(16) T staged[2][64 * (K::DQ_COLS0 + 8)];
   const int b = batch_index(), m = blockIdx.x;
   if (b >= p.batch) return;  // a CTA past the batch (launch._grid), before the barrier: the whole CTA leaves
   // The key blocks that added to this query block: all, or causal those up to the last that sees its last row.
   const int key_blocks = ceil_div(p.nk, K::BLOCK_N);
-  const int added = IS_CAUSAL ? min(key_blocks, floor_div(m * BLOCK_M + BLOCK_M - 1 + (p.nk - p.nq), K::BLOCK_N) + 1)
-                              : key_blocks;
+  const int added =
+      IS_CAUSAL ? min(key_blocks, floor_div(m * BLOCK_M + BLOCK_M - 1 + (p.nk - p.nq), K::BLOCK_N) + 1) : key_blocks;
   const int wg = threadIdx.x / 128, thread = threadIdx.x % 128;
   const float* record = dq_accum + (static_cast<i64>(b) * gridDim.x + m) * K::DQ_CHAINS * K::DQ_RECORD;
   // Each consumer's 64 rows x its columns: its rows from row0, its columns from col0 (of the row's d_qk, a
   // multiple of 8 on the tensor-map path, and dq's rows start on 16 bytes).
   const int row0 = m * BLOCK_M + (K::DQ_SPLIT_ROWS ? 64 * wg : 0), col0 = K::dq_col0(wg);
   const float4* chunk = reinterpret_cast<const float4*>(record + K::dq_chunk_at(wg));
-  if (wg == 0) stage_dq_share<K, K::DQ_COLS0>(p, chunk, added, staged[0], thread);
-  else stage_dq_share<K, K::DQ_COLS1>(p, chunk, added, staged[1], thread);
+  if (wg == 0)
+    stage_dq_share<K, K::DQ_COLS0>(p, chunk, added, staged[0], thread);
+  else
+    stage_dq_share<K, K::DQ_COLS1>(p, chunk, added, staged[1], thread);
   __syncthreads();
-  if (wg == 0) store_dq_share<K, K::DQ_COLS0>(p, staged[0], row0, col0, b, thread);
-  else store_dq_share<K, K::DQ_COLS1>(p, staged[1], row0, col0, b, thread);
+  if (wg == 0)
+    store_dq_share<K, K::DQ_COLS0>(p, staged[0], row0, col0, b, thread);
+  else
+    store_dq_share<K, K::DQ_COLS1>(p, staged[1], row0, col0, b, thread);
 }

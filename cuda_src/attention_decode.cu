@@ -30,15 +30,15 @@ struct DecodeTraits {
   using Elem = T;
   using Acc = acc_t<T>;
   static constexpr int WARPS = WARPS_M * WARPS_N * WARPS_DV, THREADS = WARPS * WARP_SIZE;
-  static constexpr int ROWS = 16 * WARPS_M;             // packed query rows per CTA
-  static constexpr int KW = BLOCK_N / WARPS_N;          // keys per warp per tile
-  static constexpr int S_TILES = KW / 8;                // score accumulator n-tiles per warp
-  static constexpr int DVW = HEAD / WARPS_DV;           // v columns per warp
+  static constexpr int ROWS = 16 * WARPS_M;     // packed query rows per CTA
+  static constexpr int KW = BLOCK_N / WARPS_N;  // keys per warp per tile
+  static constexpr int S_TILES = KW / 8;        // score accumulator n-tiles per warp
+  static constexpr int DVW = HEAD / WARPS_DV;   // v columns per warp
   static constexpr int O_TILES = DVW / 8;
   using QTile = PaddedTile<T, ROWS, HEAD>;
   using KVTile = PaddedTile<T, BLOCK_N, HEAD>;
-  static constexpr int STAGE_SIZE = 2 * KVTile::SIZE;   // elements: the k tile, then the v tile
-  static constexpr int OUT_STRIDE = HEAD + 1;           // merged out rows (accumulator dtype)
+  static constexpr int STAGE_SIZE = 2 * KVTile::SIZE;  // elements: the k tile, then the v tile
+  static constexpr int OUT_STRIDE = HEAD + 1;          // merged out rows (accumulator dtype)
   // Shared memory, bytes: the q tile, the ring, and after the loop the merged out, then the split merge's
   // weights (over the ring).
   static constexpr int RING_BYTES = STAGES * STAGE_SIZE * static_cast<int>(sizeof(T));
@@ -54,14 +54,17 @@ struct DecodeTraits {
   static_assert(KW % 16 == 0 && DVW % 16 == 0 && HEAD % 16 == 0, "mma tiles pair up");
   static_assert(THREADS >= HEAD * static_cast<int>(sizeof(T)) / 16, "a pass covers at least one row");
   static_assert(BLOCK_N % (THREADS / (HEAD * static_cast<int>(sizeof(T)) / 16)) == 0 ||
-                THREADS / (HEAD * static_cast<int>(sizeof(T)) / 16) > BLOCK_N, "passes cover a tile's rows evenly");
+                    THREADS / (HEAD * static_cast<int>(sizeof(T)) / 16) > BLOCK_N,
+                "passes cover a tile's rows evenly");
 };
 
 // One 16-byte chunk of the cache, or zeros when !valid (as copy.cuh's cp_async_16), with a hint that L2
 // fetch the whole 128-byte line: the cache is streamed once, in whole rows (docs/design/decode.md).
 __device__ __forceinline__ void cp_async_stream(u32 dst, const void* src, bool valid) {
-  asm volatile("{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n cp.async.cg.shared.global.L2::128B [%0], [%1], 16, ignore;\n}\n"
-               ::"r"(dst), "l"(src), "r"(static_cast<u32>(valid)));
+  asm volatile(
+      "{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n cp.async.cg.shared.global.L2::128B [%0], [%1], 16, "
+      "ignore;\n}\n" ::"r"(dst),
+      "l"(src), "r"(static_cast<u32>(valid)));
 }
 
 // Where the rows of the tile at pos0 live, in shared memory (`rows`, BLOCK_N entries; row -1: past the
@@ -78,7 +81,7 @@ template <int BLOCK_N, int THREADS>
 struct RowFetch {
   static constexpr int PER_THREAD = ceil_div(BLOCK_N, THREADS);
   CacheRow rows[PER_THREAD] = {};  // this thread's rows threadIdx.x + i * THREADS (whole: rows[0] of thread 0)
-  bool whole = false;  // (a split without tiles publishes these defaults, which nothing reads)
+  bool whole = false;              // (a split without tiles publishes these defaults, which nothing reads)
 
   __device__ __forceinline__ void fetch(const KVCacheParams& p, int b, int pos0, int end) {
     whole = whole_page<BLOCK_N>(p, pos0, end);
@@ -230,14 +233,14 @@ __device__ __forceinline__ void merge_splits(const KVCacheParams& p, int splits,
 
 template <typename T, int HEAD, int WARPS_M, int WARPS_N, int WARPS_DV, int BLOCK_N, int STAGES>
 __global__ void __launch_bounds__(DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES>::THREADS, 1)
-attention_decode(const KVCacheParams p) {
+    attention_decode(const KVCacheParams p) {
   using Tr = DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES>;
   using Acc = typename Tr::Acc;
   using R = KVReals<Acc>;
   extern __shared__ __align__(16) unsigned char smem[];
   T* q_tile = reinterpret_cast<T*>(smem);
   T* ring = reinterpret_cast<T*>(smem + Tr::Q_BYTES);
-  Acc* merged = reinterpret_cast<Acc*>(smem + Tr::Q_BYTES);  // after the loop, over the ring
+  Acc* merged = reinterpret_cast<Acc*>(smem + Tr::Q_BYTES);                 // after the loop, over the ring
   Acc* states = reinterpret_cast<Acc*>(smem + Tr::SMEM - Tr::STATE_BYTES);  // [3][WARPS_N][ROWS]
 
   const int split = blockIdx.x, b = blockIdx.z;
@@ -318,8 +321,8 @@ attention_decode(const KVCacheParams p) {
     // (Padding rows past G * Nq take the last query head's slope: finite, and never stored.)
     const int i = packed % p.nq, h = hk * p.group + min(packed / p.nq, p.group - 1);
     query_pos[half] = length - p.nq + i;
-    slope_log2[half] = p.alibi_on ? Acc(p.alibi_slopes[b * p.alibi_stride[0] + h * p.alibi_stride[1]]) * log2e<Acc>()
-                                  : Acc(0);
+    slope_log2[half] =
+        p.alibi_on ? Acc(p.alibi_slopes[b * p.alibi_stride[0] + h * p.alibi_stride[1]]) * log2e<Acc>() : Acc(0);
   }
 
   Acc o[Tr::O_TILES][4];
@@ -329,7 +332,7 @@ attention_decode(const KVCacheParams p) {
 
   // One tile's work: the scores against k_tile with the online softmax (P into s, the state into
   // row_max, row_sum and o), then P v_tile into o.
-  auto scores = [&](const T* k_tile, int n, Acc (&s)[Tr::S_TILES][4]) {
+  auto scores = [&](const T* k_tile, int n, Acc(&s)[Tr::S_TILES][4]) {
     zero_tiles(s);
     gemm_smem_abt<T, HEAD, Tr::S_TILES, Tr::QTile::STRIDE, Tr::KVTile::STRIDE>(
         s, q_tile, wm * 16, k_tile + wn * Tr::KW * Tr::KVTile::STRIDE, lane);
@@ -400,9 +403,9 @@ attention_decode(const KVCacheParams p) {
       }
     }
   };
-  auto accumulate = [&](const T* v_tile, const Acc (&s)[Tr::S_TILES][4]) {
-    gemm_acc_b<T, Tr::S_TILES, Tr::O_TILES, Tr::KVTile::STRIDE>(
-        o, s, v_tile + wn * Tr::KW * Tr::KVTile::STRIDE, wd * Tr::DVW, lane);
+  auto accumulate = [&](const T* v_tile, const Acc(&s)[Tr::S_TILES][4]) {
+    gemm_acc_b<T, Tr::S_TILES, Tr::O_TILES, Tr::KVTile::STRIDE>(o, s, v_tile + wn * Tr::KW * Tr::KVTile::STRIDE,
+                                                                wd * Tr::DVW, lane);
   };
   if constexpr (STAGES > 1) {
     for (int n = tile_begin; n < tile_end; ++n) {
@@ -410,8 +413,8 @@ attention_decode(const KVCacheParams p) {
       __syncthreads();  // tile n has landed for every thread; stage (n - 1) % STAGES is free again
       const int ahead = n + STAGES - 1;
       if (ahead < tile_end) {
-        in_cache &= load_stage<Tr>(p, ring + ((ahead - tile_begin) % STAGES) * Tr::STAGE_SIZE, b, hk,
-                                   tile_pos(ahead), length, slot(ahead));
+        in_cache &= load_stage<Tr>(p, ring + ((ahead - tile_begin) % STAGES) * Tr::STAGE_SIZE, b, hk, tile_pos(ahead),
+                                   length, slot(ahead));
       }
       cp_async_commit();
       if (ahead + 1 < tile_end) fetched.publish(slot(ahead + 1));

@@ -143,7 +143,7 @@ struct WsTraits {
   static constexpr int COMPUTE_REGISTERS = WGS == 2 ? (STORE_WARPS ? 224 : 232) : (STORE_WARPS ? 152 : 160);
 
   static_assert((sizeof(T) == 2 && (MODS == Mods::none || MODS == Mods::window || MODS == Mods::dense_scalars)) ||
-                (FP8 && MODS == Mods::none && !STORE_WARPS),
+                    (FP8 && MODS == Mods::none && !STORE_WARPS),
                 "16-bit: plain, a window alone, or the scalar modifiers on a dense batch; e4m3: plain");
   static_assert(FP8 ? sizeof(OutT) == 2 : sizeof(OutT) == sizeof(T), "out: T, or 16 bits for e4m3 inputs");
   // e4m3 visits every key block from hi down to lo (its descales are loaded a block ahead) and has no
@@ -173,11 +173,11 @@ struct WsCta {
   T* sK;  // [STAGES] KVTile
   T* sV;  // [STAGES] VTile
   u64* bars;
-  int* tile_ids;  // the tile whose q is in each buffer (>= tiles: none left), published by q_full
-  int* section_entries;  // HALF_FIRST: l2_section_entries, read per tile
+  int* tile_ids;                  // the tile whose q is in each buffer (>= tiles: none left), published by q_full
+  int* section_entries;           // HALF_FIRST: l2_section_entries, read per tile
   int row_blocks = 0, tiles = 0;  // set after the barriers' initialization
-  int section_group = 0;  // l2_section_entries; HALF_FIRST reads section_entries instead (one register less
-                          // across the consumers' loop)
+  int section_group = 0;          // l2_section_entries; HALF_FIRST reads section_entries instead (one register less
+                                  // across the consumers' loop)
 
   __device__ __forceinline__ u32 q_full(int buffer) const { return smem_u32(&bars[buffer]); }
   __device__ __forceinline__ u32 q_empty(int buffer) const { return smem_u32(&bars[2 + buffer]); }
@@ -356,7 +356,7 @@ __device__ __forceinline__ void finish_tile(const WsCta<K>& cta, const Rows& row
     if constexpr (K::STORE_WARPS) {
       mbar_arrive(cta.out_full(buffer, wg));  // each thread's staged rows, for the storing warp
     } else {
-      asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");  // this warpgroup's rows are staged
+      asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");  // this warpgroup's rows are staged
       store_tile<QTile, K::HEAD_DIM, 128>(rows.out, p.out_stride[3], sQ_wg, nq - rows.m0, p.d_v, threadIdx.x % 128);
       fence_async_shared();  // these reads of the buffer come before the copy of a later tile's q into it
       mbar_arrive(cta.q_empty(buffer));
@@ -427,20 +427,24 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
                                                                exp_scale, rescale);
     }
   };
-  auto pack = [&](float (&acc_s)[S_TILES][4], u32 (&frags)[P_STEPS][4]) {  // P as the P V product's operand
-    if constexpr (K::FP8) pack_e4m3_fragments(acc_s, frags);
-    else pack_fragments<T>(acc_s, frags);
+  auto pack = [&](float (&acc_s)[S_TILES][4], u32(&frags)[P_STEPS][4]) {  // P as the P V product's operand
+    if constexpr (K::FP8)
+      pack_e4m3_fragments(acc_s, frags);
+    else
+      pack_fragments<T>(acc_s, frags);
   };
   // O += P V (e4m3: its first chunk, into its own accumulator), one commit group.
-  auto issue_pv = [&](u32 (&frags)[P_STEPS][4], const T* v_tile) {
-    if constexpr (K::FP8) wg_issue_pbt<T, P_STEPS, K::PV_TILES, typename K::VTile>(acc_pv[0], frags, v_tile, 0);
-    else wg_issue_pb<T, P_STEPS, O_TILES, KVTile, K::PACK_AFTER_WAIT>(acc_o, frags, v_tile, 0);
+  auto issue_pv = [&](u32(&frags)[P_STEPS][4], const T* v_tile) {
+    if constexpr (K::FP8)
+      wg_issue_pbt<T, P_STEPS, K::PV_TILES, typename K::VTile>(acc_pv[0], frags, v_tile, 0);
+    else
+      wg_issue_pb<T, P_STEPS, O_TILES, KVTile, K::PACK_AFTER_WAIT>(acc_o, frags, v_tile, 0);
   };
   // After issue_pv and whatever ran under it, the rest of P V. e4m3: O = (O + P V) * rescale, chunk by chunk, each
   // chunk issued before the previous one is added (into the other accumulator where there are two; S_FIRST: one,
   // issued once the previous is added). 16-bit: the product is waited for (O holds it), and the caller rescales O
   // once V is released.
-  auto finish_pv = [&](u32 (&frags)[P_STEPS][4], const T* v_tile, const float (&rescale)[2]) {
+  auto finish_pv = [&](u32(&frags)[P_STEPS][4], const T* v_tile, const float (&rescale)[2]) {
     if constexpr (K::FP8) {
       constexpr int CHUNKS = K::PV_CHUNKS, TILES = K::PV_TILES, BUFFERS = K::PV_BUFFERS;
       using VTile = typename K::VTile;
@@ -449,8 +453,10 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
         if (BUFFERS == 1 && c > 0) wg_issue_pbt<T, P_STEPS, TILES, VTile>(acc_pv[0], frags, v_tile, 8 * TILES * c);
         if (BUFFERS == 2 && c + 1 < CHUNKS)
           wg_issue_pbt<T, P_STEPS, TILES, VTile>(acc_pv[(c + 1) % 2], frags, v_tile, 8 * TILES * (c + 1));
-        if (BUFFERS == 2 && c + 1 < CHUNKS) wgmma_wait<1>();
-        else wgmma_wait<0>();
+        if (BUFFERS == 2 && c + 1 < CHUNKS)
+          wgmma_wait<1>();
+        else
+          wgmma_wait<0>();
         fence_operands(acc_pv[c % BUFFERS]);
         add_rescaled<TILES>(acc_o, TILES * c, acc_pv[c % BUFFERS], rescale);
       }
@@ -471,7 +477,10 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
     for (int i = 0; i < count; ++i, ++t) {
       mbar_wait(cta.k_full(t % STAGES), cta.parity(t));
       mbar_wait(cta.v_full(t % STAGES), cta.parity(t));
-      if (lane == 0) { mbar_arrive(cta.k_empty(t % STAGES)); mbar_arrive(cta.v_empty(t % STAGES)); }
+      if (lane == 0) {
+        mbar_arrive(cta.k_empty(t % STAGES));
+        mbar_arrive(cta.v_empty(t % STAGES));
+      }
     }
   };
   descales.block(max(hi, 0) * K::BLOCK_N, k_descale, v_descale);
@@ -503,7 +512,7 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
           scores_alone<T, K::HEAD_DIM, QTile, KVTile>(acc_s, sQ_wg, k_tile, cta.k_empty(t % STAGES), lane);
           block_probs<K::BOUNDED, K::ALIBI, K::SOFTCAP_POLY_TILES>(rows, softmax, acc_s, alibi_cols, hi, warp, lane,
                                                                    exp_scale, rescale);
-          pack_fragments<T>(acc_s, reinterpret_cast<u32 (&)[P_STEPS / 2][4]>(p_cur));
+          pack_fragments<T>(acc_s, reinterpret_cast<u32(&)[P_STEPS / 2][4]>(p_cur));
 #pragma unroll
           for (int kt = P_STEPS / 2; kt < P_STEPS; ++kt)
 #pragma unroll
@@ -556,11 +565,13 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
       float rescale[2];
       scores_to_probs(acc_s, n, rescale);
       u32 p_next[P_STEPS][4];
-      if constexpr (K::PACK_AFTER_WAIT) fence_operands(acc_s);  // P in float32 before the wait
-      else pack(acc_s, p_next);
+      if constexpr (K::PACK_AFTER_WAIT)
+        fence_operands(acc_s);  // P in float32 before the wait
+      else
+        pack(acc_s, p_next);
       finish_pv(p_cur, cta.sV + (t_cur % STAGES) * K::VTile::SIZE, rescale);
       if (lane == 0) mbar_arrive(cta.v_empty(t_cur % STAGES));  // the previous V is read out
-      if constexpr (!K::FP8) rescale_rows(acc_o, rescale);  // O = (O + P_prev V) * exp(m_old - m_new)
+      if constexpr (!K::FP8) rescale_rows(acc_o, rescale);      // O = (O + P_prev V) * exp(m_old - m_new)
       if constexpr (K::PACK_AFTER_WAIT) {
         pack(acc_s, p_cur);
       } else {
@@ -582,10 +593,11 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, Mods MODS, bool BOUNDED, bool ALIBI,
-          bool HALF_FIRST, bool BLOCK_MASK, bool PACK_AFTER_WAIT, bool STORE_WARPS, typename OutT, int WGS,
-          int PV_COLS, bool S_FIRST>
-__global__ void __launch_bounds__((WGS + 1) * 128, 1)
-attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps maps, int* tile_counter) {
+          bool HALF_FIRST, bool BLOCK_MASK, bool PACK_AFTER_WAIT, bool STORE_WARPS, typename OutT, int WGS, int PV_COLS,
+          bool S_FIRST>
+__global__ void __launch_bounds__((WGS + 1) * 128, 1) attention_fwd_ws_kernel(const AttnParams p,
+                                                                        const __grid_constant__ TensorMaps maps,
+                                                                        int* tile_counter) {
   using K = WsTraits<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, MODS, BOUNDED, ALIBI, HALF_FIRST, BLOCK_MASK,
                      PACK_AFTER_WAIT, STORE_WARPS, OutT, WGS, PV_COLS, S_FIRST>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -593,8 +605,8 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   __shared__ int tile_ids[2];
   __shared__ int section_entries;
   T* sQ = reinterpret_cast<T*>(smem_aligned(smem_raw));  // [Q_BUFFERS][WGS] QTile
-  T* sK = sQ + WGS * K::Q_BUFFERS * K::QTile::SIZE;       // [STAGES] KVTile
-  T* sV = sK + STAGES * K::KVTile::SIZE;                  // [STAGES] VTile
+  T* sK = sQ + WGS * K::Q_BUFFERS * K::QTile::SIZE;      // [STAGES] KVTile
+  T* sV = sK + STAGES * K::KVTile::SIZE;                 // [STAGES] VTile
   WsCta<K> cta{p, sQ, sK, sV, bars, tile_ids, &section_entries};
   if (threadIdx.x == 0) {
     cta.init_barriers();
@@ -606,7 +618,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
   cta.section_group = HALF_FIRST ? 0 : l2_section_entries<T>(p);
 
   if (threadIdx.x < 128) {  // the producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(K::COPY_REGISTERS) : "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(K::COPY_REGISTERS) : "memory");
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     if (STORE_WARPS && warp >= 1 && warp <= WGS) {
       store_out_tiles(cta, warp - 1, lane);
@@ -617,7 +629,7 @@ attention_fwd_ws_kernel(const AttnParams p, const __grid_constant__ TensorMaps m
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(K::COMPUTE_REGISTERS) : "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(K::COMPUTE_REGISTERS) : "memory");
   // The warpgroup through a shuffle: warp-uniform as the compiler sees it, so the branches around the
   // products stay convergent (ptxas serializes wgmma on a path it thinks divergent).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0) - 1;

@@ -16,8 +16,7 @@
 #include "score_mods.cuh"
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, bool WGMMA>
-__global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1)
-attention_probs_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1) attention_probs_kernel(const AttnParams p) {
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
   constexpr int BLOCK_M = 16 * NUM_WARPS;
   using QTile = SmemTile<T, BLOCK_M, HEAD_DIM, WGMMA>;
@@ -58,7 +57,8 @@ attention_probs_kernel(const AttnParams p) {
     smem_publish<QTile>();
     __syncthreads();
     gemm_abt<T, HEAD_DIM, S_TILES, QTile, KTile>(acc_s, sQ, warp * 16, sK, lane);
-    mods.template apply<false>(acc_s, m0 + warp * 16, n0, lane, mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1));
+    mods.template apply<false>(acc_s, m0 + warp * 16, n0, lane,
+                               mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1));
   }
 
   A* probs = static_cast<A*>(p.out) + static_cast<i64>(b) * p.nq * p.nk;

@@ -26,7 +26,7 @@ struct TileBitmap {
   const u32* words;           // shared memory, or null: no block mask (every tile on)
   const unsigned char* line;  // the block-mask line in global memory (fallback), with its stride
   i64 stride;
-  int count;                  // block-mask tiles along the axis
+  int count;  // block-mask tiles along the axis
 
   // Fill `smem_words` (TILE_BITMAP_WORDS) from block-mask line `line`; every thread of the CTA calls it.
   // Until the barrier each thread reads only its arguments, never the members: in shared memory (the
@@ -34,7 +34,9 @@ struct TileBitmap {
   template <int NUM_WARPS>
   __device__ __forceinline__ void load(u32* smem_words, const unsigned char* line_, i64 stride_, int count_) {
     const bool in_words = count_ <= 32 * TILE_BITMAP_WORDS;
-    line = line_; stride = stride_; count = count_;
+    line = line_;
+    stride = stride_;
+    count = count_;
     words = in_words ? smem_words : nullptr;
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     if (in_words) {
@@ -103,7 +105,9 @@ __device__ __forceinline__ Bitmap& tile_bitmap_for(Bitmap& in_registers) {
 __shared__ u32 ws_on_words[2 * TILE_BITMAP_WORDS];
 __shared__ short ws_prev_on[2 * 32 * TILE_BITMAP_WORDS];
 // The largest block in [lo, n] that is on, or a value below lo.
-__device__ __forceinline__ int prev_on_block(int base, int n, int lo) { return n >= lo ? ws_prev_on[base + n] : lo - 1; }
+__device__ __forceinline__ int prev_on_block(int base, int n, int lo) {
+  return n >= lo ? ws_prev_on[base + n] : lo - 1;
+}
 // How many blocks in [lo, hi] are on.
 __device__ __forceinline__ int count_on_blocks(int base, int lo, int hi) {
   int count = 0;
@@ -120,7 +124,8 @@ __device__ __forceinline__ int count_on_blocks(int base, int lo, int hi) {
 // independent loads in flight (a line of 128 tiles is one trip to L2, then L1 hits); all 32 of a word
 // spilled the copier's registers.
 __device__ __forceinline__ void fill_on_blocks(int base, const AttnParams& p, int b, int m0, int lo, int end) {
-  const unsigned char* line = p.block_mask + batch_offset(p.block_mask_stride, b, p) + (m0 / BLOCK_MASK_TILE) * p.block_mask_stride[3];
+  const unsigned char* line =
+      p.block_mask + batch_offset(p.block_mask_stride, b, p) + (m0 / BLOCK_MASK_TILE) * p.block_mask_stride[3];
   int last = -1;
   for (int w = lo / 32; w * 32 < end; ++w) {
     u32 bits = 0u;

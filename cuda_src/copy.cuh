@@ -20,11 +20,11 @@ template <typename T, int ROWS, int COLS>
 struct PaddedTile {
   static constexpr bool SWIZZLED = false;
   static constexpr int NUM_ROWS = ROWS, NUM_COLS = COLS;
-  static constexpr int VEC = 16 / sizeof(T);                  // elements per 16-byte chunk
+  static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte chunk
   static constexpr int STRIDE = COLS + smem_pad_bytes<T>() / sizeof(T);
-  static constexpr int SIZE = ROWS * STRIDE;                  // elements
+  static constexpr int SIZE = ROWS * STRIDE;  // elements
   static_assert(COLS % VEC == 0, "rows must be whole 16-byte chunks");
-  static constexpr int ROW_PERIOD = 1;                        // offset(r + n, c) = offset(r, c) + n * STRIDE
+  static constexpr int ROW_PERIOD = 1;  // offset(r + n, c) = offset(r, c) + n * STRIDE
   __device__ __forceinline__ static int offset(int r, int c) { return r * STRIDE + c; }
   __host__ __device__ static constexpr int row_shift(int n) { return n * STRIDE; }
 };
@@ -36,7 +36,7 @@ struct SwizzledTile {
   static constexpr int VEC = 16 / sizeof(T), VEC_BYTES = 16;
   static constexpr int ATOM_BYTES = (COLS * sizeof(T)) % 128 == 0 ? 128 : (COLS * sizeof(T)) % 64 == 0 ? 64 : 32;
   static constexpr int ATOM_COLS = ATOM_BYTES / sizeof(T);
-  static constexpr int ATOM_SIZE = ROWS * ATOM_COLS;          // elements of one atom column
+  static constexpr int ATOM_SIZE = ROWS * ATOM_COLS;  // elements of one atom column
   static constexpr int SIZE = ROWS * COLS;
   static constexpr int SWIZZLE_BITS = ATOM_BYTES == 128 ? 3 : ATOM_BYTES == 64 ? 2 : 1;
   static_assert((COLS * sizeof(T)) % 32 == 0, "swizzled rows are whole 32-byte units");
@@ -50,8 +50,14 @@ struct SwizzledTile {
   }
 };
 
-template <bool COND, class A, class B> struct Select { using type = A; };
-template <class A, class B> struct Select<false, A, B> { using type = B; };
+template <bool COND, class A, class B>
+struct Select {
+  using type = A;
+};
+template <class A, class B>
+struct Select<false, A, B> {
+  using type = B;
+};
 // The layout of a ROWS x COLS tile: swizzled for wgmma, padded for mma.sync.
 template <typename T, int ROWS, int COLS, bool WGMMA>
 using SmemTile = typename Select<WGMMA, SwizzledTile<T, ROWS, COLS>, PaddedTile<T, ROWS, COLS>>::type;
@@ -68,19 +74,27 @@ __device__ __forceinline__ unsigned char* smem_aligned(unsigned char* raw) {
 // select of address or size per chunk (fewer instructions per copy: docs/design/forward.md). The padded
 // (mma.sync) copies still select the address: without it some sm_80 variants spilled.
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
-  asm volatile("{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, ignore;\n}\n"
-               ::"r"(dst), "l"(src), "r"(static_cast<u32>(valid)));
+  asm volatile(
+      "{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, ignore;\n}\n" ::
+          "r"(dst),
+      "l"(src), "r"(static_cast<u32>(valid)));
 }
 // BYTES (4 or 8: one float or double) into shared memory, or zeros when !valid (as cp_async_16).
 template <int BYTES>
 __device__ __forceinline__ void cp_async_small(u32 dst, const void* src, bool valid) {
   static_assert(BYTES == 4 || BYTES == 8, "cp.async.ca copies 4, 8 or 16 bytes");
-  asm volatile("{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n cp.async.ca.shared.global [%0], [%1], %3, ignore;\n}\n"
-               ::"r"(dst), "l"(src), "r"(static_cast<u32>(valid)), "n"(BYTES));
+  asm volatile(
+      "{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n cp.async.ca.shared.global [%0], [%1], %3, ignore;\n}\n" ::
+          "r"(dst),
+      "l"(src), "r"(static_cast<u32>(valid)), "n"(BYTES));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
 template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
 
 // Before the barrier that publishes tiles this thread copied (or stored) to the CTA: wgmma reads shared
 // memory through the async proxy, which must be fenced against the ordinary (generic-proxy) writes.
@@ -99,7 +113,8 @@ __device__ __forceinline__ void smem_publish() {
 // backward's passes take it. The forward does not: that branch inside its pipelined loop makes ptxas
 // serialize its warpgroup products (C7513; docs/design/compile.md).
 template <class Tile, int THREADS, bool FULL_TILE_BRANCH = false, typename T>
-__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, i64 row_stride, int valid_rows, int valid_cols) {
+__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, i64 row_stride, int valid_rows,
+                                                int valid_cols) {
   constexpr int VEC = Tile::VEC, CHUNKS = Tile::NUM_COLS / VEC, ROWS = Tile::NUM_ROWS;
   constexpr int ROW_STEP = THREADS / CHUNKS;  // rows per pass
   if constexpr (!Tile::SWIZZLED) {
@@ -119,7 +134,8 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, i64 row_
 #pragma unroll
       for (int pass = 0; pass * ROW_STEP < ROWS; ++pass) {
         if (ROWS % ROW_STEP == 0 || r0 + pass * ROW_STEP < ROWS) {
-          cp_async_16(dst + pass * Tile::row_shift(ROW_STEP) * static_cast<int>(sizeof(T)), src + pass * src_step, col_ok);
+          cp_async_16(dst + pass * Tile::row_shift(ROW_STEP) * static_cast<int>(sizeof(T)), src + pass * src_step,
+                      col_ok);
         }
       }
       return;
@@ -190,8 +206,8 @@ __device__ __forceinline__ void store_tile(T* gmem, i64 row_stride, const T* sme
 // one XOR per column tile for both rows, where Tile::offset's index math per element was most of the
 // epilogue's instructions.
 template <class Tile, int N_TILES, typename T, typename A>
-__device__ __forceinline__ void acc_to_smem(T* smem, int row0, const A (&acc)[N_TILES][4],
-                                            const A (&row_scale)[2], int lane, int col0 = 0) {
+__device__ __forceinline__ void acc_to_smem(T* smem, int row0, const A (&acc)[N_TILES][4], const A (&row_scale)[2],
+                                            int lane, int col0 = 0) {
   const int g = lane >> 2, t = lane & 3;
   if constexpr (Tile::SWIZZLED && sizeof(T) == 2) {
     constexpr int ATOM_COLS = Tile::ATOM_COLS, ATOM_BYTES = Tile::ATOM_BYTES;

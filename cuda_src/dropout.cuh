@@ -35,7 +35,10 @@ struct Dropout {
     for (int r = 0; r < 10; ++r) {
       const u32 hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
       const u32 hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-      c0 = hi1 ^ c1 ^ p.dropout_keys[2 * r]; c1 = lo1; c2 = hi0 ^ c3 ^ p.dropout_keys[2 * r + 1]; c3 = lo0;
+      c0 = hi1 ^ c1 ^ p.dropout_keys[2 * r];
+      c1 = lo1;
+      c2 = hi0 ^ c3 ^ p.dropout_keys[2 * r + 1];
+      c3 = lo0;
     }
     return make_uint4(c0, c1, c2, c3);
   }
@@ -73,8 +76,8 @@ struct Dropout {
   __device__ __forceinline__ u64 keep_cols(int key_row0, int query_col0, int lane) const {
     static_assert(N % 2 == 0 && N <= 16, "whole 16-query blocks, at most 64 bits");
     const int g = lane >> 2, t = lane & 3;
-    const int c = g & 1;              // the query (2t + c) this thread draws for
-    const int mine = 16 * (g & 1);    // the half of each word this thread's keys take
+    const int c = g & 1;            // the query (2t + c) this thread draws for
+    const int mine = 16 * (g & 1);  // the half of each word this thread's keys take
     u64 bits = 0;
     // UNROLL calls at a time: the callers unroll 16-bit inputs' tiles fully (independent chains for the
     // scheduler, and the bits go in by constant shifts; docs/design/dropout.md), float32 and float64 not at

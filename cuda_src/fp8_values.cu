@@ -19,9 +19,9 @@ __device__ __forceinline__ int key_at(int c) {
   return 16 * half + 2 * t + (i & 1) + 8 * (i >> 1);
 }
 
-extern "C" __global__ void __launch_bounds__(VALUES_THREADS)
-fp8_values_transposed(const unsigned char* v, unsigned char* vt, long long s0, long long s1, long long s2,
-                      long long s_row, int batch1, int batch2, int b_first, int nk, int nk_pad, int dv, int dv_w) {
+extern "C" __global__ void __launch_bounds__(VALUES_THREADS) fp8_values_transposed(
+    const unsigned char* v, unsigned char* vt, long long s0, long long s1, long long s2, long long s_row, int batch1,
+    int batch2, int b_first, int nk, int nk_pad, int dv, int dv_w) {
   __shared__ __align__(16) unsigned char tile[VALUES_TILE][VALUES_TILE + 16];  // [key][dim], rows 16-byte aligned
   // Batch entry b_first + blockIdx.z (the host launches at most 65535 entries at a time).
   const int key0 = blockIdx.x * VALUES_TILE, dim0 = blockIdx.y * VALUES_TILE, b = b_first + blockIdx.z;

@@ -14,7 +14,8 @@
 #include "wgmma.cuh"
 
 template <typename T, int K, int N_TILES, class ATile, class BTile>
-__device__ __forceinline__ void gemm_abt(acc_t<T> (&c)[N_TILES][4], const T* a_tile, int row0, const T* b_tile, int lane) {
+__device__ __forceinline__ void gemm_abt(acc_t<T> (&c)[N_TILES][4], const T* a_tile, int row0, const T* b_tile,
+                                         int lane) {
   static_assert(ATile::SWIZZLED == BTile::SWIZZLED, "one path per product");
   if constexpr (ATile::SWIZZLED) {  // the first k-step overwrites C (scale-d = 0): no zeroed registers
     wg_gemm_abt<T, K, N_TILES, ATile, BTile>(c, a_tile, row0 & ~63, b_tile);
@@ -42,15 +43,16 @@ __device__ __forceinline__ void gemm_pb(acc_t<T> (&c)[N_TILES][4], const acc_t<T
 //                   unscaled in registers (a chain of additions in the tensor cores would truncate at every
 //                   step); b_factor (a power of two: the one B's pieces carry) comes out on the way.
 template <int K, int N_TILES, class ATile, class BTile>
-__device__ __forceinline__ void gemm_abt_pieces(float (&c)[N_TILES][4], const half_t* a_tile, int row0, const half_t* b_tile) {
+__device__ __forceinline__ void gemm_abt_pieces(float (&c)[N_TILES][4], const half_t* a_tile, int row0,
+                                                const half_t* b_tile) {
   wg_issue_abt_split<half_t, K, N_TILES, ATile, BTile>(c, a_tile, row0 & ~63, b_tile);
   wgmma_wait<0>();
   fence_operands(c);
 }
 
 template <int HEAD_DIM, int P_TILES, int N_TILES, class BTile>
-__device__ __forceinline__ void gemm_pb_pieces(float (&c)[N_TILES][4], const float (&p)[P_TILES][4], const half_t* b_tile,
-                                               int n_begin, float b_factor) {
+__device__ __forceinline__ void gemm_pb_pieces(float (&c)[N_TILES][4], const float (&p)[P_TILES][4],
+                                               const half_t* b_tile, int n_begin, float b_factor) {
   float largest[2] = {0.f, 0.f};
 #pragma unroll
   for (int j = 0; j < P_TILES; ++j) {

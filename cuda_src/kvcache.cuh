@@ -8,29 +8,29 @@ constexpr int MAX_SPLITS = 128;  // splits of one sequence at most (cupyflash/_c
 // Host mirror: cupyflash/_cuda/decode_params.py, PARAMS_DTYPE (same field order, C alignment; checked by
 // tests/tooling/test_params_layout.py). Strides in elements.
 struct KVCacheParams {
-  const void* q;            // (B, Hq, Nq, D), unit last stride; the rotated copy (B, Hq, Nq, D) when rotary
-  void* k_cache;            // (B or num_pages, Hk, Ncache or page_size, D), unit last stride
-  void* v_cache;            // same with Dv
-  const void* k_new;        // (B, Hk, Nnew, D): appended at cache_seqlens[b] ...
-  const void* v_new;        // (B, Hk, Nnew, Dv)
-  void* out;                // (B, Hq, Nq, Dv) the inputs' dtype, any strides
-  void* lse;                // (B, Hq, Nq) accumulator dtype, contiguous; null when the caller wants no lse
-  void* out_part;           // (max_splits, B * Hq * Nq, Dv) accumulator dtype: each split's normalized out
-  void* lse_part;           // (max_splits, B * Hq * Nq)
-  const int* cache_seqlens;     // (B,), or null: every sequence holds seqlen_all
-  const int* block_table;       // (B, max_pages) or null (contiguous cache)
-  const void* rotary_cos;       // (max_pos, rotary_dim / 2) accumulator dtype, contiguous
+  const void* q;             // (B, Hq, Nq, D), unit last stride; the rotated copy (B, Hq, Nq, D) when rotary
+  void* k_cache;             // (B or num_pages, Hk, Ncache or page_size, D), unit last stride
+  void* v_cache;             // same with Dv
+  const void* k_new;         // (B, Hk, Nnew, D): appended at cache_seqlens[b] ...
+  const void* v_new;         // (B, Hk, Nnew, Dv)
+  void* out;                 // (B, Hq, Nq, Dv) the inputs' dtype, any strides
+  void* lse;                 // (B, Hq, Nq) accumulator dtype, contiguous; null when the caller wants no lse
+  void* out_part;            // (max_splits, B * Hq * Nq, Dv) accumulator dtype: each split's normalized out
+  void* lse_part;            // (max_splits, B * Hq * Nq)
+  const int* cache_seqlens;  // (B,), or null: every sequence holds seqlen_all
+  const int* block_table;    // (B, max_pages) or null (contiguous cache)
+  const void* rotary_cos;    // (max_pos, rotary_dim / 2) accumulator dtype, contiguous
   const void* rotary_sin;
-  const float* alibi_slopes;    // (B, Hq) with alibi_stride, or null
-  void* q_rot;                  // (B, Hq, Nq, D) contiguous: the rotated queries (written by kvcache_append)
-  int* split_counters;          // (B, Hk * row_tiles), zero between calls: splits done (attention_decode.cu)
-  i64 q_stride[3];              // b, h, n of q (of q_rot when rotary)
-  i64 q_in_stride[3];           // b, h, n of the caller's q (read by kvcache_append)
-  i64 k_stride[3];              // page (or b), hk, position of k_cache
+  const float* alibi_slopes;  // (B, Hq) with alibi_stride, or null
+  void* q_rot;                // (B, Hq, Nq, D) contiguous: the rotated queries (written by kvcache_append)
+  int* split_counters;        // (B, Hk * row_tiles), zero between calls: splits done (attention_decode.cu)
+  i64 q_stride[3];            // b, h, n of q (of q_rot when rotary)
+  i64 q_in_stride[3];         // b, h, n of the caller's q (read by kvcache_append)
+  i64 k_stride[3];            // page (or b), hk, position of k_cache
   i64 v_stride[3];
-  i64 k_new_stride[3];          // b, hk, n
+  i64 k_new_stride[3];  // b, hk, n
   i64 v_new_stride[3];
-  i64 out_stride[3];            // b, h, n
+  i64 out_stride[3];  // b, h, n
   i64 block_table_stride;
   i64 alibi_stride[2];
   int batch;
@@ -49,8 +49,8 @@ struct KVCacheParams {
   int max_pos;
   int rotary_interleaved;
   int rotary_q_advance;  // queries rotated at cache_seqlens + i (causal or a window), else at cache_seqlens
-  int window_left;  // -1 = unbounded
-  int window_right;  // causal folded in (right = 0); -1 = unbounded
+  int window_left;       // -1 = unbounded
+  int window_right;      // causal folded in (right = 0); -1 = unbounded
   int softcap_on;
   int alibi_on;
   int vec_ok;  // cache rows in whole, aligned 16-byte chunks
@@ -58,8 +58,8 @@ struct KVCacheParams {
   int min_tiles_per_split;
   int row_tiles;
   int seqlen_all;
-  float scale_log2;  // log2(e) * scale
-  float softcap_k;  // scale / softcap
+  float scale_log2;    // log2(e) * scale
+  float softcap_k;     // scale / softcap
   float softcap_log2;  // log2(e) * softcap
   double scale_log2_f64;
   double softcap_k_f64;
@@ -67,42 +67,69 @@ struct KVCacheParams {
 };
 
 // The parameters' real numbers in a kernel's accumulator type A (float; double for float64 inputs).
-template <typename A> struct KVReals;
-template <> struct KVReals<float> {
+template <typename A>
+struct KVReals;
+template <>
+struct KVReals<float> {
   __device__ __forceinline__ static float scale_log2(const KVCacheParams& p) { return p.scale_log2; }
   __device__ __forceinline__ static float softcap_k(const KVCacheParams& p) { return p.softcap_k; }
   __device__ __forceinline__ static float softcap_log2(const KVCacheParams& p) { return p.softcap_log2; }
 };
-template <> struct KVReals<double> {
+template <>
+struct KVReals<double> {
   __device__ __forceinline__ static double scale_log2(const KVCacheParams& p) { return p.scale_log2_f64; }
   __device__ __forceinline__ static double softcap_k(const KVCacheParams& p) { return p.softcap_k_f64; }
   __device__ __forceinline__ static double softcap_log2(const KVCacheParams& p) { return p.softcap_log2_f64; }
 };
 
 // One element rounded from the accumulator type (float; double for float64 inputs).
-template <typename T> __device__ __forceinline__ T from_acc(float x);
-template <> __device__ __forceinline__ half_t from_acc<half_t>(float x) {
+template <typename T>
+__device__ __forceinline__ T from_acc(float x);
+template <>
+__device__ __forceinline__ half_t from_acc<half_t>(float x) {
   half_t r;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
   return r;
 }
-template <> __device__ __forceinline__ bfloat16_t from_acc<bfloat16_t>(float x) {
+template <>
+__device__ __forceinline__ bfloat16_t from_acc<bfloat16_t>(float x) {
   bfloat16_t r;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
   return r;
 }
-template <> __device__ __forceinline__ float from_acc<float>(float x) { return x; }
-template <typename T> __device__ __forceinline__ T from_acc(double x) { return x; }
+template <>
+__device__ __forceinline__ float from_acc<float>(float x) {
+  return x;
+}
+template <typename T>
+__device__ __forceinline__ T from_acc(double x) {
+  return x;
+}
 
-template <typename A> __device__ __forceinline__ A neg_inf_of() { return A(neg_inf()); }
-template <typename A> __device__ __forceinline__ A nan_of();
-template <> __device__ __forceinline__ float nan_of<float>() { return __int_as_float(0x7fffffff); }
-template <> __device__ __forceinline__ double nan_of<double>() { return __longlong_as_double(0x7ff8000000000000ll); }
+template <typename A>
+__device__ __forceinline__ A neg_inf_of() {
+  return A(neg_inf());
+}
+template <typename A>
+__device__ __forceinline__ A nan_of();
+template <>
+__device__ __forceinline__ float nan_of<float>() {
+  return __int_as_float(0x7fffffff);
+}
+template <>
+__device__ __forceinline__ double nan_of<double>() {
+  return __longlong_as_double(0x7ff8000000000000ll);
+}
 // exp(x) of the merge's weights (x <= 0): float through exp2 on the special-function unit, double exactly.
-__device__ __forceinline__ float exp_of(float x) { return fast_exp2(x * LOG2E); }
-__device__ __forceinline__ double exp_of(double x) { return exp(x); }
+__device__ __forceinline__ float exp_of(float x) {
+  return fast_exp2(x * LOG2E);
+}
+__device__ __forceinline__ double exp_of(double x) {
+  return exp(x);
+}
 // The softcap's tanh, in each input type's precision as the dense kernels take it (softcap.cuh).
-template <typename T> __device__ __forceinline__ float softcap_tanh(float x) {
+template <typename T>
+__device__ __forceinline__ float softcap_tanh(float x) {
   if constexpr (sizeof(T) == 2) {
     float y;
     asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -111,7 +138,10 @@ template <typename T> __device__ __forceinline__ float softcap_tanh(float x) {
     return tanhf(x);
   }
 }
-template <typename T> __device__ __forceinline__ double softcap_tanh(double x) { return tanh(x); }
+template <typename T>
+__device__ __forceinline__ double softcap_tanh(double x) {
+  return tanh(x);
+}
 
 // Sequence b's cached positions before the append.
 __device__ __forceinline__ int cached_length(const KVCacheParams& p, int b) {

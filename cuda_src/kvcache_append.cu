@@ -9,8 +9,8 @@
 // 2u with 2u + 1 (interleaved, GPT-J); x' = x cos - y sin, y' = y cos + x sin in the accumulator type,
 // rounded once. Sequences whose values are out of range, and positions whose page is outside the cache,
 // are not written (the attention gives them NaN rows).
-// Grid: y = 0 new keys, 1 new values, 2 queries (without new keys y = 0 is the queries); x strides over (row, unit), a unit being one rotated pair
-// or one copied element.
+// Grid: y = 0 new keys, 1 new values, 2 queries (without new keys y = 0 is the queries); x strides over (row, unit), a
+// unit being one rotated pair or one copied element.
 #include "common.cuh"
 #include "mma.cuh"
 #include "kvcache.cuh"
@@ -58,11 +58,13 @@ __global__ void __launch_bounds__(256) kvcache_append(const KVCacheParams p) {
     const CacheRow at = cache_row(p, b, cached + j);
     if (at.page < 0) continue;
     if (part == 0) {
-      const T* src = static_cast<const T*>(p.k_new) + b * p.k_new_stride[0] + h * p.k_new_stride[1] + j * p.k_new_stride[2];
+      const T* src =
+          static_cast<const T*>(p.k_new) + b * p.k_new_stride[0] + h * p.k_new_stride[1] + j * p.k_new_stride[2];
       T* dst = static_cast<T*>(p.k_cache) + at.page * p.k_stride[0] + h * p.k_stride[1] + at.row * p.k_stride[2];
       rotate_row(dst, src, p, cached + j, unit);
     } else {
-      const T* src = static_cast<const T*>(p.v_new) + b * p.v_new_stride[0] + h * p.v_new_stride[1] + j * p.v_new_stride[2];
+      const T* src =
+          static_cast<const T*>(p.v_new) + b * p.v_new_stride[0] + h * p.v_new_stride[1] + j * p.v_new_stride[2];
       T* dst = static_cast<T*>(p.v_cache) + at.page * p.v_stride[0] + h * p.v_stride[1] + at.row * p.v_stride[2];
       dst[unit] = src[unit];
     }

@@ -18,17 +18,25 @@
 constexpr int STATES_THREADS = 256;
 constexpr int STATES_ROWS_PER_CTA = STATES_THREADS / 32;
 
-__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
-__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
-__device__ __forceinline__ float log_acc(float x) { return logf(x); }
-__device__ __forceinline__ double log_acc(double x) { return log(x); }
+__device__ __forceinline__ float exp_acc(float x) {
+  return expf(x);
+}
+__device__ __forceinline__ double exp_acc(double x) {
+  return exp(x);
+}
+__device__ __forceinline__ float log_acc(float x) {
+  return logf(x);
+}
+__device__ __forceinline__ double log_acc(double x) {
+  return log(x);
+}
 
 // One warp per row: the lanes stride over the row's columns, and lane 0 writes the row's new lse once the
 // whole warp has read the old one.
 template <typename T>
 __global__ void __launch_bounds__(STATES_THREADS) merge_states(acc_t<T>* out_acc, acc_t<T>* lse_acc, const T* out_b,
-                                                                const acc_t<T>* lse_b, long long rows, int n,
-                                                                int n_acc, int row0, int width) {
+                                                            const acc_t<T>* lse_b, long long rows, int n, int n_acc,
+                                                            int row0, int width) {
   using A = acc_t<T>;
   const long long row = static_cast<long long>(blockIdx.x) * STATES_ROWS_PER_CTA + threadIdx.x / 32;
   if (row >= rows) return;
@@ -55,8 +63,8 @@ __global__ void __launch_bounds__(STATES_THREADS) merge_states(acc_t<T>* out_acc
 }
 
 template <typename T>
-__global__ void __launch_bounds__(STATES_THREADS) accumulate_rows(acc_t<T>* acc, const T* x, long long elements,
-                                                                   int n, int n_acc, int row0, int width) {
+__global__ void __launch_bounds__(STATES_THREADS) accumulate_rows(acc_t<T>* acc, const T* x, long long elements, int n,
+                                                               int n_acc, int row0, int width) {
   const long long per_lead = static_cast<long long>(n) * width;
   for (long long e = static_cast<long long>(blockIdx.x) * STATES_THREADS + threadIdx.x; e < elements;
        e += static_cast<long long>(gridDim.x) * STATES_THREADS) {

@@ -9,8 +9,8 @@
 //  - float: mma.m16n8k8.tf32 three times per step ("3xTF32": a*b ~ a_hi*b_hi + a_hi*b_lo + a_lo*b_hi),
 //    which keeps float32 accuracy (no silent TF32). One k-step covers 8 elements.
 //  - double: mma.m16n8k8.f64 on sm_90 and up, four mma.m8n8k4.f64 before (FP64 tensor cores, IEEE
-//    float64 products and sums): rows 0-7 and 8-15 of the m16 tile, times two k-halves. Its C layout (row g, cols 2t, 2t+1) is the first
-//    half of m16n8's, so the accumulators keep the layout above. One k-step covers 8 elements (64
+//    float64 products and sums): rows 0-7 and 8-15 of the m16 tile, times two k-halves. Its C layout (row g, cols 2t,
+//    2t+1) is the first half of m16n8's, so the accumulators keep the layout above. One k-step covers 8 elements (64
 //    bytes of a row), read with 8-byte shared-memory loads: ldmatrix moves 16-bit pieces.
 //
 // Either way a k-step is 32 bytes of a shared-memory row, so the same ldmatrix addressing
@@ -53,14 +53,19 @@ __device__ __forceinline__ const T* b_lane_ptr(const T* tile, int stride, int n0
 }
 
 // ---------------------------------------------------------------- 16-bit inputs (fp16, bf16)
-template <typename T> struct Mma16 {
-  static constexpr int KSTEP = 16;      // k elements per mma
-  static constexpr int ACC_PER_A = 2;   // accumulator n-tiles that form one A operand (P V, dS K)
+template <typename T>
+struct Mma16 {
+  static constexpr int KSTEP = 16;              // k elements per mma
+  static constexpr int ACC_PER_A = 2;           // accumulator n-tiles that form one A operand (P V, dS K)
   static constexpr bool ROUNDED_CHAIN = false;  // 16-bit inputs: the mma's own fp32 accumulation suffices
   static constexpr int K_UNROLL = 16;           // k-steps per group in S = Q K^T (one group: unrolled)
   using Acc = float;
-  struct A { u32 x[4]; };
-  struct B { u32 x[2]; };
+  struct A {
+    u32 x[4];
+  };
+  struct B {
+    u32 x[2];
+  };
 
   __device__ __forceinline__ static void load_a(A& a, const T* tile, int stride, int row0, int k0, int lane) {
     ldsm_x4(a.x, smem_u32(a_lane_ptr(tile, stride, row0, k0, lane)));
@@ -68,14 +73,21 @@ template <typename T> struct Mma16 {
   __device__ __forceinline__ static void load_b2(B& b0, B& b1, const T* tile, int stride, int n0, int k0, int lane) {
     u32 r[4];
     ldsm_x4(r, smem_u32(b_lane_ptr(tile, stride, n0, k0, lane)));
-    b0.x[0] = r[0]; b0.x[1] = r[1]; b1.x[0] = r[2]; b1.x[1] = r[3];
+    b0.x[0] = r[0];
+    b0.x[1] = r[1];
+    b1.x[0] = r[2];
+    b1.x[1] = r[3];
   }
   // B operand stored [k][n] (V in P V, dO in P^T dO, K in dS K, Q in dS^T Q): transpose on load.
-  __device__ __forceinline__ static void load_b2_trans(B& b0, B& b1, const T* tile, int stride, int k0, int n0, int lane) {
+  __device__ __forceinline__ static void load_b2_trans(B& b0, B& b1, const T* tile, int stride, int k0, int n0,
+                                                       int lane) {
     const T* p = tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + n0 + (lane >> 4) * 8;
     u32 r[4];
     ldsm_x4_trans(r, smem_u32(p));
-    b0.x[0] = r[0]; b0.x[1] = r[1]; b1.x[0] = r[2]; b1.x[1] = r[3];
+    b0.x[0] = r[0];
+    b0.x[1] = r[1];
+    b1.x[0] = r[2];
+    b1.x[1] = r[3];
   }
   // Two accumulator n-tiles (16 columns) become one A operand without leaving registers:
   // the C layout of m16n8 matches the A layout of m16n8k16 pairwise.
@@ -94,15 +106,19 @@ __device__ __forceinline__ void mma16_op(float (&c)[4], const u32 (&a)[4], const
 
 template <>
 __device__ __forceinline__ void mma16_op<half_t>(float (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, "
+      "%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 template <>
 __device__ __forceinline__ void mma16_op<bfloat16_t>(float (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, "
+      "%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 // ---------------------------------------------------------------- float32 inputs (3xTF32)
@@ -125,8 +141,12 @@ struct Mma32 {
   static constexpr bool ROUNDED_CHAIN = true;  // see gemm_acc_b
   static constexpr int K_UNROLL = 4;           // k-steps per rounded group in S = Q K^T (see gemm_smem_abt)
   using Acc = float;
-  struct A { u32 hi[4], lo[4]; };
-  struct B { u32 hi[2], lo[2]; };
+  struct A {
+    u32 hi[4], lo[4];
+  };
+  struct B {
+    u32 hi[2], lo[2];
+  };
 
   __device__ __forceinline__ static void load_a(A& a, const float* tile, int stride, int row0, int k0, int lane) {
     u32 r[4];
@@ -134,16 +154,20 @@ struct Mma32 {
 #pragma unroll
     for (int i = 0; i < 4; ++i) split_tf32(r[i], a.hi[i], a.lo[i]);
   }
-  __device__ __forceinline__ static void load_b2(B& b0, B& b1, const float* tile, int stride, int n0, int k0, int lane) {
+  __device__ __forceinline__ static void load_b2(B& b0, B& b1, const float* tile, int stride, int n0, int k0,
+                                                 int lane) {
     u32 r[4];
     ldsm_x4(r, smem_u32(b_lane_ptr(tile, stride, n0, k0, lane)));
-    split_tf32(r[0], b0.hi[0], b0.lo[0]); split_tf32(r[1], b0.hi[1], b0.lo[1]);
-    split_tf32(r[2], b1.hi[0], b1.lo[0]); split_tf32(r[3], b1.hi[1], b1.lo[1]);
+    split_tf32(r[0], b0.hi[0], b0.lo[0]);
+    split_tf32(r[1], b0.hi[1], b0.lo[1]);
+    split_tf32(r[2], b1.hi[0], b1.lo[0]);
+    split_tf32(r[3], b1.hi[1], b1.lo[1]);
   }
   // ldmatrix cannot transpose 32-bit elements. The k index of a register-sourced A operand is
   // permuted instead (see a_from_acc): logical k = t holds column 2t, k = t + 4 holds 2t + 1.
   // B rows are read with the same permutation, so the product is unchanged.
-  __device__ __forceinline__ static void load_b2_trans(B& b0, B& b1, const float* tile, int stride, int k0, int n0, int lane) {
+  __device__ __forceinline__ static void load_b2_trans(B& b0, B& b1, const float* tile, int stride, int k0, int n0,
+                                                       int lane) {
     const int g = lane >> 2, t = lane & 3;
     const float* row_even = tile + (k0 + 2 * t) * stride + n0 + g;
     const float* row_odd = row_even + stride;
@@ -155,8 +179,8 @@ struct Mma32 {
   // One accumulator n-tile becomes one A operand: A(g, t) = C(g, 2t), A(g, t+4) = C(g, 2t+1).
   __device__ __forceinline__ static A a_from_acc(const float (*acc)[4]) {
     A a;
-    const u32 x[4] = {__float_as_uint(acc[0][0]), __float_as_uint(acc[0][2]),
-                      __float_as_uint(acc[0][1]), __float_as_uint(acc[0][3])};
+    const u32 x[4] = {__float_as_uint(acc[0][0]), __float_as_uint(acc[0][2]), __float_as_uint(acc[0][1]),
+                      __float_as_uint(acc[0][3])};
 #pragma unroll
     for (int i = 0; i < 4; ++i) split_tf32(x[i], a.hi[i], a.lo[i]);
     return a;
@@ -164,11 +188,12 @@ struct Mma32 {
 };
 
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
-  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, "
+      "%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-
 
 // ---------------------------------------------------------------- float64 inputs (DMMA)
 // m8n8k4.f64 fragments (g = lane / 4, t = lane % 4): A(g, t), B(k = t, n = g), C(g, 2t + i). A k-step of
@@ -192,8 +217,12 @@ struct Mma64 {
   static constexpr int K_UNROLL = 4;
 #endif
   using Acc = double;
-  struct A { double x[2][2]; };  // [k-half][rows g, g + 8]
-  struct B { double x[2]; };     // [k-half]
+  struct A {
+    double x[2][2];
+  };  // [k-half][rows g, g + 8]
+  struct B {
+    double x[2];
+  };  // [k-half]
 
   __device__ __forceinline__ static void load_a(A& a, const double* tile, int stride, int row0, int k0, int lane) {
     const double* p = tile + (row0 + (lane >> 2)) * stride + k0 + (lane & 3);
@@ -203,7 +232,8 @@ struct Mma64 {
       a.x[h][1] = p[8 * stride + 4 * h];
     }
   }
-  __device__ __forceinline__ static void load_b2(B& b0, B& b1, const double* tile, int stride, int n0, int k0, int lane) {
+  __device__ __forceinline__ static void load_b2(B& b0, B& b1, const double* tile, int stride, int n0, int k0,
+                                                 int lane) {
     const double* p = tile + (n0 + (lane >> 2)) * stride + k0 + (lane & 3);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -211,7 +241,8 @@ struct Mma64 {
       b1.x[h] = p[8 * stride + 4 * h];
     }
   }
-  __device__ __forceinline__ static void load_b2_trans(B& b0, B& b1, const double* tile, int stride, int k0, int n0, int lane) {
+  __device__ __forceinline__ static void load_b2_trans(B& b0, B& b1, const double* tile, int stride, int k0, int n0,
+                                                       int lane) {
     const int t = lane & 3, swap = t >> 1;
     const double* p = tile + (k0 + 2 * t) * stride + n0 + (lane >> 2);
 #pragma unroll
@@ -246,13 +277,16 @@ __device__ __forceinline__ void zero_tiles(Acc (&acc)[N_TILES][4]) {
 
 // ---------------------------------------------------------------- dispatch by element type
 // Mma<T>::Acc is the accumulator type; acc_t<T> names it.
-template <typename T> struct Mma : Mma16<T> {
-  __device__ __forceinline__ static void mma(float (&c)[4], const typename Mma16<T>::A& a, const typename Mma16<T>::B& b) {
+template <typename T>
+struct Mma : Mma16<T> {
+  __device__ __forceinline__ static void mma(float (&c)[4], const typename Mma16<T>::A& a,
+                                             const typename Mma16<T>::B& b) {
     mma16_op<T>(c, a.x, b.x);
   }
 };
 
-template <> struct Mma<float> : Mma32 {
+template <>
+struct Mma<float> : Mma32 {
   // Small terms first, so they are not lost against the large one.
   __device__ __forceinline__ static void mma(float (&c)[4], const A& a, const B& b) {
     mma_tf32(c, a.lo, b.hi);
@@ -261,15 +295,18 @@ template <> struct Mma<float> : Mma32 {
   }
 };
 
-template <> struct Mma<double> : Mma64 {
+template <>
+struct Mma<double> : Mma64 {
   // Hopper's FP64 tensor cores run twice A100's rate per SM only through the m16n8 shapes it added (sm_90):
   // one m16n8k8 there, whose fragments are exactly the four m8n8k4 pieces (a0 (g, t), a1 (g + 8, t),
   // a2 (g, t + 4), a3 (g + 8, t + 4); b0 (t, g), b1 (t + 4, g)).
   __device__ __forceinline__ static void mma(double (&c)[4], const A& a, const B& b) {
 #if __CUDA_ARCH__ >= 900
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
-                 : "d"(a.x[0][0]), "d"(a.x[0][1]), "d"(a.x[1][0]), "d"(a.x[1][1]), "d"(b.x[0]), "d"(b.x[1]));
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, "
+        "%3};\n"
+        : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
+        : "d"(a.x[0][0]), "d"(a.x[0][1]), "d"(a.x[1][0]), "d"(a.x[1][1]), "d"(b.x[0]), "d"(b.x[1]));
 #else
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -280,15 +317,16 @@ template <> struct Mma<double> : Mma64 {
   }
 };
 
-template <typename T> using acc_t = typename Mma<T>::Acc;
+template <typename T>
+using acc_t = typename Mma<T>::Acc;
 
 // C[16 x 8*N_TILES] += A[16 x K] * B^T, with A rows at row0 of `a_tile` and B stored [n][k]
 // (all N_TILES n-tiles from row n0 = 0 of `b_tile`). K a multiple of the type's k-step.
 // For float32 (ROUNDED_CHAIN) every K_UNROLL k-steps go through a fresh register tile that is
 // added to C with rounded adds, so long head dims do not build a truncating tensor-core chain.
 template <typename T, int K, int N_TILES, int A_STRIDE, int B_STRIDE>
-__device__ __forceinline__ void gemm_smem_abt(acc_t<T> (&c)[N_TILES][4], const T* a_tile, int row0,
-                                              const T* b_tile, int lane) {
+__device__ __forceinline__ void gemm_smem_abt(acc_t<T> (&c)[N_TILES][4], const T* a_tile, int row0, const T* b_tile,
+                                              int lane) {
   using M = Mma<T>;
   static_assert(N_TILES % 2 == 0, "n-tiles are loaded in pairs");
   // k elements per group: all of K in one unrolled group, or K_UNROLL k-steps (rounded chains; and
@@ -298,7 +336,7 @@ __device__ __forceinline__ void gemm_smem_abt(acc_t<T> (&c)[N_TILES][4], const T
 #pragma unroll 1
   for (int kg = 0; kg < K; kg += GROUP) {
     acc_t<T> t[N_TILES][4];
-    acc_t<T> (&acc)[N_TILES][4] = M::ROUNDED_CHAIN ? t : c;
+    acc_t<T>(&acc)[N_TILES][4] = M::ROUNDED_CHAIN ? t : c;
     if constexpr (M::ROUNDED_CHAIN) zero_tiles(t);
 #pragma unroll
     for (int k0 = kg; k0 < kg + GROUP; k0 += M::KSTEP) {
@@ -328,8 +366,8 @@ __device__ __forceinline__ void gemm_smem_abt(acc_t<T> (&c)[N_TILES][4], const T
 // accumulation truncates, which float32 inputs would notice over such a chain: for them each
 // tile's product is summed into a fresh register tile and added to C with ordinary rounded adds.
 template <typename T, int P_TILES, int N_TILES, int B_STRIDE>
-__device__ __forceinline__ void gemm_acc_b(acc_t<T> (&c)[N_TILES][4], const acc_t<T> (&p)[P_TILES][4],
-                                           const T* b_tile, int n_begin, int lane) {
+__device__ __forceinline__ void gemm_acc_b(acc_t<T> (&c)[N_TILES][4], const acc_t<T> (&p)[P_TILES][4], const T* b_tile,
+                                           int n_begin, int lane) {
   using M = Mma<T>;
   constexpr int K_STEPS = P_TILES / M::ACC_PER_A;
   static_assert(N_TILES % 2 == 0 && P_TILES % M::ACC_PER_A == 0, "tile counts");

@@ -20,4 +20,6 @@ enum class Mods { none, softcap, window, scalars, all, dense_scalars };
 // Whether a MODS kernel reads cu_seqlens (packed batches; SeqInfo's MAY_BE_PACKED). Packed batches run the
 // scalars' or all's instantiations: only they read cu_seqlens, so that the plain kernels keep nq and nk as
 // constants, not registers (their tightest variants have none to spare).
-__host__ __device__ constexpr bool may_be_packed(Mods mods) { return mods == Mods::scalars || mods == Mods::all; }
+__host__ __device__ constexpr bool may_be_packed(Mods mods) {
+  return mods == Mods::scalars || mods == Mods::all;
+}

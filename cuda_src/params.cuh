@@ -38,8 +38,8 @@ struct AttnParams {
   int batch2;
   int nq;
   int nk;
-  int d_qk;  // head dim of q and k (a multiple of 16 bytes' worth of elements, <= HEAD_DIM)
-  int d_v;   // head dim of v and out (likewise)
+  int d_qk;          // head dim of q and k (a multiple of 16 bytes' worth of elements, <= HEAD_DIM)
+  int d_v;           // head dim of v and out (likewise)
   float scale;       // softmax scale applied to q . k
   float scale_log2;  // scale * log2(e), folded so the softmax runs on exp2
   // Score modifiers, read by HAS_MODS kernels only (score_mods.cuh, mods.cuh); null pointers / zeros = off.
@@ -54,15 +54,15 @@ struct AttnParams {
   i64 dbias_stride[5];
   i64 mask_stride[5];
   i64 block_mask_stride[5];
-  i64 alibi_stride[3];              // [b0, b1, b2] of alibi_slopes, in elements (0 along a broadcast dim)
-  int window_left;   // keys j >= i + nk - nq - left are seen; -1 = unbounded
-  int window_right;  // keys j <= i + nk - nq + right are seen; -1 = unbounded; causal = 0
-  int bias_f32;      // bias is float32 (else the inputs' type)
-  int bias_pairs;    // bias has unit column stride and pairs of columns are aligned for one load
-  int dbias_pairs;   // dbias is broadcast along no dim (one writer per element): aligned pair stores
-  int dbias_f32;     // dbias is float32 (else the inputs' type; an accumulator: the accumulator type)
-  float softcap;     // > 0: scores become softcap * tanh(score / softcap)
-  float softcap_inv; // 1 / softcap (0 when off)
+  i64 alibi_stride[3];  // [b0, b1, b2] of alibi_slopes, in elements (0 along a broadcast dim)
+  int window_left;      // keys j >= i + nk - nq - left are seen; -1 = unbounded
+  int window_right;     // keys j <= i + nk - nq + right are seen; -1 = unbounded; causal = 0
+  int bias_f32;         // bias is float32 (else the inputs' type)
+  int bias_pairs;       // bias has unit column stride and pairs of columns are aligned for one load
+  int dbias_pairs;      // dbias is broadcast along no dim (one writer per element): aligned pair stores
+  int dbias_f32;        // dbias is float32 (else the inputs' type; an accumulator: the accumulator type)
+  float softcap;        // > 0: scores become softcap * tanh(score / softcap)
+  float softcap_inv;    // 1 / softcap (0 when off)
   // Backward passes: the rows of the streamed axis this launch sums over, [stream_begin, stream_end):
   // queries for the dK/dV pass, keys for the dQ pass. The host splits long sequences into several
   // launches (cupyflash/_cuda/launch.py, CHAIN_ROWS); block boundaries line up with BLOCK_M and BLOCK_N.
@@ -104,15 +104,18 @@ struct AttnParams {
 };
 
 // The real-valued parameters in a kernel's accumulator type A (float; double for float64 inputs).
-template <typename A> struct Reals;
-template <> struct Reals<float> {
+template <typename A>
+struct Reals;
+template <>
+struct Reals<float> {
   __device__ __forceinline__ static float scale(const AttnParams& p) { return p.scale; }
   __device__ __forceinline__ static float scale_log2(const AttnParams& p) { return p.scale_log2; }
   __device__ __forceinline__ static float softcap(const AttnParams& p) { return p.softcap; }
   __device__ __forceinline__ static float softcap_inv(const AttnParams& p) { return p.softcap_inv; }
   __device__ __forceinline__ static float dropout_scale(const AttnParams& p) { return p.dropout_scale; }
 };
-template <> struct Reals<double> {
+template <>
+struct Reals<double> {
   __device__ __forceinline__ static double scale(const AttnParams& p) { return p.scale_f64; }
   __device__ __forceinline__ static double scale_log2(const AttnParams& p) { return p.scale_log2_f64; }
   __device__ __forceinline__ static double softcap(const AttnParams& p) { return p.softcap_f64; }
@@ -121,7 +124,9 @@ template <> struct Reals<double> {
 };
 
 // Flat batch index of this CTA: blockIdx.y, extended by blockIdx.z past the 65535 limit of y.
-__device__ __forceinline__ int batch_index() { return blockIdx.z * gridDim.y + blockIdx.y; }
+__device__ __forceinline__ int batch_index() {
+  return blockIdx.z * gridDim.y + blockIdx.y;
+}
 
 template <int N>
 __device__ __forceinline__ i64 batch_offset(const i64 (&stride)[N], int b, const AttnParams& p) {
@@ -131,4 +136,3 @@ __device__ __forceinline__ i64 batch_offset(const i64 (&stride)[N], int b, const
   const int b0 = rest / p.batch1;
   return b0 * stride[0] + b1 * stride[1] + b2 * stride[2];
 }
-

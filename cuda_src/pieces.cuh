@@ -6,8 +6,8 @@
 // A value x, scaled by a power of two 2^e that brings the largest magnitude of its group (SPLIT_BLOCK_ROWS
 // rows of an input, or the forward's q tile; a register operand's row) into [2^14, 2^15), is hi + lo with
 // hi = float16(x * 2^e) and lo = float16(x * 2^e - hi): 22 significant bits for every element within 2^17
-// of the group's largest, an absolute error below 2^-39 of that largest for the smaller ones. A product of two split operands is
-// three float16 products, a_hi b_lo + a_lo b_hi + a_hi b_hi (the dropped a_lo b_lo is 2^-22 relative).
+// of the group's largest, an absolute error below 2^-39 of that largest for the smaller ones. A product of two split
+// operands is three float16 products, a_hi b_lo + a_lo b_hi + a_hi b_hi (the dropped a_lo b_lo is 2^-22 relative).
 #pragma once
 #include "common.cuh"
 #include "params.cuh"
@@ -26,7 +26,9 @@ __device__ __forceinline__ int split_exponent(u32 bits) {
   return max(-126, min(126, e));
 }
 // 2^e for |e| <= 126, exactly.
-__device__ __forceinline__ float pow2(int e) { return __int_as_float((127 + e) << 23); }
+__device__ __forceinline__ float pow2(int e) {
+  return __int_as_float((127 + e) << 23);
+}
 
 __device__ __forceinline__ u16 to_half(float x) {
   u16 h;
@@ -39,7 +41,9 @@ __device__ __forceinline__ float from_half(u16 h) {
   return x;
 }
 
-__device__ __forceinline__ float finite_abs(float x) { return isfinite(x) ? fabsf(x) : 0.f; }
+__device__ __forceinline__ float finite_abs(float x) {
+  return isfinite(x) ? fabsf(x) : 0.f;
+}
 
 // The largest of every thread's m over the CTA, in every thread (THREADS / 32 floats of shared memory in
 // warp_max; the caller syncs before reusing it).
@@ -74,7 +78,8 @@ template <bool ON>
 struct Pieces {
   const int4* e = nullptr;  // this batch entry's row blocks
   __device__ __forceinline__ Pieces(const AttnParams& p, int b) {
-    if constexpr (ON) e = reinterpret_cast<const int4*>(p.split_exponents) + b * ceil_div(max(p.nq, p.nk), SPLIT_BLOCK_ROWS);
+    if constexpr (ON)
+      e = reinterpret_cast<const int4*>(p.split_exponents) + b * ceil_div(max(p.nq, p.nk), SPLIT_BLOCK_ROWS);
   }
   // The factors of the row block holding row `row` (its exponents read through the read-only cache).
   __device__ __forceinline__ PieceFactors at(int row) const {
@@ -113,7 +118,8 @@ __device__ __forceinline__ float split_tile(half_t* smem, const float* gmem, i64
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (r < ROWS && r < valid_rows && c + 4 * h < valid_cols) v = *reinterpret_cast<const float4*>(gmem + r * row_stride + c + 4 * h);
+      if (r < ROWS && r < valid_rows && c + 4 * h < valid_cols)
+        v = *reinterpret_cast<const float4*>(gmem + r * row_stride + c + 4 * h);
       x[pass][4 * h] = v.x;
       x[pass][4 * h + 1] = v.y;
       x[pass][4 * h + 2] = v.z;

@@ -23,8 +23,8 @@ struct RowBlock {
   const QIn* q;  // row m0
   const In* k;
   const In* v;
-  T* out;          // row m0
-  acc_t<T>* lse;   // row m0
+  T* out;         // row m0
+  acc_t<T>* lse;  // row m0
   int n_first = 0, n_blocks, n_unmasked;
   int keys_end;  // one past the last key any of these rows sees (n_blocks' last block may end before it)
   // This entry's keys, and with the scalar modifiers the key blocks that need no bound checks, in
@@ -40,8 +40,8 @@ struct RowBlock {
 
   // Every thread of the CTA constructs it (the block-mask bitmap is loaded cooperatively), after
   // checking m0 < seq.nq().
-  __device__ __forceinline__ RowBlock(const AttnParams& params, int b, const SeqInfo<may_be_packed(MODS)>& seq_, int m0_,
-                                      u32* bitmap_words)
+  __device__ __forceinline__ RowBlock(const AttnParams& params, int b, const SeqInfo<may_be_packed(MODS)>& seq_,
+                                      int m0_, u32* bitmap_words)
       : p(params), seq(seq_), m0(m0_), mods(params, b) {
     q = static_cast<const QIn*>(p.q) + batch_offset(p.q_stride, b, p) + (seq.q_row + m0) * p.q_stride[3];
     k = static_cast<const In*>(p.k) + batch_offset(p.k_stride, b, p) + seq.k_row * p.k_stride[3];
@@ -66,10 +66,12 @@ struct RowBlock {
       n_first = k_first / BLOCK_N;
       n_blocks = k_last >= k_first ? k_last / BLOCK_N + 1 : 0;
       keys_end = k_last + 1;
-      if constexpr (KEYS_IN_REGISTERS) mods.template unchecked_key_blocks<BLOCK_N>(m0, m0 + BLOCK_M - 1, n_free_first, n_free_last);
+      if constexpr (KEYS_IN_REGISTERS)
+        mods.template unchecked_key_blocks<BLOCK_N>(m0, m0 + BLOCK_M - 1, n_free_first, n_free_last);
       // The block mask: Mods::all only. (Walking it in the scalars' forward slowed the ALiBi and window
       // forwards: the host sends block-mask forwards to Mods::all, their backward to the scalars.)
-      if constexpr (MODS == Mods::all) mods.template load_tile_bitmap<NUM_WARPS, true>(tile_bitmap, bitmap_words, b, m0);
+      if constexpr (MODS == Mods::all)
+        mods.template load_tile_bitmap<NUM_WARPS, true>(tile_bitmap, bitmap_words, b, m0);
     }
   }
 
@@ -96,8 +98,8 @@ struct RowBlock {
   __device__ __forceinline__ void scores(acc_t<T> (&s)[S_TILES][4], int n_block, int row0, int lane) const {
     const int n0 = n_block * BLOCK_N;
     if constexpr (HAS_MODS) {
-      const bool check = KEYS_IN_REGISTERS ? needs_checks(n_block)
-                                           : mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1);
+      const bool check =
+          KEYS_IN_REGISTERS ? needs_checks(n_block) : mods.needs_bounds(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N - 1);
       mods.template apply<false>(s, m0 + row0, n0, lane, check);
     } else if (n_block >= n_unmasked) {
       mask.apply(s, m0 + row0, n0, lane);
@@ -124,8 +126,9 @@ struct RowBlock {
     // block takes side 1 (the hidden keys' terms are thrown away); likewise side -1 with a left edge of 0.
     // That spares the blocks across the diagonal the |.| per score, and a causal tile's first block, the
     // diagonal one, is the one no product overlaps.
-    const int side = mods.window_right() == 0 || n0 + BLOCK_N - 1 <= m0 + offset ? 1
-                     : mods.window_left() == 0 || n0 >= m0 + BLOCK_M - 1 + offset ? -1 : 0;
+    const int side = mods.window_right() == 0 || n0 + BLOCK_N - 1 <= m0 + offset  ? 1
+                     : mods.window_left() == 0 || n0 >= m0 + BLOCK_M - 1 + offset ? -1
+                                                                                  : 0;
     const bool check = needs_checks(n_block);
     mods.alibi_log2(s, cols, side, m0 + row0, n0, lane, check, shift);
   }

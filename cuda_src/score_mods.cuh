@@ -59,9 +59,11 @@ struct ScoreMods {
     mask = block_mask = nullptr;
     // Without ARRAYS (Mods::scalars) they stay null at compile time, and every branch on them folds away.
     if constexpr (ARRAYS) {
-      if (p.bias) bias = static_cast<const char*>(p.bias) + batch_offset(p.bias_stride, b, p) * (p.bias_f32 ? 4 : sizeof(T));
+      if (p.bias)
+        bias = static_cast<const char*>(p.bias) + batch_offset(p.bias_stride, b, p) * (p.bias_f32 ? 4 : sizeof(T));
       if (p.dbias) {
-        dbias = reinterpret_cast<A*>(static_cast<char*>(p.dbias) + batch_offset(p.dbias_stride, b, p) * (p.dbias_f32 ? 4 : sizeof(T)));
+        dbias = reinterpret_cast<A*>(static_cast<char*>(p.dbias) +
+                                     batch_offset(p.dbias_stride, b, p) * (p.dbias_f32 ? 4 : sizeof(T)));
       }
       if (p.mask) mask = p.mask + batch_offset(p.mask_stride, b, p);
       if (p.block_mask) block_mask = p.block_mask + batch_offset(p.block_mask_stride, b, p);
@@ -99,17 +101,26 @@ struct ScoreMods {
   }
 
   // Keys [first, last] that some query of rows [r0, r1] may see through the window band and nk.
-  __device__ __forceinline__ int first_key(int r0) const { return window_left() < 0 ? 0 : max(0, r0 + nk() - nq() - window_left()); }
-  __device__ __forceinline__ int last_key(int r1) const { return window_right() < 0 ? nk() - 1 : min(nk() - 1, r1 + nk() - nq() + window_right()); }
+  __device__ __forceinline__ int first_key(int r0) const {
+    return window_left() < 0 ? 0 : max(0, r0 + nk() - nq() - window_left());
+  }
+  __device__ __forceinline__ int last_key(int r1) const {
+    return window_right() < 0 ? nk() - 1 : min(nk() - 1, r1 + nk() - nq() + window_right());
+  }
   // Queries [first, last] that may see some key of columns [c0, c1] (clipped to [0, nq - 1]).
-  __device__ __forceinline__ int first_query(int c0) const { return window_right() < 0 ? 0 : max(0, c0 - (nk() - nq()) - window_right()); }
-  __device__ __forceinline__ int last_query(int c1) const { return window_left() < 0 ? nq() - 1 : min(nq() - 1, c1 - (nk() - nq()) + window_left()); }
+  __device__ __forceinline__ int first_query(int c0) const {
+    return window_right() < 0 ? 0 : max(0, c0 - (nk() - nq()) - window_right());
+  }
+  __device__ __forceinline__ int last_query(int c1) const {
+    return window_left() < 0 ? nq() - 1 : min(nq() - 1, c1 - (nk() - nq()) + window_left());
+  }
 
   // Does the tile rows [r0, r1] x cols [c0, c1] need per-element bound checks? Interior tiles of the
   // band that lie inside nq x nk do not.
   __device__ __forceinline__ bool needs_bounds(int r0, int r1, int c0, int c1) const {
     const int offset = nk() - nq(), left = window_left(), right = window_right();
-    return r1 >= nq() || c1 >= nk() || (right >= 0 && c1 > r0 + offset + right) || (left >= 0 && c0 < r1 + offset - left);
+    return r1 >= nq() || c1 >= nk() || (right >= 0 && c1 > r0 + offset + right) ||
+           (left >= 0 && c0 < r1 + offset - left);
   }
 
   // The key blocks [first, last] (of BLOCK keys) whose tiles for query rows [r0, r1] need no bound checks,
@@ -118,8 +129,8 @@ struct ScoreMods {
   template <int BLOCK>
   __device__ __forceinline__ void unchecked_key_blocks(int r0, int r1, int& first, int& last) const {
     const int offset = nk() - nq(), left = window_left(), right = window_right();
-    first = left < 0 ? 0 : -floor_div(-(r1 + offset - left), BLOCK);          // c0 >= r1 + offset - left
-    last = nk() / BLOCK - 1;                                                    // c1 < nk
+    first = left < 0 ? 0 : -floor_div(-(r1 + offset - left), BLOCK);                  // c0 >= r1 + offset - left
+    last = nk() / BLOCK - 1;                                                          // c1 < nk
     if (right >= 0) last = min(last, floor_div(r0 + offset + right + 1, BLOCK) - 1);  // c1 <= r0 + offset + right
     if (r1 >= nq()) last = first - 1;
   }
@@ -130,7 +141,7 @@ struct ScoreMods {
   __device__ __forceinline__ void unchecked_query_blocks(int c0, int c1, int& first, int& last) const {
     const int offset = nk() - nq(), left = window_left(), right = window_right();
     first = right < 0 ? 0 : -floor_div(-(c1 - offset - right), BLOCK);              // r0 >= c1 - offset - right
-    last = nq() / BLOCK - 1;                                                          // r1 < nq
+    last = nq() / BLOCK - 1;                                                        // r1 < nq
     if (left >= 0) last = min(last, floor_div(c0 - offset + left + 1, BLOCK) - 1);  // r1 <= c0 - offset + left
     if (c1 >= nk()) last = first - 1;
   }
@@ -142,15 +153,20 @@ struct ScoreMods {
   // to null before the load would race with another warp's load).
   __device__ __forceinline__ void load_tile_bitmap(TileBitmap& bitmap, u32* smem_words, int b, int fixed) const {
     if (!has_block_mask()) {
-      bitmap.words = nullptr; bitmap.line = nullptr; bitmap.count = 0; bitmap.stride = 0;
+      bitmap.words = nullptr;
+      bitmap.line = nullptr;
+      bitmap.count = 0;
+      bitmap.stride = 0;
       return;
     }
     const unsigned char* lines = ARRAYS ? block_mask : p.block_mask + batch_offset(p.block_mask_stride, b, p);
     const int t = fixed / BLOCK_MASK_TILE;
     if (KEYS) {
-      bitmap.load<NUM_WARPS>(smem_words, lines + t * p.block_mask_stride[3], p.block_mask_stride[4], ceil_div(nk(), BLOCK_MASK_TILE));
+      bitmap.load<NUM_WARPS>(smem_words, lines + t * p.block_mask_stride[3], p.block_mask_stride[4],
+                             ceil_div(nk(), BLOCK_MASK_TILE));
     } else {
-      bitmap.load<NUM_WARPS>(smem_words, lines + t * p.block_mask_stride[4], p.block_mask_stride[3], ceil_div(nq(), BLOCK_MASK_TILE));
+      bitmap.load<NUM_WARPS>(smem_words, lines + t * p.block_mask_stride[4], p.block_mask_stride[3],
+                             ceil_div(nq(), BLOCK_MASK_TILE));
     }
   }
 
@@ -274,7 +290,8 @@ struct ScoreMods {
         for (int e = 0; e < 4; ++e) {
           int i, key;
           coords<TRANSPOSED>(row0, col0, j, e, lane, i, key);
-          if (!check || (i < nq() && key < nk())) s[j][e] += add_scale * bias_at(i * p.bias_stride[3] + key * p.bias_stride[4]);
+          if (!check || (i < nq() && key < nk()))
+            s[j][e] += add_scale * bias_at(i * p.bias_stride[3] + key * p.bias_stride[4]);
         }
     }
     hide<TRANSPOSED>(s, row0, col0, lane, check);
@@ -442,8 +459,8 @@ struct ScoreMods {
   // score, dS times the softcap derivative 1 - tanh^2, into dp. dS itself (the bias gradient) goes
   // into dbias when write_dbias. lse_log2(j, e) and delta(j, e) give the element's row statistics.
   template <bool TRANSPOSED, int N, typename Lse, typename Delta>
-  __device__ __forceinline__ void backward(A (&s)[N][4], A (&dp)[N][4], int row0, int col0, int lane,
-                                           bool check, Lse lse_log2, Delta delta, bool write_dbias) const {
+  __device__ __forceinline__ void backward(A (&s)[N][4], A (&dp)[N][4], int row0, int col0, int lane, bool check,
+                                           Lse lse_log2, Delta delta, bool write_dbias) const {
     write_dbias = write_dbias && dbias;
     const A cap = Reals<A>::softcap(p);
     if (cap > A(0) && write_dbias) {
@@ -487,8 +504,10 @@ struct ScoreMods {
     fold_derivative(s, dp, delta);
     additive_and_hide<TRANSPOSED>(s, row0, col0, lane, check);
     // One loop per case, not a select per element.
-    if (cap > A(0)) probs_and_dscores<true, TRANSPOSED>(s, dp, row0, col0, lane, lse_log2, delta, write_dbias && !store_pairs);
-    else probs_and_dscores<false, TRANSPOSED>(s, dp, row0, col0, lane, lse_log2, delta, write_dbias && !store_pairs);
+    if (cap > A(0))
+      probs_and_dscores<true, TRANSPOSED>(s, dp, row0, col0, lane, lse_log2, delta, write_dbias && !store_pairs);
+    else
+      probs_and_dscores<false, TRANSPOSED>(s, dp, row0, col0, lane, lse_log2, delta, write_dbias && !store_pairs);
     if (write_dbias && store_pairs) store_dbias_pairs(dp, row0, col0, lane, check);
   }
 
@@ -578,7 +597,8 @@ struct ScoreMods {
   // bias's dtype, no atomics, no accumulator buffer (hidden elements store their dS = 0). The host sets
   // dbias_pairs only with an even Nk, so a pair never straddles nk.
   template <int N>
-  __device__ __forceinline__ void store_dbias_pairs(const A (&ds)[N][4], int row0, int col0, int lane, bool check) const {
+  __device__ __forceinline__ void store_dbias_pairs(const A (&ds)[N][4], int row0, int col0, int lane,
+                                                    bool check) const {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -594,7 +614,8 @@ struct ScoreMods {
             continue;
           }
         }
-        *reinterpret_cast<float2*>(reinterpret_cast<float*>(dbias) + row + j * 8) = make_float2(ds[j][2 * r], ds[j][2 * r + 1]);
+        *reinterpret_cast<float2*>(reinterpret_cast<float*>(dbias) + row + j * 8) =
+            make_float2(ds[j][2 * r], ds[j][2 * r + 1]);
       }
     }
   }

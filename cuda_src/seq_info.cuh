@@ -9,8 +9,12 @@
 // read through volatile loads where they are used: in registers they would live through the main loop,
 // and the modifiers' kernels, whose tightest variants are at 255 registers, would spill.
 __shared__ int seq_lengths[2];
-__device__ __forceinline__ int shared_nq() { return *static_cast<volatile const int*>(&seq_lengths[0]); }
-__device__ __forceinline__ int shared_nk() { return *static_cast<volatile const int*>(&seq_lengths[1]); }
+__device__ __forceinline__ int shared_nq() {
+  return *static_cast<volatile const int*>(&seq_lengths[0]);
+}
+__device__ __forceinline__ int shared_nk() {
+  return *static_cast<volatile const int*>(&seq_lengths[1]);
+}
 
 // The sequence of batch entry b: its lengths nq(), nk(), where its rows start in the strided tensors (added
 // to the batch offset), and where they start in the library's per-row arrays: lse, delta, lse_log2, dq at

@@ -18,7 +18,9 @@ constexpr float RESCALE_SLACK = 8.f;  // P <= 2^8 between rescalings: far from o
 // The identity, as update_bounded's default score and hide steps.
 struct Unchanged {
   template <typename X>
-  __device__ __forceinline__ X&& operator()(X&& x) const { return static_cast<X&&>(x); }
+  __device__ __forceinline__ X&& operator()(X&& x) const {
+    return static_cast<X&&>(x);
+  }
 };
 
 // A: the accumulator type (float; double for float64 inputs, with libdevice's exp2 and log2). Its tile
@@ -156,8 +158,10 @@ template <int N_TILES, typename A>
 __device__ __forceinline__ void scale_rows(A (&acc)[N_TILES][4], const A (&f)[2]) {
 #pragma unroll
   for (int j = 0; j < N_TILES; ++j) {
-    acc[j][0] *= f[0]; acc[j][1] *= f[0];
-    acc[j][2] *= f[1]; acc[j][3] *= f[1];
+    acc[j][0] *= f[0];
+    acc[j][1] *= f[0];
+    acc[j][2] *= f[1];
+    acc[j][3] *= f[1];
   }
 }
 

@@ -18,7 +18,8 @@ __device__ __forceinline__ void probs_from_scores_cols(A (&s)[N_TILES][4], const
 
 // dS = P * (dP - delta), in place in dp, delta indexed along the columns (dK/dV pass).
 template <int N_TILES, typename A>
-__device__ __forceinline__ void dscores_cols(A (&dp)[N_TILES][4], const A (&prob)[N_TILES][4], const A* delta, int lane) {
+__device__ __forceinline__ void dscores_cols(A (&dp)[N_TILES][4], const A (&prob)[N_TILES][4], const A* delta,
+                                             int lane) {
   const int t = lane & 3;
 #pragma unroll
   for (int j = 0; j < N_TILES; ++j) {

@@ -43,7 +43,9 @@ __device__ __forceinline__ u64 desc_k_major(const T* tile, int row0) {
 }
 template <class Tile>
 __host__ __device__ constexpr u64 k_major_step(int k0) {
-  return static_cast<u64>((k0 / Tile::ATOM_COLS) * Tile::ATOM_SIZE + k0 % Tile::ATOM_COLS) * Tile::VEC_BYTES / Tile::VEC >> 4;
+  return static_cast<u64>((k0 / Tile::ATOM_COLS) * Tile::ATOM_SIZE + k0 % Tile::ATOM_COLS) * Tile::VEC_BYTES /
+             Tile::VEC >>
+         4;
 }
 template <class Tile, typename T>
 __device__ __forceinline__ u64 desc_mn_major(const T* tile, int n0) {
@@ -56,8 +58,12 @@ __host__ __device__ constexpr u64 mn_major_step(int k0, int n0 = 0) {
          (static_cast<u64>(n0 / Tile::ATOM_COLS * Tile::ATOM_SIZE) * Tile::VEC_BYTES / Tile::VEC >> 4);
 }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
 template <int N_TILES>
 __device__ __forceinline__ void fence_operands(float (&acc)[N_TILES][4]) {
 #pragma unroll
@@ -78,12 +84,17 @@ __device__ __forceinline__ void fence_operands(float (&acc)[N_TILES][4]) {
 #define CF_WGMMA_SS_PRED32 "%18"
 #define CF_WGMMA_RS_SRC32 "{%16, %17, %18, %19}, %20"
 #define CF_WGMMA_RS_PRED32 "%21"
-#define CF_WGMMA_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define CF_WGMMA_D64                                                                                                \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+  "%24, %25, %26, %27, %28, %29, %30, %31}"
 #define CF_WGMMA_SS_SRC64 "%32, %33"
 #define CF_WGMMA_SS_PRED64 "%34"
 #define CF_WGMMA_RS_SRC64 "{%32, %33, %34, %35}, %36"
 #define CF_WGMMA_RS_PRED64 "%37"
-#define CF_WGMMA_D128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define CF_WGMMA_D128                                                                                               \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+  "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
+  "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 #define CF_WGMMA_SS_SRC128 "%64, %65"
 #define CF_WGMMA_SS_PRED128 "%66"
 #define CF_WGMMA_RS_SRC128 "{%64, %65, %66, %67}, %68"
@@ -113,32 +124,42 @@ __device__ __forceinline__ void fence_operands(float (&acc)[N_TILES][4]) {
 #define CF_WGMMA_BODY(SHAPE, SRC, PRED, TAIL) \
   "{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\nwgmma.mma_async.sync.aligned." SHAPE " " SRC ", " TAIL ";\n}\n"
 
-template <typename T, int N> struct WgmmaOp;
+template <typename T, int N>
+struct WgmmaOp;
 // K: the instruction's contracted extent (16 for 16-bit inputs, 32 for 8-bit ones); SS_TAIL and RS_TAIL: the
 // operands after the sources (scale-d, then imm-scale-a, imm-scale-b, and for 16-bit inputs the
 // imm-trans flags, which 8-bit products do not have: their shared operands are K-major only).
-#define CF_DEFINE_WGMMA(TYPE, PTX_TYPE, K, N, SS_TAIL, RS_TAIL)                                                 \
-  template <> struct WgmmaOp<TYPE, N> {                                                                         \
-    __device__ __forceinline__ static void ss(float (&d)[N / 8][4], u64 a, u64 b) {                             \
-      asm volatile(CF_WGMMA_BODY("m64n" #N "k" #K ".f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_SS_SRC##N, \
-                                 CF_WGMMA_SS_PRED##N, SS_TAIL)                                                 \
-                   : CF_ACC_N##N : "l"(a), "l"(b), "r"(1) : "memory");                                          \
-    }                                                                                                           \
-    __device__ __forceinline__ static void ss_zero(float (&d)[N / 8][4], u64 a, u64 b) {                        \
-      asm volatile(CF_WGMMA_BODY("m64n" #N "k" #K ".f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_SS_SRC##N, \
-                                 CF_WGMMA_SS_PRED##N, SS_TAIL)                                                 \
-                   : CF_OUT_N##N : "l"(a), "l"(b), "r"(0) : "memory");                                          \
-    }                                                                                                           \
+#define CF_DEFINE_WGMMA(TYPE, PTX_TYPE, K, N, SS_TAIL, RS_TAIL)                                                  \
+  template <>                                                                                                    \
+  struct WgmmaOp<TYPE, N> {                                                                                      \
+    __device__ __forceinline__ static void ss(float (&d)[N / 8][4], u64 a, u64 b) {                              \
+      asm volatile(CF_WGMMA_BODY("m64n" #N "k" #K ".f32." PTX_TYPE "." PTX_TYPE,                                 \
+                                 CF_WGMMA_D##N ", " CF_WGMMA_SS_SRC##N, CF_WGMMA_SS_PRED##N, SS_TAIL)            \
+                   : CF_ACC_N##N                                                                                 \
+                   : "l"(a), "l"(b), "r"(1)                                                                      \
+                   : "memory");                                                                                  \
+    }                                                                                                            \
+    __device__ __forceinline__ static void ss_zero(float (&d)[N / 8][4], u64 a, u64 b) {                         \
+      asm volatile(CF_WGMMA_BODY("m64n" #N "k" #K ".f32." PTX_TYPE "." PTX_TYPE,                                 \
+                                 CF_WGMMA_D##N ", " CF_WGMMA_SS_SRC##N, CF_WGMMA_SS_PRED##N, SS_TAIL)            \
+                   : CF_OUT_N##N                                                                                 \
+                   : "l"(a), "l"(b), "r"(0)                                                                      \
+                   : "memory");                                                                                  \
+    }                                                                                                            \
     __device__ __forceinline__ static void rs(float (&d)[N / 8][4], const u32 (&a)[4], u64 b, int scale_d = 1) { \
-      asm volatile(CF_WGMMA_BODY("m64n" #N "k" #K ".f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_RS_SRC##N, \
-                                 CF_WGMMA_RS_PRED##N, RS_TAIL)                                                 \
-                   : CF_ACC_N##N : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d) : "memory"); \
-    }                                                                                                           \
-    __device__ __forceinline__ static void rs_zero(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {           \
-      asm volatile(CF_WGMMA_BODY("m64n" #N "k" #K ".f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_RS_SRC##N, \
-                                 CF_WGMMA_RS_PRED##N, RS_TAIL)                                                 \
-                   : CF_OUT_N##N : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(0) : "memory");     \
-    }                                                                                                           \
+      asm volatile(CF_WGMMA_BODY("m64n" #N "k" #K ".f32." PTX_TYPE "." PTX_TYPE,                                 \
+                                 CF_WGMMA_D##N ", " CF_WGMMA_RS_SRC##N, CF_WGMMA_RS_PRED##N, RS_TAIL)            \
+                   : CF_ACC_N##N                                                                                 \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d)                            \
+                   : "memory");                                                                                  \
+    }                                                                                                            \
+    __device__ __forceinline__ static void rs_zero(float (&d)[N / 8][4], const u32 (&a)[4], u64 b) {             \
+      asm volatile(CF_WGMMA_BODY("m64n" #N "k" #K ".f32." PTX_TYPE "." PTX_TYPE,                                 \
+                                 CF_WGMMA_D##N ", " CF_WGMMA_RS_SRC##N, CF_WGMMA_RS_PRED##N, RS_TAIL)            \
+                   : CF_OUT_N##N                                                                                 \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(0)                                  \
+                   : "memory");                                                                                  \
+    }                                                                                                            \
   };
 // 16-bit: B MN-major for RS (imm-trans-b = 1: V in O += P V).
 #define CF_DEFINE_WGMMA16(TYPE, PTX_TYPE, N) CF_DEFINE_WGMMA(TYPE, PTX_TYPE, 16, N, "p, 1, 1, 0, 0", "p, 1, 1, 1")
@@ -152,19 +173,25 @@ CF_DEFINE_WGMMA16(bfloat16_t, "bf16", 64)
 CF_DEFINE_WGMMA16(bfloat16_t, "bf16", 128)
 // 16-bit, both shared operands MN-major (imm-trans-a = imm-trans-b = 1): C += A B with A stored [k][m] and B
 // [k][n], as the fused backward's dQ = dS K reads dS^T (keys x queries) and K (keys x head dims).
-template <typename T, int N> struct WgmmaTrans;
-#define CF_DEFINE_WGMMA_TRANS(TYPE, PTX_TYPE, N)                                                               \
-  template <> struct WgmmaTrans<TYPE, N> {                                                                    \
-    __device__ __forceinline__ static void ss(float (&d)[N / 8][4], u64 a, u64 b) {                           \
+template <typename T, int N>
+struct WgmmaTrans;
+#define CF_DEFINE_WGMMA_TRANS(TYPE, PTX_TYPE, N)                                                                    \
+  template <>                                                                                                       \
+  struct WgmmaTrans<TYPE, N> {                                                                                      \
+    __device__ __forceinline__ static void ss(float (&d)[N / 8][4], u64 a, u64 b) {                                 \
       asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_SS_SRC##N, \
-                                 CF_WGMMA_SS_PRED##N, "p, 1, 1, 1, 1")                                        \
-                   : CF_ACC_N##N : "l"(a), "l"(b), "r"(1) : "memory");                                        \
-    }                                                                                                         \
-    __device__ __forceinline__ static void ss_zero(float (&d)[N / 8][4], u64 a, u64 b) {                      \
+                                 CF_WGMMA_SS_PRED##N, "p, 1, 1, 1, 1")                                              \
+                   : CF_ACC_N##N                                                                                    \
+                   : "l"(a), "l"(b), "r"(1)                                                                         \
+                   : "memory");                                                                                     \
+    }                                                                                                               \
+    __device__ __forceinline__ static void ss_zero(float (&d)[N / 8][4], u64 a, u64 b) {                            \
       asm volatile(CF_WGMMA_BODY("m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D##N ", " CF_WGMMA_SS_SRC##N, \
-                                 CF_WGMMA_SS_PRED##N, "p, 1, 1, 1, 1")                                        \
-                   : CF_OUT_N##N : "l"(a), "l"(b), "r"(0) : "memory");                                        \
-    }                                                                                                         \
+                                 CF_WGMMA_SS_PRED##N, "p, 1, 1, 1, 1")                                              \
+                   : CF_OUT_N##N                                                                                    \
+                   : "l"(a), "l"(b), "r"(0)                                                                         \
+                   : "memory");                                                                                     \
+    }                                                                                                               \
   };
 CF_DEFINE_WGMMA_TRANS(half_t, "f16", 64)
 CF_DEFINE_WGMMA_TRANS(half_t, "f16", 128)
@@ -179,19 +206,22 @@ CF_DEFINE_WGMMA8(e4m3_t, "e4m3", 128)
 
 // The contracted extent of one instruction: 16 elements of 16-bit inputs, 32 of 8-bit ones (32 bytes).
 template <typename T>
-__host__ __device__ constexpr int wgmma_k() { return 32 / static_cast<int>(sizeof(T)); }
+__host__ __device__ constexpr int wgmma_k() {
+  return 32 / static_cast<int>(sizeof(T));
+}
 
 // ---------------------------------------------------------------- warpgroup products
 // n-tiles [first, first + COUNT) of an accumulator, as an array of their own (first is a constant
 // once loops unroll, so this stays in registers).
 template <int COUNT, int N_TILES>
-__device__ __forceinline__ float (&tiles_at(float (&acc)[N_TILES][4], int first))[COUNT][4] {
-  return *reinterpret_cast<float (*)[COUNT][4]>(&acc[first]);
-}
+__device__ __forceinline__ float (&tiles_at(float (&acc)[N_TILES][4], int first))
+    [COUNT][4] { return *reinterpret_cast<float (*)[COUNT][4]>(&acc[first]); }
 
 // The widest instruction (N <= 128, a power of two) that tiles N_COLS columns evenly.
 template <int N_COLS>
-__host__ __device__ constexpr int wgmma_width() { return N_COLS % 128 == 0 ? 128 : N_COLS % 64 == 0 ? 64 : N_COLS % 32 == 0 ? 32 : 16; }
+__host__ __device__ constexpr int wgmma_width() {
+  return N_COLS % 128 == 0 ? 128 : N_COLS % 64 == 0 ? 64 : N_COLS % 32 == 0 ? 32 : 16;
+}
 
 // One k-step of C (+)= A B^T over all of C's columns: A's columns [a_col, a_col + 16), B's [b_col, +16)
 // (both K-major, descriptors a and b at column 0); ZERO: this step overwrites C (scale-d = 0).
@@ -202,8 +232,10 @@ __device__ __forceinline__ void wg_abt_kstep(float (&c)[N_TILES][4], u64 a, u64 
   for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
     const u64 a_k = a + k_major_step<ATile>(a_col);
     const u64 b_k = b + k_major_step<BTile>(b_col) + (static_cast<u64>(n0 * BTile::ATOM_BYTES) >> 4);
-    if (zero) WgmmaOp<T, WIDTH>::ss_zero(tiles_at<WIDTH / 8>(c, n0 / 8), a_k, b_k);
-    else WgmmaOp<T, WIDTH>::ss(tiles_at<WIDTH / 8>(c, n0 / 8), a_k, b_k);
+    if (zero)
+      WgmmaOp<T, WIDTH>::ss_zero(tiles_at<WIDTH / 8>(c, n0 / 8), a_k, b_k);
+    else
+      WgmmaOp<T, WIDTH>::ss(tiles_at<WIDTH / 8>(c, n0 / 8), a_k, b_k);
   }
 }
 
@@ -236,7 +268,7 @@ __device__ __forceinline__ void wg_issue_abt_split(float (&c)[N_TILES][4], const
 #pragma unroll
   for (int k0 = 0; k0 < K; k0 += 16) {
     wg_abt_kstep<E, N_TILES, ATile, BTile>(c, a, b, k0, K + k0, k0 == 0);  // A_hi B_lo^T
-    wg_abt_kstep<E, N_TILES, ATile, BTile>(c, a, b, K + k0, k0, false);   // A_lo B_hi^T
+    wg_abt_kstep<E, N_TILES, ATile, BTile>(c, a, b, K + k0, k0, false);    // A_lo B_hi^T
   }
 #pragma unroll
   for (int k0 = 0; k0 < K; k0 += 16) wg_abt_kstep<E, N_TILES, ATile, BTile>(c, a, b, k0, k0, false);  // A_hi B_hi^T
@@ -321,13 +353,15 @@ __device__ __forceinline__ void fence_fragments(u32 (&a)[K_STEPS][4]) {
 // from the descriptor b of its first rows and columns. WIDE: one instruction spans every column, its atoms
 // LBO apart (desc_mn_major), so P's fragments are read once per k-step.
 template <typename T, int K_STEPS, int N_TILES, class BTile, bool WIDE = false>
-__device__ __forceinline__ void wg_pb_steps(float (&c)[N_TILES][4], u32 (&a)[K_STEPS][4], u64 b, bool accumulate = true) {
+__device__ __forceinline__ void wg_pb_steps(float (&c)[N_TILES][4], u32 (&a)[K_STEPS][4], u64 b,
+                                            bool accumulate = true) {
   constexpr int WIDTH = WIDE ? wgmma_width<8 * N_TILES>() : BTile::ATOM_COLS;
 #pragma unroll
   for (int kt = 0; kt < K_STEPS; ++kt) {
 #pragma unroll
     for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
-      WgmmaOp<T, WIDTH>::rs(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt], b + mn_major_step<BTile>(16 * kt, n0), kt > 0 || accumulate);
+      WgmmaOp<T, WIDTH>::rs(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt], b + mn_major_step<BTile>(16 * kt, n0),
+                            kt > 0 || accumulate);
     }
   }
 }
@@ -350,8 +384,10 @@ __device__ __forceinline__ void wg_issue_pbt(float (&c)[N_TILES][4], u32 (&a)[K_
 #pragma unroll
     for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
       const u64 b_step = b + k_major_step<BTile>(K_STEP * kt) + (static_cast<u64>(n0 * BTile::ATOM_BYTES) >> 4);
-      if (kt == 0) WgmmaOp<T, WIDTH>::rs_zero(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt], b_step);
-      else WgmmaOp<T, WIDTH>::rs(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt], b_step);
+      if (kt == 0)
+        WgmmaOp<T, WIDTH>::rs_zero(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt], b_step);
+      else
+        WgmmaOp<T, WIDTH>::rs(tiles_at<WIDTH / 8>(c, n0 / 8), a[kt], b_step);
     }
   wgmma_commit();
 }
@@ -380,8 +416,8 @@ __device__ __forceinline__ void wg_issue_pb(float (&c)[N_TILES][4], u32 (&a)[K_S
 // step would add up over the whole sequence. The fragments must stay untouched until wgmma_wait has
 // seen the group complete.
 template <typename E, int K_STEPS, int N_TILES, class BTile>
-__device__ __forceinline__ void wg_issue_pb_split(float (&c)[N_TILES][4], u32 (&a_hi)[K_STEPS][4], u32 (&a_lo)[K_STEPS][4],
-                                                  const E* b_tile, int n_begin, int lo_col) {
+__device__ __forceinline__ void wg_issue_pb_split(float (&c)[N_TILES][4], u32 (&a_hi)[K_STEPS][4],
+                                                  u32 (&a_lo)[K_STEPS][4], const E* b_tile, int n_begin, int lo_col) {
   constexpr int WIDTH = BTile::ATOM_COLS;
   static_assert((8 * N_TILES) % WIDTH == 0, "whole atoms");
   const u64 b_hi = desc_mn_major<BTile>(b_tile, n_begin), b_lo = desc_mn_major<BTile>(b_tile, n_begin + lo_col);
@@ -394,8 +430,10 @@ __device__ __forceinline__ void wg_issue_pb_split(float (&c)[N_TILES][4], u32 (&
     for (int n0 = 0; n0 < 8 * N_TILES; n0 += WIDTH) {
       const u64 step = mn_major_step<BTile>(16 * kt, n0);
       float (&d)[WIDTH / 8][4] = tiles_at<WIDTH / 8>(c, n0 / 8);
-      if (kt == 0) WgmmaOp<E, WIDTH>::rs_zero(d, a_hi[kt], b_lo + step);
-      else WgmmaOp<E, WIDTH>::rs(d, a_hi[kt], b_lo + step);
+      if (kt == 0)
+        WgmmaOp<E, WIDTH>::rs_zero(d, a_hi[kt], b_lo + step);
+      else
+        WgmmaOp<E, WIDTH>::rs(d, a_hi[kt], b_lo + step);
       WgmmaOp<E, WIDTH>::rs(d, a_lo[kt], b_hi + step);
     }
   }
@@ -408,7 +446,8 @@ __device__ __forceinline__ void wg_issue_pb_split(float (&c)[N_TILES][4], u32 (&
 // stored [k][n], its columns [n0, n0 + 8*N_TILES), over K_STEPS k-steps of 16 rows of both.
 template <typename T, int K_STEPS, int N_TILES, class ATile, class BTile>
 __device__ __forceinline__ void wg_issue_atb(float (&c)[N_TILES][4], const T* a_tile, int m0, const T* b_tile, int n0) {
-  static_assert(ATile::ATOM_COLS == 64 && (8 * N_TILES) % BTile::ATOM_COLS == 0, "A: one atom of 64 rows; B: whole atoms");
+  static_assert(ATile::ATOM_COLS == 64 && (8 * N_TILES) % BTile::ATOM_COLS == 0,
+                "A: one atom of 64 rows; B: whole atoms");
   constexpr int WIDTH = wgmma_width<8 * N_TILES>();
   const u64 a = desc_mn_major<ATile>(a_tile, m0), b = desc_mn_major<BTile>(b_tile, n0);
   wgmma_fence();
@@ -417,8 +456,10 @@ __device__ __forceinline__ void wg_issue_atb(float (&c)[N_TILES][4], const T* a_
 #pragma unroll
     for (int n = 0; n < 8 * N_TILES; n += WIDTH) {
       const u64 a_k = a + mn_major_step<ATile>(16 * kt), b_k = b + mn_major_step<BTile>(16 * kt, n);
-      if (kt == 0) WgmmaTrans<T, WIDTH>::ss_zero(tiles_at<WIDTH / 8>(c, n / 8), a_k, b_k);
-      else WgmmaTrans<T, WIDTH>::ss(tiles_at<WIDTH / 8>(c, n / 8), a_k, b_k);
+      if (kt == 0)
+        WgmmaTrans<T, WIDTH>::ss_zero(tiles_at<WIDTH / 8>(c, n / 8), a_k, b_k);
+      else
+        WgmmaTrans<T, WIDTH>::ss(tiles_at<WIDTH / 8>(c, n / 8), a_k, b_k);
     }
   }
   wgmma_commit();
@@ -426,7 +467,9 @@ __device__ __forceinline__ void wg_issue_atb(float (&c)[N_TILES][4], const T* a_
 
 // Wait until at most PENDING of this warpgroup's commit groups are still running.
 template <int PENDING>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory"); }
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
+}
 
 // The synchronous forms: issue, wait for everything, results in c.
 template <typename T, int K, int N_TILES, class ATile, class BTile>
@@ -437,7 +480,8 @@ __device__ __forceinline__ void wg_gemm_abt(float (&c)[N_TILES][4], const T* a_t
 }
 
 template <typename T, int P_TILES, int N_TILES, class BTile>
-__device__ __forceinline__ void wg_gemm_pb(float (&c)[N_TILES][4], const float (&p)[P_TILES][4], const T* b_tile, int n_begin) {
+__device__ __forceinline__ void wg_gemm_pb(float (&c)[N_TILES][4], const float (&p)[P_TILES][4], const T* b_tile,
+                                           int n_begin) {
   static_assert(P_TILES % 2 == 0, "k-steps of 16");
   u32 a[P_TILES / 2][4];
   pack_fragments<T>(p, a);

@@ -1,8 +1,15 @@
 """cupyflash: FlashAttention forward and backward as our own CUDA kernels, compiled at run time by CuPy."""
 
 from cupyflash import reference
-from cupyflash._api import (attention, attention_backward, attention_forward, attention_probs, attention_varlen,
-                            attention_varlen_backward, attention_varlen_forward)
+from cupyflash._api import (
+    attention,
+    attention_backward,
+    attention_forward,
+    attention_probs,
+    attention_varlen,
+    attention_varlen_backward,
+    attention_varlen_forward,
+)
 from cupyflash._fp8 import FP8Tensor, quantize_fp8
 from cupyflash._kvcache import attention_with_kvcache
 from cupyflash._merge import merge_attention_states, merge_attention_states_stacked

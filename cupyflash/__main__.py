@@ -34,8 +34,12 @@ from cupyflash._timing import median_ms
 # GRAD_TOLERANCE_FACTOR times more.
 TOLERANCES = {"float16": 3e-3, "bfloat16": 2e-2, "float32": 1e-5, "float64": 1e-12}
 GRAD_TOLERANCE_FACTOR = 2
-DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-          "float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
+DTYPES = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+}
 ARCHES = ("sm_80", "sm_90")
 MIB = 1024 * 1024
 
@@ -72,8 +76,13 @@ GPU_CASES = [
     Case("GQA Hk2 G3 N96 D64", (1, 2, 3, 96, 64), (1, 2, 1, 96, 64), (1, 2, 1, 96, 64)),
     Case("BNHD view B2 N100 H4 D32", (2, 100, 4, 32), (2, 100, 4, 32), (2, 100, 4, 32), _bnhd_to_bhnd),
     Case("modifiers Nq150 Nk170 D64", (2, 3, 150, 64), (2, 3, 170, 64), (2, 3, 170, 64), modifiers=True),
-    Case("window softcap ALiBi block mask Nq150 Nk170 D128", (2, 3, 150, 128), (2, 3, 170, 128), (2, 3, 170, 128),
-         modifiers="scalars"),
+    Case(
+        "window softcap ALiBi block mask Nq150 Nk170 D128",
+        (2, 3, 150, 128),
+        (2, 3, 170, 128),
+        (2, 3, 170, 128),
+        modifiers="scalars",
+    ),
     Case("softcap alone Nq150 Nk130 D96", (2, 3, 150, 96), (2, 3, 130, 96), (2, 3, 130, 96), modifiers="softcap"),
     Case("window alone Nq170 Nk150 D128", (2, 3, 170, 128), (2, 3, 150, 128), (2, 3, 150, 128), modifiers="window"),
 ]
@@ -86,8 +95,14 @@ CPU_CASES = [
     Case("modifiers Nq40 Nk50 D16", (1, 2, 40, 16), (1, 2, 50, 16), (1, 2, 50, 16), modifiers=True),
 ]
 # Timing: FlashAttention's benchmark convention, 16384 tokens in all (batch = 16384 // N), hidden 2048.
-TIMING_CASES = [("float16", 64, 1024, False), ("float16", 128, 2048, False), ("bfloat16", 128, 2048, False),
-                ("bfloat16", 128, 2048, True), ("float16", 128, 4096, True), ("float32", 64, 1024, False)]
+TIMING_CASES = [
+    ("float16", 64, 1024, False),
+    ("float16", 128, 2048, False),
+    ("bfloat16", 128, 2048, False),
+    ("bfloat16", 128, 2048, True),
+    ("float16", 128, 4096, True),
+    ("float32", 64, 1024, False),
+]
 TOTAL_TOKENS, HIDDEN = 16384, 2048
 
 
@@ -119,24 +134,39 @@ def _parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m cupyflash",
         description="Print versions, check cupyflash against its float64 reference (on the GPU, or the "
-                    "CPU path without one) and time it (GPU); with --compile-report also compile every "
-                    "kernel variant and check ptxas' report of each. Exits 1 if anything fails.",
+        "CPU path without one) and time it (GPU); with --compile-report also compile every "
+        "kernel variant and check ptxas' report of each. Exits 1 if anything fails.",
     )
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the self-check")
-    parser.add_argument("--no-bench", dest="bench", action="store_false",
-                        help="skip the timing table (GPU only)")
-    parser.add_argument("--compile-report", action="store_true",
-                        help="also compile every kernel variant with NVRTC (no GPU needed; minutes) and fail on "
-                             "register spills, stack frames or serialized warpgroup products")
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="with --compile-report: a table of every kernel's registers, shared memory, spills "
-                             "and stack")
-    parser.add_argument("--arch", nargs="+", default=list(ARCHES), choices=ARCHES, metavar="SM",
-                        help="architectures for the compile report (default: %(default)s)")
+    parser.add_argument("--no-bench", dest="bench", action="store_false", help="skip the timing table (GPU only)")
+    parser.add_argument(
+        "--compile-report",
+        action="store_true",
+        help="also compile every kernel variant with NVRTC (no GPU needed; minutes) and fail on "
+        "register spills, stack frames or serialized warpgroup products",
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="with --compile-report: a table of every kernel's registers, shared memory, spills and stack",
+    )
+    parser.add_argument(
+        "--arch",
+        nargs="+",
+        default=list(ARCHES),
+        choices=ARCHES,
+        metavar="SM",
+        help="architectures for the compile report (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    parser.add_argument("--docs", nargs="?", const="", metavar="PAGE",
-                        help="print a page of the documentation (e.g. fp8, api, distributed) and exit; without "
-                             "PAGE, list the pages")
+    parser.add_argument(
+        "--docs",
+        nargs="?",
+        const="",
+        metavar="PAGE",
+        help="print a page of the documentation (e.g. fp8, api, distributed) and exit; without PAGE, list the pages",
+    )
     return parser.parse_args(argv)
 
 
@@ -234,13 +264,17 @@ def _print_versions(cupy):
     if cupy is None:
         return
     runtime = cupy.cuda.runtime
-    print(f"CUDA       driver {_cuda_version(runtime.driverGetVersion())}, "
-          f"runtime {_cuda_version(runtime.runtimeGetVersion())}")
+    print(
+        f"CUDA       driver {_cuda_version(runtime.driverGetVersion())}, "
+        f"runtime {_cuda_version(runtime.runtimeGetVersion())}"
+    )
     device = cupy.cuda.Device()
     props = runtime.getDeviceProperties(device.id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    print(f"GPU        {device.id}: {name}, compute capability {props['major']}.{props['minor']}, "
-          f"{props['multiProcessorCount']} SMs, {props['totalGlobalMem'] // MIB} MiB")
+    print(
+        f"GPU        {device.id}: {name}, compute capability {props['major']}.{props['minor']}, "
+        f"{props['multiProcessorCount']} SMs, {props['totalGlobalMem'] // MIB} MiB"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -266,8 +300,11 @@ def _check_one(case, dtype_name, causal, xp, rng):
     dout = rng.standard_normal(batch + (q.shape[-2], v.shape[-1]), dtype=np.float32).astype(dtype)
     options = _modifier_options(rng, batch, q.shape[-2], k.shape[-2], dtype) if case.modifiers else {}
     if case.modifiers in ("scalars", "softcap", "window"):
-        kept = {"scalars": ("window", "softcap", "alibi_slopes", "block_mask"), "softcap": ("softcap",),
-                "window": ("window",)}[case.modifiers]
+        kept = {
+            "scalars": ("window", "softcap", "alibi_slopes", "block_mask"),
+            "softcap": ("softcap",),
+            "window": ("window",),
+        }[case.modifiers]
         options = {name: options[name] for name in kept}
     try:
         if xp is np:
@@ -347,8 +384,10 @@ def _lse_err(lse, ref):
 
 
 def _timing_table(cupy, warmup=3, repeats=20):
-    header = (f"{'dtype':8} {'D':>4} {'N':>6} {'causal':6} {'B':>3} {'H':>3} | {'ours ms':>8} "
-              f"{'TFLOP/s':>8} | {'naive ms':>8} {'TFLOP/s':>8} | {'speedup':>7}")
+    header = (
+        f"{'dtype':8} {'D':>4} {'N':>6} {'causal':6} {'B':>3} {'H':>3} | {'ours ms':>8} "
+        f"{'TFLOP/s':>8} | {'naive ms':>8} {'TFLOP/s':>8} | {'speedup':>7}"
+    )
     print(header)
     print("-" * len(header))
     for dtype_name, d, n, causal in TIMING_CASES:
@@ -356,17 +395,18 @@ def _timing_table(cupy, warmup=3, repeats=20):
         flops = 4 * b * h * n * n * d / (2 if causal else 1)
         ours, naive = _time_case(cupy, dtype_name, (b, h, n, d), causal, warmup, repeats)
         ratio = f"{naive / ours:6.1f}x" if isinstance(ours, float) and isinstance(naive, float) else "n/a"
-        print(f"{dtype_name:8} {d:>4} {n:>6} {'yes' if causal else 'no':6} {b:>3} {h:>3} | "
-              f"{_fmt_ms(ours)} {_fmt_tflops(flops, ours)} | {_fmt_ms(naive)} {_fmt_tflops(flops, naive)} "
-              f"| {ratio:>7}")
+        print(
+            f"{dtype_name:8} {d:>4} {n:>6} {'yes' if causal else 'no':6} {b:>3} {h:>3} | "
+            f"{_fmt_ms(ours)} {_fmt_tflops(flops, ours)} | {_fmt_ms(naive)} {_fmt_tflops(flops, naive)} "
+            f"| {ratio:>7}"
+        )
         cupy.get_default_memory_pool().free_all_blocks()
 
 
 def _time_case(cupy, dtype_name, shape, causal, warmup, repeats):
     """Median ms of (cupyflash.attention, naive_attention) on random (B, H, N, D) inputs."""
     rng = np.random.default_rng(0)
-    q, k, v = (cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(DTYPES[dtype_name]))
-               for _ in range(3))
+    q, k, v = (cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(DTYPES[dtype_name])) for _ in range(3))
     scale = shape[-1] ** -0.5
     ours = _median_ms(cupy, lambda: cupyflash.attention(q, k, v, causal=causal), warmup, repeats)
     naive = _median_ms(cupy, lambda: naive_attention(cupy, q, k, v, causal, scale), warmup, repeats)
@@ -439,11 +479,13 @@ def _compile_table(report, arches, *, verbose):
             report.record(False, f"compile_report({arch!r}) raised {type(exc).__name__}")
             continue
         rows = by_arch[arch].values()
-        print(f"{arch}: {total} variants, {len(rows)} distinct kernels compiled in {time.perf_counter() - t0:.1f} s; "
-              f"registers {min(r['registers'] for r in rows)}-{max(r['registers'] for r in rows)}, "
-              f"spilling {sum(r['spill_stores'] + r['spill_loads'] > 0 for r in rows)}, "
-              f"with a stack frame {sum(r['stack_frame'] > 0 for r in rows)}, "
-              f"serialized wgmma {sum(r['serialized_wgmma'] > 0 for r in rows)}")
+        print(
+            f"{arch}: {total} variants, {len(rows)} distinct kernels compiled in {time.perf_counter() - t0:.1f} s; "
+            f"registers {min(r['registers'] for r in rows)}-{max(r['registers'] for r in rows)}, "
+            f"spilling {sum(r['spill_stores'] + r['spill_loads'] > 0 for r in rows)}, "
+            f"with a stack frame {sum(r['stack_frame'] > 0 for r in rows)}, "
+            f"serialized wgmma {sum(r['serialized_wgmma'] > 0 for r in rows)}"
+        )
     # What each architecture must have: the kernels of the variants built for it (Hopper's paths, and the
     # float64 tiles that need Hopper's shared memory, are built for sm_90 alone).
     for arch, rows in by_arch.items():
@@ -451,11 +493,15 @@ def _compile_table(report, arches, *, verbose):
         for name in sorted(expected - set(rows)):
             report.record(False, f"{name}: not compiled for {arch}")
         for name, r in rows.items():
-            report.record(r["spill_stores"] + r["spill_loads"] == 0 and r["stack_frame"] == 0,
-                          f"{name} on {arch}: spill stores {r['spill_stores']} B, spill loads "
-                          f"{r['spill_loads']} B, stack {r['stack_frame']} B")
-            report.record(r["serialized_wgmma"] == 0, f"{name} on {arch}: ptxas serialized its warpgroup "
-                                                      f"products ({r['serialized_wgmma']} notes C751x)")
+            report.record(
+                r["spill_stores"] + r["spill_loads"] == 0 and r["stack_frame"] == 0,
+                f"{name} on {arch}: spill stores {r['spill_stores']} B, spill loads "
+                f"{r['spill_loads']} B, stack {r['stack_frame']} B",
+            )
+            report.record(
+                r["serialized_wgmma"] == 0,
+                f"{name} on {arch}: ptxas serialized its warpgroup products ({r['serialized_wgmma']} notes C751x)",
+            )
     if verbose:
         _print_compile_table(by_arch)
 
@@ -474,7 +520,9 @@ def _print_compile_table(by_arch):
                 cells.append(cell.format("-", "-", "-", "-"))
                 continue
             smem = (r["static_smem"] + r["dynamic_smem"]) / 1024
-            cells.append(cell.format(r["registers"], f"{smem:.1f}", r["spill_stores"] + r["spill_loads"], r["stack_frame"]))
+            cells.append(
+                cell.format(r["registers"], f"{smem:.1f}", r["spill_stores"] + r["spill_loads"], r["stack_frame"])
+            )
         print(f"{name:{width}} | " + " | ".join(cells))
 
 

@@ -22,18 +22,38 @@ from numpy.typing import DTypeLike
 
 from cupyflash import _cpu, _dropout, _fp8_api, _modifiers, _varlen
 from cupyflash._arrays import Array, lse_dtype, sum_to_shape
-from cupyflash._checks import (check_array_types, check_bool, check_causal, check_dtypes, check_forward_outputs,
-                               check_head_dims, check_shapes, resolve_scale)
+from cupyflash._checks import (
+    check_array_types,
+    check_bool,
+    check_causal,
+    check_dtypes,
+    check_forward_outputs,
+    check_head_dims,
+    check_shapes,
+    resolve_scale,
+)
 from cupyflash._cuda import backend as _gpu
 from cupyflash._cuda import dense_fast
 from cupyflash._fp8 import FP8Tensor
 
 
-def attention(q: Array | FP8Tensor, k: Array | FP8Tensor, v: Array | FP8Tensor, *, causal: bool = False,
-              scale: float | None = None, window: tuple[int, int] | None = None, softcap: float = 0.0,
-              alibi_slopes: Array | None = None, bias: Array | None = None, mask: Array | None = None,
-              block_mask: Array | None = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
-              out_dtype: DTypeLike | None = None) -> Array:
+def attention(
+    q: Array | FP8Tensor,
+    k: Array | FP8Tensor,
+    v: Array | FP8Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Array | None = None,
+    bias: Array | None = None,
+    mask: Array | None = None,
+    block_mask: Array | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    out_dtype: DTypeLike | None = None,
+) -> Array:
     """Scaled dot-product attention, ``softmax(scale * q @ k^T) @ v``, without materializing the scores.
 
     Parameters
@@ -132,18 +152,42 @@ def attention(q: Array | FP8Tensor, k: Array | FP8Tensor, v: Array | FP8Tensor, 
     >>> out = cupyflash.attention(qg, kg, vg, causal=True, window=(32, 0), softcap=30.0)  # doctest: +SKIP
     """
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention", draw_seed=True)
-    out, _ = attention_forward(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
-                               alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask,
-                               dropout_p=dropout.p if dropout else 0.0, dropout_seed=dropout.seed if dropout else None,
-                               out_dtype=out_dtype)
+    out, _ = attention_forward(
+        q,
+        k,
+        v,
+        causal=causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        bias=bias,
+        mask=mask,
+        block_mask=block_mask,
+        dropout_p=dropout.p if dropout else 0.0,
+        dropout_seed=dropout.seed if dropout else None,
+        out_dtype=out_dtype,
+    )
     return out
 
 
-def attention_forward(q: Array | FP8Tensor, k: Array | FP8Tensor, v: Array | FP8Tensor, *, causal: bool = False,
-                      scale: float | None = None, window: tuple[int, int] | None = None, softcap: float = 0.0,
-                      alibi_slopes: Array | None = None, bias: Array | None = None, mask: Array | None = None,
-                      block_mask: Array | None = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
-                      out_dtype: DTypeLike | None = None) -> tuple[Array, Array]:
+def attention_forward(
+    q: Array | FP8Tensor,
+    k: Array | FP8Tensor,
+    v: Array | FP8Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Array | None = None,
+    bias: Array | None = None,
+    mask: Array | None = None,
+    block_mask: Array | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    out_dtype: DTypeLike | None = None,
+) -> tuple[Array, Array]:
     """Attention forward pass that also returns the row-wise log-sum-exp needed by the backward.
 
     Parameters
@@ -188,10 +232,18 @@ def attention_forward(q: Array | FP8Tensor, k: Array | FP8Tensor, v: Array | FP8
     """
     if isinstance(q, FP8Tensor) or isinstance(k, FP8Tensor) or isinstance(v, FP8Tensor):
         # Whether each option FP8 does not take was given, in the order of _fp8_api.UNSUPPORTED.
-        unsupported = (window is not None, softcap != 0, alibi_slopes is not None, bias is not None,
-                       mask is not None, block_mask is not None, dropout_p != 0)
-        return _fp8_api.attention_forward(q, k, v, causal=causal, scale=scale, out_dtype=out_dtype,
-                                          unsupported=unsupported)
+        unsupported = (
+            window is not None,
+            softcap != 0,
+            alibi_slopes is not None,
+            bias is not None,
+            mask is not None,
+            block_mask is not None,
+            dropout_p != 0,
+        )
+        return _fp8_api.attention_forward(
+            q, k, v, causal=causal, scale=scale, out_dtype=out_dtype, unsupported=unsupported
+        )
     if out_dtype is not None:
         raise ValueError(f"out_dtype applies to FP8 inputs only (q, k, v FP8Tensors), got out_dtype={out_dtype!r}")
     fast = None
@@ -201,8 +253,9 @@ def attention_forward(q: Array | FP8Tensor, k: Array | FP8Tensor, v: Array | FP8
         outputs = dense_fast.forward(fast, q, k, v, dropout_seed)
         if outputs is not None:
             return outputs[0], outputs[1]
-    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
-                   block_mask=block_mask)
+    options = dict(
+        window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask
+    )
     problem = _validate(dict(q=q, k=k, v=v), causal, scale, options)
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_forward")
     xp, batch = problem.xp, problem.batch
@@ -211,15 +264,31 @@ def attention_forward(q: Array | FP8Tensor, k: Array | FP8Tensor, v: Array | FP8
         lse = xp.full(batch + (problem.nq,), -np.inf, dtype=lse_dtype(problem.dtype))
         return out, lse
     q, k, v = (_broadcast(xp, x, batch) for x in (q, k, v))
-    return problem.backend().attention_forward(q, k, v, scale=problem.scale, causal=problem.causal,
-                                               mods=problem.mods, dropout=dropout, **_fast_key(fast))
+    return problem.backend().attention_forward(
+        q, k, v, scale=problem.scale, causal=problem.causal, mods=problem.mods, dropout=dropout, **_fast_key(fast)
+    )
 
 
-def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *,
-                       causal: bool = False, scale: float | None = None, window: tuple[int, int] | None = None,
-                       softcap: float = 0.0, alibi_slopes: Array | None = None, bias: Array | None = None,
-                       mask: Array | None = None, block_mask: Array | None = None, dropout_p: float = 0.0,
-                       dropout_seed: int | None = None, deterministic: bool = True) -> tuple[Array, ...]:
+def attention_backward(
+    dout: Array,
+    q: Array,
+    k: Array,
+    v: Array,
+    out: Array,
+    lse: Array,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Array | None = None,
+    bias: Array | None = None,
+    mask: Array | None = None,
+    block_mask: Array | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    deterministic: bool = True,
+) -> tuple[Array, ...]:
     """Gradients of attention with respect to q, k and v.
 
     Parameters
@@ -271,22 +340,34 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
     ((1, 2, 3, 50, 32), (1, 2, 1, 50, 32), (1, 2, 1, 50, 32))
     """
     if any(isinstance(x, FP8Tensor) for x in (q, k, v)):
-        raise TypeError("attention_backward does not take FP8 inputs: the FP8 forward has no backward (as in "
-                        "FlashAttention-3); run the training step in bfloat16 or float16")
+        raise TypeError(
+            "attention_backward does not take FP8 inputs: the FP8 forward has no backward (as in "
+            "FlashAttention-3); run the training step in bfloat16 or float16"
+        )
     if deterministic is not True:
         deterministic = check_bool("deterministic", deterministic)
     fast = None
     if alibi_slopes is None and bias is None and mask is None and block_mask is None:
         # (unordered calls keep their plans apart: at some lengths only they take the fused backward)
-        fast = dense_fast.key("bwd" if deterministic else "bwd-unordered", (dout, q, k, v, out, lse), causal, scale,
-                              window, softcap, dropout_p, dropout_seed)
+        fast = dense_fast.key(
+            "bwd" if deterministic else "bwd-unordered",
+            (dout, q, k, v, out, lse),
+            causal,
+            scale,
+            window,
+            softcap,
+            dropout_p,
+            dropout_seed,
+        )
         outputs = dense_fast.backward(fast, dout, q, k, v, out, lse, dropout_seed)
         if outputs is not None:
-            return tuple(g if g.shape == x.shape else sum_to_shape(g, x.shape, lse.dtype)
-                         for g, x in zip(outputs, (q, k, v)))
+            return tuple(
+                g if g.shape == x.shape else sum_to_shape(g, x.shape, lse.dtype) for g, x in zip(outputs, (q, k, v))
+            )
     arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
-    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
-                   block_mask=block_mask)
+    options = dict(
+        window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask
+    )
     problem = _validate(arrays, causal, scale, options)
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_backward")
     xp, batch = problem.xp, problem.batch
@@ -295,16 +376,37 @@ def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, ls
         return grads + ((xp.zeros(bias.shape, dtype=bias.dtype),) if bias is not None else ())
     qb, kb, vb = (_broadcast(xp, x, batch) for x in (q, k, v))
     *grads, dbias = problem.backend().attention_backward(
-        dout, qb, kb, vb, out, lse, scale=problem.scale, causal=problem.causal, mods=problem.mods,
-        dropout=dropout, deterministic=deterministic, **_fast_key(fast),
+        dout,
+        qb,
+        kb,
+        vb,
+        out,
+        lse,
+        scale=problem.scale,
+        causal=problem.causal,
+        mods=problem.mods,
+        dropout=dropout,
+        deterministic=deterministic,
+        **_fast_key(fast),
     )
     grads = tuple(sum_to_shape(g, x.shape, lse_dtype(problem.dtype)) for g, x in zip(grads, (q, k, v)))
     return grads + ((dbias,) if bias is not None else ())
 
 
-def attention_probs(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
-                    window: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes: Array | None = None,
-                    bias: Array | None = None, mask: Array | None = None, block_mask: Array | None = None) -> Array:
+def attention_probs(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Array | None = None,
+    bias: Array | None = None,
+    mask: Array | None = None,
+    block_mask: Array | None = None,
+) -> Array:
     """The softmax probabilities ``P`` of attention, for inspection and debugging.
 
     Computes the forward's log-sum-exp with the same kernels, then ``P_ij = exp(s_ij - lse_i)`` with
@@ -335,22 +437,34 @@ def attention_probs(q: Array, k: Array, v: Array, *, causal: bool = False, scale
     >>> bool(np.allclose(p @ v, cupyflash.attention(q, k, v, causal=True), atol=1e-5))
     True
     """
-    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
-                   block_mask=block_mask)
+    options = dict(
+        window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask
+    )
     problem = _validate(dict(q=q, k=k, v=v), causal, scale, options)
     xp, batch = problem.xp, problem.batch
     if problem.is_empty:
         return xp.zeros(batch + (problem.nq, problem.nk), dtype=lse_dtype(problem.dtype))
     q, k, v = (_broadcast(xp, x, batch) for x in (q, k, v))
-    return problem.backend().attention_probs(q, k, v, scale=problem.scale, causal=problem.causal,
-                                             mods=problem.mods)
+    return problem.backend().attention_probs(q, k, v, scale=problem.scale, causal=problem.causal, mods=problem.mods)
 
 
-def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
-                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, causal: bool = False,
-                     scale: float | None = None, window: tuple[int, int] | None = None, softcap: float = 0.0,
-                     alibi_slopes: Array | None = None, dropout_p: float = 0.0,
-                     dropout_seed: int | None = None) -> Array:
+def attention_varlen(
+    q: Array,
+    k: Array,
+    v: Array,
+    cu_seqlens_q: Array,
+    cu_seqlens_k: Array,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Array | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+) -> Array:
     """Attention over a batch of sequences of different lengths, packed along the rows without padding.
 
     Parameters
@@ -399,20 +513,42 @@ def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
     True
     """
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_varlen", draw_seed=True)
-    out, _ = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                                      max_seqlen_k=max_seqlen_k, causal=causal, scale=scale, window=window,
-                                      softcap=softcap, alibi_slopes=alibi_slopes,
-                                      dropout_p=dropout.p if dropout else 0.0,
-                                      dropout_seed=dropout.seed if dropout else None)
+    out, _ = attention_varlen_forward(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        causal=causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        dropout_p=dropout.p if dropout else 0.0,
+        dropout_seed=dropout.seed if dropout else None,
+    )
     return out
 
 
-def attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
-                             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                             causal: bool = False, scale: float | None = None,
-                             window: tuple[int, int] | None = None, softcap: float = 0.0,
-                             alibi_slopes: Array | None = None, dropout_p: float = 0.0,
-                             dropout_seed: int | None = None) -> tuple[Array, Array]:
+def attention_varlen_forward(
+    q: Array,
+    k: Array,
+    v: Array,
+    cu_seqlens_q: Array,
+    cu_seqlens_k: Array,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Array | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+) -> tuple[Array, Array]:
     """:func:`attention_varlen` that also returns the log-sum-exp for the backward.
 
     Parameters
@@ -442,23 +578,41 @@ def attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, 
     ((100, 8, 64), (8, 100))
     """
     arrays = dict(q=q, k=k, v=v)
-    packed, scale, causal, mods = _validate_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                   causal, scale, window, softcap, alibi_slopes)
+    packed, scale, causal, mods = _validate_varlen(
+        arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes
+    )
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_varlen_forward")
     xp = packed.xp
     if packed.total_q == 0 or packed.heads == 0:
-        return (xp.zeros((packed.total_q, packed.heads, packed.dv), dtype=packed.dtype),
-                xp.full((packed.heads, packed.total_q), -np.inf, dtype=lse_dtype(packed.dtype)))
-    return _backend(xp).attention_varlen_forward(q, k, v, packed, scale=scale, causal=causal, mods=mods,
-                                                 dropout=dropout)
+        return (
+            xp.zeros((packed.total_q, packed.heads, packed.dv), dtype=packed.dtype),
+            xp.full((packed.heads, packed.total_q), -np.inf, dtype=lse_dtype(packed.dtype)),
+        )
+    return _backend(xp).attention_varlen_forward(
+        q, k, v, packed, scale=scale, causal=causal, mods=mods, dropout=dropout
+    )
 
 
-def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array,
-                              cu_seqlens_q: Array, cu_seqlens_k: Array, *, max_seqlen_q: int | None = None,
-                              max_seqlen_k: int | None = None, causal: bool = False, scale: float | None = None,
-                              window: tuple[int, int] | None = None, softcap: float = 0.0,
-                              alibi_slopes: Array | None = None, dropout_p: float = 0.0,
-                              dropout_seed: int | None = None) -> tuple[Array, Array, Array]:
+def attention_varlen_backward(
+    dout: Array,
+    q: Array,
+    k: Array,
+    v: Array,
+    out: Array,
+    lse: Array,
+    cu_seqlens_q: Array,
+    cu_seqlens_k: Array,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Array | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+) -> tuple[Array, Array, Array]:
     """Gradients of :func:`attention_varlen` with respect to q, k and v.
 
     Parameters
@@ -491,24 +645,35 @@ def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
     ((100, 4, 32), (100, 4, 32), (100, 4, 32))
     """
     arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
-    packed, scale, causal, mods = _validate_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                   causal, scale, window, softcap, alibi_slopes)
+    packed, scale, causal, mods = _validate_varlen(
+        arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes
+    )
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_varlen_backward")
     xp = packed.xp
     if packed.total_q == 0 or packed.total_k == 0 or packed.heads == 0:
         return tuple(xp.zeros(x.shape, dtype=packed.dtype) for x in (q, k, v))
-    return _backend(xp).attention_varlen_backward(dout, q, k, v, out, lse, packed, scale=scale, causal=causal,
-                                                  mods=mods, dropout=dropout)
+    return _backend(xp).attention_varlen_backward(
+        dout, q, k, v, out, lse, packed, scale=scale, causal=causal, mods=mods, dropout=dropout
+    )
 
 
-def _validate_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap,
-                     alibi_slopes):
+def _validate_varlen(
+    arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes
+):
     packed = _varlen.check(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     causal = check_causal(causal)
     scale = resolve_scale(scale, packed.d)
     # The per-element options are checked as for one (Nq, Nk) = (1, 1) problem of leading dims (batch, H).
-    mods = _modifiers.resolve(packed.xp, packed.dtype, (packed.batch, packed.heads), 1, 1, window=window,
-                              softcap=softcap, alibi_slopes=alibi_slopes)
+    mods = _modifiers.resolve(
+        packed.xp,
+        packed.dtype,
+        (packed.batch, packed.heads),
+        1,
+        1,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+    )
     return packed, scale, causal, mods
 
 

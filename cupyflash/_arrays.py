@@ -1,7 +1,7 @@
-"""Array helpers every layer shares: the optional CuPy module, the public array type, the accumulator
-dtype, unsigned bit views, conversions to and from float that hold for bfloat16 on CuPy too, the sum of a broadcast gradient back to its input's shape, and the product over
-the (query, key) pairs a row sees that the NumPy path and the reference use for non-finite inputs, and the
-decorator that keeps NumPy's floating-point warnings inside them.
+"""Array helpers every layer shares: the optional CuPy module, the public array type, the accumulator dtype, unsigned
+bit views, conversions to and from float that hold for bfloat16 on CuPy too, the sum of a broadcast gradient back to
+its input's shape, and the product over the (query, key) pairs a row sees that the NumPy path and the reference use
+for non-finite inputs, and the decorator that keeps NumPy's floating-point warnings inside them.
 
 CuPy is optional: without it ``cupy`` is None, NumPy inputs run on the CPU path and CuPy inputs cannot
 exist. Importing CuPy touches no GPU.
@@ -31,10 +31,12 @@ def quiet_float_errors(function):
     """``function`` with NumPy's floating-point warnings (invalid, divide, overflow) off while it runs: non-finite
     inputs make NaN and infinities in the outputs on purpose (docs/api.md, non-finite values), and a row that sees
     no key takes exp(-inf - -inf); the results say so, and the caller's warnings stay its own."""
+
     @functools.wraps(function)
     def quiet(*args, **kwargs):
         with numpy.errstate(invalid="ignore", divide="ignore", over="ignore"):
             return function(*args, **kwargs)
+
     return quiet
 
 

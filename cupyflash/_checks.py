@@ -25,16 +25,21 @@ def check_array(name, x):
     if is_cupy(x):
         return
     if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name} must be a numpy.ndarray or a cupy.ndarray, got {type(x).__module__}."
-                        f"{type(x).__qualname__}")
+        raise TypeError(
+            f"{name} must be a numpy.ndarray or a cupy.ndarray, got {type(x).__module__}.{type(x).__qualname__}"
+        )
     if isinstance(x, np.ma.MaskedArray):
-        raise TypeError(f"{name} is a numpy.ma.MaskedArray, whose mask cupyflash would ignore; pass "
-                        f"{name}.filled(value), or numpy.asarray({name}) for its data as it is")
+        raise TypeError(
+            f"{name} is a numpy.ma.MaskedArray, whose mask cupyflash would ignore; pass "
+            f"{name}.filled(value), or numpy.asarray({name}) for its data as it is"
+        )
     if isinstance(x, np.matrix):
         raise TypeError(f"{name} is a numpy.matrix; pass numpy.asarray({name}), a numpy.ndarray")
     if not x.dtype.isnative:
-        raise TypeError(f"{name} has dtype {x.dtype.str}, not in this machine's byte order; pass "
-                        f"{name}.astype({name}.dtype.newbyteorder('='))")
+        raise TypeError(
+            f"{name} has dtype {x.dtype.str}, not in this machine's byte order; pass "
+            f"{name}.astype({name}.dtype.newbyteorder('='))"
+        )
 
 
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
@@ -55,8 +60,9 @@ def index_array(name, x, xp, expected="an int32 or int64 array or a sequence of 
         try:
             host = np.array(x)
         except ValueError:
-            raise ValueError(f"{name} is a ragged sequence; expected a rectangular sequence of ints or an int32 or "
-                             "int64 array") from None
+            raise ValueError(
+                f"{name} is a ragged sequence; expected a rectangular sequence of ints or an int32 or int64 array"
+            ) from None
         if host.size == 0 and host.dtype.kind == "f":
             host = host.astype(np.int64)  # (an empty list is float64 to NumPy)
         if host.dtype.kind not in "iu" or (host.dtype == np.uint64 and host.size and host.max() > 2**63 - 1):
@@ -66,8 +72,10 @@ def index_array(name, x, xp, expected="an int32 or int64 array or a sequence of 
     if not (isinstance(x, np.ndarray) or is_cupy(x)):
         raise TypeError(f"{name} must be {expected}, got {type(x).__module__}.{type(x).__qualname__}")
     if check_array_types({name: x}) is not xp:
-        raise TypeError(f"cannot mix NumPy and CuPy arrays: {name} is {'cupy' if is_cupy(x) else 'numpy'} but the "
-                        f"inputs are {xp.__name__}; pass {name} as the inputs' array type, or as a sequence of ints")
+        raise TypeError(
+            f"cannot mix NumPy and CuPy arrays: {name} is {'cupy' if is_cupy(x) else 'numpy'} but the "
+            f"inputs are {xp.__name__}; pass {name} as the inputs' array type, or as a sequence of ints"
+        )
     if x.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} must be {expected}, got dtype {x.dtype}")
     return x, (x if isinstance(x, np.ndarray) else None)
@@ -77,7 +85,7 @@ def int32_indices(xp, x):
     """x (int32 or int64) as the contiguous int32 array the kernels read. int64 values past int32's range are
     clipped, not wrapped, so that an invalid index stays invalid (the kernels and checks then say so)."""
     if x.dtype != np.int32:
-        x = xp.clip(x, -2**31, 2**31 - 1)
+        x = xp.clip(x, -(2**31), 2**31 - 1)
     return xp.ascontiguousarray(x, dtype=np.int32)
 
 
@@ -109,8 +117,9 @@ def check_float_array(name, x, dtypes, expected, dims):
         raise TypeError(f"{name} has dtype {x.dtype}; expected {expected}")
     min_ndim = dims.count(",")
     if x.ndim < min_ndim:
-        raise ValueError(f"{name} must have at least {min_ndim} dim{'s' if min_ndim > 1 else ''} {dims}, "
-                         f"got shape {x.shape}")
+        raise ValueError(
+            f"{name} must have at least {min_ndim} dim{'s' if min_ndim > 1 else ''} {dims}, got shape {x.shape}"
+        )
 
 
 def check_dtypes(arrays):
@@ -126,8 +135,7 @@ def check_dtypes(arrays):
         if dtype != first_dtype:
             names = ", ".join(n for n, _ in named)
             raise TypeError(
-                f"{first_name} has dtype {first_dtype} but {name} has dtype {dtype}; "
-                f"{names} must share one dtype"
+                f"{first_name} has dtype {first_dtype} but {name} has dtype {dtype}; {names} must share one dtype"
             )
     if "lse" in arrays and arrays["lse"].dtype != lse_dtype(first_dtype):
         raise TypeError(
@@ -143,13 +151,9 @@ def check_shapes(q, k, v):
         if x.ndim < 2:
             raise ValueError(f"{name} must have at least 2 dims (..., N, D), got shape {x.shape}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"q and k must have the same head dim D (last dim), got q {q.shape} and k {k.shape}"
-        )
+        raise ValueError(f"q and k must have the same head dim D (last dim), got q {q.shape} and k {k.shape}")
     if k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"k and v must have the same number of keys Nk (dim -2), got k {k.shape} and v {v.shape}"
-        )
+        raise ValueError(f"k and v must have the same number of keys Nk (dim -2), got k {k.shape} and v {v.shape}")
     if q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
         return q.shape[:-2]  # the common case, without np.broadcast_shapes' cost
     try:

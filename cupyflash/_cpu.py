@@ -73,8 +73,9 @@ def _forward_query_block(q, k, v, i0, i1, tiles):
         p_ij = np.exp(s_ij - m_shift[..., None])
         alpha = np.exp(m_i - m_shift)
         l_i = alpha * l_i + p_ij.sum(axis=-1)
-        acc_i = alpha[..., None] * acc_i + tiles.matmul(tiles.drop(p_ij, i0, i1, j0, j1), v[..., j0:j1, :].astype(dtype),
-                                                        ~np.isneginf(s_ij))
+        acc_i = alpha[..., None] * acc_i + tiles.matmul(
+            tiles.drop(p_ij, i0, i1, j0, j1), v[..., j0:j1, :].astype(dtype), ~np.isneginf(s_ij)
+        )
         m_i = m_new
     # False only for rows that see no key at all (every key hidden or skipped); a NaN sum (a NaN or
     # +inf input) is "seen" and propagates, as in the reference.
@@ -92,8 +93,9 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, causal, mods=None, dro
     dbias has the bias's own shape ``mods.bias_shape`` and dtype (summed over its broadcast dims in
     float32; in float64 for float64 inputs); None when there is no bias.
     """
-    tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, dropout, q.shape[:-2], q.dtype,
-                        (dout, q, k, v, out))
+    tiles = _ScoreTiles(
+        q.shape[-2], k.shape[-2], scale, causal, mods, dropout, q.shape[:-2], q.dtype, (dout, q, k, v, out)
+    )
     delta = np.sum(dout.astype(tiles.dtype) * out.astype(tiles.dtype), axis=-1)
     # Rows that see no key have lse = -inf; +inf instead makes their P = exp(S - inf) = 0, never NaN.
     lse = np.where(np.isneginf(lse), np.inf, lse)
@@ -103,9 +105,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, causal, mods=None, dro
     dbias = None if tiles.bias is None else np.zeros(tiles.dbias_shape, dtype=tiles.dtype)
     for j0 in range(0, tiles.nk, BLOCK_K):
         j1 = min(j0 + BLOCK_K, tiles.nk)
-        dk[..., j0:j1, :], dv[..., j0:j1, :] = _backward_key_block(
-            dout, q, k, v, lse, delta, dq, dbias, j0, j1, tiles
-        )
+        dk[..., j0:j1, :], dv[..., j0:j1, :] = _backward_key_block(dout, q, k, v, lse, delta, dq, dbias, j0, j1, tiles)
     dbias = None if dbias is None else dbias.reshape(tiles.bias_shape).astype(tiles.bias.dtype)
     return dq.astype(q.dtype), dk, dv, dbias
 
@@ -203,7 +203,7 @@ class _ScoreTiles:
         if self.block_mask is None:
             return False
         t = BLOCK_MASK_TILE
-        return not self.block_mask[..., i0 // t:(i1 - 1) // t + 1, j0 // t:(j1 - 1) // t + 1].any()
+        return not self.block_mask[..., i0 // t : (i1 - 1) // t + 1, j0 // t : (j1 - 1) // t + 1].any()
 
     def scores(self, q_i, k_j, i0, i1, j0, j1):
         """S_ij (*batch, i1-i0, j1-j0) in the compute dtype, -inf where hidden; and tanh(x / softcap) or None."""
@@ -261,7 +261,7 @@ class _ScoreTiles:
         if self.block_mask is not None:
             t = BLOCK_MASK_TILE
             rows, cols = np.arange(i0, i1) // t, np.arange(j0, j1) // t
-            tile_mask = self.block_mask[..., rows[0]:rows[-1] + 1, cols[0]:cols[-1] + 1]
+            tile_mask = self.block_mask[..., rows[0] : rows[-1] + 1, cols[0] : cols[-1] + 1]
             if not tile_mask.all():
                 hidden = _union(hidden, ~tile_mask[..., rows[:, None] - rows[0], cols[None, :] - cols[0]])
         return hidden
@@ -310,8 +310,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale, causal,
         douts, outs = (sequence_view(x, q0, q1, hk) for x in (dout, out))
         lses = lse[:, q0:q1].reshape(hk, g, q1 - q0)
         mods_s, dropout_s = _sequence_options(packed, s, mods, dropout)
-        dq_s, dk_s, dv_s, _ = attention_backward(douts, qs, ks, vs, outs, lses, scale=scale, causal=causal,
-                                                 mods=mods_s, dropout=dropout_s)
+        dq_s, dk_s, dv_s, _ = attention_backward(
+            douts, qs, ks, vs, outs, lses, scale=scale, causal=causal, mods=mods_s, dropout=dropout_s
+        )
         dq[q0:q1] = dq_s.reshape(packed.heads, q1 - q0, packed.d).transpose(1, 0, 2)
         for grad, target in ((dk_s, dk), (dv_s, dv)):
             summed = grad.astype(lse_dtype(q.dtype)).sum(axis=1)  # over the G query heads of each group

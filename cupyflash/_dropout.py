@@ -83,16 +83,20 @@ def resolve(dropout_p, dropout_seed, *, caller: str, draw_seed: bool = False) ->
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     if dropout_seed is not None:
         if isinstance(dropout_seed, (bool, np.bool_)) or not isinstance(dropout_seed, numbers.Integral):
-            raise TypeError(f"dropout_seed must be an integer in [0, 2**64) or None, got {dropout_seed!r} "
-                            f"({type(dropout_seed).__name__})")
+            raise TypeError(
+                f"dropout_seed must be an integer in [0, 2**64) or None, got {dropout_seed!r} "
+                f"({type(dropout_seed).__name__})"
+            )
         if not 0 <= int(dropout_seed) < SEED_LIMIT:
             raise ValueError(f"dropout_seed must be in [0, 2**64), got {dropout_seed}")
     if p == 0.0:
         return None
     if dropout_seed is None:
         if not draw_seed:
-            raise ValueError(f"{caller} needs an integer dropout_seed when dropout_p > 0 (got None): the same "
-                             "seed must reach attention_forward and attention_backward")
+            raise ValueError(
+                f"{caller} needs an integer dropout_seed when dropout_p > 0 (got None): the same "
+                "seed must reach attention_forward and attention_backward"
+            )
         dropout_seed = int(np.random.randint(0, 2**63 - 1, dtype=np.int64))
     return Dropout(p, int(dropout_seed))
 
@@ -111,8 +115,12 @@ def philox4x32_10(counter, key):
     m0, m1, low = np.uint64(_PHILOX_M[0]), np.uint64(_PHILOX_M[1]), np.uint64(_U32)
     for k0, k1 in key_schedule(key):
         p0, p1 = m0 * c0, m1 * c2  # exact: 32 x 32 -> 64 bits
-        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ np.uint64(k0), p1 & low,
-                          (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1), p0 & low)
+        c0, c1, c2, c3 = (
+            (p1 >> np.uint64(32)) ^ c1 ^ np.uint64(k0),
+            p1 & low,
+            (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1),
+            p0 & low,
+        )
     return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
 
 
@@ -125,8 +133,11 @@ def keep_mask(dropout: Dropout, batch: tuple[int, ...], rows, cols) -> np.ndarra
     c0 = (j >> np.uint64(4)) * np.uint64(4) + ((j >> np.uint64(1)) & np.uint64(3))
     c1 = (i >> np.uint64(4)) * np.uint64(8) + (i & np.uint64(7))
     words = philox4x32_10((c0, c1, b, np.uint64(0)), dropout.key)
-    slot = ((i >> np.uint64(3)) & np.uint64(1)) * np.uint64(4) + ((j >> np.uint64(3)) & np.uint64(1)) * np.uint64(2) \
+    slot = (
+        ((i >> np.uint64(3)) & np.uint64(1)) * np.uint64(4)
+        + ((j >> np.uint64(3)) & np.uint64(1)) * np.uint64(2)
         + (j & np.uint64(1))
+    )
     word = np.choose((slot >> np.uint64(1)).astype(np.intp), words)
     u = (word >> (np.uint32(16) * (slot & np.uint64(1)).astype(np.uint32))) & np.uint32(0xFFFF)
     return u < dropout.threshold

@@ -166,8 +166,12 @@ class FP8Tensor:
         if self.shape[:-2] == lead and self.scale.shape[:-1] == lead:
             return self
         held = object.__new__(FP8Tensor)
-        _set(held, xp.broadcast_to(self.data, lead + self.shape[-2:]),
-             xp.broadcast_to(self.scale, lead + self.scale.shape[-1:]), self.block)
+        _set(
+            held,
+            xp.broadcast_to(self.data, lead + self.shape[-2:]),
+            xp.broadcast_to(self.scale, lead + self.scale.shape[-1:]),
+            self.block,
+        )
         return held
 
 
@@ -182,11 +186,14 @@ def _check_holder(data, scale, block, contiguous):
     for name, x in (("data", data), ("scale", scale)):
         check_array(name, x)
     if is_cupy(data) != is_cupy(scale):
-        raise TypeError(f"data is {'cupy' if is_cupy(data) else 'numpy'} but scale is "
-                        f"{'cupy' if is_cupy(scale) else 'numpy'}; they must be of one array type")
+        raise TypeError(
+            f"data is {'cupy' if is_cupy(data) else 'numpy'} but scale is "
+            f"{'cupy' if is_cupy(scale) else 'numpy'}; they must be of one array type"
+        )
     if is_cupy(data) and data.device.id != scale.device.id:
-        raise ValueError(f"data is on device {data.device.id} but scale on device {scale.device.id}; "
-                         "they must be on one device")
+        raise ValueError(
+            f"data is on device {data.device.id} but scale on device {scale.device.id}; they must be on one device"
+        )
     if data.dtype != np.uint8:
         raise TypeError(f"data has dtype {data.dtype}; expected uint8 (the bytes of float8_e4m3fn values)")
     if scale.dtype != SCALE_DTYPE:
@@ -200,14 +207,18 @@ def _check_holder(data, scale, block, contiguous):
     block = int(block)
     n = data.shape[-2]
     if block < n and block % BLOCK_ROWS:
-        raise ValueError(f"block is {block} for N = {n} rows; expected a multiple of {BLOCK_ROWS} (the GPU "
-                         f"kernel's tile of rows) or at least N (one scale per slice)")
+        raise ValueError(
+            f"block is {block} for N = {n} rows; expected a multiple of {BLOCK_ROWS} (the GPU "
+            f"kernel's tile of rows) or at least N (one scale per slice)"
+        )
     lead = data.shape[:-2]
     nb = math.ceil(n / block)
     ones = (1,) * len(lead)
     if scale.shape not in (lead + (nb,), ones + (nb,)):
-        raise ValueError(f"scale has shape {scale.shape}; expected {lead + (nb,)} (a scale per slice and block of "
-                         f"{block} rows) or {ones + (nb,)} (per tensor) for data of shape {data.shape}")
+        raise ValueError(
+            f"scale has shape {scale.shape}; expected {lead + (nb,)} (a scale per slice and block of "
+            f"{block} rows) or {ones + (nb,)} (per tensor) for data of shape {data.shape}"
+        )
     if contiguous:
         for name, x in (("data", data), ("scale", scale)):
             if not x.flags.c_contiguous:
@@ -279,6 +290,7 @@ def _resolve_block(block, n):
     if isinstance(block, (bool, np.bool_)) or not isinstance(block, numbers.Integral):
         raise TypeError(f"block must be None, 'tensor' or an int, got {block!r} ({type(block).__name__})")
     if block < 1 or block % BLOCK_ROWS:
-        raise ValueError(f"block must be a positive multiple of {BLOCK_ROWS} (the GPU kernel's row blocks), "
-                         f"got {block}")
+        raise ValueError(
+            f"block must be a positive multiple of {BLOCK_ROWS} (the GPU kernel's row blocks), got {block}"
+        )
     return int(block)

@@ -30,9 +30,11 @@ def check_all_fp8(arrays: dict) -> None:
     held = [name for name, x in arrays.items() if isinstance(x, FP8Tensor)]
     if len(held) < len(arrays):
         plain = [name for name in arrays if name not in held]
-        raise TypeError(f"{', '.join(held)} {'is an FP8Tensor' if len(held) == 1 else 'are FP8Tensors'} but "
-                        f"{', '.join(plain)} {'is' if len(plain) == 1 else 'are'} not; pass all of "
-                        f"{', '.join(arrays)} as FP8Tensors (quantize_fp8) or none")
+        raise TypeError(
+            f"{', '.join(held)} {'is an FP8Tensor' if len(held) == 1 else 'are FP8Tensors'} but "
+            f"{', '.join(plain)} {'is' if len(plain) == 1 else 'are'} not; pass all of "
+            f"{', '.join(arrays)} as FP8Tensors (quantize_fp8) or none"
+        )
 
 
 UNSUPPORTED = ("window", "softcap", "alibi_slopes", "bias", "mask", "block_mask", "dropout_p")
@@ -67,8 +69,7 @@ def attention_forward(q, k, v, *, causal, scale, out_dtype, unsupported):
         return _fp8_cpu.attention_forward_fp8(q, k, v, scale=scale, causal=causal, out_dtype=out_dtype)
     check_compute_capability(cupy.cuda.Device().compute_capability)
     # The holders themselves, not broadcast copies: the GPU path keeps what it derives from each with it.
-    return _gpu().attention_forward_fp8(q, k, v, batch, scale=scale, causal=causal, out_dtype=out_dtype,
-                                          fast_key=fast)
+    return _gpu().attention_forward_fp8(q, k, v, batch, scale=scale, causal=causal, out_dtype=out_dtype, fast_key=fast)
 
 
 @functools.cache
@@ -88,8 +89,9 @@ def resolve_out_dtype(out_dtype) -> np.dtype:
     except TypeError:
         dtype = None
     if dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be bfloat16 (ml_dtypes.bfloat16, the default) or float16 for FP8 "
-                         f"inputs, got {out_dtype!r}")
+        raise ValueError(
+            f"out_dtype must be bfloat16 (ml_dtypes.bfloat16, the default) or float16 for FP8 inputs, got {out_dtype!r}"
+        )
     return dtype
 
 
@@ -98,5 +100,6 @@ def check_compute_capability(compute_capability: str) -> None:
     FP8 wgmma and TMA), whose code runs on no other architecture."""
     cc = int(compute_capability)
     if cc != FP8_COMPUTE_CAPABILITY:
-        raise RuntimeError(f"FP8 attention needs a Hopper GPU (compute capability 9.0, FP8 wgmma); "
-                           f"this device is {cc // 10}.{cc % 10}")
+        raise RuntimeError(
+            f"FP8 attention needs a Hopper GPU (compute capability 9.0, FP8 wgmma); this device is {cc // 10}.{cc % 10}"
+        )

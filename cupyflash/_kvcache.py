@@ -15,14 +15,26 @@ from cupyflash._cuda import decode as _gpu_decode
 from cupyflash._cuda import decode_fast as _gpu_fast
 
 
-def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k: Array | None = None,
-                           v: Array | None = None, *, cache_seqlens: int | Array,
-                           block_table: Array | None = None,
-                           rotary_cos: Array | None = None, rotary_sin: Array | None = None,
-                           rotary_interleaved: bool = False, causal: bool = False, scale: float | None = None,
-                           window: tuple[int, int] | None = None, softcap: float = 0.0,
-                           alibi_slopes: Array | None = None, num_splits: int | None = None,
-                           return_lse: bool = False) -> Array | tuple[Array, Array]:
+def attention_with_kvcache(
+    q: Array,
+    k_cache: Array,
+    v_cache: Array,
+    k: Array | None = None,
+    v: Array | None = None,
+    *,
+    cache_seqlens: int | Array,
+    block_table: Array | None = None,
+    rotary_cos: Array | None = None,
+    rotary_sin: Array | None = None,
+    rotary_interleaved: bool = False,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Array | None = None,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+) -> Array | tuple[Array, Array]:
     """Attention of new queries against a key/value cache, appending new keys and values to it first.
 
     Parameters
@@ -91,20 +103,62 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k: Array | 
     if is_cupy(q) and not _kvcache_args.check_values_requested():
         # A layout checked before (a serving loop calls with the same layout every layer of every step)
         # skips the checks: only an int cache_seqlens' range is checked again.
-        key = _gpu_fast.fast_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                                   rotary_interleaved, causal, scale, window, softcap, alibi_slopes, num_splits,
-                                   return_lse)
+        key = _gpu_fast.fast_key(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            cache_seqlens,
+            block_table,
+            rotary_cos,
+            rotary_sin,
+            rotary_interleaved,
+            causal,
+            scale,
+            window,
+            softcap,
+            alibi_slopes,
+            num_splits,
+            return_lse,
+        )
         plan = _gpu_fast.fast_plan(key)
         if plan is not None:
-            found = _gpu_fast.run_fast(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos,
-                                         rotary_sin, alibi_slopes, return_lse)
+            found = _gpu_fast.run_fast(
+                plan,
+                q,
+                k_cache,
+                v_cache,
+                k,
+                v,
+                cache_seqlens,
+                block_table,
+                rotary_cos,
+                rotary_sin,
+                alibi_slopes,
+                return_lse,
+            )
             if found is not None:
                 return found if return_lse else found[0]
-    call = _kvcache_args.resolve(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
-                                 rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                                 rotary_interleaved=rotary_interleaved, causal=causal, scale=scale, window=window,
-                                 softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
-                                 return_lse=return_lse)
+    call = _kvcache_args.resolve(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens=cache_seqlens,
+        block_table=block_table,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved,
+        causal=causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        num_splits=num_splits,
+        return_lse=return_lse,
+    )
     if call.batch == 0 or call.hq == 0 or call.nq == 0:
         out = call.xp.zeros((call.batch, call.hq, call.nq, call.dv), dtype=call.dtype)
         lse = call.xp.full(out.shape[:-1], -np.inf, dtype=lse_dtype(call.dtype))
@@ -115,6 +169,5 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k: Array | 
         out, lse = _kvcache_cpu.attention_with_kvcache(call)
     else:
         out, lse = _gpu_decode.attention_with_kvcache(call)
-        _gpu_fast.remember(key, call, q, k, v, block_table, rotary_cos, rotary_sin, alibi_slopes,
-                             cache_seqlens)
+        _gpu_fast.remember(key, call, q, k, v, block_table, rotary_cos, rotary_sin, alibi_slopes, cache_seqlens)
     return (out, lse) if call.return_lse else out

@@ -31,8 +31,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from cupyflash._arrays import cupy, lse_dtype
-from cupyflash._checks import (MAX_HEAD_DIM, MAX_SPLITS, SUPPORTED_DTYPES, check_array_types, check_bool,
-                               check_dtypes, index_array, int32_indices, resolve_scale)
+from cupyflash._checks import (
+    MAX_HEAD_DIM,
+    MAX_SPLITS,
+    SUPPORTED_DTYPES,
+    check_array_types,
+    check_bool,
+    check_dtypes,
+    index_array,
+    int32_indices,
+    resolve_scale,
+)
 from cupyflash._modifiers import check_softcap, check_window
 
 
@@ -149,9 +158,26 @@ def check_values_requested() -> bool:
     return os.environ.get("CUPYFLASH_CHECK_VALUES", "0") not in ("", "0")
 
 
-def resolve(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None, rotary_cos=None,
-            rotary_sin=None, rotary_interleaved=False, causal=False, scale=None, window=None, softcap=0.0,
-            alibi_slopes=None, num_splits=None, return_lse=False) -> KVCacheCall:
+def resolve(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    *,
+    cache_seqlens,
+    block_table=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved=False,
+    causal=False,
+    scale=None,
+    window=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    num_splits=None,
+    return_lse=False,
+) -> KVCacheCall:
     """Check every argument of ``attention_with_kvcache``; the resolved call."""
     arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache)
     if (k is None) != (v is None):
@@ -162,8 +188,9 @@ def resolve(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=N
     xp = check_array_types({**arrays, **{name: x for name, x in others.items() if x is not None}})
     seqlens_host = None
     if not _is_int(cache_seqlens):
-        cache_seqlens, seqlens_host = index_array("cache_seqlens", cache_seqlens, xp,
-                                                  "an int, a sequence of ints or an int32 or int64 array")
+        cache_seqlens, seqlens_host = index_array(
+            "cache_seqlens", cache_seqlens, xp, "an int, a sequence of ints or an int32 or int64 array"
+        )
     table_host = None
     if block_table is not None:
         block_table, table_host = index_array("block_table", block_table, xp)
@@ -171,7 +198,8 @@ def resolve(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=N
     for name, x in arrays.items():
         if x.ndim != 4:
             expected = {"q": "(B, Hq, Nq, D)", "k": "(B, Hk, Nnew, D)", "v": "(B, Hk, Nnew, Dv)"}.get(
-                name, "(B, Hk, Ncache, D) or (num_pages, Hk, page_size, D) with a block_table")
+                name, "(B, Hk, Ncache, D) or (num_pages, Hk, page_size, D) with a block_table"
+            )
             raise ValueError(f"{name} must have 4 dims {expected}, got shape {x.shape}")
     batch, hq, nq, d = q.shape
     hk = k_cache.shape[1]
@@ -184,12 +212,16 @@ def resolve(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=N
         if not 1 <= dim <= MAX_HEAD_DIM:
             raise ValueError(f"head dim {what} is {dim}; supported head dims are 1 to {MAX_HEAD_DIM}")
     if hk < 1 or hq % hk:
-        raise ValueError(f"q has {hq} heads and k_cache {hk}; the query heads Hq must be a multiple of the "
-                         f"key/value heads Hk (query head h reads key/value head h // (Hq // Hk))")
+        raise ValueError(
+            f"q has {hq} heads and k_cache {hk}; the query heads Hq must be a multiple of the "
+            f"key/value heads Hk (query head h reads key/value head h // (Hq // Hk))"
+        )
     paged = block_table is not None
     if paged:
         if block_table.ndim != 2 or block_table.shape[0] != batch:
-            raise ValueError(f"block_table must be (B, max_pages) = ({batch}, max_pages), got shape {block_table.shape}")
+            raise ValueError(
+                f"block_table must be (B, max_pages) = ({batch}, max_pages), got shape {block_table.shape}"
+            )
         if block_table.dtype != np.int32 or (block_table.size and block_table.strides[1] != block_table.itemsize):
             block_table = int32_indices(xp, block_table)  # the kernels read each row's pages contiguously, int32
         if k_cache.shape[2] < 1:
@@ -197,8 +229,10 @@ def resolve(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=N
         capacity = block_table.shape[1] * k_cache.shape[2]
     else:
         if k_cache.shape[0] != batch:
-            raise ValueError(f"k_cache has {k_cache.shape[0]} sequences (dim 0) but q has B = {batch}; a contiguous "
-                             "cache is (B, Hk, Ncache, D) (a paged one needs block_table)")
+            raise ValueError(
+                f"k_cache has {k_cache.shape[0]} sequences (dim 0) but q has B = {batch}; a contiguous "
+                "cache is (B, Hk, Ncache, D) (a paged one needs block_table)"
+            )
         capacity = k_cache.shape[2]
     nnew = 0
     if k is not None:
@@ -212,15 +246,17 @@ def resolve(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=N
     for name in ("k_cache", "v_cache"):
         x = arrays[name]
         if x.size and x.shape[3] > 1 and x.strides[3] != x.itemsize:
-            raise ValueError(f"{name} must have a contiguous last dim (stride {x.itemsize} bytes), got strides "
-                             f"{x.strides}")
+            raise ValueError(
+                f"{name} must have a contiguous last dim (stride {x.itemsize} bytes), got strides {x.strides}"
+            )
     q = _unit_last_stride(xp, q)
     if k is not None:
         k, v = _unit_last_stride(xp, k), _unit_last_stride(xp, v)
     seqlens, seqlen_all, lengths = _resolve_seqlens(xp, cache_seqlens, seqlens_host, batch, capacity - nnew, paged)
     if paged and lengths is not None and (table_host is not None or check_values_requested()):
-        _check_block_table(block_table if table_host is None else table_host, k_cache.shape[0], lengths, nnew,
-                           k_cache.shape[2])
+        _check_block_table(
+            block_table if table_host is None else table_host, k_cache.shape[0], lengths, nnew, k_cache.shape[2]
+        )
     causal = check_bool("causal", causal)
     window = check_window(window)
     span = rotary_span(nnew, nq, queries_advance(causal, window))
@@ -233,17 +269,40 @@ def resolve(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=N
         try:
             alibi_slopes = xp.broadcast_to(alibi_slopes.astype(np.float32, copy=False), (batch, hq))
         except ValueError:
-            raise ValueError(f"alibi_slopes has shape {alibi_slopes.shape}; expected (Hq,) = ({hq},) or "
-                             f"(B, Hq) = ({batch}, {hq})") from None
+            raise ValueError(
+                f"alibi_slopes has shape {alibi_slopes.shape}; expected (Hq,) = ({hq},) or (B, Hq) = ({batch}, {hq})"
+            ) from None
     if num_splits is not None:
-        if (isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral)
-                or not 1 <= num_splits <= MAX_SPLITS):
-            raise ValueError(f"num_splits must be None (chosen per call) or an integer from 1 to {MAX_SPLITS}, "
-                             f"got {num_splits!r}")
+        if (
+            isinstance(num_splits, (bool, np.bool_))
+            or not isinstance(num_splits, numbers.Integral)
+            or not 1 <= num_splits <= MAX_SPLITS
+        ):
+            raise ValueError(
+                f"num_splits must be None (chosen per call) or an integer from 1 to {MAX_SPLITS}, got {num_splits!r}"
+            )
         num_splits = int(num_splits)
-    return KVCacheCall(xp, q, k_cache, v_cache, k, v, seqlens, seqlen_all, block_table, cos, sin,
-                       check_bool("rotary_interleaved", rotary_interleaved), causal, scale, window, softcap,
-                       alibi_slopes, num_splits, check_bool("return_lse", return_lse))
+    return KVCacheCall(
+        xp,
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        seqlens,
+        seqlen_all,
+        block_table,
+        cos,
+        sin,
+        check_bool("rotary_interleaved", rotary_interleaved),
+        causal,
+        scale,
+        window,
+        softcap,
+        alibi_slopes,
+        num_splits,
+        check_bool("return_lse", return_lse),
+    )
 
 
 def _unit_last_stride(xp, x):
@@ -260,8 +319,10 @@ def _check_writable(name, cache):
         raise ValueError(f"{name} is read-only; k and v are appended to it in place (pass a writable array)")
     for n, stride in zip(cache.shape, cache.strides):
         if n > 1 and stride == 0:
-            raise ValueError(f"{name} is a broadcast view (stride 0 in a dim of size {n}); k and v are appended "
-                             "to it in place, so every position needs its own memory")
+            raise ValueError(
+                f"{name} is a broadcast view (stride 0 in a dim of size {n}); k and v are appended "
+                "to it in place, so every position needs its own memory"
+            )
 
 
 def _is_int(x) -> bool:
@@ -279,8 +340,7 @@ def _resolve_seqlens(xp, cache_seqlens, host, batch, limit, paged):
         lengths = np.full((batch,), n, dtype=np.int32)
         return (lengths, None, lengths) if xp is np else (None, n, lengths)
     if cache_seqlens.ndim != 1 or cache_seqlens.shape[0] != batch:
-        raise ValueError(f"cache_seqlens must be an int or of shape (B,) = ({batch},), got shape "
-                         f"{cache_seqlens.shape}")
+        raise ValueError(f"cache_seqlens must be an int or of shape (B,) = ({batch},), got shape {cache_seqlens.shape}")
     lengths = host
     if lengths is None and check_values_requested():
         lengths = cupy.asnumpy(cache_seqlens)
@@ -295,8 +355,10 @@ def _check_seqlen_values(values, limit, where):
     bad = np.flatnonzero((values < 0) | (values > limit))
     if bad.size:
         b = int(bad[0])
-        raise ValueError(f"cache_seqlens[{b}] = {int(values[b])} is out of range: cache_seqlens + Nnew must lie "
-                         f"in 0 .. {where} (here cache_seqlens <= {limit})")
+        raise ValueError(
+            f"cache_seqlens[{b}] = {int(values[b])} is out of range: cache_seqlens + Nnew must lie "
+            f"in 0 .. {where} (here cache_seqlens <= {limit})"
+        )
 
 
 def _check_block_table(block_table, num_pages, lengths, nnew, page_size):
@@ -310,8 +372,10 @@ def _check_block_table(block_table, num_pages, lengths, nnew, page_size):
     bad = np.argwhere(used & ((table < 0) | (table >= num_pages)))
     if bad.size:
         b, p = (int(x) for x in bad[0])
-        raise ValueError(f"block_table[{b}, {p}] = {int(table[b, p])} is not a page of k_cache (0 .. num_pages - 1 "
-                         f"= {num_pages - 1})")
+        raise ValueError(
+            f"block_table[{b}, {p}] = {int(table[b, p])} is not a page of k_cache (0 .. num_pages - 1 "
+            f"= {num_pages - 1})"
+        )
     if not nnew:
         return
     written = used & (first + page_size > end - nnew)  # pages holding positions cache_seqlens .. + Nnew - 1
@@ -321,11 +385,13 @@ def _check_block_table(block_table, num_pages, lengths, nnew, page_size):
         b, p = (int(x) for x in shared[0])
         page = int(table[b, p])
         others = [(int(c), int(r)) for c, r in np.argwhere(used & (table == page)) if (c, r) != (b, p)]
-        raise ValueError(f"block_table[{b}, {p}] = {page}: k and v would be appended into page {page}, which "
-                         f"block_table[{others[0][0]}, {others[0][1]}] uses too; a page that new keys are written "
-                         "into must be used by no other sequence or position (a page may be shared to be read, "
-                         "such as a common prefix, where it lies wholly below the cache_seqlens of every sequence "
-                         "that uses it)")
+        raise ValueError(
+            f"block_table[{b}, {p}] = {page}: k and v would be appended into page {page}, which "
+            f"block_table[{others[0][0]}, {others[0][1]}] uses too; a page that new keys are written "
+            "into must be used by no other sequence or position (a page may be shared to be read, "
+            "such as a common prefix, where it lies wholly below the cache_seqlens of every sequence "
+            "that uses it)"
+        )
 
 
 def _resolve_rotary(xp, cos, sin, d, dtype, lengths, span):
@@ -346,7 +412,9 @@ def _resolve_rotary(xp, cos, sin, d, dtype, lengths, span):
     max_pos = cos.shape[0]
     if lengths is not None and lengths.size and span and int(lengths.max()) + span > max_pos:
         b = int(np.argmax(lengths))
-        raise ValueError(f"rotary_cos has {max_pos} positions but sequence {b} needs position "
-                         f"{int(lengths[b]) + span - 1} (the last new key's or query's)")
+        raise ValueError(
+            f"rotary_cos has {max_pos} positions but sequence {b} needs position "
+            f"{int(lengths[b]) + span - 1} (the last new key's or query's)"
+        )
     acc = lse_dtype(dtype)
     return (xp.ascontiguousarray(cos, dtype=acc), xp.ascontiguousarray(sin, dtype=acc))

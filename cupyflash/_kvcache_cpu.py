@@ -31,11 +31,14 @@ def attention_with_kvcache(call):
         if length == 0:
             continue
         q = _queries(call, b).reshape(hk, g, nq, call.d)
-        k, v = (np.broadcast_to(_gather(call, cache, b, length)[:, None], (hk, g, length, cache.shape[3]))
-                for cache in (call.k_cache, call.v_cache))
+        k, v = (
+            np.broadcast_to(_gather(call, cache, b, length)[:, None], (hk, g, length, cache.shape[3]))
+            for cache in (call.k_cache, call.v_cache)
+        )
         slopes = None if call.alibi_slopes is None else call.alibi_slopes[b].reshape(hk, g)
-        mods = _modifiers.resolve(np, call.dtype, (hk, g), nq, length, window=call.window, softcap=call.softcap,
-                                  alibi_slopes=slopes)
+        mods = _modifiers.resolve(
+            np, call.dtype, (hk, g), nq, length, window=call.window, softcap=call.softcap, alibi_slopes=slopes
+        )
         out_b, lse_b = _cpu.attention_forward(q, k, v, scale=call.scale, causal=call.causal, mods=mods)
         out[b] = out_b.reshape(call.hq, nq, call.dv)
         lse[b] = lse_b.reshape(call.hq, nq)

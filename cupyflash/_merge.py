@@ -132,22 +132,28 @@ def _check(outs, lses, layout, min_ndim):
     xp = check_array_types({**outs, **lses})
     (first, out), *others = outs.items()
     if out.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{first} has dtype {out.dtype}; expected float16, bfloat16 (ml_dtypes.bfloat16), float32 "
-                        "or float64")
+        raise TypeError(
+            f"{first} has dtype {out.dtype}; expected float16, bfloat16 (ml_dtypes.bfloat16), float32 or float64"
+        )
     if out.ndim < min_ndim:
         raise ValueError(f"{first} must have at least {min_ndim} dims {layout}, got shape {out.shape}")
     for name, other in others:
         if other.dtype != out.dtype:
-            raise TypeError(f"{name} has dtype {other.dtype} but {first} has dtype {out.dtype}; the outs must share "
-                            "one dtype")
+            raise TypeError(
+                f"{name} has dtype {other.dtype} but {first} has dtype {out.dtype}; the outs must share one dtype"
+            )
         if other.shape != out.shape:
-            raise ValueError(f"{name} has shape {other.shape} but {first} has shape {out.shape}; the outs must "
-                             "have one shape")
+            raise ValueError(
+                f"{name} has shape {other.shape} but {first} has shape {out.shape}; the outs must have one shape"
+            )
     for name, lse in lses.items():
         if lse.dtype != lse_dtype(out.dtype):
-            raise TypeError(f"{name} must be {lse_dtype(out.dtype)} for {out.dtype} outs (as attention returns it), "
-                            f"got {lse.dtype}")
+            raise TypeError(
+                f"{name} must be {lse_dtype(out.dtype)} for {out.dtype} outs (as attention returns it), got {lse.dtype}"
+            )
         if lse.shape != out.shape[:-1]:
-            raise ValueError(f"{name} has shape {lse.shape}; expected {first}.shape[:-1] = {out.shape[:-1]} "
-                             f"(out {layout} and lse without the last dim)")
+            raise ValueError(
+                f"{name} has shape {lse.shape}; expected {first}.shape[:-1] = {out.shape[:-1]} "
+                f"(out {layout} and lse without the last dim)"
+            )
     return xp

@@ -60,14 +60,22 @@ class Modifiers:
         return left, right
 
 
-def resolve(xp, dtype, batch, nq, nk, *, window=None, softcap=0.0, alibi_slopes=None, bias=None,
-            mask=None, block_mask=None):
+def resolve(
+    xp, dtype, batch, nq, nk, *, window=None, softcap=0.0, alibi_slopes=None, bias=None, mask=None, block_mask=None
+):
     """Validate the score-modifier options of one call; ``None`` when every one of them is off.
 
     ``xp`` is the inputs' array module, ``dtype`` their dtype, ``batch`` their broadcast leading shape.
     """
-    if (window is None and type(softcap) is float and softcap == 0.0 and alibi_slopes is None and bias is None
-            and mask is None and block_mask is None):
+    if (
+        window is None
+        and type(softcap) is float
+        and softcap == 0.0
+        and alibi_slopes is None
+        and bias is None
+        and mask is None
+        and block_mask is None
+    ):
         return None  # every option at its default (the common call), nothing to check
     window = check_window(window)
     softcap = check_softcap(softcap)
@@ -90,15 +98,19 @@ def resolve(xp, dtype, batch, nq, nk, *, window=None, softcap=0.0, alibi_slopes=
         if mask.dtype != np.bool_:
             raise TypeError(f"mask must be a boolean array (True = the key takes part), got dtype {mask.dtype}")
     if block_mask is not None:
-        block_mask = _check_array("block_mask", block_mask, xp, grid,
-                                  f"(..., ceil(Nq/{BLOCK_MASK_TILE}), ceil(Nk/{BLOCK_MASK_TILE}))")
+        block_mask = _check_array(
+            "block_mask", block_mask, xp, grid, f"(..., ceil(Nq/{BLOCK_MASK_TILE}), ceil(Nk/{BLOCK_MASK_TILE}))"
+        )
         if block_mask.dtype != np.bool_:
-            raise TypeError(f"block_mask must be a boolean array (True = the tile takes part), got dtype {block_mask.dtype}")
-    if window == (-1, -1) and softcap == 0.0 and all(
-            x is None for x in (alibi_slopes, bias, mask, block_mask)):
+            raise TypeError(
+                f"block_mask must be a boolean array (True = the tile takes part), got dtype {block_mask.dtype}"
+            )
+    if window == (-1, -1) and softcap == 0.0 and all(x is None for x in (alibi_slopes, bias, mask, block_mask)):
         return None
-    views = [None if x is None else xp.broadcast_to(x, shape)
-             for x, shape in ((alibi_slopes, tuple(batch)), (bias, full), (mask, full), (block_mask, grid))]
+    views = [
+        None if x is None else xp.broadcast_to(x, shape)
+        for x, shape in ((alibi_slopes, tuple(batch)), (bias, full), (mask, full), (block_mask, grid))
+    ]
     return Modifiers(window, softcap, views[0], views[1], bias_shape, views[2], views[3])
 
 
@@ -130,8 +142,9 @@ def check_softcap(softcap):
 def _check_array(name, x, xp, shape, described):
     """x must be an array of module xp (on the current device) that broadcasts to ``shape``."""
     if not isinstance(x, xp.ndarray):
-        raise TypeError(f"{name} must be a {xp.__name__}.ndarray like q, k, v, got {type(x).__module__}."
-                        f"{type(x).__qualname__}")
+        raise TypeError(
+            f"{name} must be a {xp.__name__}.ndarray like q, k, v, got {type(x).__module__}.{type(x).__qualname__}"
+        )
     check_array(name, x)
     if xp is not np:
         current = xp.cuda.Device().id
@@ -183,8 +196,10 @@ def block_mask_from_dense(mask: Array, block: int = BLOCK_MASK_TILE) -> Array:
     if block != BLOCK_MASK_TILE:
         raise ValueError(f"block must be {BLOCK_MASK_TILE}, the tile the kernels skip by, got {block!r}")
     if not (isinstance(mask, np.ndarray) or is_cupy(mask)) or mask.ndim < 2:
-        raise TypeError(f"mask must be a numpy or cupy array of shape (..., Nq, Nk), got {type(mask).__name__}"
-                        + (f" of shape {mask.shape}" if hasattr(mask, "shape") else ""))
+        raise TypeError(
+            f"mask must be a numpy or cupy array of shape (..., Nq, Nk), got {type(mask).__name__}"
+            + (f" of shape {mask.shape}" if hasattr(mask, "shape") else "")
+        )
     if mask.dtype != np.bool_:
         raise TypeError(f"mask must be a boolean array, got dtype {mask.dtype}")
     nq, nk = mask.shape[-2:]

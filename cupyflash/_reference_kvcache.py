@@ -18,8 +18,9 @@ from cupyflash._modifiers import check_softcap, check_window
 
 
 @quiet_float_errors
-def rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray | list[int],
-           interleaved: bool = False) -> np.ndarray:
+def rotary(
+    x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray | list[int], interleaved: bool = False
+) -> np.ndarray:
     """Rotary position embedding in float64: row ``i`` of ``x`` rotated at position ``positions[i]``.
 
     With ``r = rotary_dim = 2 * cos.shape[1]``, ``c = cos[p]``, ``s = sin[p]`` and ``i < r / 2``:
@@ -57,8 +58,10 @@ def rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarra
     positions = np.asarray(positions, dtype=np.int64)
     half = cos.shape[1]
     if cos.shape != sin.shape or not 0 < 2 * half <= x.shape[-1]:
-        raise ValueError(f"cos {cos.shape} and sin {sin.shape} must be (max_pos, rotary_dim / 2) with rotary_dim "
-                         f"in 2 .. D = {x.shape[-1]}")
+        raise ValueError(
+            f"cos {cos.shape} and sin {sin.shape} must be (max_pos, rotary_dim / 2) with rotary_dim "
+            f"in 2 .. D = {x.shape[-1]}"
+        )
     first = np.arange(0, 2 * half, 2) if interleaved else np.arange(half)
     second = first + (1 if interleaved else half)
     c, s = cos[positions], sin[positions]
@@ -69,13 +72,26 @@ def rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarra
 
 
 @quiet_float_errors
-def attention_with_kvcache(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray | None = None,
-                           v: np.ndarray | None = None, *, cache_seqlens: int | np.ndarray,
-                           block_table: np.ndarray | None = None, rotary_cos: np.ndarray | None = None,
-                           rotary_sin: np.ndarray | None = None, rotary_interleaved: bool = False,
-                           causal: bool = False, scale: float | None = None, window: tuple[int, int] | None = None,
-                           softcap: float = 0.0, alibi_slopes: np.ndarray | None = None, return_lse: bool = False,
-                           return_caches: bool = False) -> np.ndarray | tuple[np.ndarray, ...]:
+def attention_with_kvcache(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    k: np.ndarray | None = None,
+    v: np.ndarray | None = None,
+    *,
+    cache_seqlens: int | np.ndarray,
+    block_table: np.ndarray | None = None,
+    rotary_cos: np.ndarray | None = None,
+    rotary_sin: np.ndarray | None = None,
+    rotary_interleaved: bool = False,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: np.ndarray | None = None,
+    return_lse: bool = False,
+    return_caches: bool = False,
+) -> np.ndarray | tuple[np.ndarray, ...]:
     """Reference :func:`cupyflash.attention_with_kvcache` in float64; its inputs are never modified.
 
     New key ``j`` of sequence ``b`` is rotated at position ``cache_seqlens[b] + j`` and written there (into
@@ -129,13 +145,23 @@ def attention_with_kvcache(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarr
     group, nnew = hq // hk, k.shape[2]
     seqlens = np.broadcast_to(np.asarray(cache_seqlens, dtype=np.int64), (batch,))
     pages = _Pages(block_table, k_cache.shape[2])
-    rotate = None if rotary_cos is None else functools.partial(
-        rotary, cos=_float64("rotary_cos", rotary_cos), sin=_float64("rotary_sin", rotary_sin),
-        interleaved=check_bool("rotary_interleaved", rotary_interleaved))
+    rotate = (
+        None
+        if rotary_cos is None
+        else functools.partial(
+            rotary,
+            cos=_float64("rotary_cos", rotary_cos),
+            sin=_float64("rotary_sin", rotary_sin),
+            interleaved=check_bool("rotary_interleaved", rotary_interleaved),
+        )
+    )
     causal, window, softcap = check_bool("causal", causal), check_window(window), check_softcap(softcap)
     scale = resolve_scale(scale, d)
-    slopes = None if alibi_slopes is None else np.broadcast_to(
-        np.asarray(alibi_slopes).astype(np.float32).astype(np.float64), (batch, hq))
+    slopes = (
+        None
+        if alibi_slopes is None
+        else np.broadcast_to(np.asarray(alibi_slopes).astype(np.float32).astype(np.float64), (batch, hq))
+    )
     out, lse = np.zeros((batch, hq, nq, dv)), np.full((batch, hq, nq), -np.inf)
     for b in range(batch):
         start = int(seqlens[b])
@@ -148,15 +174,25 @@ def attention_with_kvcache(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarr
             k_cache[where], v_cache[where] = new_keys[:, j], v[b, :, j]
         if length == 0:
             continue
-        keys, values = (np.stack([cache[pages.locate(b, pos, cache)] for pos in range(length)], axis=1)
-                        for cache in (k_cache, v_cache))  # (Hk, L_b, D)
+        keys, values = (
+            np.stack([cache[pages.locate(b, pos, cache)] for pos in range(length)], axis=1)
+            for cache in (k_cache, v_cache)
+        )  # (Hk, L_b, D)
         queries = q[b]
         if rotate is not None:
             advance = causal or window != (-1, -1)
             queries = rotate(queries, positions=start + (np.arange(nq) if advance else np.zeros(nq, dtype=np.int64)))
-        out[b], lse[b] = _attend(queries, np.repeat(keys, group, axis=0), np.repeat(values, group, axis=0),
-                                 length - nq + np.arange(nq), scale, causal, window, softcap,
-                                 None if slopes is None else slopes[b])
+        out[b], lse[b] = _attend(
+            queries,
+            np.repeat(keys, group, axis=0),
+            np.repeat(values, group, axis=0),
+            length - nq + np.arange(nq),
+            scale,
+            causal,
+            window,
+            softcap,
+            None if slopes is None else slopes[b],
+        )
     results = (out,) + ((lse,) if return_lse else ()) + ((k_cache, v_cache) if return_caches else ())
     return results if len(results) > 1 else out
 
@@ -170,7 +206,7 @@ def _attend(q, k, v, positions, scale, causal, window, softcap, slopes):
     if slopes is not None:
         s = s - slopes[:, None, None] * np.abs(i - j)
     left, right = window
-    hidden = ((causal & (j > i)) | ((left != -1) & (j < i - left)) | ((right != -1) & (j > i + right)))
+    hidden = (causal & (j > i)) | ((left != -1) & (j < i - left)) | ((right != -1) & (j > i + right))
     s = np.where(hidden, -np.inf, s)
     m = s.max(axis=-1, keepdims=True)
     blind = np.isneginf(m)  # every key hidden: out 0, lse -inf

@@ -67,7 +67,7 @@ def hadamard_rotate(x: Array, *, seed: int = 0) -> Array:
     y = to_float(x, work) * xp.asarray(random_signs(d, seed).astype(work))
     parts, start = [], 0
     for n in power_of_two_blocks(d):
-        parts.append(walsh_hadamard(y[..., start:start + n]) * work(1 / np.sqrt(n)))
+        parts.append(walsh_hadamard(y[..., start : start + n]) * work(1 / np.sqrt(n)))
         start += n
     if len(parts) > 1:
         y = xp.concatenate(parts, axis=-1)

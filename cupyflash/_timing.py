@@ -1,5 +1,6 @@
 """Timing GPU work with CUDA events, and the host's time to queue it, shared by ``python -m cupyflash`` and
 ``bench/``."""
+
 from __future__ import annotations
 
 import statistics
@@ -34,8 +35,10 @@ def median_ms(fn, *, warmup: int, repeats: int, before_each=None, max_host_ms: f
         end.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, end))
     if max_host_ms is not None and slowest_host * 1e3 > max_host_ms:
-        raise RuntimeError(f"a timed call took the host {slowest_host * 1e3:.2f} ms to issue, more than the "
-                           f"{max_host_ms} ms the GPU was kept busy for: its time includes host time")
+        raise RuntimeError(
+            f"a timed call took the host {slowest_host * 1e3:.2f} ms to issue, more than the "
+            f"{max_host_ms} ms the GPU was kept busy for: its time includes host time"
+        )
     return statistics.median(times)
 
 
@@ -53,9 +56,12 @@ def spin(ms: float) -> None:
     """Keep the GPU busy for about ``ms`` milliseconds (one thread counting clock cycles, taken at 2 GHz), so
     that work queued after it waits: the host's time to queue it is then hidden from the events, or measured
     alone."""
-    kernel = _kernel("spin", 'extern "C" __global__ void spin(long long cycles) {\n'
-                             '  const long long start = clock64();\n'
-                             '  while (clock64() - start < cycles) {}\n}')
+    kernel = _kernel(
+        "spin",
+        'extern "C" __global__ void spin(long long cycles) {\n'
+        "  const long long start = clock64();\n"
+        "  while (clock64() - start < cycles) {}\n}",
+    )
     kernel((1,), (1,), (numpy.int64(2_000_000 * ms),))
 
 

@@ -78,24 +78,29 @@ def check(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         raise ValueError(f"q and k must have the same head dim D (last dim), got q {q.shape} and k {k.shape}")
     heads, kv_heads = q.shape[1], k.shape[1]
     if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"the key/value heads Hk = {kv_heads} (k.shape[1]) must divide the query heads "
-                         f"H = {heads} (q.shape[1])")
+        raise ValueError(
+            f"the key/value heads Hk = {kv_heads} (k.shape[1]) must divide the query heads H = {heads} (q.shape[1])"
+        )
     check_head_dims(q, v)
     cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, xp, q.shape[0], "q", "total_q")
     cu_k = _offsets("cu_seqlens_k", cu_seqlens_k, xp, k.shape[0], "k", "total_k")
     if len(cu_q) != len(cu_k):
-        raise ValueError(f"cu_seqlens_q has {len(cu_q)} entries but cu_seqlens_k has {len(cu_k)}; both must be "
-                         "batch + 1")
+        raise ValueError(
+            f"cu_seqlens_q has {len(cu_q)} entries but cu_seqlens_k has {len(cu_k)}; both must be batch + 1"
+        )
     max_q = _max_seqlen("max_seqlen_q", max_seqlen_q, cu_q, "query")
     max_k = _max_seqlen("max_seqlen_k", max_seqlen_k, cu_k, "key")
     packed = Packed(xp, dtype, heads, kv_heads, q.shape[2], v.shape[2], cu_q, cu_k, max_q, max_k)
     if "out" in arrays:
-        expected = dict(dout=(packed.total_q, heads, packed.dv), out=(packed.total_q, heads, packed.dv),
-                        lse=(heads, packed.total_q))
+        expected = dict(
+            dout=(packed.total_q, heads, packed.dv), out=(packed.total_q, heads, packed.dv), lse=(heads, packed.total_q)
+        )
         for name, shape in expected.items():
             if arrays[name].shape != shape:
-                raise ValueError(f"{name} has shape {arrays[name].shape}; expected {shape}, as "
-                                 "attention_varlen_forward returns it for these q, k, v")
+                raise ValueError(
+                    f"{name} has shape {arrays[name].shape}; expected {shape}, as "
+                    "attention_varlen_forward returns it for these q, k, v"
+                )
     return packed
 
 
@@ -110,8 +115,9 @@ def _offsets(name, cu, xp, rows, tensor, total):
         raise ValueError(f"{name} must start at 0, got {host[0]}")
     if np.any(np.diff(host) < 0):
         at = int(np.argmax(np.diff(host) < 0))
-        raise ValueError(f"{name} must be non-decreasing; entry {at + 1} ({host[at + 1]}) is below entry {at} "
-                         f"({host[at]})")
+        raise ValueError(
+            f"{name} must be non-decreasing; entry {at + 1} ({host[at + 1]}) is below entry {at} ({host[at]})"
+        )
     if host[-1] != rows:
         raise ValueError(f"the last entry of {name} is {host[-1]} but {tensor} has {rows} rows ({total})")
     return host

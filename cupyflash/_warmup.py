@@ -44,10 +44,16 @@ _MODIFIER_CALLS = (
 )
 
 
-def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPES,
-           head_dims: int | Iterable[int] | None = None, causal: bool | Iterable[bool] = (False, True),
-           modifiers: bool = False, backward: bool = True, dropout: bool = False, decode: bool = False,
-           verbose: bool = False) -> list:
+def warmup(
+    dtypes: DTypeLike | Iterable[DTypeLike] = DTYPES,
+    head_dims: int | Iterable[int] | None = None,
+    causal: bool | Iterable[bool] = (False, True),
+    modifiers: bool = False,
+    backward: bool = True,
+    dropout: bool = False,
+    decode: bool = False,
+    verbose: bool = False,
+) -> list:
     """Compile and load, on the current device, the kernels that later calls will need.
 
     Every combination of the arguments is warmed: the forward kernels of
@@ -127,8 +133,7 @@ def warmup(dtypes: DTypeLike | Iterable[DTypeLike] = DTYPES,
     return variants
 
 
-def select_variants(dtypes, head_dims, causal, modifiers, backward, dropout=False, device=None,
-                    decode=False) -> list:
+def select_variants(dtypes, head_dims, causal, modifiers, backward, dropout=False, device=None, decode=False) -> list:
     """The distinct variants ``warmup`` loads for these arguments (validated) on ``device`` (its abilities:
     a cupyflash._cuda.variants.Device; default the current device's, none without a GPU)."""
     dtypes = [_check_dtype(x) for x in _as_list("dtypes", dtypes)]
@@ -163,8 +168,10 @@ def select_variants(dtypes, head_dims, causal, modifiers, backward, dropout=Fals
 def _current_device_id() -> int:
     """The current CUDA device, or a RuntimeError that says why there is none."""
     if cupy is None:
-        raise RuntimeError("cupyflash.warmup needs a CUDA device, but CuPy is not installed (install the cuda12 "
-                           "or cuda13 extra); NumPy inputs run on the CPU and need no warmup")
+        raise RuntimeError(
+            "cupyflash.warmup needs a CUDA device, but CuPy is not installed (install the cuda12 "
+            "or cuda13 extra); NumPy inputs run on the CPU and need no warmup"
+        )
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # no driver, a driver too old for the runtime, no runtime library

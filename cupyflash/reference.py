@@ -1,14 +1,14 @@
 """Plain NumPy float64 attention, forward and backward, to check everything else against.
 
-It materializes the whole score matrix and applies the textbook formulas; it is meant to be obviously
-right, not fast. Same semantics as cupyflash.attention: leading dims broadcast, the causal mask is
-bottom-right aligned (query i sees key j iff j <= i + Nk - Nq), the score modifiers (window, softcap,
-alibi_slopes, bias, mask, block_mask) are exactly those of cupyflash._modifiers, and a query row that sees
-no key gives out = 0, lse = -inf and zero gradients. Dropout (``dropout_p``, ``dropout_seed``) uses the
-mask of :func:`dropout_mask`, the very one the kernels and the CPU path regenerate. Inputs must be NumPy arrays (any dtype NumPy can
-convert to float64, float64 included; bias any floating-point dtype); results are float64. ALiBi slopes
-are used as float32, as everywhere in cupyflash. :func:`attention_with_kvcache` (decoding against a
-key/value cache) and :func:`rotary` (rotary position embeddings) come from cupyflash._reference_kvcache.
+It materializes the whole score matrix and applies the textbook formulas; it is meant to be obviously right, not fast.
+Same semantics as cupyflash.attention: leading dims broadcast, the causal mask is bottom-right aligned (query i sees
+key j iff j <= i + Nk - Nq), the score modifiers (window, softcap, alibi_slopes, bias, mask, block_mask) are exactly
+those of cupyflash._modifiers, and a query row that sees no key gives out = 0, lse = -inf and zero gradients. Dropout
+(``dropout_p``, ``dropout_seed``) uses the mask of :func:`dropout_mask`, the very one the kernels and the CPU path
+regenerate. Inputs must be NumPy arrays (any dtype NumPy can convert to float64, float64 included; bias any
+floating-point dtype); results are float64. ALiBi slopes are used as float32, as everywhere in cupyflash.
+:func:`attention_with_kvcache` (decoding against a key/value cache) and :func:`rotary` (rotary position embeddings)
+come from cupyflash._reference_kvcache.
 """
 
 from __future__ import annotations
@@ -30,11 +30,23 @@ rotary = _reference_kvcache.rotary
 
 
 @quiet_float_errors
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = False, scale: float | None = None,
-              return_lse: bool = False, window: tuple[int, int] | None = None, softcap: float = 0.0,
-              alibi_slopes: np.ndarray | None = None, bias: np.ndarray | None = None,
-              mask: np.ndarray | None = None, block_mask: np.ndarray | None = None, dropout_p: float = 0.0,
-              dropout_seed: int | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+    mask: np.ndarray | None = None,
+    block_mask: np.ndarray | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Reference attention in float64.
 
     Parameters
@@ -77,8 +89,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = Fal
     >>> bool(np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max())
     True
     """
-    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
-                   block_mask=block_mask)
+    options = dict(
+        window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask
+    )
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="reference.attention")
     q, k, v = _as_float64(q=q, k=k, v=v)
     out, lse = _forward(q, k, v, causal, scale, options, dropout)
@@ -139,10 +152,20 @@ def _drop(p, dropout):
 
 
 @quiet_float_errors
-def attention_probs(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = False,
-                    scale: float | None = None, window: tuple[int, int] | None = None, softcap: float = 0.0,
-                    alibi_slopes: np.ndarray | None = None, bias: np.ndarray | None = None,
-                    mask: np.ndarray | None = None, block_mask: np.ndarray | None = None) -> np.ndarray:
+def attention_probs(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+    mask: np.ndarray | None = None,
+    block_mask: np.ndarray | None = None,
+) -> np.ndarray:
     """Reference attention probabilities ``P = softmax(s)`` in float64.
 
     Parameters
@@ -169,19 +192,32 @@ def attention_probs(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool
     array([[1, 1, 1, 0],
            [1, 1, 1, 1]])
     """
-    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
-                   block_mask=block_mask)
+    options = dict(
+        window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask
+    )
     q, k, v = _as_float64(q=q, k=k, v=v)
     s, _ = _scores(q, k, v, causal, scale, options)
     return _softmax(s)[0]
 
 
 @quiet_float_errors
-def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = False,
-                       scale: float | None = None, window: tuple[int, int] | None = None, softcap: float = 0.0,
-                       alibi_slopes: np.ndarray | None = None, bias: np.ndarray | None = None,
-                       mask: np.ndarray | None = None, block_mask: np.ndarray | None = None,
-                       dropout_p: float = 0.0, dropout_seed: int | None = None) -> tuple[np.ndarray, ...]:
+def attention_backward(
+    dout: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+    mask: np.ndarray | None = None,
+    block_mask: np.ndarray | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+) -> tuple[np.ndarray, ...]:
     """Reference gradients of attention in float64.
 
     Parameters
@@ -215,8 +251,9 @@ def attention_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.nda
     >>> all(np.abs(g - r).max() <= 1e-4 * np.abs(r).max() for g, r in zip(ours, (dq, dk, dv)))
     True
     """
-    options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
-                   block_mask=block_mask)
+    options = dict(
+        window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask
+    )
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="reference.attention_backward")
     dout, q, k, v = _as_float64(dout=dout, q=q, k=k, v=v)
     return _backward(dout, q, k, v, causal, scale, options, dropout, bias)
@@ -249,11 +286,24 @@ def _backward(dout, q, k, v, causal, scale, options, dropout, bias=None):
 
 
 @quiet_float_errors
-def attention_varlen(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray,
-                     *, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, causal: bool = False,
-                     scale: float | None = None, return_lse: bool = False, window: tuple[int, int] | None = None,
-                     softcap: float = 0.0, alibi_slopes: np.ndarray | None = None, dropout_p: float = 0.0,
-                     dropout_seed: int | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+def attention_varlen(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cu_seqlens_q: np.ndarray,
+    cu_seqlens_k: np.ndarray,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: np.ndarray | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Reference :func:`cupyflash.attention_varlen` in float64: each sequence through :func:`attention`.
 
     Sequence ``s`` is computed alone with its heads as leading dims, its ALiBi slopes ``alibi_slopes[s]``
@@ -289,13 +339,24 @@ def attention_varlen(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: 
     True
     """
     options = dict(window=window, softcap=softcap, alibi_slopes=None, bias=None, mask=None, block_mask=None)
-    packed, slopes, dropout = _varlen_problem(dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                              max_seqlen_k, options, alibi_slopes, dropout_p, dropout_seed)
+    packed, slopes, dropout = _varlen_problem(
+        dict(q=q, k=k, v=v),
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        options,
+        alibi_slopes,
+        dropout_p,
+        dropout_seed,
+    )
     q, k, v = _as_float64(q=q, k=k, v=v)
     out = np.zeros((packed.total_q, packed.heads, packed.dv))
     lse = np.full((packed.heads, packed.total_q), -np.inf)
     for s, q0, q1, k0, k1 in packed.sequences():
-        views = [_varlen.sequence_view(x, r0, r1, packed.kv_heads) for x, r0, r1 in ((q, q0, q1), (k, k0, k1), (v, k0, k1))]
+        views = [
+            _varlen.sequence_view(x, r0, r1, packed.kv_heads) for x, r0, r1 in ((q, q0, q1), (k, k0, k1), (v, k0, k1))
+        ]
         opts, drop = _sequence_options(packed, s, options, slopes, dropout)
         out_s, lse_s = _forward(*views, causal, scale, opts, drop)
         out[q0:q1] = out_s.reshape(packed.heads, q1 - q0, packed.dv).transpose(1, 0, 2)
@@ -304,12 +365,24 @@ def attention_varlen(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: 
 
 
 @quiet_float_errors
-def attention_varlen_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray,
-                              cu_seqlens_k: np.ndarray, *, max_seqlen_q: int | None = None,
-                              max_seqlen_k: int | None = None, causal: bool = False, scale: float | None = None,
-                              window: tuple[int, int] | None = None, softcap: float = 0.0,
-                              alibi_slopes: np.ndarray | None = None, dropout_p: float = 0.0,
-                              dropout_seed: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def attention_varlen_backward(
+    dout: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cu_seqlens_q: np.ndarray,
+    cu_seqlens_k: np.ndarray,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: np.ndarray | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reference gradients of :func:`cupyflash.attention_varlen` in float64, sequence by sequence.
 
     Parameters
@@ -338,15 +411,28 @@ def attention_varlen_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v:
     ((40, 4, 16), (40, 2, 16))
     """
     options = dict(window=window, softcap=softcap, alibi_slopes=None, bias=None, mask=None, block_mask=None)
-    packed, slopes, dropout = _varlen_problem(dict(q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                              max_seqlen_k, options, alibi_slopes, dropout_p, dropout_seed)
+    packed, slopes, dropout = _varlen_problem(
+        dict(q=q, k=k, v=v),
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        options,
+        alibi_slopes,
+        dropout_p,
+        dropout_seed,
+    )
     dout, q, k, v = _as_float64(dout=dout, q=q, k=k, v=v)
     if dout.shape != (packed.total_q, packed.heads, packed.dv):
-        raise ValueError(f"dout has shape {dout.shape}; the output has shape {(packed.total_q, packed.heads, packed.dv)}")
+        raise ValueError(
+            f"dout has shape {dout.shape}; the output has shape {(packed.total_q, packed.heads, packed.dv)}"
+        )
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     for s, q0, q1, k0, k1 in packed.sequences():
-        views = [_varlen.sequence_view(x, r0, r1, packed.kv_heads)
-                 for x, r0, r1 in ((dout, q0, q1), (q, q0, q1), (k, k0, k1), (v, k0, k1))]
+        views = [
+            _varlen.sequence_view(x, r0, r1, packed.kv_heads)
+            for x, r0, r1 in ((dout, q0, q1), (q, q0, q1), (k, k0, k1), (v, k0, k1))
+        ]
         opts, drop = _sequence_options(packed, s, options, slopes, dropout)
         dq_s, dk_s, dv_s = _backward(*views, causal, scale, opts, drop)
         dq[q0:q1] = dq_s.reshape(packed.heads, q1 - q0, packed.d).transpose(1, 0, 2)
@@ -355,15 +441,24 @@ def attention_varlen_backward(dout: np.ndarray, q: np.ndarray, k: np.ndarray, v:
     return dq, dk, dv
 
 
-def _varlen_problem(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, alibi_slopes,
-                    dropout_p, dropout_seed):
+def _varlen_problem(
+    arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, alibi_slopes, dropout_p, dropout_seed
+):
     """Validate as cupyflash.attention_varlen does; slopes broadcast to (batch, H) as float32, or None."""
     for name, x in {**arrays, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}.items():
         if is_cupy(x):
             raise TypeError(f"{name} is a CuPy array; the reference runs on NumPy: pass {name}.get()")
     packed = _varlen.check(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_dtypes=False)
-    mods = _modifiers.resolve(np, np.float64, (packed.batch, packed.heads), 1, 1, window=options["window"],
-                              softcap=options["softcap"], alibi_slopes=alibi_slopes)
+    mods = _modifiers.resolve(
+        np,
+        np.float64,
+        (packed.batch, packed.heads),
+        1,
+        1,
+        window=options["window"],
+        softcap=options["softcap"],
+        alibi_slopes=alibi_slopes,
+    )
     slopes = None if mods is None else mods.alibi_slopes
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="reference.attention_varlen")
     return packed, slopes, dropout

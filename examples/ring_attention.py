@@ -58,9 +58,12 @@ def compare(xp, n, dtype, ring):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--n", type=int, default=None,
-                        help="sequence length, a multiple of 2W (default: 16384 on GPUs, 512 on CPU, rounded up to "
-                             "one)")
+    parser.add_argument(
+        "--n",
+        type=int,
+        default=None,
+        help="sequence length, a multiple of 2W (default: 16384 on GPUs, 512 on CPU, rounded up to one)",
+    )
     parser.add_argument("--cpu", type=int, default=None, metavar="W", help="W ranks as threads, NumPy arrays")
     args = parser.parse_args(argv)
 

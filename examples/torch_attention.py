@@ -29,9 +29,13 @@ import torch
 
 import cupyflash
 
-_DTYPES = {torch.float16: numpy.dtype(numpy.float16), torch.bfloat16: numpy.dtype(ml_dtypes.bfloat16),
-           torch.float32: numpy.dtype(numpy.float32), torch.float64: numpy.dtype(numpy.float64),
-           torch.bool: numpy.dtype(numpy.bool_)}  # (bool: masks)
+_DTYPES = {
+    torch.float16: numpy.dtype(numpy.float16),
+    torch.bfloat16: numpy.dtype(ml_dtypes.bfloat16),
+    torch.float32: numpy.dtype(numpy.float32),
+    torch.float64: numpy.dtype(numpy.float64),
+    torch.bool: numpy.dtype(numpy.bool_),
+}  # (bool: masks)
 
 
 def to_cupy(t: torch.Tensor) -> cupy.ndarray:
@@ -39,8 +43,10 @@ def to_cupy(t: torch.Tensor) -> cupy.ndarray:
     array keeps ``t`` alive. Strides may be anything torch allows but negative (torch has none)."""
     dtype = _DTYPES.get(t.dtype)
     if dtype is None or not t.is_cuda:
-        raise TypeError(f"to_cupy takes a CUDA tensor of dtype float16, bfloat16, float32, float64 or bool, got a "
-                        f"{t.device.type} tensor of {t.dtype}")
+        raise TypeError(
+            f"to_cupy takes a CUDA tensor of dtype float16, bfloat16, float32, float64 or bool, got a "
+            f"{t.device.type} tensor of {t.dtype}"
+        )
     shape, stride, itemsize = tuple(t.shape), t.stride(), dtype.itemsize
     extent = 1  # elements from the first to the last one, inclusive
     for n, s in zip(shape, stride):
@@ -136,8 +142,9 @@ class FlashAttention(torch.autograd.Function):
             return tuple(to_torch(g) for g in grads) + ((None,) if len(grads) == 4 else (None, None))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: torch.Tensor | None = None,
-              **options) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: torch.Tensor | None = None, **options
+) -> torch.Tensor:
     """``cupyflash.attention`` on torch tensors, differentiable in q, k, v and ``bias``; ``options`` as in
     ``cupyflash.attention_forward`` (``causal``, ``scale``, ``window``, ``softcap``, ``alibi_slopes``, ...)."""
     return FlashAttention.apply(q, k, v, bias, options)
@@ -153,8 +160,9 @@ def _check() -> None:
     dout = torch.randn_like(out)
     out.backward(dout)
     leaf = qkv.detach().double().requires_grad_()
-    ref = torch.nn.functional.scaled_dot_product_attention(*(leaf[:, :, i].transpose(1, 2) for i in range(3)),
-                                                           is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(leaf[:, :, i].transpose(1, 2) for i in range(3)), is_causal=True
+    )
     ref.backward(dout.double())
     for name, got, want in (("out", out, ref), ("dqkv", qkv.grad, leaf.grad)):
         error = ((got.double() - want).abs().max() / want.abs().max()).item()

@@ -12,23 +12,33 @@ import zlib
 
 import numpy as np
 import pytest
-
 from helpers import checks
 from helpers.gpu import NO_GPU_REASON, gpu_available
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("cupyflash", "cupyflash test options")
-    group.addoption("--random-cases", type=int, default=None, metavar="N",
-                    help="tests/gpu/test_random_cases.py: run N random cases (default: its modest count)")
-    group.addoption("--random-seed", type=int, default=None, metavar="S",
-                    help="tests/gpu/test_random_cases.py: base seed of the random cases (default: a fixed one)")
+    group.addoption(
+        "--random-cases",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tests/gpu/test_random_cases.py: run N random cases (default: its modest count)",
+    )
+    group.addoption(
+        "--random-seed",
+        type=int,
+        default=None,
+        metavar="S",
+        help="tests/gpu/test_random_cases.py: base seed of the random cases (default: a fixed one)",
+    )
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", f"gpu: needs a CUDA GPU; skipped with '{NO_GPU_REASON}'")
-    config.addinivalue_line("markers",
-                            "huge: more than 2^31 elements in one tensor; needs >= 40 GiB of free GPU memory")
+    config.addinivalue_line(
+        "markers", "huge: more than 2^31 elements in one tensor; needs >= 40 GiB of free GPU memory"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

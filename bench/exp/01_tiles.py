@@ -9,6 +9,7 @@ FlashAttention benchmark shape (bf16, 16k tokens, hidden 2048, N = 4k, causal an
 Results and the choice made from them: docs/design/tiles.md (the lab notebook, bench/log/NOTES.md, has the
 full tables, "Experiment 01").
 """
+
 import dataclasses
 import math
 from types import SimpleNamespace
@@ -16,12 +17,11 @@ from types import SimpleNamespace
 import cupy
 import ml_dtypes
 import numpy as np
+from bench_attention import L2Flush, median_ms  # the benchmark's timing (PYTHONPATH holds bench/)
 
 import cupyflash
 from cupyflash import reference
 from cupyflash._cuda import backend, compile, launch, tiles
-
-from bench_attention import L2Flush, median_ms  # the benchmark's timing (PYTHONPATH holds bench/)
 
 TIMING = SimpleNamespace(warmup=5, repeats=30)
 
@@ -63,8 +63,10 @@ def max_rel_error(got, want):
 
 def check(head_dim, rng):
     """Forward and backward on a small awkward problem against float64; returns the worst error."""
-    q, k, v, dout = (rng.standard_normal(s).astype(BF16) for s in
-                     ((2, 3, 203, head_dim), (2, 3, 311, head_dim), (2, 3, 311, head_dim), (2, 3, 203, head_dim)))
+    q, k, v, dout = (
+        rng.standard_normal(s).astype(BF16)
+        for s in ((2, 3, 203, head_dim), (2, 3, 311, head_dim), (2, 3, 311, head_dim), (2, 3, 203, head_dim))
+    )
     worst = 0.0
     for causal in (False, True):
         gq, gk, gv, gdo = (cupy.asarray(x) for x in (q, k, v, dout))
@@ -79,16 +81,18 @@ def check(head_dim, rng):
 
 def time_direction(head_dim, kernel, causal, n=4096):
     batch, heads = 16384 // n, 2048 // head_dim
-    q, k, v, dout = (cupy.random.standard_normal((batch, heads, n, head_dim), dtype=cupy.float32).astype(BF16)
-                     for _ in range(4))
+    q, k, v, dout = (
+        cupy.random.standard_normal((batch, heads, n, head_dim), dtype=cupy.float32).astype(BF16) for _ in range(4)
+    )
     scale = 1 / math.sqrt(head_dim)
     flops = 4 * batch * heads * n * n * head_dim / (2 if causal else 1)
     if kernel == "fwd":
         ms = median_ms(lambda: backend.attention_forward(q, k, v, scale=scale, causal=causal), TIMING, L2Flush())
         return flops / ms / 1e9
     out, lse = backend.attention_forward(q, k, v, scale=scale, causal=causal)
-    ms = median_ms(lambda: backend.attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal),
-                   TIMING, L2Flush())
+    ms = median_ms(
+        lambda: backend.attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal), TIMING, L2Flush()
+    )
     return 2.5 * flops / ms / 1e9
 
 

@@ -13,6 +13,7 @@ benchmarks' --timing gpu separates the two since (docs/design/host_time.md).
 
     python bench/exp/02_short_rows.py
 """
+
 import sys
 from pathlib import Path
 
@@ -37,8 +38,9 @@ def main():
     print(f"{'Nk':>6} {'ours ms':>8} {'flash ms':>9} {'ours TF/s':>10} {'flash TF/s':>11}")
     rows = []
     for nk in KEYS:
-        q, k, v = (cupy.random.standard_normal((B, H, n, D), dtype=cupy.float32).astype(cupy.float16)
-                   for n in (NQ, nk, nk))
+        q, k, v = (
+            cupy.random.standard_normal((B, H, n, D), dtype=cupy.float32).astype(cupy.float16) for n in (NQ, nk, nk)
+        )
         ours = median_ms(lambda: cupyflash.attention(q, k, v), warmup=5, repeats=30)
         flash = float("nan")
         if torch is not None:

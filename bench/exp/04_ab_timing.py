@@ -15,7 +15,9 @@ that pick the modifiers' backward forms (scalars, softcap alone, window alone, a
 Used to show that restructuring the warp-specialized forward into producer, consumer and epilogue
 functions, which changed the machine code of those forms, left their speed unchanged (docs/design/compile.md).
 """
+
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -57,8 +59,10 @@ def worker(backward):
         dtype = np.dtype(ml_dtypes.bfloat16) if dtype_name == "bfloat16" else np.dtype(np.float16)
         for n in SHAPES:
             b, h, d = 16384 // n, 16, 128
-            q, k, v = (cupy.asarray(rng.standard_normal((b, h, n, d), dtype=np.float32).astype(dtype)) for _ in range(3))
-            for name, causal, spec in (BACKWARD_ROWS if backward else ROWS):
+            q, k, v = (
+                cupy.asarray(rng.standard_normal((b, h, n, d), dtype=np.float32).astype(dtype)) for _ in range(3)
+            )
+            for name, causal, spec in BACKWARD_ROWS if backward else ROWS:
                 options = {}
                 if "window" in spec:
                     options["window"] = spec["window"]
@@ -75,8 +79,12 @@ def worker(backward):
                     options["block_mask"] = cupy.asarray(on)
                 # The check: a slice of two heads of the first batch entry against the float64 reference, at the
                 # shorter length (the longer one runs the same kernel).
-                small = {key: (value[:, :2] if key in ("block_mask", "bias") else value[:2] if key == "alibi_slopes" else value)
-                         for key, value in options.items()}
+                small = {
+                    key: (
+                        value[:, :2] if key in ("block_mask", "bias") else value[:2] if key == "alibi_slopes" else value
+                    )
+                    for key, value in options.items()
+                }
                 if n == SHAPES[0]:
                     out = cupyflash.attention(q[:1, :2], k[:1, :2], v[:1, :2], causal=causal, **small)
                     host = {key: (value.get() if hasattr(value, "get") else value) for key, value in small.items()}
@@ -87,9 +95,11 @@ def worker(backward):
                 if backward:
                     out, lse = cupyflash.attention_forward(q, k, v, causal=causal, **options)
                     dout = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32).astype(dtype))
-                    call = lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, **options)
+                    call = functools.partial(
+                        cupyflash.attention_backward, dout, q, k, v, out, lse, causal=causal, **options
+                    )
                 else:
-                    call = lambda: cupyflash.attention(q, k, v, causal=causal, **options)
+                    call = functools.partial(cupyflash.attention, q, k, v, causal=causal, **options)
                 ms = median_ms(call, warmup=5, repeats=30, before_each=lambda: flush.fill(1))
                 results[f"{dtype_name} {'bwd' if backward else 'fwd'} {name} n={n}"] = ms
     print("RESULTS " + json.dumps(results), flush=True)
@@ -98,18 +108,22 @@ def worker(backward):
 def run_tree(root, backward):
     env = dict(os.environ, PYTHONPATH=os.path.abspath(root))
     command = [sys.executable, os.path.abspath(__file__), "--worker"] + (["--backward"] if backward else [])
-    proc = subprocess.run(command, env=env, capture_output=True,
-                          text=True, cwd=os.path.abspath(root))
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=os.path.abspath(root))
     for line in proc.stdout.splitlines():
         if line.startswith("RESULTS "):
-            return json.loads(line[len("RESULTS "):])
+            return json.loads(line[len("RESULTS ") :])
     raise SystemExit(f"tree {root} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tree", action="append", required="--worker" not in sys.argv, metavar="NAME=PATH",
-                        help="a source tree to time (twice: A and B)")
+    parser.add_argument(
+        "--tree",
+        action="append",
+        required="--worker" not in sys.argv,
+        metavar="NAME=PATH",
+        help="a source tree to time (twice: A and B)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backward", action="store_true", help="time the backward's rows instead")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

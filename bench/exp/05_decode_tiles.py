@@ -4,6 +4,7 @@ entry, split rule) against torch SDPA flash in the same run, each checked agains
     python bench/exp/05_decode_tiles.py                        # D = 128, the configurations below
     HEAD=64 CONFIGS=1.8.1.128.2,1.4.1.128.1 SIZES=8x8192 python bench/exp/05_decode_tiles.py
 """
+
 import itertools
 import os
 import sys
@@ -15,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cupy  # noqa: E402
+from bench_decode import Problem, _bf16, gpu_time_us, ours, peer, rotating  # noqa: E402
 
-from bench_decode import Problem, gpu_time_us, ours, peer, rotating, _bf16  # noqa: E402
 from cupyflash._cuda import compile as _compile  # noqa: E402
 from cupyflash._cuda import decode, decode_fast, decode_tiles  # noqa: E402
 
@@ -47,8 +48,11 @@ def main():
             t = gpu_time_us(rotating(problem, ours(problem)))
             splits = next(iter(decode._plans.values())).max_splits
             rows.append((batch, nk, config, waves, splits, t, flash))
-            print(f"B{batch} Nk{nk} {config} waves{waves} splits{splits}: {t:.1f} us, flash {flash:.1f}, "
-                  f"x{t / flash:.2f}, {problem.kv_bytes / t / 1e6:.2f} TB/s", flush=True)
+            print(
+                f"B{batch} Nk{nk} {config} waves{waves} splits{splits}: {t:.1f} us, flash {flash:.1f}, "
+                f"x{t / flash:.2f}, {problem.kv_bytes / t / 1e6:.2f} TB/s",
+                flush=True,
+            )
         del problem
         cupy.get_default_memory_pool().free_all_blocks()
 

@@ -16,10 +16,10 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-import cupyflash  # noqa: E402
 import torch_attention as ta  # noqa: E402
 from bench_train_step import PassThrough, autograd_step, host_us  # noqa: E402
+
+import cupyflash  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -55,8 +55,9 @@ class OldFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         with old_stream():
-            dq, dk, dv = cupyflash.attention_backward(*(old_to_cupy(x) for x in (dout.contiguous(), q, k, v, out, lse)),
-                                                      causal=ctx.causal)
+            dq, dk, dv = cupyflash.attention_backward(
+                *(old_to_cupy(x) for x in (dout.contiguous(), q, k, v, out, lse)), causal=ctx.causal
+            )
             return old_to_torch(dq), old_to_torch(dk), old_to_torch(dv), None
 
 
@@ -72,6 +73,7 @@ def main():
     def enter_exit():
         with s:
             pass
+
     rows["with cached stream"] = host_us(enter_exit)
     rows["old to_cupy (dlpack via int16)"] = host_us(lambda: old_to_cupy(t))
     rows["new to_cupy (UnownedMemory)"] = host_us(lambda: ta.to_cupy(t))
@@ -108,11 +110,14 @@ def main():
     out, lse = cupyflash.attention_forward(qc, kc, vc, causal=True)
     dc = ta.to_cupy(dout)
     rows["attention_forward (qkv view)"] = host_us(lambda: cupyflash.attention_forward(qc, kc, vc, causal=True))
-    rows["attention_backward (qkv view)"] = host_us(lambda: cupyflash.attention_backward(dc, qc, kc, vc, out, lse,
-                                                                                          causal=True))
-    for name, fn in (("forward", lambda: cupyflash.attention_forward(qc, kc, vc, causal=True)),
-                     ("backward", lambda: cupyflash.attention_backward(dc, qc, kc, vc, out, lse, causal=True)),
-                     ("example fwd+bwd", variants["example fwd+bwd"])):
+    rows["attention_backward (qkv view)"] = host_us(
+        lambda: cupyflash.attention_backward(dc, qc, kc, vc, out, lse, causal=True)
+    )
+    for name, fn in (
+        ("forward", lambda: cupyflash.attention_forward(qc, kc, vc, causal=True)),
+        ("backward", lambda: cupyflash.attention_backward(dc, qc, kc, vc, out, lse, causal=True)),
+        ("example fwd+bwd", variants["example fwd+bwd"]),
+    ):
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(200):

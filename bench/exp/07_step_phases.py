@@ -12,13 +12,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "bench")]
 
+import bench_train_step as bts  # noqa: E402
 import cupy  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import torch_attention as ta  # noqa: E402
 
 import cupyflash  # noqa: E402
-import torch_attention as ta  # noqa: E402
-import bench_train_step as bts  # noqa: E402
 
 spent = collections.defaultdict(float)
 counts = collections.Counter()
@@ -32,6 +32,7 @@ def timed(name, fn):
         finally:
             spent[name] += time.perf_counter() - t0
             counts[name] += 1
+
     return wrapper
 
 
@@ -54,7 +55,8 @@ def main():
     rows["host: torch.from_dlpack(x.toDlpack())"] = bts.host_us(lambda: torch.from_dlpack(x.toDlpack()))
     rows["host: torch.from_dlpack(x)"] = bts.host_us(lambda: torch.from_dlpack(x))
     rows["host: torch.from_dlpack(x.__dlpack__(stream=-1))"] = bts.host_us(
-        lambda: torch.from_dlpack(x.__dlpack__(stream=-1)))
+        lambda: torch.from_dlpack(x.__dlpack__(stream=-1))
+    )
     rows["host: ta.to_torch(x)"] = bts.host_us(lambda: ta.to_torch(x))
     t = torch.zeros(8, 8, 1024, 64, device="cuda", dtype=torch.bfloat16)
     rows["host: ta.to_cupy(t)"] = bts.host_us(lambda: ta.to_cupy(t))
@@ -63,7 +65,9 @@ def main():
         def run():
             with manager:
                 pass
+
         return run
+
     rows["host: ta.on_torch_stream(0) + with"] = bts.host_us(lambda: enter_exit(ta.on_torch_stream(0))())
     rows["host: with cupy.cuda.Device(0)"] = bts.host_us(enter_exit(cupy.cuda.Device(0)))
     rows["host: torch.cuda.current_stream(0)"] = bts.host_us(lambda: torch.cuda.current_stream(0))
@@ -73,7 +77,9 @@ def main():
         print(e)
     mem = cupy.cuda.alloc(1 << 20)
     rows["host: cupy.cuda.alloc"] = bts.host_us(lambda: cupy.cuda.alloc(1 << 20))
-    rows["host: ndarray(shape, dtype, memptr + off)"] = bts.host_us(lambda: cupy.ndarray((8, 8, 64), x.dtype, mem + 256))
+    rows["host: ndarray(shape, dtype, memptr + off)"] = bts.host_us(
+        lambda: cupy.ndarray((8, 8, 64), x.dtype, mem + 256)
+    )
     rows["host: cupy.empty"] = bts.host_us(lambda: cupy.empty((8, 8, 1024, 64), dtype=x.dtype))
 
     qkv = torch.randn(8, 1024, 3, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -84,6 +90,7 @@ def main():
 
     sdpa = step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     ours = step(lambda q, k, v: ta.attention(q, k, v, causal=True))
+
     class ConvertOnly(torch.autograd.Function):
         """The example's conversions and streams, no attention: out and the gradients are fresh CuPy arrays."""
 
@@ -101,9 +108,11 @@ def main():
                 return tuple(ta.to_torch(cupy.empty(d.shape, d.dtype)) for _ in range(3))
 
     rows["host, 10 behind a spin: identity Function fwd+bwd"] = bts.host_us(
-        step(lambda q, k, v: bts.PassThrough.apply(q, k, v)), calls=10, repeats=21)
+        step(lambda q, k, v: bts.PassThrough.apply(q, k, v)), calls=10, repeats=21
+    )
     rows["host, 10 behind a spin: conversions-only Function fwd+bwd"] = bts.host_us(
-        step(lambda q, k, v: ConvertOnly.apply(q, k, v)), calls=10, repeats=21)
+        step(lambda q, k, v: ConvertOnly.apply(q, k, v)), calls=10, repeats=21
+    )
     rows["loop (no spin) sdpa fwd+bwd"] = loop_us(sdpa)
     rows["loop (no spin) cupyflash fwd+bwd"] = loop_us(ours)
     rows["host, 10 calls behind a spin: sdpa fwd+bwd"] = bts.host_us(sdpa, calls=10, repeats=21)
@@ -121,6 +130,7 @@ def main():
     ta.FlashAttention.forward = staticmethod(timed("Function.forward", ta.FlashAttention.forward))
     ta.FlashAttention.backward = staticmethod(timed("Function.backward", ta.FlashAttention.backward))
     import gc
+
     for attention in ("none", "identity", "sdpa", "cupyflash", "cupyflash without gc"):
         if attention == "cupyflash without gc":
             gc.collect()

@@ -1,5 +1,6 @@
 """The host time of the dense fast path's pieces (bf16, 8 x 8 x 1024 x 64, causal, qkv views), each timed
 alone behind a spin kernel as bench_train_step.host_us does. Prints one table; no arguments."""
+
 import sys
 from pathlib import Path
 
@@ -9,9 +10,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import cupy  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_train_step import host_us  # noqa: E402
 
 import cupyflash  # noqa: E402
-from bench_train_step import host_us  # noqa: E402
 from cupyflash._cuda import dense_fast  # noqa: E402
 
 bf16 = np.dtype(ml_dtypes.bfloat16)

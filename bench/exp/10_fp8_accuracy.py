@@ -19,13 +19,14 @@ import numpy as np
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3_MAX = 448.0
-P_OFFSET = 2.0 ** 8
+P_OFFSET = 2.0**8
 
 
 def inputs(rng, heads, n, d):
     def one():
         x = rng.standard_normal((heads, n, d))
         return x + rng.normal(0.0, 10.0, (heads, n, d)) * (rng.random((heads, n, d)) < 0.001)
+
     return one(), one(), one()
 
 
@@ -58,9 +59,9 @@ def attention_reference(q, k, v, chunk=1024):
     scale = 1.0 / np.sqrt(q.shape[-1])
     out = np.empty_like(q)
     for i in range(0, q.shape[1], chunk):
-        s = q[:, i:i + chunk] @ k.transpose(0, 2, 1) * scale
+        s = q[:, i : i + chunk] @ k.transpose(0, 2, 1) * scale
         p = np.exp(s - s.max(axis=-1, keepdims=True))
-        out[:, i:i + chunk] = (p @ v) / p.sum(axis=-1, keepdims=True)
+        out[:, i : i + chunk] = (p @ v) / p.sum(axis=-1, keepdims=True)
     return out
 
 
@@ -72,23 +73,24 @@ def attention_fp8(q, k, v, rows, rotation=None, chunk=1024):
     v_scaled = v8 * dv  # the kernel scales each key tile's product by its descale; the same sums
     out = np.empty(q.shape, dtype=np.float32)
     for i in range(0, q.shape[1], chunk):
-        s = (q8[:, i:i + chunk] @ k8.transpose(0, 2, 1)) * dq[:, i:i + chunk] * dk.transpose(0, 2, 1) * scale
+        s = (q8[:, i : i + chunk] @ k8.transpose(0, 2, 1)) * dq[:, i : i + chunk] * dk.transpose(0, 2, 1) * scale
         p = np.exp(s - s.max(axis=-1, keepdims=True))
         p8 = (p * P_OFFSET).astype(E4M3).astype(np.float32)
-        out[:, i:i + chunk] = (p8 @ v_scaled) / P_OFFSET / p.sum(axis=-1, keepdims=True)
+        out[:, i : i + chunk] = (p8 @ v_scaled) / P_OFFSET / p.sum(axis=-1, keepdims=True)
     return out
 
 
 def attention_bf16(q, k, v, chunk=1024):
     def rounded(x):
         return x.astype(np.float32).astype(BF16).astype(np.float32)
+
     q, k, v = rounded(q), rounded(k), rounded(v)
     scale = np.float32(1.0 / np.sqrt(q.shape[-1]))
     out = np.empty(q.shape, dtype=np.float32)
     for i in range(0, q.shape[1], chunk):
-        s = q[:, i:i + chunk] @ k.transpose(0, 2, 1) * scale
+        s = q[:, i : i + chunk] @ k.transpose(0, 2, 1) * scale
         p = np.exp(s - s.max(axis=-1, keepdims=True))
-        out[:, i:i + chunk] = (rounded(p) @ v) / p.sum(axis=-1, keepdims=True)
+        out[:, i : i + chunk] = (rounded(p) @ v) / p.sum(axis=-1, keepdims=True)
     return out
 
 

@@ -10,6 +10,7 @@ kernel and dq's conversion. Writes $OUT/ws_backward.json.
 
     PYTHONPATH=. python bench/exp/15_ws_backward.py [--dims 128,64] [--seqlens 1k,2k,8k] [--check-only]
 """
+
 import argparse
 import json
 import math
@@ -23,7 +24,8 @@ import numpy as np
 
 import cupyflash
 from cupyflash import _timing
-from cupyflash._cuda import dense_fast, launch as launches, tiles, tma
+from cupyflash._cuda import dense_fast, tiles, tma
+from cupyflash._cuda import launch as launches
 from cupyflash._cuda.compile import current_device, functions
 from cupyflash._cuda.launch import CPointer, launch
 from cupyflash._cuda.params import PARAMS_BYTES, dense_params, layout
@@ -65,13 +67,30 @@ class Fused:
         # dq_accum and the counters of the ordered adds, zeroed by one fill per call
         chains = tiles.ws_bwd_dq_chains(self.variant.tiles("bwd"), deterministic)
         self.workspace = cupy.empty(self.batch * self.m_blocks * chains * (self.bm * d + 1), dtype=cupy.float32)
-        self.dq_accum = self.workspace[:self.batch * self.m_blocks * chains * self.bm * d]
-        self.counters = self.workspace[self.dq_accum.size:].view(cupy.int32)
+        self.dq_accum = self.workspace[: self.batch * self.m_blocks * chains * self.bm * d]
+        self.counters = self.workspace[self.dq_accum.size :].view(cupy.int32)
         arrays, sizes, strides, _ = layout(self.batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout})
-        others = {"dq": self.dq, "dk": self.dk, "dv": self.dv, "lse": lse, "lse_log2": self.lse_log2,
-                  "delta": self.delta}
-        self.params = dense_params(arrays, sizes, strides, batch=self.batch, nq=nq, nk=nk, d=d, d_v=d,
-                                   scale=1 / math.sqrt(d), others=others, causal=causal)
+        others = {
+            "dq": self.dq,
+            "dk": self.dk,
+            "dv": self.dv,
+            "lse": lse,
+            "lse_log2": self.lse_log2,
+            "delta": self.delta,
+        }
+        self.params = dense_params(
+            arrays,
+            sizes,
+            strides,
+            batch=self.batch,
+            nq=nq,
+            nk=nk,
+            d=d,
+            d_v=d,
+            scale=1 / math.sqrt(d),
+            others=others,
+            causal=causal,
+        )
         self.pre_variant = select(Features.of("bwd", q.dtype, d, d, causal, None), current_device())
         self.pre = functions(self.pre_variant)
         maps = tma.TensorMaps(arrays, sizes, strides, {"q": self.bm, "k": self.keys, "v": self.keys, "dout": self.bm})
@@ -85,9 +104,12 @@ class Fused:
         self.workspace.fill(0)
         launch(self.pre, self.pre_variant, "preprocess", self.nq, self.batch, self.params)
         arg = self.params.view(PARAMS_BYTES)
-        self.main((-(-self.nk // self.keys), self.batch), (384,), (arg, CPointer(self.maps.ctypes.data),
-                                                                    self.dq_accum, self.counters, self.by_arrival),
-                  shared_mem=self.variant.smem("bwd"))
+        self.main(
+            (-(-self.nk // self.keys), self.batch),
+            (384,),
+            (arg, CPointer(self.maps.ctypes.data), self.dq_accum, self.counters, self.by_arrival),
+            shared_mem=self.variant.smem("bwd"),
+        )
         self.convert((self.m_blocks, self.batch), (256,), (arg, self.dq_accum))
         return self.dq, self.dk, self.dv
 
@@ -146,20 +168,32 @@ for d in dims:
                 x.view(cupy.uint16).fill(0x7FC0)  # NaN: every element must be written
             got = [x.copy() for x in fused()]
             again = [x.copy() for x in fused()]
-            assert all(bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()) for a, b in zip(got, again)), \
+            assert all(bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()) for a, b in zip(got, again)), (
                 "not bitwise reproducible"
+            )
             two_pass = two_passes(dout, q, k, v, out, lse, causal)
-            for other in (Fused(q, k, v, out, lse, dout, causal, by_arrival=False),
-                          Fused(q, k, v, out, lse, dout, causal, deterministic=False)):
+            for other in (
+                Fused(q, k, v, out, lse, dout, causal, by_arrival=False),
+                Fused(q, k, v, out, lse, dout, causal, deterministic=False),
+            ):
                 errs = [max_err(x, r) for x, r in zip(other(), ref)]
                 assert max(errs) < 2 * max(max_err(x, r) for x, r in zip(two_pass, ref)), errs
-            row = {"d": d, "causal": causal, "nq": nq, "nk": nk,
-                   "fused": [max_err(x, r) for x, r in zip(got, ref)],
-                   "two_pass": [max_err(x, r) for x, r in zip(two_pass, ref)]}
+            row = {
+                "d": d,
+                "causal": causal,
+                "nq": nq,
+                "nk": nk,
+                "fused": [max_err(x, r) for x, r in zip(got, ref)],
+                "two_pass": [max_err(x, r) for x, r in zip(two_pass, ref)],
+            }
             results["checks"].append(row)
-            print(f"check D={d} causal={causal} {nq}x{nk}: fused dq/dk/dv "
-                  + " ".join(f"{e:.2e}" for e in row["fused"]) + " | two-pass "
-                  + " ".join(f"{e:.2e}" for e in row["two_pass"]), flush=True)
+            print(
+                f"check D={d} causal={causal} {nq}x{nk}: fused dq/dk/dv "
+                + " ".join(f"{e:.2e}" for e in row["fused"])
+                + " | two-pass "
+                + " ".join(f"{e:.2e}" for e in row["two_pass"]),
+                flush=True,
+            )
 
 flush = cupy.empty(256 << 20, dtype=cupy.uint8)
 
@@ -168,6 +202,7 @@ def ms(fn):
     def before():
         flush.fill(0)
         _timing.spin(10)
+
     return _timing.median_ms(fn, warmup=3, repeats=15, before_each=before)
 
 
@@ -192,27 +227,40 @@ if not args.check_only:
                 t_unordered = ms(unordered)
                 t_by_index = ms(by_index)
                 t_unordered_by_index = ms(unordered_by_index)
-                t_library_unordered = ms(lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
-                                                                              deterministic=False))
+                t_library_unordered = ms(
+                    lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=False)
+                )
                 t_two = ms(lambda: two_passes(dout, q, k, v, out, lse, causal))
                 t_library = ms(lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal))
                 sdpa = bench_attention.TorchSDPA("cudnn", q, k, v, dout, causal, 1 / math.sqrt(d))
                 sdpa.prepare_backward()
                 t_cudnn = ms(sdpa.backward)
                 flops = 2.5 * 4 * batch * heads * n * n * d * (0.5 if causal else 1)
-                times = {"fused": t_fused, "unordered": t_unordered, "by_index": t_by_index,
-                         "unordered_by_index": t_unordered_by_index, "library_unordered": t_library_unordered,
-                         "two_pass": t_two,
-                         "library": t_library, "cudnn": t_cudnn}
+                times = {
+                    "fused": t_fused,
+                    "unordered": t_unordered,
+                    "by_index": t_by_index,
+                    "unordered_by_index": t_unordered_by_index,
+                    "library_unordered": t_library_unordered,
+                    "two_pass": t_two,
+                    "library": t_library,
+                    "cudnn": t_cudnn,
+                }
                 tf = {name: flops / t / 1e9 for name, t in times.items()}
-                results["timings"].append({"d": d, "causal": causal, "n": n, "agree": agree, "reproducible": same,
-                                           "tflops": tf})
-                print(f"D={d:3d} {'causal' if causal else 'full  '} N={n:5d}: fused {tf['fused']:6.1f} unordered "
-                      f"{tf['unordered']:6.1f} (by index {tf['unordered_by_index']:6.1f}) by-index {tf['by_index']:6.1f} library "
-                      f"{tf['library']:6.1f} (unordered {tf['library_unordered']:6.1f}) two-pass "
-                      f"{tf['two_pass']:6.1f} cudnn {tf['cudnn']:6.1f} TFLOP/s  "
-                      f"fused/cudnn {tf['fused'] / tf['cudnn']:.2f}  vs two-pass dq/dk/dv "
-                      + " ".join(f"{e:.1e}" for e in agree) + f" reproducible {same}", flush=True)
+                results["timings"].append(
+                    {"d": d, "causal": causal, "n": n, "agree": agree, "reproducible": same, "tflops": tf}
+                )
+                print(
+                    f"D={d:3d} {'causal' if causal else 'full  '} N={n:5d}: fused {tf['fused']:6.1f} unordered "
+                    f"{tf['unordered']:6.1f} (by index {tf['unordered_by_index']:6.1f}) "
+                    f"by-index {tf['by_index']:6.1f} library "
+                    f"{tf['library']:6.1f} (unordered {tf['library_unordered']:6.1f}) two-pass "
+                    f"{tf['two_pass']:6.1f} cudnn {tf['cudnn']:6.1f} TFLOP/s  "
+                    f"fused/cudnn {tf['fused'] / tf['cudnn']:.2f}  vs two-pass dq/dk/dv "
+                    + " ".join(f"{e:.1e}" for e in agree)
+                    + f" reproducible {same}",
+                    flush=True,
+                )
 
 out_dir = os.environ.get("OUT", ".")
 Path(out_dir, "ws_backward.json").write_text(json.dumps(results, indent=1))

@@ -18,6 +18,7 @@ are the largest and the others hide under them. Prints a table per variant; writ
 
     python bench/exp/18_fwd_sass_loop.py [--nvdisasm PATH] [--dims 64,128,256] [--json PATH]
 """
+
 import argparse
 import collections
 import json
@@ -63,7 +64,7 @@ def cubin(variant: Variant) -> bytes:
     # CuPy's getCUBIN drops the image's trailing NUL bytes; the ELF header says how long it is (the program
     # headers come last), and nvdisasm refuses an image cut short.
     phoff = int.from_bytes(image[0x20:0x28], "little")
-    phentsize, phnum = (int.from_bytes(image[at:at + 2], "little") for at in (0x36, 0x38))
+    phentsize, phnum = (int.from_bytes(image[at : at + 2], "little") for at in (0x36, 0x38))
     return image.ljust(phoff + phentsize * phnum, b"\0")
 
 
@@ -175,7 +176,7 @@ def main_loop(instrs):
     """The computing warpgroups' key-block loop: the innermost loop holding both GMMAs and exponentials."""
     found = None
     for lo, hi in loops(instrs):
-        ops = [op for op, _, _, _ in instrs[lo:hi + 1]]
+        ops = [op for op, _, _, _ in instrs[lo : hi + 1]]
         if any(kind(op) == "GMMA" for op in ops) and any(op.startswith("MUFU.EX2") for op in ops):
             if found is None or hi - lo < found[1] - found[0]:
                 found = (lo, hi)
@@ -198,19 +199,32 @@ def report(label: str, variant: Variant) -> dict:
     rows_per_wg, block_n = 64, t.block
     tensor = warpgroups * 4 * rows_per_wg * block_n * variant.head_dim / FLOPS_PER_CLOCK[variant.itemsize]
     scores_per_thread = rows_per_wg * block_n // 128
-    out = {"variant": label, "kernel": symbol, "block_n": block_n, "computing_warpgroups": warpgroups,
-           "static_body": hi - lo + 1, "fewest": dict(fewest), "most": dict(most),
-           "scores_per_thread": scores_per_thread, "tensor_clocks": tensor}
-    print(f"\n{label}: {warpgroups} computing warpgroups of 64 rows, {block_n}-key blocks ({scores_per_thread} scores "
-          f"a thread), loop {hi - lo + 1} instructions in SASS; per key block of every computing warpgroup, per SM:")
+    out = {
+        "variant": label,
+        "kernel": symbol,
+        "block_n": block_n,
+        "computing_warpgroups": warpgroups,
+        "static_body": hi - lo + 1,
+        "fewest": dict(fewest),
+        "most": dict(most),
+        "scores_per_thread": scores_per_thread,
+        "tensor_clocks": tensor,
+    }
+    print(
+        f"\n{label}: {warpgroups} computing warpgroups of 64 rows, {block_n}-key blocks ({scores_per_thread} scores "
+        f"a thread), loop {hi - lo + 1} instructions in SASS; per key block of every computing warpgroup, per SM:"
+    )
     print(f"  tensor cores {tensor:6.0f} clk")
     for name, counts in (("fewest", fewest), ("most", most)):
         body = sum(counts.values())
         issue = warpgroups * body
         exps = warpgroups * counts["MUFU.EX2"] * MUFU_CLOCKS
         out[f"issue_clocks_{name}"], out[f"exp_clocks_{name}"] = issue, exps
-        print(f"  {name:6s} path: {body:4d} instructions ({body / scores_per_thread:5.2f} a score) -> issue {issue:6.0f} clk "
-              f"({issue / tensor:.2f}x the tensor cores'), exponentials {exps:6.0f} clk ({exps / tensor:.2f}x)")
+        print(
+            f"  {name:6s} path: {body:4d} instructions ({body / scores_per_thread:5.2f} a score) "
+            f"-> issue {issue:6.0f} clk "
+            f"({issue / tensor:.2f}x the tensor cores'), exponentials {exps:6.0f} clk ({exps / tensor:.2f}x)"
+        )
         print("    " + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
     return out
 

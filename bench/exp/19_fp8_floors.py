@@ -16,6 +16,7 @@ What it taught (H200, 2026-11-27, bench/log/2026-11-27-h200-fp8-floors.txt): ex2
 the bf16 forward runs into the power limit (1.67-1.86 GHz), the FP8 one barely (1.83-1.98); per clock the FP8
 forward at D = 128 did no more work than the bf16 one, so its products are not what bounds it.
 """
+
 import argparse
 import json
 import os
@@ -35,8 +36,11 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--dims", default="64,128,256")
 parser.add_argument("--n", type=int, default=16384)
 parser.add_argument("--seconds", type=float, default=1.5, help="how long each forward runs back to back")
-parser.add_argument("--gemm", action="store_true", help="also time cuBLAS's bf16 and FP8 matrix products (torch), "
-                    "the tensor cores' rate as a library reaches it")
+parser.add_argument(
+    "--gemm",
+    action="store_true",
+    help="also time cuBLAS's bf16 and FP8 matrix products (torch), the tensor cores' rate as a library reaches it",
+)
 parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "fp8_floors.json"))
 args = parser.parse_args()
 
@@ -96,6 +100,7 @@ def nvml_sampler():
     """A function that returns the median NVML SM clock (GHz) over a callable's run, or None without NVML."""
     try:
         import pynvml
+
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]))
     except Exception:  # noqa: BLE001 - NVML is optional: the spin kernel's clock still stands
@@ -108,12 +113,14 @@ def nvml_sampler():
             while not stop.is_set():
                 found.append(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
                 time.sleep(0.02)
+
         thread = threading.Thread(target=poll)
         thread.start()
         run()
         stop.set()
         thread.join()
         return statistics.median(found) / 1000 if found else None
+
     return sample
 
 
@@ -122,13 +129,16 @@ def gemm_rates(sample):
     B column-major as it requires) with a bf16 out. The tensor cores' rate as a library reaches it, at the clock
     it holds."""
     import torch
+
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
     one = torch.ones((), device="cuda")
-    forms = {"bf16": lambda: a @ b,
-             "fp8": lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)}
+    forms = {
+        "bf16": lambda: a @ b,
+        "fp8": lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+    }
     found = {}
     for name, call in forms.items():
         for _ in range(3):
@@ -142,7 +152,7 @@ def gemm_rates(sample):
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        found[f"{name}_tflops"] = 2 * n ** 3 / statistics.median(times) / 1e9
+        found[f"{name}_tflops"] = 2 * n**3 / statistics.median(times) / 1e9
 
         def back_to_back(call=call):
             stop = time.perf_counter() + args.seconds
@@ -150,6 +160,7 @@ def gemm_rates(sample):
                 for _ in range(10):
                     call()
                 torch.cuda.synchronize()
+
         found[f"{name}_clock_ghz_nvml"] = sample(back_to_back) if sample else None
     return found
 
@@ -173,14 +184,17 @@ def main():
     def before():
         flush.fill(0)
         _timing.spin(15)
+
     rows = []
     for d in [int(x) for x in args.dims.split(",")]:
         q, k, v = inputs(d, args.n)
         fq, fk, fv = (cupyflash.quantize_fp8(x) for x in (q, k, v))
         flops = 4 * q.shape[0] * q.shape[1] * args.n * args.n * d
         row = {"d": d, "n": args.n}
-        for name, call in (("bf16", lambda: cupyflash.attention(q, k, v)),
-                           ("fp8", lambda: cupyflash.attention(fq, fk, fv))):
+        for name, call in (
+            ("bf16", lambda: cupyflash.attention(q, k, v)),
+            ("fp8", lambda: cupyflash.attention(fq, fk, fv)),
+        ):
             ms = _timing.median_ms(call, warmup=3, repeats=20, before_each=before)
             row[f"{name}_tflops"] = flops / ms / 1e9
 
@@ -190,21 +204,29 @@ def main():
                     for _ in range(5):
                         call()
                     cupy.cuda.runtime.deviceSynchronize()
+
             row[f"{name}_clock_ghz_nvml"] = sample(back_to_back) if sample else None
         ghz = row["fp8_clock_ghz_nvml"] or results["clock_ghz_idle_spin"]
         # Floors of the FP8 forward at the clock it ran at: the exponentials alone, per score 4·D FLOPs.
-        row["fp8_ex2_floor_tflops"] = results["ex2_per_clock_per_sm"] * sms * ghz * 1e9 * 4 * d / EX2_PER_SCORE[d] / 1e12
+        row["fp8_ex2_floor_tflops"] = (
+            results["ex2_per_clock_per_sm"] * sms * ghz * 1e9 * 4 * d / EX2_PER_SCORE[d] / 1e12
+        )
         row["fp8_tensor_spec_tflops"] = 8192 * sms * ghz * 1e9 / 1e12
         row["target_tflops"] = 1.5 * row["bf16_tflops"]
         rows.append(row)
-        print(f"D={d:3d} N={args.n}: bf16 {row['bf16_tflops']:6.1f} fp8 {row['fp8_tflops']:6.1f} TFLOP/s "
-              f"(x{row['fp8_tflops'] / row['bf16_tflops']:.2f}); target {row['target_tflops']:6.1f}; at "
-              f"{ghz:.3f} GHz the exponentials allow {row['fp8_ex2_floor_tflops']:6.1f}, the FP8 products "
-              f"{row['fp8_tensor_spec_tflops']:6.1f} (dense spec rate); SM clock bf16 {row['bf16_clock_ghz_nvml']} "
-              f"fp8 {row['fp8_clock_ghz_nvml']} GHz (NVML)", flush=True)
+        print(
+            f"D={d:3d} N={args.n}: bf16 {row['bf16_tflops']:6.1f} fp8 {row['fp8_tflops']:6.1f} TFLOP/s "
+            f"(x{row['fp8_tflops'] / row['bf16_tflops']:.2f}); target {row['target_tflops']:6.1f}; at "
+            f"{ghz:.3f} GHz the exponentials allow {row['fp8_ex2_floor_tflops']:6.1f}, the FP8 products "
+            f"{row['fp8_tensor_spec_tflops']:6.1f} (dense spec rate); SM clock bf16 {row['bf16_clock_ghz_nvml']} "
+            f"fp8 {row['fp8_clock_ghz_nvml']} GHz (NVML)",
+            flush=True,
+        )
     results["rows"] = rows
-    print(f"ex2: {results['ex2_per_clock_per_sm']:.2f} per clock per SM; spin-kernel clock "
-          f"{results['clock_ghz_idle_spin']:.3f} GHz")
+    print(
+        f"ex2: {results['ex2_per_clock_per_sm']:.2f} per clock per SM; spin-kernel clock "
+        f"{results['clock_ghz_idle_spin']:.3f} GHz"
+    )
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
 

@@ -12,6 +12,7 @@ What it taught (H200, 2026-11-27, bench/log/2026-11-27-h200-fp8-ncu.txt): 15% of
 the division that found the next key block's descales (replaced by a multiply and a shift: 7-12% faster);
 after it no unit of the FP8 loop is saturated, each warp's chain bounds it.
 """
+
 import argparse
 
 import cupy
@@ -31,8 +32,7 @@ args = parser.parse_args()
 
 b, h = max(1, 16384 // args.n), 2048 // args.d
 rng = cupy.random.default_rng(args.d + args.n)
-q, k, v = (rng.standard_normal((b, h, args.n, args.d), dtype=np.float32).astype(ml_dtypes.bfloat16)
-           for _ in range(3))
+q, k, v = (rng.standard_normal((b, h, args.n, args.d), dtype=np.float32).astype(ml_dtypes.bfloat16) for _ in range(3))
 if args.form == "fp8":
     q, k, v = (cupyflash.quantize_fp8(x) for x in (q, k, v))
 
@@ -50,6 +50,7 @@ if args.time:
     def before():
         flush.fill(0)
         _timing.spin(10)
+
     ms = _timing.median_ms(call, warmup=2, repeats=10, before_each=before)
     flops = 4 * b * h * args.n * args.n * args.d / (2 if args.causal else 1)
     print(f"{args.form} D={args.d} N={args.n} causal={args.causal}: {flops / ms / 1e9:.1f} TFLOP/s ({ms:.3f} ms)")

@@ -51,7 +51,7 @@ def rel(x, ref) -> float:
 def reference(q, k, v, causal, rows):
     """float64 attention of the last ``rows`` query rows of q (H, N, D) over k, v."""
     n, d = q.shape[-2], q.shape[-1]
-    qr = q[:, n - rows:]
+    qr = q[:, n - rows :]
     s = qr @ k.transpose(0, 2, 1) / math.sqrt(d)
     if causal:
         i = cupy.arange(n - rows, n)[:, None]
@@ -81,7 +81,7 @@ def emulations(q8, k8, v8, causal, rows, block_n):
     qd, kd, vd = (x.dequantize(np.float64)[0] for x in (q8, k8, v8))
     n, d = qd.shape[-2], qd.shape[-1]
     c = math.log2(math.e) / math.sqrt(d)
-    s = qd[:, n - rows:] @ kd.transpose(0, 2, 1)
+    s = qd[:, n - rows :] @ kd.transpose(0, 2, 1)
     hidden = None
     if causal:
         i = cupy.arange(n - rows, n)[:, None]
@@ -89,22 +89,26 @@ def emulations(q8, k8, v8, causal, rows, block_n):
         s = cupy.where(hidden, -cupy.inf, s)
     m = s.max(axis=-1, keepdims=True)
     p = cupy.exp2(c * (s - m) + 8).astype(cupy.float32)  # the kernel's exponentials, in float32
-    l = p.astype(cupy.float64).sum(axis=-1, keepdims=True)
+    row_sum = p.astype(cupy.float64).sum(axis=-1, keepdims=True)
     p8 = e4m3_round(p)
-    found = {"emu exact": (p8.astype(cupy.float64) @ vd) / l, "emu P f32": (p.astype(cupy.float64) @ vd) / l}
+    found = {
+        "emu exact": (p8.astype(cupy.float64) @ vd) / row_sum,
+        "emu P f32": (p.astype(cupy.float64) @ vd) / row_sum,
+    }
     # Accumulation as the tensor cores do it (fixed_point_step): fed O itself, or a fresh sum per key block.
     single = cupy.zeros(p8.shape[:-1] + (vd.shape[-1],), cupy.float64)
     two = cupy.zeros_like(single)
     block = cupy.zeros_like(single)
     p8 = p8.astype(cupy.float64)
     for k0 in range(0, n, 32):
-        single = fixed_point_step(single, p8[..., k0:k0 + 32], vd[:, k0:k0 + 32])
-        block = fixed_point_step(block if k0 % block_n else cupy.zeros_like(block), p8[..., k0:k0 + 32],
-                                 vd[:, k0:k0 + 32])
+        single = fixed_point_step(single, p8[..., k0 : k0 + 32], vd[:, k0 : k0 + 32])
+        block = fixed_point_step(
+            block if k0 % block_n else cupy.zeros_like(block), p8[..., k0 : k0 + 32], vd[:, k0 : k0 + 32]
+        )
         if (k0 + 32) % block_n == 0 or k0 + 32 >= n:
             two += block
-    found["emu cut O"] = single / l
-    found["emu cut block"] = two / l
+    found["emu cut O"] = single / row_sum
+    found["emu cut block"] = two / row_sum
     return found
 
 
@@ -115,12 +119,17 @@ def run(d, n, causal, v_mean, heads, rows, emulate, block_n, seed=0):
     q8, k8, v8 = (cupyflash.quantize_fp8(x, block=128) for x in (q, k, v))
     out, _ = cupyflash.attention_forward(q8, k8, v8, causal=causal)
     ref = reference(*(x.dequantize(np.float64)[0] for x in (q8, k8, v8)), causal, rows)
-    row = {"d": d, "n": n, "causal": causal, "v_mean": v_mean,
-           "kernel": rel(out[0, :, n - rows:].astype(cupy.float64), ref)}
+    row = {
+        "d": d,
+        "n": n,
+        "causal": causal,
+        "v_mean": v_mean,
+        "kernel": rel(out[0, :, n - rows :].astype(cupy.float64), ref),
+    }
     qb, kb, vb = (x.astype(BF16) for x in (q, k, v))
     out16, _ = cupyflash.attention_forward(qb, kb, vb, causal=causal)
     ref16 = reference(*(x[0].astype(cupy.float64) for x in (qb, kb, vb)), causal, rows)
-    row["bf16"] = rel(out16[0, :, n - rows:].astype(cupy.float64), ref16)
+    row["bf16"] = rel(out16[0, :, n - rows :].astype(cupy.float64), ref16)
     if emulate:
         for name, x in emulations(q8, k8, v8, causal, rows, block_n).items():
             row[name] = rel(x, ref)
@@ -147,11 +156,16 @@ def main(argv=None):
         for causal in (False, True):
             for v_mean in (float(x) for x in args.v_mean.split(",")):
                 for n in (size(x) for x in args.seqlens.split(",")):
-                    row = run(d, n, causal, v_mean, args.heads, args.rows, args.emulate and n <= args.emulate_up_to,
-                              block_n)
+                    row = run(
+                        d, n, causal, v_mean, args.heads, args.rows, args.emulate and n <= args.emulate_up_to, block_n
+                    )
                     rows.append(row)
-                    print(f"| {d} | {causal} | {v_mean} | {n} | "
-                          + " | ".join(f"{row[c]:.1e}" if c in row else "-" for c in cols) + " |", flush=True)
+                    print(
+                        f"| {d} | {causal} | {v_mean} | {n} | "
+                        + " | ".join(f"{row[c]:.1e}" if c in row else "-" for c in cols)
+                        + " |",
+                        flush=True,
+                    )
                     cupy.get_default_memory_pool().free_all_blocks()  # the next N's arrays are larger
     if args.json:
         with open(args.json, "w") as f:

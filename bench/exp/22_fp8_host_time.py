@@ -39,15 +39,20 @@ def main(argv=None):
             q8, k8, v8 = (cupyflash.quantize_fp8(x) for x in (q, k, v))
             fresh = [cupyflash.FP8Tensor(v8.data, v8.scale, v8.block) for _ in range(args.rounds * (args.calls + 1))]
             times = {"bf16": [], "fp8": [], "fp8 new v": []}
-            calls = {"bf16": lambda: cupyflash.attention_forward(q, k, v, causal=True),
-                     "fp8": lambda: cupyflash.attention_forward(q8, k8, v8, causal=True),
-                     "fp8 new v": lambda: cupyflash.attention_forward(q8, k8, fresh.pop(), causal=True)}
+            calls = {
+                "bf16": lambda: cupyflash.attention_forward(q, k, v, causal=True),
+                "fp8": lambda: cupyflash.attention_forward(q8, k8, v8, causal=True),
+                "fp8 new v": lambda: cupyflash.attention_forward(q8, k8, fresh.pop(), causal=True),
+            }
             for _ in range(args.rounds):
                 for name, call in calls.items():
                     times[name].append(_timing.host_us(call, calls=args.calls, repeats=1, spin_ms=30))
             med = {name: statistics.median(t) for name, t in times.items()}
-            print(f"| {d} | {n // 1024}k | {med['bf16']:.1f} | {med['fp8']:.1f} | {med['fp8'] / med['bf16']:.2f} | "
-                  f"{med['fp8 new v']:.1f} |", flush=True)
+            print(
+                f"| {d} | {n // 1024}k | {med['bf16']:.1f} | {med['fp8']:.1f} | {med['fp8'] / med['bf16']:.2f} | "
+                f"{med['fp8 new v']:.1f} |",
+                flush=True,
+            )
             q = k = v = q8 = k8 = v8 = None
             fresh.clear()
             cupy.get_default_memory_pool().free_all_blocks()

@@ -21,8 +21,13 @@ import cupyflash
 from cupyflash import _timing
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-CASES = {"d128-full-2k": (128, False, 2048), "d128-causal-2k": (128, True, 2048), "d128-full-8k": (128, False, 8192),
-         "d64-causal-2k": (64, True, 2048), "d128-full-tiny": (128, False, 128)}
+CASES = {
+    "d128-full-2k": (128, False, 2048),
+    "d128-causal-2k": (128, True, 2048),
+    "d128-full-8k": (128, False, 8192),
+    "d64-causal-2k": (64, True, 2048),
+    "d128-full-tiny": (128, False, 128),
+}
 
 
 def main(argv=None):

@@ -14,10 +14,27 @@ import numpy
 from cupyflash._arrays import bits, cupy, lse_dtype, sum_to_shape
 from cupyflash._cuda import dense_fast, f32_pieces, fused_backward, tma
 from cupyflash._cuda.compile import current_device, functions
-from cupyflash._cuda.launch import (CHAIN_ROWS, Plan, launch, launch_summed, passes_side_by_side, plan_key,
-                                    plans, remember)
-from cupyflash._cuda.params import (dbias_buffer, dense_params, kernel_ready, layout, mod_arrays, packed_params,
-                                    packed_slopes, slopes, unpad)
+from cupyflash._cuda.launch import (
+    CHAIN_ROWS,
+    Plan,
+    launch,
+    launch_summed,
+    passes_side_by_side,
+    plan_key,
+    plans,
+    remember,
+)
+from cupyflash._cuda.params import (
+    dbias_buffer,
+    dense_params,
+    kernel_ready,
+    layout,
+    mod_arrays,
+    packed_params,
+    packed_slopes,
+    slopes,
+    unpad,
+)
 from cupyflash._cuda.tiles import WS_BLOCK_MASK_TILES, WS_WARPGROUP_ROWS
 from cupyflash._cuda.variants import Features, backward_lengths, row_width, select
 from cupyflash._modifiers import BLOCK_MASK_TILE
@@ -56,8 +73,11 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
     addresses = {"q": q, "k": k, "v": v, "out": out, "lse": lse, **slopes(mods)}
     key = plan_key("fwd", addresses, scale, causal, mods, dropout)
     plan = plans.get(key) if key is not None else None
-    variant = plan.variant if plan is not None else select(Features.of("fwd", q.dtype, d_w, d_v_w, causal, mods, dropout),
-                                                           current_device())
+    variant = (
+        plan.variant
+        if plan is not None
+        else select(Features.of("fwd", q.dtype, d_w, d_v_w, causal, mods, dropout), current_device())
+    )
     # float32 on Hopper: the kernel reads float16 pieces of k and v, and q itself (it splits each q tile as it
     # loads it).
     width = _pieces_width(variant)
@@ -70,8 +90,21 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
         others = {"lse": lse}
         if width:
             others["split_exponents"] = addresses["split_exponents"]
-        params = dense_params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, d_v=d_v_w, scale=scale,
-                              others=others, mods=mods, causal=causal, dropout=dropout)
+        params = dense_params(
+            arrays,
+            sizes,
+            strides,
+            batch=batch,
+            nq=nq,
+            nk=nk,
+            d=d_w,
+            d_v=d_v_w,
+            scale=scale,
+            others=others,
+            mods=mods,
+            causal=causal,
+            dropout=dropout,
+        )
         maps = None
         if variant.path == "ws":
             if _tma_reads(variant, arrays, sizes, strides, nk):
@@ -88,13 +121,27 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
             remember(key, plan)
     plan.launch(addresses, dropout)
     if key is not None and not width:
-        dense_fast.remember(fast_key, plan, dense_fast.FORWARD_NAMES, [(out.shape, out.dtype), (lse.shape, lse.dtype)],
-                            dropout)
+        dense_fast.remember(
+            fast_key, plan, dense_fast.FORWARD_NAMES, [(out.shape, out.dtype), (lse.shape, lse.dtype)], dropout
+        )
     return unpad(out, d_v), lse
 
 
-def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, mods=None, dropout=None,
-                       fast_key=None, deterministic: bool = True):
+def attention_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    scale: float,
+    causal: bool,
+    mods=None,
+    dropout=None,
+    fast_key=None,
+    deterministic: bool = True,
+):
     """dq, dk, dv with the full (broadcast) batch shape, in the input dtype, and dbias (the bias's shape
     and dtype) or None. ``fast_key`` as in attention_forward. ``deterministic=False`` lets the fused backward
     add dq in any order (bfloat16 / float16 on Hopper, long sequences); every other path is deterministic."""
@@ -113,8 +160,20 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     dv = cupy.empty(batch_shape + (nk, d_v_w), dtype=q.dtype)
     lse_log2 = cupy.empty(batch_shape + (nq,), dtype=acc)
     delta = cupy.empty(batch_shape + (nq,), dtype=acc)
-    addresses = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk": dk, "dv": dv, "lse": lse,
-                 "lse_log2": lse_log2, "delta": delta, **slopes(mods)}
+    addresses = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "out": out,
+        "dout": dout,
+        "dq": dq,
+        "dk": dk,
+        "dv": dv,
+        "lse": lse,
+        "lse_log2": lse_log2,
+        "delta": delta,
+        **slopes(mods),
+    }
     # (an unordered call keys its plans apart: where its fused backward takes a length, the ordered call's plan
     # may be the two passes)
     direction = "bwd" if deterministic else "bwd-unordered"
@@ -122,15 +181,17 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     plan = plans.get(key) if key is not None else None
     outputs = [(x.shape, x.dtype) for x in (dq, dk, dv, lse_log2, delta)]
     # Gradients of inputs broadcast over leading dims (stride 0) are summed after the call: scratch memory.
-    scratch = [i for i, x in enumerate(given[1:4])
-               if any(s == 0 and n > 1 for n, s in zip(x.shape[:-2], x.strides[:-2]))]
+    scratch = [
+        i for i, x in enumerate(given[1:4]) if any(s == 0 and n > 1 for n, s in zip(x.shape[:-2], x.strides[:-2]))
+    ]
     if plan is not None:
         plan.launch(addresses, dropout)
         dense_fast.remember(fast_key, plan, dense_fast.BACKWARD_NAMES, outputs, dropout, scratch)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d_v), None
     lengths = backward_lengths(math.prod(batch_shape), nq, nk, max(d_w, d_v_w))
-    features = Features.of("bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, lengths=lengths,
-                           deterministic=deterministic)
+    features = Features.of(
+        "bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, lengths=lengths, deterministic=deterministic
+    )
     variant = select(features, current_device())
     # float32 on Hopper: the passes read float16 pieces of q, k, v, dout; the preprocess reads out and dout
     # themselves. (Never planned: the pieces are made per call anyway.)
@@ -144,16 +205,30 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     arrays, sizes, strides, copied = layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout, **extra})
     batch = math.prod(batch_shape)
     others = {"dq": dq, "dk": dk, "dv": dv, "lse": lse, "lse_log2": lse_log2, "delta": delta}
-    params = dense_params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, d_v=d_v_w, scale=scale,
-                          others=others, mods=mods, causal=causal, dropout=dropout)
+    params = dense_params(
+        arrays,
+        sizes,
+        strides,
+        batch=batch,
+        nq=nq,
+        nk=nk,
+        d=d_w,
+        d_v=d_v_w,
+        scale=scale,
+        others=others,
+        mods=mods,
+        causal=causal,
+        dropout=dropout,
+    )
     if variant.fused_backward and not fused_backward.describable(arrays, sizes, strides):
         variant = select(dataclasses.replace(features, tma=False), current_device())
     kernels = functions(variant)
     if variant.fused_backward or (key is not None and not copied):
         # (the launches of a chained pass are not planned: key is None; the fused backward is never chained)
         if variant.fused_backward:
-            plan = fused_backward.FusedBackwardPlan(kernels, variant, params, arrays, sizes, strides, batch=batch,
-                                                    nq=nq, nk=nk)
+            plan = fused_backward.FusedBackwardPlan(
+                kernels, variant, params, arrays, sizes, strides, batch=batch, nq=nq, nk=nk
+            )
         else:
             plan = Plan(kernels, variant, params, [("preprocess", nq, batch), ("dkdv", nk, batch), ("dq", nq, batch)])
         if key is not None and not copied:
@@ -167,10 +242,23 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, m
     if width:
         (q, k, v, dout), others["split_exponents"] = f32_pieces.split((q, k, v, dout), width, batch_shape, max(nq, nk))
         arrays, sizes, strides, _ = layout(batch_shape, {"q": q, "k": k, "v": v, "out": out, "dout": dout})
-        params = dense_params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=d_w, d_v=d_v_w, scale=scale,
-                              others=others, causal=causal)
-    passes_side_by_side(lambda: launch_summed(kernels, variant, "dkdv", nk, batch, params, nq, (dk, dv)),
-                        lambda: launch_summed(kernels, variant, "dq", nq, batch, params, nk, (dq,)))
+        params = dense_params(
+            arrays,
+            sizes,
+            strides,
+            batch=batch,
+            nq=nq,
+            nk=nk,
+            d=d_w,
+            d_v=d_v_w,
+            scale=scale,
+            others=others,
+            causal=causal,
+        )
+    passes_side_by_side(
+        lambda: launch_summed(kernels, variant, "dkdv", nk, batch, params, nq, (dk, dv)),
+        lambda: launch_summed(kernels, variant, "dq", nq, batch, params, nk, (dq,)),
+    )
     dbias = None
     if accumulator is not None:
         # A full-shape accumulator (the > 3 leading dims fallback) still has to be summed over the bias's
@@ -189,8 +277,20 @@ def attention_probs(q, k, v, *, scale: float, causal: bool, mods=None):
     q, k = kernel_ready(q, d_w), kernel_ready(k, d_w)
     probs = cupy.empty(batch_shape + (nq, nk), dtype=lse_dtype(q.dtype))
     arrays, sizes, strides, _ = layout(batch_shape, {"q": q, "k": k, **mod_arrays(mods)})
-    params = dense_params(arrays, sizes, strides, batch=math.prod(batch_shape), nq=nq, nk=nk, d=d_w, d_v=d_w,
-                          scale=scale, others={"out": probs, "lse": lse}, mods=mods, causal=causal)
+    params = dense_params(
+        arrays,
+        sizes,
+        strides,
+        batch=math.prod(batch_shape),
+        nq=nq,
+        nk=nk,
+        d=d_w,
+        d_v=d_w,
+        scale=scale,
+        others={"out": probs, "lse": lse},
+        mods=mods,
+        causal=causal,
+    )
     launch(functions(variant), variant, "probs", nq, math.prod(batch_shape), params, cols=nk)
     return probs
 
@@ -209,14 +309,24 @@ def attention_varlen_forward(q, k, v, packed, *, scale: float, causal: bool, mod
     lse = cupy.empty((packed.heads, packed.total_q), dtype=lse_dtype(q.dtype))
     cu_q, cu_k = _device_offsets(packed)
     others = {"lse": lse, **packed_slopes(mods)}  # alive until the launch
-    params = packed_params(packed, {"q": q, "k": k, "v": v, "out": out}, d=d_w, d_v=d_v_w, scale=scale, causal=causal,
-                           mods=mods, dropout=dropout, others=others, cu_q=cu_q, cu_k=cu_k)
+    params = packed_params(
+        packed,
+        {"q": q, "k": k, "v": v, "out": out},
+        d=d_w,
+        d_v=d_v_w,
+        scale=scale,
+        causal=causal,
+        mods=mods,
+        dropout=dropout,
+        others=others,
+        cu_q=cu_q,
+        cu_k=cu_k,
+    )
     launch(functions(variant), variant, "fwd", packed.max_q, packed.batch * packed.heads, params)
     return unpad(out, packed.dv), lse
 
 
-def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale: float, causal: bool, mods=None,
-                              dropout=None):
+def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale: float, causal: bool, mods=None, dropout=None):
     """dq (total_q, H, D), dk (total_k, Hk, D), dv (total_k, Hk, Dv) of a packed batch. The kernels write
     per-head arrays (H, total, .); dk and dv are then summed over each group's G query heads (in lse_dtype)."""
     d_w, d_v_w = _widths(q.dtype, packed.d, packed.dv)
@@ -232,18 +342,33 @@ def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale: float, 
     lse_log2, delta = (cupy.empty((h, total_q), dtype=acc) for _ in range(2))
     cu_q, cu_k = _device_offsets(packed)
     others = {"dq": dq, "dk": dk, "dv": dv, "lse": lse, "lse_log2": lse_log2, "delta": delta, **packed_slopes(mods)}
-    params = packed_params(packed, {"q": q, "k": k, "v": v, "out": out, "dout": dout}, d=d_w, d_v=d_v_w, scale=scale,
-                           causal=causal, mods=mods, dropout=dropout, others=others, cu_q=cu_q, cu_k=cu_k)
+    params = packed_params(
+        packed,
+        {"q": q, "k": k, "v": v, "out": out, "dout": dout},
+        d=d_w,
+        d_v=d_v_w,
+        scale=scale,
+        causal=causal,
+        mods=mods,
+        dropout=dropout,
+        others=others,
+        cu_q=cu_q,
+        cu_k=cu_k,
+    )
     kernels, batch = functions(variant), packed.batch * h
     launch(kernels, variant, "preprocess", packed.max_q, batch, params)
     passes_side_by_side(
         lambda: launch_summed(kernels, variant, "dkdv", packed.max_k, batch, params, packed.max_q, (dk, dv)),
-        lambda: launch_summed(kernels, variant, "dq", packed.max_q, batch, params, packed.max_k, (dq,)))
+        lambda: launch_summed(kernels, variant, "dq", packed.max_q, batch, params, packed.max_k, (dq,)),
+    )
 
     def packed_rows(x, width, groups):  # (H, total, w) -> (total, H // groups, width), summed over groups
         if groups > 1:
             x = x.reshape(h // groups, groups, x.shape[1], x.shape[2]).astype(acc).sum(axis=1).astype(q.dtype)
         return cupy.ascontiguousarray(bits(x[..., :width]).transpose(1, 0, 2)).view(q.dtype)
 
-    return (packed_rows(dq, packed.d, 1), packed_rows(dk, packed.d, packed.groups),
-            packed_rows(dv, packed.dv, packed.groups))
+    return (
+        packed_rows(dq, packed.d, 1),
+        packed_rows(dk, packed.d, packed.groups),
+        packed_rows(dv, packed.dv, packed.groups),
+    )

@@ -52,8 +52,10 @@ def functions(variant: Variant) -> dict[str, object]:
         if found is None:
             cc = compute_capability(device.id)
             if cc < MIN_CC:
-                raise RuntimeError(f"cupyflash needs a GPU of compute capability >= {MIN_CC / 10:.1f} (cp.async, "
-                                   f"bf16 tensor cores); device {device.id} has {cc / 10:.1f}")
+                raise RuntimeError(
+                    f"cupyflash needs a GPU of compute capability >= {MIN_CC / 10:.1f} (cp.async, "
+                    f"bf16 tensor cores); device {device.id} has {cc / 10:.1f}"
+                )
             built = _build_modules([(variant, kernels) for kernels in variant.modules], device.id)
             if variant.path == "pieces":  # its inputs' float16 pieces come from the split kernel
                 f32_pieces.module(device.id)
@@ -63,8 +65,10 @@ def functions(variant: Variant) -> dict[str, object]:
                 smem = variant.smem(kernel)
                 total = smem + function.shared_size_bytes  # dynamic + static (the block-mask bitmap)
                 if total > optin:
-                    raise RuntimeError(f"cupyflash: {variant.name_expression(kernel)} needs {total} bytes of shared "
-                                       f"memory per block; device {device.id} allows {optin}")
+                    raise RuntimeError(
+                        f"cupyflash: {variant.name_expression(kernel)} needs {total} bytes of shared "
+                        f"memory per block; device {device.id} allows {optin}"
+                    )
                 if total > 48 * 1024:
                     function.max_dynamic_shared_size_bytes = smem
                 found[kernel] = function
@@ -76,8 +80,9 @@ def _build(variant: Variant, kernels: tuple[str, ...], device_id: int) -> dict[s
     """Compile (or load from CuPy's disk cache) the module of ``kernels`` on device ``device_id``."""
     with cupy.cuda.Device(device_id):
         names = {kernel: variant.name_expression(kernel) for kernel in kernels}
-        module = cupy.RawModule(code=variant.code(kernels), options=variant.options,
-                                name_expressions=list(names.values()))
+        module = cupy.RawModule(
+            code=variant.code(kernels), options=variant.options, name_expressions=list(names.values())
+        )
         return {kernel: module.get_function(name) for kernel, name in names.items()}
 
 
@@ -112,8 +117,8 @@ def compile_ahead(variants, max_workers: int = 16) -> list[str]:
         except Exception as error:  # noqa: BLE001 - reported to the caller
             return f"{part[0]} {part[1]}: {type(error).__name__}: {error}"
 
-    todo = [(v, kernels) for v in sorted(set(variants), key=repr) if (device, v) not in modules
-            for kernels in v.modules]
+    todo = [
+        (v, kernels) for v in sorted(set(variants), key=repr) if (device, v) not in modules for kernels in v.modules
+    ]
     with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
         return [message for message in pool.map(build, todo) if message]
-

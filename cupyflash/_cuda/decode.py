@@ -18,8 +18,25 @@ from cupyflash._arrays import cupy, lse_dtype
 from cupyflash._checks import MAX_SPLITS
 from cupyflash._cuda import compile as _compile
 from cupyflash._cuda import decode_tiles
-from cupyflash._cuda.decode_params import (ALIBI, BLOCK_TABLE, COS, K_CACHE, K_NEW, LOG2E, LSE, OUT, PARAMS_BYTES,
-                                           PARAMS_DTYPE, Q, SEQLEN_ALL, SEQLENS, SIN, V_CACHE, V_NEW, WORD)
+from cupyflash._cuda.decode_params import (
+    ALIBI,
+    BLOCK_TABLE,
+    COS,
+    K_CACHE,
+    K_NEW,
+    LOG2E,
+    LSE,
+    OUT,
+    PARAMS_BYTES,
+    PARAMS_DTYPE,
+    SEQLEN_ALL,
+    SEQLENS,
+    SIN,
+    V_CACHE,
+    V_NEW,
+    WORD,
+    Q,
+)
 from cupyflash._cuda.source import MAX_GRID_Y
 
 MIN_TILES_PER_SPLIT = 1
@@ -34,8 +51,11 @@ def _elements(x) -> tuple[int, ...]:
 
 def _aligned_rows(x, width: int) -> bool:
     """Rows of ``width`` elements that start on 16-byte boundaries and are whole 16-byte chunks."""
-    return (x.data.ptr % 16 == 0 and (width * x.itemsize) % 16 == 0
-            and all(s % 16 == 0 for n, s in zip(x.shape[:3], x.strides[:3]) if n > 1))
+    return (
+        x.data.ptr % 16 == 0
+        and (width * x.itemsize) % 16 == 0
+        and all(s % 16 == 0 for n, s in zip(x.shape[:3], x.strides[:3]) if n > 1)
+    )
 
 
 def split_count(batch: int, hk: int, row_tiles: int, capacity: int, variant, device_id: int) -> int:
@@ -80,8 +100,9 @@ class Plan:
         if call.rotary_cos is not None:
             self.seqlen_limit = min(self.seqlen_limit, call.rotary_cos.shape[0] - call.rotary_span())
         packed = call.group * call.nq
-        self.variant = decode_tiles.choose(call.dtype.name, call.d, call.dv, packed,
-                                           call.page_size if call.paged else None)
+        self.variant = decode_tiles.choose(
+            call.dtype.name, call.d, call.dv, packed, call.page_size if call.paged else None
+        )
         self.functions = _compile.functions(self.variant)
         # The launch's pieces, looked up once: a decode call's host time is a few microseconds.
         self._decode, self._append = self.functions["decode"], self.functions["append"]
@@ -89,8 +110,9 @@ class Plan:
         self._append_block = (self.variant.threads("append"),)
         self._smem = self.variant.smem("decode")
         row_tiles = max(1, math.ceil(packed / self.variant.rows))
-        self.max_splits = call.num_splits or split_count(call.batch, call.hk, row_tiles, call.capacity,
-                                                         self.variant, device)
+        self.max_splits = call.num_splits or split_count(
+            call.batch, call.hk, row_tiles, call.capacity, self.variant, device
+        )
         self.max_splits = min(self.max_splits, MAX_SPLITS)
         self.rotary = call.rotary_cos is not None
         self.append = call.nnew > 0 or self.rotary
@@ -111,17 +133,32 @@ class Plan:
         # A window wider than any sequence hides nothing: clamped, its edges stay in int32 in the kernels.
         reach = call.capacity + call.nq
         left, right = (min(edge, reach) for edge in call.window_with_causal())
-        for name, value in dict(batch=call.batch, hq=call.hq, hk=call.hk, group=call.group, nq=call.nq,
-                                nnew=call.nnew, d=call.d, dv=call.dv, page_size=call.page_size,
-                                num_pages=call.k_cache.shape[0], capacity=call.capacity, paged=call.paged,
-                                rotary_half=call.rotary_dim // 2,
-                                max_pos=call.rotary_cos.shape[0] if self.rotary else 0,
-                                rotary_interleaved=call.rotary_interleaved,
-                                rotary_q_advance=call.rotary_query_positions_advance(), window_left=left,
-                                window_right=right, softcap_on=call.softcap > 0,
-                                alibi_on=call.alibi_slopes is not None, vec_ok=vec_ok,
-                                max_splits=self.max_splits, min_tiles_per_split=MIN_TILES_PER_SPLIT,
-                                row_tiles=row_tiles).items():
+        for name, value in dict(
+            batch=call.batch,
+            hq=call.hq,
+            hk=call.hk,
+            group=call.group,
+            nq=call.nq,
+            nnew=call.nnew,
+            d=call.d,
+            dv=call.dv,
+            page_size=call.page_size,
+            num_pages=call.k_cache.shape[0],
+            capacity=call.capacity,
+            paged=call.paged,
+            rotary_half=call.rotary_dim // 2,
+            max_pos=call.rotary_cos.shape[0] if self.rotary else 0,
+            rotary_interleaved=call.rotary_interleaved,
+            rotary_q_advance=call.rotary_query_positions_advance(),
+            window_left=left,
+            window_right=right,
+            softcap_on=call.softcap > 0,
+            alibi_on=call.alibi_slopes is not None,
+            vec_ok=vec_ok,
+            max_splits=self.max_splits,
+            min_tiles_per_split=MIN_TILES_PER_SPLIT,
+            row_tiles=row_tiles,
+        ).items():
             w[name] = int(value)
         scale_log2 = call.scale * LOG2E
         softcap_k = call.scale / call.softcap if call.softcap > 0 else 0.0
@@ -132,9 +169,11 @@ class Plan:
         self.words = words.view(numpy.uint64).copy()
         self.decode_grid = (self.max_splits, call.hk * row_tiles, call.batch)
         if self.decode_grid[1] > MAX_GRID_Y or self.decode_grid[2] > MAX_GRID_Y:
-            raise ValueError(f"attention_with_kvcache takes at most {MAX_GRID_Y} sequences (B = {call.batch}) and "
-                             f"{MAX_GRID_Y} tiles of {self.variant.rows} packed query rows per sequence (Hk * "
-                             f"ceil(G * Nq / {self.variant.rows}) = {self.decode_grid[1]}); split the call")
+            raise ValueError(
+                f"attention_with_kvcache takes at most {MAX_GRID_Y} sequences (B = {call.batch}) and "
+                f"{MAX_GRID_Y} tiles of {self.variant.rows} packed query rows per sequence (Hk * "
+                f"ceil(G * Nq / {self.variant.rows}) = {self.decode_grid[1]}); split the call"
+            )
         parts = (2 if call.nnew else 0) + (1 if self.rotary else 0)
         units = max(call.batch * call.hk * call.nnew * max(call.d, call.dv), call.batch * call.hq * call.nq * call.d)
         blocks = min(math.ceil(units / decode_tiles.APPEND_THREADS), 8 * _compile.sm_count(device))
@@ -143,7 +182,8 @@ class Plan:
             out_part=((self.max_splits, call.batch * call.hq * call.nq, call.dv) if self.max_splits > 1 else None),
             lse_part=((self.max_splits, call.batch * call.hq * call.nq) if self.max_splits > 1 else None),
             q_rot=((call.batch, call.hq, call.nq, call.d) if self.rotary else None),
-            split_counters=((call.batch * call.hk * row_tiles,) if self.max_splits > 1 else None))
+            split_counters=((call.batch * call.hk * row_tiles,) if self.max_splits > 1 else None),
+        )
         self._workspaces: dict = {}  # stream (and thread, for the per-thread default stream) -> workspace
         self.pinned = False  # ran inside a CUDA-graph capture (workspace)
 
@@ -162,8 +202,10 @@ class Plan:
             self.pinned = True
         if found is None:
             if capturing:
-                raise RuntimeError("attention_with_kvcache: call once on this stream with this layout before "
-                                   "capturing it in a CUDA graph (the first call allocates the workspace)")
+                raise RuntimeError(
+                    "attention_with_kvcache: call once on this stream with this layout before "
+                    "capturing it in a CUDA graph (the first call allocates the workspace)"
+                )
             arrays = {}
             for name, shape in self.workspace_shapes.items():
                 if name == "split_counters" and shape is not None:  # zero between calls: the kernel resets them
@@ -176,8 +218,21 @@ class Plan:
             found = self._workspaces[stream] = (arrays, words)
         return found
 
-    def run(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, cos, sin, alibi_slopes,
-            want_lse: bool = True, append_only: bool = False):
+    def run(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens,
+        block_table,
+        cos,
+        sin,
+        alibi_slopes,
+        want_lse: bool = True,
+        append_only: bool = False,
+    ):
         """Launch on these arrays (of this plan's layout; cache_seqlens an int32 array or one int); returns
         out and lse (None unless want_lse), or nothing with append_only."""
         out = None if append_only else cupy.empty(self.out_shape, dtype=self.dtype)
@@ -185,8 +240,16 @@ class Plan:
         scratch, template = self.workspace()
         u64 = template.copy()
         u64[Q], u64[K_CACHE], u64[V_CACHE] = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr
-        for word, array in ((K_NEW, k), (V_NEW, v), (OUT, out), (LSE, lse), (BLOCK_TABLE, block_table),
-                            (COS, cos), (SIN, sin), (ALIBI, alibi_slopes)):
+        for word, array in (
+            (K_NEW, k),
+            (V_NEW, v),
+            (OUT, out),
+            (LSE, lse),
+            (BLOCK_TABLE, block_table),
+            (COS, cos),
+            (SIN, sin),
+            (ALIBI, alibi_slopes),
+        ):
             if array is not None:
                 u64[word] = array.data.ptr
         if type(cache_seqlens) is int:
@@ -213,10 +276,25 @@ def _layout(x):
 
 def plan_for(call) -> Plan:
     vec_ok = _aligned_rows(call.k_cache, call.d) and _aligned_rows(call.v_cache, call.dv)
-    key = (cupy.cuda.Device().id, call.dtype, _layout(call.q), _layout(call.k_cache), _layout(call.v_cache),
-           _layout(call.k), _layout(call.v), _layout(call.block_table), _layout(call.rotary_cos),
-           call.rotary_interleaved, call.causal, call.scale, call.window, call.softcap, _layout(call.alibi_slopes),
-           call.num_splits, vec_ok)
+    key = (
+        cupy.cuda.Device().id,
+        call.dtype,
+        _layout(call.q),
+        _layout(call.k_cache),
+        _layout(call.v_cache),
+        _layout(call.k),
+        _layout(call.v),
+        _layout(call.block_table),
+        _layout(call.rotary_cos),
+        call.rotary_interleaved,
+        call.causal,
+        call.scale,
+        call.window,
+        call.softcap,
+        _layout(call.alibi_slopes),
+        call.num_splits,
+        vec_ok,
+    )
     plan = _plans.get(key)
     if plan is None:
         with _lock:
@@ -238,11 +316,33 @@ def attention_with_kvcache(call):
     """out (B, Hq, Nq, Dv) in the inputs' dtype and lse (B, Hq, Nq) in the accumulator dtype (None unless
     call.return_lse)."""
     plan = plan_for(call)
-    return plan.run(call.q, call.k_cache, call.v_cache, call.k, call.v, _seqlens(call), call.block_table,
-                    call.rotary_cos, call.rotary_sin, call.alibi_slopes, want_lse=call.return_lse)
+    return plan.run(
+        call.q,
+        call.k_cache,
+        call.v_cache,
+        call.k,
+        call.v,
+        _seqlens(call),
+        call.block_table,
+        call.rotary_cos,
+        call.rotary_sin,
+        call.alibi_slopes,
+        want_lse=call.return_lse,
+    )
 
 
 def append(call) -> None:
     """Only the append (and nothing to attend: Nq == 0)."""
-    plan_for(call).run(call.q, call.k_cache, call.v_cache, call.k, call.v, _seqlens(call), call.block_table,
-                       call.rotary_cos, call.rotary_sin, call.alibi_slopes, append_only=True)
+    plan_for(call).run(
+        call.q,
+        call.k_cache,
+        call.v_cache,
+        call.k,
+        call.v,
+        _seqlens(call),
+        call.block_table,
+        call.rotary_cos,
+        call.rotary_sin,
+        call.alibi_slopes,
+        append_only=True,
+    )

@@ -22,17 +22,46 @@ def _array_key(x):
     return None if x is None else (x.shape, x.strides, x.dtype, x.data.ptr % 16, x.device.id)
 
 
-def fast_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved,
-             causal, scale, window, softcap, alibi_slopes, num_splits, return_lse):
+def fast_key(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    cache_seqlens,
+    block_table,
+    rotary_cos,
+    rotary_sin,
+    rotary_interleaved,
+    causal,
+    scale,
+    window,
+    softcap,
+    alibi_slopes,
+    num_splits,
+    return_lse,
+):
     """The call's layout key (module docstring); None where a call cannot take the fast path (NumPy arrays,
     unhashable options)."""
     try:
         seqlens = "int" if type(cache_seqlens) is int else _array_key(cache_seqlens)
         options = (rotary_interleaved, causal, scale, window, softcap, num_splits, return_lse)
         types = tuple(map(type, options)) + (tuple(map(type, window)) if type(window) is tuple else ())
-        key = (cupy.cuda.Device().id, _array_key(q), _array_key(k_cache), _array_key(v_cache), _array_key(k),
-               _array_key(v), seqlens, _array_key(block_table), _array_key(rotary_cos), _array_key(rotary_sin),
-               _array_key(alibi_slopes), options, types)
+        key = (
+            cupy.cuda.Device().id,
+            _array_key(q),
+            _array_key(k_cache),
+            _array_key(v_cache),
+            _array_key(k),
+            _array_key(v),
+            seqlens,
+            _array_key(block_table),
+            _array_key(rotary_cos),
+            _array_key(rotary_sin),
+            _array_key(alibi_slopes),
+            options,
+            types,
+        )
         hash(key)
     except (AttributeError, TypeError):  # a NumPy array or an unhashable option: the checked path
         return None
@@ -65,9 +94,11 @@ def fast_plan(key):
     return None if key is None else _fast.get(key)
 
 
-def run_fast(plan: Plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
-             alibi_slopes, return_lse):
+def run_fast(
+    plan: Plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes, return_lse
+):
     if type(cache_seqlens) is int and not 0 <= cache_seqlens <= plan.seqlen_limit:
         return None  # the checked path raises the error
-    return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes,
-                    want_lse=return_lse)
+    return plan.run(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes, want_lse=return_lse
+    )

@@ -59,10 +59,7 @@ TABLE = {
 # Paged caches whose pages are not a multiple of BLOCK_N positions: their tiles' rows are looked up and
 # addressed one by one, and a ring of more threads issues those copies faster than the interleaved tile
 # (docs/design/decode.md).
-TABLE_ROWWISE = {
-    (2, 64, 16): (1, 8, 1, 128, 2),
-    (2, 128, 16): (1, 8, 2, 128, 2),
-}
+TABLE_ROWWISE = {(2, 64, 16): (1, 8, 1, 128, 2), (2, 128, 16): (1, 8, 2, 128, 2)}
 DTYPES_BY_BYTES = {2: ("float16", "bfloat16"), 4: ("float32",), 8: ("float64",)}
 
 
@@ -148,10 +145,13 @@ def _append_source() -> str:
 
 
 def shipped_variants() -> list[DecodeVariant]:
-    return ([DecodeVariant(dtype, head, rows) for (itemsize, head, rows) in TABLE
-             for dtype in DTYPES_BY_BYTES[itemsize]]
-            + [DecodeVariant(dtype, head, rows, rowwise=True) for (itemsize, head, rows) in TABLE_ROWWISE
-               for dtype in DTYPES_BY_BYTES[itemsize]])
+    return [
+        DecodeVariant(dtype, head, rows) for (itemsize, head, rows) in TABLE for dtype in DTYPES_BY_BYTES[itemsize]
+    ] + [
+        DecodeVariant(dtype, head, rows, rowwise=True)
+        for (itemsize, head, rows) in TABLE_ROWWISE
+        for dtype in DTYPES_BY_BYTES[itemsize]
+    ]
 
 
 def variants_for(arch: str) -> list[DecodeVariant]:
@@ -163,9 +163,9 @@ def variants_for_call(dtype: str, width: int) -> list[DecodeVariant]:
     """Every variant ``choose`` may pick for calls of this dtype with max(D, Dv) = ``width``: 16- and 64-row
     tiles, and the row-wise tile for small pages where the table has one."""
     head, itemsize = head_bucket(width, width), ITEMSIZES[dtype]
-    return ([DecodeVariant(dtype, head, rows) for rows in (16, 64) if (itemsize, head, rows) in TABLE]
-            + [DecodeVariant(dtype, head, rows, rowwise=True) for rows in (16, 64)
-               if (itemsize, head, rows) in TABLE_ROWWISE])
+    return [DecodeVariant(dtype, head, rows) for rows in (16, 64) if (itemsize, head, rows) in TABLE] + [
+        DecodeVariant(dtype, head, rows, rowwise=True) for rows in (16, 64) if (itemsize, head, rows) in TABLE_ROWWISE
+    ]
 
 
 def head_bucket(d: int, dv: int) -> int:

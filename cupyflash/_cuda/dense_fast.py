@@ -41,9 +41,22 @@ def key(direction: str, arrays: tuple, causal, scale, window, softcap, dropout_p
     if window is not None and type(window) is not tuple:  # (a tuple subclass could compare equal to another)
         return None
     ndarray = cupy.ndarray
-    parts = [direction, cupy.cuda.runtime.getDevice(), os.environ.get("CUPYFLASH_NO_WGMMA", ""),
-             causal, scale, window, softcap, dropout_p,
-             type(causal), type(scale), type(window), type(softcap), type(dropout_p), type(dropout_seed)]
+    parts = [
+        direction,
+        cupy.cuda.runtime.getDevice(),
+        os.environ.get("CUPYFLASH_NO_WGMMA", ""),
+        causal,
+        scale,
+        window,
+        softcap,
+        dropout_p,
+        type(causal),
+        type(scale),
+        type(window),
+        type(softcap),
+        type(dropout_p),
+        type(dropout_seed),
+    ]
     if type(window) is tuple:
         parts += map(type, window)
     for x in arrays:
@@ -68,8 +81,16 @@ def fp8_key(q, k, v, causal, scale, out_dtype) -> tuple | None:
         layouts = tuple(x.kept("layout", lambda x=x: holder_layout(x)) for x in (q, k, v))
     if None in layouts:  # (the layouts are tuples: none of them equals None)
         return None
-    return ("fp8", cupy.cuda.runtime.getDevice(), causal, scale, out_dtype, type(causal), type(scale),
-            type(out_dtype)) + layouts
+    return (
+        "fp8",
+        cupy.cuda.runtime.getDevice(),
+        causal,
+        scale,
+        out_dtype,
+        type(causal),
+        type(scale),
+        type(out_dtype),
+    ) + layouts
 
 
 def holder_layout(x) -> tuple | None:
@@ -79,8 +100,16 @@ def holder_layout(x) -> tuple | None:
     if type(data) is not cupy.ndarray or type(scale) is not cupy.ndarray:
         return None  # (NumPy calls make no CUDA call here)
     memory = data.data
-    return (data.shape, data.strides, memory.ptr & 15, memory.device_id, scale.shape, scale.strides, scale.dtype,
-            x.block)
+    return (
+        data.shape,
+        data.strides,
+        memory.ptr & 15,
+        memory.device_id,
+        scale.shape,
+        scale.strides,
+        scale.dtype,
+        x.block,
+    )
 
 
 def lookup(found):
@@ -91,7 +120,6 @@ def lookup(found):
         return _table.get(found)
     except TypeError:  # an unhashable option (a window given as a list): the checked path
         return None
-
 
 
 def _round_keys(call, dropout_seed):
@@ -139,12 +167,15 @@ class _Call:
             keys = _round_keys(self, dropout_seed)
             if keys is False:
                 return None
-        memory = (cupy.cuda.alloc(self.nbytes) if self.nbytes else None,
-                  cupy.cuda.alloc(self.workspace_nbytes) if self.workspace_nbytes else None)
+        memory = (
+            cupy.cuda.alloc(self.nbytes) if self.nbytes else None,
+            cupy.cuda.alloc(self.workspace_nbytes) if self.workspace_nbytes else None,
+        )
         ndarray = cupy.ndarray
         places = self.places
-        outputs = [ndarray(shape, dtype, memory[place[0]] + place[1])
-                   for (shape, dtype), place in zip(self.returned, places)]
+        outputs = [
+            ndarray(shape, dtype, memory[place[0]] + place[1]) for (shape, dtype), place in zip(self.returned, places)
+        ]
         pointers = pointers + [memory[which].ptr + offset for which, offset in places]
         self.plan.launch_with(self.slots, pointers, keys, pointers[:3] if self.maps else None)
         return outputs

@@ -6,6 +6,7 @@ float16 hi and lo pieces, and each product becomes three float16 products (hi·h
 ``split`` makes the pieces (a buffer the size of each float32 input) and the exponents per flat batch
 entry and row block, as the kernels read them, in one launch.
 """
+
 from __future__ import annotations
 
 import functools
@@ -86,10 +87,14 @@ def split(arrays, width: int, batch_shape: tuple, rows: int | None = None):
         pieces[j] = cupy.empty(tuple(lead) + (n, 2 * width), dtype=numpy.float16)
         jobs["x"][0, i], jobs["pieces"][0, i] = bases[j].data.ptr, pieces[j].data.ptr
         if j in spread:
-            per_slice = words[offset: offset + slices[j] * blocks]
+            per_slice = words[offset : offset + slices[j] * blocks]
             own.append((j, per_slice.reshape(tuple(lead) + (blocks,))))
             offset += slices[j] * blocks
-            jobs["exponents"][0, i], jobs["slice_stride"][0, i], jobs["block_stride"][0, i] = per_slice.data.ptr, blocks, 1
+            jobs["exponents"][0, i], jobs["slice_stride"][0, i], jobs["block_stride"][0, i] = (
+                per_slice.data.ptr,
+                blocks,
+                1,
+            )
         else:
             jobs["exponents"][0, i] = exponents[:, :, j].data.ptr
             jobs["slice_stride"][0, i], jobs["block_stride"][0, i] = 4 * blocks, 4
@@ -97,9 +102,11 @@ def split(arrays, width: int, batch_shape: tuple, rows: int | None = None):
     jobs["width"] = width
     grid_y = min(max(slices.values()), MAX_GRID_Y)
     if grid_y and longest:
-        kernel, = module(cupy.cuda.Device().id)
+        (kernel,) = module(cupy.cuda.Device().id)
         kernel((-(-longest // BLOCK_ROWS), grid_y, len(present)), (THREADS,), (jobs.view(_JOBS_BYTES),))
     for j, per_slice in own:
         exponents[:, :, j] = cupy.broadcast_to(per_slice, tuple(batch_shape) + (blocks,)).reshape(batch, blocks)
-    return [None if piece is None else cupy.broadcast_to(piece, x.shape[:-1] + (2 * width,))
-            for piece, x in zip(pieces, arrays)], exponents
+    return [
+        None if piece is None else cupy.broadcast_to(piece, x.shape[:-1] + (2 * width,))
+        for piece, x in zip(pieces, arrays)
+    ], exponents

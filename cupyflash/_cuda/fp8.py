@@ -92,9 +92,23 @@ def transposed_values(v):
     row = v.strides[-2] if nk > 1 else d_v_w
     for first in range(0, batch, _MAX_GRID_Z):
         grid = (-(-nk_pad // _TILE), -(-d_v // _TILE), min(_MAX_GRID_Z, batch - first))
-        kernel(grid, (THREADS,), (v, vt, *(numpy.int64(s) for s in strides["v"]), numpy.int64(row),
-                                   numpy.int32(sizes[1]), numpy.int32(sizes[2]), numpy.int32(first), numpy.int32(nk),
-                                   numpy.int32(nk_pad), numpy.int32(d_v), numpy.int32(d_v_w)))
+        kernel(
+            grid,
+            (THREADS,),
+            (
+                v,
+                vt,
+                *(numpy.int64(s) for s in strides["v"]),
+                numpy.int64(row),
+                numpy.int32(sizes[1]),
+                numpy.int32(sizes[2]),
+                numpy.int32(first),
+                numpy.int32(nk),
+                numpy.int32(nk_pad),
+                numpy.int32(d_v),
+                numpy.int32(d_v_w),
+            ),
+        )
     return vt
 
 
@@ -123,9 +137,12 @@ def kernel_inputs(q, k, v, batch_shape) -> list:
     def values():
         return transposed_values(cupy.broadcast_to(v.data, batch_shape + v.data.shape[-2:]))
 
-    return [q.kept(rows_key, lambda: rows(q)), k.kept(rows_key, lambda: rows(k)),
-            v.kept(("values", batch_shape), values),
-            *(x.kept(tables_key, lambda x=x: _descales(x, batch_shape)) for x in (q, k, v))]
+    return [
+        q.kept(rows_key, lambda: rows(q)),
+        k.kept(rows_key, lambda: rows(k)),
+        v.kept(("values", batch_shape), values),
+        *(x.kept(tables_key, lambda x=x: _descales(x, batch_shape)) for x in (q, k, v)),
+    ]
 
 
 def kernel_addresses(q, k, v, batch_shape) -> list:
@@ -138,8 +155,11 @@ def kernel_addresses(q, k, v, batch_shape) -> list:
     except KeyError:
         inputs = kernel_inputs(q, k, v, batch_shape)
         q_rows, k_rows, vt, q_table, k_table, v_table = (x.data.ptr for x in inputs)
-        for x, key, pair in ((q, rows_key, (q_rows, q_table)), (k, rows_key, (k_rows, k_table)),
-                             (v, values_key, (vt, v_table))):
+        for x, key, pair in (
+            (q, rows_key, (q_rows, q_table)),
+            (k, rows_key, (k_rows, k_table)),
+            (v, values_key, (vt, v_table)),
+        ):
             x.kept(key, lambda pair=pair: pair)
     return [q_rows, k_rows, vt, q_table, k_table, v_table]
 
@@ -149,7 +169,7 @@ def division_magic(divisor: int) -> tuple[int, int]:
     the kernel's descale block of a row (AttnParams.fp8_descale_magic). With l = ceil(log2(divisor)), shift =
     31 + l and magic = ceil(2**shift / divisor) = 2**shift / divisor + e (0 <= e < 1), the product over 2**shift
     is row / divisor plus row * e / 2**shift < 2**-l <= 1 / divisor, which never reaches the next integer."""
-    if not 1 <= divisor < 2 ** 31:
+    if not 1 <= divisor < 2**31:
         raise ValueError(f"divisor must be in [1, 2**31), got {divisor}")
     shift = 31 + (divisor - 1).bit_length()
     return -(-(1 << shift) // divisor), shift
@@ -162,8 +182,14 @@ def attention_forward_fp8(q, k, v, batch_shape, *, scale: float, causal: bool, o
     inputs = kernel_inputs(q, k, v, batch_shape)
     plan, out, lse, d_v = prepare(q, k, v, inputs, batch_shape, scale=scale, causal=causal, out_dtype=out_dtype)
     plan.launch(None, None)
-    dense_fast.remember(fast_key, plan, dense_fast.FP8_NAMES, [(out.shape, out.dtype), (lse.shape, lse.dtype)],
-                        None, context=batch_shape)
+    dense_fast.remember(
+        fast_key,
+        plan,
+        dense_fast.FP8_NAMES,
+        [(out.shape, out.dtype), (lse.shape, lse.dtype)],
+        None,
+        context=batch_shape,
+    )
     return unpad(out, d_v), lse
 
 
@@ -188,15 +214,31 @@ def prepare(q, k, v, inputs, batch_shape, *, scale: float, causal: bool, out_dty
     lse = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
     arrays, sizes, strides, _ = layout(batch_shape, {"q": qd, "k": kd, "v": vt, "out": out})  # all contiguous
     variant = fp8_variant(head_dim, bool(causal), numpy.dtype(out_dtype).name)
-    params = dense_params(arrays, sizes, strides, batch=batch, nq=nq, nk=nk, d=qd.shape[-1], d_v=d_v_w,
-                          scale=scale, others={"lse": lse}, causal=causal)
+    params = dense_params(
+        arrays,
+        sizes,
+        strides,
+        batch=batch,
+        nq=nq,
+        nk=nk,
+        d=qd.shape[-1],
+        d_v=d_v_w,
+        scale=scale,
+        others={"lse": lse},
+        causal=causal,
+    )
     params["fp8_descale"] = [table.data.ptr for table in tables]
     params["fp8_descale_blocks"] = [table.shape[1] for table in tables]
     magic = [division_magic(descale_rows(x)) for x in (q, k, v)]
     params["fp8_descale_magic"] = [m for m, _ in magic]
     params["fp8_descale_shift"] = [shift for _, shift in magic]
     block = variant.tiles("fwd").block
-    maps = tma.TensorMaps(arrays, sizes, strides, {"q": WS_WARPGROUP_ROWS, "k": block, "v": head_dim},
-                          {"q": _atom_bytes(head_dim), "k": _atom_bytes(head_dim), "v": _atom_bytes(block)})
+    maps = tma.TensorMaps(
+        arrays,
+        sizes,
+        strides,
+        {"q": WS_WARPGROUP_ROWS, "k": block, "v": head_dim},
+        {"q": _atom_bytes(head_dim), "k": _atom_bytes(head_dim), "v": _atom_bytes(block)},
+    )
     plan = Plan(functions(variant), variant, params, [("fwd", nq, batch)], maps, arrays)
     return plan, out, lse, d_v

@@ -22,8 +22,7 @@ def describable(arrays, sizes, strides) -> bool:
     return tma.available() and all(tma.describable(arrays[name], sizes, strides[name]) for name in MAPPED)
 
 
-def adds_by_arrival(nk: int, head_dim: int, causal: bool, sms: int, deterministic: bool = True, *,
-                    keys: int) -> bool:
+def adds_by_arrival(nk: int, head_dim: int, causal: bool, sms: int, deterministic: bool = True, *, keys: int) -> bool:
     """Whether key blocks take their turn at a query block in the order they reach it (attention_bwd_ws.cu), else
     in the order of their index. In order: by arrival only where all of a batch entry's CTAs can be resident at
     once (one per SM: a CTA may wait for one launched after it), and without a causal mask below
@@ -48,8 +47,9 @@ class FusedBackwardPlan(Plan):
     chain 0) and dq_accum starts at zero too."""
 
     def __init__(self, functions, variant, params, arrays, sizes, strides, *, batch: int, nq: int, nk: int):
-        super().__init__(functions, variant, params, [("preprocess", nq, batch), ("bwd", nk, batch),
-                                                      ("dq_convert", nq, batch)])
+        super().__init__(
+            functions, variant, params, [("preprocess", nq, batch), ("bwd", nk, batch), ("dq_convert", nq, batch)]
+        )
         t = variant.tiles("bwd")
         m_blocks = -(-nq // t.block)
         chains = tiles.ws_bwd_dq_chains(t, variant.deterministic)
@@ -58,12 +58,20 @@ class FusedBackwardPlan(Plan):
         self._counters_at = accum * 4  # bytes
         zeroed_from = accum * 4 if variant.deterministic else 0
         self._zeroed = (zeroed_from, self._workspace * 4 - zeroed_from)  # (first byte, bytes)
-        self._fused_maps = tma.TensorMaps(arrays, sizes, strides, {"q": t.block, "k": t.rows, "v": t.rows,
-                                                                   "dout": t.block})
+        self._fused_maps = tma.TensorMaps(
+            arrays, sizes, strides, {"q": t.block, "k": t.rows, "v": t.rows, "dout": t.block}
+        )
         self._address_words = self.slots(MAPPED)
-        self._by_arrival = numpy.int32(adds_by_arrival(nk, variant.head_dim, variant.causal,
-                                                       sm_count(cupy.cuda.runtime.getDevice()), variant.deterministic,
-                                                       keys=t.rows))
+        self._by_arrival = numpy.int32(
+            adds_by_arrival(
+                nk,
+                variant.head_dim,
+                variant.causal,
+                sm_count(cupy.cuda.runtime.getDevice()),
+                variant.deterministic,
+                keys=t.rows,
+            )
+        )
 
     def _launch_locked(self, map_addresses) -> None:
         words = self._slots
@@ -72,8 +80,9 @@ class FusedBackwardPlan(Plan):
         start, nbytes = self._zeroed
         cupy.cuda.runtime.memsetAsync(workspace.ptr + start, 0, nbytes, cupy.cuda.get_current_stream().ptr)
         dq_accum, counters = numpy.uint64(workspace.ptr), numpy.uint64(workspace.ptr + self._counters_at)
-        (pre, pre_grid, pre_block, pre_smem), (bwd, grid, block, smem), (convert, c_grid, c_block, c_smem) = \
+        (pre, pre_grid, pre_block, pre_smem), (bwd, grid, block, smem), (convert, c_grid, c_block, c_smem) = (
             self.launches
+        )
         argument = self._argument
         pre(pre_grid, pre_block, (argument,), pre_smem)
         bwd(grid, block, (argument, CPointer(maps.ctypes.data), dq_accum, counters, self._by_arrival), smem)

@@ -55,8 +55,9 @@ def launch(functions, variant: Variant, kernel: str, rows: int, batch: int, para
     functions[kernel](grid, block, (params.view(PARAMS_BYTES),), shared_mem=smem)
 
 
-def launch_summed(functions, variant: Variant, kernel: str, rows: int, batch: int, params, length: int,
-                  outputs) -> None:
+def launch_summed(
+    functions, variant: Variant, kernel: str, rows: int, batch: int, params, length: int, outputs
+) -> None:
     """A backward pass whose gradients sum over a streamed axis of ``length`` rows: one launch, or, past
     CHAIN_ROWS rows, one launch per chunk of that many rows with the chunks' results (the arrays in
     ``outputs``, which each launch overwrites) added in the accumulator dtype."""
@@ -89,9 +90,15 @@ def side_stream() -> tuple:
     device = cupy.cuda.runtime.getDevice()
     found = _side_streams.get(device)
     if found is None:
-        found = _side_streams.setdefault(device, (cupy.cuda.Stream(non_blocking=True),
-                                                  cupy.cuda.Event(disable_timing=True),
-                                                  cupy.cuda.Event(disable_timing=True), threading.Lock()))
+        found = _side_streams.setdefault(
+            device,
+            (
+                cupy.cuda.Stream(non_blocking=True),
+                cupy.cuda.Event(disable_timing=True),
+                cupy.cuda.Event(disable_timing=True),
+                threading.Lock(),
+            ),
+        )
     return found
 
 
@@ -116,11 +123,27 @@ def passes_side_by_side(dkdv, dq) -> None:
 # chained over long axes, always take the full route. (ALiBi's slopes are read in place through their
 # broadcast view, whose strides are part of the signature and whose address a plan writes like the others'.)
 _PLAN_CACHE_SIZE = 256
-_ADDRESS_WORDS = {name: PARAMS_DTYPE.fields[name][1] // 8
-                  for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta",
-                               "alibi_slopes", "split_exponents")}
-_ADDRESS_WORDS.update({f"fp8_descale_{name}": PARAMS_DTYPE.fields["fp8_descale"][1] // 8 + i
-                       for i, name in enumerate("qkv")})  # the FP8 forward's descale tables
+_ADDRESS_WORDS = {
+    name: PARAMS_DTYPE.fields[name][1] // 8
+    for name in (
+        "q",
+        "k",
+        "v",
+        "out",
+        "dout",
+        "dq",
+        "dk",
+        "dv",
+        "lse",
+        "lse_log2",
+        "delta",
+        "alibi_slopes",
+        "split_exponents",
+    )
+}
+_ADDRESS_WORDS.update(
+    {f"fp8_descale_{name}": PARAMS_DTYPE.fields["fp8_descale"][1] // 8 + i for i, name in enumerate("qkv")}
+)  # the FP8 forward's descale tables
 _KEYS_DTYPE, _KEYS_OFFSET = PARAMS_DTYPE.fields["dropout_keys"][:2]
 KEY_WORDS = slice(_KEYS_OFFSET // 4, _KEYS_OFFSET // 4 + _KEYS_DTYPE.shape[0])  # as uint32 words
 plans: dict[tuple, "Plan"] = {}
@@ -145,8 +168,9 @@ class Plan:
         # (function, grid, block, dynamic shared memory) per launch of (kernel, rows, batch); a backward's
         # last two (dK/dV, dQ) run side by side. The function is the RawKernel's CUDA function on this device
         # (a plan is made for one device), called directly: positional arguments, no per-call lookup.
-        self.launches = [(functions[kernel].kernel,) + launch_shape(variant, kernel, rows, batch)
-                         for kernel, rows, batch in launches]
+        self.launches = [
+            (functions[kernel].kernel,) + launch_shape(variant, kernel, rows, batch) for kernel, rows, batch in launches
+        ]
         self.side_by_side = [kernel for kernel, _, _ in launches[-2:]] == ["dkdv", "dq"]
         self.tile_counters = {}  # the warp-specialized forward's, by stream
         self._buffer = self.words.copy()
@@ -181,8 +205,12 @@ class Plan:
                 self._launch_locked(None)
             return
         maps = tuple(addresses[name].data.ptr for name in MAPPED) if self.tensor_maps is not None else None
-        self.launch_with(self.slots(addresses), [x.data.ptr for x in addresses.values()],
-                         None if dropout is None else dropout.round_keys, maps)
+        self.launch_with(
+            self.slots(addresses),
+            [x.data.ptr for x in addresses.values()],
+            None if dropout is None else dropout.round_keys,
+            maps,
+        )
 
     def launch_with(self, slots, pointers, round_keys=None, map_addresses=None) -> None:
         """Launch with the addresses ``pointers`` written at ``slots``, and these dropout round keys;
@@ -210,8 +238,9 @@ class Plan:
             return
         # The backward: preprocess, then its dK/dV pass here and its dQ pass on the second stream, at once
         # (passes_side_by_side, unrolled: this is every backward call's host time).
-        (pre, pre_grid, pre_block, pre_smem), (kv, kv_grid, kv_block, kv_smem), (dq, dq_grid, dq_block, dq_smem) = \
+        (pre, pre_grid, pre_block, pre_smem), (kv, kv_grid, kv_block, kv_smem), (dq, dq_grid, dq_block, dq_smem) = (
             launches
+        )
         stream = cupy.cuda.get_current_stream()
         side, ready, done, lock = side_stream()
         pre(pre_grid, pre_block, args, pre_smem)
@@ -230,11 +259,19 @@ def plan_key(direction: str, arrays: dict, scale: float, causal: bool, mods, dro
         return None
     # The inputs' layouts; outputs and workspaces are allocated contiguous from their shapes.
     layout = tuple((arrays[name].shape, arrays[name].strides) for name in STRIDED if name in arrays)
-    return (direction, cupy.cuda.runtime.getDevice(), arrays["q"].dtype, layout, scale, causal,
-            None if mods is None else (mods.window, mods.softcap,
-                                       None if mods.alibi_slopes is None else mods.alibi_slopes.strides),
-            None if dropout is None else (dropout.threshold, dropout.scale),
-            os.environ.get("CUPYFLASH_NO_WGMMA", ""))
+    return (
+        direction,
+        cupy.cuda.runtime.getDevice(),
+        arrays["q"].dtype,
+        layout,
+        scale,
+        causal,
+        None
+        if mods is None
+        else (mods.window, mods.softcap, None if mods.alibi_slopes is None else mods.alibi_slopes.strides),
+        None if dropout is None else (dropout.threshold, dropout.scale),
+        os.environ.get("CUPYFLASH_NO_WGMMA", ""),
+    )
 
 
 def remember(key, plan: Plan) -> None:

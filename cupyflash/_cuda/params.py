@@ -18,20 +18,27 @@ PARAMS_DTYPE = numpy.dtype(
     + [(name, numpy.uint64) for name in ("bias", "dbias", "mask", "block_mask", "alibi_slopes")]
     + [(name, numpy.int64, (5,)) for name in ("bias_stride", "dbias_stride", "mask_stride", "block_mask_stride")]
     + [("alibi_stride", numpy.int64, (3,))]
-    + [(name, numpy.int32) for name in ("window_left", "window_right", "bias_f32", "bias_pairs", "dbias_pairs",
-                                        "dbias_f32")]
+    + [
+        (name, numpy.int32)
+        for name in ("window_left", "window_right", "bias_f32", "bias_pairs", "dbias_pairs", "dbias_f32")
+    ]
     + [("softcap", numpy.float32), ("softcap_inv", numpy.float32)]
     + [(name, numpy.int32) for name in ("stream_begin", "stream_end")]
     + [("dropout_keys", numpy.uint32, (20,)), ("dropout_threshold", numpy.uint32)]
     + [("dropout_scale", numpy.float32)]
     + [(name, numpy.uint64) for name in ("cu_seqlens_q", "cu_seqlens_k")]
     + [(name, numpy.int32) for name in ("heads", "total_q", "total_k")]
-    + [(name, numpy.float64) for name in ("scale_f64", "scale_log2_f64", "softcap_f64", "softcap_inv_f64",
-                                          "dropout_scale_f64")]
+    + [
+        (name, numpy.float64)
+        for name in ("scale_f64", "scale_log2_f64", "softcap_f64", "softcap_inv_f64", "dropout_scale_f64")
+    ]
     + [("split_exponents", numpy.uint64)]
     + [("fp8_descale", numpy.uint64, (3,))]
-    + [("fp8_descale_blocks", numpy.int32, (3,)), ("fp8_descale_magic", numpy.uint32, (3,)),
-       ("fp8_descale_shift", numpy.int32, (3,))],
+    + [
+        ("fp8_descale_blocks", numpy.int32, (3,)),
+        ("fp8_descale_magic", numpy.uint32, (3,)),
+        ("fp8_descale_shift", numpy.int32, (3,)),
+    ],
     align=True,
 )
 # A launch passes the same bytes as one opaque value: CuPy finds a NumPy argument's address through
@@ -50,8 +57,12 @@ def kernel_ready(x, width: int):
         return x  # the common case, decided without the general test below
     itemsize = x.dtype.itemsize
     sized = [(n, s) for n, s in zip(x.shape[:-1], x.strides[:-1]) if n > 1]
-    if (x.shape[-1] == width and (x.shape[-1] == 1 or x.strides[-1] == itemsize)
-            and x.data.ptr % 16 == 0 and all(s % 16 == 0 for _, s in sized)):
+    if (
+        x.shape[-1] == width
+        and (x.shape[-1] == 1 or x.strides[-1] == itemsize)
+        and x.data.ptr % 16 == 0
+        and all(s % 16 == 0 for _, s in sized)
+    ):
         return x
     base = x[tuple(slice(0, 1) if (s == 0 and n > 1) else slice(None) for n, s in zip(x.shape[:-2], x.strides[:-2]))]
     padded = cupy.zeros(base.shape[:-1] + (width,), dtype=x.dtype)
@@ -96,8 +107,21 @@ def layout(batch, arrays: dict):
     return dict(zip(names, values)), sizes, dict(zip(names, strides)), copied
 
 
-def new_params(pointers: dict, *, batch: int, batch1: int, batch2: int, nq: int, nk: int, d: int, d_v: int,
-               scale: float, causal: bool, mods, dropout):
+def new_params(
+    pointers: dict,
+    *,
+    batch: int,
+    batch1: int,
+    batch2: int,
+    nq: int,
+    nk: int,
+    d: int,
+    d_v: int,
+    scale: float,
+    causal: bool,
+    mods,
+    dropout,
+):
     """An AttnParams (a one-element structured array: CuPy passes it by value) with what every launch fills:
     the arrays' addresses, the sizes, the scale, the whole streamed axis for the backward passes, the window
     (causal folded in) and softcap that the modifiers' kernels read, and dropout's fields. Strides and the
@@ -126,12 +150,38 @@ def new_params(pointers: dict, *, batch: int, batch1: int, batch2: int, nq: int,
     return p
 
 
-def dense_params(arrays: dict, sizes, batch_strides: dict, *, batch: int, nq: int, nk: int, d: int, d_v: int,
-                 scale: float, others: dict = None, mods=None, causal: bool = False, dropout=None):
+def dense_params(
+    arrays: dict,
+    sizes,
+    batch_strides: dict,
+    *,
+    batch: int,
+    nq: int,
+    nk: int,
+    d: int,
+    d_v: int,
+    scale: float,
+    others: dict = None,
+    mods=None,
+    causal: bool = False,
+    dropout=None,
+):
     """The parameters of a dense batch: ``arrays`` the strided tensors (their collapsed batch strides in
     ``batch_strides``), ``others`` the contiguous ones (lse and workspaces), by address only."""
-    p = new_params({**arrays, **(others or {})}, batch=batch, batch1=sizes[1], batch2=sizes[2], nq=nq, nk=nk, d=d,
-                   d_v=d_v, scale=scale, causal=causal, mods=mods, dropout=dropout)
+    p = new_params(
+        {**arrays, **(others or {})},
+        batch=batch,
+        batch1=sizes[1],
+        batch2=sizes[2],
+        nq=nq,
+        nk=nk,
+        d=d,
+        d_v=d_v,
+        scale=scale,
+        causal=causal,
+        mods=mods,
+        dropout=dropout,
+    )
     for name, array in arrays.items():
         if name == "alibi_slopes":  # (*batch): batch strides only
             p["alibi_stride"] = batch_strides[name]
@@ -150,17 +200,29 @@ def dense_params(arrays: dict, sizes, batch_strides: dict, *, batch: int, nq: in
     return p
 
 
-def packed_params(packed, arrays: dict, *, d: int, d_v: int, scale: float, causal: bool, mods, dropout, others: dict,
-                  cu_q, cu_k):
+def packed_params(
+    packed, arrays: dict, *, d: int, d_v: int, scale: float, causal: bool, mods, dropout, others: dict, cu_q, cu_k
+):
     """AttnParams of a packed batch (cupyflash._varlen): flat batch b = (s * Hk + hk) * G + g, the sequence
     s with batch stride 0 (its rows come from cu_seqlens), the heads split into (Hk, G) so that k and v have
     stride 0 along the G query heads that share them; q, out, dout (total_q, H, .) and k, v (total_k, Hk, .)
     with any row and head strides (unit column stride)."""
     hk, g = packed.kv_heads, packed.groups
     # nq, nk: the longest sequences, which size the grid; the kernels read each one's own from cu_seqlens.
-    p = new_params({**arrays, **others, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, batch=packed.batch * packed.heads,
-                   batch1=hk, batch2=g, nq=packed.max_q, nk=packed.max_k, d=d, d_v=d_v, scale=scale, causal=causal,
-                   mods=mods, dropout=dropout)
+    p = new_params(
+        {**arrays, **others, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k},
+        batch=packed.batch * packed.heads,
+        batch1=hk,
+        batch2=g,
+        nq=packed.max_q,
+        nk=packed.max_k,
+        d=d,
+        d_v=d_v,
+        scale=scale,
+        causal=causal,
+        mods=mods,
+        dropout=dropout,
+    )
     for name, array in arrays.items():
         row, head = (s // array.dtype.itemsize for s in array.strides[:2])
         p[f"{name}_stride"] = [0, g * head, head, row] if name in ("q", "out", "dout") else [0, head, 0, row]
@@ -186,16 +248,22 @@ def dbias_exclusive(mods) -> bool:
 def _pairs_aligned(array, strides) -> bool:
     """Unit column stride, and every (row, even column) element aligned to two elements' bytes, so the
     kernels may read (or write) two adjacent columns at once."""
-    return bool(array.strides[-1] == array.dtype.itemsize and all(int(s) % 2 == 0 for s in strides[:4])
-                and array.data.ptr % (2 * array.dtype.itemsize) == 0)
+    return bool(
+        array.strides[-1] == array.dtype.itemsize
+        and all(int(s) % 2 == 0 for s in strides[:4])
+        and array.data.ptr % (2 * array.dtype.itemsize) == 0
+    )
 
 
 def mod_arrays(mods) -> dict:
     """The modifiers' arrays as the dense kernels read them: broadcast views, nothing copied."""
     if mods is None:
         return {}
-    return {name: getattr(mods, name) for name in ("bias", "mask", "block_mask", "alibi_slopes")
-            if getattr(mods, name) is not None}
+    return {
+        name: getattr(mods, name)
+        for name in ("bias", "mask", "block_mask", "alibi_slopes")
+        if getattr(mods, name) is not None
+    }
 
 
 def slopes(mods) -> dict:

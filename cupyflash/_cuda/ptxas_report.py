@@ -49,8 +49,17 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
     found: dict[str, dict[str, int]] = {}
 
     def entry(name: str) -> dict[str, int]:
-        return found.setdefault(name, {"registers": -1, "spill_stores": -1, "spill_loads": -1, "stack_frame": -1,
-                                       "static_smem": 0, "serialized_wgmma": 0})
+        return found.setdefault(
+            name,
+            {
+                "registers": -1,
+                "spill_stores": -1,
+                "spill_loads": -1,
+                "stack_frame": -1,
+                "static_smem": 0,
+                "serialized_wgmma": 0,
+            },
+        )
 
     current, current_name, properties_of = None, None, None
     for line in log.splitlines():
@@ -126,10 +135,20 @@ def compile_variant(variant: Variant, arch: str) -> list[dict]:
     for kernels in variant.sources:  # (the fused backward's preprocess is another file's)
         names = {kernel: variant.name_expression(kernel) for kernel in kernels}
         code = variant.code(kernels)
-        stats = _cached([code, options, list(names.values())],
-                        lambda: _compile(code, f"{variant.direction}.cu", options, names))
-        rows += [{"kernel": name, "arch": arch, "target": target, **stats[kernel], "dynamic_smem": variant.smem(kernel),
-                  "threads": variant.threads(kernel)} for kernel, name in names.items()]
+        stats = _cached(
+            [code, options, list(names.values())], lambda: _compile(code, f"{variant.direction}.cu", options, names)
+        )
+        rows += [
+            {
+                "kernel": name,
+                "arch": arch,
+                "target": target,
+                **stats[kernel],
+                "dynamic_smem": variant.smem(kernel),
+                "threads": variant.threads(kernel),
+            }
+            for kernel, name in names.items()
+        ]
     return rows
 
 
@@ -140,13 +159,16 @@ def compile_plain_kernels(arch: str) -> list[dict]:
     options = [*OPTIONS, f"-arch={arch}", "-Xptxas", "-v"]
     rows = []
     for filename, code, names, threads in (
-            (f32_pieces.SOURCE, source(f32_pieces.SOURCE), f32_pieces.KERNELS, f32_pieces.THREADS),
-            (states.SOURCE, states.code(), states.KERNELS, states.THREADS),
-            (fp8.SOURCE, fp8.module_code(fp8.SOURCE, (fp8.KERNEL,)), (fp8.KERNEL,), fp8.THREADS)):
+        (f32_pieces.SOURCE, source(f32_pieces.SOURCE), f32_pieces.KERNELS, f32_pieces.THREADS),
+        (states.SOURCE, states.code(), states.KERNELS, states.THREADS),
+        (fp8.SOURCE, fp8.module_code(fp8.SOURCE, (fp8.KERNEL,)), (fp8.KERNEL,), fp8.THREADS),
+    ):
         by_name = {name: name for name in names}
         stats = _cached([code, options, list(names)], lambda: _compile(code, filename, options, by_name))
-        rows += [{"kernel": name, "arch": arch, "target": arch, **stats[name], "dynamic_smem": 0, "threads": threads}
-                 for name in names]
+        rows += [
+            {"kernel": name, "arch": arch, "target": arch, **stats[name], "dynamic_smem": 0, "threads": threads}
+            for name in names
+        ]
     return rows
 
 

@@ -43,8 +43,9 @@ def _check_rows(acc, x, row0: int, what: str):
     if not (acc.flags.c_contiguous and x.flags.c_contiguous):
         raise ValueError(f"{what}: the accumulator and the block must be C-contiguous")
     if acc.shape[:-2] != x.shape[:-2] or acc.shape[-1] != x.shape[-1] or not 0 <= row0 <= acc.shape[-2] - x.shape[-2]:
-        raise ValueError(f"{what}: a block of shape {x.shape} at row {row0} does not fit an accumulator of shape "
-                         f"{acc.shape}")
+        raise ValueError(
+            f"{what}: a block of shape {x.shape} at row {row0} does not fit an accumulator of shape {acc.shape}"
+        )
     if acc.dtype != lse_dtype(x.dtype):
         raise TypeError(f"{what}: the accumulator must be {lse_dtype(x.dtype)} for {x.dtype} blocks, got {acc.dtype}")
 
@@ -60,9 +61,21 @@ def merge_rows(out_acc, lse_acc, row0: int, out_b, lse_b) -> None:
     if rows == 0:
         return
     grid = (-(-rows // ROWS_PER_CTA),)
-    _kernel("merge_states", out_b.dtype)(grid, (THREADS,), (
-        out_acc, lse_acc, out_b, lse_b, numpy.int64(rows), numpy.int32(out_b.shape[-2]),
-        numpy.int32(out_acc.shape[-2]), numpy.int32(row0), numpy.int32(out_b.shape[-1])))
+    _kernel("merge_states", out_b.dtype)(
+        grid,
+        (THREADS,),
+        (
+            out_acc,
+            lse_acc,
+            out_b,
+            lse_b,
+            numpy.int64(rows),
+            numpy.int32(out_b.shape[-2]),
+            numpy.int32(out_acc.shape[-2]),
+            numpy.int32(row0),
+            numpy.int32(out_b.shape[-1]),
+        ),
+    )
 
 
 def add_rows(acc, row0: int, x) -> None:
@@ -72,6 +85,16 @@ def add_rows(acc, row0: int, x) -> None:
     if x.size == 0:
         return
     grid = (min(_MAX_CTAS, -(-x.size // THREADS)),)
-    _kernel("accumulate_rows", x.dtype)(grid, (THREADS,), (
-        acc, x, numpy.int64(x.size), numpy.int32(x.shape[-2]), numpy.int32(acc.shape[-2]), numpy.int32(row0),
-        numpy.int32(x.shape[-1])))
+    _kernel("accumulate_rows", x.dtype)(
+        grid,
+        (THREADS,),
+        (
+            acc,
+            x,
+            numpy.int64(x.size),
+            numpy.int32(x.shape[-2]),
+            numpy.int32(acc.shape[-2]),
+            numpy.int32(row0),
+            numpy.int32(x.shape[-1]),
+        ),
+    )

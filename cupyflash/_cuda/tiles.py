@@ -194,9 +194,15 @@ class Tiles:
         return (8 if self.paired else 16) * (self.num_warps - self.copy_warps)
 
 
-_FLAGS = {"d": "paired", "p": "pipelined", "a": "across_turn", "c": "lse_by_copy", "w": "pack_after_wait",
-          "o": "store_warps",
-          "s": "scores_first"}
+_FLAGS = {
+    "d": "paired",
+    "p": "pipelined",
+    "a": "across_turn",
+    "c": "lse_by_copy",
+    "w": "pack_after_wait",
+    "o": "store_warps",
+    "s": "scores_first",
+}
 _COUNTS = {"x": "ctas_per_sm", "r": "stages", "v": "pv_cols"}
 WS_COPY_WARPS = 4  # the warp-specialized forward's first warpgroup copies (TMA) and owns no rows
 
@@ -212,7 +218,7 @@ def _parse_cell(cell: str, path: str) -> Tiles:
             j = i + 1
             while j < len(flags) and flags[j].isdigit():
                 j += 1
-            fields[_COUNTS[letter]] = int(flags[i + 1:j])
+            fields[_COUNTS[letter]] = int(flags[i + 1 : j])
             i = j
         else:
             fields[_FLAGS[letter]] = True
@@ -233,25 +239,30 @@ def _parse(text: str) -> dict:
         plain = _parse_cell(row[0], path)
         for form, cell in zip(FORMS, row):
             if cell != ".":
-                cells[path, int(itemsize), int(head_dim), kernel, form] = plain if cell == "=" else _parse_cell(cell, path)
+                cells[path, int(itemsize), int(head_dim), kernel, form] = (
+                    plain if cell == "=" else _parse_cell(cell, path)
+                )
     return cells
 
 
 CELLS = _parse(TABLE)
 HEAD_DIMS = tuple(sorted({head_dim for path, _, head_dim, _, _ in CELLS if path == "mma"}))
 assert HEAD_DIMS[-1] == MAX_HEAD_DIM, "the table's widest head dim is the API's"
-WS_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CELLS
-                             if path == "ws" and size == 2 and kernel == "fwd"}))
+WS_HEAD_DIMS = tuple(
+    sorted({head_dim for path, size, head_dim, kernel, _ in CELLS if path == "ws" and size == 2 and kernel == "fwd"})
+)
 # The warp-specialized fused backward (cuda_src/attention_bwd_ws.cu): its HEAD_DIMs. Longer than CHAIN_ROWS the
 # two passes serve, which sum in chunks.
-WS_BWD_HEAD_DIMS = tuple(sorted({head_dim for path, size, head_dim, kernel, _ in CELLS
-                                 if path == "ws" and size == 2 and kernel == "bwd"}))
+WS_BWD_HEAD_DIMS = tuple(
+    sorted({head_dim for path, size, head_dim, kernel, _ in CELLS if path == "ws" and size == 2 and kernel == "bwd"})
+)
 # The smallest head dim each warp-specialized HEAD_DIM serves, padded (ws_head_dim): padding onto the next cell beat
 # the wgmma forward's own cells; the fused backward's 192 cell only from 161, where padding stops costing more
 # than the two passes (docs/design/tiles.md, serving ranges).
 WS_SERVES_FROM = {"fwd": {64: 33, 128: 65, 192: 129, 256: 193}, "bwd": {64: 33, 128: 65, 192: 161, 256: 193}}
-assert all(tuple(dims) == (WS_HEAD_DIMS if kernel == "fwd" else WS_BWD_HEAD_DIMS)
-           for kernel, dims in WS_SERVES_FROM.items()), "a serving range for each warp-specialized HEAD_DIM"
+assert all(
+    tuple(dims) == (WS_HEAD_DIMS if kernel == "fwd" else WS_BWD_HEAD_DIMS) for kernel, dims in WS_SERVES_FROM.items()
+), "a serving range for each warp-specialized HEAD_DIM"
 # The shortest min(Nq, Nk) the fused backward serves, in either dq order: below it the two passes are faster
 # (dq_accum's per-row cost and the ordered adds weigh more on short loops; docs/design/tiles.md).
 WS_BWD_MIN_LENGTH = {64: 1024, 128: 1024, 192: 1024, 256: 1024}
@@ -315,8 +326,10 @@ def lookup(path: str, itemsize: int, head_dim: int, kernel: str, form: str) -> T
     try:
         return CELLS[path, itemsize, head_dim, kernel, form]
     except KeyError:
-        raise ValueError(f"no tiles for {kernel} on the {path} path for {itemsize}-byte elements at HEAD_DIM "
-                         f"{head_dim} in form {form!r}") from None
+        raise ValueError(
+            f"no tiles for {kernel} on the {path} path for {itemsize}-byte elements at HEAD_DIM "
+            f"{head_dim} in form {form!r}"
+        ) from None
 
 
 def padded_head_dim(d: int) -> int:
@@ -361,7 +374,9 @@ def smem_bytes(path: str, itemsize: int, head_dim: int, kernel: str, t: Tiles) -
     if path == "ws" and kernel == "bwd":  # BwdWsCta: K, V; q, dout and dS^T tiles; float32 dQ staging (paired:
         # the handed-over P^T and each slot's overflow, the rest staged in the slots' tiles), lse, delta
         tiles = 2 * t.rows * head_dim + 2 * t.stages * t.block * head_dim + 2 * t.rows * t.block
-        staged = t.rows * t.block + t.stages * ws_bwd_dq_overflow(itemsize, head_dim, t) if t.paired else t.block * head_dim
+        staged = (
+            t.rows * t.block + t.stages * ws_bwd_dq_overflow(itemsize, head_dim, t) if t.paired else t.block * head_dim
+        )
         return SMEM_ALIGN + itemsize * tiles + 4 * (staged + 2 * t.stages * t.block)
     if path == "ws":  # q buffers of a tile's rows, ``stages`` slots of a K and a V tile
         return SMEM_ALIGN + itemsize * head_dim * (ws_q_buffers(itemsize, head_dim) * t.rows + 2 * t.stages * t.block)

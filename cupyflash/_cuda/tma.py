@@ -7,6 +7,7 @@ layout (params.layout) with a box of one 128-byte swizzle atom's columns by a ti
 writes SwizzledTile's layout (copy.cuh) and fills rows and columns past the tensor's end with zeros. The
 maps hold the arrays' addresses, so a call encodes its own (on the host: the driver touches no GPU) unless
 its addresses are the previous call's (TensorMaps.encode keeps that one)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -37,10 +38,20 @@ def _encoder():
         except (OSError, AttributeError):
             continue
         function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
-                             ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
-                             ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
-                             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        function.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_uint32,
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.POINTER(ctypes.c_uint32),
+            ctypes.POINTER(ctypes.c_uint32),
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+        ]
         return function
     return None
 
@@ -58,8 +69,9 @@ def describable(array, sizes, batch_strides) -> bool:
     row = array.strides[-2] if array.shape[-2] > 1 else 16
     if array.data.ptr % 16 or row % 16 or not 0 < row < _MAX_STRIDE:
         return False
-    return all(n == 1 or (s * itemsize % 16 == 0 and 0 < s * itemsize < _MAX_STRIDE)
-               for n, s in zip(sizes, batch_strides))
+    return all(
+        n == 1 or (s * itemsize % 16 == 0 and 0 < s * itemsize < _MAX_STRIDE) for n, s in zip(sizes, batch_strides)
+    )
 
 
 class TensorMaps:
@@ -80,8 +92,10 @@ class TensorMaps:
             row_bytes = array.strides[-2] if rows > 1 else cols * itemsize
             # (cols, rows, b2, b1, b0); a batch dim of one entry gets any valid stride.
             dims = (ctypes.c_uint64 * 5)(cols, rows, sizes[2], sizes[1], sizes[0])
-            strides = (ctypes.c_uint64 * 4)(row_bytes, *(s * itemsize if n > 1 else 16 for n, s in
-                                                          zip(reversed(sizes), reversed(batch_strides[name]))))
+            strides = (ctypes.c_uint64 * 4)(
+                row_bytes,
+                *(s * itemsize if n > 1 else 16 for n, s in zip(reversed(sizes), reversed(batch_strides[name]))),
+            )
             atom = (atom_bytes or {}).get(name, 128)
             box = (ctypes.c_uint32 * 5)(atom // itemsize, box_rows[name], 1, 1, 1)
             code = _DTYPES.get(array.dtype, _BFLOAT16)
@@ -105,17 +119,31 @@ class TensorMaps:
         at = raw.ctypes.data + offset
         for i, name in enumerate(self._names):
             code, dims, strides, box, swizzle = self._fields[name]
-            encode = lambda: self._function(at + i * MAP_BYTES, code, 5, found[i], dims, strides, box,
-                                            self._element_strides, 0, swizzle, _L2_PROMOTION_128B, 0)
-            error = encode()
+            arguments = (
+                at + i * MAP_BYTES,
+                code,
+                5,
+                found[i],
+                dims,
+                strides,
+                box,
+                self._element_strides,
+                0,
+                swizzle,
+                _L2_PROMOTION_128B,
+                0,
+            )
+            error = self._function(*arguments)
             if error == _INVALID_CONTEXT:
                 # A thread whose runtime has not yet made the device's context current (its first CUDA call
                 # can be this driver call): setting the device makes it current.
                 cupy.cuda.runtime.setDevice(cupy.cuda.runtime.getDevice())
-                error = encode()
+                error = self._function(*arguments)
             if error:
-                raise RuntimeError(f"cupyflash: cuTensorMapEncodeTiled failed for {name} (CUresult {error}): "
-                                   f"dims {tuple(dims)}, strides {tuple(strides)} bytes, box {tuple(box)}")
-        arg = raw[offset:offset + size].view(self._arg_dtype)
+                raise RuntimeError(
+                    f"cupyflash: cuTensorMapEncodeTiled failed for {name} (CUresult {error}): "
+                    f"dims {tuple(dims)}, strides {tuple(strides)} bytes, box {tuple(box)}"
+                )
+        arg = raw[offset : offset + size].view(self._arg_dtype)
         self._last = (found, arg)
         return arg

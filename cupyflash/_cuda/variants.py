@@ -21,7 +21,13 @@ from cupyflash._cuda.tiles import Tiles
 from cupyflash._modifiers import BLOCK_MASK_TILE
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
-CTYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float", "float64": "double", "float8_e4m3": "e4m3_t"}
+CTYPES = {
+    "float16": "half_t",
+    "bfloat16": "bfloat16_t",
+    "float32": "float",
+    "float64": "double",
+    "float8_e4m3": "e4m3_t",
+}
 ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "float8_e4m3": 1}
 FP8 = "float8_e4m3"  # the FP8 forward's inputs (cupyflash/_cuda/fp8.py); its out is one of FP8_OUT_DTYPES
 FP8_OUT_DTYPES = ("bfloat16", "float16")
@@ -75,7 +81,9 @@ class Variant:
     @property
     def form(self) -> str:
         """The tile table's column."""
-        base = {"none": "plain", "all": "all", "scalars": "scalars", "softcap": "scalars", "window": "window"}[self.mods]
+        base = {"none": "plain", "all": "all", "scalars": "scalars", "softcap": "scalars", "window": "window"}[
+            self.mods
+        ]
         if self.dropout:
             return "dropout" if base == "plain" else base + "+dropout"
         return base
@@ -131,27 +139,37 @@ class Variant:
         if kernel == "probs":
             return f"attention_probs_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {b[wgmma]}>"
         if kernel == "bwd":  # the fused backward: its dq adds in a fixed order per query block, or in any
-            return (f"attention_bwd_ws_kernel<{c}, {hd}, {t.block}, {t.stages}, {b[self.causal]}, "
-                    f"{b[self.deterministic]}, {tiles.ws_bwd_dq_chains(t, self.deterministic)}, {b[t.paired]}>")
+            return (
+                f"attention_bwd_ws_kernel<{c}, {hd}, {t.block}, {t.stages}, {b[self.causal]}, "
+                f"{b[self.deterministic]}, {tiles.ws_bwd_dq_chains(t, self.deterministic)}, {b[t.paired]}>"
+            )
         if kernel == "dq_convert":
             chains = tiles.ws_bwd_dq_chains(t, self.deterministic)
             return f"attention_bwd_dq_convert_kernel<{c}, {hd}, {t.block}, {b[self.causal]}, {chains}, {b[t.paired]}>"
         if kernel == "fwd" and self.path == "ws":  # the scalars there are a dense batch's (no cu_seqlens)
             mods = "Mods::dense_scalars" if self.mods == "scalars" else mods
-            return (f"attention_fwd_ws_kernel<{c}, {hd}, {t.block}, {t.stages}, {b[self.causal]}, {mods}, "
-                    f"{b[self.score == 'bounded']}, {b[self.score.startswith('alibi')]}, "
-                    f"{b[self.score == 'alibi_half_first']}, {b[self.block_mask]}, {b[t.pack_after_wait]}, "
-                    f"{b[t.store_warps]}, {CTYPES[self.out_dtype or self.dtype]}, {t.rows // tiles.WS_WARPGROUP_ROWS}, "
-                    f"{t.pv_cols}, {b[t.scores_first]}>")
+            return (
+                f"attention_fwd_ws_kernel<{c}, {hd}, {t.block}, {t.stages}, {b[self.causal]}, {mods}, "
+                f"{b[self.score == 'bounded']}, {b[self.score.startswith('alibi')]}, "
+                f"{b[self.score == 'alibi_half_first']}, {b[self.block_mask]}, {b[t.pack_after_wait]}, "
+                f"{b[t.store_warps]}, {CTYPES[self.out_dtype or self.dtype]}, {t.rows // tiles.WS_WARPGROUP_ROWS}, "
+                f"{t.pv_cols}, {b[t.scores_first]}>"
+            )
         if kernel == "fwd" and wgmma:  # no column chunks: the whole head dim per CTA
-            return (f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {b[self.causal]}, {mods}, "
-                    f"{b[self.dropout]}, {b[self.score == 'bounded']}, {t.ctas_per_sm}>")
+            return (
+                f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {b[self.causal]}, {mods}, "
+                f"{b[self.dropout]}, {b[self.score == 'bounded']}, {t.ctas_per_sm}>"
+            )
         if kernel == "fwd":
-            return (f"attention_fwd_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {b[self.causal]}, "
-                    f"{mods}, {b[self.dropout]}>")
+            return (
+                f"attention_fwd_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {b[self.causal]}, "
+                f"{mods}, {b[self.dropout]}>"
+            )
         lse = f", {b[t.lse_by_copy]}" if kernel == "dkdv" else ""
-        return (f"attention_bwd_{kernel}_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {b[self.causal]}, "
-                f"{mods}, {b[wgmma]}, {b[self.dropout]}, {b[t.paired]}, {b[t.pipelined]}, {b[t.across_turn]}{lse}>")
+        return (
+            f"attention_bwd_{kernel}_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {b[self.causal]}, "
+            f"{mods}, {b[wgmma]}, {b[self.dropout]}, {b[t.paired]}, {b[t.pipelined]}, {b[t.across_turn]}{lse}>"
+        )
 
     def code(self, kernels: tuple[str, ...] | None = None) -> str:
         """The source of the module holding ``kernels`` (default: all of the variant's)."""
@@ -182,14 +200,24 @@ class Variant:
         """In words, e.g. ``fwd bfloat16 HEAD_DIM=128 causal (ws)``."""
         kind = "causal" if self.causal else "plain"
         if self.mods != "none":
-            kind = {"scalars": "modifiers (window, softcap, ALiBi)", "softcap": "modifiers (softcap alone)",
-                    "window": "modifiers (window alone)", "all": "modifiers"}[self.mods]
+            kind = {
+                "scalars": "modifiers (window, softcap, ALiBi)",
+                "softcap": "modifiers (softcap alone)",
+                "window": "modifiers (window alone)",
+                "all": "modifiers",
+            }[self.mods]
             kind += ", causal" if self.causal else ""
-        extras = [self.path] + ([self.score] if self.score != "plain" else []) + (["block mask"] if self.block_mask else [])
+        extras = (
+            [self.path] + ([self.score] if self.score != "plain" else []) + (["block mask"] if self.block_mask else [])
+        )
         out = f" -> {self.out_dtype}" if self.out_dtype else ""
         order = "" if self.deterministic else " unordered dq adds"
-        return (f"{self.direction} {self.dtype}{out} HEAD_DIM={self.head_dim} {kind}" + (" dropout" if self.dropout else "")
-                + order + f" ({', '.join(extras)})")
+        return (
+            f"{self.direction} {self.dtype}{out} HEAD_DIM={self.head_dim} {kind}"
+            + (" dropout" if self.dropout else "")
+            + order
+            + f" ({', '.join(extras)})"
+        )
 
 
 @dataclass(frozen=True)
@@ -203,9 +231,9 @@ class Device:
 
 @dataclass(frozen=True)
 class Features:
-    """What of a call decides its variant. ``head_dim``: max(D, Dv) as the kernels read rows (row_width); ``window``: as given, causal apart; ``arrays``: a bias or a mask; ``tma``: whether the
-    warp-specialized forward may serve (its tensor maps describe the inputs, its block-mask walk holds the
-    key tiles)."""
+    """What of a call decides its variant. ``head_dim``: max(D, Dv) as the kernels read rows (row_width);
+    ``window``: as given, causal apart; ``arrays``: a bias or a mask; ``tma``: whether the warp-specialized forward
+    may serve (its tensor maps describe the inputs, its block-mask walk holds the key tiles)."""
 
     direction: str
     dtype: str
@@ -224,7 +252,7 @@ class Features:
 
     @property
     def has_mods(self) -> bool:
-        return (self.window != (-1, -1) or self.softcap > 0 or self.alibi or self.arrays or self.block_mask)
+        return self.window != (-1, -1) or self.softcap > 0 or self.alibi or self.arrays or self.block_mask
 
     @property
     def right_edge(self) -> bool:
@@ -232,8 +260,19 @@ class Features:
         return self.causal or self.window[1] >= 0
 
     @classmethod
-    def of(cls, direction: str, dtype, d: int, d_v: int, causal: bool, mods=None, dropout=None,
-           packed: bool = False, lengths: tuple[int, int] = (0, 0), deterministic: bool = True) -> "Features":
+    def of(
+        cls,
+        direction: str,
+        dtype,
+        d: int,
+        d_v: int,
+        causal: bool,
+        mods=None,
+        dropout=None,
+        packed: bool = False,
+        lengths: tuple[int, int] = (0, 0),
+        deterministic: bool = True,
+    ) -> "Features":
         """The features of a call: ``mods`` a resolved cupyflash._modifiers.Modifiers or None, ``dropout``
         a cupyflash._dropout.Dropout or None, ``lengths`` (Nq, Nk) for a dense backward (the fused backward
         serves long sequences only), ``deterministic`` the backward's."""
@@ -241,11 +280,31 @@ class Features:
         head_dim = max(row_width(d, name), row_width(d_v, name))
         lengths = tuple(int(n) for n in lengths)
         if mods is None:
-            return cls(direction, name, head_dim, bool(causal), dropout=dropout is not None, packed=packed,
-                       lengths=lengths, deterministic=deterministic)
-        return cls(direction, name, head_dim, bool(causal), mods.window, mods.softcap, mods.alibi_slopes is not None,
-                   mods.bias is not None or mods.mask is not None, mods.block_mask is not None, dropout is not None,
-                   packed, lengths=lengths, deterministic=deterministic)
+            return cls(
+                direction,
+                name,
+                head_dim,
+                bool(causal),
+                dropout=dropout is not None,
+                packed=packed,
+                lengths=lengths,
+                deterministic=deterministic,
+            )
+        return cls(
+            direction,
+            name,
+            head_dim,
+            bool(causal),
+            mods.window,
+            mods.softcap,
+            mods.alibi_slopes is not None,
+            mods.bias is not None or mods.mask is not None,
+            mods.block_mask is not None,
+            dropout is not None,
+            packed,
+            lengths=lengths,
+            deterministic=deterministic,
+        )
 
 
 def backward_lengths(batch: int, nq: int, nk: int, head_dim: int) -> tuple[int, int]:
@@ -274,28 +333,61 @@ def select(f: Features, device: Device) -> Variant:
     ws_bwd = tiles.ws_head_dim(f.head_dim, "bwd") if itemsize == 2 else None
     # Packed batches and attention_probs read cu_seqlens or every option at run time: the modifiers' kernels.
     has_mods = f.has_mods or f.direction == "probs" or f.packed
-    pieces = (f.direction != "probs" and not has_mods and not f.dropout and tiles.has("pieces", itemsize, head_dim))
+    pieces = f.direction != "probs" and not has_mods and not f.dropout and tiles.has("pieces", itemsize, head_dim)
     wgmma = device.wgmma and (tiles.has("wgmma", itemsize, head_dim) or pieces)
-    ws = (f.direction == "fwd" and wgmma and ws_fwd is not None and tiles.has("ws", itemsize, ws_fwd) and f.tma
-          and not f.dropout and not f.packed)
+    ws = (
+        f.direction == "fwd"
+        and wgmma
+        and ws_fwd is not None
+        and tiles.has("ws", itemsize, ws_fwd)
+        and f.tma
+        and not f.dropout
+        and not f.packed
+    )
     # A block mask with no bias or mask: the warp-specialized forward walks it; other forwards with a block
     # mask take the ``all`` form, whose walk costs the scalars' forwards time; the backward's scalars walk it.
     ws_block_mask = ws and f.block_mask and not f.arrays and ws_walks_block_mask(itemsize, ws_fwd)
     # The scalars' form exists where the table has its cells (not for float64: two of its passes spilled).
-    scalars = (has_mods and f.direction != "probs" and not f.dropout and tiles.has("mma", itemsize, head_dim, "scalars")
-               and (not f.has_mods or ws_block_mask or (not f.arrays and (not f.block_mask or f.direction == "bwd"))))
-    bounded = (f.direction == "fwd" and scalars and wgmma and f.dtype == "bfloat16" and not f.alibi
-               and 0.0 < f.softcap <= BOUNDED_SOFTCAP_MAX)
+    scalars = (
+        has_mods
+        and f.direction != "probs"
+        and not f.dropout
+        and tiles.has("mma", itemsize, head_dim, "scalars")
+        and (not f.has_mods or ws_block_mask or (not f.arrays and (not f.block_mask or f.direction == "bwd")))
+    )
+    bounded = (
+        f.direction == "fwd"
+        and scalars
+        and wgmma
+        and f.dtype == "bfloat16"
+        and not f.alibi
+        and 0.0 < f.softcap <= BOUNDED_SOFTCAP_MAX
+    )
     # One option alone, every other off: the forms that fix the others at compile time (16-bit, Hopper).
-    single = (scalars and wgmma and tiles.has("wgmma", itemsize, head_dim, "window") and not f.packed and f.has_mods
-              and not f.alibi and not f.block_mask)
+    single = (
+        scalars
+        and wgmma
+        and tiles.has("wgmma", itemsize, head_dim, "window")
+        and not f.packed
+        and f.has_mods
+        and not f.alibi
+        and not f.block_mask
+    )
     softcap_alone = f.direction == "bwd" and single and f.softcap > 0 and f.window == (-1, -1)
     window_alone = single and f.softcap == 0
     warp_specialized = ws and (scalars or not has_mods)
     # The fused backward: plain or causal, 16-bit, on tensor maps, for sequences from its shortest to CHAIN_ROWS.
-    fused_backward = (f.direction == "bwd" and wgmma and itemsize == 2 and not has_mods and not f.dropout and f.tma
-                      and ws_bwd is not None and max(f.lengths) <= tiles.CHAIN_ROWS
-                      and tiles.WS_BWD_MIN_LENGTH[ws_bwd] <= min(f.lengths))
+    fused_backward = (
+        f.direction == "bwd"
+        and wgmma
+        and itemsize == 2
+        and not has_mods
+        and not f.dropout
+        and f.tma
+        and ws_bwd is not None
+        and max(f.lengths) <= tiles.CHAIN_ROWS
+        and tiles.WS_BWD_MIN_LENGTH[ws_bwd] <= min(f.lengths)
+    )
     if not has_mods:
         mods = "none"
     elif scalars:
@@ -318,8 +410,18 @@ def select(f: Features, device: Device) -> Variant:
     causal = f.causal and mods in ("none", "softcap")
     if path == "ws":
         head_dim = ws_fwd if f.direction == "fwd" else ws_bwd
-    return Variant(f.direction, f.dtype, head_dim, path, mods, causal, f.dropout, score,
-                   warp_specialized and ws_block_mask, deterministic=f.deterministic or not fused_backward)
+    return Variant(
+        f.direction,
+        f.dtype,
+        head_dim,
+        path,
+        mods,
+        causal,
+        f.dropout,
+        score,
+        warp_specialized and ws_block_mask,
+        deterministic=f.deterministic or not fused_backward,
+    )
 
 
 def shipped_variants() -> list[Variant]:
@@ -353,18 +455,28 @@ def shipped_variants() -> list[Variant]:
                 if tiles.has(path, itemsize, head_dim, "all"):
                     found.append(Variant("probs", dtype, head_dim, path, "all"))
             if tiles.has("ws", itemsize, head_dim, kernel="bwd"):
-                found += [Variant("bwd", dtype, head_dim, "ws", causal=c, deterministic=ordered)
-                          for ordered in (True, False) for c in (False, True)]
+                found += [
+                    Variant("bwd", dtype, head_dim, "ws", causal=c, deterministic=ordered)
+                    for ordered in (True, False)
+                    for c in (False, True)
+                ]
             if tiles.has("ws", itemsize, head_dim):
                 ws = Variant("fwd", dtype, head_dim, "ws")
                 found += [dataclasses.replace(ws, causal=c) for c in (False, True)]
                 found.append(dataclasses.replace(ws, mods="window"))
                 scores = ("plain", "alibi", "alibi_half_first") + (("bounded",) if dtype == "bfloat16" else ())
                 block_masks = (False, True) if ws_walks_block_mask(itemsize, head_dim) else (False,)
-                found += [dataclasses.replace(ws, mods="scalars", score=score, block_mask=block_mask)
-                          for score in scores for block_mask in block_masks]
-    found += [fp8_variant(head_dim, causal, out) for head_dim in tiles.FP8_HEAD_DIMS for causal in (False, True)
-              for out in FP8_OUT_DTYPES]
+                found += [
+                    dataclasses.replace(ws, mods="scalars", score=score, block_mask=block_mask)
+                    for score in scores
+                    for block_mask in block_masks
+                ]
+    found += [
+        fp8_variant(head_dim, causal, out)
+        for head_dim in tiles.FP8_HEAD_DIMS
+        for causal in (False, True)
+        for out in FP8_OUT_DTYPES
+    ]
     return found
 
 

@@ -10,5 +10,14 @@ from cupyflash.distributed._comm import Communicator, InProcessGroup, init
 from cupyflash.distributed._layout import LAYOUTS, shard, unshard
 from cupyflash.distributed._ring import ring_attention, ring_attention_backward, ring_attention_forward
 
-__all__ = ["init", "Communicator", "InProcessGroup", "shard", "unshard", "ring_attention",
-           "ring_attention_forward", "ring_attention_backward", "LAYOUTS"]
+__all__ = [
+    "init",
+    "Communicator",
+    "InProcessGroup",
+    "shard",
+    "unshard",
+    "ring_attention",
+    "ring_attention_forward",
+    "ring_attention_backward",
+    "LAYOUTS",
+]

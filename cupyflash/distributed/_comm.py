@@ -151,8 +151,11 @@ class InProcessGroup:
         self.world_size = world_size
         self.timeout = float(timeout)
         # (src, dst): the ring's messages; (src, -1 - dst): all-gathers, apart so that they never interleave
-        self._boxes = {(src, dst): queue.Queue() for src in range(world_size)
-                       for dst in list(range(world_size)) + [-1 - d for d in range(world_size)]}
+        self._boxes = {
+            (src, dst): queue.Queue()
+            for src in range(world_size)
+            for dst in list(range(world_size)) + [-1 - d for d in range(world_size)]
+        }
         self._failed = threading.Event()
         self.comms = [_InProcessComm(self, rank) for rank in range(world_size)]
 
@@ -194,8 +197,9 @@ class InProcessGroup:
                 if self._failed.is_set():
                     raise _Aborted("another rank failed") from None
                 if waited >= self.timeout:
-                    raise TimeoutError(f"waited {self.timeout} s for rank {src}; does every rank make the same "
-                                       "calls?") from None
+                    raise TimeoutError(
+                        f"waited {self.timeout} s for rank {src}; does every rank make the same calls?"
+                    ) from None
 
 
 def _snapshot(arrays):
@@ -264,26 +268,37 @@ def check_same_call(comm, description: str) -> None:
     digests = comm.gather_bytes(numpy.frombuffer(hashlib.blake2b(raw, digest_size=8).digest(), dtype=numpy.uint8))
     if len(set(digests)) > 1:
         text = numpy.zeros(1024, dtype=numpy.uint8)
-        text[:min(text.size, len(raw))] = numpy.frombuffer(raw[:text.size], dtype=numpy.uint8)
+        text[: min(text.size, len(raw))] = numpy.frombuffer(raw[: text.size], dtype=numpy.uint8)
         lines = [line.rstrip(b"\0").decode(errors="replace") for line in comm.gather_bytes(text)]
         listing = "\n".join(f"  rank {r}: {line}" for r, line in enumerate(lines))
-        raise ValueError(f"the ranks' calls differ (every rank must pass shards of one shape and dtype and the "
-                         f"same options):\n{listing}")
+        raise ValueError(
+            f"the ranks' calls differ (every rank must pass shards of one shape and dtype and the "
+            f"same options):\n{listing}"
+        )
 
 
 def env_rank_and_size():
     """(rank, world size, local rank) from the launcher's (or torchrun's, MPI's) environment; None if unset."""
-    for rank, size, local in (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
-                              ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-                              ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")):
+    for rank, size, local in (
+        ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ):
         if rank in os.environ and size in os.environ:
             r, w = int(os.environ[rank]), int(os.environ[size])
             return r, w, int(os.environ.get(local, r))
     return None
 
 
-def init(backend: object | None = None, *, world_size: int | None = None, rank: int | None = None, device: int | None = None,
-         host: str | None = None, port: int | None = None) -> Communicator:
+def init(
+    backend: object | None = None,
+    *,
+    world_size: int | None = None,
+    rank: int | None = None,
+    device: int | None = None,
+    host: str | None = None,
+    port: int | None = None,
+) -> Communicator:
     """Join the ring: pick this process's GPU and connect to the other processes through NCCL.
 
     Parameters
@@ -319,15 +334,18 @@ def init(backend: object | None = None, *, world_size: int | None = None, rank: 
         raise ImportError("cupyflash.distributed.init needs CuPy (for NumPy arrays use InProcessGroup)")
     env = env_rank_and_size()
     if (rank is None) != (world_size is None):
-        raise ValueError(f"pass rank and world_size together, or neither (to read them from the launcher's "
-                         f"environment); got rank={rank!r}, world_size={world_size!r}")
+        raise ValueError(
+            f"pass rank and world_size together, or neither (to read them from the launcher's "
+            f"environment); got rank={rank!r}, world_size={world_size!r}"
+        )
     if backend is not None:
         size = getattr(backend, "_n_devices", None)
         if size is None or not hasattr(backend, "rank"):
             raise TypeError(f"backend must be a cupyx.distributed NCCL backend, got {type(backend).__name__}")
         if world_size is not None and (world_size, rank) != (size, backend.rank):
-            raise ValueError(f"rank={rank}, world_size={world_size} disagree with the backend's rank {backend.rank} "
-                             f"of {size}")
+            raise ValueError(
+                f"rank={rank}, world_size={world_size} disagree with the backend's rank {backend.rank} of {size}"
+            )
         if device is not None:
             cupy.cuda.Device(device).use()
         return Communicator(backend, size, backend.rank)
@@ -361,8 +379,10 @@ def _device_count() -> int:
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # cudaErrorInsufficientDriver, cudaErrorNoDevice, a runtime library missing
-        raise RuntimeError(f"cupyflash.distributed.init needs a CUDA device per rank, but CUDA reports none usable "
-                           f"({type(exc).__name__}: {exc}); for NumPy arrays use InProcessGroup") from None
+        raise RuntimeError(
+            f"cupyflash.distributed.init needs a CUDA device per rank, but CUDA reports none usable "
+            f"({type(exc).__name__}: {exc}); for NumPy arrays use InProcessGroup"
+        ) from None
     if count < 1:
         raise RuntimeError("cupyflash.distributed.init needs a CUDA device per rank, but the CUDA driver reports none")
     return count

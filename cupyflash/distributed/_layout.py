@@ -49,7 +49,8 @@ def chunk_length(n: int, layout: str, world_size: int, name: str) -> int:
             f"{name} has {n} rows along the sequence axis, which the {layout!r} layout cannot cut into "
             f"{parts} equal chunks ({'2W' if layout == 'zigzag' else 'W'} for W = {world_size}); pad the "
             f"sequence to a multiple of {parts} (`python -m cupyflash --docs distributed` shows how to hide the "
-            "padding)")
+            "padding)"
+        )
     return n // parts
 
 
@@ -121,11 +122,13 @@ def unshard(x_local: Array, comm: Comm, layout: str = "zigzag", axis: int = -2) 
     per = chunks_per_rank(layout)
     n = x_local.shape[axis]
     if n % per:
-        raise ValueError(f"x_local has {n} rows along axis {axis}; the {layout!r} layout holds {per} equal chunks "
-                         "per rank")
+        raise ValueError(
+            f"x_local has {n} rows along axis {axis}; the {layout!r} layout holds {per} equal chunks per rank"
+        )
     # Every rank must gather arrays of one size: compare before the all-gather.
-    check_same_call(comm, f"unshard {_module(x_local).__name__} {tuple(x_local.shape)}:{x_local.dtype} "
-                          f"{layout} axis={axis}")
+    check_same_call(
+        comm, f"unshard {_module(x_local).__name__} {tuple(x_local.shape)}:{x_local.dtype} {layout} axis={axis}"
+    )
     shards = comm.all_gather(x_local)
     c = n // per
     chunks = {}

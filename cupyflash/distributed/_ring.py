@@ -49,31 +49,46 @@ class _Call:
         problem = _validate(arrays, causal, scale, options)
         if isinstance(comm, Communicator):
             if problem.xp is np and comm.world_size > 1:
-                raise TypeError(f"{caller}: the arrays are NumPy arrays, but an NCCL communicator moves CuPy arrays "
-                                "(run NumPy arrays over an InProcessGroup)")
+                raise TypeError(
+                    f"{caller}: the arrays are NumPy arrays, but an NCCL communicator moves CuPy arrays "
+                    "(run NumPy arrays over an InProcessGroup)"
+                )
             if problem.xp is not np and cupy.cuda.Device().id != comm.device:
-                raise ValueError(f"{caller}: the current device is {cupy.cuda.Device().id} but the communicator's is "
-                                 f"{comm.device}; run under `with cupy.cuda.Device({comm.device}):`")
+                raise ValueError(
+                    f"{caller}: the current device is {cupy.cuda.Device().id} but the communicator's is "
+                    f"{comm.device}; run under `with cupy.cuda.Device({comm.device}):`"
+                )
         q, k = arrays["q"], arrays["k"]
         per = chunks_per_rank(layout)
         for name, x in (("q", q), ("k", k)):
             if x.shape[-2] % per:
-                raise ValueError(f"{caller}: {name} holds {x.shape[-2]} rows of the sequence; a {layout!r} shard holds "
-                                 f"{per} equal chunks (shard the sequence with cupyflash.distributed.shard)")
+                raise ValueError(
+                    f"{caller}: {name} holds {x.shape[-2]} rows of the sequence; a {layout!r} shard holds "
+                    f"{per} equal chunks (shard the sequence with cupyflash.distributed.shard)"
+                )
         if (problem.causal or alibi_slopes is not None) and q.shape[-2] != k.shape[-2]:
-            raise ValueError(f"{caller}: causal and alibi_slopes need shards of q and k of one length (a sequence "
-                             f"attending to itself), got {q.shape[-2]} and {k.shape[-2]} rows")
+            raise ValueError(
+                f"{caller}: causal and alibi_slopes need shards of q and k of one length (a sequence "
+                f"attending to itself), got {q.shape[-2]} and {k.shape[-2]} rows"
+            )
         self.xp, self.dtype, self.acc = problem.xp, problem.dtype, lse_dtype(problem.dtype)
         self.scale, self.causal, self.softcap, self.layout = problem.scale, problem.causal, float(softcap), layout
         # float32 slopes, as attention uses them (then widened for float64's bias blocks)
-        self.alibi = (None if alibi_slopes is None
-                      else self.xp.asarray(alibi_slopes).astype(np.float32).astype(self.acc))
+        self.alibi = None if alibi_slopes is None else self.xp.asarray(alibi_slopes).astype(np.float32).astype(self.acc)
         self.nq_chunk, self.nk_chunk = q.shape[-2] // per, k.shape[-2] // per
         self.rank, self.world_size = comm.rank, comm.world_size
 
     def blocks(self, step):
-        return blocks(self.layout, self.world_size, self.rank, step, self.nq_chunk, self.nk_chunk, self.causal,
-                      per_pair=self.alibi is not None)
+        return blocks(
+            self.layout,
+            self.world_size,
+            self.rank,
+            step,
+            self.nq_chunk,
+            self.nk_chunk,
+            self.causal,
+            per_pair=self.alibi is not None,
+        )
 
     def options(self, blk, nq, nk):
         """The keyword arguments of ``blk``'s attention call, and the shift of its lse (None: no shift)."""
@@ -99,8 +114,10 @@ def _describe(caller, arrays, call):
     the array library, shapes and dtypes."""
     shapes = " ".join(f"{name}={tuple(x.shape)}:{x.dtype}" for name, x in arrays.items())
     alibi = None if call.alibi is None else tuple(call.alibi.shape)
-    return (f"{caller} {call.xp.__name__} layout={call.layout!r} causal={call.causal} scale={call.scale!r} "
-            f"softcap={call.softcap!r} alibi={alibi} {shapes}")
+    return (
+        f"{caller} {call.xp.__name__} layout={call.layout!r} causal={call.causal} scale={call.scale!r} "
+        f"softcap={call.softcap!r} alibi={alibi} {shapes}"
+    )
 
 
 def _prepare(arrays, comm, causal, scale, softcap, alibi_slopes, layout, caller):
@@ -133,8 +150,10 @@ class _Travelling:
         self.current, self.pending = 0, None
 
     def _views(self, buffer):
-        return [buffer[o:o + int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
-                for o, (shape, dtype) in zip(self.offsets, self.layout)]
+        return [
+            buffer[o : o + int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+            for o, (shape, dtype) in zip(self.offsets, self.layout)
+        ]
 
     def in_hand(self):
         """The arrays in hand (waiting for them if they are still arriving)."""
@@ -165,9 +184,18 @@ def _start_keys(comm, call, k, v):
     return keys
 
 
-def ring_attention_forward(q: Array, k: Array, v: Array, *, comm: Comm, causal: bool = False,
-                           scale: float | None = None, softcap: float = 0.0, alibi_slopes: Array | None = None,
-                           layout: str = "zigzag") -> tuple[Array, Array]:
+def ring_attention_forward(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    comm: Comm,
+    causal: bool = False,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Array | None = None,
+    layout: str = "zigzag",
+) -> tuple[Array, Array]:
     """Attention over a sequence sharded across the ranks of ``comm``: this rank's rows of ``out`` and ``lse``.
 
     Exactly :func:`cupyflash.attention_forward` over the whole sequence (every rank calls it at once, with
@@ -252,9 +280,21 @@ def _forward_steps(comm, call, q, keys):
     return out.astype(call.dtype), lse
 
 
-def ring_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *, comm: Comm,
-                            causal: bool = False, scale: float | None = None, softcap: float = 0.0,
-                            alibi_slopes: Array | None = None, layout: str = "zigzag") -> tuple[Array, Array, Array]:
+def ring_attention_backward(
+    dout: Array,
+    q: Array,
+    k: Array,
+    v: Array,
+    out: Array,
+    lse: Array,
+    *,
+    comm: Comm,
+    causal: bool = False,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Array | None = None,
+    layout: str = "zigzag",
+) -> tuple[Array, Array, Array]:
     """Gradients of ring attention: this rank's shards of ``dq``, ``dk`` and ``dv``.
 
     Every rank calls it at once. dQ accumulates on its rank; the float32 sums of dK and dV travel around
@@ -324,8 +364,9 @@ def _backward_steps(comm, call, dout, q, out, lse, keys, grads):
             kb, vb = k_hand[..., blk.k_rows, :], v_hand[..., blk.k_rows, :]
             kwargs, shift = call.options(blk, blk.q_rows.stop - blk.q_rows.start, kb.shape[-2])
             lse_b = lse[..., blk.q_rows] if shift is None else lse[..., blk.q_rows] - shift
-            dq_b, dk_b, dv_b, *_ = attention_backward(dout[..., blk.q_rows, :], q[..., blk.q_rows, :], kb, vb,
-                                                      out[..., blk.q_rows, :], lse_b, **kwargs)
+            dq_b, dk_b, dv_b, *_ = attention_backward(
+                dout[..., blk.q_rows, :], q[..., blk.q_rows, :], kb, vb, out[..., blk.q_rows, :], lse_b, **kwargs
+            )
             _add_rows(xp, dq, blk.q_rows, dq_b)
             parts.append((blk.k_rows, dk_b, dv_b))
         # The dK, dV sums of these keys arrive from the previous rank while the blocks above run.
@@ -345,8 +386,9 @@ def _merge_rows(xp, out, lse, rows, out_b, lse_b):
     """Rows ``rows`` of the running (out, lse) merged with a block's (out_b, lse_b): the public merge on
     NumPy, its one-pass kernel on CuPy."""
     if xp is np:
-        out[..., rows, :], lse[..., rows] = merge_attention_states(out[..., rows, :], lse[..., rows],
-                                                                   out_b.astype(out.dtype), lse_b)
+        out[..., rows, :], lse[..., rows] = merge_attention_states(
+            out[..., rows, :], lse[..., rows], out_b.astype(out.dtype), lse_b
+        )
     else:
         states.merge_rows(out, lse, rows.start, out_b, lse_b)
 
@@ -359,8 +401,18 @@ def _add_rows(xp, acc, rows, x):
         states.add_rows(acc, rows.start, x)
 
 
-def ring_attention(q: Array, k: Array, v: Array, *, comm: Comm, causal: bool = False, scale: float | None = None,
-                   softcap: float = 0.0, alibi_slopes: Array | None = None, layout: str = "zigzag") -> Array:
+def ring_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    comm: Comm,
+    causal: bool = False,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Array | None = None,
+    layout: str = "zigzag",
+) -> Array:
     """Ring attention's output alone: :func:`ring_attention_forward` without the lse.
 
     Parameters
@@ -385,6 +437,7 @@ def ring_attention(q: Array, k: Array, v: Array, *, comm: Comm, causal: bool = F
     >>> [o.shape for o in outs]
     [(2, 10, 8), (2, 10, 8), (2, 10, 8), (2, 10, 8)]
     """
-    out, _ = ring_attention_forward(q, k, v, comm=comm, causal=causal, scale=scale, softcap=softcap,
-                                    alibi_slopes=alibi_slopes, layout=layout)
+    out, _ = ring_attention_forward(
+        q, k, v, comm=comm, causal=causal, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, layout=layout
+    )
     return out

@@ -33,6 +33,7 @@ class Block:
     ``causal``: apply the local bottom-right causal mask (a diagonal block). ``q_start``, ``k_start``: global
     positions of the first query and key rows when the block is one chunk pair (else None).
     """
+
     q_rows: slice
     k_rows: slice
     causal: bool
@@ -45,8 +46,9 @@ def source_rank(rank: int, step: int, world_size: int) -> int:
     return (rank - step) % world_size
 
 
-def blocks(layout: str, world_size: int, rank: int, step: int, nq_chunk: int, nk_chunk: int, causal: bool,
-           per_pair: bool) -> list[Block]:
+def blocks(
+    layout: str, world_size: int, rank: int, step: int, nq_chunk: int, nk_chunk: int, causal: bool, per_pair: bool
+) -> list[Block]:
     """The calls of ``rank`` at ``step``; chunks of ``nq_chunk`` query and ``nk_chunk`` key rows.
 
     ``per_pair``: one call per chunk pair, with global positions (position-dependent scores).
@@ -61,8 +63,16 @@ def blocks(layout: str, world_size: int, rank: int, step: int, nq_chunk: int, nk
             elif a == b:
                 pairs.append((qs, ks, True))
     if per_pair:
-        return [Block(slice(qs * nq_chunk, (qs + 1) * nq_chunk), slice(ks * nk_chunk, (ks + 1) * nk_chunk), diag,
-                      q_chunks[qs] * nq_chunk, k_chunks[ks] * nk_chunk) for qs, ks, diag in pairs]
+        return [
+            Block(
+                slice(qs * nq_chunk, (qs + 1) * nq_chunk),
+                slice(ks * nk_chunk, (ks + 1) * nk_chunk),
+                diag,
+                q_chunks[qs] * nq_chunk,
+                k_chunks[ks] * nk_chunk,
+            )
+            for qs, ks, diag in pairs
+        ]
     if not pairs:
         return []
     if any(diag for _, _, diag in pairs):
@@ -72,10 +82,20 @@ def blocks(layout: str, world_size: int, rank: int, step: int, nq_chunk: int, nk
         return [Block(slice(0, n * nq_chunk), slice(0, n * nk_chunk), True)]
     q_slots = sorted({qs for qs, _, _ in pairs})
     k_slots = sorted({ks for _, ks, _ in pairs})
-    rectangle = (len(pairs) == len(q_slots) * len(k_slots) and q_slots == list(range(q_slots[0], q_slots[-1] + 1))
-                 and k_slots == list(range(k_slots[0], k_slots[-1] + 1)))
+    rectangle = (
+        len(pairs) == len(q_slots) * len(k_slots)
+        and q_slots == list(range(q_slots[0], q_slots[-1] + 1))
+        and k_slots == list(range(k_slots[0], k_slots[-1] + 1))
+    )
     if rectangle:
-        return [Block(slice(q_slots[0] * nq_chunk, (q_slots[-1] + 1) * nq_chunk),
-                      slice(k_slots[0] * nk_chunk, (k_slots[-1] + 1) * nk_chunk), False)]
-    return [Block(slice(qs * nq_chunk, (qs + 1) * nq_chunk), slice(ks * nk_chunk, (ks + 1) * nk_chunk), False)
-            for qs, ks, _ in pairs]
+        return [
+            Block(
+                slice(q_slots[0] * nq_chunk, (q_slots[-1] + 1) * nq_chunk),
+                slice(k_slots[0] * nk_chunk, (k_slots[-1] + 1) * nk_chunk),
+                False,
+            )
+        ]
+    return [
+        Block(slice(qs * nq_chunk, (qs + 1) * nq_chunk), slice(ks * nk_chunk, (ks + 1) * nk_chunk), False)
+        for qs, ks, _ in pairs
+    ]

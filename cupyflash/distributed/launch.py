@@ -30,8 +30,15 @@ def launch(nproc: int, command: list[str], port: int | None = None, host: str = 
     port = port or free_port()
     procs = []
     for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=host, MASTER_PORT=str(port))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(nproc),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(nproc),
+            MASTER_ADDR=host,
+            MASTER_PORT=str(port),
+        )
         env.pop("CUPYX_DISTRIBUTED_PORT", None)
         env.pop("CUPYX_DISTRIBUTED_HOST", None)
         procs.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_parent))

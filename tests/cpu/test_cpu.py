@@ -6,11 +6,11 @@ import tracemalloc
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.checks import assert_rows_without_keys_are_zero
+from helpers.problems import check_bhnd, random_array, random_problem
 
 import cupyflash
 from cupyflash import _cpu
-from helpers.checks import assert_rows_without_keys_are_zero
-from helpers.problems import check_bhnd, random_array, random_problem
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 HEAD_DIMS = (16, 32, 40, 64, 80, 96, 128, 160, 192, 256)
@@ -98,8 +98,7 @@ def test_rows_that_see_no_key_are_zero(rng):
 
 
 @pytest.mark.parametrize(
-    "nq, nk, mask",
-    [(2, 5, [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]), (5, 2, [[0, 0], [0, 0], [0, 0], [1, 0], [1, 1]])],
+    "nq, nk, mask", [(2, 5, [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]), (5, 2, [[0, 0], [0, 0], [0, 0], [1, 0], [1, 1]])]
 )
 def test_causal_mask_is_bottom_right_aligned(rng, nq, nk, mask):
     """With v = identity, out is the attention matrix P: its support is the mask drawn in the docstring."""
@@ -110,9 +109,7 @@ def test_causal_mask_is_bottom_right_aligned(rng, nq, nk, mask):
 
 @pytest.mark.parametrize("block_q, block_k", [(1, 1), (7, 5), (16, 64)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_any_tiling_gives_the_same_attention(
-    rng, monkeypatch, assert_matches_reference, block_q, block_k, causal
-):
+def test_any_tiling_gives_the_same_attention(rng, monkeypatch, assert_matches_reference, block_q, block_k, causal):
     """Tiles smaller than, and not dividing, the sequences: partial tiles and skipped causal tiles."""
     monkeypatch.setattr(_cpu, "BLOCK_Q", block_q)
     monkeypatch.setattr(_cpu, "BLOCK_K", block_k)
@@ -152,7 +149,8 @@ def test_empty_problems(rng, batch, nq, nk, causal):
 def test_numpy_inputs_never_touch_the_gpu_back_end(rng, monkeypatch):
     """The CPU path needs no GPU: NumPy inputs compile nothing, ask CUDA for no device and plan no launch."""
     from cupyflash._arrays import cupy
-    from cupyflash._cuda import backend, compile as compile_, launch
+    from cupyflash._cuda import backend, launch
+    from cupyflash._cuda import compile as compile_
 
     def refuse(*args, **kwargs):
         raise AssertionError("the CPU path reached CUDA")

@@ -10,10 +10,10 @@ import math
 
 import numpy as np
 import pytest
+from helpers.modifiers import OPTIONS, alibi_slopes, block_grid
 
 import cupyflash
 from cupyflash import _cpu, _dropout, reference
-from helpers.modifiers import OPTIONS, alibi_slopes, block_grid
 
 # max|x - ref| / max|ref| against the reference (float32 arithmetic anywhere would give ~1e-7)
 RTOL = 1e-12
@@ -149,8 +149,14 @@ def test_grouped_query_attention_with_every_option(rng, causal):
     """q (B, Hk, G, N, D) with k, v (B, Hk, 1, N, D): dk, dv summed over the G query heads in float64."""
     kv_heads, groups, nq, nk, d = 2, 3, 37, 53, 40
     q, k, v, dout = _problem(rng, (B, kv_heads, groups, nq, d), (B, kv_heads, 1, nk, d), (B, kv_heads, 1, nk, d))
-    options = dict(window=(20, 5), softcap=3.0, alibi_slopes=alibi_slopes(kv_heads * groups).reshape(kv_heads, groups),
-                   bias=_random(rng, (B, kv_heads, 1, nq, nk)), mask=rng.random((nq, nk)) < 0.9, **DROPOUT)
+    options = dict(
+        window=(20, 5),
+        softcap=3.0,
+        alibi_slopes=alibi_slopes(kv_heads * groups).reshape(kv_heads, groups),
+        bias=_random(rng, (B, kv_heads, 1, nq, nk)),
+        mask=rng.random((nq, nk)) < 0.9,
+        **DROPOUT,
+    )
     results = _run(q, k, v, dout, causal=causal, **options)
     assert results[3].shape == k.shape and results[5].shape == (B, kv_heads, 1, nq, nk)
     _check(q, k, v, dout, results, causal=causal, **options)
@@ -214,12 +220,16 @@ def test_varlen_matches_reference(rng, causal, which):
     lengths_q, lengths_k = [5, 0, 37, 70, 1, 20], [9, 3, 53, 2, 0, 64]
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
     heads, kv_heads, d, dv = 6, 3, 40, 24
-    q, k, v = (_random(rng, (int(cu[-1]), h, width))
-               for cu, h, width in ((cu_q, heads, d), (cu_k, kv_heads, d), (cu_k, kv_heads, dv)))
+    q, k, v = (
+        _random(rng, (int(cu[-1]), h, width))
+        for cu, h, width in ((cu_q, heads, d), (cu_k, kv_heads, d), (cu_k, kv_heads, dv))
+    )
     dout = _random(rng, (int(cu_q[-1]), heads, dv))
-    options = {} if which == "plain" else dict(window=(20, 3), softcap=2.0,
-                                               alibi_slopes=np.linspace(0.05, 0.5, heads, dtype=np.float32),
-                                               **DROPOUT)
+    options = (
+        {}
+        if which == "plain"
+        else dict(window=(20, 3), softcap=2.0, alibi_slopes=np.linspace(0.05, 0.5, heads, dtype=np.float32), **DROPOUT)
+    )
     out, lse = cupyflash.attention_varlen_forward(q, k, v, cu_q, cu_k, causal=causal, **options)
     grads = cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=causal, **options)
     ref_out, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, **options)

@@ -9,12 +9,12 @@ import tracemalloc
 import ml_dtypes
 import numpy as np
 import pytest
-
-import cupyflash
-from cupyflash import _cpu, _modifiers, reference
 from helpers.checks import assert_matches_reference
 from helpers.modifiers import NO_OPTIONS, OPTIONS, alibi_slopes, block_grid, random_options, run
 from helpers.problems import random_array, random_problem
+
+import cupyflash
+from cupyflash import _cpu, _modifiers, reference
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 # (Nq, Nk, D): sizes that are not multiples of the 64-wide CPU tiles nor of the 128-wide block_mask tiles
@@ -48,8 +48,9 @@ def test_all_options_together_match_reference(rng, dtype, causal, nq, nk, d):
 
 # Not (..., Nq, 1) nor (): a bias constant along the keys shifts no probability, its dbias is 0 (rounding).
 @pytest.mark.parametrize("bias_shape", [(1, 1, 70, 150), (B, 1, 1, 150), (70, 150), (150,), (1, H, 1, 150)])
-@pytest.mark.parametrize("dtype, bias_dtype", [(np.float32, np.float32), (np.float16, np.float32),
-                                               (ml_dtypes.bfloat16, ml_dtypes.bfloat16)])
+@pytest.mark.parametrize(
+    "dtype, bias_dtype", [(np.float32, np.float32), (np.float16, np.float32), (ml_dtypes.bfloat16, ml_dtypes.bfloat16)]
+)
 def test_broadcast_bias_gives_dbias_of_its_shape(rng, dtype, bias_dtype, bias_shape):
     """dbias has the bias's own shape and dtype: dS summed over the dims along which it was broadcast."""
     options = random_options(rng, ["bias", "mask"], (B, H), 70, 150, bias_dtype, bias_shape=bias_shape)
@@ -62,8 +63,9 @@ def test_broadcast_bias_gives_dbias_of_its_shape(rng, dtype, bias_dtype, bias_sh
 def test_grouped_query_attention_with_every_option(rng, dtype, causal):
     """q (B, Hk, G, N, D) with k, v (B, Hk, 1, N, D); slopes per (Hk, G), bias shared by the G groups."""
     kv_heads, groups, nq, nk, d = 2, 3, 77, 140, 40
-    q, k, v, dout = random_problem(rng, (B, kv_heads, groups, nq, d), (B, kv_heads, 1, nk, d),
-                                   (B, kv_heads, 1, nk, d), dtype)
+    q, k, v, dout = random_problem(
+        rng, (B, kv_heads, groups, nq, d), (B, kv_heads, 1, nk, d), (B, kv_heads, 1, nk, d), dtype
+    )
     options = dict(
         window=(60, 5),
         softcap=3.0,
@@ -154,8 +156,13 @@ def test_options_that_change_nothing_change_no_bit(rng):
     """An unbounded window, a zero bias and zero slopes, all-True masks: the same bits as no options."""
     nq, nk, d = 130, 200, 32
     q, k, v, dout = random_problem(rng, (B, H, nq, d), (B, H, nk, d), (B, H, nk, d), np.float16)
-    neutral = dict(window=(-1, -1), alibi_slopes=np.zeros(H, np.float32), bias=np.zeros((nq, nk), np.float16),
-                   mask=np.ones((nq, nk), bool), block_mask=np.ones(block_grid(nq, nk), bool))
+    neutral = dict(
+        window=(-1, -1),
+        alibi_slopes=np.zeros(H, np.float32),
+        bias=np.zeros((nq, nk), np.float16),
+        mask=np.ones((nq, nk), bool),
+        block_mask=np.ones(block_grid(nq, nk), bool),
+    )
     for causal in (False, True):
         plain = run(q, k, v, dout, causal=causal)
         *modified, dbias = run(q, k, v, dout, causal=causal, **neutral)
@@ -209,8 +216,13 @@ def test_memory_stays_linear_in_sequence_length(rng):
     """Window, softcap, ALiBi, a per-key bias and a block mask: still no Nq x Nk array anywhere."""
     n, d = 2048, 16
     q, k, v, dout = random_problem(rng, (n, d), (n, d), (n, d), np.float32)
-    options = dict(window=(256, 0), softcap=5.0, alibi_slopes=np.float32([0.1]).reshape(()),
-                   bias=random_array(rng, (n,), np.float32), block_mask=np.ones(block_grid(n, n), bool))
+    options = dict(
+        window=(256, 0),
+        softcap=5.0,
+        alibi_slopes=np.float32([0.1]).reshape(()),
+        bias=random_array(rng, (n,), np.float32),
+        block_mask=np.ones(block_grid(n, n), bool),
+    )
     tracemalloc.start()  # NumPy reports its data allocations to tracemalloc
     try:
         run(q, k, v, dout, causal=True, **options)

@@ -1,11 +1,11 @@
 """The host side of the dense fast path (cupyflash/_cuda/dense_fast.py), without a GPU.
 
-What this file proves: NumPy calls never build a layout key and never touch the table of known layouts;
-a ``_Call`` lays the outputs it returns out in one allocation, and the backward's workspaces in another, at
-256-byte aligned offsets, without overlap or waste beyond the alignment; a call's dropout seed gives exactly the checked path's round keys, and a seed that
-the checks reject sends the call back to them before anything is allocated or launched; the table keeps at
-most MAX_LAYOUTS layouts, the oldest going first, and passes over keys it cannot hold. Building a key from
-CuPy arrays, and running a ``_Call``, need a GPU: tests/gpu/test_gpu_fast_path.py.
+What this file proves: NumPy calls never build a layout key and never touch the table of known layouts; a ``_Call``
+lays the outputs it returns out in one allocation, and the backward's workspaces in another, at 256-byte aligned
+offsets, without overlap or waste beyond the alignment; a call's dropout seed gives exactly the checked path's round
+keys, and a seed that the checks reject sends the call back to them before anything is allocated or launched; the
+table keeps at most MAX_LAYOUTS layouts, the oldest going first, and passes over keys it cannot hold. Building a key
+from CuPy arrays, and running a ``_Call``, need a GPU: tests/gpu/test_gpu_fast_path.py.
 """
 
 import math
@@ -19,12 +19,7 @@ from cupyflash._cuda import dense_fast
 from cupyflash._dropout import SEED_LIMIT, Dropout
 
 # (options as keywords of attention_forward) the fast path keys on
-OPTIONS = [
-    {},
-    dict(causal=True, scale=0.3),
-    dict(window=(5, 0), softcap=12.5),
-    dict(dropout_p=0.25, dropout_seed=11),
-]
+OPTIONS = [{}, dict(causal=True, scale=0.3), dict(window=(5, 0), softcap=12.5), dict(dropout_p=0.25, dropout_seed=11)]
 
 
 class StandInPlan:
@@ -42,8 +37,14 @@ class StandInPlan:
 
 
 def _options_key_args(options):
-    return (options.get("causal", False), options.get("scale"), options.get("window"), options.get("softcap", 0.0),
-            options.get("dropout_p", 0.0), options.get("dropout_seed"))
+    return (
+        options.get("causal", False),
+        options.get("scale"),
+        options.get("window"),
+        options.get("softcap", 0.0),
+        options.get("dropout_p", 0.0),
+        options.get("dropout_seed"),
+    )
 
 
 def _nbytes(shape, dtype):
@@ -93,9 +94,17 @@ def test_numpy_calls_leave_the_layout_table_alone(rng, options):
 # name -> (names, outputs, returned), with awkward shapes whose byte sizes are no multiples of 256
 CALLS = {
     "forward": (dense_fast.FORWARD_NAMES, [((3, 5, 77, 40), np.float16), ((3, 5, 77), np.float32)], 2),
-    "backward": (dense_fast.BACKWARD_NAMES,
-                 [((3, 5, 77, 40), np.float16), ((3, 5, 133, 40), np.float16), ((3, 5, 133, 24), np.float16),
-                  ((3, 5, 77), np.float32), ((3, 5, 77), np.float32)], 3),
+    "backward": (
+        dense_fast.BACKWARD_NAMES,
+        [
+            ((3, 5, 77, 40), np.float16),
+            ((3, 5, 133, 40), np.float16),
+            ((3, 5, 133, 24), np.float16),
+            ((3, 5, 77), np.float32),
+            ((3, 5, 77), np.float32),
+        ],
+        3,
+    ),
     "float64 forward, one row": (dense_fast.FORWARD_NAMES, [((1, 1, 1, 8), np.float64), ((1, 1, 1), np.float64)], 2),
 }
 
@@ -187,8 +196,16 @@ def test_seeds_out_of_range_go_to_the_checks(seed, p):
 
 
 def test_valid_seeds_give_the_checked_paths_round_keys(rng):
-    seeds = [0, 1, 2**32 - 1, 2**32, SEED_LIMIT - 1, np.uint64(2**63 + 5), np.int64(2**62 + 3),
-             int(rng.integers(0, 2**63)) * 2 + 1]
+    seeds = [
+        0,
+        1,
+        2**32 - 1,
+        2**32,
+        SEED_LIMIT - 1,
+        np.uint64(2**63 + 5),
+        np.int64(2**62 + 3),
+        int(rng.integers(0, 2**63)) * 2 + 1,
+    ]
     for p in (0.1, 0.5, float(rng.uniform(0.01, 0.99))):
         for seed in seeds:
             keys = dense_fast._round_keys(_call_with(p), seed)
@@ -205,8 +222,27 @@ def test_valid_seeds_give_the_checked_paths_round_keys(rng):
 
 def _layout(i):
     """A stand-in layout key, hashable like the real ones."""
-    return ("fwd", 0, "", False, None, None, 0.0, 0.0, bool, type(None), type(None), float, float, type(None),
-            (2, 3, 37 + i, 24), (2304, 768, 48, 2), np.dtype(np.float16), 0, 0)
+    return (
+        "fwd",
+        0,
+        "",
+        False,
+        None,
+        None,
+        0.0,
+        0.0,
+        bool,
+        type(None),
+        type(None),
+        float,
+        float,
+        type(None),
+        (2, 3, 37 + i, 24),
+        (2304, 768, 48, 2),
+        np.dtype(np.float16),
+        0,
+        0,
+    )
 
 
 @pytest.fixture

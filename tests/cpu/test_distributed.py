@@ -26,6 +26,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.checks import assert_bitwise_equal, max_abs
+from helpers.checks import assert_matches_reference as assert_matches_reference_scaled
+from helpers.gpu import gpu_available
+from helpers.modifiers import SOFTCAP, alibi_slopes
+from helpers.problems import random_array, random_problem
 
 import cupyflash
 from cupyflash import distributed as dist
@@ -33,11 +38,6 @@ from cupyflash import reference
 from cupyflash._arrays import cupy
 from cupyflash.distributed import _schedule
 from cupyflash.distributed._layout import chunk_length, chunks_of
-from helpers.checks import assert_bitwise_equal, assert_matches_reference as assert_matches_reference_scaled
-from helpers.checks import max_abs
-from helpers.gpu import gpu_available
-from helpers.modifiers import SOFTCAP, alibi_slopes
-from helpers.problems import random_array, random_problem
 
 B, H, D, DV = 2, 3, 12, 20
 WORLD_SIZES = (1, 2, 3, 4, 8)
@@ -70,8 +70,11 @@ def _ring(world_size, q, k, v, dout, *, group=None, **kwargs):
         grads = dist.ring_attention_backward(dout_l, q_l, k_l, v_l, out_l, lse_l, comm=comm, **kwargs)
         for g, x in zip(grads, (q_l, k_l, v_l)):
             assert (g.shape, g.dtype) == (x.shape, x.dtype)
-        return (dist.unshard(out_l, comm, layout=layout), dist.unshard(lse_l, comm, layout=layout, axis=-1),
-                *(dist.unshard(g, comm, layout=layout) for g in grads))
+        return (
+            dist.unshard(out_l, comm, layout=layout),
+            dist.unshard(lse_l, comm, layout=layout, axis=-1),
+            *(dist.unshard(g, comm, layout=layout) for g in grads),
+        )
 
     results = group.run(rank_work)
     for rank, other in enumerate(results[1:], 1):
@@ -115,9 +118,13 @@ def _problem(rng, world_size, dtype=np.float32, batch=(B, H), d=D, dv=DV):
 
 def _options(option):
     """The ring keywords of one named option (ALiBi slopes per head H, as (H,) or (1, H))."""
-    return dict(softcap=dict(softcap=SOFTCAP), scale=dict(scale=0.3),
-                alibi_h=dict(alibi_slopes=alibi_slopes(H)), alibi_1h=dict(alibi_slopes=alibi_slopes(H)[None]),
-                all=dict(softcap=SOFTCAP, scale=0.3, alibi_slopes=alibi_slopes(H)))[option]
+    return dict(
+        softcap=dict(softcap=SOFTCAP),
+        scale=dict(scale=0.3),
+        alibi_h=dict(alibi_slopes=alibi_slopes(H)),
+        alibi_1h=dict(alibi_slopes=alibi_slopes(H)[None]),
+        all=dict(softcap=SOFTCAP, scale=0.3, alibi_slopes=alibi_slopes(H)),
+    )[option]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -268,8 +275,10 @@ def test_results_are_deterministic(rng):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("batch, nq, nk, causal", [((B, H), 0, 0, True), ((B, H), 0, 0, False),
-                                                   ((0, H), 12, 12, True), ((B, H), 12, 0, False)])
+@pytest.mark.parametrize(
+    "batch, nq, nk, causal",
+    [((B, H), 0, 0, True), ((B, H), 0, 0, False), ((0, H), 12, 12, True), ((B, H), 12, 0, False)],
+)
 def test_empty_problems_match_the_single_call(rng, layout, batch, nq, nk, causal):
     """N = 0, an empty batch, or no keys at all (not causal): the ring returns what the single call
     returns: the same shapes and dtypes, out and gradients 0, lse -inf."""
@@ -299,8 +308,9 @@ def test_shard_holds_the_documented_chunks(world_size):
 
     for r, shards in enumerate(dist.InProcessGroup(world_size).run(rank_work)):
         zig, cont = shards["zigzag"], shards["contiguous"]
-        expected_zig = list(range(r * c, (r + 1) * c)) + list(range((2 * world_size - 1 - r) * c,
-                                                                    (2 * world_size - r) * c))
+        expected_zig = list(range(r * c, (r + 1) * c)) + list(
+            range((2 * world_size - 1 - r) * c, (2 * world_size - r) * c)
+        )
         assert zig[:, 0].tolist() == expected_zig and zig.shape == (2 * c, 5)
         assert cont[:, 0].tolist() == list(range(r * 2 * c, (r + 1) * 2 * c))
         assert chunks_of("zigzag", world_size, r) == (r, 2 * world_size - 1 - r)
@@ -318,15 +328,18 @@ def test_shard_unshard_round_trip(rng, world_size, layout):
     xs = [random_array(rng, (B, H, n, 5), ml_dtypes.bfloat16), random_array(rng, (B, H, n), np.float64)]
 
     def rank_work(comm):
-        return [dist.unshard(dist.shard(x, comm, layout=layout, axis=axis), comm, layout=layout, axis=axis)
-                for x, axis in zip(xs, (-2, -1))]
+        return [
+            dist.unshard(dist.shard(x, comm, layout=layout, axis=axis), comm, layout=layout, axis=axis)
+            for x, axis in zip(xs, (-2, -1))
+        ]
 
     for back in dist.InProcessGroup(world_size).run(rank_work):
         assert_bitwise_equal(back, xs, names=["axis -2", "axis -1"])
 
 
-@pytest.mark.parametrize("layout, n, world_size", [("zigzag", 18, 2), ("zigzag", 6, 2), ("contiguous", 10, 3),
-                                                   ("contiguous", 7, 2)])
+@pytest.mark.parametrize(
+    "layout, n, world_size", [("zigzag", 18, 2), ("zigzag", 6, 2), ("contiguous", 10, 3), ("contiguous", 7, 2)]
+)
 def test_shard_raises_when_the_sequence_does_not_split(layout, n, world_size):
     """N not a multiple of 2W (zigzag) or W (contiguous): ValueError naming the layout."""
     x = np.zeros((n, 4), dtype=np.float32)
@@ -346,8 +359,11 @@ def test_bad_layout_and_axis_raise():
     x = np.zeros((1, 8, 4), dtype=np.float32)
 
     def rank_work(comm):
-        for call in (lambda: dist.shard(x, comm, layout="ring"), lambda: dist.unshard(x, comm, layout="Zigzag"),
-                     lambda: dist.ring_attention(x, x, x, comm=comm, layout="striped")):
+        for call in (
+            lambda: dist.shard(x, comm, layout="ring"),
+            lambda: dist.unshard(x, comm, layout="Zigzag"),
+            lambda: dist.ring_attention(x, x, x, comm=comm, layout="striped"),
+        ):
             with pytest.raises(ValueError, match="layout must be one of"):
                 call()
         with pytest.raises(ValueError, match="out of range"):
@@ -431,7 +447,8 @@ def test_schedule_covers_every_allowed_pair_once(layout, causal, per_pair):
         expected = (np.arange(nk)[None, :] <= np.arange(nq)[:, None]) if causal else np.ones((nq, nk), bool)
         assert np.array_equal(counts, expected.astype(int)), (
             f"W={world_size}: {int((counts > expected).sum())} pairs computed twice or masked, "
-            f"{int((counts < expected).sum())} pairs missed")
+            f"{int((counts < expected).sum())} pairs missed"
+        )
 
 
 @pytest.mark.parametrize("per_pair", [False, True])
@@ -527,8 +544,7 @@ def test_group_run_reraises_the_mismatch(rng):
 
     def rank_work(comm):
         q_l, k_l, v_l = (dist.shard(x, comm) for x in (q, k, v))
-        return dist.ring_attention(q_l[:, : 1 + comm.rank], k_l[:, : 1 + comm.rank], v_l[:, : 1 + comm.rank],
-                                   comm=comm)
+        return dist.ring_attention(q_l[:, : 1 + comm.rank], k_l[:, : 1 + comm.rank], v_l[:, : 1 + comm.rank], comm=comm)
 
     with pytest.raises(ValueError, match="the ranks' calls differ"):
         dist.InProcessGroup(2, timeout=5).run(rank_work)
@@ -544,8 +560,9 @@ def test_odd_zigzag_shard_raises(rng):
 
     for error in _errors_on_every_rank(2, call):
         assert isinstance(error, ValueError) and "holds 7 rows" in str(error) and "'zigzag'" in str(error)
-    outs = dist.InProcessGroup(2).run(lambda comm: dist.ring_attention(q[..., :7, :], k[..., :7, :], v[..., :7, :],
-                                                                       comm=comm, layout="contiguous"))
+    outs = dist.InProcessGroup(2).run(
+        lambda comm: dist.ring_attention(q[..., :7, :], k[..., :7, :], v[..., :7, :], comm=comm, layout="contiguous")
+    )
     assert all(o.shape == (B, H, 7, DV) for o in outs)
 
 
@@ -559,11 +576,21 @@ def test_causal_or_alibi_with_shards_of_different_lengths_raises(rng, options):
         assert isinstance(error, ValueError) and "got 4 and 6 rows" in str(error), repr(error)
 
 
-@pytest.mark.parametrize("kwargs, change", [
-    (dict(scale=-1.0), None), (dict(scale=float("nan")), None), (dict(softcap=-1.0), None),
-    (dict(causal="yes"), None), (dict(alibi_slopes=np.ones(4, np.float32)), None),
-    (dict(alibi_slopes=[1.0, 1.0, 1.0]), None), ({}, "head_dim"), ({}, "dtype"), ({}, "int"),
-], ids=["scale", "scale_nan", "softcap", "causal", "alibi_shape", "alibi_list", "head_dim", "dtype", "int"])
+@pytest.mark.parametrize(
+    "kwargs, change",
+    [
+        (dict(scale=-1.0), None),
+        (dict(scale=float("nan")), None),
+        (dict(softcap=-1.0), None),
+        (dict(causal="yes"), None),
+        (dict(alibi_slopes=np.ones(4, np.float32)), None),
+        (dict(alibi_slopes=[1.0, 1.0, 1.0]), None),
+        ({}, "head_dim"),
+        ({}, "dtype"),
+        ({}, "int"),
+    ],
+    ids=["scale", "scale_nan", "softcap", "causal", "alibi_shape", "alibi_list", "head_dim", "dtype", "int"],
+)
 def test_invalid_arguments_raise_the_single_call_error(rng, kwargs, change):
     """An invalid argument on every rank raises, on every rank, the very error (type and message) that
     cupyflash.attention_forward raises for it."""
@@ -677,8 +704,11 @@ def test_package_exports():
 @pytest.mark.skipif(cupy is None or gpu_available(), reason="checks a machine whose CuPy sees no usable GPU")
 def test_init_without_a_usable_gpu_says_so():
     """As warmup() does: a RuntimeError that names the call and CUDA's answer, not CUDA's own exception."""
-    with pytest.raises(RuntimeError, match=r"^cupyflash\.distributed\.init needs a CUDA device per rank, but CUDA "
-                                           r"reports none usable \(.+\); for NumPy arrays use InProcessGroup$"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^cupyflash\.distributed\.init needs a CUDA device per rank, but CUDA "
+        r"reports none usable \(.+\); for NumPy arrays use InProcessGroup$",
+    ):
         dist.init(rank=0, world_size=1)
 
 
@@ -686,7 +716,11 @@ def test_the_example_runs_on_cpu_ranks_with_its_default_length():
     """examples/ring_attention.py --cpu 3: its default length is rounded up to a multiple of 2W for zigzag
     shards (512 -> 516), and the ring matches one device."""
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, str(root / "examples" / "ring_attention.py"), "--cpu", "3"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(root / "examples" / "ring_attention.py"), "--cpu", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "3 ranks (threads), N = 516" in done.stdout

@@ -7,19 +7,22 @@ import math
 
 import numpy as np
 import pytest
-
-import cupyflash
-from cupyflash import _dropout, reference
 from helpers.checks import assert_matches_reference
 from helpers.modifiers import random_options, run
 from helpers.problems import random_problem
+
+import cupyflash
+from cupyflash import _dropout, reference
 
 # Random123's kat_vectors, "philox4x32 10" lines: counter words, key words, expected output words.
 PHILOX_KAT = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
 ]
 
 
@@ -84,7 +87,9 @@ def test_reference_gradient_against_finite_differences(rng, causal):
             plus[index] += eps
             minus[index] -= eps
             args = {"q": q, "k": k, "v": v, name: None}
-            numeric = (_loss(**{**args, name: plus}, dout=dout, **kw) - _loss(**{**args, name: minus}, dout=dout, **kw)) / (2 * eps)
+            numeric = (
+                _loss(**{**args, name: plus}, dout=dout, **kw) - _loss(**{**args, name: minus}, dout=dout, **kw)
+            ) / (2 * eps)
             assert abs(numeric - g[index]) <= 1e-6 * max(1.0, abs(numeric)), (name, index, numeric, g[index])
 
 
@@ -100,8 +105,9 @@ def test_dropout_changes_the_output_as_the_mask_says(rng):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("which", [[], ["window", "softcap", "alibi_slopes", "bias", "mask", "block_mask"]],
-                         ids=["plain", "every-modifier"])
+@pytest.mark.parametrize(
+    "which", [[], ["window", "softcap", "alibi_slopes", "bias", "mask", "block_mask"]], ids=["plain", "every-modifier"]
+)
 def test_cpu_path_matches_reference(rng, causal, which):
     """NumPy inputs (the CPU path, tile by tile) against the reference, GQA-broadcast k and v."""
     batch = (2, 3)
@@ -130,18 +136,21 @@ def test_attention_draws_a_seed_from_numpy_random(rng):
     assert np.array_equal(first, again) and not np.array_equal(first, other)
 
 
-@pytest.mark.parametrize("kwargs, error, text", [
-    (dict(dropout_p=1.0, dropout_seed=1), ValueError, r"dropout_p must be in \[0, 1\)"),
-    (dict(dropout_p=-0.1, dropout_seed=1), ValueError, r"dropout_p must be in \[0, 1\)"),
-    (dict(dropout_p=float("nan"), dropout_seed=1), ValueError, r"dropout_p must be in \[0, 1\)"),
-    (dict(dropout_p="0.1", dropout_seed=1), TypeError, "dropout_p must be a real number"),
-    (dict(dropout_p=True, dropout_seed=1), TypeError, "dropout_p must be a real number"),
-    (dict(dropout_p=0.1, dropout_seed=1.5), TypeError, "dropout_seed must be an integer"),
-    (dict(dropout_p=0.1, dropout_seed="7"), TypeError, "dropout_seed must be an integer"),
-    (dict(dropout_p=0.1, dropout_seed=-1), ValueError, r"dropout_seed must be in \[0, 2\*\*64\)"),
-    (dict(dropout_p=0.1, dropout_seed=2**64), ValueError, r"dropout_seed must be in \[0, 2\*\*64\)"),
-    (dict(dropout_p=0.1), ValueError, "needs an integer dropout_seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        (dict(dropout_p=1.0, dropout_seed=1), ValueError, r"dropout_p must be in \[0, 1\)"),
+        (dict(dropout_p=-0.1, dropout_seed=1), ValueError, r"dropout_p must be in \[0, 1\)"),
+        (dict(dropout_p=float("nan"), dropout_seed=1), ValueError, r"dropout_p must be in \[0, 1\)"),
+        (dict(dropout_p="0.1", dropout_seed=1), TypeError, "dropout_p must be a real number"),
+        (dict(dropout_p=True, dropout_seed=1), TypeError, "dropout_p must be a real number"),
+        (dict(dropout_p=0.1, dropout_seed=1.5), TypeError, "dropout_seed must be an integer"),
+        (dict(dropout_p=0.1, dropout_seed="7"), TypeError, "dropout_seed must be an integer"),
+        (dict(dropout_p=0.1, dropout_seed=-1), ValueError, r"dropout_seed must be in \[0, 2\*\*64\)"),
+        (dict(dropout_p=0.1, dropout_seed=2**64), ValueError, r"dropout_seed must be in \[0, 2\*\*64\)"),
+        (dict(dropout_p=0.1), ValueError, "needs an integer dropout_seed"),
+    ],
+)
 def test_bad_dropout_arguments(rng, kwargs, error, text):
     q, k, v, dout = random_problem(rng, (1, 20, 8), (1, 20, 8), (1, 20, 8), np.float32)
     with pytest.raises(error, match=text):

@@ -8,13 +8,13 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.problems import random_array
 
 import cupyflash
 from cupyflash import FP8Tensor, hadamard_rotate, quantize_fp8, reference
 from cupyflash._fp8 import DECODE_TABLE, E4M3_MAX, decode_e4m3, encode_e4m3
 from cupyflash._fp8_api import check_compute_capability
 from cupyflash._rotation import random_signs
-from helpers.problems import random_array
 
 F8 = ml_dtypes.float8_e4m3fn
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -23,7 +23,7 @@ DTYPES = dict(INPUT_DTYPES, float64=np.float64)
 VALUES = np.arange(0x7F, dtype=np.uint8).view(F8).astype(np.float64)  # the 127 non-negative finite values
 MIDPOINTS = (VALUES[:-1] + VALUES[1:]) / 2
 # A unit in the last place of out's dtype, relative (the CPU path and the naive round out once each).
-OUT_ULP = {np.dtype(ml_dtypes.bfloat16): 2.0 ** -7, np.dtype(np.float16): 2.0 ** -10}
+OUT_ULP = {np.dtype(ml_dtypes.bfloat16): 2.0**-7, np.dtype(np.float16): 2.0**-10}
 
 
 def ml_dtypes_codes(y):
@@ -46,16 +46,19 @@ def test_encoder_is_ml_dtypes_on_values_midpoints_and_their_neighbours():
 
 def test_encoder_is_ml_dtypes_on_random_magnitudes_and_subnormals(rng):
     y = (np.exp2(rng.uniform(-14, np.log2(E4M3_MAX), 200_000)) * rng.choice([-1, 1], 200_000)).astype(np.float32)
-    subnormals = np.linspace(-2.0 ** -6, 2.0 ** -6, 4097, dtype=np.float32)  # spacing 2^-9 / 16 around 0
-    y = np.concatenate([y, subnormals, np.float32([2.0 ** -10, 2.0 ** -10 + 2.0 ** -30, 3 * 2.0 ** -10])])
+    subnormals = np.linspace(-(2.0**-6), 2.0**-6, 4097, dtype=np.float32)  # spacing 2^-9 / 16 around 0
+    y = np.concatenate([y, subnormals, np.float32([2.0**-10, 2.0**-10 + 2.0**-30, 3 * 2.0**-10])])
     assert (encode_e4m3(y) == ml_dtypes_codes(y)).all()
 
 
 def test_encoder_in_float64_rounds_the_float64_value():
     """The CPU path rounds P in float64: below a midpoint down, above it up, on it to the even code."""
     codes = np.arange(126)
-    cases = [(np.nextafter(MIDPOINTS, -np.inf), codes), (np.nextafter(MIDPOINTS, np.inf), codes + 1),
-             (MIDPOINTS, codes + (codes & 1))]
+    cases = [
+        (np.nextafter(MIDPOINTS, -np.inf), codes),
+        (np.nextafter(MIDPOINTS, np.inf), codes + 1),
+        (MIDPOINTS, codes + (codes & 1)),
+    ]
     for y, expected in cases:
         assert (encode_e4m3(y) == expected).all()
         assert (encode_e4m3(-y) == expected + 0x80).all()
@@ -66,7 +69,7 @@ def test_encoder_saturates_and_keeps_the_sign():
     big = np.float32([448, 448.5, 464, 480, 1e4, 3.4e38])
     assert (encode_e4m3(big) == 0x7E).all() and (encode_e4m3(-big) == 0xFE).all()
     assert encode_e4m3(np.float32([0.0]))[0] == 0x00 and encode_e4m3(np.float32([-0.0]))[0] == 0x80
-    tiny = np.float32([2.0 ** -11, -(2.0 ** -11)])  # half the smallest subnormal: a tie, to 0 (even)
+    tiny = np.float32([2.0**-11, -(2.0**-11)])  # half the smallest subnormal: a tie, to 0 (even)
     assert list(encode_e4m3(tiny)) == [0x00, 0x80] == list(ml_dtypes_codes(tiny))
 
 
@@ -119,7 +122,7 @@ def test_quantize_scales_and_rounding(rng, dtype, shape, block):
     # the subnormal spacing 2^-10 times the scale), plus float32 rounding.
     deq = x8.dequantize(np.float64)
     scales = np.repeat(x8.scale.astype(np.float64), rows, axis=-1)[..., :n, None]
-    bound = np.maximum(2.0 ** -4 * np.abs(x32), 2.0 ** -10 * scales) * (1 + 1e-6)
+    bound = np.maximum(2.0**-4 * np.abs(x32), 2.0**-10 * scales) * (1 + 1e-6)
     assert (np.abs(deq - x32) <= bound).all()
 
 
@@ -147,8 +150,10 @@ def test_quantize_zero_groups_and_empty():
     assert quantize_fp8(np.zeros((2, 5, 0), np.float32)).scale.tolist() == [[1.0], [1.0]]
 
 
-@pytest.mark.parametrize("block, error", [(0, ValueError), (100, ValueError), (-128, ValueError), (1.5, TypeError),
-                                          ("x", ValueError), (True, TypeError)])
+@pytest.mark.parametrize(
+    "block, error",
+    [(0, ValueError), (100, ValueError), (-128, ValueError), (1.5, TypeError), ("x", ValueError), (True, TypeError)],
+)
 def test_quantize_rejects_bad_blocks(block, error):
     with pytest.raises(error, match="block must be"):
         quantize_fp8(np.ones((4, 8), np.float32), block=block)
@@ -186,18 +191,29 @@ def test_fp8_tensor_holder(rng):
     assert (wide.dequantize()[1] == x8.dequantize()).all() and x8.broadcast_to((2, 3)) is x8
 
 
-@pytest.mark.parametrize("args, error, match", [
-    ((np.zeros((4, 8), np.int8), np.ones(1, np.float32), 4), TypeError, "data has dtype int8; expected uint8"),
-    ((np.zeros((4, 8), np.uint8), np.ones(1, np.float64), 4), TypeError, "scale has dtype float64; expected float32"),
-    ((np.zeros(8, np.uint8), np.ones(1, np.float32), 4), ValueError, "at least 2 dims"),
-    ((np.zeros((4, 8), np.uint8), np.ones(2, np.float32), 4), ValueError, r"scale has shape \(2,\); expected \(1,\)"),
-    ((np.zeros((2, 4, 8), np.uint8), np.ones((3, 1), np.float32), 4), ValueError, r"expected \(2, 1\)"),
-    ((np.zeros((300, 8), np.uint8), np.ones(3, np.float32), 100), ValueError, "multiple of 128"),
-    ((np.zeros((4, 8), np.uint8), np.ones(1, np.float32), 0), ValueError, "block must be a positive int"),
-    ((np.zeros((4, 8), np.uint8), np.ones(1, np.float32), 4.0), TypeError, "block must be an int, got 4.0"),
-    ((np.zeros((8, 4), np.uint8).T, np.ones(1, np.float32), 4), ValueError, "data must be C-contiguous"),
-    ((np.zeros((4, 8), np.uint8), [1.0], 4), TypeError, "scale must be a numpy.ndarray"),
-])
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        ((np.zeros((4, 8), np.int8), np.ones(1, np.float32), 4), TypeError, "data has dtype int8; expected uint8"),
+        (
+            (np.zeros((4, 8), np.uint8), np.ones(1, np.float64), 4),
+            TypeError,
+            "scale has dtype float64; expected float32",
+        ),
+        ((np.zeros(8, np.uint8), np.ones(1, np.float32), 4), ValueError, "at least 2 dims"),
+        (
+            (np.zeros((4, 8), np.uint8), np.ones(2, np.float32), 4),
+            ValueError,
+            r"scale has shape \(2,\); expected \(1,\)",
+        ),
+        ((np.zeros((2, 4, 8), np.uint8), np.ones((3, 1), np.float32), 4), ValueError, r"expected \(2, 1\)"),
+        ((np.zeros((300, 8), np.uint8), np.ones(3, np.float32), 100), ValueError, "multiple of 128"),
+        ((np.zeros((4, 8), np.uint8), np.ones(1, np.float32), 0), ValueError, "block must be a positive int"),
+        ((np.zeros((4, 8), np.uint8), np.ones(1, np.float32), 4.0), TypeError, "block must be an int, got 4.0"),
+        ((np.zeros((8, 4), np.uint8).T, np.ones(1, np.float32), 4), ValueError, "data must be C-contiguous"),
+        ((np.zeros((4, 8), np.uint8), [1.0], 4), TypeError, "scale must be a numpy.ndarray"),
+    ],
+)
 def test_fp8_tensor_rejects(args, error, match):
     with pytest.raises(error, match=match):
         FP8Tensor(*args)
@@ -222,7 +238,7 @@ def _rotation_matrix(d, seed):
     for bit in reversed(range(d.bit_length())):
         if d >> bit & 1:
             n = 1 << bit
-            m[start:start + n, start:start + n] = _hadamard(n) / np.sqrt(n)
+            m[start : start + n, start : start + n] = _hadamard(n) / np.sqrt(n)
             start += n
     return random_signs(d, seed)[:, None] * m
 
@@ -263,9 +279,9 @@ def test_hadamard_rotate_dtypes(rng, dtype):
     out = hadamard_rotate(x, seed=1)
     assert out.dtype == np.dtype(DTYPES[dtype]) and out.shape == x.shape
     exact = x.astype(np.float64) @ _rotation_matrix(96, 1)
-    ulp = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}[dtype]
+    ulp = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}[dtype]
     # One rounding to the dtype, plus float32 arithmetic over log2(64) = 6 butterfly passes.
-    atol = (ulp + 8 * 2.0 ** -24) * np.abs(exact).max() * 2
+    atol = (ulp + 8 * 2.0**-24) * np.abs(exact).max() * 2
     assert np.abs(out.astype(np.float64) - exact).max() <= atol
     assert hadamard_rotate(x[..., :0]).shape == x[..., :0].shape
 
@@ -291,7 +307,7 @@ def naive_fp8_attention(q8, k8, v8, *, causal, scale=None, out_dtype=BF16):
 
     def parts(x8):
         values = x8.data.view(F8).astype(np.float64)
-        rows = np.repeat(x8.scale.astype(np.float64), x8.block, axis=-1)[..., :x8.shape[-2]]
+        rows = np.repeat(x8.scale.astype(np.float64), x8.block, axis=-1)[..., : x8.shape[-2]]
         return values, rows
 
     (qd, sq), (kd, sk), (vd, sv) = (parts(x) for x in (q8, k8, v8))
@@ -301,11 +317,11 @@ def naive_fp8_attention(q8, k8, v8, *, causal, scale=None, out_dtype=BF16):
     m = s.max(axis=-1, keepdims=True)
     seen = np.isfinite(m)
     p = np.exp(s - np.where(seen, m, 0))
-    l = p.sum(axis=-1, keepdims=True)
+    row_sum = p.sum(axis=-1, keepdims=True)
     p8 = (p * 256).astype(F8).astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(seen, (p8 @ (vd * sv[..., :, None])) / (256 * l), 0)
-        lse = np.where(seen, m + np.log(l), -np.inf)[..., 0]
+        out = np.where(seen, (p8 @ (vd * sv[..., :, None])) / (256 * row_sum), 0)
+        lse = np.where(seen, m + np.log(row_sum), -np.inf)[..., 0]
     return out.astype(out_dtype), lse.astype(np.float32)
 
 
@@ -334,8 +350,9 @@ def _check_against_naive_and_reference(q8, k8, v8, *, causal, scale=None, out_dt
     assert np.allclose(lse, naive_lse, rtol=1e-6, atol=1e-6)
     # Against float64 attention on the dequantized inputs: only the rounding of P (and of out) is left. P
     # keeps 3 mantissa bits, up to 2^-4 relative per probability: these cases measure 0.1% to 2.3% RMSE.
-    ref, ref_lse = reference.attention(*(x.dequantize(np.float64) for x in (q8, k8, v8)), causal=causal,
-                                       scale=scale, return_lse=True)
+    ref, ref_lse = reference.attention(
+        *(x.dequantize(np.float64) for x in (q8, k8, v8)), causal=causal, scale=scale, return_lse=True
+    )
     error, naive_error = _rms(out64 - ref), _rms(naive64 - ref)
     assert error <= 5e-2 * _rms(ref)
     assert error <= 2 * naive_error + OUT_ULP[out_dtype] * _rms(ref)
@@ -357,8 +374,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}x{c[3]}-D{c[4]}-Dv{c[5]}-"
-                                                      f"{'causal' if c[6] else 'full'}-{c[7]}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}x{c[3]}-D{c[4]}-Dv{c[5]}-{'causal' if c[6] else 'full'}-{c[7]}"
+)
 def test_attention_fp8_matches_naive_and_reference(rng, case):
     lead_q, lead_kv, nq, nk, d, dv, causal, blocks = case
     q8, k8, v8 = _holders(rng, [lead_q + (nq, d), lead_kv + (nk, d), lead_kv + (nk, dv)], blocks)
@@ -370,8 +388,11 @@ def test_attention_fp8_matches_naive_and_reference(rng, case):
 
 
 @pytest.mark.parametrize("dtype", INPUT_DTYPES)
-@pytest.mark.parametrize("out_dtype", [np.float16, ml_dtypes.bfloat16, "float16", "bfloat16"],
-                         ids=["float16", "bfloat16", "'float16'", "'bfloat16'"])
+@pytest.mark.parametrize(
+    "out_dtype",
+    [np.float16, ml_dtypes.bfloat16, "float16", "bfloat16"],
+    ids=["float16", "bfloat16", "'float16'", "'bfloat16'"],
+)
 def test_attention_fp8_dtypes_and_scale(rng, dtype, out_dtype):
     q8, k8, v8 = _holders(rng, [(2, 200, 64), (2, 300, 64), (2, 300, 32)], (None, 128, 256), INPUT_DTYPES[dtype])
     out, _ = _check_against_naive_and_reference(q8, k8, v8, causal=True, scale=0.3, out_dtype=out_dtype)
@@ -386,15 +407,21 @@ def test_attention_fp8_broadcast_equals_repeated_holders(rng):
     out, lse = cupyflash.attention_forward(q8, k8, v8, causal=True)
     lead = (2, 2, 3)
     k_full, v_full = (x.broadcast_to(lead) for x in (k8, v8))
-    k_full, v_full = (FP8Tensor(np.ascontiguousarray(x.data), np.ascontiguousarray(x.scale), x.block)
-                      for x in (k_full, v_full))
+    k_full, v_full = (
+        FP8Tensor(np.ascontiguousarray(x.data), np.ascontiguousarray(x.scale), x.block) for x in (k_full, v_full)
+    )
     out_full, lse_full = cupyflash.attention_forward(q8, k_full, v_full, causal=True)
     assert np.array_equal(out.view(np.uint16), out_full.view(np.uint16)) and np.array_equal(lse, lse_full)
 
 
-@pytest.mark.parametrize("shapes", [[(0, 3, 10, 8), (0, 3, 12, 8), (0, 3, 12, 16)],
-                                    [(2, 0, 8), (2, 12, 8), (2, 12, 16)],
-                                    [(2, 10, 8), (2, 0, 8), (2, 0, 16)]])
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(0, 3, 10, 8), (0, 3, 12, 8), (0, 3, 12, 16)],
+        [(2, 0, 8), (2, 12, 8), (2, 12, 16)],
+        [(2, 10, 8), (2, 0, 8), (2, 0, 16)],
+    ],
+)
 def test_attention_fp8_empty(shapes):
     q8, k8, v8 = (quantize_fp8(np.ones(s, np.float32)) for s in shapes)
     out, lse = cupyflash.attention_forward(q8, k8, v8, out_dtype=np.float16)
@@ -419,9 +446,18 @@ def test_mixing_fp8_and_arrays_is_a_type_error(rng):
         cupyflash.attention(q8.dequantize(), k8, v8.dequantize())
 
 
-@pytest.mark.parametrize("option", [dict(window=(4, 0)), dict(softcap=30.0), dict(alibi_slopes=np.ones(2, np.float32)),
-                                    dict(bias=np.zeros((10, 12), np.float32)), dict(mask=np.ones((10, 12), bool)),
-                                    dict(block_mask=np.ones((1, 1), bool)), dict(dropout_p=0.1, dropout_seed=1)])
+@pytest.mark.parametrize(
+    "option",
+    [
+        dict(window=(4, 0)),
+        dict(softcap=30.0),
+        dict(alibi_slopes=np.ones(2, np.float32)),
+        dict(bias=np.zeros((10, 12), np.float32)),
+        dict(mask=np.ones((10, 12), bool)),
+        dict(block_mask=np.ones((1, 1), bool)),
+        dict(dropout_p=0.1, dropout_seed=1),
+    ],
+)
 def test_unsupported_options(rng, option):
     (name,) = [n for n in option if n != "dropout_seed"]
     for function in (cupyflash.attention, cupyflash.attention_forward):
@@ -472,8 +508,11 @@ def test_compute_capability_check():
     check_compute_capability("90")
     with pytest.raises(RuntimeError, match="this device is 10.0$"):  # sm_90a code runs on 9.0 alone
         check_compute_capability("100")
-    with pytest.raises(RuntimeError, match=r"needs a Hopper GPU \(compute capability 9.0, FP8 wgmma\); "
-                                           r"this device is 8.0$"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"needs a Hopper GPU \(compute capability 9.0, FP8 wgmma\); "
+        r"this device is 8.0$",
+    ):
         check_compute_capability("80")
     with pytest.raises(RuntimeError, match="this device is 8.9$"):
         check_compute_capability("89")
@@ -505,10 +544,12 @@ def test_a_block_past_n_is_one_scale_per_slice(rng):
     spread the scale past N rows (2^40 rows would not fit in memory)."""
     x = rng.standard_normal((2, 3, 77, 16), dtype=np.float32)
     x8 = quantize_fp8(x)
-    huge = FP8Tensor(x8.data, x8.scale, 2 ** 40)
+    huge = FP8Tensor(x8.data, x8.scale, 2**40)
     assert np.array_equal(huge.dequantize(), x8.dequantize())
-    assert np.array_equal(cupyflash.attention(huge, huge, huge, causal=True).view(np.uint16),
-                          cupyflash.attention(x8, x8, x8, causal=True).view(np.uint16))
+    assert np.array_equal(
+        cupyflash.attention(huge, huge, huge, causal=True).view(np.uint16),
+        cupyflash.attention(x8, x8, x8, causal=True).view(np.uint16),
+    )
 
 
 # ------------------------------------------------------------------------------------------ the descale's block
@@ -516,22 +557,31 @@ def test_division_magic_is_floor_division_below_2_to_the_31(rng):
     """The kernel finds a row's descale block as (row * magic) >> shift in 64 bits: exact for every divisor it
     can be given and every row below 2**31, the magic a 32-bit unsigned value and the product below 2**64."""
     from cupyflash._cuda.fp8 import division_magic
-    divisors = np.concatenate([np.arange(1, 1025), 128 * np.arange(1, 513), 2 ** np.arange(31) - 1, 2 ** np.arange(31),
-                               rng.integers(1, 2 ** 31, 200)])
-    for d in (int(x) for x in divisors if 1 <= x < 2 ** 31):
+
+    divisors = np.concatenate(
+        [
+            np.arange(1, 1025),
+            128 * np.arange(1, 513),
+            2 ** np.arange(31) - 1,
+            2 ** np.arange(31),
+            rng.integers(1, 2**31, 200),
+        ]
+    )
+    for d in (int(x) for x in divisors if 1 <= x < 2**31):
         magic, shift = division_magic(d)
-        assert 0 < magic < 2 ** 32 and shift < 64
-        multiples = d * np.arange(0, 2 ** 31 // d, max(1, 2 ** 31 // d // 64))
-        rows = np.concatenate([multiples, rng.integers(0, 2 ** 31, 64)])
-        rows = np.unique(np.concatenate([rows, rows - 1, rows + 1, [2 ** 31 - 1]]))
-        rows = rows[(rows >= 0) & (rows < 2 ** 31)].astype(object)  # Python ints: the product is exact
+        assert 0 < magic < 2**32 and shift < 64
+        multiples = d * np.arange(0, 2**31 // d, max(1, 2**31 // d // 64))
+        rows = np.concatenate([multiples, rng.integers(0, 2**31, 64)])
+        rows = np.unique(np.concatenate([rows, rows - 1, rows + 1, [2**31 - 1]]))
+        rows = rows[(rows >= 0) & (rows < 2**31)].astype(object)  # Python ints: the product is exact
         got = np.array([(int(r) * magic) >> shift for r in rows])
         assert np.array_equal(got, np.array([int(r) // d for r in rows])), d
-        assert max(int(r) * magic for r in rows) < 2 ** 64
+        assert max(int(r) * magic for r in rows) < 2**64
 
 
 def test_division_magic_refuses_divisors_outside_its_range():
     from cupyflash._cuda.fp8 import division_magic
-    for d in (0, -3, 2 ** 31):
+
+    for d in (0, -3, 2**31):
         with pytest.raises(ValueError, match="divisor must be in"):
             division_magic(d)

@@ -15,11 +15,11 @@ side is tests/gpu/test_gpu_hidden_keys.py.
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.checks import hidden_keys
+from helpers.modifiers import block_grid
 
 import cupyflash
 from cupyflash import reference
-from helpers.checks import hidden_keys
-from helpers.modifiers import block_grid
 
 BATCH, NQ, NK, D, DV = (2, 2), 150, 170, 24, 20
 ENTRY = (1, 1)  # the poisoned batch entry; the other three stay clean
@@ -95,11 +95,14 @@ def _assert_equal(name, poisoned, clean, where):
     where = np.broadcast_to(where, poisoned.shape)
     assert where.any(), f"{name}: nothing to compare"
     x, y = poisoned[where], clean[where]
-    assert np.isfinite(x).all(), f"{name}: {np.count_nonzero(~np.isfinite(x))} elements the poison cannot reach " \
-                                 "are not finite"
+    assert np.isfinite(x).all(), (
+        f"{name}: {np.count_nonzero(~np.isfinite(x))} elements the poison cannot reach are not finite"
+    )
     differ = np.count_nonzero(x != y)
-    assert differ == 0, f"{name}: {differ} of {x.size} elements the poison cannot reach differ from a clean run " \
-                        f"(max difference {np.max(np.abs(x - y)):.3g})"
+    assert differ == 0, (
+        f"{name}: {differ} of {x.size} elements the poison cannot reach differ from a clean run "
+        f"(max difference {np.max(np.abs(x - y)):.3g})"
+    )
 
 
 def _assert_not_finite(name, x):
@@ -123,8 +126,11 @@ def test_a_poisoned_key_reaches_only_the_rows_that_see_it(rng, runner, dtype, hi
     out, lse, dq, dk, dv = bad
     sees = ~hidden[:, KEY]  # the rows of ENTRY that see the poisoned key
     assert sees.any() and not sees.all(), "the problem must hide the key from some rows and not from others"
-    for label, i, where in (("out", 0, _entry_rows(~sees, 4)), ("lse", 1, _entry_rows(~sees, 3)),
-                            ("dq", 2, _entry_rows(~sees, 4))):
+    for label, i, where in (
+        ("out", 0, _entry_rows(~sees, 4)),
+        ("lse", 1, _entry_rows(~sees, 3)),
+        ("dq", 2, _entry_rows(~sees, 4)),
+    ):
         _assert_equal(f"{label} of the rows that cannot see the key", bad[i], clean[i], where)
     # Keys that no row seeing KEY sees (KEY itself apart; the window leaves some): their dk and dv.
     untouched_keys = ~(~hidden[sees]).any(axis=0)
@@ -132,11 +138,16 @@ def test_a_poisoned_key_reaches_only_the_rows_that_see_it(rng, runner, dtype, hi
     assert untouched_keys.any() or hider != "window"
     if untouched_keys.any():
         for label, i in (("dk", 3), ("dv", 4)):
-            _assert_equal(f"{label} of the keys the poison cannot reach", bad[i], clean[i],
-                          _entry_rows(untouched_keys, 4))
+            _assert_equal(
+                f"{label} of the keys the poison cannot reach", bad[i], clean[i], _entry_rows(untouched_keys, 4)
+            )
     for label, i in zip(NAMES, range(5)):  # other batch entries
-        _assert_equal(f"{label} of the other batch entries", bad[i], clean[i], _others(bad[i].shape[:2])
-                      .reshape(BATCH + (1,) * (bad[i].ndim - 2)))
+        _assert_equal(
+            f"{label} of the other batch entries",
+            bad[i],
+            clean[i],
+            _others(bad[i].shape[:2]).reshape(BATCH + (1,) * (bad[i].ndim - 2)),
+        )
     if name == "v":
         # v enters neither lse nor dv (P does not depend on it): both exactly as without the poison.
         _assert_equal("lse", lse, clean[1], True)
@@ -154,8 +165,11 @@ def test_a_poisoned_key_reaches_only_the_rows_that_see_it(rng, runner, dtype, hi
         _assert_not_finite("lse of the rows that score the key +inf", lse[ENTRY][plus])
 
 
-@pytest.mark.parametrize("name, value", [("q", np.nan), ("q", np.inf), ("dout", np.nan), ("dout", np.inf)],
-                         ids=["q-nan", "q-inf", "dout-nan", "dout-inf"])
+@pytest.mark.parametrize(
+    "name, value",
+    [("q", np.nan), ("q", np.inf), ("dout", np.nan), ("dout", np.inf)],
+    ids=["q-nan", "q-inf", "dout-nan", "dout-inf"],
+)
 @pytest.mark.parametrize("hider", HIDERS)
 @pytest.mark.parametrize("runner, dtype", [("cpu", d) for d in DTYPES] + [("reference", "float64")])
 def test_a_poisoned_row_reaches_only_the_keys_it_sees(rng, runner, dtype, hider, name, value):
@@ -167,13 +181,21 @@ def test_a_poisoned_row_reaches_only_the_keys_it_sees(rng, runner, dtype, hider,
     assert seen.any() and not seen.all(), "the problem must hide some keys from the row and not others"
     others = np.ones(NQ, bool)
     others[ROW] = False
-    for label, i, where in (("out", 0, _entry_rows(others, 4)), ("lse", 1, _entry_rows(others, 3)),
-                            ("dq", 2, _entry_rows(others, 4)), ("dk", 3, _entry_rows(~seen, 4)),
-                            ("dv", 4, _entry_rows(~seen, 4))):
+    for label, i, where in (
+        ("out", 0, _entry_rows(others, 4)),
+        ("lse", 1, _entry_rows(others, 3)),
+        ("dq", 2, _entry_rows(others, 4)),
+        ("dk", 3, _entry_rows(~seen, 4)),
+        ("dv", 4, _entry_rows(~seen, 4)),
+    ):
         _assert_equal(f"{label} the poisoned row cannot reach", bad[i], clean[i], where)
     for label, i in zip(NAMES, range(5)):
-        _assert_equal(f"{label} of the other batch entries", bad[i], clean[i], _others(bad[i].shape[:2])
-                      .reshape(BATCH + (1,) * (bad[i].ndim - 2)))
+        _assert_equal(
+            f"{label} of the other batch entries",
+            bad[i],
+            clean[i],
+            _others(bad[i].shape[:2]).reshape(BATCH + (1,) * (bad[i].ndim - 2)),
+        )
     _assert_not_finite("dq of the poisoned row", dq[ENTRY][ROW])
     if name == "dout":  # the forward never reads dout
         _assert_equal("out", out, clean[0], True)

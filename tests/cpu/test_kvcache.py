@@ -12,9 +12,8 @@ import tracemalloc
 
 import numpy as np
 import pytest
-
 from helpers.checks import max_abs
-from helpers.kvcache import CAPACITY, DTYPES, HK, HQ, D, DV, Problem, check, flash_layout, make_problem, run
+from helpers.kvcache import CAPACITY, DTYPES, DV, HK, HQ, D, Problem, check, flash_layout, make_problem, run
 from helpers.modifiers import alibi_slopes
 
 
@@ -36,8 +35,9 @@ def test_matches_reference(rng, dtype, page_size, nnew, nq):
 @pytest.mark.parametrize("page_size", [None, 3])
 def test_append_without_queries_writes_the_caches(rng, page_size, causal):
     """Nq = 0: nothing to attend, the new keys and values are still appended."""
-    p = make_problem(rng, np.float16, [0, 5, CAPACITY - 3], nq=0, nnew=3, page_size=page_size, causal=causal,
-                 rotary_dim=D)
+    p = make_problem(
+        rng, np.float16, [0, 5, CAPACITY - 3], nq=0, nnew=3, page_size=page_size, causal=causal, rotary_dim=D
+    )
     out, lse = check(p)
     assert out.shape == (3, HQ, 0, DV) and lse.shape == (3, HQ, 0)
 
@@ -67,11 +67,17 @@ def test_index_arguments_by_one_rule(rng, page_size, form):
     """cache_seqlens and block_table as int64 arrays, lists, tuples or strided int32 views: the results of
     contiguous int32 arrays, bit for bit, with the same appends."""
     p = make_problem(rng, np.float16, [3, 9, 17], nq=2, nnew=2, page_size=page_size, causal=True)
-    convert = {"int64": lambda x: x.astype(np.int64), "list": lambda x: x.tolist(),
-               "tuple": lambda x: tuple(map(tuple, x)) if x.ndim == 2 else tuple(x.tolist()),
-               "strided int32": lambda x: np.repeat(x, 2, axis=-1)[..., ::2]}[form]
-    options = {name: convert(p.options[name]) if name in ("cache_seqlens", "block_table") else value
-               for name, value in p.options.items() if value is not None}
+    convert = {
+        "int64": lambda x: x.astype(np.int64),
+        "list": lambda x: x.tolist(),
+        "tuple": lambda x: tuple(map(tuple, x)) if x.ndim == 2 else tuple(x.tolist()),
+        "strided int32": lambda x: np.repeat(x, 2, axis=-1)[..., ::2],
+    }[form]
+    options = {
+        name: convert(p.options[name]) if name in ("cache_seqlens", "block_table") else value
+        for name, value in p.options.items()
+        if value is not None
+    }
     given = Problem(p.q, p.k_cache.copy(), p.v_cache.copy(), p.k, p.v, options)
     for x, y in zip((*run(given), given.k_cache, given.v_cache), (*check(p), p.k_cache, p.v_cache)):
         np.testing.assert_array_equal(x, y)
@@ -103,14 +109,16 @@ def test_flash_attention_layout_is_written_in_place(rng, page_size):
         np.testing.assert_array_equal(x, y.transpose(0, 2, 1, 3))
 
 
-@pytest.mark.parametrize("options", [dict(causal=True), dict(window=(70, 3), alibi_slopes=alibi_slopes(HQ))],
-                         ids=["causal", "window-alibi"])
+@pytest.mark.parametrize(
+    "options", [dict(causal=True), dict(window=(70, 3), alibi_slopes=alibi_slopes(HQ))], ids=["causal", "window-alibi"]
+)
 @pytest.mark.parametrize("page_size", [None, 16])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["float16", "float32"])
 def test_long_caches_cross_the_forward_tiles(rng, dtype, page_size, options):
     """Caches of up to 300 positions: several of the CPU forward's 64-key tiles, some skipped by the window."""
-    p = make_problem(rng, dtype, [0, 63, 130, 297], nq=5, nnew=3, page_size=page_size, capacity=300, rotary_dim=D,
-                 **options)
+    p = make_problem(
+        rng, dtype, [0, 63, 130, 297], nq=5, nnew=3, page_size=page_size, capacity=300, rotary_dim=D, **options
+    )
     check(p)
 
 
@@ -123,8 +131,17 @@ def test_rotary(rng, dtype, interleaved, causal, nq):
     """Both styles, on all of D and on 16 of its 40 dims; without causal every query is rotated at
     cache_seqlens, with it query i at cache_seqlens + i."""
     for rotary_dim, page_size in ((D, 3), (16, None)):
-        p = make_problem(rng, dtype, [0, 6, 17, CAPACITY - nq], nq=nq, nnew=nq, page_size=page_size, causal=causal,
-                     rotary_dim=rotary_dim, rotary_interleaved=interleaved)
+        p = make_problem(
+            rng,
+            dtype,
+            [0, 6, 17, CAPACITY - nq],
+            nq=nq,
+            nnew=nq,
+            page_size=page_size,
+            causal=causal,
+            rotary_dim=rotary_dim,
+            rotary_interleaved=interleaved,
+        )
         check(p)
 
 
@@ -147,8 +164,9 @@ OPTIONS = {
     "alibi": dict(causal=True, alibi_slopes=alibi_slopes(HQ)),
     "alibi-per-sequence": dict(alibi_slopes=np.linspace(0.01, 0.5, 4 * HQ, dtype=np.float32).reshape(4, HQ)),
     "scale": dict(scale=0.3),
-    "everything": dict(causal=True, window=(12, 0), softcap=3.0, alibi_slopes=alibi_slopes(HQ), rotary_dim=24,
-                       rotary_interleaved=True),
+    "everything": dict(
+        causal=True, window=(12, 0), softcap=3.0, alibi_slopes=alibi_slopes(HQ), rotary_dim=24, rotary_interleaved=True
+    ),
 }
 
 
@@ -164,8 +182,9 @@ def test_score_modifiers(rng, dtype, name, nq):
 def test_memory_stays_linear_in_cache_length(rng):
     """No Nq x L_b score matrix: a long paged sequence attended by 256 queries peaks far below one."""
     nq, length = 256, 4096
-    p = make_problem(rng, np.float32, [length - 1], nq=nq, nnew=1, page_size=64, hq=1, hk=1, d=16, dv=16,
-                 capacity=length)
+    p = make_problem(
+        rng, np.float32, [length - 1], nq=nq, nnew=1, page_size=64, hq=1, hk=1, d=16, dv=16, capacity=length
+    )
     tracemalloc.start()  # NumPy reports its data allocations to tracemalloc
     try:
         run(p)
@@ -199,60 +218,115 @@ def _read_only(x):
 
 
 ERRORS = {
-    "heads": (lambda rng: dict(q=np.zeros((2, 3, 1, D), np.float16)), ValueError,
-              r"q has 3 heads and k_cache 2; the query heads Hq must be a multiple"),
+    "heads": (
+        lambda rng: dict(q=np.zeros((2, 3, 1, D), np.float16)),
+        ValueError,
+        r"q has 3 heads and k_cache 2; the query heads Hq must be a multiple",
+    ),
     "k without v": (lambda rng: dict(v=None), ValueError, r"k and v must be given together"),
-    "seqlen too long": (lambda rng: dict(cache_seqlens=np.array([2, CAPACITY], np.int32)), ValueError,
-                        r"cache_seqlens\[1\] = 48 is out of range"),
-    "seqlen negative": (lambda rng: dict(cache_seqlens=np.array([-1, 5], np.int32)), ValueError,
-                        r"cache_seqlens\[0\] = -1 is out of range"),
-    "seqlen float": (lambda rng: dict(cache_seqlens=np.array([2.0, 5.0])), TypeError,
-                     r"cache_seqlens must be an int, a sequence of ints or an int32 or int64 array, got dtype "
-                     r"float64"),
-    "seqlen uint32": (lambda rng: dict(cache_seqlens=np.array([2, 5], np.uint32)), TypeError,
-                      r"cache_seqlens must be .* got dtype uint32"),
-    "seqlen floats in a list": (lambda rng: dict(cache_seqlens=[2.0, 5.0]), TypeError,
-                                r"cache_seqlens must hold integers; got a sequence that NumPy reads as float64"),
-    "seqlen None": (lambda rng: dict(cache_seqlens=None), TypeError,
-                    r"cache_seqlens must be an int, a sequence of ints or an int32 or int64 array, got "
-                    r"builtins.NoneType"),
-    "seqlen list too long": (lambda rng: dict(cache_seqlens=[2, 5, 1]), ValueError,
-                             r"cache_seqlens must be an int or of shape \(B,\) = \(2,\), got shape \(3,\)"),
-    "page out of range": (lambda rng: dict(block_table=np.array([[0, 1, 2] * 4, [3, 99, 4] * 4], np.int32)),
-                          ValueError, r"block_table\[1, 1\] = 99 is not a page of k_cache"),
-    "block_table uint8": (lambda rng: dict(block_table=np.zeros((2, 12), np.uint8)), TypeError,
-                          r"block_table must be an int32 or int64 array or a sequence of ints, got dtype uint8"),
-    "block_table ragged": (lambda rng: dict(block_table=[[0, 1, 2], [3, 4]]), ValueError,
-                           r"block_table is a ragged sequence"),
-    "block_table page past int32": (lambda rng: dict(block_table=np.full((2, 12), 2**40, np.int64)), ValueError,
-                                    r"block_table\[0, 0\] = 1099511627776 is not a page of k_cache"),
+    "seqlen too long": (
+        lambda rng: dict(cache_seqlens=np.array([2, CAPACITY], np.int32)),
+        ValueError,
+        r"cache_seqlens\[1\] = 48 is out of range",
+    ),
+    "seqlen negative": (
+        lambda rng: dict(cache_seqlens=np.array([-1, 5], np.int32)),
+        ValueError,
+        r"cache_seqlens\[0\] = -1 is out of range",
+    ),
+    "seqlen float": (
+        lambda rng: dict(cache_seqlens=np.array([2.0, 5.0])),
+        TypeError,
+        r"cache_seqlens must be an int, a sequence of ints or an int32 or int64 array, got dtype "
+        r"float64",
+    ),
+    "seqlen uint32": (
+        lambda rng: dict(cache_seqlens=np.array([2, 5], np.uint32)),
+        TypeError,
+        r"cache_seqlens must be .* got dtype uint32",
+    ),
+    "seqlen floats in a list": (
+        lambda rng: dict(cache_seqlens=[2.0, 5.0]),
+        TypeError,
+        r"cache_seqlens must hold integers; got a sequence that NumPy reads as float64",
+    ),
+    "seqlen None": (
+        lambda rng: dict(cache_seqlens=None),
+        TypeError,
+        r"cache_seqlens must be an int, a sequence of ints or an int32 or int64 array, got "
+        r"builtins.NoneType",
+    ),
+    "seqlen list too long": (
+        lambda rng: dict(cache_seqlens=[2, 5, 1]),
+        ValueError,
+        r"cache_seqlens must be an int or of shape \(B,\) = \(2,\), got shape \(3,\)",
+    ),
+    "page out of range": (
+        lambda rng: dict(block_table=np.array([[0, 1, 2] * 4, [3, 99, 4] * 4], np.int32)),
+        ValueError,
+        r"block_table\[1, 1\] = 99 is not a page of k_cache",
+    ),
+    "block_table uint8": (
+        lambda rng: dict(block_table=np.zeros((2, 12), np.uint8)),
+        TypeError,
+        r"block_table must be an int32 or int64 array or a sequence of ints, got dtype uint8",
+    ),
+    "block_table ragged": (
+        lambda rng: dict(block_table=[[0, 1, 2], [3, 4]]),
+        ValueError,
+        r"block_table is a ragged sequence",
+    ),
+    "block_table page past int32": (
+        lambda rng: dict(block_table=np.full((2, 12), 2**40, np.int64)),
+        ValueError,
+        r"block_table\[0, 0\] = 1099511627776 is not a page of k_cache",
+    ),
     # Sequence 0 appends at position 2, into page 0, which sequence 1 reads (its positions 0 .. 3).
-    "append into a shared page": (lambda rng: dict(block_table=np.array([[0] + list(range(1, 12)),
-                                                                         [0] + list(range(12, 23))], np.int32)),
-                                  ValueError, r"block_table\[0, 0\] = 0: k and v would be appended into page 0, "
-                                              r"which block_table\[1, 0\] uses too"),
+    "append into a shared page": (
+        lambda rng: dict(block_table=np.array([[0] + list(range(1, 12)), [0] + list(range(12, 23))], np.int32)),
+        ValueError,
+        r"block_table\[0, 0\] = 0: k and v would be appended into page 0, "
+        r"which block_table\[1, 0\] uses too",
+    ),
     # Sequence 1 (5 keys) appends at position 5, into its page 1, which it also lists as its page 0.
-    "append into its own page twice": (lambda rng: dict(block_table=np.array([list(range(12)),
-                                                                              [13, 13] + list(range(14, 24))],
-                                                                             np.int32)),
-                                       ValueError, r"block_table\[1, 1\] = 13: .* which block_table\[1, 0\] uses"),
-    "read-only cache": (lambda rng: dict(k_cache=_read_only(np.zeros((26, HK, 4, D), np.float16))), ValueError,
-                        r"k_cache is read-only"),
-    "broadcast cache": (lambda rng: dict(v_cache=_writable_broadcast(np.zeros((1, HK, 4, DV), np.float16), 26)),
-                        ValueError, r"v_cache is a broadcast view"),
-    "rotary dim > D": (lambda rng: dict(rotary_cos=np.ones((60, 21), np.float32),
-                                        rotary_sin=np.ones((60, 21), np.float32)), ValueError,
-                       r"rotary_dim = 2 \* rotary_cos.shape\[1\] = 42 must be in 2 .. D = 40"),
-    "rotary too short": (lambda rng: dict(rotary_cos=np.ones((5, 4), np.float32),
-                                          rotary_sin=np.ones((5, 4), np.float32)), ValueError,
-                         r"rotary_cos has 5 positions but sequence 1 needs position 5"),
-    "rotary_sin missing": (lambda rng: dict(rotary_sin=None), ValueError,
-                           r"rotary_cos and rotary_sin must be given together"),
+    "append into its own page twice": (
+        lambda rng: dict(block_table=np.array([list(range(12)), [13, 13] + list(range(14, 24))], np.int32)),
+        ValueError,
+        r"block_table\[1, 1\] = 13: .* which block_table\[1, 0\] uses",
+    ),
+    "read-only cache": (
+        lambda rng: dict(k_cache=_read_only(np.zeros((26, HK, 4, D), np.float16))),
+        ValueError,
+        r"k_cache is read-only",
+    ),
+    "broadcast cache": (
+        lambda rng: dict(v_cache=_writable_broadcast(np.zeros((1, HK, 4, DV), np.float16), 26)),
+        ValueError,
+        r"v_cache is a broadcast view",
+    ),
+    "rotary dim > D": (
+        lambda rng: dict(rotary_cos=np.ones((60, 21), np.float32), rotary_sin=np.ones((60, 21), np.float32)),
+        ValueError,
+        r"rotary_dim = 2 \* rotary_cos.shape\[1\] = 42 must be in 2 .. D = 40",
+    ),
+    "rotary too short": (
+        lambda rng: dict(rotary_cos=np.ones((5, 4), np.float32), rotary_sin=np.ones((5, 4), np.float32)),
+        ValueError,
+        r"rotary_cos has 5 positions but sequence 1 needs position 5",
+    ),
+    "rotary_sin missing": (
+        lambda rng: dict(rotary_sin=None),
+        ValueError,
+        r"rotary_cos and rotary_sin must be given together",
+    ),
     "num_splits 0": (lambda rng: dict(num_splits=0), ValueError, r"num_splits must be None .* got 0"),
     "num_splits float": (lambda rng: dict(num_splits=2.5), ValueError, r"num_splits must be None .* got 2.5"),
     "num_splits bool": (lambda rng: dict(num_splits=True), ValueError, r"num_splits must be None .* got True"),
-    "alibi shape": (lambda rng: dict(alibi_slopes=np.ones(3, np.float32)), ValueError,
-                    r"alibi_slopes has shape \(3,\); expected \(Hq,\) = \(8,\)"),
+    "alibi shape": (
+        lambda rng: dict(alibi_slopes=np.ones(3, np.float32)),
+        ValueError,
+        r"alibi_slopes has shape \(3,\); expected \(Hq,\) = \(8,\)",
+    ),
 }
 
 

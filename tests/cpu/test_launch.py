@@ -19,8 +19,16 @@ import pytest
 from cupyflash.distributed import launch as launcher
 from cupyflash.distributed._comm import env_rank_and_size
 
-ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "CUPYX_DISTRIBUTED_PORT", "CUPYX_DISTRIBUTED_HOST")
+ENV_NAMES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUPYX_DISTRIBUTED_PORT",
+    "CUPYX_DISTRIBUTED_HOST",
+)
 RECORD_ENV = """\
     import json, os, sys
     names = {names!r}
@@ -49,7 +57,9 @@ def test_every_rank_runs_with_the_launcher_environment(tmp_path, monkeypatch):
     assert launcher.launch(2, [sys.executable, script]) == 0
     envs = [record["env"] for record in _records(tmp_path, 2)]
     assert [(e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
-        ("0", "2", "0", "2"), ("1", "2", "1", "2")]
+        ("0", "2", "0", "2"),
+        ("1", "2", "1", "2"),
+    ]
     assert envs[0]["MASTER_ADDR"] == envs[1]["MASTER_ADDR"] == "127.0.0.1"
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] and int(envs[0]["MASTER_PORT"]) > 0
     assert all(e["CUPYX_DISTRIBUTED_PORT"] is None and e["CUPYX_DISTRIBUTED_HOST"] is None for e in envs)
@@ -67,7 +77,9 @@ def test_a_given_port_and_host_reach_every_rank(tmp_path):
 def test_a_failing_rank_stops_the_others(tmp_path):
     """Rank 1 exits with 3 while rank 0 would sleep 30 s: launch returns 3 within seconds, having sent rank 0
     SIGTERM (its handler records it) and waited for it."""
-    script = _script(tmp_path, """\
+    script = _script(
+        tmp_path,
+        """\
         import os, signal, sys, time
         out, rank = {out!r}, os.environ["RANK"]
         if rank == "0":
@@ -83,7 +95,8 @@ def test_a_failing_rank_stops_the_others(tmp_path):
             while not os.path.exists(os.path.join(out, "rank0_ready")) and time.time() < deadline:
                 time.sleep(0.01)
             sys.exit(3)
-    """)
+    """,
+    )
     start = time.perf_counter()
     assert launcher.launch(2, [sys.executable, script]) == 3
     assert time.perf_counter() - start < 15
@@ -93,11 +106,14 @@ def test_a_failing_rank_stops_the_others(tmp_path):
 def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
     """A launcher stopped by SIGTERM (a job scheduler, a test's timeout) stops its ranks, which could otherwise
     sit in NCCL holding the GPUs, and exits with 128 + 15."""
-    script = _script(tmp_path, """\
+    script = _script(
+        tmp_path,
+        """\
         import os, time
         open(os.path.join({out!r}, "pid" + os.environ["RANK"]), "w").write(str(os.getpid()))
         time.sleep(60)
-    """)
+    """,
+    )
     proc = subprocess.Popen([sys.executable, "-m", "cupyflash.distributed.launch", "--nproc", "2", script])
     deadline = time.time() + 20
     while not all((tmp_path / f"pid{r}").exists() for r in range(2)) and time.time() < deadline:
@@ -127,8 +143,7 @@ def test_main_passes_the_script_arguments_through(tmp_path):
 def test_module_entry_point_exits_with_the_script_code(tmp_path):
     """``python -m cupyflash.distributed.launch --nproc 1 script`` exits with the script's exit code."""
     script = _script(tmp_path, "import sys; sys.exit(5)\n")
-    done = subprocess.run([sys.executable, "-m", "cupyflash.distributed.launch", "--nproc", "1", script],
-                          timeout=60)
+    done = subprocess.run([sys.executable, "-m", "cupyflash.distributed.launch", "--nproc", "1", script], timeout=60)
     assert done.returncode == 5
 
 
@@ -143,8 +158,17 @@ def test_free_port_is_a_bindable_port():
     assert 1024 <= launcher.free_port() < 65536
 
 
-MPI_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-             "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")
+MPI_NAMES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "MPI_LOCALRANKID",
+)
 
 
 @pytest.fixture

@@ -5,16 +5,16 @@ sets merged equals attention over their union; rows that a part did not see are 
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.checks import max_abs
+from helpers.problems import random_array
 
 import cupyflash
 from cupyflash import reference
-from helpers.checks import max_abs
-from helpers.problems import random_array
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
 # The merge adds at most one rounding of out to the dtype (a unit in the last place, relative to max|out|)
 # and float32 (float64) arithmetic on lse to what the parts already carry.
-OUT_RTOL = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 1e-6, "float64": 1e-14}
+OUT_RTOL = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 1e-6, "float64": 1e-14}
 LSE_RTOL = {"float16": 1e-6, "bfloat16": 1e-6, "float32": 1e-6, "float64": 1e-14}
 B, H, N, NK, D, DV = 2, 3, 17, 50, 16, 24
 
@@ -60,8 +60,9 @@ def test_two_halves_make_the_whole(rng, dtype, causal):
     ref_out, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
     if causal:
         assert np.isneginf(lse_b).any() and not np.isneginf(lse).any()
-    part_error = max(max_abs(o.astype(np.float64) - r)
-                     for o, r in zip((out_a, out_b), _reference_parts(q, k, v, [40], causal)))
+    part_error = max(
+        max_abs(o.astype(np.float64) - r) for o, r in zip((out_a, out_b), _reference_parts(q, k, v, [40], causal))
+    )
     _assert_close("out", out, ref_out, OUT_RTOL[np.dtype(dtype).name] + part_error / max_abs(ref_out))
     _assert_close("lse", lse, ref_lse, LSE_RTOL[np.dtype(dtype).name])
 
@@ -78,8 +79,9 @@ def _reference_parts(q, k, v, splits, causal):
 def test_float64_reference_parts_merge_to_the_reference(rng):
     """float64 end to end: the merge of the reference's parts is the reference, to float64 rounding."""
     q, k, v = (rng.standard_normal((B, H, n, d)) for n, d in ((N, D), (NK, D), (NK, DV)))
-    (out_a, lse_a), (out_b, lse_b) = (reference.attention(q, k[..., s, :], v[..., s, :], return_lse=True)
-                                      for s in (slice(0, 33), slice(33, NK)))
+    (out_a, lse_a), (out_b, lse_b) = (
+        reference.attention(q, k[..., s, :], v[..., s, :], return_lse=True) for s in (slice(0, 33), slice(33, NK))
+    )
     out, lse = cupyflash.merge_attention_states(out_a, lse_a, out_b, lse_b)
     ref_out, ref_lse = reference.attention(q, k, v, return_lse=True)
     _assert_close("out", out, ref_out, 1e-14)
@@ -127,16 +129,19 @@ def test_an_infinite_or_nan_lse_makes_the_row_nan(rng, bad):
 def test_stacked_is_pairwise_merging(rng, dtype):
     """S = 3 parts at once: the pairwise merges of the same parts, and attention over all keys."""
     q, k, v, parts = _parts(rng, dtype, [10, 40], causal=True)
-    out, lse = cupyflash.merge_attention_states_stacked(np.stack([o for o, _ in parts]),
-                                                        np.stack([s for _, s in parts]))
+    out, lse = cupyflash.merge_attention_states_stacked(
+        np.stack([o for o, _ in parts]), np.stack([s for _, s in parts])
+    )
     pairwise_out, pairwise_lse = cupyflash.merge_attention_states(
-        *cupyflash.merge_attention_states(*parts[0], *parts[1]), *parts[2])
+        *cupyflash.merge_attention_states(*parts[0], *parts[1]), *parts[2]
+    )
     rtol = OUT_RTOL[np.dtype(dtype).name]
     _assert_close("out", out, pairwise_out.astype(np.float64), 2 * rtol)  # the pairwise rounds out twice
     _assert_close("lse", lse, pairwise_lse.astype(np.float64), LSE_RTOL[np.dtype(dtype).name])
     ref_out, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
-    part_error = max(max_abs(o.astype(np.float64) - r)
-                     for (o, _), r in zip(parts, _reference_parts(q, k, v, [10, 40], True)))
+    part_error = max(
+        max_abs(o.astype(np.float64) - r) for (o, _), r in zip(parts, _reference_parts(q, k, v, [10, 40], True))
+    )
     _assert_close("out", out, ref_out, rtol + part_error / max_abs(ref_out))
     _assert_close("lse", lse, ref_lse, LSE_RTOL[np.dtype(dtype).name])
 
@@ -152,32 +157,50 @@ def test_stacked_with_one_or_no_part(rng):
 
 
 def _pair(**changes):
-    arrays = dict(out_a=np.zeros((2, 5, 4), np.float16), lse_a=np.zeros((2, 5), np.float32),
-                  out_b=np.zeros((2, 5, 4), np.float16), lse_b=np.zeros((2, 5), np.float32))
+    arrays = dict(
+        out_a=np.zeros((2, 5, 4), np.float16),
+        lse_a=np.zeros((2, 5), np.float32),
+        out_b=np.zeros((2, 5, 4), np.float16),
+        lse_b=np.zeros((2, 5), np.float32),
+    )
     arrays.update(changes)
     return arrays
 
 
-@pytest.mark.parametrize("changes, error, message", [
-    (dict(out_b=np.zeros((2, 6, 4), np.float16)), ValueError, r"out_b has shape \(2, 6, 4\) but out_a has shape"),
-    (dict(lse_b=np.zeros((2, 4), np.float32)), ValueError, r"lse_b has shape \(2, 4\); expected out_a.shape\[:-1\]"),
-    (dict(lse_a=np.zeros((2, 5, 4), np.float32)), ValueError, r"lse_a has shape \(2, 5, 4\)"),
-    (dict(out_b=np.zeros((2, 5, 4), np.float32)), TypeError, r"out_b has dtype float32 but out_a has dtype float16"),
-    (dict(lse_a=np.zeros((2, 5), np.float16)), TypeError, r"lse_a must be float32 for float16 outs"),
-    (dict(out_a=np.zeros((2, 5, 4)), out_b=np.zeros((2, 5, 4))), TypeError, r"lse_a must be float64 for float64"),
-    (dict(out_a=np.zeros((2, 5, 4), np.int32)), TypeError, r"out_a has dtype int32; expected float16"),
-    (dict(out_a=np.zeros(4, np.float16)), ValueError, r"out_a must have at least 2 dims"),
-    (dict(lse_b=[0.0] * 5), TypeError, r"lse_b must be a numpy.ndarray or a cupy.ndarray"),
-])
+@pytest.mark.parametrize(
+    "changes, error, message",
+    [
+        (dict(out_b=np.zeros((2, 6, 4), np.float16)), ValueError, r"out_b has shape \(2, 6, 4\) but out_a has shape"),
+        (
+            dict(lse_b=np.zeros((2, 4), np.float32)),
+            ValueError,
+            r"lse_b has shape \(2, 4\); expected out_a.shape\[:-1\]",
+        ),
+        (dict(lse_a=np.zeros((2, 5, 4), np.float32)), ValueError, r"lse_a has shape \(2, 5, 4\)"),
+        (
+            dict(out_b=np.zeros((2, 5, 4), np.float32)),
+            TypeError,
+            r"out_b has dtype float32 but out_a has dtype float16",
+        ),
+        (dict(lse_a=np.zeros((2, 5), np.float16)), TypeError, r"lse_a must be float32 for float16 outs"),
+        (dict(out_a=np.zeros((2, 5, 4)), out_b=np.zeros((2, 5, 4))), TypeError, r"lse_a must be float64 for float64"),
+        (dict(out_a=np.zeros((2, 5, 4), np.int32)), TypeError, r"out_a has dtype int32; expected float16"),
+        (dict(out_a=np.zeros(4, np.float16)), ValueError, r"out_a must have at least 2 dims"),
+        (dict(lse_b=[0.0] * 5), TypeError, r"lse_b must be a numpy.ndarray or a cupy.ndarray"),
+    ],
+)
 def test_pair_errors_name_the_argument(changes, error, message):
     with pytest.raises(error, match=message):
         cupyflash.merge_attention_states(**_pair(**changes))
 
 
-@pytest.mark.parametrize("out, lse, message", [
-    (np.zeros((5, 4), np.float32), np.zeros(5, np.float32), r"out must have at least 3 dims \(S, ..., N, Dv\)"),
-    (np.zeros((3, 5, 4), np.float32), np.zeros((3, 4), np.float32), r"lse has shape \(3, 4\); expected out"),
-])
+@pytest.mark.parametrize(
+    "out, lse, message",
+    [
+        (np.zeros((5, 4), np.float32), np.zeros(5, np.float32), r"out must have at least 3 dims \(S, ..., N, Dv\)"),
+        (np.zeros((3, 5, 4), np.float32), np.zeros((3, 4), np.float32), r"lse has shape \(3, 4\); expected out"),
+    ],
+)
 def test_stacked_errors_name_the_argument(out, lse, message):
     with pytest.raises(ValueError, match=message):
         cupyflash.merge_attention_states_stacked(out, lse)

@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
+from helpers.checks import numerical_gradient
 from scipy.special import logsumexp, softmax
 
 from cupyflash import reference
-from helpers.checks import numerical_gradient
 
 FD_ATOL = 1e-7  # central differences in float64: truncation ~ step^2, rounding ~ 1e-16 / step
 
@@ -91,8 +91,7 @@ def test_rows_that_see_no_key_leave_key_gradients_alone(rng):
 
 
 @pytest.mark.parametrize(
-    "nq, nk, mask",
-    [(2, 5, [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]), (5, 2, [[0, 0], [0, 0], [0, 0], [1, 0], [1, 1]])],
+    "nq, nk, mask", [(2, 5, [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]), (5, 2, [[0, 0], [0, 0], [0, 0], [1, 0], [1, 1]])]
 )
 def test_causal_mask_is_bottom_right_aligned(rng, nq, nk, mask):
     """With v = identity, out is the attention matrix P: its support is the mask drawn in the docstring."""

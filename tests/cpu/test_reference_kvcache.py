@@ -96,8 +96,20 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 def test_matches_brute_force(rng, case):
-    c = dict(dict(nq=2, nnew=2, page_size=None, rotary_dim=0, interleaved=False, causal=False, window=(-1, -1),
-                  softcap=0.0, alibi=False), **CASES[case])
+    c = dict(
+        dict(
+            nq=2,
+            nnew=2,
+            page_size=None,
+            rotary_dim=0,
+            interleaved=False,
+            causal=False,
+            window=(-1, -1),
+            softcap=0.0,
+            alibi=False,
+        ),
+        **CASES[case],
+    )
     batch, hq, hk, d, dv, capacity = 3, 4, 2, 6, 5, 12
     seqlens = np.array([0, 4, capacity - c["nnew"]], dtype=np.int32)
     q = rng.standard_normal((batch, hq, c["nq"], d))
@@ -105,7 +117,7 @@ def test_matches_brute_force(rng, case):
     block_table = None
     if c["page_size"]:
         pages = capacity // c["page_size"]
-        block_table = rng.permutation(batch * pages + 2)[:batch * pages].reshape(batch, pages).astype(np.int32)
+        block_table = rng.permutation(batch * pages + 2)[: batch * pages].reshape(batch, pages).astype(np.int32)
         cache_shape = (batch * pages + 2, hk, c["page_size"])
     else:
         cache_shape = (batch, hk, capacity)
@@ -113,13 +125,38 @@ def test_matches_brute_force(rng, case):
     rotary = _rotary_tables(rng, capacity + 3, c["rotary_dim"]) if c["rotary_dim"] else None
     slopes = rng.uniform(0.1, 1.0, (batch, hq)).astype(np.float32) if c["alibi"] else None
     out, lse = reference.attention_with_kvcache(
-        q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=block_table,
-        rotary_cos=None if rotary is None else rotary[0], rotary_sin=None if rotary is None else rotary[1],
-        rotary_interleaved=c["interleaved"], causal=c["causal"], scale=0.45, window=c["window"],
-        softcap=c["softcap"], alibi_slopes=slopes, return_lse=True)
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens=seqlens,
+        block_table=block_table,
+        rotary_cos=None if rotary is None else rotary[0],
+        rotary_sin=None if rotary is None else rotary[1],
+        rotary_interleaved=c["interleaved"],
+        causal=c["causal"],
+        scale=0.45,
+        window=c["window"],
+        softcap=c["softcap"],
+        alibi_slopes=slopes,
+        return_lse=True,
+    )
     expected_out, expected_lse = _brute_force(
-        q, k_cache, v_cache, k, v, seqlens, block_table, None if rotary is None else (*rotary, c["interleaved"]),
-        c["causal"], 0.45, c["window"], c["softcap"], slopes)
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        seqlens,
+        block_table,
+        None if rotary is None else (*rotary, c["interleaved"]),
+        c["causal"],
+        0.45,
+        c["window"],
+        c["softcap"],
+        slopes,
+    )
     np.testing.assert_allclose(out, expected_out, atol=ATOL)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expected_lse))
     np.testing.assert_allclose(lse, expected_lse, atol=ATOL)
@@ -159,15 +196,17 @@ def test_is_dense_attention_over_the_updated_cache(rng, causal):
     options = dict(causal=causal, window=(5, 1), softcap=2.0, alibi_slopes=rng.uniform(0.1, 0.5, hq).astype(np.float32))
     originals = [x.copy() for x in (q, k_cache, v_cache, k, v)]
     out, lse, new_k_cache, new_v_cache = reference.attention_with_kvcache(
-        q, k_cache, v_cache, k, v, cache_seqlens=seqlens, return_lse=True, return_caches=True, **options)
+        q, k_cache, v_cache, k, v, cache_seqlens=seqlens, return_lse=True, return_caches=True, **options
+    )
     for x, original in zip((q, k_cache, v_cache, k, v), originals):
         np.testing.assert_array_equal(x, original)  # inputs never modified
     for b in range(batch):
         start, length = seqlens[b], seqlens[b] + nnew
         for cache, new_cache, appended in ((k_cache, new_k_cache, k), (v_cache, new_v_cache, v)):
             np.testing.assert_array_equal(new_cache[b, :, start:length], appended[b])
-            np.testing.assert_array_equal(np.delete(new_cache[b], np.s_[start:length], axis=1),
-                                          np.delete(cache[b], np.s_[start:length], axis=1))
+            np.testing.assert_array_equal(
+                np.delete(new_cache[b], np.s_[start:length], axis=1), np.delete(cache[b], np.s_[start:length], axis=1)
+            )
         keys, values = (np.repeat(c[b, :, :length], hq // hk, axis=0) for c in (new_k_cache, new_v_cache))
         expected_out, expected_lse = reference.attention(q[b], keys, values, return_lse=True, **options)
         np.testing.assert_allclose(out[b], expected_out, atol=ATOL)
@@ -192,7 +231,6 @@ def test_sequences_without_keys(rng):
     """L_b = 0 (nothing cached, nothing appended): out 0 and lse -inf, never NaN."""
     q = rng.standard_normal((2, 2, 3, 4))
     k_cache, v_cache = rng.standard_normal((2, 1, 6, 4)), rng.standard_normal((2, 1, 6, 4))
-    out, lse = reference.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=np.array([0, 2]),
-                                                return_lse=True)
+    out, lse = reference.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=np.array([0, 2]), return_lse=True)
     assert not out[0].any() and np.isneginf(lse[0]).all()
     assert np.isfinite(out).all() and np.isfinite(lse[1]).all()

@@ -5,12 +5,12 @@ import math
 
 import numpy as np
 import pytest
+from helpers.checks import hidden_keys, numerical_gradient
+from helpers.modifiers import OPTIONS, alibi_slopes, block_grid, random_options
 from scipy.special import logsumexp, softmax
 
 from cupyflash import _modifiers, reference
 from cupyflash._modifiers import BLOCK_MASK_TILE, block_mask_from_dense
-from helpers.checks import hidden_keys, numerical_gradient
-from helpers.modifiers import OPTIONS, alibi_slopes, block_grid, random_options
 
 FD_ATOL = 1e-7  # central differences in float64: truncation ~ step^2, rounding ~ 1e-16 / step
 EXACT = dict(rtol=1e-12, atol=1e-14)
@@ -40,7 +40,8 @@ def _score(q, k, i, j, scale, causal, options):
     if (left != -1 and j < i + off - left) or (right != -1 and j > i + off + right):
         return None
     if (mask is not None and not mask[i, j]) or (
-            block_mask is not None and not block_mask[i // BLOCK_MASK_TILE, j // BLOCK_MASK_TILE]):
+        block_mask is not None and not block_mask[i // BLOCK_MASK_TILE, j // BLOCK_MASK_TILE]
+    ):
         return None
     s = scale * float(q[i] @ k[j])
     if options.get("softcap"):
@@ -178,8 +179,9 @@ def test_window_and_causal(rng, nq, nk):
     _assert_all_close(_everything(q, k, v, dout, causal=True, window=(-1, -1)), causal)
     _assert_all_close(_everything(q, k, v, dout, window=(-1, -1)), _everything(q, k, v, dout))
     for left, right in ((3, 2), (0, 5), (4, -1), (2, 0)):
-        _assert_all_close(_everything(q, k, v, dout, causal=True, window=(left, right)),
-                          _everything(q, k, v, dout, window=(left, 0)))
+        _assert_all_close(
+            _everything(q, k, v, dout, causal=True, window=(left, right)), _everything(q, k, v, dout, window=(left, 0))
+        )
 
 
 def test_window_of_width_one_picks_the_diagonal_key(rng):
@@ -223,8 +225,9 @@ def test_block_mask_from_dense_with_its_mask_is_the_mask(rng):
     assert not block_mask[0, 0, 1] and not block_mask[1, 2].any() and block_mask.sum() == 2 * 9 - 1 - 3
     q, k, v = _problem(rng, (2,), nq, nk)
     dout = _random(rng, (2, nq, 3))
-    _assert_all_close(_everything(q, k, v, dout, mask=mask, block_mask=block_mask),
-                      _everything(q, k, v, dout, mask=mask))
+    _assert_all_close(
+        _everything(q, k, v, dout, mask=mask, block_mask=block_mask), _everything(q, k, v, dout, mask=mask)
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -258,15 +261,18 @@ def test_alibi_penalizes_distance_from_the_diagonal(rng):
 def test_alibi_slopes_are_used_as_float32(rng):
     q, k, v = _problem(rng, (3,), 6, 7)
     slopes = rng.random(3)
-    np.testing.assert_array_equal(reference.attention(q, k, v, alibi_slopes=slopes),
-                                  reference.attention(q, k, v, alibi_slopes=slopes.astype(np.float32)))
+    np.testing.assert_array_equal(
+        reference.attention(q, k, v, alibi_slopes=slopes),
+        reference.attention(q, k, v, alibi_slopes=slopes.astype(np.float32)),
+    )
 
 
 def test_huge_softcap_changes_almost_nothing(rng):
     """softcap c: c tanh(s / c) = s - s^3 / (3 c^2) + ...: with c = 1e4 and |s| < 5, scores move < 1e-7."""
     q, k, v = _problem(rng, (2,), 6, 7)
-    np.testing.assert_allclose(reference.attention(q, k, v, softcap=1e4), reference.attention(q, k, v),
-                               rtol=0, atol=1e-6)
+    np.testing.assert_allclose(
+        reference.attention(q, k, v, softcap=1e4), reference.attention(q, k, v), rtol=0, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("bias_dtype", [np.float16, np.float32, np.float64])
@@ -307,8 +313,14 @@ def test_rows_that_see_no_key(rng):
 @pytest.mark.parametrize("nq, nk", [(0, 3), (3, 0), (0, 0)])
 def test_empty_sequences(nq, nk):
     q, k, v = np.zeros((2, nq, 4)), np.zeros((2, nk, 4)), np.zeros((2, nk, 3))
-    options = dict(window=(1, 1), softcap=2.0, alibi_slopes=np.ones(2, np.float32), bias=np.zeros((nq, nk)),
-                   mask=np.ones((nq, nk), bool), block_mask=np.ones(block_grid(nq, nk), bool))
+    options = dict(
+        window=(1, 1),
+        softcap=2.0,
+        alibi_slopes=np.ones(2, np.float32),
+        bias=np.zeros((nq, nk)),
+        mask=np.ones((nq, nk), bool),
+        block_mask=np.ones(block_grid(nq, nk), bool),
+    )
     out, lse = reference.attention(q, k, v, return_lse=True, **options)
     assert (out.shape, lse.shape) == ((2, nq, 3), (2, nq)) and not out.any() and np.isneginf(lse).all()
     grads = reference.attention_backward(np.ones((2, nq, 3)), q, k, v, **options)
@@ -377,8 +389,14 @@ def test_resolve_is_none_when_every_option_is_off():
 
 def test_resolve_broadcasts_without_copying():
     bias, mask = np.zeros((1, 5), np.float32), np.ones((3, 1), bool)
-    options = dict(bias=bias, mask=mask, softcap=3, alibi_slopes=np.ones(4), block_mask=np.ones((1, 1), bool),
-                   window=(np.int64(2), 0))
+    options = dict(
+        bias=bias,
+        mask=mask,
+        softcap=3,
+        alibi_slopes=np.ones(4),
+        block_mask=np.ones((1, 1), bool),
+        window=(np.int64(2), 0),
+    )
     mods = _modifiers.resolve(np, np.float16, (2, 4), 3, 5, **options)
     assert mods.bias.shape == mods.mask.shape == (2, 4, 3, 5) and mods.bias_shape == (1, 5)
     assert mods.block_mask.shape == (2, 4, 1, 1) and mods.alibi_slopes.shape == (2, 4)
@@ -387,10 +405,17 @@ def test_resolve_broadcasts_without_copying():
     assert np.shares_memory(mods.mask, mask)
 
 
-@pytest.mark.parametrize("window, causal, expected", [
-    ((-1, -1), False, (-1, -1)), ((-1, -1), True, (-1, 0)), ((5, 3), True, (5, 0)), ((5, -1), True, (5, 0)),
-    ((5, 3), False, (5, 3)), ((0, 0), True, (0, 0)),
-])
+@pytest.mark.parametrize(
+    "window, causal, expected",
+    [
+        ((-1, -1), False, (-1, -1)),
+        ((-1, -1), True, (-1, 0)),
+        ((5, 3), True, (5, 0)),
+        ((5, -1), True, (5, 0)),
+        ((5, 3), False, (5, 3)),
+        ((0, 0), True, (0, 0)),
+    ],
+)
 def test_window_with_causal(window, causal, expected):
     mods = _modifiers.resolve(np, np.float32, (), 4, 4, window=window, softcap=1.0)
     assert mods.window_with_causal(causal) == expected
@@ -403,16 +428,19 @@ def test_block_mask_from_dense_is_any_per_tile(rng, shape):
     grid = block_grid(*shape[-2:])
     assert (block_mask.shape, block_mask.dtype) == (shape[:-2] + grid, np.bool_)
     for a, b in np.ndindex(grid):
-        tile = mask[..., a * 128:(a + 1) * 128, b * 128:(b + 1) * 128]
+        tile = mask[..., a * 128 : (a + 1) * 128, b * 128 : (b + 1) * 128]
         np.testing.assert_array_equal(block_mask[..., a, b], tile.any(axis=(-2, -1)))
 
 
-@pytest.mark.parametrize("mask, kwargs, error, match", [
-    (np.ones((4, 4), np.int8), {}, TypeError, "mask must be a boolean array"),
-    (np.ones(4, bool), {}, TypeError, r"mask must be a numpy or cupy array of shape \(..., Nq, Nk\)"),
-    ([[True]], {}, TypeError, "mask must be a numpy or cupy array"),
-    (np.ones((4, 4), bool), dict(block=64), ValueError, "block must be 128"),
-])
+@pytest.mark.parametrize(
+    "mask, kwargs, error, match",
+    [
+        (np.ones((4, 4), np.int8), {}, TypeError, "mask must be a boolean array"),
+        (np.ones(4, bool), {}, TypeError, r"mask must be a numpy or cupy array of shape \(..., Nq, Nk\)"),
+        ([[True]], {}, TypeError, "mask must be a numpy or cupy array"),
+        (np.ones((4, 4), bool), dict(block=64), ValueError, "block must be 128"),
+    ],
+)
 def test_block_mask_from_dense_rejects(mask, kwargs, error, match):
     with pytest.raises(error, match=match):
         block_mask_from_dense(mask, **kwargs)

@@ -7,12 +7,12 @@ import re
 
 import numpy as np
 import pytest
+from helpers.bench import load_bench_script
 
 import cupyflash
 from cupyflash._cuda import fp8 as gpu_fp8
 from cupyflash._cuda import tiles
 from cupyflash._cuda.variants import FP8, FP8_OUT_DTYPES, Device, Variant, fp8_variant, shipped_variants
-from helpers.bench import load_bench_script
 
 HOPPER = Device(wgmma=True, large_smem=True)
 AMPERE = Device()
@@ -35,8 +35,12 @@ def test_every_shipped_variant_has_its_own_label(sanitize):
 
 def test_fp8_variants_are_labelled_with_their_out_dtype(sanitize):
     out_names = {"bfloat16": "bf16", "float16": "fp16"}
-    expected = {f"fwd/fp8/{d}/ws/{'causal' if causal else 'plain'}/out-{out_names[out]}"
-                for d in tiles.FP8_HEAD_DIMS for causal in (False, True) for out in FP8_OUT_DTYPES}
+    expected = {
+        f"fwd/fp8/{d}/ws/{'causal' if causal else 'plain'}/out-{out_names[out]}"
+        for d in tiles.FP8_HEAD_DIMS
+        for causal in (False, True)
+        for out in FP8_OUT_DTYPES
+    }
     assert len(FP8_SHIPPED) == len(expected) == 4 * len(tiles.FP8_HEAD_DIMS)
     assert {sanitize.variant_label(v) for v in FP8_SHIPPED} == expected
     assert sanitize.variant_label(fp8_variant(128, True, "float16")) == "fwd/fp8/128/ws/causal/out-fp16"
@@ -47,15 +51,20 @@ def test_fp8_variants_are_labelled_with_their_out_dtype(sanitize):
     assert not [label for v, label in zip(SHIPPED, labels) if v.dtype != FP8 and "out-" in label]
 
 
-@pytest.mark.parametrize("variant, label", [
-    (Variant("fwd", "float16", 64, "mma"), "fwd/fp16/64/mma/plain"),
-    (Variant("bwd", "bfloat16", 128, "wgmma", causal=True, dropout=True), "bwd/bf16/128/wgmma/causal/dropout"),
-    (Variant("bwd", "bfloat16", 128, "wgmma", mods="softcap", causal=True), "bwd/bf16/128/wgmma/softcap-causal"),
-    (Variant("fwd", "bfloat16", 128, "ws", mods="scalars", score="alibi", block_mask=True),
-     "fwd/bf16/128/ws/scalars/alibi/block-mask"),
-    (Variant("bwd", "float16", 64, "ws", causal=True, deterministic=False), "bwd/fp16/64/ws/causal/unordered"),
-    (Variant("probs", "float64", 32, "large", mods="all"), "probs/fp64/32/large/all"),
-])
+@pytest.mark.parametrize(
+    "variant, label",
+    [
+        (Variant("fwd", "float16", 64, "mma"), "fwd/fp16/64/mma/plain"),
+        (Variant("bwd", "bfloat16", 128, "wgmma", causal=True, dropout=True), "bwd/bf16/128/wgmma/causal/dropout"),
+        (Variant("bwd", "bfloat16", 128, "wgmma", mods="softcap", causal=True), "bwd/bf16/128/wgmma/softcap-causal"),
+        (
+            Variant("fwd", "bfloat16", 128, "ws", mods="scalars", score="alibi", block_mask=True),
+            "fwd/bf16/128/ws/scalars/alibi/block-mask",
+        ),
+        (Variant("bwd", "float16", 64, "ws", causal=True, deterministic=False), "bwd/fp16/64/ws/causal/unordered"),
+        (Variant("probs", "float64", 32, "large", mods="all"), "probs/fp64/32/large/all"),
+    ],
+)
 def test_labels_of_the_other_variants_stay_as_they_were(sanitize, variant, label):
     assert sanitize.variant_label(variant) == label
 
@@ -167,14 +176,20 @@ def test_the_report_counts_unprinted_errors_apart(sanitize):
     """A sanitizer log prints its first errors only: the summary is the count of record, printed errors are
     blamed on their kernels, the rest are counted as not printed (not as 'other', not twice)."""
     kernel = "attention_bwd_dq_convert_kernel<half_t, (int)64, (int)128, (bool)0, (int)2>(AttnParams, const float *)"
-    error = ("========= Uninitialized __global__ memory read of size 16 bytes\n"
-             f"=========     at void {kernel}+0x2e0\n=========     by thread (2,0,0) in block (0,4,0)\n=========\n")
-    text = ("========= COMPUTE-SANITIZER\n" + 3 * error + "========= ERROR SUMMARY: 1003 errors\n"
-            "========= ERROR SUMMARY: 1000 errors were not printed. Use --print-limit option to adjust\n")
+    error = (
+        "========= Uninitialized __global__ memory read of size 16 bytes\n"
+        f"=========     at void {kernel}+0x2e0\n=========     by thread (2,0,0) in block (0,4,0)\n=========\n"
+    )
+    text = (
+        "========= COMPUTE-SANITIZER\n" + 3 * error + "========= ERROR SUMMARY: 1003 errors\n"
+        "========= ERROR SUMMARY: 1000 errors were not printed. Use --print-limit option to adjust\n"
+    )
     summary, warnings, errors = sanitize.parse_report(text)
     assert summary == 1003 and warnings == 0
-    assert errors == {sanitize.normalize_kernel(*sanitize._KERNEL.search(kernel).groups()): 3,
-                      sanitize.NOT_PRINTED: 1000}
+    assert errors == {
+        sanitize.normalize_kernel(*sanitize._KERNEL.search(kernel).groups()): 3,
+        sanitize.NOT_PRINTED: 1000,
+    }
     # Every error printed: nothing left over.
     text = "========= COMPUTE-SANITIZER\n" + error + "========= ERROR SUMMARY: 1 error\n"
     summary, _, errors = sanitize.parse_report(text)

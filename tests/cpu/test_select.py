@@ -11,8 +11,20 @@ import numpy as np
 from cupyflash import _dropout, _modifiers
 from cupyflash._cuda import backend, launch, tiles, tma
 from cupyflash._cuda.source import source
-from cupyflash._cuda.variants import (BOUNDED_SOFTCAP_MAX, DTYPES, FP8, MODS, PATHS, SCORES, Device, Features, Variant,
-                                      backward_lengths, select, shipped_variants)
+from cupyflash._cuda.variants import (
+    BOUNDED_SOFTCAP_MAX,
+    DTYPES,
+    FP8,
+    MODS,
+    PATHS,
+    SCORES,
+    Device,
+    Features,
+    Variant,
+    backward_lengths,
+    select,
+    shipped_variants,
+)
 
 HOPPER = Device(wgmma=True, large_smem=True)
 AMPERE = Device()  # mma.sync and an sm_80 CTA's shared memory: every GPU but Hopper (and no GPU at all)
@@ -26,12 +38,23 @@ SHIPPED = shipped_variants()
 SHIPPED_SET = set(SHIPPED)
 
 
-def _chosen(direction="fwd", dtype=np.float16, head_dim=128, causal=True, device=HOPPER, dropout=None, packed=False,
-            tma_ok=True, dv=None, **options):
+def _chosen(
+    direction="fwd",
+    dtype=np.float16,
+    head_dim=128,
+    causal=True,
+    device=HOPPER,
+    dropout=None,
+    packed=False,
+    tma_ok=True,
+    dv=None,
+    **options,
+):
     """The variant of a (2, 3, 100 x 120) call with these options (resolved as the API resolves them)."""
     mods = _modifiers.resolve(np, np.dtype(dtype), (2, 3), 100, 120, **options)
-    features = Features.of(direction, np.dtype(dtype), head_dim, head_dim if dv is None else dv, causal, mods, dropout,
-                           packed)
+    features = Features.of(
+        direction, np.dtype(dtype), head_dim, head_dim if dv is None else dv, causal, mods, dropout, packed
+    )
     if not tma_ok:
         features = dataclasses.replace(features, tma=False)
     return select(features, device)
@@ -63,16 +86,31 @@ def test_shipped_variants_are_distinct_and_well_formed():
 def test_features_of_a_call():
     """Features.of: the dtype by name, the head dims as 16-byte rows (max of D and Dv), the options as flags."""
     f = Features.of("fwd", BF16, 100, 120, True)
-    assert (f.direction, f.dtype, f.head_dim, f.causal, f.has_mods, f.dropout, f.packed) == \
-        ("fwd", "bfloat16", 120, True, False, False, False)
+    assert (f.direction, f.dtype, f.head_dim, f.causal, f.has_mods, f.dropout, f.packed) == (
+        "fwd",
+        "bfloat16",
+        120,
+        True,
+        False,
+        False,
+        False,
+    )
     assert Features.of("bwd", np.dtype(np.float16), 36, 20, False).head_dim == 40  # 8 halves per 16 bytes
     assert Features.of("bwd", np.dtype(np.float32), 37, 5, False).head_dim == 40  # 4 floats
     assert Features.of("bwd", np.dtype(np.float64), 3, 1, False).head_dim == 4  # 2 doubles
-    mods = _modifiers.resolve(np, np.dtype(np.float16), (2, 3), 100, 120, window=(10, -1), softcap=3.0,
-                              alibi_slopes=SLOPES, block_mask=ON)
+    mods = _modifiers.resolve(
+        np, np.dtype(np.float16), (2, 3), 100, 120, window=(10, -1), softcap=3.0, alibi_slopes=SLOPES, block_mask=ON
+    )
     f = Features.of("fwd", np.dtype(np.float16), 64, 64, True, mods, DROPOUT, packed=True)
-    assert (f.window, f.softcap, f.alibi, f.arrays, f.block_mask, f.dropout, f.packed) == \
-        ((10, -1), 3.0, True, False, True, True, True)
+    assert (f.window, f.softcap, f.alibi, f.arrays, f.block_mask, f.dropout, f.packed) == (
+        (10, -1),
+        3.0,
+        True,
+        False,
+        True,
+        True,
+        True,
+    )
     assert f.has_mods and f.right_edge
     assert not Features("fwd", "float16", 64, window=(10, -1)).right_edge
     assert Features("fwd", "float16", 64, window=(-1, 3)).right_edge
@@ -100,8 +138,12 @@ def test_plain_calls_take_no_modifiers():
 
 
 def test_window_softcap_and_alibi_take_the_scalars_form():
-    for options in (dict(window=(10, 0)), dict(softcap=5.0), dict(alibi_slopes=SLOPES),
-                    dict(window=(10, 5), softcap=5.0, alibi_slopes=SLOPES)):
+    for options in (
+        dict(window=(10, 0)),
+        dict(softcap=5.0),
+        dict(alibi_slopes=SLOPES),
+        dict(window=(10, 5), softcap=5.0, alibi_slopes=SLOPES),
+    ):
         for direction in ("fwd", "bwd"):
             variant = _chosen(direction, head_dim=64, device=AMPERE, **options)
             assert variant.mods == "scalars" and not variant.causal and variant.path == "mma", options
@@ -152,8 +194,9 @@ def test_every_scalars_variant_is_shipped_beside_its_full_one():
     narrow = [v for v in SHIPPED if v.mods in ("scalars", "softcap", "window")]
     assert narrow and all(not v.dropout and v.direction in ("fwd", "bwd") and v.itemsize in (2, 4) for v in narrow)
     for v in narrow:
-        full = dataclasses.replace(v, mods="all", causal=False, score="plain", block_mask=False,
-                                   path="wgmma" if v.path == "ws" else v.path)
+        full = dataclasses.replace(
+            v, mods="all", causal=False, score="plain", block_mask=False, path="wgmma" if v.path == "ws" else v.path
+        )
         assert full in SHIPPED_SET, v
 
 
@@ -166,9 +209,14 @@ def test_a_softcap_alone_takes_the_softcap_backward_on_the_wgmma_path():
             assert chosen.mods == "softcap" and chosen.path == "wgmma" and chosen.causal == causal
             assert f"{_bool(causal)}, Mods::softcap, true" in chosen.name_expression("dkdv")
             assert chosen in SHIPPED_SET
-    for options in (dict(softcap=5.0, window=(10, 0)), dict(softcap=5.0, window=(-1, 0)),
-                    dict(softcap=5.0, alibi_slopes=SLOPES), dict(softcap=5.0, block_mask=ON),
-                    dict(softcap=5.0, bias=np.zeros((100, 120), np.float16)), dict(window=(10, 0))):
+    for options in (
+        dict(softcap=5.0, window=(10, 0)),
+        dict(softcap=5.0, window=(-1, 0)),
+        dict(softcap=5.0, alibi_slopes=SLOPES),
+        dict(softcap=5.0, block_mask=ON),
+        dict(softcap=5.0, bias=np.zeros((100, 120), np.float16)),
+        dict(window=(10, 0)),
+    ):
         chosen = _chosen("bwd", **options)
         assert chosen.mods != "softcap" and not chosen.causal, options
     assert _chosen("fwd", softcap=5.0).mods != "softcap"
@@ -177,9 +225,12 @@ def test_a_softcap_alone_takes_the_softcap_backward_on_the_wgmma_path():
     assert _chosen("bwd", softcap=5.0, packed=True).mods != "softcap"
     assert _chosen("bwd", softcap=5.0, device=AMPERE).mods == "scalars"
     shipped = {v for v in SHIPPED if v.mods == "softcap"}
-    assert shipped == {Variant("bwd", dtype, head_dim, "wgmma", "softcap", causal)
-                       for dtype in ("float16", "bfloat16") for head_dim in _wgmma_head_dims()
-                       for causal in (False, True)}
+    assert shipped == {
+        Variant("bwd", dtype, head_dim, "wgmma", "softcap", causal)
+        for dtype in ("float16", "bfloat16")
+        for head_dim in _wgmma_head_dims()
+        for causal in (False, True)
+    }
 
 
 def test_a_window_alone_takes_the_window_form_on_the_wgmma_path():
@@ -194,9 +245,14 @@ def test_a_window_alone_takes_the_window_form_on_the_wgmma_path():
                 assert chosen.path == ("ws" if direction == "fwd" and 128 in tiles.WS_HEAD_DIMS else "wgmma")
                 name = chosen.name_expression(direction if direction == "fwd" else "dkdv")
                 assert "false, Mods::window" in name and chosen in SHIPPED_SET, name
-    for options in (dict(window=(10, 0), softcap=5.0), dict(window=(10, 0), alibi_slopes=SLOPES),
-                    dict(window=(10, 0), block_mask=ON), dict(window=(10, 0), bias=np.zeros((100, 120), np.float16)),
-                    dict(window=(10, 0), mask=np.ones((100, 120), bool)), dict(softcap=5.0)):
+    for options in (
+        dict(window=(10, 0), softcap=5.0),
+        dict(window=(10, 0), alibi_slopes=SLOPES),
+        dict(window=(10, 0), block_mask=ON),
+        dict(window=(10, 0), bias=np.zeros((100, 120), np.float16)),
+        dict(window=(10, 0), mask=np.ones((100, 120), bool)),
+        dict(softcap=5.0),
+    ):
         for direction in ("fwd", "bwd"):
             assert _chosen(direction, **options).mods != "window", (direction, options)
     assert _chosen(dtype=np.float32, window=(10, 0)).mods != "window"
@@ -221,7 +277,8 @@ def test_the_window_alone_forward_takes_its_own_tiles_and_ctas_per_sm():
         assert chosen.tiles("fwd") == cell
         assert chosen.name_expression("fwd") == (
             f"attention_fwd_wgmma_kernel<half_t, {head_dim}, {cell.num_warps}, {cell.block}, false, Mods::window, "
-            f"false, false, {cell.ctas_per_sm}>")
+            f"false, false, {cell.ctas_per_sm}>"
+        )
         scalars = dataclasses.replace(chosen, mods="scalars")
         assert scalars.tiles("fwd").ctas_per_sm == 1
         if cell.ctas_per_sm > 1:
@@ -294,15 +351,44 @@ def test_the_device_decides_the_path():
         assert _chosen(direction, head_dim=64, device=LARGE_SMEM_ONLY).path == "mma"
     assert _chosen("bwd", head_dim=64, device=HOPPER).path == "wgmma"
     assert _chosen("probs", head_dim=64, causal=False, device=HOPPER).path == "wgmma"
-    for head_dim, ws in ((33, 64), (64, 64), (65, 128), (96, 128), (128, 128), (129, 192), (192, 192), (193, 256), (256, 256)):
+    for head_dim, ws in (
+        (33, 64),
+        (64, 64),
+        (65, 128),
+        (96, 128),
+        (128, 128),
+        (129, 192),
+        (192, 192),
+        (193, 256),
+        (256, 256),
+    ):
         chosen = _chosen("fwd", head_dim=head_dim, device=HOPPER)
         assert (chosen.path, chosen.head_dim) == ("ws", ws), head_dim
     for head_dim in (16, 32):
         assert _chosen("fwd", head_dim=head_dim, device=HOPPER).path == "wgmma"
-    assert [tiles.ws_head_dim(d) for d in (1, 32, 33, 64, 65, 128, 129, 256, 257)] == \
-        [None, None, 64, 64, 128, 128, 192, 256, None]
-    assert [tiles.ws_head_dim(d, "bwd") for d in (32, 33, 96, 128, 129, 160, 161, 192, 193, 256)] == \
-        [None, 64, 128, 128, None, None, 192, 192, 256, 256]
+    assert [tiles.ws_head_dim(d) for d in (1, 32, 33, 64, 65, 128, 129, 256, 257)] == [
+        None,
+        None,
+        64,
+        64,
+        128,
+        128,
+        192,
+        256,
+        None,
+    ]
+    assert [tiles.ws_head_dim(d, "bwd") for d in (32, 33, 96, 128, 129, 160, 161, 192, 193, 256)] == [
+        None,
+        64,
+        128,
+        128,
+        None,
+        None,
+        192,
+        192,
+        256,
+        256,
+    ]
 
 
 # ------------------------------------------------------------------------------------------ warp-specialized
@@ -327,11 +413,18 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
         for head_dim in _wgmma_head_dims():
             listed = tiles.ws_head_dim(head_dim) is not None
             # (causal as the kernel takes it, its Mods, the options, the variant chosen)
-            forwards = [(causal, "Mods::none", {}, _chosen(dtype=dtype, head_dim=head_dim, causal=causal))
-                        for causal in (False, True)]
-            forwards += [(False, mods, options, _chosen(dtype=dtype, head_dim=head_dim, **options))
-                         for mods, options in (("Mods::window", window), ("Mods::dense_scalars", softcap),
-                                               ("Mods::dense_scalars", scalars))]
+            forwards = [
+                (causal, "Mods::none", {}, _chosen(dtype=dtype, head_dim=head_dim, causal=causal))
+                for causal in (False, True)
+            ]
+            forwards += [
+                (False, mods, options, _chosen(dtype=dtype, head_dim=head_dim, **options))
+                for mods, options in (
+                    ("Mods::window", window),
+                    ("Mods::dense_scalars", softcap),
+                    ("Mods::dense_scalars", scalars),
+                )
+            ]
             assert all((chosen.path == "ws") == listed for *_, chosen in forwards), head_dim
             assert all(chosen.path in ("ws", "wgmma") for *_, chosen in forwards), head_dim
             for options in (window, {}, softcap):
@@ -349,7 +442,8 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
                     f"attention_fwd_ws_kernel<{ctype}, {ws_dim}, {t.block}, {t.stages}, {_bool(causal)}, {mods}, "
                     f"{_bool(chosen.score == 'bounded')}, {_bool(chosen.score.startswith('alibi'))}, "
                     f"{_bool(chosen.score == 'alibi_half_first')}, false, {_bool(t.pack_after_wait)}, "
-                    f"{_bool(t.store_warps)}, {ctype}, {t.rows // tiles.WS_WARPGROUP_ROWS}, 0, false>")
+                    f"{_bool(t.store_warps)}, {ctype}, {t.rows // tiles.WS_WARPGROUP_ROWS}, 0, false>"
+                )
                 assert chosen.threads("fwd") == (t.rows // tiles.WS_WARPGROUP_ROWS + 1) * 128 and t.rows in (128, 192)
                 assert t.copy_warps == tiles.WS_COPY_WARPS
                 for rows, batch in ((1000, 3), (8192, 32), (1, 1)):
@@ -359,15 +453,22 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
                 assert chosen.smem("fwd") + 1024 <= 227 * 1024
                 assert "attention_fwd_ws_kernel" in chosen.code()
                 assert chosen in SHIPPED_SET and not chosen.block_mask
-                assert dataclasses.replace(chosen, path="wgmma", score="bounded" if chosen.score == "bounded"
-                                           else "plain") in SHIPPED_SET
+                assert (
+                    dataclasses.replace(chosen, path="wgmma", score="bounded" if chosen.score == "bounded" else "plain")
+                    in SHIPPED_SET
+                )
                 assert (chosen.score == "bounded") == (options is softcap and ctype == "bfloat16_t")
                 assert chosen.score.startswith("alibi") == (options is scalars)
                 # scalars' window (50, 3): a right edge, so ALiBi's half-width first block
                 assert (chosen.score == "alibi_half_first") == (options is scalars)
                 # ALiBi's half-width first block where the window has a right edge (causal or not), only there
-                for window_, causal_, half in (((-1, -1), False, False), ((-1, -1), True, True), ((50, 3), False, True),
-                                               ((50, -1), False, False), ((50, -1), True, True)):
+                for window_, causal_, half in (
+                    ((-1, -1), False, False),
+                    ((-1, -1), True, True),
+                    ((50, 3), False, True),
+                    ((50, -1), False, False),
+                    ((50, -1), True, True),
+                ):
                     alibi = _chosen(dtype=dtype, head_dim=head_dim, causal=causal_, window=window_, alibi_slopes=SLOPES)
                     assert alibi.path == "ws" and alibi.score == ("alibi_half_first" if half else "alibi"), window_
                     assert alibi in SHIPPED_SET
@@ -375,14 +476,22 @@ def test_the_warp_specialized_forward_serves_plain_causal_and_scalar_modifiers_w
     assert _chosen(device=AMPERE, window=(10, 0)).path == "mma"
     assert _chosen(device=AMPERE).path == "mma"
     ws = [v for v in SHIPPED if v.path == "ws" and v.dtype != FP8 and not v.fused_backward]  # FP8: test_fp8_variants
-    assert ws and all(v.direction == "fwd" and v.itemsize == 2 and not v.dropout and v.head_dim in tiles.WS_HEAD_DIMS
-                      and v.mods in ("none", "scalars", "window") for v in ws)
-    assert {(v.dtype, v.head_dim) for v in ws if v.score.startswith("alibi")} == \
-        {(d, h) for d in ("float16", "bfloat16") for h in tiles.WS_HEAD_DIMS}
+    assert ws and all(
+        v.direction == "fwd"
+        and v.itemsize == 2
+        and not v.dropout
+        and v.head_dim in tiles.WS_HEAD_DIMS
+        and v.mods in ("none", "scalars", "window")
+        for v in ws
+    )
+    assert {(v.dtype, v.head_dim) for v in ws if v.score.startswith("alibi")} == {
+        (d, h) for d in ("float16", "bfloat16") for h in tiles.WS_HEAD_DIMS
+    }
     assert all(v.mods == "scalars" for v in ws if v.score != "plain")
     assert not any(v.score.startswith("alibi") for v in SHIPPED if v.path != "ws"), "ALiBi's forms are ws only"
-    assert {v for v in ws if v.score == "alibi_half_first"} == \
-        {dataclasses.replace(v, score="alibi_half_first") for v in ws if v.score == "alibi"}
+    assert {v for v in ws if v.score == "alibi_half_first"} == {
+        dataclasses.replace(v, score="alibi_half_first") for v in ws if v.score == "alibi"
+    }
 
 
 def test_where_tma_cannot_read_the_inputs_the_wgmma_forward_serves():
@@ -396,7 +505,6 @@ def test_where_tma_cannot_read_the_inputs_the_wgmma_forward_serves():
             assert fallback.mods == ("all" if "block_mask" in options else ws.mods), options
             assert fallback.score == ("bounded" if ws.score == "bounded" else "plain")
             assert fallback in SHIPPED_SET and not fallback.block_mask
-
 
 
 def test_ctas_per_sm_fit_the_shared_memory_of_an_sm():
@@ -426,11 +534,13 @@ def test_a_block_mask_forward_walks_it_on_the_warp_specialized_kernel():
     than the walk holds) it takes Mods::all. Its backward is the scalars' passes either way."""
     for dtype, ctype in HALVES:
         for causal, options, bounded, alibi, half in (
-                (False, {}, False, False, False), (True, {}, False, False, False),
-                (True, dict(window=(200, 0)), False, False, False),
-                (False, dict(softcap=20.0), ctype == "bfloat16_t", False, False),
-                (True, dict(alibi_slopes=SLOPES), False, True, True),
-                (False, dict(alibi_slopes=SLOPES), False, True, False)):
+            (False, {}, False, False, False),
+            (True, {}, False, False, False),
+            (True, dict(window=(200, 0)), False, False, False),
+            (False, dict(softcap=20.0), ctype == "bfloat16_t", False, False),
+            (True, dict(alibi_slopes=SLOPES), False, True, True),
+            (False, dict(alibi_slopes=SLOPES), False, True, False),
+        ):
             chosen = _chosen(dtype=dtype, causal=causal, block_mask=ON, **options)
             assert chosen.block_mask and chosen.path == "ws" and chosen.mods == "scalars" and not chosen.causal
             score = "bounded" if bounded else "alibi_half_first" if half else "alibi" if alibi else "plain"
@@ -439,25 +549,30 @@ def test_a_block_mask_forward_walks_it_on_the_warp_specialized_kernel():
             assert chosen.name_expression("fwd") == (
                 f"attention_fwd_ws_kernel<{ctype}, 128, {t.block}, {t.stages}, false, Mods::dense_scalars, "
                 f"{_bool(bounded)}, {_bool(alibi)}, {_bool(half)}, true, {_bool(t.pack_after_wait)}, "
-                f"{_bool(t.store_warps)}, {ctype}, 2, 0, false>"), options
+                f"{_bool(t.store_warps)}, {ctype}, 2, 0, false>"
+            ), options
             assert chosen in SHIPPED_SET
             assert dataclasses.replace(chosen, block_mask=False) in SHIPPED_SET  # the same form without the walk
             backward = _chosen("bwd", dtype, causal=causal, block_mask=ON, **options)
             assert backward.mods == "scalars" and not backward.block_mask
             assert "Mods::scalars" in backward.name_expression("dq")
-    full = [_chosen(block_mask=ON, bias=np.zeros((100, 120), np.float16)),
-            _chosen(block_mask=ON, mask=np.ones((100, 120), bool)),
-            _chosen(block_mask=ON, dropout=DROPOUT),
-            _chosen(block_mask=ON, packed=True),
-            _chosen(dtype=np.float32, block_mask=ON),
-            _chosen(head_dim=256, block_mask=ON),  # 64-key blocks: not the mask's tiles
-            _chosen(block_mask=ON, tma_ok=False),
-            _chosen(block_mask=ON, device=AMPERE)]
+    full = [
+        _chosen(block_mask=ON, bias=np.zeros((100, 120), np.float16)),
+        _chosen(block_mask=ON, mask=np.ones((100, 120), bool)),
+        _chosen(block_mask=ON, dropout=DROPOUT),
+        _chosen(block_mask=ON, packed=True),
+        _chosen(dtype=np.float32, block_mask=ON),
+        _chosen(head_dim=256, block_mask=ON),  # 64-key blocks: not the mask's tiles
+        _chosen(block_mask=ON, tma_ok=False),
+        _chosen(block_mask=ON, device=AMPERE),
+    ]
     for chosen in full:
         assert not chosen.block_mask and chosen.path != "ws" and "Mods::all" in chosen.name_expression("fwd"), chosen
-    assert {v for v in SHIPPED if v.block_mask} == {dataclasses.replace(v, block_mask=True) for v in SHIPPED
-                                                     if v.path == "ws" and v.mods == "scalars"
-                                                     and v.tiles("fwd").block == 128}  # key blocks: the mask's tiles
+    assert {v for v in SHIPPED if v.block_mask} == {
+        dataclasses.replace(v, block_mask=True)
+        for v in SHIPPED
+        if v.path == "ws" and v.mods == "scalars" and v.tiles("fwd").block == 128
+    }  # key blocks: the mask's tiles
 
 
 def test_the_warp_specialized_block_mask_walk_holds_2048_key_tiles(monkeypatch):
@@ -490,8 +605,10 @@ def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward():
             assert chosen.path == ("ws" if head_dim in tiles.WS_HEAD_DIMS else "wgmma")
             if chosen.path == "ws":
                 t = chosen.tiles("fwd")
-                expected = (f"Mods::dense_scalars, true, false, false, false, {_bool(t.pack_after_wait)}, "
-                            f"{_bool(t.store_warps)}, bfloat16_t, {t.rows // tiles.WS_WARPGROUP_ROWS}, 0, false>")
+                expected = (
+                    f"Mods::dense_scalars, true, false, false, false, {_bool(t.pack_after_wait)}, "
+                    f"{_bool(t.store_warps)}, bfloat16_t, {t.rows // tiles.WS_WARPGROUP_ROWS}, 0, false>"
+                )
             else:
                 expected = "Mods::scalars, false, true, 1>"
             assert chosen.name_expression("fwd").endswith(expected), chosen.name_expression("fwd")
@@ -505,8 +622,11 @@ def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward():
     assert _chosen(dtype=BF16, softcap=30.0, dropout=DROPOUT).score != "bounded"
     assert _chosen(dtype=BF16, softcap=30.0, bias=np.zeros((100, 120), BF16)).score != "bounded"
     assert _chosen(dtype=BF16, softcap=30.0, device=AMPERE).score != "bounded"  # mma.sync has no bounded form
-    assert all(v.dtype == "bfloat16" and v.direction == "fwd" and v.path in ("wgmma", "ws")
-               for v in SHIPPED if v.score == "bounded")
+    assert all(
+        v.dtype == "bfloat16" and v.direction == "fwd" and v.path in ("wgmma", "ws")
+        for v in SHIPPED
+        if v.score == "bounded"
+    )
 
 
 def test_fp8_variants():
@@ -514,8 +634,9 @@ def test_fp8_variants():
     causal, out in bfloat16 or float16."""
     fp8 = [v for v in SHIPPED if v.dtype == FP8]
     assert tiles.FP8_HEAD_DIMS == (64, 128, 256)
-    assert {(v.head_dim, v.causal, v.out_dtype) for v in fp8} == \
-        {(h, c, o) for h in tiles.FP8_HEAD_DIMS for c in (False, True) for o in ("bfloat16", "float16")}
+    assert {(v.head_dim, v.causal, v.out_dtype) for v in fp8} == {
+        (h, c, o) for h in tiles.FP8_HEAD_DIMS for c in (False, True) for o in ("bfloat16", "float16")
+    }
     for v in fp8:
         assert v.path == "ws" and v.direction == "fwd" and v.mods == "none" and v.itemsize == 1
         name = v.name_expression("fwd")
@@ -532,11 +653,32 @@ def test_fp8_variants():
 
 
 # ------------------------------------------------------------------------------------------ the fused backward
-def _backward(lengths, dtype=ml_dtypes.bfloat16, head_dim=128, causal=True, device=HOPPER, dropout=None, dv=None,
-              packed=False, tma_ok=True, deterministic=True, **options):
+def _backward(
+    lengths,
+    dtype=ml_dtypes.bfloat16,
+    head_dim=128,
+    causal=True,
+    device=HOPPER,
+    dropout=None,
+    dv=None,
+    packed=False,
+    tma_ok=True,
+    deterministic=True,
+    **options,
+):
     mods = _modifiers.resolve(np, np.dtype(dtype), (2, 3), 100, 120, **options) if options else None
-    features = Features.of("bwd", np.dtype(dtype), head_dim, head_dim if dv is None else dv, causal, mods, dropout,
-                           packed, lengths=lengths, deterministic=deterministic)
+    features = Features.of(
+        "bwd",
+        np.dtype(dtype),
+        head_dim,
+        head_dim if dv is None else dv,
+        causal,
+        mods,
+        dropout,
+        packed,
+        lengths=lengths,
+        deterministic=deterministic,
+    )
     return select(dataclasses.replace(features, tma=tma_ok), device)
 
 
@@ -562,10 +704,14 @@ def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(
                 assert t.paired == (head_dim > 128) and t.rows == (64 if t.paired else 128)
                 assert chains == {64: 2, 128: 1, 192: 2, 256: 2}[head_dim]
                 paired = _bool(t.paired)
-                assert v.name_expression("bwd") == (f"attention_bwd_ws_kernel<{ctype}, {head_dim}, {t.block}, "
-                                                    f"{t.stages}, {_bool(causal)}, true, {chains}, {paired}>")
-                assert v.name_expression("dq_convert") == (f"attention_bwd_dq_convert_kernel<{ctype}, {head_dim}, "
-                                                           f"{t.block}, {_bool(causal)}, {chains}, {paired}>")
+                assert v.name_expression("bwd") == (
+                    f"attention_bwd_ws_kernel<{ctype}, {head_dim}, {t.block}, "
+                    f"{t.stages}, {_bool(causal)}, true, {chains}, {paired}>"
+                )
+                assert v.name_expression("dq_convert") == (
+                    f"attention_bwd_dq_convert_kernel<{ctype}, {head_dim}, "
+                    f"{t.block}, {_bool(causal)}, {chains}, {paired}>"
+                )
                 assert "attention_bwd_ws_kernel" in v.code(("bwd", "dq_convert"))
                 assert "attention_bwd_preprocess_kernel" in v.code(("preprocess",))
                 assert launch.launch_shape(v, "bwd", 1000, 6) == ((-(-1000 // t.rows), 6, 1), (384,), v.smem("bwd"))
@@ -607,10 +753,14 @@ def test_unordered_adds_take_the_fused_backward_from_the_same_shortest_length():
                 t = v.tiles("bwd")
                 # unordered adds go into one accumulator: one chain, for the kernel and its conversion
                 paired = _bool(t.paired)
-                assert v.name_expression("bwd") == (f"attention_bwd_ws_kernel<{ctype}, {head_dim}, {t.block}, "
-                                                    f"{t.stages}, {_bool(causal)}, false, 1, {paired}>")
-                assert v.name_expression("dq_convert") == \
-                    f"attention_bwd_dq_convert_kernel<{ctype}, {head_dim}, {t.block}, {_bool(causal)}, 1, {paired}>"
+                assert v.name_expression("bwd") == (
+                    f"attention_bwd_ws_kernel<{ctype}, {head_dim}, {t.block}, "
+                    f"{t.stages}, {_bool(causal)}, false, 1, {paired}>"
+                )
+                assert (
+                    v.name_expression("dq_convert")
+                    == f"attention_bwd_dq_convert_kernel<{ctype}, {head_dim}, {t.block}, {_bool(causal)}, 1, {paired}>"
+                )
                 shorter = _backward((shortest - 1, shortest), dtype, head_dim, causal, deterministic=False)
                 assert shorter == Variant("bwd", np.dtype(dtype).name, head_dim, "wgmma", causal=causal)
                 assert shorter.deterministic

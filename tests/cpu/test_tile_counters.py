@@ -25,8 +25,9 @@ def _plan_with_fakes(monkeypatch, current):
         made.append(np.zeros(shape, dtype))
         return made[-1]
 
-    fake = types.SimpleNamespace(zeros=zeros,
-                                 cuda=types.SimpleNamespace(get_current_stream=lambda: _FakeStream(current[0])))
+    fake = types.SimpleNamespace(
+        zeros=zeros, cuda=types.SimpleNamespace(get_current_stream=lambda: _FakeStream(current[0]))
+    )
     monkeypatch.setattr(launch, "cupy", fake)
     plan = launch.Plan.__new__(launch.Plan)
     plan.tile_counters = {}

@@ -25,8 +25,14 @@ def test_lookup_reads_the_table():
     window = tiles.lookup("wgmma", 2, 16, "fwd", "window")
     assert (window.num_warps, window.block, window.ctas_per_sm) == (4, 64, 4)
     ws = tiles.lookup("ws", 2, 128, "fwd", "plain")
-    assert (ws.num_warps, ws.block, ws.stages, ws.pack_after_wait, ws.store_warps, ws.rows) == (12, 128, 2, True,
-                                                                                                False, 128)
+    assert (ws.num_warps, ws.block, ws.stages, ws.pack_after_wait, ws.store_warps, ws.rows) == (
+        12,
+        128,
+        2,
+        True,
+        False,
+        128,
+    )
     assert tiles.lookup("ws", 2, 128, "fwd", "window").store_warps
     assert tiles.lookup("ws", 2, 64, "fwd", "scalars").store_warps  # its plain cell's copier spilled there
     assert tiles.lookup("mma", 4, 64, "probs", "plain") == tiles.lookup("mma", 4, 64, "fwd", "all")
@@ -39,8 +45,19 @@ def test_lookup_reads_the_table():
 
 def test_head_dims_and_padding():
     assert tiles.HEAD_DIMS == (16, 32, 64, 96, 128, 160, 192, 256)
-    assert [tiles.padded_head_dim(d) for d in (1, 16, 17, 40, 64, 65, 100, 129, 192, 193, 256)] == \
-        [16, 16, 32, 64, 64, 96, 128, 160, 192, 256, 256]
+    assert [tiles.padded_head_dim(d) for d in (1, 16, 17, 40, 64, 65, 100, 129, 192, 193, 256)] == [
+        16,
+        16,
+        32,
+        64,
+        64,
+        96,
+        128,
+        160,
+        192,
+        256,
+        256,
+    ]
     with pytest.raises(ValueError, match="at most 256"):
         tiles.padded_head_dim(257)
     assert set(tiles.WS_HEAD_DIMS) <= set(tiles.HEAD_DIMS)
@@ -147,8 +164,7 @@ def test_the_tiles_fit_the_kernels():
         assert (FP8_BLOCK_ROWS if itemsize == 1 else BLOCK_MASK_TILE) % t.block == 0, where
         # a CTA's rows are whole block-mask tiles, except the warp-specialized forward's three-warpgroup tiles of
         # 192 rows, which its forms with a block mask never take
-        assert BLOCK_MASK_TILE % t.rows == 0 or (path, kernel, t.rows, form) in (
-            ("ws", "fwd", 192, "plain"),), where
+        assert BLOCK_MASK_TILE % t.rows == 0 or (path, kernel, t.rows, form) in (("ws", "fwd", 192, "plain"),), where
     for v in SHIPPED:
         limit = tiles.SM80_SMEM_BYTES if "sm_80" in v.compile_targets() else 227 * 1024
         for kernel in v.kernels:
@@ -172,21 +188,29 @@ def test_name_expressions_carry_the_cells_switches():
                 assert name.startswith(f"attention_bwd_{kernel}_kernel<")
             elif kernel == "bwd":
                 chains = tiles.ws_bwd_dq_chains(t, v.deterministic)
-                assert name == (f"attention_bwd_ws_kernel<{CTYPES[v.dtype]}, {v.head_dim}, {t.block}, {t.stages}, "
-                                f"{_bool(v.causal)}, {_bool(v.deterministic)}, {chains}, {_bool(t.paired)}>"), (v, name)
+                assert name == (
+                    f"attention_bwd_ws_kernel<{CTYPES[v.dtype]}, {v.head_dim}, {t.block}, {t.stages}, "
+                    f"{_bool(v.causal)}, {_bool(v.deterministic)}, {chains}, {_bool(t.paired)}>"
+                ), (v, name)
             elif kernel == "dq_convert":
                 chains = tiles.ws_bwd_dq_chains(t, v.deterministic)
-                assert name == (f"attention_bwd_dq_convert_kernel<{CTYPES[v.dtype]}, {v.head_dim}, {t.block}, "
-                                f"{_bool(v.causal)}, {chains}, {_bool(t.paired)}>")
+                assert name == (
+                    f"attention_bwd_dq_convert_kernel<{CTYPES[v.dtype]}, {v.head_dim}, {t.block}, "
+                    f"{_bool(v.causal)}, {chains}, {_bool(t.paired)}>"
+                )
             elif v.path == "ws":
                 out = CTYPES[v.out_dtype or v.dtype]
                 warpgroups = t.rows // tiles.WS_WARPGROUP_ROWS
-                assert name.endswith(f"{_bool(t.pack_after_wait)}, {_bool(t.store_warps)}, {out}, {warpgroups}, "
-                                     f"{t.pv_cols}, {_bool(t.scores_first)}>"), (v, name)
+                assert name.endswith(
+                    f"{_bool(t.pack_after_wait)}, {_bool(t.store_warps)}, {out}, {warpgroups}, "
+                    f"{t.pv_cols}, {_bool(t.scores_first)}>"
+                ), (v, name)
                 assert f", {t.block}, {t.stages}, " in name
     dkdv = Variant("bwd", "float16", 128, "wgmma").name_expression("dkdv")
-    assert dkdv == "attention_bwd_dkdv_kernel<half_t, 128, 4, 64, 128, false, Mods::none, true, false, false, true, " \
-                   "true, true>"
+    assert (
+        dkdv == "attention_bwd_dkdv_kernel<half_t, 128, 4, 64, 128, false, Mods::none, true, false, false, true, "
+        "true, true>"
+    )
 
 
 def test_variants_for_each_arch():
@@ -194,5 +218,6 @@ def test_variants_for_each_arch():
     sm80, sm90 = variants_for("sm_80"), variants_for("sm_90")
     assert set(sm90) == SHIPPED_SET
     assert sm80 and all(v.path == "mma" for v in sm80)
-    assert {v for v in SHIPPED if v.path == "mma"} - set(sm80) == \
-        {v for v in SHIPPED if v.path == "mma" and "sm_80" not in v.compile_targets()}
+    assert {v for v in SHIPPED if v.path == "mma"} - set(sm80) == {
+        v for v in SHIPPED if v.path == "mma" and "sm_80" not in v.compile_targets()
+    }

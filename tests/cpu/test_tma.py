@@ -21,8 +21,9 @@ def test_tensor_maps_describe_aligned_strided_inputs_but_not_broadcast_ones():
     assert tma.describable(sliced, [1, 2, 3], [0, 300 * 136, 100 * 136])
     assert not tma.describable(dense, [1, 2, 3], [0, 300 * 128, 0])  # heads broadcast
     assert tma.describable(dense, [1, 1, 3], [0, 0, 100 * 128])  # a dim of one entry: any stride
-    assert not tma.describable(_FakeArray((2, 100, 128), (100 * 256, 256, 2), ptr=(1 << 20) + 8), [1, 1, 2],
-                               [0, 0, 100 * 128])
+    assert not tma.describable(
+        _FakeArray((2, 100, 128), (100 * 256, 256, 2), ptr=(1 << 20) + 8), [1, 1, 2], [0, 0, 100 * 128]
+    )
     assert not tma.describable(_FakeArray((2, 100, 128), (100 * 264, 264, 2)), [1, 1, 2], [0, 0, 100 * 132])
 
 

@@ -17,12 +17,7 @@ from cupyflash._arrays import lse_dtype
 
 B, H, NQ, NK, D, DV = 2, 3, 5, 7, 8, 6
 SHAPES = dict(
-    dout=(B, H, NQ, DV),
-    q=(B, H, NQ, D),
-    k=(B, H, NK, D),
-    v=(B, H, NK, DV),
-    out=(B, H, NQ, DV),
-    lse=(B, H, NQ),
+    dout=(B, H, NQ, DV), q=(B, H, NQ, D), k=(B, H, NK, D), v=(B, H, NK, DV), out=(B, H, NQ, DV), lse=(B, H, NQ)
 )
 
 
@@ -169,9 +164,7 @@ def test_leading_dims_that_do_not_broadcast():
     "d, dv, what, value", [(257, DV, "D", 257), (D, 300, "Dv", 300), (0, DV, "D", 0), (D, 0, "Dv", 0)]
 )
 def test_head_dim_out_of_range(d, dv, what, value):
-    arrays = _arrays(
-        q=(B, H, NQ, d), k=(B, H, NK, d), v=(B, H, NK, dv), out=(B, H, NQ, dv), dout=(B, H, NQ, dv)
-    )
+    arrays = _arrays(q=(B, H, NQ, d), k=(B, H, NK, d), v=(B, H, NK, dv), out=(B, H, NQ, dv), dout=(B, H, NQ, dv))
     _all_raise(ValueError, rf"head dim {what} \(.*\) is {value}; supported head dims are 1 to 256", arrays)
 
 
@@ -252,8 +245,9 @@ def test_deterministic_must_be_a_bool(deterministic):
     arrays = _arrays()
     out, lse = cupyflash.attention_forward(arrays["q"], arrays["k"], arrays["v"])
     with pytest.raises(TypeError, match=re.escape(f"deterministic must be a bool, got {deterministic!r}")):
-        cupyflash.attention_backward(arrays["dout"], arrays["q"], arrays["k"], arrays["v"], out, lse,
-                                     deterministic=deterministic)
+        cupyflash.attention_backward(
+            arrays["dout"], arrays["q"], arrays["k"], arrays["v"], out, lse, deterministic=deterministic
+        )
 
 
 def test_the_cpu_backward_is_the_same_either_way():
@@ -261,8 +255,10 @@ def test_the_cpu_backward_is_the_same_either_way():
     rng = np.random.default_rng()
     q, k, v, dout = (rng.standard_normal(SHAPES[name], dtype=np.float32) for name in ("q", "k", "v", "dout"))
     out, lse = cupyflash.attention_forward(q, k, v, causal=True)
-    for a, b in zip(cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True),
-                    cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=np.bool_(False))):
+    for a, b in zip(
+        cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True),
+        cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=np.bool_(False)),
+    ):
         np.testing.assert_array_equal(a, b)
 
 
@@ -292,8 +288,11 @@ def test_other_ndarray_subclasses_are_taken_as_arrays(tmp_path):
 def test_big_endian_arrays_are_refused_with_the_fix():
     arrays = _arrays(np.float32)
     q = arrays["q"].astype(">f4")
-    with pytest.raises(TypeError, match=r"^q has dtype >f4, not in this machine's byte order; pass "
-                                        r"q\.astype\(q\.dtype\.newbyteorder\('='\)\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"^q has dtype >f4, not in this machine's byte order; pass "
+        r"q\.astype\(q\.dtype\.newbyteorder\('='\)\)",
+    ):
         cupyflash.attention(q, arrays["k"], arrays["v"])
     bias = np.zeros((NQ, NK), ">f4")
     with pytest.raises(TypeError, match=r"^bias has dtype >f4, not in this machine's byte order"):

@@ -51,16 +51,20 @@ def test_reference_is_each_sequence_alone(rng, causal):
             np.testing.assert_allclose(dv[k0:k1], dv_s[:, 0].transpose(1, 0, 2), atol=1e-12)
         else:  # no query or no key: nothing flows back
             assert not dq[q0:q1].any() and not dk[k0:k1].any() and not dv[k0:k1].any()
-    assert np.all(np.isneginf(lse[:, cu_q[4]:cu_q[5]])), "a sequence with no key has lse = -inf"
+    assert np.all(np.isneginf(lse[:, cu_q[4] : cu_q[5]])), "a sequence with no key has lse = -inf"
 
 
 OPTIONS = {
     "plain": {},
-    "window-softcap-alibi": dict(window=(6, 2), softcap=3.0,
-                                 alibi_slopes=np.linspace(0.05, 0.5, 6, dtype=np.float32)),
+    "window-softcap-alibi": dict(window=(6, 2), softcap=3.0, alibi_slopes=np.linspace(0.05, 0.5, 6, dtype=np.float32)),
     "dropout": dict(dropout_p=0.25, dropout_seed=77),
-    "all": dict(window=(20, 0), softcap=2.0, alibi_slopes=np.full((len(LENGTHS_Q), 6), 0.1, np.float32),
-                dropout_p=0.1, dropout_seed=2**40),
+    "all": dict(
+        window=(20, 0),
+        softcap=2.0,
+        alibi_slopes=np.full((len(LENGTHS_Q), 6), 0.1, np.float32),
+        dropout_p=0.1,
+        dropout_seed=2**40,
+    ),
 }
 
 
@@ -117,20 +121,33 @@ def _bad(rng, **changes):
     return args
 
 
-@pytest.mark.parametrize("changes, error, text", [
-    (dict(cu_seqlens_q=np.array([0, 3, 7], np.uint32)), TypeError,
-     "cu_seqlens_q must be an int32 or int64 array or a sequence of ints, got dtype uint32"),
-    (dict(cu_seqlens_k=[0.0, 3.0, 7.0]), TypeError, "cu_seqlens_k must hold integers"),
-    (dict(cu_seqlens_k=None), TypeError, "cu_seqlens_k must be an int32 or int64 array or a sequence of ints, "
-                                         "got builtins.NoneType"),
-    (dict(cu_seqlens_k=np.array([0, 5, 3, 7], np.int32)), ValueError, "cu_seqlens_k must be non-decreasing"),
-    (dict(cu_seqlens_q=np.array([0, 3, 6], np.int32)), ValueError, r"last entry of cu_seqlens_q is 6 but q has 7"),
-    (dict(cu_seqlens_k=np.array([0, 7], np.int32)), ValueError, "cu_seqlens_q has 3 entries but cu_seqlens_k has 2"),
-    (dict(cu_seqlens_q=np.array([1, 3, 7], np.int32)), ValueError, "cu_seqlens_q must start at 0"),
-    (dict(cu_seqlens_q=np.array([[0, 3, 7]], np.int32)), ValueError, "cu_seqlens_q must be 1-D"),
-    (dict(max_seqlen_q=3), ValueError, r"max_seqlen_q=3 is below the longest query sequence \(4\)"),
-    (dict(max_seqlen_k=4.0), TypeError, "max_seqlen_k must be an integer"),
-])
+@pytest.mark.parametrize(
+    "changes, error, text",
+    [
+        (
+            dict(cu_seqlens_q=np.array([0, 3, 7], np.uint32)),
+            TypeError,
+            "cu_seqlens_q must be an int32 or int64 array or a sequence of ints, got dtype uint32",
+        ),
+        (dict(cu_seqlens_k=[0.0, 3.0, 7.0]), TypeError, "cu_seqlens_k must hold integers"),
+        (
+            dict(cu_seqlens_k=None),
+            TypeError,
+            "cu_seqlens_k must be an int32 or int64 array or a sequence of ints, got builtins.NoneType",
+        ),
+        (dict(cu_seqlens_k=np.array([0, 5, 3, 7], np.int32)), ValueError, "cu_seqlens_k must be non-decreasing"),
+        (dict(cu_seqlens_q=np.array([0, 3, 6], np.int32)), ValueError, r"last entry of cu_seqlens_q is 6 but q has 7"),
+        (
+            dict(cu_seqlens_k=np.array([0, 7], np.int32)),
+            ValueError,
+            "cu_seqlens_q has 3 entries but cu_seqlens_k has 2",
+        ),
+        (dict(cu_seqlens_q=np.array([1, 3, 7], np.int32)), ValueError, "cu_seqlens_q must start at 0"),
+        (dict(cu_seqlens_q=np.array([[0, 3, 7]], np.int32)), ValueError, "cu_seqlens_q must be 1-D"),
+        (dict(max_seqlen_q=3), ValueError, r"max_seqlen_q=3 is below the longest query sequence \(4\)"),
+        (dict(max_seqlen_k=4.0), TypeError, "max_seqlen_k must be an integer"),
+    ],
+)
 def test_bad_offsets(rng, changes, error, text):
     args = _bad(rng, **changes)
     with pytest.raises(error, match=text):
@@ -141,14 +158,19 @@ def test_bad_offsets(rng, changes, error, text):
 def test_offsets_by_one_rule(rng, form):
     """cu_seqlens as int64 arrays, lists or tuples: the results of int32 arrays, bit for bit."""
     args = _bad(rng)
-    convert = {"int64": lambda x: x.astype(np.int64), "list": lambda x: x.tolist(),
-               "tuple": lambda x: tuple(x.tolist())}[form]
+    convert = {
+        "int64": lambda x: x.astype(np.int64),
+        "list": lambda x: x.tolist(),
+        "tuple": lambda x: tuple(x.tolist()),
+    }[form]
     given = {**args, "cu_seqlens_q": convert(args["cu_seqlens_q"]), "cu_seqlens_k": convert(args["cu_seqlens_k"])}
     np.testing.assert_array_equal(cupyflash.attention_varlen(**given), cupyflash.attention_varlen(**args))
-    expected = cupyflash.reference.attention_varlen(*(args[name].astype(np.float64) for name in "qkv"),
-                                                    args["cu_seqlens_q"], args["cu_seqlens_k"])
-    got = cupyflash.reference.attention_varlen(*(args[name].astype(np.float64) for name in "qkv"),
-                                               given["cu_seqlens_q"], given["cu_seqlens_k"])
+    expected = cupyflash.reference.attention_varlen(
+        *(args[name].astype(np.float64) for name in "qkv"), args["cu_seqlens_q"], args["cu_seqlens_k"]
+    )
+    got = cupyflash.reference.attention_varlen(
+        *(args[name].astype(np.float64) for name in "qkv"), given["cu_seqlens_q"], given["cu_seqlens_k"]
+    )
     np.testing.assert_array_equal(got, expected)
 
 
@@ -158,8 +180,14 @@ def test_bad_shapes(rng):
     with pytest.raises(ValueError, match=r"q must be packed as \(total_q, H, D\)"):
         cupyflash.attention_varlen(**{**args, "q": q[None]})
     with pytest.raises(ValueError, match="must divide the query heads"):
-        cupyflash.attention_varlen(**{**args, "q": np.concatenate([q, q[:, :1]], axis=1),  # H = 3, Hk = 2
-                                      "k": np.concatenate([k, k], axis=1), "v": np.concatenate([v, v], axis=1)})
+        cupyflash.attention_varlen(
+            **{
+                **args,
+                "q": np.concatenate([q, q[:, :1]], axis=1),  # H = 3, Hk = 2
+                "k": np.concatenate([k, k], axis=1),
+                "v": np.concatenate([v, v], axis=1),
+            }
+        )
     with pytest.raises(ValueError, match="k and v must have the same rows and heads"):
         cupyflash.attention_varlen(**{**args, "v": v[:-1]})
     with pytest.raises(ValueError, match="alibi_slopes has shape"):

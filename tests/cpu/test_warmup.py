@@ -6,19 +6,32 @@ and its errors without CuPy or a device. That a call after it compiles nothing i
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.gpu import gpu_available
 
 import cupyflash
 from cupyflash import _modifiers, _warmup
-from cupyflash._cuda import compile as compile_, decode_tiles, tiles
+from cupyflash._cuda import compile as compile_
+from cupyflash._cuda import decode_tiles, tiles
 from cupyflash._cuda.variants import DTYPES, FP8, Device, Features, Variant, select, shipped_variants
-from helpers.gpu import gpu_available
 
 HOPPER = Device(wgmma=True, large_smem=True)
 AMPERE = Device()
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # Head dim as passed -> the kernel HEAD_DIM that serves it: the smallest shipped one that holds it.
-EXPECTED_HEAD_DIM = {1: 16, 8: 16, 16: 16, 17: 32, 40: 64, 64: 64, 80: 96, 100: 128, 129: 160, 192: 192,
-                     200: 256, 256: 256}
+EXPECTED_HEAD_DIM = {
+    1: 16,
+    8: 16,
+    16: 16,
+    17: 32,
+    40: 64,
+    64: 64,
+    80: 96,
+    100: 128,
+    129: 160,
+    192: 192,
+    200: 256,
+    256: 256,
+}
 SHIPPED = set(shipped_variants())
 
 
@@ -58,13 +71,21 @@ def test_on_hopper_the_default_warms_hoppers_paths():
     # which those head dims' own calls warm already
     shared = [d for d in tiles.HEAD_DIMS if tiles.ws_head_dim(d) not in (None, d)]
     assert shared == [96, 160]
-    assert len(warmed) == len(set(warmed)) == len(DTYPES) * len(tiles.HEAD_DIMS) * 2 * 2 + len(fused) - 2 * len(shared) * 2
+    assert (
+        len(warmed) == len(set(warmed)) == len(DTYPES) * len(tiles.HEAD_DIMS) * 2 * 2 + len(fused) - 2 * len(shared) * 2
+    )
     assert set(warmed) <= SHIPPED
     assert {v.path for v in warmed} == {"mma", "large", "wgmma", "pieces", "ws"}
     longest = (tiles.CHAIN_ROWS, tiles.CHAIN_ROWS)
     for v in warmed:
-        features = Features.of(v.direction, np.dtype(v.dtype), v.head_dim, v.head_dim, v.causal,
-                               lengths=longest if v.fused_backward else (0, 0))
+        features = Features.of(
+            v.direction,
+            np.dtype(v.dtype),
+            v.head_dim,
+            v.head_dim,
+            v.causal,
+            lengths=longest if v.fused_backward else (0, 0),
+        )
         assert v == select(features, HOPPER), v
 
 
@@ -72,7 +93,12 @@ def test_dropout_adds_the_dropout_variants(recorder):
     warmed = cupyflash.warmup(dtypes="bf16", head_dims=128, causal=True, modifiers=True, dropout=True)
     # (mods, dropout): with dropout the modifiers always take the form with the arrays.
     assert [(v.mods, v.dropout) for v in warmed if v.direction == "fwd"] == [
-        ("none", False), ("none", True), ("scalars", False), ("all", True), ("all", False)]
+        ("none", False),
+        ("none", True),
+        ("scalars", False),
+        ("all", True),
+        ("all", False),
+    ]
     assert all(v in SHIPPED for v in warmed)
     assert "dropout" in str(warmed[2]) and warmed[2].dropout
 
@@ -86,8 +112,10 @@ def test_dtype_names_are_the_kernels_dtypes():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_head_dims_round_up_as_the_api_does(recorder, dtype, head_dim):
     warmed = cupyflash.warmup(dtypes=dtype, head_dims=head_dim, causal=False)
-    assert {(v.direction, v.head_dim) for v in warmed} == {("fwd", EXPECTED_HEAD_DIM[head_dim]),
-                                                           ("bwd", EXPECTED_HEAD_DIM[head_dim])}
+    assert {(v.direction, v.head_dim) for v in warmed} == {
+        ("fwd", EXPECTED_HEAD_DIM[head_dim]),
+        ("bwd", EXPECTED_HEAD_DIM[head_dim]),
+    }
     assert all(v.dtype == dtype and not v.causal and v.mods == "none" for v in warmed)
     # the very variant a call of that head dim (D = Dv) selects
     for v in warmed:
@@ -116,8 +144,13 @@ def test_modifiers_on_hopper_warm_every_form_a_modifier_call_takes():
     full forms; every one shipped, and each the variant such a call selects."""
     warmed = _warmup.select_variants("bf16", 128, (False, True), True, True, device=HOPPER)
     assert set(warmed) <= SHIPPED
-    calls = [dict(window=(10, -1), alibi_slopes=np.ones(3, np.float32)), dict(window=(10, -1)), dict(softcap=1.0),
-             dict(bias=np.zeros((100, 120), BF16)), dict(block_mask=np.ones((1, 1), bool))]
+    calls = [
+        dict(window=(10, -1), alibi_slopes=np.ones(3, np.float32)),
+        dict(window=(10, -1)),
+        dict(softcap=1.0),
+        dict(bias=np.zeros((100, 120), BF16)),
+        dict(block_mask=np.ones((1, 1), bool)),
+    ]
     for options in calls:
         for causal in (False, True):
             for direction in ("fwd", "bwd"):
@@ -133,18 +166,23 @@ def test_modifiers_include_the_bounded_softcap_forward_on_hopper():
     assert len(bounded) == 1 and bounded[0].direction == "fwd" and bounded[0] in SHIPPED
     assert "bounded" in str(bounded[0])
     assert _select("fwd", BF16, 128, False, softcap=30.0) == bounded[0]
-    assert not any(v.score == "bounded" for v in _warmup.select_variants("fp16", 128, (False, True), True, True,
-                                                                          device=HOPPER))
-    assert not any(v.score == "bounded" for v in _warmup.select_variants("bf16", 128, (False, True), True, True,
-                                                                          device=AMPERE))
+    assert not any(
+        v.score == "bounded" for v in _warmup.select_variants("fp16", 128, (False, True), True, True, device=HOPPER)
+    )
+    assert not any(
+        v.score == "bounded" for v in _warmup.select_variants("bf16", 128, (False, True), True, True, device=AMPERE)
+    )
 
 
 def test_modifiers_warm_the_alibi_form_each_mask_takes_on_hopper():
     """ALiBi's warp-specialized forward has a form for windows with a right edge (alibi_half_first, causal
     calls among them) and one without: warmup loads the one each warmed mask's ALiBi calls then find."""
     slopes = np.ones(3, np.float32)
-    for causal, forms in ((True, {"alibi_half_first"}), (False, {"alibi"}),
-                          ((False, True), {"alibi", "alibi_half_first"})):
+    for causal, forms in (
+        (True, {"alibi_half_first"}),
+        (False, {"alibi"}),
+        ((False, True), {"alibi", "alibi_half_first"}),
+    ):
         warmed = _warmup.select_variants("bf16", 128, causal, True, False, device=HOPPER)
         alibi = [v for v in warmed if v.score.startswith("alibi") and not v.block_mask]  # (block mask: below)
         assert len(alibi) == len(forms) and {v.score for v in alibi} == forms, causal
@@ -164,15 +202,17 @@ def test_modifiers_warm_the_block_mask_forms_on_hopper():
         for head_dim in (64, 128):
             warmed = _warmup.select_variants(name, head_dim, (False, True), True, True, device=HOPPER)
             walks = {v for v in warmed if v.block_mask}
-            wanted = {_select("fwd", dtype, head_dim, causal, block_mask=on, **options)
-                      for causal in (False, True) for options in ({}, dict(softcap=30.0), dict(alibi_slopes=slopes),
-                                                                 dict(window=(64, 0)))}
+            wanted = {
+                _select("fwd", dtype, head_dim, causal, block_mask=on, **options)
+                for causal in (False, True)
+                for options in ({}, dict(softcap=30.0), dict(alibi_slopes=slopes), dict(window=(64, 0)))
+            }
             assert walks == wanted and all(v.block_mask and v.path == "ws" for v in wanted), (name, head_dim)
             assert all("block mask" in str(v) for v in walks)
-    assert not any(v.block_mask for v in _warmup.select_variants("bf16", 256, (False, True), True, True,
-                                                                  device=HOPPER))  # 64-key blocks
-    assert not any(v.block_mask for v in _warmup.select_variants("bf16", 128, (False, True), True, True,
-                                                                  device=AMPERE))
+    assert not any(
+        v.block_mask for v in _warmup.select_variants("bf16", 256, (False, True), True, True, device=HOPPER)
+    )  # 64-key blocks
+    assert not any(v.block_mask for v in _warmup.select_variants("bf16", 128, (False, True), True, True, device=AMPERE))
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.dtype(np.float16), "half", "fp16", "float16"])
@@ -186,22 +226,25 @@ def test_accepts_bfloat16_as_ml_dtypes_or_name(recorder):
     assert {v.dtype for v in by_type} == {"bfloat16"}
 
 
-@pytest.mark.parametrize("kwargs, error, words", [
-    (dict(dtypes="flaot16"), ValueError, "unknown dtype 'flaot16'"),
-    (dict(dtypes="complex64"), ValueError, "complex64 is not supported"),
-    (dict(dtypes=np.int8), ValueError, "int8 is not supported"),
-    (dict(dtypes=None), TypeError, "None is not a dtype"),
-    (dict(dtypes=()), ValueError, "dtypes must hold at least one value"),
-    (dict(head_dims=0), ValueError, "head_dims: 0 is out of range"),
-    (dict(head_dims=[64, 257]), ValueError, "head_dims: 257 is out of range; head dims run from 1 to 256"),
-    (dict(head_dims=64.0), TypeError, "head_dims must be ints"),
-    (dict(head_dims=True), TypeError, "head_dims must be ints"),
-    (dict(causal="yes"), TypeError, "causal must be a bool, got 'yes'"),
-    (dict(causal=(False, 1)), TypeError, "causal must be a bool, got 1"),
-    (dict(modifiers=None), TypeError, "modifiers must be a bool"),
-    (dict(backward=1), TypeError, "backward must be a bool"),
-    (dict(dropout="no"), TypeError, "dropout must be a bool"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(dtypes="flaot16"), ValueError, "unknown dtype 'flaot16'"),
+        (dict(dtypes="complex64"), ValueError, "complex64 is not supported"),
+        (dict(dtypes=np.int8), ValueError, "int8 is not supported"),
+        (dict(dtypes=None), TypeError, "None is not a dtype"),
+        (dict(dtypes=()), ValueError, "dtypes must hold at least one value"),
+        (dict(head_dims=0), ValueError, "head_dims: 0 is out of range"),
+        (dict(head_dims=[64, 257]), ValueError, "head_dims: 257 is out of range; head dims run from 1 to 256"),
+        (dict(head_dims=64.0), TypeError, "head_dims must be ints"),
+        (dict(head_dims=True), TypeError, "head_dims must be ints"),
+        (dict(causal="yes"), TypeError, "causal must be a bool, got 'yes'"),
+        (dict(causal=(False, 1)), TypeError, "causal must be a bool, got 1"),
+        (dict(modifiers=None), TypeError, "modifiers must be a bool"),
+        (dict(backward=1), TypeError, "backward must be a bool"),
+        (dict(dropout="no"), TypeError, "dropout must be a bool"),
+    ],
+)
 def test_bad_arguments_name_the_argument(recorder, kwargs, error, words):
     with pytest.raises(error, match=words.replace("(", r"\(")):
         cupyflash.warmup(**kwargs)
@@ -254,8 +297,7 @@ def test_decode_warms_every_decode_variant_a_call_can_pick(recorder):
     """With decode=True, each dtype and head dim adds the variants attention_with_kvcache's selection can
     pick for it (any number of packed rows, contiguous or paged with any page size), and only those."""
     rng = np.random.default_rng(0)
-    warmed = cupyflash.warmup(dtypes=["bf16", "fp64"], head_dims=[40, 200], backward=False, causal=False,
-                              decode=True)
+    warmed = cupyflash.warmup(dtypes=["bf16", "fp64"], head_dims=[40, 200], backward=False, causal=False, decode=True)
     decode = [v for v in warmed if isinstance(v, decode_tiles.DecodeVariant)]
     assert recorder == warmed and len(decode) == len(set(decode))
     assert set(decode) <= set(decode_tiles.shipped_variants())
@@ -263,7 +305,7 @@ def test_decode_warms_every_decode_variant_a_call_can_pick(recorder):
         dtype = str(rng.choice(["bfloat16", "float64"]))
         # max(D, Dv) in the kernel head dim that 40 (33-64) or 200 (129-256) rounds up to
         width = int(rng.integers(33, 65)) if rng.random() < 0.5 else int(rng.integers(129, 257))
-        d, dv = (width, int(rng.integers(1, width + 1)))[::int(rng.choice([1, -1]))]
+        d, dv = (width, int(rng.integers(1, width + 1)))[:: int(rng.choice([1, -1]))]
         packed = int(rng.integers(1, 200))
         page_size = None if rng.random() < 0.3 else int(rng.integers(1, 300))
         assert decode_tiles.choose(dtype, d, dv, packed, page_size) in decode, (dtype, d, dv, packed, page_size)

@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cupy  # noqa: E402
+from helpers.checks import assert_matches_reference, max_abs, to_host  # noqa: E402
 
 import cupyflash  # noqa: E402
 from cupyflash import distributed as dist  # noqa: E402
 from cupyflash import reference  # noqa: E402
-from helpers.checks import assert_matches_reference, max_abs, to_host  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # (dtype, B, Hk, G, N, D, Dv, causal, layout, options)
@@ -47,17 +47,24 @@ def run_case(comm, rng, dtype, b, hk, g, n, d, dv, causal, layout, options):
     gq, gk, gv, gdout = (cupy.asarray(x) for x in (q, k, v, dout))
     shards = [dist.shard(x, comm, layout) for x in (gq, gk, gv, gdout)]
     out_l, lse_l = dist.ring_attention_forward(*shards[:3], comm=comm, causal=causal, layout=layout, **kwargs)
-    grads = dist.ring_attention_backward(shards[3], *shards[:3], out_l, lse_l, comm=comm, causal=causal,
-                                         layout=layout, **kwargs)
-    ring = [dist.unshard(out_l, comm, layout), dist.unshard(lse_l, comm, layout, axis=-1),
-            *(dist.unshard(x, comm, layout) for x in grads)]
+    grads = dist.ring_attention_backward(
+        shards[3], *shards[:3], out_l, lse_l, comm=comm, causal=causal, layout=layout, **kwargs
+    )
+    ring = [
+        dist.unshard(out_l, comm, layout),
+        dist.unshard(lse_l, comm, layout, axis=-1),
+        *(dist.unshard(x, comm, layout) for x in grads),
+    ]
     if comm.rank != 0:
         return None
     if dtype != np.float64:  # the rule's naive twin computes in float32; float64 is held to 2x one GPU below
         assert_matches_reference(gq, gk, gv, gdout, ring, causal=causal, round_scaled_scores=False, **kwargs)
     one_out, one_lse = cupyflash.attention_forward(gq, gk, gv, causal=causal, **kwargs)
-    one = [one_out, one_lse, *cupyflash.attention_backward(gdout, gq, gk, gv, one_out, one_lse, causal=causal,
-                                                          **kwargs)]
+    one = [
+        one_out,
+        one_lse,
+        *cupyflash.attention_backward(gdout, gq, gk, gv, one_out, one_lse, causal=causal, **kwargs),
+    ]
     host = {key: to_host(val) if hasattr(val, "shape") else val for key, val in kwargs.items()}
     ref_out, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, **host)
     refs = [ref_out, ref_lse, *reference.attention_backward(dout, q, k, v, causal=causal, **host)]
@@ -79,8 +86,11 @@ def main():
         rng = np.random.default_rng(1000 + i)  # the same inputs on every rank
         line = run_case(comm, rng, *case)
         if comm.rank == 0:
-            print(f"case {i} ({np.dtype(case[0]).name}, N={case[4]}, causal={case[7]}, {case[8]}, "
-                  f"{sorted(case[9])}): ring/one-GPU error {line}", flush=True)
+            print(
+                f"case {i} ({np.dtype(case[0]).name}, N={case[4]}, causal={case[7]}, {case[8]}, "
+                f"{sorted(case[9])}): ring/one-GPU error {line}",
+                flush=True,
+            )
     # A call that differs between ranks raises on every rank.
     n = 16 * (2 + comm.rank)
     x = cupy.zeros((1, 2, n, 16), dtype=np.float16)

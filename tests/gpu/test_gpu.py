@@ -13,13 +13,13 @@ import functools
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.checks import assert_bitwise_equal, assert_rows_without_keys_are_zero
+from helpers.gpu import nan_filled_allocations
+from helpers.problems import check_bhnd, random_array, random_problem
 
 import cupyflash
 from cupyflash import reference
 from cupyflash._cuda import launch
-from helpers.checks import assert_bitwise_equal, assert_rows_without_keys_are_zero
-from helpers.gpu import nan_filled_allocations
-from helpers.problems import check_bhnd, random_array, random_problem
 
 cupy = pytest.importorskip("cupy")
 
@@ -70,9 +70,7 @@ def test_mma_sync_path_on_every_gpu(rng, assert_matches_reference, monkeypatch, 
     _check_bhnd(rng, assert_matches_reference, dtype, (1, 2), 300, 333, head_dim, head_dim, causal)
 
 
-@pytest.mark.parametrize(
-    "d, dv", [(1, 1), (3, 5), (33, 17), (17, 33), (64, 24), (72, 200), (1, 256), (256, 1)]
-)
+@pytest.mark.parametrize("d, dv", [(1, 1), (3, 5), (33, 17), (17, 33), (64, 24), (72, 200), (1, 256), (256, 1)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_odd_and_unequal_head_dims(rng, assert_matches_reference, dtype, causal, d, dv):

@@ -16,15 +16,15 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.checks import assert_bitwise_equal, to_host
+from helpers.gpu import gpu_available, nan_filled_allocations
+from helpers.problems import random_array
 
 import cupyflash
 from cupyflash import distributed as dist
 from cupyflash import reference
 from cupyflash._arrays import cupy
 from cupyflash._cuda import states
-from helpers.checks import assert_bitwise_equal, to_host
-from helpers.gpu import gpu_available, nan_filled_allocations
-from helpers.problems import random_array
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,12 +54,15 @@ def test_world_of_one_is_attention_bit_for_bit(rng, causal, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("world_size, layout, causal, options", [
-    (2, "zigzag", True, {}),
-    (3, "contiguous", False, {"softcap": 15.0}),
-    (4, "zigzag", True, {"alibi": True}),
-    (2, "contiguous", True, {"scale": 0.2}),
-])
+@pytest.mark.parametrize(
+    "world_size, layout, causal, options",
+    [
+        (2, "zigzag", True, {}),
+        (3, "contiguous", False, {"softcap": 15.0}),
+        (4, "zigzag", True, {"alibi": True}),
+        (2, "contiguous", True, {"scale": 0.2}),
+    ],
+)
 def test_ring_over_threads_on_one_gpu(rng, assert_matches_reference, dtype, world_size, layout, causal, options):
     """W ranks as threads sharing one GPU: the same schedule as over NCCL, through the GPU's kernels
     (attention, merge_states, accumulate_rows); the gathered results by the accuracy rule."""
@@ -75,10 +78,14 @@ def test_ring_over_threads_on_one_gpu(rng, assert_matches_reference, dtype, worl
     def rank_work(comm):
         shards = [dist.shard(x, comm, layout) for x in (q, k, v, dout)]
         out, lse = dist.ring_attention_forward(*shards[:3], comm=comm, causal=causal, layout=layout, **kwargs)
-        grads = dist.ring_attention_backward(shards[3], *shards[:3], out, lse, comm=comm, causal=causal,
-                                             layout=layout, **kwargs)
-        return [dist.unshard(out, comm, layout), dist.unshard(lse, comm, layout, axis=-1),
-                *(dist.unshard(x, comm, layout) for x in grads)]
+        grads = dist.ring_attention_backward(
+            shards[3], *shards[:3], out, lse, comm=comm, causal=causal, layout=layout, **kwargs
+        )
+        return [
+            dist.unshard(out, comm, layout),
+            dist.unshard(lse, comm, layout, axis=-1),
+            *(dist.unshard(x, comm, layout) for x in grads),
+        ]
 
     results = dist.InProcessGroup(world_size).run(rank_work)
     for other in results[1:]:  # every rank gathers the same arrays
@@ -89,8 +96,11 @@ def test_ring_over_threads_on_one_gpu(rng, assert_matches_reference, dtype, worl
     # float64 runs in float64 throughout: held to the float64 reference at 1e-12 of its largest magnitude.
     host = {key: to_host(val) if hasattr(val, "shape") else val for key, val in kwargs.items()}
     ref_out, ref_lse = reference.attention(*(to_host(x) for x in (q, k, v)), causal=causal, return_lse=True, **host)
-    refs = [ref_out, ref_lse, *reference.attention_backward(*(to_host(x) for x in (dout, q, k, v)), causal=causal,
-                                                            **host)]
+    refs = [
+        ref_out,
+        ref_lse,
+        *reference.attention_backward(*(to_host(x) for x in (dout, q, k, v)), causal=causal, **host),
+    ]
     for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), results[0], refs):
         error = np.abs(to_host(x) - ref).max()
         assert error <= 1e-12 * max(1.0, np.abs(ref).max()), f"{name}: float64 error {error:.3g}"
@@ -106,14 +116,15 @@ def test_merge_rows_is_the_public_merge(rng, dtype):
     lse_acc = rng.standard_normal(lead + (n_acc,)).astype(acc_dtype)
     out_b = random_array(rng, lead + (n, dv), dtype)
     lse_b = rng.standard_normal(lead + (n,)).astype(acc_dtype)
-    lse_acc[0, 0, row0:row0 + 5] = -np.inf  # the accumulator saw nothing: a copy of the block
+    lse_acc[0, 0, row0 : row0 + 5] = -np.inf  # the accumulator saw nothing: a copy of the block
     lse_b[0, 1, :4] = -np.inf  # the block saw nothing: the accumulator unchanged
-    lse_acc[1, 2, row0 + 2:row0 + 4] = -np.inf
+    lse_acc[1, 2, row0 + 2 : row0 + 4] = -np.inf
     lse_b[1, 2, 2:4] = -np.inf  # neither saw anything: out 0, lse -inf
     expected_out, expected_lse = out_acc.copy(), lse_acc.copy()
-    merged = cupyflash.merge_attention_states(out_acc[..., row0:row0 + n, :], lse_acc[..., row0:row0 + n],
-                                              out_b.astype(acc_dtype), lse_b)
-    expected_out[..., row0:row0 + n, :], expected_lse[..., row0:row0 + n] = merged
+    merged = cupyflash.merge_attention_states(
+        out_acc[..., row0 : row0 + n, :], lse_acc[..., row0 : row0 + n], out_b.astype(acc_dtype), lse_b
+    )
+    expected_out[..., row0 : row0 + n, :], expected_lse[..., row0 : row0 + n] = merged
     with nan_filled_allocations():
         g_out, g_lse = cupy.asarray(out_acc), cupy.asarray(lse_acc)
         states.merge_rows(g_out, g_lse, row0, cupy.asarray(out_b), cupy.asarray(lse_b))
@@ -121,11 +132,11 @@ def test_merge_rows_is_the_public_merge(rng, dtype):
     tol = 1e-13 if dtype == np.float64 else 2e-6
     np.testing.assert_allclose(got_out, expected_out, rtol=tol, atol=tol)
     np.testing.assert_allclose(got_lse, expected_lse, rtol=tol, atol=tol)
-    np.testing.assert_array_equal(got_out[0, 0, row0:row0 + 5], out_b[0, 0, :5].astype(acc_dtype))
-    np.testing.assert_array_equal(got_out[0, 1, row0:row0 + 4], out_acc[0, 1, row0:row0 + 4])
-    assert np.all(got_out[1, 2, row0 + 2:row0 + 4] == 0) and np.all(np.isneginf(got_lse[1, 2, row0 + 2:row0 + 4]))
+    np.testing.assert_array_equal(got_out[0, 0, row0 : row0 + 5], out_b[0, 0, :5].astype(acc_dtype))
+    np.testing.assert_array_equal(got_out[0, 1, row0 : row0 + 4], out_acc[0, 1, row0 : row0 + 4])
+    assert np.all(got_out[1, 2, row0 + 2 : row0 + 4] == 0) and np.all(np.isneginf(got_lse[1, 2, row0 + 2 : row0 + 4]))
     outside = np.ones(n_acc, dtype=bool)
-    outside[row0:row0 + n] = False
+    outside[row0 : row0 + n] = False
     np.testing.assert_array_equal(got_out[..., outside, :], out_acc[..., outside, :])
 
 
@@ -148,9 +159,20 @@ def test_add_rows(rng, dtype):
 def test_ring_over_nccl_on_two_gpus():
     """Six cases over NCCL on two GPUs (dtypes, layouts, GQA, softcap, ALiBi, scale): each held to the accuracy
     rule and to 2x the single GPU's error against float64; mismatched calls raise on every rank."""
-    done = subprocess.run([sys.executable, "-m", "cupyflash.distributed.launch", "--nproc", "2",
-                           str(ROOT / "tests" / "gpu" / "ring_worker.py")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cupyflash.distributed.launch",
+            "--nproc",
+            "2",
+            str(ROOT / "tests" / "gpu" / "ring_worker.py"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert done.stdout.count("ring/one-GPU error") == 6, done.stdout
     assert "mismatched calls raise on every rank" in done.stdout
@@ -159,9 +181,22 @@ def test_ring_over_nccl_on_two_gpus():
 @pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
 def test_example_runs_on_two_gpus():
     """examples/ring_attention.py under the launcher: the ring's results match one GPU's closely."""
-    done = subprocess.run([sys.executable, "-m", "cupyflash.distributed.launch", "--nproc", "2",
-                           str(ROOT / "examples" / "ring_attention.py"), "--n", "4096"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cupyflash.distributed.launch",
+            "--nproc",
+            "2",
+            str(ROOT / "examples" / "ring_attention.py"),
+            "--n",
+            "4096",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     errors = [float(line.rsplit("=", 1)[1]) for line in done.stdout.splitlines() if "max |ring" in line]
     assert len(errors) == 5 and max(errors) < 3e-2, done.stdout

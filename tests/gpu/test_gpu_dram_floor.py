@@ -6,7 +6,6 @@ whatever the shape, and its floors time both phases. Needs a GPU:
 
 import numpy as np
 import pytest
-
 from helpers.bench import load_bench_script
 
 cupy = pytest.importorskip("cupy")

@@ -14,13 +14,13 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-
-import cupyflash
-from cupyflash import reference
 from helpers.checks import assert_matches_reference, same_bits
 from helpers.gpu import nan_filled_allocations
 from helpers.modifiers import OPTIONS, random_options, run
 from helpers.problems import random_problem
+
+import cupyflash
+from cupyflash import reference
 
 cupy = pytest.importorskip("cupy")
 

@@ -8,11 +8,11 @@ import contextlib
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.checks import assert_bitwise_equal
+from helpers.gpu import nan_filled_allocations
 
 import cupyflash
 from cupyflash._cuda import dense_fast
-from helpers.checks import assert_bitwise_equal
-from helpers.gpu import nan_filled_allocations
 
 cupy = pytest.importorskip("cupy")
 
@@ -24,6 +24,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 def _bhnd(rng, dtype, q_shape, kv_shape):
     def make(shape):
         return cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+
     return make(q_shape), make(kv_shape), make(kv_shape)
 
 
@@ -38,14 +39,23 @@ CASES = {
     "bf16 causal": (lambda rng: _bhnd(rng, BF16, (2, 3, 200, 64), (2, 3, 200, 64)), dict(causal=True), True),
     "qkv views": (lambda rng: _qkv_views(rng, BF16, 2, 257, 4, 64), dict(causal=True), True),
     "gqa broadcast": (lambda rng: _bhnd(rng, np.float16, (1, 2, 3, 150, 64), (1, 2, 1, 150, 64)), {}, True),
-    "window softcap scale": (lambda rng: _bhnd(rng, np.float16, (2, 2, 300, 32), (2, 2, 280, 32)),
-                             dict(window=(48, 0), softcap=20.0, scale=0.3), True),
+    "window softcap scale": (
+        lambda rng: _bhnd(rng, np.float16, (2, 2, 300, 32), (2, 2, 280, 32)),
+        dict(window=(48, 0), softcap=20.0, scale=0.3),
+        True,
+    ),
     "dropout": (lambda rng: _bhnd(rng, BF16, (2, 2, 190, 64), (2, 2, 190, 64)), dict(dropout_p=0.2), True),
-    "d128 (warp-specialized forward on Hopper)": (lambda rng: _bhnd(rng, BF16, (1, 4, 384, 128), (1, 4, 384, 128)),
-                                                  dict(causal=True), True),
+    "d128 (warp-specialized forward on Hopper)": (
+        lambda rng: _bhnd(rng, BF16, (1, 4, 384, 128), (1, 4, 384, 128)),
+        dict(causal=True),
+        True,
+    ),
     "float64": (lambda rng: _bhnd(rng, np.float64, (2, 2, 100, 32), (2, 2, 90, 32)), {}, True),
-    "float32 (float16 pieces on Hopper)": (lambda rng: _bhnd(rng, np.float32, (2, 2, 100, 64), (2, 2, 100, 64)),
-                                           dict(causal=True), False),
+    "float32 (float16 pieces on Hopper)": (
+        lambda rng: _bhnd(rng, np.float32, (2, 2, 100, 64), (2, 2, 100, 64)),
+        dict(causal=True),
+        False,
+    ),
 }
 
 
@@ -107,18 +117,21 @@ def test_public_attention_draws_seeds_through_the_fast_path(rng):
     assert not bool(cupy.array_equal(a, b)), "each call draws its own dropout seed"
 
 
-@pytest.mark.parametrize("change, error, match", [
-    (dict(causal=1), TypeError, "causal"),
-    (dict(scale=-1.0), ValueError, "scale"),
-    (dict(scale=float("nan")), ValueError, "scale"),
-    (dict(dropout_p=0.1), ValueError, "dropout_seed"),
-    (dict(dropout_p=1.5, dropout_seed=3), ValueError, "dropout_p"),
-    (dict(dropout_seed=-1), ValueError, "dropout_seed"),
-    (dict(dropout_seed=2**64), ValueError, "dropout_seed"),
-    (dict(dropout_seed=True), TypeError, "dropout_seed"),
-    (dict(window=(-2, 0)), ValueError, "window"),
-    (dict(softcap=-1.0), ValueError, "softcap"),
-])
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(causal=1), TypeError, "causal"),
+        (dict(scale=-1.0), ValueError, "scale"),
+        (dict(scale=float("nan")), ValueError, "scale"),
+        (dict(dropout_p=0.1), ValueError, "dropout_seed"),
+        (dict(dropout_p=1.5, dropout_seed=3), ValueError, "dropout_p"),
+        (dict(dropout_seed=-1), ValueError, "dropout_seed"),
+        (dict(dropout_seed=2**64), ValueError, "dropout_seed"),
+        (dict(dropout_seed=True), TypeError, "dropout_seed"),
+        (dict(window=(-2, 0)), ValueError, "window"),
+        (dict(softcap=-1.0), ValueError, "softcap"),
+    ],
+)
 def test_checks_still_raise_on_a_known_layout(rng, change, error, match):
     q, k, v = _bhnd(rng, BF16, (2, 2, 64, 64), (2, 2, 64, 64))
     out, lse = cupyflash.attention_forward(q, k, v)
@@ -145,8 +158,9 @@ def test_changed_arrays_on_a_known_layout_are_checked(rng):
     storage = cupy.zeros(q.size + 1, dtype=q.dtype)
     shifted = storage[1:].reshape(q.shape)
     shifted[...] = q
-    assert_bitwise_equal(cupyflash.attention_forward(shifted, k, v), cupyflash.attention_forward(q, k, v),
-                         names=("out", "lse"))
+    assert_bitwise_equal(
+        cupyflash.attention_forward(shifted, k, v), cupyflash.attention_forward(q, k, v), names=("out", "lse")
+    )
 
 
 def test_outputs_of_one_allocation_outlive_each_other(rng):

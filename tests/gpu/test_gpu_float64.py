@@ -9,11 +9,11 @@ dbias, dropout, packed variable-length batches and attention_probs.
 
 import numpy as np
 import pytest
+from helpers.gpu import nan_filled_allocations
+from helpers.modifiers import alibi_slopes, block_grid
 
 import cupyflash
 from cupyflash import reference
-from helpers.gpu import nan_filled_allocations
-from helpers.modifiers import alibi_slopes, block_grid
 
 cupy = pytest.importorskip("cupy")
 
@@ -32,8 +32,12 @@ def _problem(rng, batch, nq, nk, d, dv=None, kv_batch=None):
     kv_batch = batch if kv_batch is None else kv_batch
     dv = d if dv is None else dv
     out_batch = np.broadcast_shapes(batch, kv_batch)
-    return (_normal(rng, batch + (nq, d)), _normal(rng, kv_batch + (nk, d)), _normal(rng, kv_batch + (nk, dv)),
-            _normal(rng, out_batch + (nq, dv)))
+    return (
+        _normal(rng, batch + (nq, d)),
+        _normal(rng, kv_batch + (nk, d)),
+        _normal(rng, kv_batch + (nk, dv)),
+        _normal(rng, out_batch + (nq, dv)),
+    )
 
 
 def _assert_close(name, x, ref):
@@ -46,7 +50,9 @@ def _assert_close(name, x, ref):
     size = float(np.max(np.abs(ref[finite]), initial=0.0))
     error = float(np.max(np.abs(x[finite] - ref[finite]), initial=0.0))
     bound = RTOL * max(size, 1.0 if name == "lse" else size) if size > 0 else 1e-14
-    assert error <= bound, f"{name}: max error {error:.3g} > {bound:.3g} (max|ref| {size:.3g}, relative {error / max(size, 1e-300):.3g})"
+    assert error <= bound, (
+        f"{name}: max error {error:.3g} > {bound:.3g} (max|ref| {size:.3g}, relative {error / max(size, 1e-300):.3g})"
+    )
 
 
 def _forward_backward(q, k, v, dout, **options):
@@ -90,15 +96,23 @@ def test_every_modifier_with_dropout(rng, d, causal):
     """window + softcap + ALiBi + bias (with dbias) + mask + block_mask + dropout, together."""
     batch, nq, nk = (2, 3), 300, 333
     q, k, v, dout = _problem(rng, batch, nq, nk, d)
-    options = dict(causal=causal, window=(150, 40), softcap=2.0, alibi_slopes=cupy.asarray(alibi_slopes(3)),
-                   bias=_normal(rng, batch + (nq, nk)), mask=cupy.asarray(rng.random(batch + (nq, nk)) < 0.8),
-                   block_mask=cupy.asarray(rng.random(batch + block_grid(nq, nk)) < 0.7),
-                   dropout_p=0.15, dropout_seed=int(rng.integers(2**63)))
+    options = dict(
+        causal=causal,
+        window=(150, 40),
+        softcap=2.0,
+        alibi_slopes=cupy.asarray(alibi_slopes(3)),
+        bias=_normal(rng, batch + (nq, nk)),
+        mask=cupy.asarray(rng.random(batch + (nq, nk)) < 0.8),
+        block_mask=cupy.asarray(rng.random(batch + block_grid(nq, nk)) < 0.7),
+        dropout_p=0.15,
+        dropout_seed=int(rng.integers(2**63)),
+    )
     _check(q, k, v, dout, _forward_backward(q, k, v, dout, **options), **options)
 
 
-@pytest.mark.parametrize("bias_shape", ((1, 1, 200, 256), (2, 1, 1, 256), (2, 3, 200, 256)),
-                         ids=("shared", "per-key", "full"))
+@pytest.mark.parametrize(
+    "bias_shape", ((1, 1, 200, 256), (2, 1, 1, 256), (2, 3, 200, 256)), ids=("shared", "per-key", "full")
+)
 def test_bias_gradient(rng, bias_shape):
     """dbias summed in float64 over broadcast dims (atomic adds), or stored in pairs (a full bias)."""
     q, k, v, dout = _problem(rng, (2, 3), 200, 256, 32)
@@ -133,8 +147,9 @@ def test_varlen(rng, causal):
     options = dict(causal=causal, dropout_p=0.1, dropout_seed=7)
     with nan_filled_allocations():
         out, lse = cupyflash.attention_varlen_forward(q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k), **options)
-        grads = cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, cupy.asarray(cu_q), cupy.asarray(cu_k),
-                                                    **options)
+        grads = cupyflash.attention_varlen_backward(
+            dout, q, k, v, out, lse, cupy.asarray(cu_q), cupy.asarray(cu_k), **options
+        )
     host = [x.get() for x in (q, k, v, dout)]
     ref_out, ref_lse = reference.attention_varlen(*host[:3], cu_q, cu_k, return_lse=True, **options)
     ref_grads = reference.attention_varlen_backward(host[3], *host[:3], cu_q, cu_k, **options)

@@ -10,13 +10,13 @@ The kernel's error against float64 attention on the dequantized inputs may be at
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.checks import assert_bitwise_equal, to_host
+from helpers.gpu import nan_filled_allocations
 
 import cupyflash
 from cupyflash import FP8Tensor, hadamard_rotate, quantize_fp8, reference
 from cupyflash._cuda import dense_fast
 from cupyflash._fp8 import DECODE_TABLE, encode_e4m3
-from helpers.checks import assert_bitwise_equal, to_host
-from helpers.gpu import nan_filled_allocations
 
 cupy = pytest.importorskip("cupy")
 
@@ -24,13 +24,13 @@ pytestmark = pytest.mark.gpu
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 INPUT_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
-OUT_ULP = {np.dtype(BF16): 2.0 ** -8, np.dtype(np.float16): 2.0 ** -11}  # half a unit in the last place
+OUT_ULP = {np.dtype(BF16): 2.0**-8, np.dtype(np.float16): 2.0**-11}  # half a unit in the last place
 # The products q k^T come from FP8 tensor cores, whose accumulation keeps about 13 significant bits, not
 # float32's 24: each 32-wide k-step's sum is aligned to the running sum and cut there. A score may then be
 # off by a few 2^-13 of the sum of |q_d k_d| per k-step (D / 32 of them), and lse by its row's largest such
 # error. Measured on an H200 (q = k, D = 128, rows scaled by e^U(-1, 1)): up to 2.2 of them per k-step, every
 # cut in one direction where the products are all positive; bound with 4, plus float32 rounding.
-ACCUMULATION_ULP = 2.0 ** -13
+ACCUMULATION_ULP = 2.0**-13
 ACCUMULATION_CUTS = 4
 
 
@@ -77,7 +77,7 @@ def test_hadamard_rotate_on_cupy_is_numpy(rng, dtype, d):
     dev = hadamard_rotate(cupy.asarray(x), seed=9)
     assert isinstance(dev, cupy.ndarray) and dev.dtype == host.dtype
     # The same float32 (float64) operations; their roundings may differ by a unit, then one rounding to dtype.
-    ulp = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -22, "float64": 2.0 ** -50}[dtype]
+    ulp = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-22, "float64": 2.0**-50}[dtype]
     assert np.abs(to_host(dev) - to_host(host)).max() <= ulp * np.abs(to_host(host)).max()
 
 
@@ -93,8 +93,13 @@ def _check_kernel(q8, k8, v8, *, causal, scale=None, out_dtype=None):
     out64, cpu64 = to_host(out), to_host(cpu_out)
     slack = OUT_ULP[out.dtype]
     assert np.isfinite(out64).all()
-    max_abs = lambda x: float(np.abs(x).max(initial=0))
-    rms = lambda x: float(np.sqrt(np.mean(np.square(x)))) if x.size else 0.0
+
+    def max_abs(x):
+        return float(np.abs(x).max(initial=0))
+
+    def rms(x):
+        return float(np.sqrt(np.mean(np.square(x)))) if x.size else 0.0
+
     assert max_abs(out64 - ref) <= 2 * max_abs(cpu64 - ref) + slack * max_abs(ref)
     assert rms(out64 - ref) <= 2 * rms(cpu64 - ref) + slack * rms(ref)
     lse_host = lse.get()
@@ -103,7 +108,9 @@ def _check_kernel(q8, k8, v8, *, causal, scale=None, out_dtype=None):
     q64, k64 = (np.abs(x.dequantize(np.float64)) for x in (hq, hk))
     sums = (q64 @ np.swapaxes(k64, -1, -2)).max(axis=-1, initial=0) * (scale or q64.shape[-1] ** -0.5)
     steps = -(-q64.shape[-1] // 32)
-    bound = ACCUMULATION_CUTS * steps * ACCUMULATION_ULP * np.broadcast_to(sums, cpu_lse.shape) + 1e-5 * (1 + np.abs(cpu_lse))
+    bound = ACCUMULATION_CUTS * steps * ACCUMULATION_ULP * np.broadcast_to(sums, cpu_lse.shape) + 1e-5 * (
+        1 + np.abs(cpu_lse)
+    )
     assert (np.abs(lse_host - cpu_lse)[finite] <= bound[finite]).all()
     blind = np.isneginf(cpu_lse)
     assert (out64[blind] == 0).all()
@@ -147,8 +154,7 @@ def test_kernel_empty_and_outliers(rng, hopper):
     out, lse = cupyflash.attention_forward(e, k8, k8)
     assert out.shape == (2, 0, 64) and lse.shape == (2, 0)
     shape = (1, 4, 1024, 128)
-    x = [rng.standard_normal(shape) + 10 * rng.standard_normal(shape) * (rng.random(shape) < 0.001)
-         for _ in range(3)]
+    x = [rng.standard_normal(shape) + 10 * rng.standard_normal(shape) * (rng.random(shape) < 0.001) for _ in range(3)]
     q, k, v = (cupy.asarray(a.astype(np.float32)) for a in x)
     qr, kr = (hadamard_rotate(a, seed=1) for a in (q, k))
     _check_kernel(*(quantize_fp8(a, block=128) for a in (qr, kr, v)), causal=False)
@@ -159,14 +165,17 @@ def test_below_hopper_raises(rng):
     if cc == 90:
         pytest.skip(f"compute capability {cc}: the FP8 kernel runs here")
     q8 = quantize_fp8(cupy.asarray(_varied(rng, (2, 10, 64))))
-    message = (r"FP8 attention needs a Hopper GPU \(compute capability 9.0, FP8 wgmma\); "
-               rf"this device is {cc // 10}\.{cc % 10}")
+    message = (
+        r"FP8 attention needs a Hopper GPU \(compute capability 9.0, FP8 wgmma\); "
+        rf"this device is {cc // 10}\.{cc % 10}"
+    )
     with pytest.raises(RuntimeError, match=message):
         cupyflash.attention(q8, q8, q8)
 
 
-@pytest.mark.parametrize("d, d_v, block", [(40, 33, 128), (80, 200, None), (256, 256, 128), (64, 64, 256),
-                                           (17, 250, "tensor")])
+@pytest.mark.parametrize(
+    "d, d_v, block", [(40, 33, 128), (80, 200, None), (256, 256, 128), (64, 64, 256), (17, 250, "tensor")]
+)
 def test_kernel_head_dims_and_descale_blocks(rng, hopper, d, d_v, block):
     """Head dims that are not the kernel's (q, k padded to 16 bytes; an odd Dv, stored in pairs), Dv != D, and
     several descale blocks per sequence where a key block is smaller than a descale block (D = 256: 64 keys)."""
@@ -187,7 +196,7 @@ def test_kernel_broadcast_over_four_batch_dims(rng, hopper):
 def test_kernel_one_descale_with_a_huge_block(rng, hopper):
     """A block of any length past N is one descale per slice (the kernel's row count stays in range)."""
     x8 = quantize_fp8(cupy.asarray(_varied(rng, (2, 300, 128))))
-    huge = FP8Tensor(x8.data, x8.scale, 2 ** 40)
+    huge = FP8Tensor(x8.data, x8.scale, 2**40)
     _check_kernel(huge, huge, huge, causal=False)
 
 
@@ -198,7 +207,7 @@ def _last_rows(q8, k8, v8, rows, causal):
     to e4m3, l from P before its rounding)."""
     qd, kd, vd = (x.dequantize(np.float64) for x in (q8, k8, v8))
     n, d = qd.shape[-2], qd.shape[-1]
-    s = qd[..., n - rows:, :] @ kd.swapaxes(-1, -2)
+    s = qd[..., n - rows :, :] @ kd.swapaxes(-1, -2)
     if causal:
         s = cupy.where(cupy.arange(n)[None, :] > cupy.arange(n - rows, n)[:, None], -cupy.inf, s)
     s = (s - s.max(axis=-1, keepdims=True)) * (np.log2(np.e) / np.sqrt(d))
@@ -213,8 +222,7 @@ def _relative(x, ref):
     return float(cupy.linalg.norm((x - ref).ravel()) / cupy.linalg.norm(ref.ravel()))
 
 
-@pytest.mark.parametrize("d, causal, v_mean", [(64, True, 0.5), (128, True, 0.5), (256, False, 0.5),
-                                               (128, False, 0.0)])
+@pytest.mark.parametrize("d, causal, v_mean", [(64, True, 0.5), (128, True, 0.5), (256, False, 0.5), (128, False, 0.0)])
 def test_kernel_error_does_not_grow_with_the_keys(hopper, d, causal, v_mean):
     """65,536 keys and v with a mean, where accumulating P V in the FP8 tensor cores' own accumulator lost a
     third of out: the last rows (they see every key) against float64 attention of the dequantized inputs within
@@ -229,7 +237,7 @@ def test_kernel_error_does_not_grow_with_the_keys(hopper, d, causal, v_mean):
     with nan_filled_allocations():
         out, _ = cupyflash.attention_forward(q8, k8, v8, causal=causal)
     ref, emulated = _last_rows(q8, k8, v8, rows, causal)
-    error, format_error = _relative(out[..., n - rows:, :].astype(np.float64), ref), _relative(emulated, ref)
+    error, format_error = _relative(out[..., n - rows :, :].astype(np.float64), ref), _relative(emulated, ref)
     assert error <= 1.5 * format_error + OUT_ULP[np.dtype(BF16)], (error, format_error)
     if v_mean:
         assert error <= 5e-3, error
@@ -270,8 +278,10 @@ def test_fast_path_keys_on_the_options(rng, hopper):
     """Another causal, scale or out_dtype is another plan; an option FP8 does not take still raises."""
     x8 = quantize_fp8(cupy.asarray(_varied(rng, (1, 2, 256, 64))))
     dense_fast._table.clear()
-    results = [cupyflash.attention_forward(x8, x8, x8, causal=c, scale=s, out_dtype=o)
-               for c, s, o in ((False, None, None), (True, None, None), (True, 0.2, None), (True, 0.2, np.float16))]
+    results = [
+        cupyflash.attention_forward(x8, x8, x8, causal=c, scale=s, out_dtype=o)
+        for c, s, o in ((False, None, None), (True, None, None), (True, 0.2, None), (True, 0.2, np.float16))
+    ]
     assert len(dense_fast._table) == 4 and results[3][0].dtype == np.float16
     assert not np.array_equal(to_host(results[0][0]), to_host(results[1][0]))
     with pytest.raises(ValueError, match="window is not supported with FP8 inputs"):

@@ -13,15 +13,15 @@ written, fails the reference check.
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.checks import assert_matches_reference
+from helpers.gpu import nan_filled_allocations
+from helpers.modifiers import run
+from helpers.problems import random_problem
 
 import cupyflash
 from cupyflash._cuda import dense_fast, fused_backward, launch, tiles
 from cupyflash._cuda.compile import current_device
 from cupyflash._cuda.variants import Features, backward_lengths, select
-from helpers.checks import assert_matches_reference
-from helpers.gpu import nan_filled_allocations
-from helpers.modifiers import run
-from helpers.problems import random_problem
 
 cupy = pytest.importorskip("cupy")
 
@@ -46,8 +46,10 @@ def any_length(monkeypatch):
 
 
 def _fused(dtype, d, dv, causal, nq, nk, deterministic=True):
-    return select(Features.of("bwd", np.dtype(dtype), d, dv, causal, lengths=(nq, nk), deterministic=deterministic),
-                  current_device())
+    return select(
+        Features.of("bwd", np.dtype(dtype), d, dv, causal, lengths=(nq, nk), deterministic=deterministic),
+        current_device(),
+    )
 
 
 def _launches(monkeypatch):
@@ -125,8 +127,9 @@ def test_fused_backward_with_more_batch_entries_than_a_grid_dimension_holds(rng,
     results = (out, lse, *grads)
     assert all(bool(cupy.isfinite(x).all()) for x in results)
     for entries in (slice(0, 3), slice(-3, None)):
-        assert_matches_reference(q[entries], k[entries], v[entries], dout[entries],
-                                 tuple(x[entries] for x in results), causal=True)
+        assert_matches_reference(
+            q[entries], k[entries], v[entries], dout[entries], tuple(x[entries] for x in results), causal=True
+        )
 
 
 def test_fused_backward_serves_long_sequences(rng):

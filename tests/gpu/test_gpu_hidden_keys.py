@@ -22,10 +22,10 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-
-import cupyflash
 from helpers.checks import bits, hidden_keys
 from helpers.gpu import nan_filled_allocations
+
+import cupyflash
 
 cupy = pytest.importorskip("cupy")
 
@@ -94,17 +94,14 @@ def _rows_apart_from(hidden, key):
     block = slice(key // BLOCK * BLOCK, min(hidden.shape[1], (key // BLOCK + 1) * BLOCK))
     apart = np.zeros(nq, bool)
     for r0 in range(0, nq, BLOCK):
-        apart[r0:r0 + BLOCK] = hidden[r0:r0 + BLOCK, block].all()
+        apart[r0 : r0 + BLOCK] = hidden[r0 : r0 + BLOCK, block].all()
     return apart
 
 
 # (Nq, Nk, causal, options, the poisoned key): a causally hidden key in the last key block, seen by rows
 # 290..299 (rows 0..255 are in row blocks that see no key of block 256..383); a key the window hides from all
 # but rows 836..964 of 1000 (row blocks 0..5 never meet its block 896..1023).
-CASES = {
-    "causal": (300, 300, True, {}, 290),
-    "window": (1000, 1000, False, dict(window=(64, 64)), 900),
-}
+CASES = {"causal": (300, 300, True, {}, 290), "window": (1000, 1000, False, dict(window=(64, 64)), 900)}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -118,13 +115,13 @@ def test_a_nan_k_at_a_hidden_key_never_reaches_the_forward(rng, dtype, case):
     hidden = hidden_keys((), nq, nk, causal, **options)
     sees = ~hidden[:, key]
     assert sees.any() and not sees.all()
-    blind = (np.flatnonzero(~sees))
+    blind = np.flatnonzero(~sees)
     _assert_same_bits("out of the rows that cannot see the key", _entry(bad[0])[blind], _entry(clean[0])[blind])
     _assert_same_bits("lse of the rows that cannot see the key", _entry(bad[1])[blind], _entry(clean[1])[blind])
-    seeing = (np.flatnonzero(sees))
+    seeing = np.flatnonzero(sees)
     _assert_not_finite("out of the rows that see the key", _entry(bad[0])[seeing])
     _assert_not_finite("lse of the rows that see the key", _entry(bad[1])[seeing])
-    apart = (np.flatnonzero(_rows_apart_from(hidden, key)))
+    apart = np.flatnonzero(_rows_apart_from(hidden, key))
     _assert_same_bits("dq of the row blocks apart from the key's block", _entry(bad[2])[apart], _entry(clean[2])[apart])
     _other_entries_unchanged(clean, bad)
 
@@ -141,12 +138,12 @@ def test_a_poisoned_v_at_a_hidden_key_stays_in_the_blocks_that_meet_it(rng, dtyp
     hidden = hidden_keys((), nq, nk, causal, **options)
     apart = _rows_apart_from(hidden, key)
     assert apart.any() and not apart.all()
-    rows = (np.flatnonzero(apart))
+    rows = np.flatnonzero(apart)
     _assert_same_bits("out of the row blocks apart from the key's block", _entry(bad[0])[rows], _entry(clean[0])[rows])
     _assert_same_bits("dq of the row blocks apart from the key's block", _entry(bad[2])[rows], _entry(clean[2])[rows])
     _assert_same_bits("lse", bad[1], clean[1])
     _assert_same_bits("dv", bad[4], clean[4])
-    seeing = (np.flatnonzero(~hidden[:, key]))
+    seeing = np.flatnonzero(~hidden[:, key])
     _assert_not_finite("out of the rows that see the key, in its column", _entry(bad[0])[seeing, COLUMN])
     _other_entries_unchanged(clean, bad)
 

@@ -21,17 +21,28 @@ from dataclasses import replace
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.checks import bits, max_abs, same_bits, to_host
+from helpers.gpu import filled_allocations, nan_filled_allocations
+from helpers.kvcache import (
+    DTYPES,
+    check,
+    compare,
+    flash_layout,
+    make_problem,
+    on_host,
+    reference_results,
+    rope_tables,
+    run,
+    subset,
+    to_device,
+)
+from helpers.modifiers import SOFTCAP, alibi_slopes
+from helpers.problems import random_array
 
 import cupyflash
 from cupyflash import _kvcache_args
 from cupyflash._arrays import lse_dtype
 from cupyflash._cuda import decode, decode_tiles
-from helpers.checks import bits, max_abs, same_bits, to_host
-from helpers.gpu import filled_allocations, nan_filled_allocations
-from helpers.kvcache import (DTYPES, check, compare, flash_layout, make_problem, on_host, reference_results,
-                             rope_tables, run, subset, to_device)
-from helpers.modifiers import SOFTCAP, alibi_slopes
-from helpers.problems import random_array
 
 cupy = pytest.importorskip("cupy")
 
@@ -73,25 +84,57 @@ HEAD_DIMS = [(1, 1), (40, 24), (64, 64), (96, 96), (128, 128), (200, 256), (256,
 SCENARIOS = {
     # A decode step: one query, one new key; pages of 16 in random order; the new key at the first and the
     # last position of a page; one long sequence (several splits, several tiles per split); the full cache.
-    "decode-paged16": dict(hq=8, hk=2, nq=1, nnew=1, page_size=16, capacity=1024, seqlens=[0, 16, 31, 700, 1023],
-                           causal=True),
+    "decode-paged16": dict(
+        hq=8, hk=2, nq=1, nnew=1, page_size=16, capacity=1024, seqlens=[0, 16, 31, 700, 1023], causal=True
+    ),
     # Grouped heads 32 over 8 (12 packed rows), 3 queries and 3 new keys, contiguous caches, GPT-NeoX rotary on
     # all of D with causal: query i rotated at cache_seqlens + i.
-    "gqa32-8-contiguous-rotary": dict(hq=32, hk=8, nq=3, nnew=3, capacity=640, seqlens=[0, 1, 200, 637],
-                                      causal=True, rotary="full"),
+    "gqa32-8-contiguous-rotary": dict(
+        hq=32, hk=8, nq=3, nnew=3, capacity=640, seqlens=[0, 1, 200, 637], causal=True, rotary="full"
+    ),
     # 16 queries x 4 heads: one 64-row tile; nothing appended (k = v = None; L_b = 0 for one sequence); pages
     # of 3; a window on both sides, a softcap and a scale of our own.
-    "nq16-page3-window-softcap": dict(hq=8, hk=2, nq=16, nnew=0, page_size=3, capacity=300, seqlens=[0, 1, 120, 300],
-                                      window=(50, 7), softcap=SOFTCAP, scale=0.3),
+    "nq16-page3-window-softcap": dict(
+        hq=8,
+        hk=2,
+        nq=16,
+        nnew=0,
+        page_size=3,
+        capacity=300,
+        seqlens=[0, 1, 120, 300],
+        window=(50, 7),
+        softcap=SOFTCAP,
+        scale=0.3,
+    ),
     # Hq = Hk, 40 queries on pages of 1; 5 new keys (L_b = 5 < Nq); GPT-J rotary on about half of D without
     # causal (every query rotated at cache_seqlens); per-sequence ALiBi slopes.
-    "nq40-page1-alibi-per-sequence": dict(hq=4, hk=4, nq=40, nnew=5, page_size=1, capacity=160,
-                                          seqlens=[0, 1, 60, 155], alibi="per-sequence", rotary="part",
-                                          rotary_interleaved=True),
+    "nq40-page1-alibi-per-sequence": dict(
+        hq=4,
+        hk=4,
+        nq=40,
+        nnew=5,
+        page_size=1,
+        capacity=160,
+        seqlens=[0, 1, 60, 155],
+        alibi="per-sequence",
+        rotary="part",
+        rotary_interleaved=True,
+    ),
     # 64 queries x 4 heads: four 64-row tiles; a chunk of 64 new keys; FlashAttention's (B, S, H, D) caches
     # written in place, pages of 64; causal with a left window; ALiBi per head.
-    "nq64-page64-flash-layout": dict(hq=8, hk=2, nq=64, nnew=64, page_size=64, capacity=512, seqlens=[0, 64, 100, 448],
-                                     causal=True, window=(150, -1), alibi="per-head", flash_layout=True),
+    "nq64-page64-flash-layout": dict(
+        hq=8,
+        hk=2,
+        nq=64,
+        nnew=64,
+        page_size=64,
+        capacity=512,
+        seqlens=[0, 64, 100, 448],
+        causal=True,
+        window=(150, -1),
+        alibi="per-head",
+        flash_layout=True,
+    ),
 }
 
 
@@ -128,8 +171,13 @@ PAGE_SIZES = [None, 1, 3, 16, 64, 128, 256]
 # (dtype, D = Dv): the 16-row variants' BLOCK_N is 128 for 16-bit D = 64 and D = 128, 64 for 16-bit D = 32,
 # float32 and float64. A whole tile inside one page (contiguous caches, pages of a multiple of BLOCK_N) takes
 # the one-page load path; other pages the row-by-row path.
-LOAD_VARIANTS = {"float16-d64": (np.float16, 64), "bfloat16-d128": (BF16, 128), "float16-d32": (np.float16, 32),
-                 "float32-d128": (np.float32, 128), "float64-d64": (np.float64, 64)}
+LOAD_VARIANTS = {
+    "float16-d64": (np.float16, 64),
+    "bfloat16-d128": (BF16, 128),
+    "float16-d32": (np.float16, 32),
+    "float32-d128": (np.float32, 128),
+    "float64-d64": (np.float64, 64),
+}
 PAGED_CAPACITY = 768  # a multiple of every page size above
 
 
@@ -141,8 +189,9 @@ def test_page_sizes(rng, variant, page_size):
     block_n = decode_tiles.choose(np.dtype(dtype).name, d, d, 4).block_n
     page = page_size or 16
     seqlens = [0, page - 1, 2 * block_n - 1, 300, PAGED_CAPACITY - 1]
-    p = _device_problem(rng, dtype, seqlens, nq=1, nnew=1, page_size=page_size, d=d, dv=d, capacity=PAGED_CAPACITY,
-                        causal=True)
+    p = _device_problem(
+        rng, dtype, seqlens, nq=1, nnew=1, page_size=page_size, d=d, dv=d, capacity=PAGED_CAPACITY, causal=True
+    )
     _check(p)
 
 
@@ -150,20 +199,61 @@ def test_page_sizes(rng, variant, page_size):
 SPLITS = [1, 2, 3, 7, 16, 64, 128]
 SPLIT_CASES = {
     # Key tiles of 128: 24 for the longest sequence (num_splits = 64 and 128 are more splits than tiles).
-    "float16-d128-rotary": dict(dtype=np.float16, d=128, hq=8, hk=1, nq=1, nnew=1, page_size=256, capacity=3072,
-                                seqlens=[3071, 1500, 0, 77], rotary_dim=128, causal=True),
-    "bfloat16-d64-nq16-window": dict(dtype=BF16, d=64, hq=4, hk=1, nq=16, nnew=0, page_size=16, capacity=2048,
-                                     seqlens=[2048, 999, 1], window=(1200, 3)),
-    "float32-d96-nq40-alibi": dict(dtype=np.float32, d=96, hq=2, hk=2, nq=40, nnew=2, capacity=1500,
-                                   seqlens=[1498, 700], causal=True, alibi_slopes=alibi_slopes(2)),
-    "float64-d256-softcap": dict(dtype=np.float64, d=256, hq=4, hk=2, nq=3, nnew=1, page_size=64, capacity=1024,
-                                 seqlens=[1023, 400, 0], softcap=SOFTCAP),
+    "float16-d128-rotary": dict(
+        dtype=np.float16,
+        d=128,
+        hq=8,
+        hk=1,
+        nq=1,
+        nnew=1,
+        page_size=256,
+        capacity=3072,
+        seqlens=[3071, 1500, 0, 77],
+        rotary_dim=128,
+        causal=True,
+    ),
+    "bfloat16-d64-nq16-window": dict(
+        dtype=BF16,
+        d=64,
+        hq=4,
+        hk=1,
+        nq=16,
+        nnew=0,
+        page_size=16,
+        capacity=2048,
+        seqlens=[2048, 999, 1],
+        window=(1200, 3),
+    ),
+    "float32-d96-nq40-alibi": dict(
+        dtype=np.float32,
+        d=96,
+        hq=2,
+        hk=2,
+        nq=40,
+        nnew=2,
+        capacity=1500,
+        seqlens=[1498, 700],
+        causal=True,
+        alibi_slopes=alibi_slopes(2),
+    ),
+    "float64-d256-softcap": dict(
+        dtype=np.float64,
+        d=256,
+        hq=4,
+        hk=2,
+        nq=3,
+        nnew=1,
+        page_size=64,
+        capacity=1024,
+        seqlens=[1023, 400, 0],
+        softcap=SOFTCAP,
+    ),
 }
 # Tolerances between split counts. out: 16-bit inputs' probabilities are rounded to the dtype before P V (as
 # FlashAttention does), each split at its own running max, so each term p_j v_j may be a rounding u apart
 # (2 u of sum_j p_j |v_j| / sum_j p_j at most), plus SPLIT_ULPS of the accumulator for the reordered sums,
 # plus one unit in the last place of the rounded out. lse: SPLIT_ULPS of the accumulator (of max(1, |lse|)).
-P_ROUNDING = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 0.0, "float64": 0.0}
+P_ROUNDING = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 0.0, "float64": 0.0}
 SPLIT_ULPS = 8  # measured on an H100: at most 2
 
 
@@ -195,12 +285,14 @@ def test_num_splits(rng, case):
 @pytest.mark.parametrize("dtype", [np.float16, np.float64], ids=["float16", "float64"])
 def test_cache_seqlens_int_int32_int64(rng, dtype):
     """One int, an int32 CuPy array and an int64 CuPy array (cast on the way) give the same bits."""
-    p = _device_problem(rng, dtype, [37, 37, 37], nq=2, nnew=2, page_size=16, capacity=256, d=64, dv=64,
-                        rotary_dim=32, causal=True)
+    p = _device_problem(
+        rng, dtype, [37, 37, 37], nq=2, nnew=2, page_size=16, capacity=256, d=64, dv=64, rotary_dim=32, causal=True
+    )
     results = []
     for seqlens in (37, cupy.full(3, 37, dtype=cupy.int32), cupy.full(3, 37, dtype=cupy.int64)):
-        each = replace(p, k_cache=p.k_cache.copy(), v_cache=p.v_cache.copy(),
-                       options=dict(p.options, cache_seqlens=seqlens))
+        each = replace(
+            p, k_cache=p.k_cache.copy(), v_cache=p.v_cache.copy(), options=dict(p.options, cache_seqlens=seqlens)
+        )
         results.append((*_check(each), each.k_cache, each.v_cache))
     for other in results[1:]:
         for name, x, y in zip(("out", "lse", "k_cache", "v_cache"), results[0], other):
@@ -211,8 +303,9 @@ def test_cache_seqlens_int_int32_int64(rng, dtype):
 def test_without_lse(rng, num_splits):
     """return_lse=False returns out alone, the bits of out with return_lse=True (a single split writes out
     directly, several merge without an lse to write)."""
-    p = _device_problem(rng, BF16, [0, 500, 1999], nq=2, nnew=0, page_size=16, capacity=2000, hq=8, hk=2, d=128,
-                        dv=128, causal=True)
+    p = _device_problem(
+        rng, BF16, [0, 500, 1999], nq=2, nnew=0, page_size=16, capacity=2000, hq=8, hk=2, d=128, dv=128, causal=True
+    )
     out, _ = _check(p, num_splits=num_splits)
     with nan_filled_allocations():
         alone = cupyflash.attention_with_kvcache(p.q, p.k_cache, p.v_cache, num_splits=num_splits, **p.options)
@@ -227,8 +320,20 @@ def test_rotary(rng, interleaved, mask, rotary_dim):
     """Both styles on all or part of D; queries rotated at cache_seqlens (no mask) or cache_seqlens + i
     (causal, or a window, even one that hides nothing)."""
     options = dict(none={}, causal=dict(causal=True), window=dict(window=(4096, 4096)))[mask]
-    host = make_problem(rng, np.float16, [0, 9, 250, 395], nq=5, nnew=5, page_size=16, capacity=400, d=128,
-                        dv=128, rotary_dim=rotary_dim, rotary_interleaved=interleaved, **options)
+    host = make_problem(
+        rng,
+        np.float16,
+        [0, 9, 250, 395],
+        nq=5,
+        nnew=5,
+        page_size=16,
+        capacity=400,
+        d=128,
+        dv=128,
+        rotary_dim=rotary_dim,
+        rotary_interleaved=interleaved,
+        **options,
+    )
     host.q[...] = host.q[:, :, :1]  # identical queries: their outputs differ exactly when their positions do
     out, _ = _check(to_device(host))
     out = to_host(out)
@@ -240,8 +345,9 @@ def test_rotary(rng, interleaved, mask, rotary_dim):
 @pytest.mark.parametrize("page_size", [None, 3])
 def test_append_without_queries(rng, page_size):
     """Nq = 0: nothing to attend; the new keys (rotated) and values are still appended."""
-    p = _device_problem(rng, BF16, [0, 5, 45], nq=0, nnew=3, page_size=page_size, d=64, dv=64, rotary_dim=64,
-                        causal=True)
+    p = _device_problem(
+        rng, BF16, [0, 5, 45], nq=0, nnew=3, page_size=page_size, d=64, dv=64, rotary_dim=64, causal=True
+    )
     out, lse = _check(p)
     assert out.shape == (3, 8, 0, 64) and lse.shape == (3, 8, 0)
 
@@ -252,8 +358,9 @@ def test_rows_not_16_byte_aligned(rng, dtype, layout):
     """Cache rows that are not whole aligned 16-byte chunks take the element-wise loads: odd head dims (33,
     17), or rows one element into wider storage (the column before them must stay untouched)."""
     d, dv = (33, 17) if layout == "odd-head-dims" else (64, 64)
-    host = make_problem(rng, dtype, [0, 70, 129, 200], nq=3, nnew=2, page_size=5, capacity=205, d=d, dv=dv,
-                        rotary_dim=16, causal=True)
+    host = make_problem(
+        rng, dtype, [0, 70, 129, 200], nq=3, nnew=2, page_size=5, capacity=205, d=d, dv=dv, rotary_dim=16, causal=True
+    )
     p = to_device(host)
     if layout == "offset-rows":
         storage = []
@@ -274,23 +381,38 @@ def test_views_of_fused_projections(rng):
     """q, k and v as (B, N, H, D) slices of one fused projection seen as (B, H, N, D), and the block table as
     the first columns of a wider table: only their last dim is contiguous."""
     hq, hk, n, d = 8, 2, 4, 64
-    host = make_problem(rng, np.float16, [3, 100, 250], nq=n, nnew=n, page_size=16, capacity=256, hq=hq, hk=hk,
-                        d=d, dv=d, rotary_dim=d, causal=True)
+    host = make_problem(
+        rng,
+        np.float16,
+        [3, 100, 250],
+        nq=n,
+        nnew=n,
+        page_size=16,
+        capacity=256,
+        hq=hq,
+        hk=hk,
+        d=d,
+        dv=d,
+        rotary_dim=d,
+        causal=True,
+    )
     fused = cupy.asarray(np.concatenate([x.transpose(0, 2, 1, 3) for x in (host.q, host.k, host.v)], axis=2))
     p = to_device(host)
     p.q, p.k, p.v = (fused[:, :, a:b].transpose(0, 2, 1, 3) for a, b in ((0, hq), (hq, hq + hk), (hq + hk, None)))
     table = host.options["block_table"]
-    wide = cupy.asarray(np.concatenate([table, np.full_like(table, 10 ** 6)], axis=1))
-    p.options["block_table"] = wide[:, :table.shape[1]]
+    wide = cupy.asarray(np.concatenate([table, np.full_like(table, 10**6)], axis=1))
+    p.options["block_table"] = wide[:, : table.shape[1]]
     _check(p)
 
 
-STRIDED = {"cache_seqlens-every-other-int": ("cache_seqlens", lambda x: cupy.repeat(x, 2)[::2]),
-           "block_table-column-major": ("block_table", cupy.asfortranarray),
-           "cache_seqlens-int64": ("cache_seqlens", lambda x: x.astype(cupy.int64)),
-           "block_table-int64": ("block_table", lambda x: x.astype(cupy.int64)),
-           "cache_seqlens-list": ("cache_seqlens", lambda x: x.get().tolist()),
-           "block_table-nested-lists": ("block_table", lambda x: x.get().tolist())}
+STRIDED = {
+    "cache_seqlens-every-other-int": ("cache_seqlens", lambda x: cupy.repeat(x, 2)[::2]),
+    "block_table-column-major": ("block_table", cupy.asfortranarray),
+    "cache_seqlens-int64": ("cache_seqlens", lambda x: x.astype(cupy.int64)),
+    "block_table-int64": ("block_table", lambda x: x.astype(cupy.int64)),
+    "cache_seqlens-list": ("cache_seqlens", lambda x: x.get().tolist()),
+    "block_table-nested-lists": ("block_table", lambda x: x.get().tolist()),
+}
 
 
 @pytest.mark.parametrize("case", STRIDED)
@@ -298,8 +420,9 @@ def test_index_arguments_by_one_rule(rng, case):
     """cache_seqlens and block_table as strided views, column-major, int64, or Python lists (as NumPy's path
     takes them) give the reference's results."""
     name, layout = STRIDED[case]
-    p = _device_problem(rng, np.float16, [5, 40, 63, 200], nq=2, nnew=1, page_size=16, capacity=256, d=64, dv=64,
-                        causal=True)
+    p = _device_problem(
+        rng, np.float16, [5, 40, 63, 200], nq=2, nnew=1, page_size=16, capacity=256, d=64, dv=64, causal=True
+    )
     p.options[name] = layout(p.options[name])
     _check(p)
 
@@ -329,8 +452,19 @@ def test_fast_path_repeated_layouts(rng, monkeypatch, dtype, seqlens):
     repeated layout still raises, naming it."""
     lengths = FAST_SEQLENS[seqlens]
     page_size = 32 if seqlens == "array" else None
-    options = dict(nq=2, nnew=1, page_size=page_size, capacity=512, hq=8, hk=2, d=64, dv=64, rotary_dim=64,
-                   causal=True, alibi_slopes=alibi_slopes(8))
+    options = dict(
+        nq=2,
+        nnew=1,
+        page_size=page_size,
+        capacity=512,
+        hq=8,
+        hk=2,
+        d=64,
+        dv=64,
+        rotary_dim=64,
+        causal=True,
+        alibi_slopes=alibi_slopes(8),
+    )
 
     def problem(length):
         p = make_problem(rng, dtype, length if seqlens == "array" else [length] * 3, **options)
@@ -379,12 +513,24 @@ BAD = 1  # the sequence with a value out of range: 600 cached positions (pages 0
 OUT_OF_RANGE = {
     "seqlen-past-capacity": ("cache_seqlens", BAD, lambda pages: 1023, r"cache_seqlens\[1\] = 1023 is out of range"),
     "seqlen-negative": ("cache_seqlens", BAD, lambda pages: -3, r"cache_seqlens\[1\] = -3 is out of range"),
-    "page-past-cache-appended": ("block_table", (BAD, 37), lambda pages: pages,
-                                 r"block_table\[1, 37\] = \d+ is not a page of k_cache"),
-    "page-past-cache-read": ("block_table", (BAD, 5), lambda pages: pages + 7,
-                             r"block_table\[1, 5\] = \d+ is not a page of k_cache"),
-    "page-negative": ("block_table", (BAD, 20), lambda pages: -1,
-                      r"block_table\[1, 20\] = -1 is not a page of k_cache"),
+    "page-past-cache-appended": (
+        "block_table",
+        (BAD, 37),
+        lambda pages: pages,
+        r"block_table\[1, 37\] = \d+ is not a page of k_cache",
+    ),
+    "page-past-cache-read": (
+        "block_table",
+        (BAD, 5),
+        lambda pages: pages + 7,
+        r"block_table\[1, 5\] = \d+ is not a page of k_cache",
+    ),
+    "page-negative": (
+        "block_table",
+        (BAD, 20),
+        lambda pages: -1,
+        r"block_table\[1, 20\] = -1 is not a page of k_cache",
+    ),
 }
 
 
@@ -395,8 +541,19 @@ def test_out_of_range_gpu_values(rng, monkeypatch, case):
     block-table entry is bad), the other sequences are right; with
     CUPYFLASH_CHECK_VALUES=1 the call raises, naming the value, and writes nothing."""
     name, entry, value, message = OUT_OF_RANGE[case]
-    host = make_problem(rng, np.float16, [5, 600, 1000, 0], nq=3, nnew=2, page_size=16, capacity=1024, d=64, dv=64,
-                        rotary_dim=64, causal=True)
+    host = make_problem(
+        rng,
+        np.float16,
+        [5, 600, 1000, 0],
+        nq=3,
+        nnew=2,
+        page_size=16,
+        capacity=1024,
+        d=64,
+        dv=64,
+        rotary_dim=64,
+        causal=True,
+    )
     host.options[name][entry] = value(host.k_cache.shape[0])
     p = to_device(host)
     with filled_allocations(0):
@@ -443,8 +600,11 @@ def test_appends_into_a_shared_page_are_refused_where_checked(rng, monkeypatch):
     table[1, 1] = table[0, 1]  # sequence 0 appends at 20 and 21, into its page 1, which sequence 1 reads
     p = to_device(host)
     before = on_host(p)
-    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = \d+: k and v would be appended into page \d+, "
-                                         r"which block_table\[1, 1\] uses too"):
+    with pytest.raises(
+        ValueError,
+        match=r"block_table\[0, 1\] = \d+: k and v would be appended into page \d+, "
+        r"which block_table\[1, 1\] uses too",
+    ):
         _run(p)
     for name in ("k_cache", "v_cache"):
         assert np.array_equal(bits(on_host(getattr(p, name))), bits(getattr(before, name))), f"{name} was written"
@@ -456,8 +616,17 @@ def test_cuda_graph_replays_a_decode_step(rng, dtype):
     """A decode step (append, rotary, paged, several splits) captured on a stream after one warm-up call
     there; replayed twice after refilling q, k, v, the caches and cache_seqlens in place, its output arrays
     hold the reference's results for the new contents."""
-    options = dict(nq=1, nnew=1, page_size=16, capacity=1024, d=128, dv=128, rotary_dim=128, causal=True,
-                   alibi_slopes=alibi_slopes(8))
+    options = dict(
+        nq=1,
+        nnew=1,
+        page_size=16,
+        capacity=1024,
+        d=128,
+        dv=128,
+        rotary_dim=128,
+        causal=True,
+        alibi_slopes=alibi_slopes(8),
+    )
     host = make_problem(rng, dtype, [10, 300, 0, 777], **options)
     p = to_device(host)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -538,8 +707,9 @@ def test_a_window_wider_than_any_sequence_hides_nothing(rng, window):
     q, k_cache, v_cache, seqlens = _small(rng)
     with nan_filled_allocations():
         out = cupyflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, window=window)
-    expected = cupyflash.attention_with_kvcache(*(cupy.asnumpy(x) for x in (q, k_cache, v_cache)),
-                                                cache_seqlens=cupy.asnumpy(seqlens), window=window)
+    expected = cupyflash.attention_with_kvcache(
+        *(cupy.asnumpy(x) for x in (q, k_cache, v_cache)), cache_seqlens=cupy.asnumpy(seqlens), window=window
+    )
     assert max_abs(cupy.asnumpy(out) - expected) <= 1e-5 * max(1.0, max_abs(expected))
 
 

@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_self_check_on_the_gpu():
-    result = subprocess.run([sys.executable, "-m", "cupyflash", "--no-bench"], capture_output=True, text=True,
-                            cwd=ROOT, timeout=1800)
+    result = subprocess.run(
+        [sys.executable, "-m", "cupyflash", "--no-bench"], capture_output=True, text=True, cwd=ROOT, timeout=1800
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "GPU        " in out and "No CUDA GPU found" not in out and "CuPy is not installed" not in out

@@ -14,16 +14,16 @@ import threading
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.checks import assert_matches_reference
+from helpers.gpu import nan_filled_allocations
+from helpers.modifiers import OPTIONS, alibi_slopes, block_grid, random_options, run
+from helpers.problems import random_array, random_problem
 
 import cupyflash
 from cupyflash import _modifiers, reference
 from cupyflash._cuda import backend, dense_fast, launch, tiles, tma
 from cupyflash._cuda.compile import current_device, sm_count
 from cupyflash._cuda.variants import Features, select
-from helpers.checks import assert_matches_reference
-from helpers.gpu import nan_filled_allocations
-from helpers.modifiers import OPTIONS, alibi_slopes, block_grid, random_options, run
-from helpers.problems import random_array, random_problem
 
 cupy = pytest.importorskip("cupy")
 
@@ -69,16 +69,28 @@ def _check(rng, dtype, batch, nq, nk, d, causal, which, *, dv=None, bias_shape=N
     return results
 
 
-@pytest.mark.parametrize("which", [[], ["window"], ["softcap", "alibi_slopes"], ["window", "softcap", "block_mask"]],
-                         ids=["plain", "window", "softcap-alibi", "window-softcap-block-mask"])
+@pytest.mark.parametrize(
+    "which",
+    [[], ["window"], ["softcap", "alibi_slopes"], ["window", "softcap", "block_mask"]],
+    ids=["plain", "window", "softcap-alibi", "window-softcap-block-mask"],
+)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d, dtype", [(40, np.float16), (64, ml_dtypes.bfloat16), (176, ml_dtypes.bfloat16),
-                                      (192, np.float16), (200, ml_dtypes.bfloat16), (256, np.float16)],
-                         ids=["d40-float16", "d64", "d176", "d192-float16", "d200", "d256-float16"])
+@pytest.mark.parametrize(
+    "d, dtype",
+    [
+        (40, np.float16),
+        (64, ml_dtypes.bfloat16),
+        (176, ml_dtypes.bfloat16),
+        (192, np.float16),
+        (200, ml_dtypes.bfloat16),
+        (256, np.float16),
+    ],
+    ids=["d40-float16", "d64", "d176", "d192-float16", "d200", "d256-float16"],
+)
 def test_warp_specialized_forward_at_each_head_dim(rng, d, dtype, causal, which):
-    """The warp-specialized forward at 16-bit HEAD_DIM 64 (128-key blocks), 192 and 256 (64-key blocks, one q
-    buffer; a block mask takes the other forward there), head dims padded to them or not, with more row blocks than the GPU has SMs so that CTAs run several
-    tiles, on sizes off the tile grid."""
+    """The warp-specialized forward at 16-bit HEAD_DIM 64 (128-key blocks), 192 and 256 (64-key blocks, one q buffer;
+    a block mask takes the other forward there), head dims padded to them or not, with more row blocks than the GPU
+    has SMs so that CTAs run several tiles, on sizes off the tile grid."""
     if not _hopper_paths():
         pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
     batch = (3, 2 * sm_count(cupy.cuda.Device().id) // 5 + 1)  # two tiles of 128 rows per head: about 2.4 per SM
@@ -181,12 +193,31 @@ class _CountTensorMaps:
         monkeypatch.setattr(tma.TensorMaps, "__init__", counted)
 
 
-@pytest.mark.parametrize("options, causal", [
-    ({"window": (256, 0)}, True), ({"window": (100, 17)}, False), ({"window": (-1, 0)}, True), ({}, True), ({}, False),
-    ({"softcap": 30.0}, True), ({"softcap": 3.0}, False), ({"alibi_slopes": "drawn"}, False),
-    ({"alibi_slopes": "drawn", "softcap": 50.0, "window": (300, 20)}, True)],
-    ids=["window-causal", "window", "left-unbounded", "causal", "plain", "softcap-causal", "softcap", "alibi",
-         "all-scalars-causal"])
+@pytest.mark.parametrize(
+    "options, causal",
+    [
+        ({"window": (256, 0)}, True),
+        ({"window": (100, 17)}, False),
+        ({"window": (-1, 0)}, True),
+        ({}, True),
+        ({}, False),
+        ({"softcap": 30.0}, True),
+        ({"softcap": 3.0}, False),
+        ({"alibi_slopes": "drawn"}, False),
+        ({"alibi_slopes": "drawn", "softcap": 50.0, "window": (300, 20)}, True),
+    ],
+    ids=[
+        "window-causal",
+        "window",
+        "left-unbounded",
+        "causal",
+        "plain",
+        "softcap-causal",
+        "softcap",
+        "alibi",
+        "all-scalars-causal",
+    ],
+)
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
 def test_warp_specialized_forward_many_tiles_per_cta(rng, monkeypatch, dtype, options, causal):
     """The warp-specialized forward (on Hopper at the head dims of tiles.WS_HEAD_DIMS: plain, causal, windows
@@ -220,8 +251,9 @@ def test_warp_specialized_forward_many_tiles_per_cta(rng, monkeypatch, dtype, op
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("batch, nq, nk", [((40, 4), 600, 600), ((1, 2), 256, 66_000)],
-                         ids=["sections-short-last", "one-head-per-section"])
+@pytest.mark.parametrize(
+    "batch, nq, nk", [((40, 4), 600, 600), ((1, 2), 256, 66_000)], ids=["sections-short-last", "one-head-per-section"]
+)
 def test_warp_specialized_forward_tile_order_over_l2_sections(rng, batch, nq, nk, causal):
     """The warp-specialized forward hands out tiles section by section, each section holding the heads whose
     k and v fit its L2 budget (8 MB; at most 32 MB would still make these cases what they are): 160 heads of
@@ -235,8 +267,9 @@ def test_warp_specialized_forward_tile_order_over_l2_sections(rng, batch, nq, nk
     for budget in (8 << 20, 32 << 20):  # the test's premise at the kernel's budget and at four times it
         group = max(1, min(heads, budget // kv_bytes))
         assert group < heads and (group == 1 or heads % group), "several sections: one head each, or a short last"
-    q, k, v, dout = _random_problem(rng, batch + (nq, head_dim), batch + (nk, head_dim), batch + (nk, head_dim),
-                                    ml_dtypes.bfloat16)
+    q, k, v, dout = _random_problem(
+        rng, batch + (nq, head_dim), batch + (nk, head_dim), batch + (nk, head_dim), ml_dtypes.bfloat16
+    )
     launch.plans.clear()
     results = _run(q, k, v, dout, causal=causal)
     assert any(p.tensor_maps is not None for p in launch.plans.values()), "the warp-specialized forward ran"
@@ -257,15 +290,19 @@ def test_warp_specialized_alibi_on_either_side_of_the_diagonal(rng, dtype, causa
     if not _hopper_paths():
         pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
     batch, head_dim = (2, 4), _ws_head_dim()
-    slopes = cupy.asarray([2.0 ** -8, 2.0 ** -4, 0.25, 1.0], dtype=cupy.float32)
+    slopes = cupy.asarray([2.0**-8, 2.0**-4, 0.25, 1.0], dtype=cupy.float32)
     for extra in ({}, {"window": (200, 50), "softcap": 20.0}):
         options = {"alibi_slopes": slopes, **extra}
-        q, k, v, dout = _random_problem(rng, batch + (nq, head_dim), batch + (nk, head_dim), batch + (nk, head_dim),
-                                        dtype)
+        q, k, v, dout = _random_problem(
+            rng, batch + (nq, head_dim), batch + (nk, head_dim), batch + (nk, head_dim), dtype
+        )
         launch.plans.clear()
         results = _run(q, k, v, dout, causal=causal, **options)
-        ran = [p.variant for p in launch.plans.values()
-               if p.variant.score.startswith("alibi") and p.tensor_maps is not None]
+        ran = [
+            p.variant
+            for p in launch.plans.values()
+            if p.variant.score.startswith("alibi") and p.tensor_maps is not None
+        ]
         assert ran, "the ALiBi form ran"
         # causal, or the window's right edge 50: the half-width first block (score alibi_half_first)
         assert all((v.score == "alibi_half_first") == (causal or "window" in extra) for v in ran), ran
@@ -412,8 +449,9 @@ def test_warp_specialized_forward_falls_back_where_tma_cannot_read(rng, monkeypa
     assert_matches_reference(q, k, v, dout, results, causal=True, softcap=20.0)
     wide = _random(rng, (2, 3, 300, head_dim + 8), dtype)  # rows of 136 elements: 272 bytes, 16-byte aligned
     q = wide[..., :head_dim]
-    k, v, dout = (_random(rng, shape, dtype) for shape in ((2, 3, 280, head_dim), (2, 3, 280, head_dim),
-                                                           (2, 3, 300, head_dim)))
+    k, v, dout = (
+        _random(rng, shape, dtype) for shape in ((2, 3, 280, head_dim), (2, 3, 280, head_dim), (2, 3, 300, head_dim))
+    )
     results = _run(q, k, v, dout, causal=False, window=(40, 40))
     assert counter.built == 1
     assert_matches_reference(q, k, v, dout, results, causal=False, window=(40, 40))
@@ -463,8 +501,10 @@ def test_strided_bias_and_mask_views(rng):
     strided = _run(q, k, v, dout, causal=False, bias=bias, mask=mask)
     copied = _run(q, k, v, dout, causal=False, bias=cupy.ascontiguousarray(bias), mask=cupy.ascontiguousarray(mask))
     for x, y in zip(strided, copied):
-        assert cupy.array_equal(x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32),
-                                y.view(np.uint16 if y.dtype.itemsize == 2 else np.uint32))
+        assert cupy.array_equal(
+            x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32),
+            y.view(np.uint16 if y.dtype.itemsize == 2 else np.uint32),
+        )
     assert_matches_reference(q, k, v, dout, strided, causal=False, bias=bias, mask=mask)
 
 
@@ -474,8 +514,12 @@ def test_grouped_query_attention_with_options(rng, dtype):
     q = _random(rng, (batch, kv_heads, groups, nq, 64), dtype)
     k, v = (_random(rng, (batch, kv_heads, nk, 64), dtype)[:, :, None] for _ in range(2))
     dout = _random(rng, (batch, kv_heads, groups, nq, 64), dtype)
-    options = dict(window=(40, 5), softcap=5.0, alibi_slopes=cupy.asarray([0.5, 0.25, 0.125], np.float32),
-                   bias=_random(rng, (kv_heads, 1, nq, nk), dtype))
+    options = dict(
+        window=(40, 5),
+        softcap=5.0,
+        alibi_slopes=cupy.asarray([0.5, 0.25, 0.125], np.float32),
+        bias=_random(rng, (kv_heads, 1, nq, nk), dtype),
+    )
     results = _run(q, k, v, dout, causal=True, **options)
     assert results[3].shape == (batch, kv_heads, 1, nk, 64) and results[-1].shape == (kv_heads, 1, nq, nk)
     assert_matches_reference(q, k, v, dout, results, causal=True, **options)
@@ -589,9 +633,13 @@ def test_block_mask_alone_on_long_sequences_matches_the_dense_mask(rng):
 
 
 _WS_BLOCK_MASK_OPTIONS = {  # (causal, options): each form of the warp-specialized forward with a block mask
-    "alone": (False, {}), "causal": (True, {}), "window": (True, dict(window=(300, 0))),
-    "window-both-sides": (False, dict(window=(200, 150))), "softcap": (False, dict(softcap=2.0)),
-    "alibi-causal": (True, dict(alibi_slopes=True)), "alibi": (False, dict(alibi_slopes=True)),
+    "alone": (False, {}),
+    "causal": (True, {}),
+    "window": (True, dict(window=(300, 0))),
+    "window-both-sides": (False, dict(window=(200, 150))),
+    "softcap": (False, dict(softcap=2.0)),
+    "alibi-causal": (True, dict(alibi_slopes=True)),
+    "alibi": (False, dict(alibi_slopes=True)),
 }
 
 
@@ -702,7 +750,10 @@ def test_block_mask_calls_read_their_own_block_mask(rng):
     the same layout with another block mask reads the new one (forward and backward)."""
     q, k, v, dout = _random_problem(rng, (2, 300, 64), (2, 300, 64), (2, 300, 64), ml_dtypes.bfloat16)
     plans = set(launch.plans)
-    for block_mask in (cupy.ones((2, 3, 3), dtype=bool), cupy.asarray(np.broadcast_to(np.eye(3, dtype=bool), (2, 3, 3)))):
+    for block_mask in (
+        cupy.ones((2, 3, 3), dtype=bool),
+        cupy.asarray(np.broadcast_to(np.eye(3, dtype=bool), (2, 3, 3))),
+    ):
         results = _run(q, k, v, dout, causal=False, block_mask=block_mask)
         assert_matches_reference(q, k, v, dout, results, causal=False, block_mask=block_mask)
     assert set(launch.plans) == plans, "block-mask calls should not be planned"
@@ -732,18 +783,25 @@ def test_alibi_slopes_read_in_place_through_any_view(rng):
     and float64 slopes all give bit for bit what the expanded contiguous float32 slopes give, and each
     call of one (q, k, v) layout with a new slopes layout finds its own plan."""
     batch, heads, nq, nk = 2, 3, 150, 170
-    q, k, v, dout = _random_problem(rng, (batch, heads, nq, 64), (batch, heads, nk, 64), (batch, heads, nk, 64),
-                                    ml_dtypes.bfloat16)
+    q, k, v, dout = _random_problem(
+        rng, (batch, heads, nq, 64), (batch, heads, nk, 64), (batch, heads, nk, 64), ml_dtypes.bfloat16
+    )
     wide = cupy.asarray(rng.uniform(0.05, 0.5, (batch, 2 * heads)), dtype=np.float32)
-    views = {"per head": wide[0, :heads], "per batch entry": wide[:, :1], "strided": wide[:, ::2],
-             "float64": wide[:, :heads].astype(np.float64)}
+    views = {
+        "per head": wide[0, :heads],
+        "per batch entry": wide[:, :1],
+        "strided": wide[:, ::2],
+        "float64": wide[:, :heads].astype(np.float64),
+    }
     for name, slopes in views.items():
         got = _run(q, k, v, dout, causal=True, window=(50, 0), alibi_slopes=slopes)
         expanded = cupy.ascontiguousarray(cupy.broadcast_to(slopes, (batch, heads)), dtype=np.float32)
         want = _run(q, k, v, dout, causal=True, window=(50, 0), alibi_slopes=expanded)
         for x, y in zip(got, want):
-            assert cupy.array_equal(x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32),
-                                    y.view(np.uint16 if y.dtype.itemsize == 2 else np.uint32)), name
+            assert cupy.array_equal(
+                x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32),
+                y.view(np.uint16 if y.dtype.itemsize == 2 else np.uint32),
+            ), name
         assert_matches_reference(q, k, v, dout, got, causal=True, window=(50, 0), alibi_slopes=slopes)
 
 
@@ -772,14 +830,17 @@ def test_bias_of_minus_infinity_is_a_mask(rng):
     assert not cupy.isnan(by_bias[-1]).any()
 
 
-@pytest.mark.parametrize("option, value, error, match", [
-    ("mask", lambda: cupy.ones((5, 6), dtype=np.float32), TypeError, "mask must be a boolean array"),
-    ("bias", lambda: cupy.ones((3, 6), dtype=np.float16), ValueError, "bias has shape"),
-    ("bias", lambda: np.ones((5, 6), dtype=np.float16), TypeError, "bias must be a cupy.ndarray"),
-    ("window", lambda: (-2, 0), ValueError, "window left must be >= -1"),
-    ("softcap", lambda: -1.0, ValueError, "softcap must be finite and >= 0"),
-    ("block_mask", lambda: cupy.ones((2, 2), dtype=bool), ValueError, "block_mask has shape"),
-])
+@pytest.mark.parametrize(
+    "option, value, error, match",
+    [
+        ("mask", lambda: cupy.ones((5, 6), dtype=np.float32), TypeError, "mask must be a boolean array"),
+        ("bias", lambda: cupy.ones((3, 6), dtype=np.float16), ValueError, "bias has shape"),
+        ("bias", lambda: np.ones((5, 6), dtype=np.float16), TypeError, "bias must be a cupy.ndarray"),
+        ("window", lambda: (-2, 0), ValueError, "window left must be >= -1"),
+        ("softcap", lambda: -1.0, ValueError, "softcap must be finite and >= 0"),
+        ("block_mask", lambda: cupy.ones((2, 2), dtype=bool), ValueError, "block_mask has shape"),
+    ],
+)
 def test_bad_options_on_the_gpu(rng, option, value, error, match):
     q, k, v, _ = _random_problem(rng, (2, 5, 8), (2, 6, 8), (2, 6, 8), np.float16)
     with pytest.raises(error, match=match):

@@ -152,9 +152,9 @@ def test_long_sequences_keep_float32_accuracy(rng, head_dim, causal):
         s = cupy.where(cupy.tri(n, dtype=bool), s, -cupy.inf)
     m = s.max(-1, keepdims=True)
     p = cupy.exp(s - m)
-    l = p.sum(-1, keepdims=True)
-    ref_out = cupy.einsum("bhnm,bhmd->bhnd", p / l, v64)
-    ref_lse = (m + cupy.log(l))[..., 0]
+    row_sum = p.sum(-1, keepdims=True)
+    ref_out = cupy.einsum("bhnm,bhmd->bhnd", p / row_sum, v64)
+    ref_lse = (m + cupy.log(row_sum))[..., 0]
     error = float(cupy.abs(out - ref_out).max() / cupy.abs(ref_out).max())
     assert error <= FP32_RTOL, f"relative error {error:.3g}"
     assert float(cupy.abs(lse - ref_lse).max()) <= FP32_RTOL * float(cupy.abs(ref_lse).max())
@@ -169,13 +169,16 @@ def _reference_gradients(q, k, v, dout, causal):
         s = cupy.where(cupy.arange(nk)[None, :] <= cupy.arange(nq)[:, None] + nk - nq, s, -cupy.inf)
     m = s.max(-1, keepdims=True)
     p = cupy.exp(s - cupy.where(cupy.isfinite(m), m, 0))
-    l = p.sum(-1, keepdims=True)
-    p /= cupy.where(l > 0, l, 1)
+    row_sum = p.sum(-1, keepdims=True)
+    p /= cupy.where(row_sum > 0, row_sum, 1)
     out = cupy.einsum("bhnm,bhmd->bhnd", p, v)
     dp = cupy.einsum("bhnd,bhmd->bhnm", dout, v)
     ds = p * (dp - (dout * out).sum(-1, keepdims=True)) / math.sqrt(q.shape[-1])
-    return (cupy.einsum("bhnm,bhmd->bhnd", ds, k), cupy.einsum("bhnm,bhnd->bhmd", ds, q),
-            cupy.einsum("bhnm,bhnd->bhmd", p, dout))
+    return (
+        cupy.einsum("bhnm,bhmd->bhnd", ds, k),
+        cupy.einsum("bhnm,bhnd->bhmd", ds, q),
+        cupy.einsum("bhnm,bhnd->bhmd", p, dout),
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True])

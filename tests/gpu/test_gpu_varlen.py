@@ -11,11 +11,11 @@ poisoned with NaN (helpers.gpu).
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.checks import assert_close, assert_lse_close, lse_atol, naive_attention, same_bits, to_host
+from helpers.gpu import nan_filled_allocations
 
 import cupyflash
 from cupyflash import reference
-from helpers.checks import assert_close, assert_lse_close, lse_atol, naive_attention, same_bits, to_host
-from helpers.gpu import nan_filled_allocations
 
 cupy = pytest.importorskip("cupy")
 
@@ -40,8 +40,14 @@ def _problem(rng, dtype, heads, kv_heads, d, dv, lengths_q=LENGTHS_Q, lengths_k=
     def draw(shape):
         return cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
 
-    return (draw((total_q, heads, d)), draw((total_k, kv_heads, d)), draw((total_k, kv_heads, dv)),
-            draw((total_q, heads, dv)), cu_q, cu_k)
+    return (
+        draw((total_q, heads, d)),
+        draw((total_k, kv_heads, d)),
+        draw((total_k, kv_heads, dv)),
+        draw((total_q, heads, dv)),
+        cu_q,
+        cu_k,
+    )
 
 
 def _run(q, k, v, dout, cu_q, cu_k, **options):
@@ -72,9 +78,14 @@ def _check(q, k, v, dout, cu_q, cu_k, results, *, causal, **options):
         q0, q1, k0, k1 = int(cq[s]), int(cq[s + 1]), int(ck[s]), int(ck[s + 1])
         if q1 == q0 or k1 == k0:
             continue
-        parts = naive_attention(_sequence(q, q0, q1, hk), _sequence(k, k0, k1, hk), _sequence(v, k0, k1, hk),
-                                _sequence(dout, q0, q1, hk), causal=causal,
-                                **_sequence_options(options, s, len(cq) - 1, q.shape[1], hk))
+        parts = naive_attention(
+            _sequence(q, q0, q1, hk),
+            _sequence(k, k0, k1, hk),
+            _sequence(v, k0, k1, hk),
+            _sequence(dout, q0, q1, hk),
+            causal=causal,
+            **_sequence_options(options, s, len(cq) - 1, q.shape[1], hk),
+        )
         n_out, n_dq, n_dk, n_dv = (to_host(x) for x in parts)
         naive[0][q0:q1] = n_out.reshape(q.shape[1], q1 - q0, -1).transpose(1, 0, 2)
         naive[1][q0:q1] = n_dq.reshape(q.shape[1], q1 - q0, -1).transpose(1, 0, 2)
@@ -105,8 +116,11 @@ def test_offsets_by_one_rule(rng, form):
     """cu_seqlens as int64 CuPy arrays or Python lists: the results of int32 arrays, bit for bit."""
     q, k, v, dout, cu_q, cu_k = _problem(rng, np.float16, 4, 2, 64, 64)
     given = [x.astype(cupy.int64) if form == "int64" else x.get().tolist() for x in (cu_q, cu_k)]
-    for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), _run(q, k, v, dout, *given, causal=True),
-                          _run(q, k, v, dout, cu_q, cu_k, causal=True)):
+    for name, x, y in zip(
+        ("out", "lse", "dq", "dk", "dv"),
+        _run(q, k, v, dout, *given, causal=True),
+        _run(q, k, v, dout, cu_q, cu_k, causal=True),
+    ):
         assert same_bits(x, y), f"{name} differs with {form} offsets"
 
 
@@ -157,8 +171,12 @@ def test_bitwise_equal_to_the_dense_kernels_per_sequence(rng, dtype, monkeypatch
         q0, q1, k0, k1 = int(cq[s]), int(cq[s + 1]), int(ck[s]), int(ck[s + 1])
         if q1 == q0 or k1 == k0:
             continue
-        qs, ks, vs, douts = _sequence(q, q0, q1, 2), _sequence(k, k0, k1, 2), _sequence(v, k0, k1, 2), \
-            _sequence(dout, q0, q1, 2)
+        qs, ks, vs, douts = (
+            _sequence(q, q0, q1, 2),
+            _sequence(k, k0, k1, 2),
+            _sequence(v, k0, k1, 2),
+            _sequence(dout, q0, q1, 2),
+        )
         out_s, lse_s = cupyflash.attention_forward(qs, ks, vs, causal=True)
         dq_s, dk_s, dv_s = cupyflash.attention_backward(douts, qs, ks, vs, out_s, lse_s, causal=True)
         assert same_bits(out[q0:q1], out_s.reshape(4, q1 - q0, 64).transpose(1, 0, 2))

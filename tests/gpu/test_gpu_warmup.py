@@ -1,6 +1,6 @@
 """cupyflash.warmup on a GPU: after it, the calls it stands for compile nothing. Needs a GPU:
 
-    python -m pytest -m gpu tests/gpu/test_gpu_warmup.py
+python -m pytest -m gpu tests/gpu/test_gpu_warmup.py
 """
 
 import os
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash._cuda import compile as compile_, decode, decode_fast, fused_backward, launch
+from cupyflash._cuda import compile as compile_
+from cupyflash._cuda import decode, decode_fast, fused_backward, launch
 
 cupy = pytest.importorskip("cupy")
 
@@ -39,16 +40,25 @@ def test_after_warmup_with_modifiers_their_forwards_compile_nothing(monkeypatch,
     cupyflash.warmup(dtypes="bfloat16", head_dims=128, causal=(False, True), modifiers=True, backward=False)
     monkeypatch.setattr(cupy, "RawModule", _no_compiling)
     rng = np.random.default_rng(0)
-    q, k, v = (cupy.asarray(rng.standard_normal((1, 2, 200, 128), dtype=np.float32).astype(ml_dtypes.bfloat16))
-               for _ in range(3))
+    q, k, v = (
+        cupy.asarray(rng.standard_normal((1, 2, 200, 128), dtype=np.float32).astype(ml_dtypes.bfloat16))
+        for _ in range(3)
+    )
     slopes = cupy.asarray([0.5, 0.25], dtype=cupy.float32)
     block_mask = cupy.asarray([[True, False], [True, True]])
     for causal in (False, True):
-        for options in ({"alibi_slopes": slopes}, {"alibi_slopes": slopes, "window": (64, 16)},
-                        {"alibi_slopes": slopes, "window": (64, -1)}, {"softcap": 30.0}, {"window": (64, 0)},
-                        {"softcap": 30.0, "window": (64, -1)}, {"block_mask": block_mask},
-                        {"block_mask": block_mask, "softcap": 30.0}, {"block_mask": block_mask, "alibi_slopes": slopes},
-                        {"block_mask": block_mask, "window": (64, 0)}):
+        for options in (
+            {"alibi_slopes": slopes},
+            {"alibi_slopes": slopes, "window": (64, 16)},
+            {"alibi_slopes": slopes, "window": (64, -1)},
+            {"softcap": 30.0},
+            {"window": (64, 0)},
+            {"softcap": 30.0, "window": (64, -1)},
+            {"block_mask": block_mask},
+            {"block_mask": block_mask, "softcap": 30.0},
+            {"block_mask": block_mask, "alibi_slopes": slopes},
+            {"block_mask": block_mask, "window": (64, 0)},
+        ):
             cupyflash.attention_forward(q, k, v, causal=causal, **options)
     cupy.cuda.Device().synchronize()
 
@@ -89,8 +99,9 @@ def test_warmup_selects_for_the_current_device():
     from cupyflash import _warmup
 
     device = compile_.current_device()
-    assert _warmup.select_variants("bf16", 128, True, True, True) == \
-        _warmup.select_variants("bf16", 128, True, True, True, device=device)
+    assert _warmup.select_variants("bf16", 128, True, True, True) == _warmup.select_variants(
+        "bf16", 128, True, True, True, device=device
+    )
     cc = int(cupy.cuda.Device().compute_capability)
     no_wgmma = os.environ.get("CUPYFLASH_NO_WGMMA", "0") not in ("", "0")
     assert device.wgmma == (cc == 90 and not no_wgmma) and device.large_smem == (cc >= 90)

@@ -29,11 +29,11 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.checks import LSE_RTOL, assert_close, assert_lse_close, naive_attention, to_host
+from helpers.gpu import nan_filled_allocations
 
 import cupyflash
 from cupyflash import reference
-from helpers.checks import LSE_RTOL, assert_close, assert_lse_close, naive_attention, to_host
-from helpers.gpu import nan_filled_allocations
 
 cupy = pytest.importorskip("cupy")
 
@@ -131,11 +131,15 @@ ROWS_NQ, ROWS_NK, ROWS_D = 2**24 + 2**16 + 3, 200, 128
 def _sampled_rows(rng, nq, d, itemsize):
     """The first rows, random ones, those around the 2^31-byte and 2^31-element boundaries, the last 300."""
     byte_row, element_row = INT32_LIMIT // (d * itemsize), INT32_LIMIT // d
-    rows = np.concatenate([
-        np.arange(64), rng.choice(nq, 256, replace=False),
-        np.arange(byte_row - 3, byte_row + 3), np.arange(element_row - 3, element_row + 3),
-        np.arange(nq - 300, nq),
-    ])
+    rows = np.concatenate(
+        [
+            np.arange(64),
+            rng.choice(nq, 256, replace=False),
+            np.arange(byte_row - 3, byte_row + 3),
+            np.arange(element_row - 3, element_row + 3),
+            np.arange(nq - 300, nq),
+        ]
+    )
     return np.unique(rows)
 
 
@@ -167,8 +171,11 @@ def _all_rows_errors(q, k, v, dout, out, lse, dq):
         dk64 += (ds.T @ qc) * scale
         dv64 += p.T @ doc
         del p, ds
-        for name, x, ref in (("out", out[0, 0, rows], out_ref), ("lse", lse[0, 0, rows], lse_ref),
-                             ("dq", dq[0, 0, rows], dq_ref)):
+        for name, x, ref in (
+            ("out", out[0, 0, rows], out_ref),
+            ("lse", lse[0, 0, rows], lse_ref),
+            ("dq", dq[0, 0, rows], dq_ref),
+        ):
             error = _max_or_inf(cupy.abs(x.astype(cupy.float64) - ref))
             stats[name][0] = max(stats[name][0], error)
             stats[name][1] = max(stats[name][1], float(cupy.abs(ref).max()))
@@ -190,8 +197,10 @@ def _rows_problem():
 
     rows = cupy.asarray(_sampled_rows(rng, ROWS_NQ, ROWS_D, np.dtype(dtype).itemsize))
     # (q, k, v, dout) and our (out, lse, dq) of the sampled rows, on the host
-    sampled = ([x.get() for x in (q[0, 0, rows], k[0, 0], v[0, 0], dout[0, 0, rows])],
-               [x[0, 0, rows].get() for x in (out, lse, dq)])
+    sampled = (
+        [x.get() for x in (q[0, 0, rows], k[0, 0], v[0, 0], dout[0, 0, rows])],
+        [x[0, 0, rows].get() for x in (out, lse, dq)],
+    )
 
     stats, dk64, dv64 = _all_rows_errors(q, k, v, dout, out, lse, dq)
     sums = {name: (x[0, 0].get(), ref.get()) for name, x, ref in (("dk", dk, dk64), ("dv", dv, dv64))}
@@ -224,8 +233,10 @@ def test_huge_row_count():
         rounding = float(np.abs(ref.astype(dtype).astype(np.float64) - ref).max())
         bound = rounding + COARSE * unit * size
         error = float(np.abs(ours.astype(np.float64) - ref).max())
-        assert error <= bound, (f"{name} (sum over {ROWS_NQ} rows): max error {error:.3g} > {bound:.3g} "
-                                f"(max|ref| {size:.3g}, rounding {rounding:.3g})")
+        assert error <= bound, (
+            f"{name} (sum over {ROWS_NQ} rows): max error {error:.3g} > {bound:.3g} "
+            f"(max|ref| {size:.3g}, rounding {rounding:.3g})"
+        )
 
 
 # ----------------------------------------------------------------------------- huge batch count
@@ -247,7 +258,7 @@ def _entries(x, idx, row_dims=2):
     """The flat batch entries ``idx`` of x (batch..., then ``row_dims`` dims: (N, D), or (N,) for lse),
     gathered as raw words, so that no bfloat16 arithmetic is needed."""
     words = x.view(cupy.uint16) if x.dtype.itemsize == 2 else x
-    return words.reshape((-1,) + x.shape[x.ndim - row_dims:])[idx].view(x.dtype)
+    return words.reshape((-1,) + x.shape[x.ndim - row_dims :])[idx].view(x.dtype)
 
 
 def _batch_problem():
@@ -280,5 +291,4 @@ def test_huge_batch_count():
     assert not any(nans.values()), f"NaN left in the results (never written, or computed): {nans}"
     q, k, v, dout = (cupy.asarray(x) for x in inputs)
     out, lse, dq, dk, dv = ours
-    _check_subset(f"entries {idx.tolist()}", ml_dtypes.bfloat16, q, k, v, dout, (out, lse, dq, dk, dv),
-                  causal=True)
+    _check_subset(f"entries {idx.tolist()}", ml_dtypes.bfloat16, q, k, v, dout, (out, lse, dq, dk, dv), causal=True)

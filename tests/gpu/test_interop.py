@@ -20,8 +20,7 @@ cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")]
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # Relative max-norm error against float64, as `python -m cupyflash` checks; gradients get twice as much.
@@ -100,8 +99,9 @@ def test_forward_on_torch_tensors_without_copies(dtype, causal):
 def test_backward_matches_torch_autograd():
     dtype, causal = "bfloat16", True
     g = torch.Generator(device="cuda").manual_seed(1)
-    q_t, k_t, v_t, dout_t = (torch.randn(1, 4, 96, 64, device="cuda", generator=g).to(TORCH_DTYPES[dtype])
-                             for _ in range(4))
+    q_t, k_t, v_t, dout_t = (
+        torch.randn(1, 4, 96, 64, device="cuda", generator=g).to(TORCH_DTYPES[dtype]) for _ in range(4)
+    )
     q, k, v, dout = (to_cupy(x) for x in (q_t, k_t, v_t, dout_t))
     out, lse = cupyflash.attention_forward(q, k, v, causal=causal)
     grads = [to_torch(x) for x in cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)]
@@ -185,12 +185,16 @@ def test_example_to_cupy_keeps_the_tensor_alive(rng):
     del filler
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.ones(2, 3, dtype=torch.float16),  # on the host
-    lambda: torch.ones(2, 3, dtype=torch.int32, device="cuda"),
-    lambda: torch.ones(2, 3, dtype=torch.int16, device="cuda"),
-    lambda: torch.ones(2, 3, dtype=torch.complex64, device="cuda"),
-], ids=["host float16", "cuda int32", "cuda int16", "cuda complex64"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.ones(2, 3, dtype=torch.float16),  # on the host
+        lambda: torch.ones(2, 3, dtype=torch.int32, device="cuda"),
+        lambda: torch.ones(2, 3, dtype=torch.int16, device="cuda"),
+        lambda: torch.ones(2, 3, dtype=torch.complex64, device="cuda"),
+    ],
+    ids=["host float16", "cuda int32", "cuda int16", "cuda complex64"],
+)
 def test_example_to_cupy_rejects_what_it_cannot_view(make):
     with pytest.raises(TypeError, match="to_cupy"):
         torch_attention.to_cupy(make())
@@ -300,8 +304,11 @@ def test_example_attention_gradients_match_float64(rng, loss):
         ref.sum().backward()
     assert rel_err(out, ref) <= TOLERANCES[dtype], f"out: {rel_err(out, ref):.2e}"
     limit = TOLERANCES[dtype] * GRAD_TOLERANCE_FACTOR
-    grads = (("dq", q_leaf.grad, q_ref.grad), ("dk", kv_leaf.grad[:, :, 0], kv_ref.grad[:, :, 0]),
-             ("dv", kv_leaf.grad[:, :, 1], kv_ref.grad[:, :, 1]))
+    grads = (
+        ("dq", q_leaf.grad, q_ref.grad),
+        ("dk", kv_leaf.grad[:, :, 0], kv_ref.grad[:, :, 0]),
+        ("dv", kv_leaf.grad[:, :, 1], kv_ref.grad[:, :, 1]),
+    )
     for name, ours, want in grads:  # each against its own largest value: dk is smaller than dv
         assert ours.dtype == TORCH_DTYPES[dtype] and ours.shape == want.shape
         assert rel_err(ours, want) <= limit, f"{name}: {rel_err(ours, want):.2e} > {limit}"
@@ -320,8 +327,7 @@ def test_example_attention_returns_the_bias_gradient(rng):
 
     arrays = [torch_attention.to_cupy(x.detach()) for x in (q, k, v, dout, bias)]
     out_c, lse_c = cupyflash.attention_forward(*arrays[:3], bias=arrays[4], causal=True)
-    dq, dk, dv, dbias = cupyflash.attention_backward(arrays[3], *arrays[:3], out_c, lse_c, bias=arrays[4],
-                                                     causal=True)
+    dq, dk, dv, dbias = cupyflash.attention_backward(arrays[3], *arrays[:3], out_c, lse_c, bias=arrays[4], causal=True)
     _assert_same_bits(out, out_c, "out")
     _assert_same_bits(bias.grad, dbias, "dbias")
     _assert_same_bits(q_leaf.grad, dq.transpose(0, 2, 1, 3), "dq")

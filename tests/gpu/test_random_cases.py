@@ -42,13 +42,13 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.checks import assert_matches_reference
+from helpers.gpu import nan_filled_allocations
+from helpers.modifiers import run
 
 from cupyflash._cuda.compile import compile_ahead, current_device
 from cupyflash._cuda.variants import Features, select
 from cupyflash._modifiers import BLOCK_MASK_TILE, Modifiers
-from helpers.checks import assert_matches_reference
-from helpers.gpu import nan_filled_allocations
-from helpers.modifiers import run
 
 cupy = pytest.importorskip("cupy")
 
@@ -102,14 +102,20 @@ class Case:
     @property
     def has_mods(self):
         window_on = self.window is not None and tuple(self.window) != (-1, -1)
-        return window_on or bool(self.softcap) or any(
-            getattr(self, name) is not None for name in ("alibi", "bias", "mask", "block_mask"))
+        return (
+            window_on
+            or bool(self.softcap)
+            or any(getattr(self, name) is not None for name in ("alibi", "bias", "mask", "block_mask"))
+        )
 
     @property
     def id(self):
         letters = "".join(OPTION_LETTERS[name] for name in OPTION_LETTERS if name in self.options_on)
-        return (f"case_{self.index}_{self.dtype}_d{self.d}v{self.dv}_q{self.nq}k{self.nk}_{self.layout}"
-                + ("_causal" if self.causal else "") + (f"_{letters}" if letters else ""))
+        return (
+            f"case_{self.index}_{self.dtype}_d{self.d}v{self.dv}_q{self.nq}k{self.nk}_{self.layout}"
+            + ("_causal" if self.causal else "")
+            + (f"_{letters}" if letters else "")
+        )
 
     def describe(self):
         lines = [
@@ -135,11 +141,23 @@ class Case:
         # softcap and window as resolve() gives them (window (-1, -1) when off). A Modifiers holding the
         # case's option specs where resolve() puts arrays: the selection only asks whether each is given.
         window = (-1, -1) if self.window is None else tuple(int(x) for x in self.window)
-        mods = Modifiers(window=window, softcap=float(self.softcap or 0.0), alibi_slopes=self.alibi, bias=self.bias,
-                         bias_shape=None, mask=self.mask, block_mask=self.block_mask) if self.has_mods else None
+        mods = (
+            Modifiers(
+                window=window,
+                softcap=float(self.softcap or 0.0),
+                alibi_slopes=self.alibi,
+                bias=self.bias,
+                bias_shape=None,
+                mask=self.mask,
+                block_mask=self.block_mask,
+            )
+            if self.has_mods
+            else None
+        )
         device = current_device()
-        return {select(Features.of(direction, dtype, d_w, dv_w, self.causal, mods), device)
-                for direction in ("fwd", "bwd")}
+        return {
+            select(Features.of(direction, dtype, d_w, dv_w, self.causal, mods), device) for direction in ("fwd", "bwd")
+        }
 
 
 def draw_case(seed, index):
@@ -234,7 +252,7 @@ def _resize_axis(shape, ndim, axis, new):
     at = axis - (ndim - len(shape))
     if at < 0 or shape[at] == 1:
         return shape
-    return shape[:at] + (new,) + shape[at + 1:]
+    return shape[:at] + (new,) + shape[at + 1 :]
 
 
 def _broadcast_shape(rng, full):
@@ -335,8 +353,11 @@ def _compiled_ahead(request):
     without the GIL, and cupyflash._cuda.compile then loads each module from the cache instead of compiling
     ~150 of them one after another. Best effort: a failure here is only a warning (the case then
     compiles, and fails, on its own)."""
-    cases = [item.callspec.params["case"] for item in request.session.items
-             if getattr(item, "module", None) is request.module and hasattr(item, "callspec")]
+    cases = [
+        item.callspec.params["case"]
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
+    ]
     variants = set().union(*(case.variants() for case in cases)) if cases else set()
     _compile_into_cache(variants)
 

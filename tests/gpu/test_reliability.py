@@ -46,16 +46,27 @@ import tracemalloc
 import ml_dtypes
 import numpy as np
 import pytest
-
-import cupyflash
-from cupyflash import _modifiers, reference
-from cupyflash._cuda import compile as compile_, launch
-from cupyflash._cuda.variants import Features, select
-from helpers.checks import (FP32_RTOL, NAIVE_FACTOR, ZERO_ATOL, assert_close, assert_lse_close,
-                            assert_matches_reference, bits, max_abs, naive_attention, to_host)
+from helpers.checks import (
+    FP32_RTOL,
+    NAIVE_FACTOR,
+    ZERO_ATOL,
+    assert_close,
+    assert_lse_close,
+    assert_matches_reference,
+    bits,
+    max_abs,
+    naive_attention,
+    to_host,
+)
 from helpers.gpu import nan_filled_allocations
 from helpers.modifiers import run
 from helpers.problems import random_array, random_problem
+
+import cupyflash
+from cupyflash import _modifiers, reference
+from cupyflash._cuda import compile as compile_
+from cupyflash._cuda import launch
+from cupyflash._cuda.variants import Features, select
 
 cupy = pytest.importorskip("cupy")
 
@@ -110,8 +121,11 @@ def _gradient_magnitudes(q, k, v, dout, *, causal, scale):
     p = reference.attention_probs(q, k, v, causal=causal, scale=scale)
     dp = dout @ np.swapaxes(v, -1, -2)
     ds = np.abs(p * (dp - np.sum(p * dp, axis=-1, keepdims=True)))
-    return (scale * max_abs(ds @ np.abs(k)), scale * max_abs(np.swapaxes(ds, -1, -2) @ np.abs(q)),
-            max_abs(np.swapaxes(p, -1, -2) @ np.abs(dout)))
+    return (
+        scale * max_abs(ds @ np.abs(k)),
+        scale * max_abs(np.swapaxes(ds, -1, -2) @ np.abs(q)),
+        max_abs(np.swapaxes(p, -1, -2) @ np.abs(dout)),
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -127,8 +141,10 @@ def test_logits_of_plus_and_minus_ten_thousand(rng, dtype, causal):
     ref_out, ref_lse = reference.attention(*host[:3], causal=causal, scale=EXTREME_SCALE, return_lse=True)
     assert max_abs(ref_lse) > 9000, "the problem lost its extreme logits"
     ref_grads = reference.attention_backward(host[3], *host[:3], causal=causal, scale=EXTREME_SCALE)
-    naive = [to_host(x) for x in naive_attention(q, k, v, dout, causal=causal, scale=EXTREME_SCALE,
-                                                 round_scaled_scores=False)]
+    naive = [
+        to_host(x)
+        for x in naive_attention(q, k, v, dout, causal=causal, scale=EXTREME_SCALE, round_scaled_scores=False)
+    ]
     assert_lse_close(ours[1], ref_lse)
     assert_close("out", ours[0], ref_out, naive[0], dtype)
 
@@ -137,8 +153,10 @@ def test_logits_of_plus_and_minus_ten_thousand(rng, dtype, causal):
     for name, x, ref, naive_x, magnitude in zip(NAMES[2:], ours[2:], ref_grads, naive[1:], magnitudes):
         error, rule = max_abs(x - ref), _rule_bound(ref, naive_x, dtype)
         bound = rule + p_error * magnitude
-        assert error <= bound, (f"{name}: max error {error:.3g} > bound {bound:.3g} (rule {rule:.3g} + "
-                                f"{p_error:.3g} x magnitude {magnitude:.3g}; max|ref| {max_abs(ref):.3g})")
+        assert error <= bound, (
+            f"{name}: max error {error:.3g} > bound {bound:.3g} (rule {rule:.3g} + "
+            f"{p_error:.3g} x magnitude {magnitude:.3g}; max|ref| {max_abs(ref):.3g})"
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -169,9 +187,12 @@ def test_minus_infinity_bias_hides_keys_like_the_mask(rng, dtype):
 
 # ------------------------------------------------------------------------------- non-finite inputs
 _SPECIAL_BITS = {
-    ("float16", "nan"): 0x7E00, ("float16", "inf"): 0x7C00,
-    ("bfloat16", "nan"): 0x7FC0, ("bfloat16", "inf"): 0x7F80,
-    ("float32", "nan"): 0x7FC00000, ("float32", "inf"): 0x7F800000,
+    ("float16", "nan"): 0x7E00,
+    ("float16", "inf"): 0x7C00,
+    ("bfloat16", "nan"): 0x7FC0,
+    ("bfloat16", "inf"): 0x7F80,
+    ("float32", "nan"): 0x7FC00000,
+    ("float32", "inf"): 0x7F800000,
 }
 NQ, NK, D = 130, 150, 64
 ROW, KEY, COLUMN = 77, 33, 7  # the poisoned query row, key row and column (in batch entry 1 of 2)
@@ -229,8 +250,13 @@ def _assert_q_row_poisoned_alone(clean, bad):
     assert not np.isfinite(lse[1, ROW]), f"lse of the poisoned row is {lse[1, ROW]}"
     other_rows = np.ones((2, NQ), dtype=bool)
     other_rows[1, ROW] = False
-    for name, i, where in (("out", 0, other_rows[..., None]), ("lse", 1, other_rows), ("dq", 2, other_rows[..., None]),
-                           ("dk", 3, _batch_entry(0, 3)), ("dv", 4, _batch_entry(0, 3))):
+    for name, i, where in (
+        ("out", 0, other_rows[..., None]),
+        ("lse", 1, other_rows),
+        ("dq", 2, other_rows[..., None]),
+        ("dk", 3, _batch_entry(0, 3)),
+        ("dv", 4, _batch_entry(0, 3)),
+    ):
         _assert_unchanged(name, bad[i], clean[i], where)
 
 
@@ -294,8 +320,9 @@ def _expected_modules(dtype, d, dv, causal, options):
     d_w, dv_w = (-(-x // vec) * vec for x in (d, dv))
     mods = _modifiers.resolve(np, np.dtype(dtype), (2,), 150, 170, **options) if options else None
     device = compile_.current_device()
-    variants = (select(Features.of(direction, np.dtype(dtype), d_w, dv_w, causal, mods), device)
-                for direction in ("fwd", "bwd"))
+    variants = (
+        select(Features.of(direction, np.dtype(dtype), d_w, dv_w, causal, mods), device) for direction in ("fwd", "bwd")
+    )
     return set().union(*(_module_names(variant) for variant in variants))
 
 
@@ -309,8 +336,9 @@ def test_threads_compile_each_variant_once(rng, monkeypatch):
         (np.float16, 140, 140, False, {"window": (30, 30)}),  # HEAD_DIM 160, modifiers
     ]
     inputs = [_random_problem(rng, (2, 150, d), (2, 170, d), (2, 170, dv), dtype) for dtype, d, dv, _, _ in problems]
-    expected = set().union(*(_expected_modules(dtype, d, dv, causal, options)
-                             for dtype, d, dv, causal, options in problems))
+    expected = set().union(
+        *(_expected_modules(dtype, d, dv, causal, options) for dtype, d, dv, causal, options in problems)
+    )
     built, lock = [], threading.Lock()
     original = cupy.RawModule
 
@@ -339,8 +367,10 @@ def test_threads_compile_each_variant_once(rng, monkeypatch):
             errors.append((slot, error))
 
     try:
-        threads = [threading.Thread(target=work, args=(slot, problems[slot // 2], inputs[slot // 2]))
-                   for slot in range(2 * len(problems))]
+        threads = [
+            threading.Thread(target=work, args=(slot, problems[slot // 2], inputs[slot // 2]))
+            for slot in range(2 * len(problems))
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -355,7 +385,8 @@ def test_threads_compile_each_variant_once(rng, monkeypatch):
         raise errors[0][1]
     counts = collections.Counter(built)
     assert set(counts) == expected and all(n == 1 for n in counts.values()), (
-        f"modules built: {dict(counts)}; expected each of {sorted(expected)} once")
+        f"modules built: {dict(counts)}; expected each of {sorted(expected)} once"
+    )
     for slot in range(0, 2 * len(problems), 2):
         _, _, _, causal, options = problems[slot // 2]
         for name, x, y in zip(NAMES, results[slot], results[slot + 1]):
@@ -499,7 +530,8 @@ def test_forward_allocates_only_out_and_lse(rng):
         out, lse = cupyflash.attention_forward(q, k, v, causal=True)
     expected = out.nbytes + lse.nbytes
     assert tracker.peak <= expected + SLACK_BYTES, (
-        f"forward peak {tracker.peak} bytes > out + lse {expected} + {SLACK_BYTES} (scores: {scores_bytes})")
+        f"forward peak {tracker.peak} bytes > out + lse {expected} + {SLACK_BYTES} (scores: {scores_bytes})"
+    )
     assert expected <= tracker.current <= expected + SLACK_BYTES, f"forward holds {tracker.current} bytes after"
 
 
@@ -515,7 +547,8 @@ def test_backward_allocates_only_gradients_and_row_statistics(rng):
     rows = 4 * lse.nbytes  # delta = rowsum(out * dout), lse in log2 units (and room for 2 more): O(N)
     assert tracker.peak <= gradients + rows + SLACK_BYTES, (
         f"backward peak {tracker.peak} bytes > dq + dk + dv {gradients} + row statistics {rows} + {SLACK_BYTES} "
-        f"(scores: {scores_bytes})")
+        f"(scores: {scores_bytes})"
+    )
     assert gradients <= tracker.current <= gradients + SLACK_BYTES, f"backward holds {tracker.current} bytes after"
 
 
@@ -524,8 +557,9 @@ def test_a_thousand_calls_leave_memory_where_it_was(rng):
     backward: CuPy's pool holds the same bytes (used and reserved), no module is added, and Python's heap
     grows by less than 1 KiB per round."""
     q, k, v, dout = _random_problem(rng, (2, 2, 64, 32), (2, 2, 80, 32), (2, 2, 80, 32), np.float16)
-    options = dict(bias=_random(rng, (2, 1, 64, 80), np.float16), mask=cupy.asarray(rng.random((64, 80)) < 0.8),
-                   softcap=10.0)
+    options = dict(
+        bias=_random(rng, (2, 1, 64, 80), np.float16), mask=cupy.asarray(rng.random((64, 80)) < 0.8), softcap=10.0
+    )
 
     def round_of_calls():
         return run(q, k, v, dout, causal=True), run(q, k, v, dout, causal=False, **options)

@@ -29,7 +29,7 @@ LSE_RTOL = 1e-5
 # With a softcap, the GPU's 16-bit kernels take tanh from the hardware's tanh.approx.f32 (relative error
 # ~2^-11; README, score modifiers): each logit then carries up to softcap * 2^-11, and so does lse. The
 # bound allows twice that.
-TANH_APPROX_RTOL = 2.0 ** -10
+TANH_APPROX_RTOL = 2.0**-10
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
@@ -106,8 +106,9 @@ def assert_lse_close(lse, ref, atol=0.0):
     assert error <= bound, f"lse: max error {error:.3g} > bound {bound:.3g}"
 
 
-def assert_matches_reference(q, k, v, dout, results, *, causal, scale=None, round_scaled_scores=True,
-                             naive_factors=None, **options):
+def assert_matches_reference(
+    q, k, v, dout, results, *, causal, scale=None, round_scaled_scores=True, naive_factors=None, **options
+):
     """``results`` = (out, lse, dq, dk, dv[, dbias]) of the public functions with ``options`` (score
     modifiers, dropout) against the float64 reference, by the rule above; the naive implementation gets
     ``round_scaled_scores`` (see naive_attention); ``naive_factors`` (result name -> factor) replaces
@@ -117,8 +118,9 @@ def assert_matches_reference(q, k, v, dout, results, *, causal, scale=None, roun
     out, lse, dq, dk, dv, *rest = results
     assert len(rest) == (bias is not None), f"{len(results)} results; dbias is returned iff bias is given"
     xp = array_module(q)
-    named = [(name, x, like, q.dtype) for name, x, like in (("out", out, dout), ("dq", dq, q), ("dk", dk, k),
-                                                           ("dv", dv, v))]
+    named = [
+        (name, x, like, q.dtype) for name, x, like in (("out", out, dout), ("dq", dq, q), ("dk", dk, k), ("dv", dv, v))
+    ]
     if bias is not None:
         named.append(("dbias", rest[0], bias, bias.dtype))
     for name, x, like, dtype in named:
@@ -128,11 +130,11 @@ def assert_matches_reference(q, k, v, dout, results, *, causal, scale=None, roun
 
     host = [to_host(x) for x in (q, k, v, dout)]
     host_options = {name: on_host(x) for name, x in options.items()}
-    ref_out, ref_lse = reference.attention(*host[:3], causal=causal, scale=scale, return_lse=True,
-                                           **host_options)
+    ref_out, ref_lse = reference.attention(*host[:3], causal=causal, scale=scale, return_lse=True, **host_options)
     ref_grads = reference.attention_backward(host[3], *host[:3], causal=causal, scale=scale, **host_options)
-    naive = naive_attention(q, k, v, dout, causal=causal, scale=scale, round_scaled_scores=round_scaled_scores,
-                            **options)
+    naive = naive_attention(
+        q, k, v, dout, causal=causal, scale=scale, round_scaled_scores=round_scaled_scores, **options
+    )
 
     assert_lse_close(to_host(lse), ref_lse, lse_atol(q.dtype, options.get("softcap")))
     for (name, x, *_), ref, naive_x in zip(named, (ref_out, *ref_grads), naive):

@@ -29,7 +29,7 @@ FLOAT64_RTOL = 1e-12  # float64 throughout: any float32 step would leave ~1e-7
 # One rounding of a rotated key to the cache's dtype, computed in float32 (float64 for float64 caches) by
 # the implementation and in float64 by the reference: at most one unit in the last place apart (relative
 # to the key's largest element).
-ROUNDING_RTOL = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -22, "float64": 1e-15}
+ROUNDING_RTOL = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-22, "float64": 1e-15}
 HQ, HK, D, DV = 8, 2, 40, 24
 CAPACITY = 48  # positions per sequence: 3 pages of 16, 16 of 3, 48 of 1
 SPARE_PAGES = 2  # pages of a paged cache that no sequence's block table names
@@ -61,8 +61,22 @@ class Problem:
         return np.broadcast_to(on_host(self.options["cache_seqlens"]), (self.batch,)).astype(np.int64)
 
 
-def make_problem(rng, dtype, seqlens, *, nq=1, nnew=1, page_size=None, hq=HQ, hk=HK, d=D, dv=DV, capacity=CAPACITY,
-                 rotary_dim=0, **options) -> Problem:
+def make_problem(
+    rng,
+    dtype,
+    seqlens,
+    *,
+    nq=1,
+    nnew=1,
+    page_size=None,
+    hq=HQ,
+    hk=HK,
+    d=D,
+    dv=DV,
+    capacity=CAPACITY,
+    rotary_dim=0,
+    **options,
+) -> Problem:
     """Random NumPy q, caches and new k, v; paged caches (``page_size``) get a random page permutation and
     SPARE_PAGES pages no sequence uses; ``rotary_dim`` > 0 adds RoPE tables for every position a call can
     use. ``options`` go to the call as they are (cache_seqlens becomes an int32 array of ``seqlens``)."""
@@ -71,7 +85,7 @@ def make_problem(rng, dtype, seqlens, *, nq=1, nnew=1, page_size=None, hq=HQ, hk
         cache_shape = (batch, hk, capacity)
     else:
         pages = math.ceil(capacity / page_size)
-        table = rng.permutation(batch * pages + SPARE_PAGES)[:batch * pages].reshape(batch, pages)
+        table = rng.permutation(batch * pages + SPARE_PAGES)[: batch * pages].reshape(batch, pages)
         options["block_table"] = table.astype(np.int32)
         cache_shape = (batch * pages + SPARE_PAGES, hk, page_size)
     if rotary_dim:
@@ -126,8 +140,10 @@ def host_copy(x):
 def on_host(x):
     """A NumPy snapshot: of one array (or a scalar, as it is), or of a whole Problem."""
     if isinstance(x, Problem):
-        return Problem(*(host_copy(getattr(x, name)) for name in ARRAYS),
-                       options={name: host_copy(value) for name, value in x.options.items()})
+        return Problem(
+            *(host_copy(getattr(x, name)) for name in ARRAYS),
+            options={name: host_copy(value) for name, value in x.options.items()},
+        )
     return host_copy(x)
 
 
@@ -144,8 +160,10 @@ def subset(p: Problem, rows) -> Problem:
     if slopes is not None and slopes.ndim == 2:
         options["alibi_slopes"] = slopes[rows]
     paged = "block_table" in options
-    pick = {name: (None if getattr(p, name) is None else getattr(p, name)[rows])
-            for name in ("q", "k", "v") + (() if paged else ("k_cache", "v_cache"))}
+    pick = {
+        name: (None if getattr(p, name) is None else getattr(p, name)[rows])
+        for name in ("q", "k", "v") + (() if paged else ("k_cache", "v_cache"))
+    }
     return replace(p, **pick, options=options)
 
 
@@ -167,8 +185,9 @@ def check(p: Problem, call=run):
 def reference_results(h: Problem):
     """The reference's out, lse and caches after the append for the host problem h."""
     options = {name: x for name, x in h.options.items() if name not in REFERENCE_IGNORES}
-    return reference.attention_with_kvcache(h.q, h.k_cache, h.v_cache, h.k, h.v, return_lse=True,
-                                            return_caches=True, **options)
+    return reference.attention_with_kvcache(
+        h.q, h.k_cache, h.v_cache, h.k, h.v, return_lse=True, return_caches=True, **options
+    )
 
 
 def compare(h: Problem, p: Problem, out, lse):
@@ -185,8 +204,9 @@ def compare(h: Problem, p: Problem, out, lse):
     mask = written(h)
     for name, original, ref in (("k_cache", h.k_cache, ref_k_cache), ("v_cache", h.v_cache, ref_v_cache)):
         cache = host_copy(getattr(p, name))
-        np.testing.assert_array_equal(bits(cache)[~mask], bits(original)[~mask],
-                                      err_msg=f"{name} changed outside the new positions")
+        np.testing.assert_array_equal(
+            bits(cache)[~mask], bits(original)[~mask], err_msg=f"{name} changed outside the new positions"
+        )
         new, expected = to_host(cache[mask]), ref[mask]
         if name == "v_cache" or "rotary_cos" not in h.options:
             np.testing.assert_array_equal(new, expected, err_msg=f"{name}: the appended values differ")
@@ -246,8 +266,9 @@ def naive(h: Problem, ref_k_cache, ref_v_cache):
         if "rotary_cos" in o:
             advance = causal or window not in (None, (-1, -1))
             positions = start + (np.arange(nq) if advance else np.zeros(nq, dtype=int))
-            q = reference.rotary(q, o["rotary_cos"], o["rotary_sin"], positions,
-                                 o.get("rotary_interleaved", False)).astype(dtype)
+            q = reference.rotary(
+                q, o["rotary_cos"], o["rotary_sin"], positions, o.get("rotary_interleaved", False)
+            ).astype(dtype)
         keys, values = (sequence(h, cache, b, length).astype(dtype) for cache in (ref_k_cache, ref_v_cache))
         options = dict(window=window, softcap=o.get("softcap", 0.0))
         if slopes is not None:
@@ -255,10 +276,17 @@ def naive(h: Problem, ref_k_cache, ref_v_cache):
         q, keys, values = q.reshape(hk, hq // hk, nq, d), keys[:, None], values[:, None]
         dout = np.zeros((hk, hq // hk, nq, values.shape[-1]), dtype=dtype)
         # As the modifiers' tests do: scale * q k^T is an op of its own (rounded) when more ops follow it.
-        out_b, *_ = naive_attention(q, keys, values, dout, causal=causal, scale=o.get("scale"),
-                                    round_scaled_scores=bool(options["softcap"] or slopes is not None), **options)
-        _, lse_b = reference.attention(q, keys, values, causal=causal, scale=o.get("scale"), return_lse=True,
-                                       **options)
+        out_b, *_ = naive_attention(
+            q,
+            keys,
+            values,
+            dout,
+            causal=causal,
+            scale=o.get("scale"),
+            round_scaled_scores=bool(options["softcap"] or slopes is not None),
+            **options,
+        )
+        _, lse_b = reference.attention(q, keys, values, causal=causal, scale=o.get("scale"), return_lse=True, **options)
         out[b], lse[b] = out_b.reshape(out.shape[1:]), lse_b.reshape(hq, nq)
     return to_host(out), lse
 
@@ -272,4 +300,3 @@ def sequence(h: Problem, cache, b, length):
     positions = np.arange(length)
     page_size = cache.shape[2]
     return cache[table[b, positions // page_size], :, positions % page_size].transpose(1, 0, 2)
-

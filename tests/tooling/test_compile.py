@@ -24,8 +24,17 @@ REGISTERS_PER_BLOCK = 64 * 1024
 REGISTER_ALLOCATION_UNIT = 8  # registers per thread are allocated in steps of 8 (256 per warp)
 MAX_REGISTERS_PER_THREAD = 255
 REPORT_FIELDS = {
-    "kernel": str, "arch": str, "target": str, "registers": int, "spill_stores": int, "spill_loads": int,
-    "stack_frame": int, "static_smem": int, "dynamic_smem": int, "threads": int, "serialized_wgmma": int,
+    "kernel": str,
+    "arch": str,
+    "target": str,
+    "registers": int,
+    "spill_stores": int,
+    "spill_loads": int,
+    "stack_frame": int,
+    "static_smem": int,
+    "dynamic_smem": int,
+    "threads": int,
+    "serialized_wgmma": int,
 }
 
 
@@ -101,6 +110,7 @@ def test_every_shipped_variant_compiled(report):
     by_name = {}
     for r in rows:
         by_name.setdefault((r["kernel"], r["target"]), []).append(r)
+
     # (static shared memory aside: ptxas counts what the module around a kernel declares, and the preprocess
     # is built beside the dK/dV pass in the two-pass backward's module and alone for the fused one)
     def resources(row):
@@ -111,8 +121,12 @@ def test_every_shipped_variant_compiled(report):
 
     variants = shipped_for(arch)
     assert variants, f"no variant is built for {arch}"
-    expected = ({v.name_expression(kernel) for v in variants for kernel in v.kernels} | set(f32_pieces.KERNELS)
-                | set(states.KERNELS) | {fp8.KERNEL})
+    expected = (
+        {v.name_expression(kernel) for v in variants for kernel in v.kernels}
+        | set(f32_pieces.KERNELS)
+        | set(states.KERNELS)
+        | {fp8.KERNEL}
+    )
     compiled = {r["kernel"] for r in rows}
     missing = sorted(expected - compiled)
     assert not missing, f"{arch}: {len(missing)} kernels not compiled, e.g. {missing[:5]}"
@@ -151,25 +165,22 @@ def test_no_serialized_wgmma(report):
     kernel its overlap of products and softmax: none may have them."""
     arch, rows = report
     offenders = [r for r in rows if r["serialized_wgmma"]]
-    assert not offenders, (
-        f"{arch}: {len(offenders)} of {len(rows)} kernels have serialized wgmma:\n{_table(offenders)}"
-    )
+    assert not offenders, f"{arch}: {len(offenders)} of {len(rows)} kernels have serialized wgmma:\n{_table(offenders)}"
 
 
 @pytest.mark.compile
 def test_no_stack_frame(report):
     arch, rows = report
     offenders = [r for r in rows if r["stack_frame"]]
-    assert not offenders, (
-        f"{arch}: {len(offenders)} of {len(rows)} kernels use a stack frame:\n{_table(offenders)}"
-    )
+    assert not offenders, f"{arch}: {len(offenders)} of {len(rows)} kernels use a stack frame:\n{_table(offenders)}"
 
 
 @pytest.mark.compile
 def test_fits_on_one_sm(report):
     arch, rows = report
     offenders = [
-        r for r in rows
+        r
+        for r in rows
         if r["static_smem"] + r["dynamic_smem"] > MAX_SMEM_PER_BLOCK[arch]
         or r["registers"] > MAX_REGISTERS_PER_THREAD
         or _allocated_registers(r) * r["threads"] > REGISTERS_PER_BLOCK
@@ -193,52 +204,70 @@ def test_serialized_wgmma_is_detected(ptxas_report):
     branchy = shipped.replace("load_tile_async<KVTile, THREADS>(", "load_tile_async<KVTile, THREADS, true>(")
     assert branchy != shipped, "the forward's K/V loads are no longer spelled as this test expects"
     options = [*OPTIONS, "-arch=sm_90a", "-Xptxas", "-v"]
-    found = {label: ptxas_report._compile(code, "fwd.cu", options, names)["fwd"]["serialized_wgmma"]
-             for label, code in (("shipped", shipped), ("branchy", branchy))}
+    found = {
+        label: ptxas_report._compile(code, "fwd.cu", options, names)["fwd"]["serialized_wgmma"]
+        for label, code in (("shipped", shipped), ("branchy", branchy))
+    }
     assert found["shipped"] == 0 and found["branchy"] > 0, found
 
 
 def test_parse_ptxas_reads_every_field():
     """parse_ptxas on a log in ptxas' own words: registers, static shared memory, the stack frame and spills
     of each entry, and the serialization notes that name a function."""
-    log = "\n".join([
-        "ptxas info    : Compiling entry function '_Z1av' for 'sm_90a'",
-        "ptxas info    : Function properties for _Z1av",
-        "    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads",
-        "ptxas info    : Used 168 registers, used 1 barriers, 528 bytes smem, 904 bytes cmem[0]",
-        "ptxas info    : Compiling entry function '_Z1bv' for 'sm_90a'",
-        "ptxas info    : Function properties for _Z1bv",
-        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
-        "ptxas info    : Used 90 registers, used 1 barriers, 904 bytes cmem[0]",
-        "ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
-        "the presence of Extern calls in the function '_Z1bv'",
-    ])
+    log = "\n".join(
+        [
+            "ptxas info    : Compiling entry function '_Z1av' for 'sm_90a'",
+            "ptxas info    : Function properties for _Z1av",
+            "    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads",
+            "ptxas info    : Used 168 registers, used 1 barriers, 528 bytes smem, 904 bytes cmem[0]",
+            "ptxas info    : Compiling entry function '_Z1bv' for 'sm_90a'",
+            "ptxas info    : Function properties for _Z1bv",
+            "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+            "ptxas info    : Used 90 registers, used 1 barriers, 904 bytes cmem[0]",
+            "ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+            "the presence of Extern calls in the function '_Z1bv'",
+        ]
+    )
     from cupyflash._cuda.ptxas_report import parse_ptxas
 
     found = parse_ptxas(log)
-    assert found["_Z1av"] == {"registers": 168, "spill_stores": 4, "spill_loads": 12, "stack_frame": 8,
-                              "static_smem": 528, "serialized_wgmma": 0}
-    assert found["_Z1bv"] == {"registers": 90, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0,
-                              "static_smem": 0, "serialized_wgmma": 1}
+    assert found["_Z1av"] == {
+        "registers": 168,
+        "spill_stores": 4,
+        "spill_loads": 12,
+        "stack_frame": 8,
+        "static_smem": 528,
+        "serialized_wgmma": 0,
+    }
+    assert found["_Z1bv"] == {
+        "registers": 90,
+        "spill_stores": 0,
+        "spill_loads": 0,
+        "stack_frame": 0,
+        "static_smem": 0,
+        "serialized_wgmma": 1,
+    }
 
 
 def test_parse_ptxas_counts_a_called_functions_spills_for_its_entry():
     """A function that is not inlined gets its own properties after its caller's: its spills count for the entry
     that calls it, and its clean report never stands in for the entry's spills."""
-    log = "\n".join([
-        "ptxas info    : Compiling entry function '_Z1av' for 'sm_90a'",
-        "ptxas info    : Function properties for _Z1av",
-        "    104 bytes stack frame, 28 bytes spill stores, 28 bytes spill loads",
-        "ptxas info    : Function properties for _Z6calleev",
-        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
-        "ptxas info    : Used 168 registers, used 1 barriers, 904 bytes cmem[0]",
-        "ptxas info    : Compiling entry function '_Z1bv' for 'sm_90a'",
-        "ptxas info    : Function properties for _Z1bv",
-        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
-        "ptxas info    : Function properties for _Z6calleev",
-        "    16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads",
-        "ptxas info    : Used 96 registers, used 1 barriers, 904 bytes cmem[0]",
-    ])
+    log = "\n".join(
+        [
+            "ptxas info    : Compiling entry function '_Z1av' for 'sm_90a'",
+            "ptxas info    : Function properties for _Z1av",
+            "    104 bytes stack frame, 28 bytes spill stores, 28 bytes spill loads",
+            "ptxas info    : Function properties for _Z6calleev",
+            "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+            "ptxas info    : Used 168 registers, used 1 barriers, 904 bytes cmem[0]",
+            "ptxas info    : Compiling entry function '_Z1bv' for 'sm_90a'",
+            "ptxas info    : Function properties for _Z1bv",
+            "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+            "ptxas info    : Function properties for _Z6calleev",
+            "    16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads",
+            "ptxas info    : Used 96 registers, used 1 barriers, 904 bytes cmem[0]",
+        ]
+    )
     from cupyflash._cuda.ptxas_report import parse_ptxas
 
     found = parse_ptxas(log)

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers.gpu import gpu_available
 
 import cupyflash
 from cupyflash import distributed, reference
-from helpers.gpu import gpu_available
 
 ROOT = Path(__file__).resolve().parents[2]
 PUBLIC = {
@@ -117,8 +117,9 @@ def test_class_docstrings_and_examples(name):
 def test_the_distributed_public_list_is_complete():
     exported = {name for name in distributed.__all__ if inspect.isfunction(getattr(distributed, name))}
     assert exported == {name.split(".", 1)[1] for name in PUBLIC if name.startswith("distributed.")}
-    assert {name for name in distributed.__all__ if inspect.isclass(getattr(distributed, name))} - {"Communicator"} \
-        == {name.split(".", 1)[1] for name in CLASSES}
+    assert {name for name in distributed.__all__ if inspect.isclass(getattr(distributed, name))} - {"Communicator"} == {
+        name.split(".", 1)[1] for name in CLASSES
+    }
 
 
 # ------------------------------------------------------------------------------------------ Markdown
@@ -159,7 +160,7 @@ def python_blocks(text, where="the text"):
                 assert following.startswith("```"), f"{where}:{number}: a test marker not right before a fence"
         elif match and not match.group(2):
             if language == "python":
-                body = [code[len(fence):] if code.startswith(fence) else code for code in lines[start:number - 1]]
+                body = [code[len(fence) :] if code.startswith(fence) else code for code in lines[start : number - 1]]
                 blocks.append(Block(start + 1, "\n".join(body) + "\n", MARKERS.get(marker, frozenset())))
             fence = None
     assert fence is None, f"{where}:{start}: a fence that never closes"
@@ -192,8 +193,9 @@ def _run_blocks(name, blocks):
         try:
             exec(code, namespace)
         except Exception as error:
-            raise AssertionError(f"{name}: the python block at line {block.line} raised "
-                                 f"{type(error).__name__}: {error}") from error
+            raise AssertionError(
+                f"{name}: the python block at line {block.line} raised {type(error).__name__}: {error}"
+            ) from error
 
 
 @pytest.mark.parametrize("name, kind", _cases())
@@ -215,15 +217,38 @@ def test_markdown_python_blocks_run(name, kind, monkeypatch, tmp_path):
 
 
 def test_the_markdown_parser():
-    text = "\n".join([
-        "# Title", "", "```python", "a = 1", "```", "", "<!-- test: gpu -->", "```python", "b = a + 1", "```",
-        "```bash", "echo ```python", "```", "- item:", "", "  <!-- test: gpu torch -->", "  ```python",
-        "  import torch", "  ```", "```text", "not code", "```",
-    ])
+    text = "\n".join(
+        [
+            "# Title",
+            "",
+            "```python",
+            "a = 1",
+            "```",
+            "",
+            "<!-- test: gpu -->",
+            "```python",
+            "b = a + 1",
+            "```",
+            "```bash",
+            "echo ```python",
+            "```",
+            "- item:",
+            "",
+            "  <!-- test: gpu torch -->",
+            "  ```python",
+            "  import torch",
+            "  ```",
+            "```text",
+            "not code",
+            "```",
+        ]
+    )
     blocks = python_blocks(text)
     assert [(b.line, b.code, b.needs) for b in blocks] == [
-        (4, "a = 1\n", frozenset()), (9, "b = a + 1\n", frozenset({"gpu"})),
-        (18, "import torch\n", frozenset({"gpu", "torch"}))]
+        (4, "a = 1\n", frozenset()),
+        (9, "b = a + 1\n", frozenset({"gpu"})),
+        (18, "import torch\n", frozenset({"gpu", "torch"})),
+    ]
     with pytest.raises(AssertionError, match="unknown marker"):
         python_blocks("<!-- test: gpu pytorch -->\n```python\nx = 1\n```")
     with pytest.raises(AssertionError, match="not right before a fence"):
@@ -257,7 +282,7 @@ SKIPPED_PARTS = {"__pycache__", ".pytest_cache"}
 def _text_files():
     for top in SCANNED:
         path = ROOT / top
-        for file in ([path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())):
+        for file in [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()):
             if SKIPPED_PARTS & set(file.parts) or file.suffix in (".pyc", ".so", ".png", ".whl"):
                 continue
             try:
@@ -277,8 +302,13 @@ def test_no_version_pointers():
 
 def test_the_version_pointer_pattern():
     # (the pointers are put together here, so that this file holds none of them)
-    pointers = [("measured (v", "18) there"), ("bench/log/NOTES.md, v", "26"), ("NOTES.md v", "3"),
-                ("see issue ", "12"), ("Issue ", "4")]
+    pointers = [
+        ("measured (v", "18) there"),
+        ("bench/log/NOTES.md, v", "26"),
+        ("NOTES.md v", "3"),
+        ("see issue ", "12"),
+        ("Issue ", "4"),
+    ]
     for text in ("".join(parts) for parts in pointers):
         assert VERSION_POINTER.search(text), text
     # (a word that ends in "issue" before a number, put together likewise: a simpler pattern would flag it)

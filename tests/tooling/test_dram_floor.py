@@ -4,7 +4,6 @@ tests/gpu/test_gpu_dram_floor.py."""
 
 import numpy as np
 import pytest
-
 from helpers.bench import load_bench_script
 
 
@@ -29,13 +28,16 @@ def test_time_at_target_scales_the_time_by_ratio_over_target(floor):
     assert floor.time_at_target(0.5, 0.9, 0.9) == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("inputs, outputs, sizes, match", [
-    (0, 1, None, "1 to 5 inputs and 1 to 3 outputs, got 0 and 1"),
-    (6, 1, None, "1 to 5 inputs and 1 to 3 outputs, got 6 and 1"),
-    (2, 4, None, "1 to 5 inputs and 1 to 3 outputs, got 2 and 4"),
-    (2, 1, (32, 48), "one size, a multiple of 16 bytes"),
-    (2, 1, (24, 24), "one size, a multiple of 16 bytes"),
-])
+@pytest.mark.parametrize(
+    "inputs, outputs, sizes, match",
+    [
+        (0, 1, None, "1 to 5 inputs and 1 to 3 outputs, got 0 and 1"),
+        (6, 1, None, "1 to 5 inputs and 1 to 3 outputs, got 6 and 1"),
+        (2, 4, None, "1 to 5 inputs and 1 to 3 outputs, got 2 and 4"),
+        (2, 1, (32, 48), "one size, a multiple of 16 bytes"),
+        (2, 1, (24, 24), "one size, a multiple of 16 bytes"),
+    ],
+)
 def test_stream_rejects_bad_arrays_before_launching(floor, inputs, outputs, sizes, match):
     sizes = sizes or (32, 32)
     arrays = [np.zeros(sizes[0], np.uint8)] * inputs + [np.zeros(sizes[1], np.uint8)] * outputs

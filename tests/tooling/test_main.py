@@ -8,13 +8,14 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers.gpu import gpu_available
 
 ROOT = Path(__file__).resolve().parents[2]
 SECONDS = 60  # the run takes about a second; a slow CI machine gets room
-HIDE_CUPY = "import runpy, sys; sys.modules['cupy'] = None; sys.argv[0] = 'cupyflash'; " \
-            "runpy.run_module('cupyflash', run_name='__main__', alter_sys=True)"
+HIDE_CUPY = (
+    "import runpy, sys; sys.modules['cupy'] = None; sys.argv[0] = 'cupyflash'; "
+    "runpy.run_module('cupyflash', run_name='__main__', alter_sys=True)"
+)
 
 
 def _run(args, hide_cupy=False):

@@ -24,8 +24,17 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNEL_SUFFIXES = (".cu", ".cuh")
 RUNTIME_REQUIREMENTS = {"numpy", "ml_dtypes"}  # CuPy is optional (the extras); SciPy is the tests' (test extra)
 SUBPACKAGES = ("cupyflash", "cupyflash/_cuda", "cupyflash/distributed")
-BUILD_INPUTS = ("setup.cfg", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE", "CHANGELOG.md", "cupyflash",
-                "cuda_src", "docs")
+BUILD_INPUTS = (
+    "setup.cfg",
+    "pyproject.toml",
+    "MANIFEST.in",
+    "README.md",
+    "LICENSE",
+    "CHANGELOG.md",
+    "cupyflash",
+    "cuda_src",
+    "docs",
+)
 SDIST_INPUTS = BUILD_INPUTS + ("tests", "bench")  # what MANIFEST.in adds to the packages
 
 
@@ -81,8 +90,19 @@ def wheel(tmp_path_factory):
     _need_build_tools()
     src = _source_copy(tmp_path_factory, BUILD_INPUTS)
     dist = tmp_path_factory.mktemp("dist")
-    cmd = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
-           "--no-index", "--quiet", "-w", str(dist)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        str(src),
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "--quiet",
+        "-w",
+        str(dist),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout}\n{result.stderr}"
     (path,) = dist.glob("cupyflash-*.whl")
@@ -115,7 +135,7 @@ def test_wheel_ships_every_kernel_source(wheel):
     names, _, _ = wheel
     expected = _kernel_sources()
     assert expected, f"no .cu/.cuh files in {ROOT / 'cuda_src'}"
-    shipped = sorted(n[len("cupyflash/cuda_src/"):] for n in names if n.startswith("cupyflash/cuda_src/"))
+    shipped = sorted(n[len("cupyflash/cuda_src/") :] for n in names if n.startswith("cupyflash/cuda_src/"))
     assert shipped == expected, f"wheel's cupyflash/cuda_src/ {shipped} != repo's cuda_src/ {expected}"
 
 
@@ -131,8 +151,11 @@ def test_wheel_ships_every_module(wheel):
 
 def test_every_package_directory_is_shipped():
     """No Python package directory of cupyflash/ that the wheel would leave out (setup.cfg lists packages)."""
-    found = sorted(str(p.parent.relative_to(ROOT)).replace("\\", "/")
-                   for p in (ROOT / "cupyflash").rglob("__init__.py") if "__pycache__" not in p.parts)
+    found = sorted(
+        str(p.parent.relative_to(ROOT)).replace("\\", "/")
+        for p in (ROOT / "cupyflash").rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    )
     assert found == sorted(SUBPACKAGES), found
 
 
@@ -141,7 +164,9 @@ def test_wheel_ships_the_user_documentation(wheel):
     names, _, _ = wheel
     expected = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
     assert "fp8.md" in expected
-    shipped = sorted(n[len("cupyflash/docs/"):] for n in names if n.startswith("cupyflash/docs/") and n.endswith(".md"))
+    shipped = sorted(
+        n[len("cupyflash/docs/") :] for n in names if n.startswith("cupyflash/docs/") and n.endswith(".md")
+    )
     assert shipped == expected
 
 
@@ -173,9 +198,13 @@ def _assert_project_metadata(metadata):
     assert metadata["Author"] and metadata["Summary"]
     assert metadata["Requires-Python"] == ">=3.10"
     classifiers = set(metadata.get_all("Classifier") or [])
-    assert {"Programming Language :: Python :: 3.10", "Programming Language :: Python :: 3.13",
-            "Operating System :: POSIX :: Linux", "Environment :: GPU :: NVIDIA CUDA",
-            "Topic :: Scientific/Engineering :: Artificial Intelligence"} <= classifiers, classifiers
+    assert {
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.13",
+        "Operating System :: POSIX :: Linux",
+        "Environment :: GPU :: NVIDIA CUDA",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    } <= classifiers, classifiers
     assert any(c.startswith("Development Status :: ") for c in classifiers)
     assert metadata["Keywords"] and "cupy" in metadata["Keywords"]
     body = metadata.get_payload() or metadata["Description"] or ""

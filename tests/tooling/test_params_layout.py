@@ -12,8 +12,20 @@ from cupyflash._checks import MAX_SPLITS
 from cupyflash._cuda import decode_params, f32_pieces, launch, params
 from cupyflash._cuda.source import source_dir
 
-_SIZES = {"void*": 8, "float*": 8, "int*": 8, "unsigned char*": 8, "u16*": 8, "u32*": 8, "i64": 8, "long long": 8,
-          "int": 4, "u32": 4, "float": 4, "double": 8}
+_SIZES = {
+    "void*": 8,
+    "float*": 8,
+    "int*": 8,
+    "unsigned char*": 8,
+    "u16*": 8,
+    "u32*": 8,
+    "i64": 8,
+    "long long": 8,
+    "int": 4,
+    "u32": 4,
+    "float": 4,
+    "double": 8,
+}
 _COUNTS = {"SPLIT_MAX_JOBS": f32_pieces._MAX_JOBS}
 
 

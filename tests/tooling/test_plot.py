@@ -5,7 +5,6 @@ import json
 import sys
 
 import pytest
-
 from helpers.bench import load_bench_script
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -19,8 +18,19 @@ def plot():
 def _case(dtype, d, n, causal, fwd, bwd):
     b, h = 16384 // n, 2048 // d
     flops = 4 * b * h * n * n * d / (2 if causal else 1)
-    return {"case": f"{dtype}-d{d}-{'causal' if causal else 'full'}-n{n}", "dtype": dtype, "d": d, "n": n,
-            "causal": causal, "b": b, "h": h, "flops_fwd": flops, "flops_bwd": 2.5 * flops, "fwd": fwd, "bwd": bwd}
+    return {
+        "case": f"{dtype}-d{d}-{'causal' if causal else 'full'}-n{n}",
+        "dtype": dtype,
+        "d": d,
+        "n": n,
+        "causal": causal,
+        "b": b,
+        "h": h,
+        "flops_fwd": flops,
+        "flops_bwd": 2.5 * flops,
+        "fwd": fwd,
+        "bwd": bwd,
+    }
 
 
 def _ok(tflops):
@@ -31,15 +41,43 @@ def _ok(tflops):
 def results_json(tmp_path):
     cases = []
     for n, t in ((2048, 100.0), (512, 60.0), (8192, 150.0)):  # out of order on purpose
-        cases.append(_case("bf16", 128, n, False, {"ours": _ok(t), "flash": _ok(t + 10), "naive": {"status": "skip"}},
-                           {"ours": _ok(t / 2), "flash": {"status": "bad", "error_vs_fp64": 1.0}}))
+        cases.append(
+            _case(
+                "bf16",
+                128,
+                n,
+                False,
+                {"ours": _ok(t), "flash": _ok(t + 10), "naive": {"status": "skip"}},
+                {"ours": _ok(t / 2), "flash": {"status": "bad", "error_vs_fp64": 1.0}},
+            )
+        )
     cases.append(_case("fp16", 64, 1024, True, {"ours": _ok(80.0), "cudnn": {"status": "OOM"}}, {"ours": _ok(40.0)}))
-    memory = [{"n": 4096, "min_fwd_mib": 16.1, "min_bwd_mib": 48.0, "ours_fwd_mib": 16.1, "ours_bwd_mib": 60.0,
-               "naive_fwd_mib": 512.0, "naive_bwd_mib": 1536.0},
-              {"n": 8192, "min_fwd_mib": 32.3, "min_bwd_mib": 96.0, "ours_fwd_mib": 32.3, "ours_bwd_mib": 120.0,
-               "naive_fwd_mib": "OOM", "naive_bwd_mib": "n/a (RuntimeError)"}]
-    results = {"environment": {"device": "Test GPU (compute capability 9.0, 132 SMs)"}, "cases": cases,
-               "memory": memory, "memory_case": {"dtype": "fp16", "heads": 16, "head_dim": 128, "causal": True}}
+    memory = [
+        {
+            "n": 4096,
+            "min_fwd_mib": 16.1,
+            "min_bwd_mib": 48.0,
+            "ours_fwd_mib": 16.1,
+            "ours_bwd_mib": 60.0,
+            "naive_fwd_mib": 512.0,
+            "naive_bwd_mib": 1536.0,
+        },
+        {
+            "n": 8192,
+            "min_fwd_mib": 32.3,
+            "min_bwd_mib": 96.0,
+            "ours_fwd_mib": 32.3,
+            "ours_bwd_mib": 120.0,
+            "naive_fwd_mib": "OOM",
+            "naive_bwd_mib": "n/a (RuntimeError)",
+        },
+    ]
+    results = {
+        "environment": {"device": "Test GPU (compute capability 9.0, 132 SMs)"},
+        "cases": cases,
+        "memory": memory,
+        "memory_case": {"dtype": "fp16", "heads": 16, "head_dim": 128, "causal": True},
+    }
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(results))
     return path
@@ -49,16 +87,21 @@ def test_speed_series_groups_timed_points_by_dtype_head_dim_and_causal(plot, res
     groups = plot.speed_series(plot.load(results_json))
     assert set(groups) == {("bf16", 128, False), ("fp16", 64, True)}
     bf16 = groups["bf16", 128, False]
-    assert bf16["fwd"] == {"ours": [(512, 60.0), (2048, 100.0), (8192, 150.0)],
-                           "flash": [(512, 70.0), (2048, 110.0), (8192, 160.0)]}  # sorted by N; skip is no point
+    assert bf16["fwd"] == {
+        "ours": [(512, 60.0), (2048, 100.0), (8192, 150.0)],
+        "flash": [(512, 70.0), (2048, 110.0), (8192, 160.0)],
+    }  # sorted by N; skip is no point
     assert bf16["bwd"] == {"ours": [(512, 30.0), (2048, 50.0), (8192, 75.0)]}  # "bad" is no point
     assert groups["fp16", 64, True]["fwd"] == {"ours": [(1024, 80.0)]}  # OOM is no point
 
 
 def test_memory_series_keeps_numbers_only(plot, results_json):
     memory = plot.memory_series(plot.load(results_json))
-    assert memory["fwd"] == {"min": [(4096, 16.1), (8192, 32.3)], "ours": [(4096, 16.1), (8192, 32.3)],
-                             "naive": [(4096, 512.0)]}
+    assert memory["fwd"] == {
+        "min": [(4096, 16.1), (8192, 32.3)],
+        "ours": [(4096, 16.1), (8192, 32.3)],
+        "naive": [(4096, 512.0)],
+    }
     assert memory["bwd"]["naive"] == [(4096, 1536.0)]
 
 

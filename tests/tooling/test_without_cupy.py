@@ -15,21 +15,25 @@ TESTS = ROOT / "tests"
 def _python(code):
     """Run ``code`` with CuPy hidden; its stdout, or an assertion naming what failed."""
     prelude = "import sys\nsys.modules['cupy'] = None\n"
-    result = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, cwd=ROOT,
-                            timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", prelude + code], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
 
 def test_every_module_imports_without_cupy():
-    found = json.loads(_python(
-        "import json, pkgutil, importlib, cupyflash\n"
-        "names = [m.name for m in pkgutil.walk_packages(cupyflash.__path__, 'cupyflash.')]\n"
-        "for name in names:\n"
-        "    importlib.import_module(name)\n"
-        "from cupyflash import _arrays\n"
-        "assert _arrays.cupy is None and not _arrays.is_cupy(object())\n"
-        "print(json.dumps(names))\n"))
+    found = json.loads(
+        _python(
+            "import json, pkgutil, importlib, cupyflash\n"
+            "names = [m.name for m in pkgutil.walk_packages(cupyflash.__path__, 'cupyflash.')]\n"
+            "for name in names:\n"
+            "    importlib.import_module(name)\n"
+            "from cupyflash import _arrays\n"
+            "assert _arrays.cupy is None and not _arrays.is_cupy(object())\n"
+            "print(json.dumps(names))\n"
+        )
+    )
     assert "cupyflash._cuda.backend" in found and "cupyflash.__main__" in found
 
 
@@ -51,7 +55,8 @@ def test_numpy_inputs_run_on_the_cpu_path_and_match_the_reference():
         "        assert np.abs(g - r).max() <= 1e-5 * np.abs(r).max()\n"
         "p = cupyflash.attention_probs(q, k, v)\n"
         "assert np.allclose(p.sum(-1), 1, atol=1e-5)\n"
-        "print('ok')\n")
+        "print('ok')\n"
+    )
     assert out.strip() == "ok"
 
 
@@ -63,7 +68,8 @@ def test_warmup_raises_runtime_error_naming_cupy():
         "except RuntimeError as error:\n"
         "    print(error)\n"
         "else:\n"
-        "    raise SystemExit('warmup did not raise')\n")
+        "    raise SystemExit('warmup did not raise')\n"
+    )
     assert "CuPy" in out and "not installed" in out
 
 
@@ -80,5 +86,6 @@ def test_cpu_and_tooling_tests_import_without_cupy():
         "    module = importlib.util.module_from_spec(spec)\n"
         "    sys.path.insert(1, os.path.dirname(path))\n"
         "    spec.loader.exec_module(module)\n"
-        "print(len(files))\n")
+        "print(len(files))\n"
+    )
     assert int(out) == len(files) > 10
