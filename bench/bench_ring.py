@@ -186,7 +186,7 @@ def _ring(comm, ql, kl, vl, dl, causal, layout, repeats):
 def _parts(comm, ql, kl, vl, dl, causal, layout, repeats):
     """Per step and block of rank 0 (steps after the first on its own keys in place of the travelling
     ones: same shapes, same work): forward and backward times, and the merges'."""
-    from cupyflash._cuda import states
+    from cupyflash._cuda import ring_states
     from cupyflash.distributed._ring import _Call
 
     call = _Call(dict(q=ql, k=kl, v=vl), comm, causal, None, 0.0, None, layout, "parts")
@@ -200,7 +200,7 @@ def _parts(comm, ql, kl, vl, dl, causal, layout, repeats):
                 acc_lse = cupy.zeros(lse.shape, dtype=np.float32)
                 name = f"t{step}b{i} q{blk.q_rows.stop - blk.q_rows.start}xk{blk.k_rows.stop - blk.k_rows.start}"
                 found[name + " fwd"] = events_ms(lambda: cupyflash.attention_forward(*args, causal=blk.causal), repeats)
-                found[name + " merge"] = events_ms(lambda: states.merge_rows(acc, acc_lse, 0, out, lse), repeats)
+                found[name + " merge"] = events_ms(lambda: ring_states.merge_rows(acc, acc_lse, 0, out, lse), repeats)
                 found[name + " bwd"] = events_ms(
                     lambda: cupyflash.attention_backward(dl[..., blk.q_rows, :], *args, out, lse, causal=blk.causal),
                     repeats,

@@ -5,7 +5,7 @@ problems (nothing is launched), broadcasts the leading (batch) dims of q, k, v t
 views, and hands the arrays to the back end of their array type:
 
     numpy.ndarray -> cupyflash._cpu           (blocked NumPy, same algorithm as the kernels)
-    cupy.ndarray  -> cupyflash._cuda.backend  (our CUDA kernels, compiled when first needed)
+    cupy.ndarray  -> cupyflash._cuda.dense  (our CUDA kernels, compiled when first needed)
 
 FP8Tensor inputs of the forward go to cupyflash._fp8_api first, which has its own checks and back ends.
 
@@ -15,26 +15,16 @@ to the shapes of q, k, v here.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numpy.typing import DTypeLike
 
 from cupyflash import _cpu, _dropout, _fp8_api, _modifiers, _varlen
 from cupyflash._arrays import Array, lse_dtype, sum_to_shape
-from cupyflash._checks import (
-    check_array_types,
-    check_bool,
-    check_causal,
-    check_dtypes,
-    check_forward_outputs,
-    check_head_dims,
-    check_shapes,
-    resolve_scale,
-)
-from cupyflash._cuda import backend as _gpu
+from cupyflash._checks import check_bool, check_causal, resolve_scale
+from cupyflash._cuda import dense as _gpu
 from cupyflash._cuda import dense_fast
 from cupyflash._fp8 import FP8Tensor
+from cupyflash._problem import validate
 
 
 def attention(
@@ -256,7 +246,7 @@ def attention_forward(
     options = dict(
         window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask
     )
-    problem = _validate(dict(q=q, k=k, v=v), causal, scale, options)
+    problem = validate(dict(q=q, k=k, v=v), causal, scale, options)
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_forward")
     xp, batch = problem.xp, problem.batch
     if problem.is_empty:
@@ -264,7 +254,7 @@ def attention_forward(
         lse = xp.full(batch + (problem.nq,), -np.inf, dtype=lse_dtype(problem.dtype))
         return out, lse
     q, k, v = (_broadcast(xp, x, batch) for x in (q, k, v))
-    return problem.backend().attention_forward(
+    return _backend(problem.xp).attention_forward(
         q, k, v, scale=problem.scale, causal=problem.causal, mods=problem.mods, dropout=dropout, **_fast_key(fast)
     )
 
@@ -368,14 +358,14 @@ def attention_backward(
     options = dict(
         window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask
     )
-    problem = _validate(arrays, causal, scale, options)
+    problem = validate(arrays, causal, scale, options)
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_backward")
     xp, batch = problem.xp, problem.batch
     if problem.is_empty:
         grads = tuple(xp.zeros(x.shape, dtype=problem.dtype) for x in (q, k, v))
         return grads + ((xp.zeros(bias.shape, dtype=bias.dtype),) if bias is not None else ())
     qb, kb, vb = (_broadcast(xp, x, batch) for x in (q, k, v))
-    *grads, dbias = problem.backend().attention_backward(
+    *grads, dbias = _backend(problem.xp).attention_backward(
         dout,
         qb,
         kb,
@@ -440,12 +430,12 @@ def attention_probs(
     options = dict(
         window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask
     )
-    problem = _validate(dict(q=q, k=k, v=v), causal, scale, options)
+    problem = validate(dict(q=q, k=k, v=v), causal, scale, options)
     xp, batch = problem.xp, problem.batch
     if problem.is_empty:
         return xp.zeros(batch + (problem.nq, problem.nk), dtype=lse_dtype(problem.dtype))
     q, k, v = (_broadcast(xp, x, batch) for x in (q, k, v))
-    return problem.backend().attention_probs(q, k, v, scale=problem.scale, causal=problem.causal, mods=problem.mods)
+    return _backend(problem.xp).attention_probs(q, k, v, scale=problem.scale, causal=problem.causal, mods=problem.mods)
 
 
 def attention_varlen(
@@ -689,42 +679,3 @@ def _backend(xp):
 def _broadcast(xp, x, batch):
     """x with the leading dims ``batch`` (a stride-0 view where it had 1s), or x itself when it has them."""
     return x if x.shape[:-2] == batch else xp.broadcast_to(x, batch + x.shape[-2:])
-
-
-# ---------------------------------------------------------------------------------------------------
-# Validation: one set of checks for both back ends (the checks themselves: cupyflash._checks)
-# ---------------------------------------------------------------------------------------------------
-
-
-class _Problem:
-    """What the validated inputs describe: array module, dtype, shapes, and the resolved options."""
-
-    def __init__(self, xp, dtype, batch, q, k, v, scale, causal, mods):
-        self.xp, self.dtype, self.batch = xp, dtype, batch
-        self.nq, self.nk = q.shape[-2], k.shape[-2]
-        self.d, self.dv = q.shape[-1], v.shape[-1]
-        self.scale, self.causal = scale, causal
-        self.mods = mods  # a _modifiers.Modifiers, or None when every score modifier is off
-
-    @property
-    def is_empty(self):
-        return math.prod(self.batch) == 0 or self.nq == 0 or self.nk == 0
-
-    def backend(self):
-        return _backend(self.xp)
-
-
-def _validate(arrays, causal, scale, options):
-    """Check the inputs of a public function; ``arrays`` maps names to arrays and holds q, k, v;
-    ``options`` are the score-modifier keywords."""
-    q, k, v = arrays["q"], arrays["k"], arrays["v"]
-    xp = check_array_types(arrays)
-    dtype = check_dtypes(arrays)
-    batch = check_shapes(q, k, v)
-    check_head_dims(q, v)
-    if "out" in arrays:
-        check_forward_outputs(arrays, batch)
-    causal = check_causal(causal)
-    scale = resolve_scale(scale, q.shape[-1])
-    mods = _modifiers.resolve(xp, dtype, batch, q.shape[-2], k.shape[-2], **options)
-    return _Problem(xp, dtype, batch, q, k, v, scale, causal, mods)

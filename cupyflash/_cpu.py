@@ -3,7 +3,7 @@
 float64 inputs compute in float64 instead (``lse_dtype``: scores, softmax state, accumulators, lse, dbias,
 the dropout scale 1 / (1 - p)); every other dtype computes in float32.
 
-Same arguments and results as the GPU back end (cupyflash._cuda.backend): q (*batch, Nq, D),
+Same arguments and results as the GPU back end (cupyflash._cuda.dense): q (*batch, Nq, D),
 k (*batch, Nk, D), v (*batch, Nk, Dv) of one dtype with identical batch shapes (stride-0 views welcome),
 Nq, Nk, prod(batch) >= 1, already validated by cupyflash._api; ``mods`` is the resolved
 cupyflash._modifiers.Modifiers (its arrays broadcast to the full shapes) or None.

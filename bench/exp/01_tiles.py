@@ -21,7 +21,7 @@ from bench_attention import L2Flush, median_ms  # the benchmark's timing (PYTHON
 
 import cupyflash
 from cupyflash import reference
-from cupyflash._cuda import backend, compile, launch, tiles
+from cupyflash._cuda import compile, dense, launch, tiles
 
 TIMING = SimpleNamespace(warmup=5, repeats=30)
 
@@ -87,11 +87,11 @@ def time_direction(head_dim, kernel, causal, n=4096):
     scale = 1 / math.sqrt(head_dim)
     flops = 4 * batch * heads * n * n * head_dim / (2 if causal else 1)
     if kernel == "fwd":
-        ms = median_ms(lambda: backend.attention_forward(q, k, v, scale=scale, causal=causal), TIMING, L2Flush())
+        ms = median_ms(lambda: dense.attention_forward(q, k, v, scale=scale, causal=causal), TIMING, L2Flush())
         return flops / ms / 1e9
-    out, lse = backend.attention_forward(q, k, v, scale=scale, causal=causal)
+    out, lse = dense.attention_forward(q, k, v, scale=scale, causal=causal)
     ms = median_ms(
-        lambda: backend.attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal), TIMING, L2Flush()
+        lambda: dense.attention_backward(dout, q, k, v, out, lse, scale=scale, causal=causal), TIMING, L2Flush()
     )
     return 2.5 * flops / ms / 1e9
 

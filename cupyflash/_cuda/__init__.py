@@ -4,7 +4,8 @@ Modules, from the bottom up: ``source`` (the kernel sources, headers inlined), `
 table), ``variants`` (which compiled kernel a call takes), ``compile`` (the per-device module cache),
 ``ptxas_report`` (the offline compile audit), ``params`` (arrays -> the kernels' parameter struct),
 ``f32_pieces`` and ``tma`` (float32 inputs as float16 pieces; TMA tensor maps), ``launch`` (plans, streams,
-chained passes), ``dense_fast`` (dense calls on a layout checked before, straight to their plan), ``states``
-(merging partial attention states), the ``decode*`` modules (attention_with_kvcache) and ``backend`` (the entry
-points the public API calls). Nothing here touches a GPU before a CuPy array reaches ``backend``.
+chained passes), ``fused_backward`` (the Hopper fused backward's plan), ``dense_fast`` (dense calls on a layout
+checked before, straight to their plan), ``ring_states`` (ring attention's running results, merged in place),
+``fp8`` (the FP8 forward), the ``decode*`` modules (attention_with_kvcache) and ``dense`` (the dense entry points
+the public API calls). Nothing here touches a GPU before a CuPy array reaches ``dense``, ``fp8`` or ``decode``.
 """

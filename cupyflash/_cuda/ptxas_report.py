@@ -16,7 +16,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cupyflash._cuda import decode_tiles, f32_pieces, fp8, states
+from cupyflash._cuda import decode_tiles, f32_pieces, fp8, ring_states
 from cupyflash._cuda.compile import cache_dir
 from cupyflash._cuda.source import OPTIONS, source
 from cupyflash._cuda.variants import Variant, variants_for
@@ -154,13 +154,13 @@ def compile_variant(variant: Variant, arch: str) -> list[dict]:
 
 def compile_plain_kernels(arch: str) -> list[dict]:
     """The kernels outside the variant tables through NVRTC for ``arch``, rows like compile_variant's: the
-    float32 split kernel (f32_pieces), ring attention's running-result kernels (states) and the FP8 forward's
+    float32 split kernel (f32_pieces), ring attention's running-result kernels (ring_states) and the FP8 forward's
     V^T (fp8)."""
     options = [*OPTIONS, f"-arch={arch}", "-Xptxas", "-v"]
     rows = []
     for filename, code, names, threads in (
         (f32_pieces.SOURCE, source(f32_pieces.SOURCE), f32_pieces.KERNELS, f32_pieces.THREADS),
-        (states.SOURCE, states.code(), states.KERNELS, states.THREADS),
+        (ring_states.SOURCE, ring_states.code(), ring_states.KERNELS, ring_states.THREADS),
         (fp8.SOURCE, fp8.module_code(fp8.SOURCE, (fp8.KERNEL,)), (fp8.KERNEL,), fp8.THREADS),
     ):
         by_name = {name: name for name in names}

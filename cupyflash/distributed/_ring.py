@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupyflash._api import _validate, attention_backward, attention_forward
+from cupyflash._api import attention_backward, attention_forward
 from cupyflash._arrays import Array, bits, cupy, lse_dtype, round_up
-from cupyflash._cuda import states
+from cupyflash._cuda import ring_states
 from cupyflash._merge import merge_attention_states
+from cupyflash._problem import validate
 from cupyflash.distributed._comm import Comm, Communicator, check_same_call
 from cupyflash.distributed._layout import check_layout, chunks_per_rank
 from cupyflash.distributed._schedule import blocks
@@ -46,7 +47,7 @@ class _Call:
     def __init__(self, arrays, comm, causal, scale, softcap, alibi_slopes, layout, caller):
         layout = check_layout(layout)
         options = dict(softcap=softcap, alibi_slopes=alibi_slopes)
-        problem = _validate(arrays, causal, scale, options)
+        problem = validate(arrays, causal, scale, options)
         if isinstance(comm, Communicator):
             if problem.xp is np and comm.world_size > 1:
                 raise TypeError(
@@ -390,7 +391,7 @@ def _merge_rows(xp, out, lse, rows, out_b, lse_b):
             out[..., rows, :], lse[..., rows], out_b.astype(out.dtype), lse_b
         )
     else:
-        states.merge_rows(out, lse, rows.start, out_b, lse_b)
+        ring_states.merge_rows(out, lse, rows.start, out_b, lse_b)
 
 
 def _add_rows(xp, acc, rows, x):
@@ -398,7 +399,7 @@ def _add_rows(xp, acc, rows, x):
     if xp is np:
         acc[..., rows, :] += x.astype(acc.dtype)
     else:
-        states.add_rows(acc, rows.start, x)
+        ring_states.add_rows(acc, rows.start, x)
 
 
 def ring_attention(

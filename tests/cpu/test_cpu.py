@@ -149,8 +149,8 @@ def test_empty_problems(rng, batch, nq, nk, causal):
 def test_numpy_inputs_never_touch_the_gpu_back_end(rng, monkeypatch):
     """The CPU path needs no GPU: NumPy inputs compile nothing, ask CUDA for no device and plan no launch."""
     from cupyflash._arrays import cupy
-    from cupyflash._cuda import backend, launch
     from cupyflash._cuda import compile as compile_
+    from cupyflash._cuda import dense, launch
 
     def refuse(*args, **kwargs):
         raise AssertionError("the CPU path reached CUDA")
@@ -158,7 +158,7 @@ def test_numpy_inputs_never_touch_the_gpu_back_end(rng, monkeypatch):
     if cupy is not None:
         monkeypatch.setattr(cupy, "RawModule", refuse)
         monkeypatch.setattr(cupy.cuda, "Device", refuse)
-    for module in (compile_, backend):
+    for module in (compile_, dense):
         monkeypatch.setattr(module, "functions", refuse)
         monkeypatch.setattr(module, "current_device", refuse)
     plans = dict(launch.plans)

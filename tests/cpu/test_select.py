@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 
 from cupyflash import _dropout, _modifiers
-from cupyflash._cuda import backend, launch, tiles, tma
+from cupyflash._cuda import dense, launch, tiles, tma
 from cupyflash._cuda.source import source
 from cupyflash._cuda.variants import (
     BOUNDED_SOFTCAP_MAX,
@@ -577,7 +577,7 @@ def test_a_block_mask_forward_walks_it_on_the_warp_specialized_kernel():
 
 def test_the_warp_specialized_block_mask_walk_holds_2048_key_tiles(monkeypatch):
     """The kernel's walk keeps a tile's key blocks as bits in shared memory (TILE_BITMAP_WORDS words of 32);
-    attention_forward sends a longer key axis to Mods::all (backend._tma_reads says no)."""
+    attention_forward sends a longer key axis to Mods::all (dense._tma_reads says no)."""
     words = int(re.search(r"constexpr int TILE_BITMAP_WORDS = (\d+);", source("block_mask.cuh")).group(1))
     assert tiles.WS_BLOCK_MASK_TILES == 32 * words == 2048
     monkeypatch.setattr(tma, "available", lambda: True)
@@ -585,11 +585,11 @@ def test_the_warp_specialized_block_mask_walk_holds_2048_key_tiles(monkeypatch):
     walk = Variant("fwd", "float16", 128, "ws", "scalars", block_mask=True)
     arrays = {name: None for name in ("q", "k", "v")}
     strides = {name: [0, 0, 0] for name in arrays}
-    assert backend._tma_reads(walk, arrays, [1, 1, 1], strides, 2048 * 128)
-    assert not backend._tma_reads(walk, arrays, [1, 1, 1], strides, 2048 * 128 + 1)
-    assert backend._tma_reads(dataclasses.replace(walk, block_mask=False), arrays, [1, 1, 1], strides, 10**7)
+    assert dense._tma_reads(walk, arrays, [1, 1, 1], strides, 2048 * 128)
+    assert not dense._tma_reads(walk, arrays, [1, 1, 1], strides, 2048 * 128 + 1)
+    assert dense._tma_reads(dataclasses.replace(walk, block_mask=False), arrays, [1, 1, 1], strides, 10**7)
     monkeypatch.setattr(tma, "describable", lambda array, sizes, strides: False)
-    assert not backend._tma_reads(walk, arrays, [1, 1, 1], strides, 128)
+    assert not dense._tma_reads(walk, arrays, [1, 1, 1], strides, 128)
 
 
 def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward():

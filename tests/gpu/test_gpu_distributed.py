@@ -4,7 +4,7 @@
 
 On one GPU: a world of one process (``init()`` without a launcher) gives attention's results bit for bit;
 W ranks as threads (InProcessGroup) on CuPy arrays run the GPU's merge and accumulate kernels through the
-ring, held to the accuracy rule; the kernels themselves (cupyflash/_cuda/states.py) against the NumPy
+ring, held to the accuracy rule; the kernels themselves (cupyflash/_cuda/ring_states.py) against the NumPy
 merge, with every allocation poisoned. On two GPUs: tests/gpu/ring_worker.py over NCCL through the
 launcher (every case held to the accuracy rule and to 2x the single GPU's error), and the example script.
 """
@@ -24,7 +24,7 @@ import cupyflash
 from cupyflash import distributed as dist
 from cupyflash import reference
 from cupyflash._arrays import cupy
-from cupyflash._cuda import states
+from cupyflash._cuda import ring_states
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,7 +127,7 @@ def test_merge_rows_is_the_public_merge(rng, dtype):
     expected_out[..., row0 : row0 + n, :], expected_lse[..., row0 : row0 + n] = merged
     with nan_filled_allocations():
         g_out, g_lse = cupy.asarray(out_acc), cupy.asarray(lse_acc)
-        states.merge_rows(g_out, g_lse, row0, cupy.asarray(out_b), cupy.asarray(lse_b))
+        ring_states.merge_rows(g_out, g_lse, row0, cupy.asarray(out_b), cupy.asarray(lse_b))
     got_out, got_lse = to_host(g_out), to_host(g_lse)
     tol = 1e-13 if dtype == np.float64 else 2e-6
     np.testing.assert_allclose(got_out, expected_out, rtol=tol, atol=tol)
@@ -147,12 +147,12 @@ def test_add_rows(rng, dtype):
     acc = random_array(rng, (3, 40, 33), acc_dtype)
     x = random_array(rng, (3, 11, 33), dtype)
     g_acc = cupy.asarray(acc)
-    states.add_rows(g_acc, 7, cupy.asarray(x))
+    ring_states.add_rows(g_acc, 7, cupy.asarray(x))
     expected = acc.copy()
     expected[:, 7:18] += x.astype(acc_dtype)
     np.testing.assert_array_equal(to_host(g_acc), expected)
     with pytest.raises(ValueError, match="does not fit"):
-        states.add_rows(g_acc, 35, cupy.asarray(x))
+        ring_states.add_rows(g_acc, 35, cupy.asarray(x))
 
 
 @pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")

@@ -21,7 +21,7 @@ from helpers.problems import random_array, random_problem
 
 import cupyflash
 from cupyflash import _modifiers, reference
-from cupyflash._cuda import backend, dense_fast, launch, tiles, tma
+from cupyflash._cuda import dense, dense_fast, launch, tiles, tma
 from cupyflash._cuda.compile import current_device, sm_count
 from cupyflash._cuda.variants import Features, select
 
@@ -409,8 +409,8 @@ def test_padded_head_dims_fall_back_to_their_own_wgmma_forward(rng, monkeypatch,
     if not _hopper_paths():
         pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
     loaded = []  # the variants whose kernels the calls ask for
-    functions = backend.functions
-    monkeypatch.setattr(backend, "functions", lambda variant: loaded.append(variant) or functions(variant))
+    functions = dense.functions
+    monkeypatch.setattr(dense, "functions", lambda variant: loaded.append(variant) or functions(variant))
     q, k, v, dout = _random_problem(rng, (2, 4, 300, d), (2, 1, 333, d), (2, 1, 333, d), ml_dtypes.bfloat16)
     launch.plans.clear()
     for options in ({}, {"window": (50, 0)}):
@@ -440,8 +440,8 @@ def test_warp_specialized_forward_falls_back_where_tma_cannot_read(rng, monkeypa
     assert counter.built == 0
     assert_matches_reference(q, k, v, dout, results, causal=True)
     loaded = []  # the variants whose kernels the calls ask for
-    functions = backend.functions
-    monkeypatch.setattr(backend, "functions", lambda variant: loaded.append(variant) or functions(variant))
+    functions = dense.functions
+    monkeypatch.setattr(dense, "functions", lambda variant: loaded.append(variant) or functions(variant))
     results = _run(q, k, v, dout, causal=True, softcap=20.0)
     assert counter.built == 0
     forward = next(variant for variant in loaded if variant.direction == "fwd")

@@ -94,7 +94,7 @@ def test_every_shipped_variant_compiled(report):
     kernel, ring attention's running-result kernels and the FP8 forward's V^T; every field present and typed; a kernel
     shared by several modules (the backward's preprocess) has the same resources in each copy built for one target
     (sm_90 and sm_90a differ)."""
-    from cupyflash._cuda import f32_pieces, fp8, states
+    from cupyflash._cuda import f32_pieces, fp8, ring_states
     from cupyflash._cuda.ptxas_report import shipped_for
 
     arch, rows = report
@@ -124,14 +124,14 @@ def test_every_shipped_variant_compiled(report):
     expected = (
         {v.name_expression(kernel) for v in variants for kernel in v.kernels}
         | set(f32_pieces.KERNELS)
-        | set(states.KERNELS)
+        | set(ring_states.KERNELS)
         | {fp8.KERNEL}
     )
     compiled = {r["kernel"] for r in rows}
     missing = sorted(expected - compiled)
     assert not missing, f"{arch}: {len(missing)} kernels not compiled, e.g. {missing[:5]}"
     assert compiled <= expected, f"{arch}: kernels no shipped variant names: {sorted(compiled - expected)[:5]}"
-    assert len(rows) == sum(len(v.kernels) for v in variants) + len(f32_pieces.KERNELS) + len(states.KERNELS) + 1
+    assert len(rows) == sum(len(v.kernels) for v in variants) + len(f32_pieces.KERNELS) + len(ring_states.KERNELS) + 1
     assert all(r["registers"] > 0 and r["threads"] > 0 for r in rows), f"{arch}:\n{_table(rows)}"
 
 
