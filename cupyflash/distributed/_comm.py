@@ -19,7 +19,6 @@ stream of their own, so that the attention of one step overlaps the transfer of 
 from __future__ import annotations
 
 import hashlib
-import os
 import queue
 import threading
 from typing import Union
@@ -27,6 +26,7 @@ from typing import Union
 import numpy
 
 from cupyflash._arrays import cupy
+from cupyflash.distributed._environment import place, rendezvous
 
 
 class Communicator:
@@ -277,19 +277,6 @@ def check_same_call(comm, description: str) -> None:
         )
 
 
-def env_rank_and_size():
-    """(rank, world size, local rank) from the launcher's (or torchrun's, MPI's) environment; None if unset."""
-    for rank, size, local in (
-        ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-    ):
-        if rank in os.environ and size in os.environ:
-            r, w = int(os.environ[rank]), int(os.environ[size])
-            return r, w, int(os.environ.get(local, r))
-    return None
-
-
 def init(
     backend: object | None = None,
     *,
@@ -306,15 +293,18 @@ def init(
     backend : cupyx.distributed NCCLBackend, optional
         A communicator from ``cupyx.distributed.init_process_group`` to use as it is (its rank and size).
     world_size, rank : int, optional
-        Default: from the environment that ``python -m cupyflash.distributed.launch`` (or torchrun:
-        ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``; or Open MPI's ``OMPI_COMM_WORLD_*``) sets; without one,
-        a world of one process. Pass both or neither; with ``backend``, they must be the backend's.
+        Default: from the launcher's environment (cupyflash/distributed/_environment.py): our launcher's
+        and torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``; Slurm's ``SLURM_PROCID``, ``SLURM_NTASKS``,
+        ``SLURM_LOCALID``; Open MPI's ``OMPI_COMM_WORLD_*``; MPICH's ``PMI_RANK``, ``PMI_SIZE``,
+        ``MPI_LOCALRANKID``. Without one, a world of one process. Pass both or neither; with ``backend``, they
+        must be the backend's.
     device : int, optional
-        This process's GPU; default ``LOCAL_RANK`` modulo the number of GPUs (with ``backend``: the current
-        device). It becomes the current device.
+        This process's GPU; default its rank on its machine modulo the number of GPUs (with ``backend``: the
+        current device). It becomes the current device.
     host, port : optional
-        Where rank 0 serves the rendezvous; default ``CUPYX_DISTRIBUTED_HOST`` / ``MASTER_ADDR``
-        (127.0.0.1) and ``CUPYX_DISTRIBUTED_PORT`` / ``MASTER_PORT`` (13333).
+        Where rank 0 serves the rendezvous; default ``CUPYX_DISTRIBUTED_HOST`` / ``MASTER_ADDR``, else under
+        Slurm the first node of the step, else 127.0.0.1 (one machine only: a job across machines without an
+        address raises); ``CUPYX_DISTRIBUTED_PORT`` / ``MASTER_PORT``, else 13333.
 
     Returns
     -------
@@ -332,7 +322,7 @@ def init(
     """
     if cupy is None:
         raise ImportError("cupyflash.distributed.init needs CuPy (for NumPy arrays use InProcessGroup)")
-    env = env_rank_and_size()
+    env = place()
     if (rank is None) != (world_size is None):
         raise ValueError(
             f"pass rank and world_size together, or neither (to read them from the launcher's "
@@ -350,9 +340,9 @@ def init(
             cupy.cuda.Device(device).use()
         return Communicator(backend, size, backend.rank)
     if rank is None:
-        rank, world_size, local = env if env is not None else (0, 1, 0)
+        rank, world_size, local = (env.rank, env.world_size, env.local_rank) if env is not None else (0, 1, 0)
     else:
-        local = env[2] if env else rank
+        local = env.local_rank if env is not None else rank
     if device is None:
         device = local % _device_count()
     cupy.cuda.Device(device).use()
@@ -360,8 +350,7 @@ def init(
         return Communicator(None, 1, 0)
     import cupyx.distributed
 
-    host = host or os.environ.get("CUPYX_DISTRIBUTED_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    port = port or int(os.environ.get("CUPYX_DISTRIBUTED_PORT") or os.environ.get("MASTER_PORT") or 13333)
+    host, port = rendezvous(env, host, port)
     nccl_backend = cupyx.distributed.init_process_group(world_size, rank, host=host, port=port)
     # The rendezvous is over: creating NCCL's communicator is collective, so every rank has read the id from
     # rank 0's TCP store. The store runs in a child process that nothing stops when the interpreter exits

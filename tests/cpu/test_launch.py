@@ -3,7 +3,8 @@
 What this file proves: ``launch`` starts one process per rank with RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR and a MASTER_PORT shared by all ranks (CUPYX_DISTRIBUTED_* removed); a failing
 rank makes it stop the others at once and return that rank's exit code; ``main`` passes the script's
-arguments through; ``env_rank_and_size`` reads the launcher's (torchrun's) and Open MPI's variables. The
+arguments through; ``_environment.place`` reads our launcher's (torchrun's), Slurm's, Open MPI's and MPICH's
+variables, and ``rendezvous`` finds rank 0's address. The
 scripts run here import nothing but the standard library: no CuPy, no GPU.
 """
 
@@ -17,7 +18,7 @@ import time
 import pytest
 
 from cupyflash.distributed import launch as launcher
-from cupyflash.distributed._comm import env_rank_and_size
+from cupyflash.distributed._environment import first_host, place, rendezvous
 
 ENV_NAMES = (
     "RANK",
@@ -162,70 +163,109 @@ MPI_NAMES = (
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NNODES",
+    "SLURM_STEP_NODELIST",
+    "SLURM_JOB_NODELIST",
     "OMPI_COMM_WORLD_RANK",
     "OMPI_COMM_WORLD_SIZE",
     "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
     "PMI_RANK",
     "PMI_SIZE",
     "MPI_LOCALRANKID",
+    "MPI_LOCALNRANKS",
+    "MASTER_ADDR",
+    "MASTER_PORT",
 )
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    """No launcher or MPI variable set."""
-    for name in MPI_NAMES:
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
+def _at(**environ):
+    """(rank, world size, local rank, spans machines, launcher) of the place this environment gives."""
+    found = place({name: str(value) for name, value in environ.items()})
+    return None if found is None else (found.rank, found.world_size, found.local_rank, found.spans_machines,
+                                       found.launcher)  # fmt: skip
 
 
-def test_env_rank_and_size_is_none_without_a_launcher(clean_env):
-    """With none of the variables set (or a rank without a size) there is no environment to read."""
-    assert env_rank_and_size() is None
-    clean_env.setenv("RANK", "1")
-    assert env_rank_and_size() is None
+def test_no_launcher_is_no_place():
+    """With none of the variables set (or a rank without a size) there is no place to read."""
+    assert _at() is None
+    assert _at(RANK=1) is None
+    assert _at(SLURM_PROCID=1) is None
 
 
-def test_env_rank_and_size_reads_the_launcher_variables(clean_env):
-    """RANK, WORLD_SIZE, LOCAL_RANK; without LOCAL_RANK the local rank is the rank."""
-    clean_env.setenv("RANK", "3")
-    clean_env.setenv("WORLD_SIZE", "8")
-    assert env_rank_and_size() == (3, 8, 3)
-    clean_env.setenv("LOCAL_RANK", "1")
-    assert env_rank_and_size() == (3, 8, 1)
+def test_our_launcher_and_torchrun():
+    """RANK, WORLD_SIZE, LOCAL_RANK; without LOCAL_RANK the local rank is the rank; LOCAL_WORLD_SIZE below
+    WORLD_SIZE means more than one machine."""
+    assert _at(RANK=3, WORLD_SIZE=8)[:4] == (3, 8, 3, False)
+    assert _at(RANK=3, WORLD_SIZE=8, LOCAL_RANK=1, LOCAL_WORLD_SIZE=8)[:4] == (3, 8, 1, False)
+    assert _at(RANK=5, WORLD_SIZE=8, LOCAL_RANK=1, LOCAL_WORLD_SIZE=4)[:4] == (5, 8, 1, True)
 
 
-def test_env_rank_and_size_reads_open_mpi(clean_env):
-    """Open MPI's OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK, when the launcher's variables are absent; the
-    launcher's win when both are set."""
-    clean_env.setenv("OMPI_COMM_WORLD_RANK", "5")
-    clean_env.setenv("OMPI_COMM_WORLD_SIZE", "6")
-    assert env_rank_and_size() == (5, 6, 5)
-    clean_env.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "2")
-    assert env_rank_and_size() == (5, 6, 2)
-    clean_env.setenv("RANK", "0")
-    clean_env.setenv("WORLD_SIZE", "2")
-    assert env_rank_and_size() == (0, 2, 0)
+def test_slurm():
+    """srun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NNODES; rank 0's host is the step's first node."""
+    environ = dict(SLURM_PROCID=3, SLURM_NTASKS=4, SLURM_LOCALID=1, SLURM_NNODES=2,
+                   SLURM_STEP_NODELIST="gpu[007-008]", SLURM_JOB_NODELIST="gpu[001-009]")  # fmt: skip
+    assert _at(**environ) == (3, 4, 1, True, "Slurm")
+    found = place({name: str(value) for name, value in environ.items()})
+    assert found.head_host == "gpu007"
+    assert rendezvous(found, environ={}) == ("gpu007", 13333)
+    del environ["SLURM_STEP_NODELIST"]
+    assert place({name: str(value) for name, value in environ.items()}).head_host == "gpu001"
+    # RANK and WORLD_SIZE set in a Slurm script (torchrun inside srun) win over Slurm's own
+    assert _at(**environ, RANK=0, WORLD_SIZE=2)[:3] == (0, 2, 0)
 
 
-def test_env_rank_and_size_reads_pmi(clean_env):
-    """MPICH/Intel MPI's PMI_RANK, PMI_SIZE and MPI_LOCALRANKID."""
-    clean_env.setenv("PMI_RANK", "2")
-    clean_env.setenv("PMI_SIZE", "4")
-    clean_env.setenv("MPI_LOCALRANKID", "0")
-    assert env_rank_and_size() == (2, 4, 0)
+def test_open_mpi_and_mpich():
+    """Open MPI's OMPI_COMM_WORLD_* and MPICH's PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS."""
+    assert _at(OMPI_COMM_WORLD_RANK=5, OMPI_COMM_WORLD_SIZE=6) == (5, 6, 5, False, "Open MPI")
+    assert _at(OMPI_COMM_WORLD_RANK=5, OMPI_COMM_WORLD_SIZE=6, OMPI_COMM_WORLD_LOCAL_RANK=2,
+               OMPI_COMM_WORLD_LOCAL_SIZE=3)[:4] == (5, 6, 2, True)  # fmt: skip
+    assert _at(PMI_RANK=2, PMI_SIZE=4, MPI_LOCALRANKID=0, MPI_LOCALNRANKS=4) == (2, 4, 0, False, "MPICH (PMI)")
 
 
-def test_launched_environment_is_what_env_rank_and_size_reads(tmp_path):
-    """Round trip: each launched rank's environment, read by env_rank_and_size's rules, gives its rank, the
-    world size and its local rank."""
+def test_bad_launcher_values_say_which():
+    with pytest.raises(ValueError, match=r"SLURM_PROCID=4 is not a rank of SLURM_NTASKS=4 \(0 .. 3\)"):
+        _at(SLURM_PROCID=4, SLURM_NTASKS=4)
+    with pytest.raises(ValueError, match=r"the launcher's WORLD_SIZE must be an integer, got 'two'"):
+        _at(RANK=0, WORLD_SIZE="two")
+
+
+def test_rendezvous_address():
+    """The arguments, else CUPYX_DISTRIBUTED_HOST / MASTER_ADDR, else the launcher's head node, else 127.0.0.1;
+    across machines with no address it raises, naming the variable to set."""
+    one_machine = place({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    assert rendezvous(one_machine, environ={}) == ("127.0.0.1", 13333)
+    assert rendezvous(one_machine, environ={"MASTER_ADDR": "h0", "MASTER_PORT": "2900"}) == ("h0", 2900)
+    assert rendezvous(one_machine, environ={"CUPYX_DISTRIBUTED_HOST": "h1", "MASTER_ADDR": "h0"})[0] == "h1"
+    assert rendezvous(one_machine, "h2", 3000, environ={"MASTER_ADDR": "h0"}) == ("h2", 3000)
+    across = place({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"})
+    with pytest.raises(RuntimeError, match=r"spans machines \(Open MPI\).*set MASTER_ADDR"):
+        rendezvous(across, environ={})
+    assert rendezvous(across, environ={"MASTER_ADDR": "h0"}) == ("h0", 13333)
+    with pytest.raises(ValueError, match="port must be in 1 .. 65535"):
+        rendezvous(one_machine, port=70000, environ={})
+
+
+@pytest.mark.parametrize(
+    "nodelist, host",
+    [("node07", "node07"), ("node[07-09,12],gpu3", "node07"), ("nid[001234-001240]", "nid001234"),
+     ("a,b", "a"), ("rack1-n[3,5]-ib", "rack1-n3-ib")],
+)  # fmt: skip
+def test_first_host_of_a_slurm_node_list(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def test_launched_environment_is_what_place_reads(tmp_path):
+    """Round trip: each launched rank's environment, read by place's rules, gives its rank, the world size and
+    its local rank, on one machine, with rank 0's address and port."""
     script = _script(tmp_path, RECORD_ENV, names=MPI_NAMES)
     assert launcher.launch(2, [sys.executable, script]) == 0
     for rank, record in enumerate(_records(tmp_path, 2)):
         env = {k: v for k, v in record["env"].items() if v is not None}
-        with pytest.MonkeyPatch.context() as mp:
-            for name in MPI_NAMES:
-                mp.delenv(name, raising=False)
-            for name, value in env.items():
-                mp.setenv(name, value)
-            assert env_rank_and_size() == (rank, 2, rank)
+        found = place(env)
+        assert (found.rank, found.world_size, found.local_rank, found.spans_machines) == (rank, 2, rank, False)
+        assert rendezvous(found, environ=env) == ("127.0.0.1", int(env["MASTER_PORT"]))

@@ -9,6 +9,7 @@ merge, with every allocation poisoned. On two GPUs: tests/gpu/ring_worker.py ove
 launcher (every case held to the accuracy rule and to 2x the single GPU's error), and the example script.
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -176,6 +177,53 @@ def test_ring_over_nccl_on_two_gpus():
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert done.stdout.count("ring/one-GPU error") == 6, done.stdout
     assert "mismatched calls raise on every rank" in done.stdout
+
+
+@pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
+def test_two_nodes_under_slurm_variables():
+    """Two "nodes" of one GPU each, as srun starts them: each process sees one GPU (CUDA_VISIBLE_DEVICES) and
+    only Slurm's variables (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID = 0, SLURM_NNODES = 2); init() finds
+    rank 0's host as the step's first node and the example's ring matches one GPU's results."""
+    from cupyflash.distributed.launch import free_port
+
+    drop = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "CUPYX_DISTRIBUTED_HOST",
+        "CUPYX_DISTRIBUTED_PORT",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_RANK",
+        "PMI_SIZE",
+    )
+    base = {name: value for name, value in os.environ.items() if name not in drop}
+    base.update(
+        SLURM_NTASKS="2",
+        SLURM_NNODES="2",
+        SLURM_LOCALID="0",
+        SLURM_STEP_NODELIST="localhost",
+        MASTER_PORT=str(free_port()),
+    )
+    command = [sys.executable, str(ROOT / "examples" / "ring_attention.py"), "--n", "4096"]
+    procs = [
+        subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=dict(base, SLURM_PROCID=str(rank), CUDA_VISIBLE_DEVICES=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=600) for proc in procs]
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, out[-4000:] + err[-4000:]
+    errors = [float(line.rsplit("=", 1)[1]) for line in outputs[0][0].splitlines() if "max |ring" in line]
+    assert len(errors) == 5 and max(errors) < 3e-2, outputs[0][0]
 
 
 @pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
