@@ -76,8 +76,9 @@ import dram_floor  # noqa: E402
 import cupyflash  # noqa: E402
 from cupyflash import _modifiers, reference  # noqa: E402
 from cupyflash._cuda import compile as _compile  # noqa: E402
+from cupyflash._cuda import tile_policy  # noqa: E402
 from cupyflash._cuda.tiles import WS_WARPGROUP_ROWS  # noqa: E402
-from cupyflash._cuda.variants import Features, select  # noqa: E402
+from cupyflash._cuda.variants import Features  # noqa: E402
 
 DTYPE, HEAD_DIM = "bf16", 128
 BF16 = ba.DTYPES[DTYPE]
@@ -311,7 +312,7 @@ def kernel_tiles(case, kernel, *, window=None, block_mask=None):
         else _modifiers.resolve(np, BF16, (case.b, case.h), case.n, case.n, window=window, block_mask=block_mask)
     )
     features = Features.of("fwd" if kernel == "fwd" else "bwd", BF16, case.d, case.d, case.causal, mods)
-    variant = select(features, _compile.current_device())
+    variant = tile_policy.dense(features, _compile.current_device())
     t = variant.tiles(kernel)
     return (WS_WARPGROUP_ROWS if variant.path == "ws" else t.rows), t.block
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cupyflash._cuda import tile_policy  # noqa: E402
 from cupyflash._cuda.source import OPTIONS  # noqa: E402
-from cupyflash._cuda.variants import shipped_variants  # noqa: E402
 
 
 def ptx_of(variant):
@@ -65,7 +65,7 @@ def main():
     parser.add_argument("--ptxas", default="ptxas", help="the ptxas to check with (default: on PATH)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
-    variants = [v for v in shipped_variants() if v.path in ("wgmma", "pieces", "ws")]
+    variants = [v for v in tile_policy.shipped_variants() if v.path in ("wgmma", "pieces", "ws")]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         found = list(pool.map(lambda v: (v, problems(v, args.ptxas)), variants))
     bad = [(v, lines) for v, lines in found if lines]

@@ -11,7 +11,7 @@ Variants are named
 with PATH the tile table's path (mma, large, wgmma, pieces, ws), FORM plain, causal or the modifiers'
 instantiation (scalars, softcap, softcap-causal, window, all) and OUT the dtype of out where it is not the
 inputs' (the FP8 forward's: ``fwd/fp8/HEAD_DIM/ws/{plain,causal}/{out-bf16,out-fp16}``): every module of
-cupyflash._cuda.variants.shipped_variants() that the GPU at hand can run (Hopper's paths need compute
+cupyflash._cuda.tile_policy.shipped_variants() that the GPU at hand can run (Hopper's paths need compute
 capability 9.0, and so does FP8; the large float64 tiles 9.0 or more, where they replace the mma ones).
 ``--variants`` is a regular expression searched in those names. Each variant runs through the public API,
 with options chosen so that the API's own selection picks exactly that variant (checked before the run),
@@ -161,11 +161,11 @@ def reachable(variant, device) -> bool:
 
 
 def selected_variants(pattern):
-    from cupyflash._cuda.variants import shipped_variants
+    from cupyflash._cuda import tile_policy
 
     regex = re.compile(pattern)
     device = _device()
-    return [v for v in shipped_variants() if regex.search(variant_label(v)) and reachable(v, device)]
+    return [v for v in tile_policy.shipped_variants() if regex.search(variant_label(v)) and reachable(v, device)]
 
 
 def compile_into_cache(variants, jobs):
@@ -281,19 +281,19 @@ def _fused_at_any_length(variant):
     if not variant.fused_backward:
         yield
         return
-    from cupyflash._cuda import dense_fast, launch, tiles
+    from cupyflash._cuda import dense_fast, launch, tile_policy
 
     names = ("WS_BWD_MIN_LENGTH", "WS_BWD_MIN_WORK")
-    saved = {name: getattr(tiles, name) for name in names}
-    tiles.WS_BWD_MIN_LENGTH = {d: 1 for d in saved["WS_BWD_MIN_LENGTH"]}
-    tiles.WS_BWD_MIN_WORK = 0
+    saved = {name: getattr(tile_policy, name) for name in names}
+    tile_policy.WS_BWD_MIN_LENGTH = {d: 1 for d in saved["WS_BWD_MIN_LENGTH"]}
+    tile_policy.WS_BWD_MIN_WORK = 0
     launch.plans.clear()
     dense_fast._table.clear()
     try:
         yield
     finally:
         for name, value in saved.items():
-            setattr(tiles, name, value)
+            setattr(tile_policy, name, value)
         launch.plans.clear()
         dense_fast._table.clear()
 
@@ -304,7 +304,8 @@ def _selected(variant, causal, options, device, packed=False, tma=True):
     the warp-specialized forward's tensor maps cannot describe."""
     import dataclasses
 
-    from cupyflash._cuda.variants import Features, select
+    from cupyflash._cuda import tile_policy
+    from cupyflash._cuda.variants import Features
     from cupyflash._modifiers import Modifiers
 
     if _fp8(variant):
@@ -336,27 +337,27 @@ def _selected(variant, causal, options, device, packed=False, tma=True):
         deterministic=variant.deterministic,
     )
     with _fused_at_any_length(variant):
-        return select(dataclasses.replace(features, tma=tma), device)
+        return tile_policy.dense(dataclasses.replace(features, tma=tma), device)
 
 
 def _fp8_selected(head_dim, causal, options, device, packed=False):
     """The variant the FP8 forward takes for e4m3 q, k, v of this head dim, as cupyflash._cuda.fp8.prepare picks
-    it (FP8 calls bypass Features and select), or None where the API sends the call nowhere: FP8 needs
+    it (FP8 calls bypass Features and tile_policy.dense), or None where the API sends the call nowhere: FP8 needs
     compute capability 9.0 alone, which ``device.wgmma`` stands for here (``_device`` reads it with
     CUPYFLASH_NO_WGMMA unset, a switch the FP8 forward ignores); it takes no modifiers and no packed batch.
     Its tensor maps never see a broadcast batch dim (q and k are copied whole), so ``tma`` does not matter."""
+    from cupyflash._cuda import tile_policy
     from cupyflash._cuda.fp8 import head_dim_for
-    from cupyflash._cuda.variants import fp8_variant
     from cupyflash._fp8_api import resolve_out_dtype
 
     if not device.wgmma or packed or set(options) - {"out_dtype"}:
         return None
-    return fp8_variant(head_dim_for(head_dim), bool(causal), resolve_out_dtype(options.get("out_dtype")).name)
+    return tile_policy.fp8(head_dim_for(head_dim), bool(causal), resolve_out_dtype(options.get("out_dtype")).name)
 
 
 def run_variant(variant, rng):
     """Launch every kernel of ``variant`` (and the forward the backward needs) on tiny inputs, through the calls
-    that select it (each checked against the API's selection first)."""
+    that tile_policy.dense it (each checked against the API's selection first)."""
     import cupy
     import ml_dtypes
     import numpy as np

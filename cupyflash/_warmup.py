@@ -2,7 +2,7 @@
 
 A kernel variant (direction, dtype, HEAD_DIM, plain / causal / score modifiers) is compiled by NVRTC the
 first time a call needs it on a device, about a second each. ``warmup`` describes the calls it stands for
-as ``Features`` and asks ``select`` for their variants, the very ones the API would pick (same dtype
+as ``Features`` and asks ``tile_policy.dense`` for their variants, the very ones the API would pick (same dtype
 table, same head-dim rounding), then loads them through the API's own loader. CuPy keeps each compiled
 module on disk (``CUPY_CACHE_DIR``), so a later process only loads it, in milliseconds.
 """
@@ -21,9 +21,9 @@ import numpy as np
 from cupyflash._arrays import cupy
 from cupyflash._checks import MAX_HEAD_DIM, check_bool
 from cupyflash._cuda import compile as _compile
-from cupyflash._cuda import decode_tiles, tiles
+from cupyflash._cuda import decode_tiles, tile_policy, tiles
 from cupyflash._cuda.tiles import HEAD_DIMS
-from cupyflash._cuda.variants import DTYPES, Features, row_width, select
+from cupyflash._cuda.variants import DTYPES, Features, row_width
 
 DTypeLike = Union[str, np.dtype, type]
 # The benchmark's short names, accepted next to everything numpy.dtype understands ("float16", "half",
@@ -152,10 +152,12 @@ def select_variants(dtypes, head_dims, causal, modifiers, backward, dropout=Fals
                     for is_causal in causals:
                         for direction in directions:
                             features = Features(direction, dtype.name, width, is_causal, dropout=drop, **options)
-                            variants.append(select(features, device))
+                            variants.append(tile_policy.dense(features, device))
                             if direction == "bwd":  # long sequences' backward (the fused one, where it serves)
                                 longest = (tiles.CHAIN_ROWS, tiles.CHAIN_ROWS)
-                                variants.append(select(dataclasses.replace(features, lengths=longest), device))
+                                variants.append(
+                                    tile_policy.dense(dataclasses.replace(features, lengths=longest), device)
+                                )
     if check_bool("decode", decode):
         variants += [v for dtype in dtypes for d in dims for v in decode_tiles.variants_for_call(dtype.name, d)]
     return list(dict.fromkeys(variants))  # distinct, in order: with modifiers, causal shares one variant

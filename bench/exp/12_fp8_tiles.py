@@ -53,14 +53,14 @@ def ms(fn):
 def precompile():
     from concurrent.futures import ThreadPoolExecutor
 
-    from cupyflash._cuda.variants import fp8_variant
+    from cupyflash._cuda import tile_policy
 
     jobs = []
     for d, cells in CONFIGS.items():
         for cell in cells:
             tiles.CELLS[("ws", 1, d, "fwd", "plain")] = tiles._parse_cell(cell, "ws")
             for causal in (False, True):
-                v = fp8_variant(d, causal, "bfloat16")
+                v = tile_policy.fp8(d, causal, "bfloat16")
                 jobs.append((v.code(("fwd",)), v.options, v.name_expression("fwd")))
 
     def build(job):

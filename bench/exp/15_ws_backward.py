@@ -24,12 +24,12 @@ import numpy as np
 
 import cupyflash
 from cupyflash import _timing
-from cupyflash._cuda import dense_fast, tiles, tma
+from cupyflash._cuda import dense_fast, tile_policy, tiles, tma
 from cupyflash._cuda import launch as launches
 from cupyflash._cuda.compile import current_device, functions
 from cupyflash._cuda.launch import CPointer, launch
 from cupyflash._cuda.params import PARAMS_BYTES, dense_params, layout
-from cupyflash._cuda.variants import Features, Variant, select
+from cupyflash._cuda.variants import Features, Variant
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_attention  # noqa: E402  (TorchSDPA)
@@ -91,7 +91,7 @@ class Fused:
             others=others,
             causal=causal,
         )
-        self.pre_variant = select(Features.of("bwd", q.dtype, d, d, causal, None), current_device())
+        self.pre_variant = tile_policy.dense(Features.of("bwd", q.dtype, d, d, causal, None), current_device())
         self.pre = functions(self.pre_variant)
         maps = tma.TensorMaps(arrays, sizes, strides, {"q": self.bm, "k": self.keys, "v": self.keys, "dout": self.bm})
         self.maps = maps.encode({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "dout": dout.data.ptr})
@@ -116,12 +116,12 @@ class Fused:
 
 def two_passes(dout, q, k, v, out, lse, causal):
     """The library's two-pass backward (the fused one's threshold set past every length)."""
-    saved = dict(tiles.WS_BWD_MIN_LENGTH)
-    tiles.WS_BWD_MIN_LENGTH.update({d: 1 << 30 for d in saved})
+    saved = dict(tile_policy.WS_BWD_MIN_LENGTH)
+    tile_policy.WS_BWD_MIN_LENGTH.update({d: 1 << 30 for d in saved})
     try:
         return cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
     finally:
-        tiles.WS_BWD_MIN_LENGTH.update(saved)
+        tile_policy.WS_BWD_MIN_LENGTH.update(saved)
         launches.plans.clear()
         dense_fast._table.clear()
 

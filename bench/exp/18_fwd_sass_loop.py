@@ -31,9 +31,12 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from cupyflash._cuda import tiles  # noqa: E402
+from cupyflash._cuda import (
+    tile_policy,  # noqa: E402
+    tiles,  # noqa: E402
+)
 from cupyflash._cuda.ptxas_report import OPTIONS, _nvrtc  # noqa: E402
-from cupyflash._cuda.variants import Variant, fp8_variant  # noqa: E402
+from cupyflash._cuda.variants import Variant  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--nvdisasm", default=shutil.which("nvdisasm") or "nvdisasm")
@@ -232,7 +235,7 @@ def report(label: str, variant: Variant) -> dict:
 results = []
 for d in [int(x) for x in args.dims.split(",")]:
     if d in tiles.FP8_HEAD_DIMS:
-        results.append(report(f"fp8-d{d}", fp8_variant(d, False, "bfloat16")))
+        results.append(report(f"fp8-d{d}", tile_policy.fp8(d, False, "bfloat16")))
     results.append(report(f"bf16-d{d}", Variant("fwd", "bfloat16", d, "ws")))
 if args.json:
     Path(args.json).write_text(json.dumps(results, indent=1))

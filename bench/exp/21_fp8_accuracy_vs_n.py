@@ -32,7 +32,7 @@ import ml_dtypes
 import numpy as np
 
 import cupyflash
-from cupyflash._cuda.variants import fp8_variant
+from cupyflash._cuda import tile_policy
 from cupyflash._fp8 import DECODE_TABLE, encode_e4m3
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -152,7 +152,7 @@ def main(argv=None):
     print("| D | causal | v mean | N | " + " | ".join(cols) + " |")
     print("|---" * (4 + len(cols)) + "|")
     for d in (int(x) for x in args.head_dims.split(",")):
-        block_n = fp8_variant(d, False, "bfloat16").tiles("fwd").block
+        block_n = tile_policy.fp8(d, False, "bfloat16").tiles("fwd").block
         for causal in (False, True):
             for v_mean in (float(x) for x in args.v_mean.split(",")):
                 for n in (size(x) for x in args.seqlens.split(",")):

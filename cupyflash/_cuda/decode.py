@@ -17,7 +17,7 @@ import numpy
 from cupyflash._arrays import cupy, lse_dtype
 from cupyflash._checks import MAX_SPLITS
 from cupyflash._cuda import compile as _compile
-from cupyflash._cuda import decode_tiles
+from cupyflash._cuda import decode_tiles, tile_policy
 from cupyflash._cuda.decode_params import (
     ALIBI,
     BLOCK_TABLE,
@@ -100,7 +100,7 @@ class Plan:
         if call.rotary_cos is not None:
             self.seqlen_limit = min(self.seqlen_limit, call.rotary_cos.shape[0] - call.rotary_span())
         packed = call.group * call.nq
-        self.variant = decode_tiles.choose(
+        self.variant = tile_policy.decode(
             call.dtype.name, call.d, call.dv, packed, call.page_size if call.paged else None
         )
         self.functions = _compile.functions(self.variant)

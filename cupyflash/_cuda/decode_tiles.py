@@ -160,7 +160,7 @@ def variants_for(arch: str) -> list[DecodeVariant]:
 
 
 def variants_for_call(dtype: str, width: int) -> list[DecodeVariant]:
-    """Every variant ``choose`` may pick for calls of this dtype with max(D, Dv) = ``width``: 16- and 64-row
+    """Every variant ``tile_policy.decode`` may pick for calls of this dtype with max(D, Dv) = ``width``: 16- and 64-row
     tiles, and the row-wise tile for small pages where the table has one."""
     head, itemsize = head_bucket(width, width), ITEMSIZES[dtype]
     return [DecodeVariant(dtype, head, rows) for rows in (16, 64) if (itemsize, head, rows) in TABLE] + [
@@ -171,19 +171,6 @@ def variants_for_call(dtype: str, width: int) -> list[DecodeVariant]:
 def head_bucket(d: int, dv: int) -> int:
     width = max(d, dv)
     return next(h for h in HEADS if h >= width)
-
-
-def choose(dtype: str, d: int, dv: int, packed_rows: int, page_size: int | None = None) -> DecodeVariant:
-    """The variant for a call: the narrowest HEAD that holds D and Dv; 64-row tiles when more than 16 rows
-    are packed and the table has them, else 16-row tiles (several per key/value head if need be); for a
-    paged cache (``page_size``) whose pages do not hold whole tiles, TABLE_ROWWISE's tile where it has one."""
-    head = head_bucket(d, dv)
-    itemsize = ITEMSIZES[dtype]
-    rows = 64 if packed_rows > 16 and (itemsize, head, 64) in TABLE else 16
-    variant = DecodeVariant(dtype, head, rows)
-    if page_size is not None and page_size % variant.block_n and (itemsize, head, rows) in TABLE_ROWWISE:
-        return DecodeVariant(dtype, head, rows, rowwise=True)
-    return variant
 
 
 STATIC_SMEM_BYTES = 64  # the kernel's own __shared__ variables (the merge's arrival count), with room to spare

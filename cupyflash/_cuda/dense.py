@@ -12,7 +12,7 @@ import math
 import numpy
 
 from cupyflash._arrays import bits, cupy, lse_dtype, sum_to_shape
-from cupyflash._cuda import dense_fast, f32_pieces, fused_backward, tma
+from cupyflash._cuda import dense_fast, f32_pieces, fused_backward, tile_policy, tma
 from cupyflash._cuda.compile import current_device, functions
 from cupyflash._cuda.launch import (
     CHAIN_ROWS,
@@ -36,7 +36,7 @@ from cupyflash._cuda.params import (
     unpad,
 )
 from cupyflash._cuda.tiles import WS_BLOCK_MASK_TILES, WS_WARPGROUP_ROWS
-from cupyflash._cuda.variants import Features, backward_lengths, row_width, select
+from cupyflash._cuda.variants import Features, row_width
 from cupyflash._modifiers import BLOCK_MASK_TILE
 
 
@@ -76,7 +76,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
     variant = (
         plan.variant
         if plan is not None
-        else select(Features.of("fwd", q.dtype, d_w, d_v_w, causal, mods, dropout), current_device())
+        else tile_policy.dense(Features.of("fwd", q.dtype, d_w, d_v_w, causal, mods, dropout), current_device())
     )
     # float32 on Hopper: the kernel reads float16 pieces of k and v, and q itself (it splits each q tile as it
     # loads it).
@@ -112,7 +112,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
                 maps = tma.TensorMaps(arrays, sizes, strides, {"q": WS_WARPGROUP_ROWS, "k": block, "v": block})
             else:
                 features = Features.of("fwd", q.dtype, d_w, d_v_w, causal, mods, dropout)
-                variant = select(dataclasses.replace(features, tma=False), current_device())
+                variant = tile_policy.dense(dataclasses.replace(features, tma=False), current_device())
         plan = Plan(functions(variant), variant, params, [("fwd", nq, batch)], maps, arrays)
         if copied:  # the parameters point at copies made for this call
             plan.launch(None, None)
@@ -188,11 +188,11 @@ def attention_backward(
         plan.launch(addresses, dropout)
         dense_fast.remember(fast_key, plan, dense_fast.BACKWARD_NAMES, outputs, dropout, scratch)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d_v), None
-    lengths = backward_lengths(math.prod(batch_shape), nq, nk, max(d_w, d_v_w))
+    lengths = tile_policy.backward_lengths(math.prod(batch_shape), nq, nk, max(d_w, d_v_w))
     features = Features.of(
         "bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, lengths=lengths, deterministic=deterministic
     )
-    variant = select(features, current_device())
+    variant = tile_policy.dense(features, current_device())
     # float32 on Hopper: the passes read float16 pieces of q, k, v, dout; the preprocess reads out and dout
     # themselves. (Never planned: the pieces are made per call anyway.)
     width = _pieces_width(variant)
@@ -221,7 +221,7 @@ def attention_backward(
         dropout=dropout,
     )
     if variant.fused_backward and not fused_backward.describable(arrays, sizes, strides):
-        variant = select(dataclasses.replace(features, tma=False), current_device())
+        variant = tile_policy.dense(dataclasses.replace(features, tma=False), current_device())
     kernels = functions(variant)
     if variant.fused_backward or (key is not None and not copied):
         # (the launches of a chained pass are not planned: key is None; the fused backward is never chained)
@@ -273,7 +273,7 @@ def attention_probs(q, k, v, *, scale: float, causal: bool, mods=None):
     _, lse = attention_forward(q, k, v, scale=scale, causal=causal, mods=mods)
     batch_shape, (nq, d), nk = q.shape[:-2], q.shape[-2:], k.shape[-2]
     d_w, _ = _widths(q.dtype, d, d)
-    variant = select(Features.of("probs", q.dtype, d_w, d_w, causal, mods), current_device())
+    variant = tile_policy.dense(Features.of("probs", q.dtype, d_w, d_w, causal, mods), current_device())
     q, k = kernel_ready(q, d_w), kernel_ready(k, d_w)
     probs = cupy.empty(batch_shape + (nq, nk), dtype=lse_dtype(q.dtype))
     arrays, sizes, strides, _ = layout(batch_shape, {"q": q, "k": k, **mod_arrays(mods)})
@@ -303,7 +303,9 @@ def _device_offsets(packed):
 def attention_varlen_forward(q, k, v, packed, *, scale: float, causal: bool, mods=None, dropout=None):
     """out (total_q, H, Dv) and lse (H, total_q) in lse_dtype of a packed batch; no padding anywhere."""
     d_w, d_v_w = _widths(q.dtype, packed.d, packed.dv)
-    variant = select(Features.of("fwd", q.dtype, d_w, d_v_w, causal, mods, dropout, packed=True), current_device())
+    variant = tile_policy.dense(
+        Features.of("fwd", q.dtype, d_w, d_v_w, causal, mods, dropout, packed=True), current_device()
+    )
     q, k, v = kernel_ready(q, d_w), kernel_ready(k, d_w), kernel_ready(v, d_v_w)
     out = cupy.empty((packed.total_q, packed.heads, d_v_w), dtype=q.dtype)
     lse = cupy.empty((packed.heads, packed.total_q), dtype=lse_dtype(q.dtype))
@@ -330,7 +332,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale: float, 
     """dq (total_q, H, D), dk (total_k, Hk, D), dv (total_k, Hk, Dv) of a packed batch. The kernels write
     per-head arrays (H, total, .); dk and dv are then summed over each group's G query heads (in lse_dtype)."""
     d_w, d_v_w = _widths(q.dtype, packed.d, packed.dv)
-    variant = select(Features.of("bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, packed=True), current_device())
+    variant = tile_policy.dense(
+        Features.of("bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, packed=True), current_device()
+    )
     q, k = kernel_ready(q, d_w), kernel_ready(k, d_w)
     v, out, dout = (kernel_ready(x, d_v_w) for x in (v, out, dout))
     acc = lse_dtype(q.dtype)

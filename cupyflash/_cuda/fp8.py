@@ -24,13 +24,12 @@ import math
 import numpy
 
 from cupyflash._arrays import cupy
-from cupyflash._cuda import dense_fast, tma
+from cupyflash._cuda import dense_fast, tile_policy, tma
 from cupyflash._cuda.compile import functions
 from cupyflash._cuda.launch import Plan
 from cupyflash._cuda.params import dense_params, kernel_ready, layout, unpad
 from cupyflash._cuda.source import OPTIONS, module_code
 from cupyflash._cuda.tiles import FP8_HEAD_DIMS, WS_WARPGROUP_ROWS
-from cupyflash._cuda.variants import fp8_variant
 
 
 def _key_order() -> numpy.ndarray:
@@ -213,7 +212,7 @@ def prepare(q, k, v, inputs, batch_shape, *, scale: float, causal: bool, out_dty
     out = cupy.empty(batch_shape + (nq, d_v_w), dtype=out_dtype)
     lse = cupy.empty(batch_shape + (nq,), dtype=numpy.float32)
     arrays, sizes, strides, _ = layout(batch_shape, {"q": qd, "k": kd, "v": vt, "out": out})  # all contiguous
-    variant = fp8_variant(head_dim, bool(causal), numpy.dtype(out_dtype).name)
+    variant = tile_policy.fp8(head_dim, bool(causal), numpy.dtype(out_dtype).name)
     params = dense_params(
         arrays,
         sizes,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy
 
 from cupyflash._arrays import cupy
-from cupyflash._cuda import tiles, tma
+from cupyflash._cuda import tile_policy, tiles, tma
 from cupyflash._cuda.compile import sm_count
 from cupyflash._cuda.launch import CPointer, Plan
 
@@ -20,21 +20,6 @@ MAPPED = ("q", "k", "v", "dout")  # the inputs it reads through tensor maps, in 
 def describable(arrays, sizes, strides) -> bool:
     """Whether tensor maps describe its inputs (no broadcast batch dims, 16-byte aligned strides)."""
     return tma.available() and all(tma.describable(arrays[name], sizes, strides[name]) for name in MAPPED)
-
-
-def adds_by_arrival(nk: int, head_dim: int, causal: bool, sms: int, deterministic: bool = True, *, keys: int) -> bool:
-    """Whether key blocks take their turn at a query block in the order they reach it (attention_bwd_ws.cu), else
-    in the order of their index. In order: by arrival only where all of a batch entry's CTAs can be resident at
-    once (one per SM: a CTA may wait for one launched after it), and without a causal mask below
-    tiles.WS_BWD_INDEX_ORDER_KEYS keys, from where the index order was faster. Unordered adds wait for nothing,
-    so their key blocks always walk as by arrival, each from its own query block: in index order every CTA
-    would add into the same query block's accumulator at once (docs/design/backward.md). ``keys``: a CTA's key
-    block."""
-    if not deterministic:
-        return True
-    if -(-nk // keys) > sms:
-        return False
-    return causal or nk < tiles.WS_BWD_INDEX_ORDER_KEYS[head_dim]
 
 
 class FusedBackwardPlan(Plan):
@@ -63,7 +48,7 @@ class FusedBackwardPlan(Plan):
         )
         self._address_words = self.slots(MAPPED)
         self._by_arrival = numpy.int32(
-            adds_by_arrival(
+            tile_policy.fused_backward_by_arrival(
                 nk,
                 variant.head_dim,
                 variant.causal,

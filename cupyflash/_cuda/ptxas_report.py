@@ -19,7 +19,8 @@ from pathlib import Path
 from cupyflash._cuda import decode_tiles, f32_pieces, fp8, ring_states
 from cupyflash._cuda.compile import cache_dir
 from cupyflash._cuda.source import OPTIONS, source
-from cupyflash._cuda.variants import Variant, variants_for
+from cupyflash._cuda.tile_policy import variants_for
+from cupyflash._cuda.variants import Variant
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")

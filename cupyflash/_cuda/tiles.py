@@ -263,18 +263,6 @@ WS_SERVES_FROM = {"fwd": {64: 33, 128: 65, 192: 129, 256: 193}, "bwd": {64: 33, 
 assert all(
     tuple(dims) == (WS_HEAD_DIMS if kernel == "fwd" else WS_BWD_HEAD_DIMS) for kernel, dims in WS_SERVES_FROM.items()
 ), "a serving range for each warp-specialized HEAD_DIM"
-# The shortest min(Nq, Nk) the fused backward serves, in either dq order: below it the two passes are faster
-# (dq_accum's per-row cost and the ordered adds weigh more on short loops; docs/design/tiles.md).
-WS_BWD_MIN_LENGTH = {64: 1024, 128: 1024, 192: 1024, 256: 1024}
-# ... and the least work, batch entries x Nq x Nk x HEAD_DIM (2^34: about 0.4 ms of GPU time), set when the fused
-# backward was launched unplanned (its host time then 300-600 us a call); it now has a plan like the two passes',
-# and the threshold stays until the two are timed against each other below it (docs/design/backward.md).
-WS_BWD_MIN_WORK = 1 << 34
-# From how many keys an ordered call without a causal mask adds dq in key-block order rather than by arrival
-# (unordered adds always walk as by arrival): there every CTA walks the query blocks in one order, which is faster
-# from these lengths on (docs/design/tiles.md); at HEAD_DIM 256 past 132 x 64 keys a batch entry's key blocks
-# outnumber an H100's or H200's SMs (adds_by_arrival), so the index order serves there from 132 x 64 + 1 keys.
-WS_BWD_INDEX_ORDER_KEYS = {64: 8192, 128: 16384, 192: 16384, 256: 16384}
 
 
 def ws_bwd_dq_overflow(itemsize: int, head_dim: int, t: Tiles) -> int:

@@ -1,6 +1,6 @@
-"""Which compiled kernel a call takes: the ``Variant`` record (one NVRTC module, or the backward's two),
-``Features`` (what of a call decides it) and ``select``, a pure function of the two records and of the
-device's abilities; and the list of every variant the library ships.
+"""The records of kernel choice: ``Variant`` (one NVRTC module, or the backward's two), ``Features`` (what of a
+call decides its variant) and ``Device`` (what the device offers). Which variant serves a call, and which ship:
+cupyflash/_cuda/tile_policy.py.
 
 A variant's kernels are template instantiations whose parameters come from the variant and from its
 cells of the tile table (``tiles.py``); ``name_expression`` spells them for NVRTC's ``name_expressions``.
@@ -8,7 +8,6 @@ cells of the tile table (``tiles.py``); ``name_expression`` spells them for NVRT
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -18,7 +17,6 @@ from cupyflash._arrays import round_up
 from cupyflash._cuda import tiles
 from cupyflash._cuda.source import OPTIONS, WGMMA_ARCH, module_code
 from cupyflash._cuda.tiles import Tiles
-from cupyflash._modifiers import BLOCK_MASK_TILE
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 CTYPES = {
@@ -307,184 +305,7 @@ class Features:
         )
 
 
-def backward_lengths(batch: int, nq: int, nk: int, head_dim: int) -> tuple[int, int]:
-    """What a dense backward's Features carry as its lengths: (Nq, Nk) where its work (batch entries x Nq x Nk x
-    HEAD_DIM) reaches tiles.WS_BWD_MIN_WORK, else (0, 0), which keeps it on the two passes."""
-    return (nq, nk) if batch * nq * nk * head_dim >= tiles.WS_BWD_MIN_WORK else (0, 0)
-
-
 def row_width(d: int, dtype: str) -> int:
     """A head dim of d elements as the kernels read rows: padded to a multiple of 16 bytes (cp.async's width;
     the padding is zeros)."""
     return round_up(d, 16 // ITEMSIZES[dtype])
-
-
-def ws_walks_block_mask(itemsize: int, head_dim: int) -> bool:
-    """Whether the warp-specialized forward at this head dim walks a block mask itself: its key blocks must be
-    the block mask's tiles (attention_fwd_ws.cu, BLOCK_MASK); elsewhere a block mask takes the ``all`` form."""
-    return tiles.lookup("ws", itemsize, head_dim, "fwd", "scalars").block == BLOCK_MASK_TILE
-
-
-def select(f: Features, device: Device) -> Variant:
-    """The variant that serves a call with features ``f`` on a device with abilities ``device``."""
-    itemsize, head_dim = ITEMSIZES[f.dtype], tiles.padded_head_dim(f.head_dim)
-    # The warp-specialized kernels' HEAD_DIMs for this head dim (16-bit), which may be wider than the table's.
-    ws_fwd = tiles.ws_head_dim(f.head_dim, "fwd") if itemsize == 2 else None
-    ws_bwd = tiles.ws_head_dim(f.head_dim, "bwd") if itemsize == 2 else None
-    # Packed batches and attention_probs read cu_seqlens or every option at run time: the modifiers' kernels.
-    has_mods = f.has_mods or f.direction == "probs" or f.packed
-    pieces = f.direction != "probs" and not has_mods and not f.dropout and tiles.has("pieces", itemsize, head_dim)
-    wgmma = device.wgmma and (tiles.has("wgmma", itemsize, head_dim) or pieces)
-    ws = (
-        f.direction == "fwd"
-        and wgmma
-        and ws_fwd is not None
-        and tiles.has("ws", itemsize, ws_fwd)
-        and f.tma
-        and not f.dropout
-        and not f.packed
-    )
-    # A block mask with no bias or mask: the warp-specialized forward walks it; other forwards with a block
-    # mask take the ``all`` form, whose walk costs the scalars' forwards time; the backward's scalars walk it.
-    ws_block_mask = ws and f.block_mask and not f.arrays and ws_walks_block_mask(itemsize, ws_fwd)
-    # The scalars' form exists where the table has its cells (not for float64: two of its passes spilled).
-    scalars = (
-        has_mods
-        and f.direction != "probs"
-        and not f.dropout
-        and tiles.has("mma", itemsize, head_dim, "scalars")
-        and (not f.has_mods or ws_block_mask or (not f.arrays and (not f.block_mask or f.direction == "bwd")))
-    )
-    bounded = (
-        f.direction == "fwd"
-        and scalars
-        and wgmma
-        and f.dtype == "bfloat16"
-        and not f.alibi
-        and 0.0 < f.softcap <= BOUNDED_SOFTCAP_MAX
-    )
-    # One option alone, every other off: the forms that fix the others at compile time (16-bit, Hopper).
-    single = (
-        scalars
-        and wgmma
-        and tiles.has("wgmma", itemsize, head_dim, "window")
-        and not f.packed
-        and f.has_mods
-        and not f.alibi
-        and not f.block_mask
-    )
-    softcap_alone = f.direction == "bwd" and single and f.softcap > 0 and f.window == (-1, -1)
-    window_alone = single and f.softcap == 0
-    warp_specialized = ws and (scalars or not has_mods)
-    # The fused backward: plain or causal, 16-bit, on tensor maps, for sequences from its shortest to CHAIN_ROWS.
-    fused_backward = (
-        f.direction == "bwd"
-        and wgmma
-        and itemsize == 2
-        and not has_mods
-        and not f.dropout
-        and f.tma
-        and ws_bwd is not None
-        and max(f.lengths) <= tiles.CHAIN_ROWS
-        and tiles.WS_BWD_MIN_LENGTH[ws_bwd] <= min(f.lengths)
-    )
-    if not has_mods:
-        mods = "none"
-    elif scalars:
-        mods = "softcap" if softcap_alone else "window" if window_alone else "scalars"
-    else:
-        mods = "all"
-    if warp_specialized or fused_backward:
-        path = "ws"
-    elif wgmma:
-        path = "pieces" if itemsize == 4 else "wgmma"
-    elif device.large_smem and tiles.has("large", itemsize, head_dim):
-        path = "large"
-    else:
-        path = "mma"
-    score = "plain"
-    if bounded:
-        score = "bounded"
-    elif warp_specialized and f.alibi:
-        score = "alibi_half_first" if f.right_edge else "alibi"
-    causal = f.causal and mods in ("none", "softcap")
-    if path == "ws":
-        head_dim = ws_fwd if f.direction == "fwd" else ws_bwd
-    return Variant(
-        f.direction,
-        f.dtype,
-        head_dim,
-        path,
-        mods,
-        causal,
-        f.dropout,
-        score,
-        warp_specialized and ws_block_mask,
-        deterministic=f.deterministic or not fused_backward,
-    )
-
-
-def shipped_variants() -> list[Variant]:
-    """Every variant the library can compile: on every path of the tile table, each of its forms, causal
-    and not where the kernel tells them apart, and the forward's score forms where they exist."""
-    found = []
-    for dtype in DTYPES:
-        itemsize = ITEMSIZES[dtype]
-        for head_dim in tiles.HEAD_DIMS:
-            for path in ("mma", "large", "wgmma", "pieces"):
-                if not tiles.has(path, itemsize, head_dim):
-                    continue
-                for direction in ("fwd", "bwd"):
-                    base = Variant(direction, dtype, head_dim, path)
-                    for dropout in (False, True):
-                        if dropout and not tiles.has(path, itemsize, head_dim, "dropout"):
-                            continue
-                        for causal in (False, True):
-                            found.append(dataclasses.replace(base, causal=causal, dropout=dropout))
-                        if tiles.has(path, itemsize, head_dim, "all"):
-                            found.append(dataclasses.replace(base, mods="all", dropout=dropout))
-                    if not tiles.has(path, itemsize, head_dim, "scalars"):
-                        continue
-                    found.append(dataclasses.replace(base, mods="scalars"))
-                    if direction == "fwd" and path == "wgmma" and dtype == "bfloat16":
-                        found.append(dataclasses.replace(base, mods="scalars", score="bounded"))
-                    if direction == "bwd" and path == "wgmma":
-                        found += [dataclasses.replace(base, mods="softcap", causal=c) for c in (False, True)]
-                    if tiles.has(path, itemsize, head_dim, "window"):
-                        found.append(dataclasses.replace(base, mods="window"))
-                if tiles.has(path, itemsize, head_dim, "all"):
-                    found.append(Variant("probs", dtype, head_dim, path, "all"))
-            if tiles.has("ws", itemsize, head_dim, kernel="bwd"):
-                found += [
-                    Variant("bwd", dtype, head_dim, "ws", causal=c, deterministic=ordered)
-                    for ordered in (True, False)
-                    for c in (False, True)
-                ]
-            if tiles.has("ws", itemsize, head_dim):
-                ws = Variant("fwd", dtype, head_dim, "ws")
-                found += [dataclasses.replace(ws, causal=c) for c in (False, True)]
-                found.append(dataclasses.replace(ws, mods="window"))
-                scores = ("plain", "alibi", "alibi_half_first") + (("bounded",) if dtype == "bfloat16" else ())
-                block_masks = (False, True) if ws_walks_block_mask(itemsize, head_dim) else (False,)
-                found += [
-                    dataclasses.replace(ws, mods="scalars", score=score, block_mask=block_mask)
-                    for score in scores
-                    for block_mask in block_masks
-                ]
-    found += [
-        fp8_variant(head_dim, causal, out)
-        for head_dim in tiles.FP8_HEAD_DIMS
-        for causal in (False, True)
-        for out in FP8_OUT_DTYPES
-    ]
-    return found
-
-
-def fp8_variant(head_dim: int, causal: bool, out_dtype: str) -> Variant:
-    """The FP8 forward's variant: e4m3 q, k, v on the warp-specialized path, out in ``out_dtype``."""
-    return Variant("fwd", FP8, head_dim, "ws", causal=causal, out_dtype=out_dtype)
-
-
-def variants_for(arch: str) -> list[Variant]:
-    """The shipped variants built for architecture family ``arch`` ("sm_80" or "sm_90")."""
-    return [v for v in shipped_variants() if arch in v.compile_targets()]

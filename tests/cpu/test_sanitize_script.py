@@ -11,13 +11,13 @@ from helpers.bench import load_bench_script
 
 import cupyflash
 from cupyflash._cuda import fp8 as gpu_fp8
-from cupyflash._cuda import tiles
-from cupyflash._cuda.variants import FP8, FP8_OUT_DTYPES, Device, Variant, fp8_variant, shipped_variants
+from cupyflash._cuda import tile_policy, tiles
+from cupyflash._cuda.variants import FP8, FP8_OUT_DTYPES, Device, Variant
 
 HOPPER = Device(wgmma=True, large_smem=True)
 AMPERE = Device()
 LARGE_SMEM_ONLY = Device(large_smem=True)  # compute capability > 9.0, or Hopper with CUPYFLASH_NO_WGMMA=1
-SHIPPED = shipped_variants()
+SHIPPED = tile_policy.shipped_variants()
 FP8_SHIPPED = [v for v in SHIPPED if v.dtype == FP8]
 
 
@@ -43,7 +43,7 @@ def test_fp8_variants_are_labelled_with_their_out_dtype(sanitize):
     }
     assert len(FP8_SHIPPED) == len(expected) == 4 * len(tiles.FP8_HEAD_DIMS)
     assert {sanitize.variant_label(v) for v in FP8_SHIPPED} == expected
-    assert sanitize.variant_label(fp8_variant(128, True, "float16")) == "fwd/fp8/128/ws/causal/out-fp16"
+    assert sanitize.variant_label(tile_policy.fp8(128, True, "float16")) == "fwd/fp8/128/ws/causal/out-fp16"
     # --variants picks them out by dtype and by out dtype, and nothing else has an out dtype in its name.
     labels = [sanitize.variant_label(v) for v in SHIPPED]
     assert {label for label in labels if re.search("^fwd/fp8/", label)} == expected
@@ -130,7 +130,7 @@ def test_fp8_worker_calls_run_the_forward_alone_with_per_slice_then_block_scales
     monkeypatch.setattr(cupy, "asarray", np.asarray)
     monkeypatch.setattr(cupy.cuda, "Device", HostDevice)
     rng = np.random.default_rng(0)
-    for variant in [fp8_variant(64, False, "bfloat16"), fp8_variant(128, True, "float16")]:
+    for variant in [tile_policy.fp8(64, False, "bfloat16"), tile_policy.fp8(128, True, "float16")]:
         calls.clear()
         sanitize._run_fp8(variant, rng, HOPPER)
         assert len(calls) == len(sanitize.FP8_CALLS) == 2
@@ -147,11 +147,11 @@ def test_fp8_worker_calls_run_the_forward_alone_with_per_slice_then_block_scales
         assert q.block == k.block == v.block == 128
         assert q.scale.shape == (1, 2, 2) and k.scale.shape == v.scale.shape == (1, 2, 3)
     with pytest.raises(RuntimeError, match="no call selects fwd/fp8/64/ws/plain/out-bf16"):
-        sanitize._run_fp8(fp8_variant(64, False, "bfloat16"), rng, AMPERE)
+        sanitize._run_fp8(tile_policy.fp8(64, False, "bfloat16"), rng, AMPERE)
 
 
 def test_the_worker_reports_the_fp8_kernels_it_ran(sanitize):
-    variant = fp8_variant(256, True, "bfloat16")
+    variant = tile_policy.fp8(256, True, "bfloat16")
     names = sanitize.kernel_names(variant)
     assert names == [variant.name_expression("fwd"), gpu_fp8.KERNEL]
     assert "e4m3_t" in names[0] and gpu_fp8.KERNEL in sanitize.KERNEL_FAMILIES

@@ -9,22 +9,9 @@ import ml_dtypes
 import numpy as np
 
 from cupyflash import _dropout, _modifiers
-from cupyflash._cuda import dense, launch, tiles, tma
+from cupyflash._cuda import dense, launch, tile_policy, tiles, tma
 from cupyflash._cuda.source import source
-from cupyflash._cuda.variants import (
-    BOUNDED_SOFTCAP_MAX,
-    DTYPES,
-    FP8,
-    MODS,
-    PATHS,
-    SCORES,
-    Device,
-    Features,
-    Variant,
-    backward_lengths,
-    select,
-    shipped_variants,
-)
+from cupyflash._cuda.variants import BOUNDED_SOFTCAP_MAX, DTYPES, FP8, MODS, PATHS, SCORES, Device, Features, Variant
 
 HOPPER = Device(wgmma=True, large_smem=True)
 AMPERE = Device()  # mma.sync and an sm_80 CTA's shared memory: every GPU but Hopper (and no GPU at all)
@@ -34,7 +21,7 @@ HALVES = ((np.float16, "half_t"), (ml_dtypes.bfloat16, "bfloat16_t"))
 ON = np.ones((1, 1), bool)  # a block mask of one tile: (2, 3, 100 x 120) has one 128 x 128 tile
 SLOPES = np.ones(3, np.float32)
 DROPOUT = _dropout.Dropout(0.1, 1)
-SHIPPED = shipped_variants()
+SHIPPED = tile_policy.shipped_variants()
 SHIPPED_SET = set(SHIPPED)
 
 
@@ -57,7 +44,7 @@ def _chosen(
     )
     if not tma_ok:
         features = dataclasses.replace(features, tma=False)
-    return select(features, device)
+    return tile_policy.dense(features, device)
 
 
 def _bool(x):
@@ -679,7 +666,7 @@ def _backward(
         lengths=lengths,
         deterministic=deterministic,
     )
-    return select(dataclasses.replace(features, tma=tma_ok), device)
+    return tile_policy.dense(dataclasses.replace(features, tma=tma_ok), device)
 
 
 def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(monkeypatch):
@@ -690,10 +677,12 @@ def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(
     calls, score modifiers, dropout, packed batches, float32, inputs TMA cannot read, other head dims and the
     mma.sync path take the two passes."""
     monkeypatch.setattr(launch, "cupy", _fake_cupy())
-    assert tiles.WS_BWD_HEAD_DIMS == (64, 128, 192, 256) and set(tiles.WS_BWD_MIN_LENGTH) == set(tiles.WS_BWD_HEAD_DIMS)
+    assert tiles.WS_BWD_HEAD_DIMS == (64, 128, 192, 256) and set(tile_policy.WS_BWD_MIN_LENGTH) == set(
+        tiles.WS_BWD_HEAD_DIMS
+    )
     for dtype, ctype in HALVES:
         for d, head_dim in ((40, 64), (64, 64), (100, 128), (128, 128), (168, 192), (192, 192), (200, 256), (256, 256)):
-            shortest = tiles.WS_BWD_MIN_LENGTH[head_dim]
+            shortest = tile_policy.WS_BWD_MIN_LENGTH[head_dim]
             for causal in (False, True):
                 v = _backward((shortest, shortest + 1), dtype, d, causal)
                 assert v.fused_backward and v == Variant("bwd", np.dtype(dtype).name, head_dim, "ws", causal=causal)
@@ -745,7 +734,7 @@ def test_unordered_adds_take_the_fused_backward_from_the_same_shortest_length():
     for dtype, ctype in HALVES:
         for head_dim in tiles.WS_BWD_HEAD_DIMS:
             for causal in (False, True):
-                shortest = tiles.WS_BWD_MIN_LENGTH[head_dim]
+                shortest = tile_policy.WS_BWD_MIN_LENGTH[head_dim]
                 assert _backward((shortest, shortest), dtype, head_dim, causal).fused_backward
                 v = _backward((shortest, shortest), dtype, head_dim, causal, deterministic=False)
                 assert v == Variant("bwd", np.dtype(dtype).name, head_dim, "ws", causal=causal, deterministic=False)
@@ -765,7 +754,7 @@ def test_unordered_adds_take_the_fused_backward_from_the_same_shortest_length():
                 assert shorter == Variant("bwd", np.dtype(dtype).name, head_dim, "wgmma", causal=causal)
                 assert shorter.deterministic
     # shorter, an ordered or unordered call keeps the two passes
-    n = tiles.WS_BWD_MIN_LENGTH[128]
+    n = tile_policy.WS_BWD_MIN_LENGTH[128]
     for deterministic in (True, False):
         assert _backward((n - 1, n - 1), causal=False, deterministic=deterministic).path == "wgmma"
     for options in (dict(softcap=5.0), dict(window=(10, 0))):
@@ -776,33 +765,39 @@ def test_unordered_adds_take_the_fused_backward_from_the_same_shortest_length():
 def test_fused_backward_adds_by_arrival_where_an_entry_fits_and_short_of_the_index_order_lengths():
     """The fused backward's order of dq adds: by arrival only where a batch entry's key blocks (of 128 keys, or 64
     paired) fit on the SMs at once; without a causal mask, from WS_BWD_INDEX_ORDER_KEYS keys on, by index."""
-    from cupyflash._cuda.fused_backward import adds_by_arrival
+    from cupyflash._cuda import tile_policy
 
-    assert set(tiles.WS_BWD_INDEX_ORDER_KEYS) == set(tiles.WS_BWD_HEAD_DIMS)
-    for head_dim, longest in tiles.WS_BWD_INDEX_ORDER_KEYS.items():
+    assert set(tile_policy.WS_BWD_INDEX_ORDER_KEYS) == set(tiles.WS_BWD_HEAD_DIMS)
+    for head_dim, longest in tile_policy.WS_BWD_INDEX_ORDER_KEYS.items():
         keys = tiles.lookup("ws", 2, head_dim, "bwd", "plain").rows
         for sms in (1000, 2000):
-            assert adds_by_arrival(longest - 1, head_dim, False, sms, keys=keys)
-            assert not adds_by_arrival(longest, head_dim, False, sms, keys=keys)
-            assert adds_by_arrival(longest, head_dim, True, sms, keys=keys)
-        assert adds_by_arrival(132 * keys, head_dim, True, 132, keys=keys)
-        assert not adds_by_arrival(132 * keys + 1, head_dim, True, 132, keys=keys)  # 133 key blocks on 132 SMs
-        assert not adds_by_arrival(7 * keys + 1, head_dim, False, 7, keys=keys)  # 8 key blocks on 7 SMs
+            assert tile_policy.fused_backward_by_arrival(longest - 1, head_dim, False, sms, keys=keys)
+            assert not tile_policy.fused_backward_by_arrival(longest, head_dim, False, sms, keys=keys)
+            assert tile_policy.fused_backward_by_arrival(longest, head_dim, True, sms, keys=keys)
+        assert tile_policy.fused_backward_by_arrival(132 * keys, head_dim, True, 132, keys=keys)
+        assert not tile_policy.fused_backward_by_arrival(
+            132 * keys + 1, head_dim, True, 132, keys=keys
+        )  # 133 key blocks on 132 SMs
+        assert not tile_policy.fused_backward_by_arrival(
+            7 * keys + 1, head_dim, False, 7, keys=keys
+        )  # 8 key blocks on 7 SMs
         # Unordered adds wait for nothing: by arrival at any length, on any GPU.
         for nk, causal, sms in ((1 << 20, False, 132), (1000, False, 7), (longest, False, 132), (1 << 20, True, 1)):
-            assert adds_by_arrival(nk, head_dim, causal, sms, deterministic=False, keys=keys)
-        assert adds_by_arrival(8 * keys, head_dim, True, 8, keys=keys)
+            assert tile_policy.fused_backward_by_arrival(nk, head_dim, causal, sms, deterministic=False, keys=keys)
+        assert tile_policy.fused_backward_by_arrival(8 * keys, head_dim, True, 8, keys=keys)
 
 
 def test_backward_lengths_keep_calls_with_little_work_on_the_two_passes():
     """The backward's Features carry (Nq, Nk) only where batch x Nq x Nk x HEAD_DIM reaches WS_BWD_MIN_WORK: a
     long sequence in one or two heads stays on the planned two passes (host time), the same in 64 heads not."""
     n = 4096
-    assert n >= tiles.WS_BWD_MIN_LENGTH[128]
-    assert backward_lengths(64, n, n, 128) == (n, n)
-    assert backward_lengths(1, n, n, 128) == (0, 0)
-    assert backward_lengths(1, 1 << 17, 1 << 17, 128) == (1 << 17, 1 << 17)
-    least = next(b for b in range(1, 1 << 20) if b * n * n * 128 >= tiles.WS_BWD_MIN_WORK)
-    assert backward_lengths(least, n, n + 3, 128) == (n, n + 3) and backward_lengths(least - 1, n, n, 128) == (0, 0)
-    assert _backward(backward_lengths(least - 1, n, n, 128)).path == "wgmma"
-    assert _backward(backward_lengths(least, n, n, 128)).fused_backward
+    assert n >= tile_policy.WS_BWD_MIN_LENGTH[128]
+    assert tile_policy.backward_lengths(64, n, n, 128) == (n, n)
+    assert tile_policy.backward_lengths(1, n, n, 128) == (0, 0)
+    assert tile_policy.backward_lengths(1, 1 << 17, 1 << 17, 128) == (1 << 17, 1 << 17)
+    least = next(b for b in range(1, 1 << 20) if b * n * n * 128 >= tile_policy.WS_BWD_MIN_WORK)
+    assert tile_policy.backward_lengths(least, n, n + 3, 128) == (n, n + 3) and tile_policy.backward_lengths(
+        least - 1, n, n, 128
+    ) == (0, 0)
+    assert _backward(tile_policy.backward_lengths(least - 1, n, n, 128)).path == "wgmma"
+    assert _backward(tile_policy.backward_lengths(least, n, n, 128)).fused_backward

@@ -3,10 +3,10 @@ have theirs, whose shapes fit the kernels and whose switches reach the kernels' 
 
 import pytest
 
-from cupyflash._cuda import tiles
-from cupyflash._cuda.variants import CTYPES, Variant, shipped_variants, variants_for
+from cupyflash._cuda import tile_policy, tiles
+from cupyflash._cuda.variants import CTYPES, Variant
 
-SHIPPED = shipped_variants()
+SHIPPED = tile_policy.shipped_variants()
 SHIPPED_SET = set(SHIPPED)
 
 
@@ -215,7 +215,7 @@ def test_name_expressions_carry_the_cells_switches():
 
 def test_variants_for_each_arch():
     """sm_80 gets the mma.sync variants that fit its shared memory; sm_90 every variant."""
-    sm80, sm90 = variants_for("sm_80"), variants_for("sm_90")
+    sm80, sm90 = tile_policy.variants_for("sm_80"), tile_policy.variants_for("sm_90")
     assert set(sm90) == SHIPPED_SET
     assert sm80 and all(v.path == "mma" for v in sm80)
     assert {v for v in SHIPPED if v.path == "mma"} - set(sm80) == {

@@ -11,8 +11,8 @@ from helpers.gpu import gpu_available
 import cupyflash
 from cupyflash import _modifiers, _warmup
 from cupyflash._cuda import compile as compile_
-from cupyflash._cuda import decode_tiles, tiles
-from cupyflash._cuda.variants import DTYPES, FP8, Device, Features, Variant, select, shipped_variants
+from cupyflash._cuda import decode_tiles, tile_policy, tiles
+from cupyflash._cuda.variants import DTYPES, FP8, Device, Features, Variant
 
 HOPPER = Device(wgmma=True, large_smem=True)
 AMPERE = Device()
@@ -32,7 +32,7 @@ EXPECTED_HEAD_DIM = {
     200: 256,
     256: 256,
 }
-SHIPPED = set(shipped_variants())
+SHIPPED = set(tile_policy.shipped_variants())
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def recorder(monkeypatch):
 
 def _select(direction, dtype, head_dim, causal, device=HOPPER, **options):
     mods = _modifiers.resolve(np, np.dtype(dtype), (2, 3), 100, 120, **options) if options else None
-    return select(Features.of(direction, np.dtype(dtype), head_dim, head_dim, causal, mods), device)
+    return tile_policy.dense(Features.of(direction, np.dtype(dtype), head_dim, head_dim, causal, mods), device)
 
 
 def test_default_warms_every_plain_variant_of_the_api(recorder):
@@ -86,7 +86,7 @@ def test_on_hopper_the_default_warms_hoppers_paths():
             v.causal,
             lengths=longest if v.fused_backward else (0, 0),
         )
-        assert v == select(features, HOPPER), v
+        assert v == tile_policy.dense(features, HOPPER), v
 
 
 def test_dropout_adds_the_dropout_variants(recorder):
@@ -119,7 +119,9 @@ def test_head_dims_round_up_as_the_api_does(recorder, dtype, head_dim):
     assert all(v.dtype == dtype and not v.causal and v.mods == "none" for v in warmed)
     # the very variant a call of that head dim (D = Dv) selects
     for v in warmed:
-        assert v == select(Features.of(v.direction, np.dtype(_dtype(dtype)), head_dim, head_dim, False), AMPERE)
+        assert v == tile_policy.dense(
+            Features.of(v.direction, np.dtype(_dtype(dtype)), head_dim, head_dim, False), AMPERE
+        )
 
 
 def _dtype(name):
@@ -308,5 +310,5 @@ def test_decode_warms_every_decode_variant_a_call_can_pick(recorder):
         d, dv = (width, int(rng.integers(1, width + 1)))[:: int(rng.choice([1, -1]))]
         packed = int(rng.integers(1, 200))
         page_size = None if rng.random() < 0.3 else int(rng.integers(1, 300))
-        assert decode_tiles.choose(dtype, d, dv, packed, page_size) in decode, (dtype, d, dv, packed, page_size)
+        assert tile_policy.decode(dtype, d, dv, packed, page_size) in decode, (dtype, d, dv, packed, page_size)
     assert not any(isinstance(v, decode_tiles.DecodeVariant) for v in cupyflash.warmup(dtypes="bf16", head_dims=64))

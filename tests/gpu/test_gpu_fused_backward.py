@@ -1,6 +1,6 @@
 """The warp-specialized fused backward (cuda_src/attention_bwd_ws.cu) on Hopper: 16-bit, plain or causal, head
-dims 33-128 and 161-256 (at HEAD_DIM 64, 128, 192 or 256: tiles.ws_head_dim), sequences from tiles.WS_BWD_MIN_LENGTH on
-(ordered or unordered dq adds). Needs a GPU of compute capability 9.0:
+dims 33-128 and 161-256 (at HEAD_DIM 64, 128, 192 or 256: tiles.ws_head_dim), sequences from
+tile_policy.WS_BWD_MIN_LENGTH on (ordered or unordered dq adds). Needs a GPU of compute capability 9.0:
 
     python -m pytest -m gpu tests/gpu/test_gpu_fused_backward.py
 
@@ -19,9 +19,9 @@ from helpers.modifiers import run
 from helpers.problems import random_problem
 
 import cupyflash
-from cupyflash._cuda import dense_fast, fused_backward, launch, tiles
+from cupyflash._cuda import dense_fast, fused_backward, launch, tile_policy, tiles
 from cupyflash._cuda.compile import current_device
-from cupyflash._cuda.variants import Features, backward_lengths, select
+from cupyflash._cuda.variants import Features
 
 cupy = pytest.importorskip("cupy")
 
@@ -36,8 +36,8 @@ def any_length(monkeypatch):
     that no call reuses launches chosen under the other threshold)."""
     if not current_device().wgmma:
         pytest.skip("the fused backward runs on compute capability 9.0 only")
-    monkeypatch.setattr(tiles, "WS_BWD_MIN_LENGTH", {d: 1 for d in tiles.WS_BWD_MIN_LENGTH})
-    monkeypatch.setattr(tiles, "WS_BWD_MIN_WORK", 0)
+    monkeypatch.setattr(tile_policy, "WS_BWD_MIN_LENGTH", {d: 1 for d in tile_policy.WS_BWD_MIN_LENGTH})
+    monkeypatch.setattr(tile_policy, "WS_BWD_MIN_WORK", 0)
     launch.plans.clear()
     dense_fast._table.clear()
     yield
@@ -46,7 +46,7 @@ def any_length(monkeypatch):
 
 
 def _fused(dtype, d, dv, causal, nq, nk, deterministic=True):
-    return select(
+    return tile_policy.dense(
         Features.of("bwd", np.dtype(dtype), d, dv, causal, lengths=(nq, nk), deterministic=deterministic),
         current_device(),
     )
@@ -137,14 +137,14 @@ def test_fused_backward_serves_long_sequences(rng):
     shorter one (or one past CHAIN_ROWS, or one with less work) takes the two passes."""
     if not current_device().wgmma:
         pytest.skip("the fused backward runs on compute capability 9.0 only")
-    n = tiles.WS_BWD_MIN_LENGTH[128]
+    n = tile_policy.WS_BWD_MIN_LENGTH[128]
     assert _fused(ml_dtypes.bfloat16, 128, 128, True, n + 5, n + 5).fused_backward
     assert not _fused(ml_dtypes.bfloat16, 128, 128, True, n - 1, n + 5).fused_backward
     assert not _fused(ml_dtypes.bfloat16, 128, 128, False, tiles.CHAIN_ROWS + 1, n).fused_backward
     n = max(n, 4096)
     batch = (3, 4)  # 12 (n + 5)^2 128 >= WS_BWD_MIN_WORK
-    assert backward_lengths(12, n + 5, n + 5, 128) == (n + 5, n + 5)
-    assert backward_lengths(1, n + 5, n + 5, 128) == (0, 0)
+    assert tile_policy.backward_lengths(12, n + 5, n + 5, 128) == (n + 5, n + 5)
+    assert tile_policy.backward_lengths(1, n + 5, n + 5, 128) == (0, 0)
     q, k, v, dout = _problem(rng, ml_dtypes.bfloat16, batch, n + 5, n + 5, 128)
     with nan_filled_allocations():
         results = run(q, k, v, dout, causal=True)
@@ -174,9 +174,9 @@ def test_unordered_adds_serve_from_the_same_length(rng, monkeypatch):
     its unordered form, not the ordered call's plan; all match float64."""
     if not current_device().wgmma:
         pytest.skip("the fused backward runs on compute capability 9.0 only")
-    n = tiles.WS_BWD_MIN_LENGTH[128]
-    batch = (4, -(-tiles.WS_BWD_MIN_WORK // (4 * n * n * 128)))  # enough work for the fused backward
-    assert backward_lengths(batch[0] * batch[1], n, n, 128) == (n, n)
+    n = tile_policy.WS_BWD_MIN_LENGTH[128]
+    batch = (4, -(-tile_policy.WS_BWD_MIN_WORK // (4 * n * n * 128)))  # enough work for the fused backward
+    assert tile_policy.backward_lengths(batch[0] * batch[1], n, n, 128) == (n, n)
     assert _fused(ml_dtypes.bfloat16, 128, 128, False, n, n, deterministic=False).fused_backward
     launched = _launches(monkeypatch)
     q, k, v, dout = _problem(rng, ml_dtypes.bfloat16, batch, n, n, 128)

@@ -42,7 +42,7 @@ from helpers.problems import random_array
 import cupyflash
 from cupyflash import _kvcache_args
 from cupyflash._arrays import lse_dtype
-from cupyflash._cuda import decode, decode_tiles
+from cupyflash._cuda import decode, tile_policy
 
 cupy = pytest.importorskip("cupy")
 
@@ -186,7 +186,7 @@ PAGED_CAPACITY = 768  # a multiple of every page size above
 def test_page_sizes(rng, variant, page_size):
     """Sequences from 1 key to the full capacity, one ending on two whole tiles, one on a page boundary."""
     dtype, d = LOAD_VARIANTS[variant]
-    block_n = decode_tiles.choose(np.dtype(dtype).name, d, d, 4).block_n
+    block_n = tile_policy.decode(np.dtype(dtype).name, d, d, 4).block_n
     page = page_size or 16
     seqlens = [0, page - 1, 2 * block_n - 1, 300, PAGED_CAPACITY - 1]
     p = _device_problem(

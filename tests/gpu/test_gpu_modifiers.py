@@ -21,9 +21,9 @@ from helpers.problems import random_array, random_problem
 
 import cupyflash
 from cupyflash import _modifiers, reference
-from cupyflash._cuda import dense, dense_fast, launch, tiles, tma
+from cupyflash._cuda import dense, dense_fast, launch, tile_policy, tiles, tma
 from cupyflash._cuda.compile import current_device, sm_count
-from cupyflash._cuda.variants import Features, select
+from cupyflash._cuda.variants import Features
 
 cupy = pytest.importorskip("cupy")
 
@@ -37,7 +37,7 @@ _random_problem = functools.partial(random_problem, xp=cupy)
 def _selected(direction, dtype, head_dim, causal, mods, dv=None):
     """The variant the current device's call of these features runs (D = head_dim, Dv = dv or head_dim)."""
     features = Features.of(direction, np.dtype(dtype), head_dim, head_dim if dv is None else dv, causal, mods)
-    return select(features, current_device())
+    return tile_policy.dense(features, current_device())
 
 
 def _hopper_paths():

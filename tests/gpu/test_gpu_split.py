@@ -13,9 +13,9 @@ import pytest
 
 import cupyflash
 from cupyflash import _dropout, reference
-from cupyflash._cuda import f32_pieces
+from cupyflash._cuda import f32_pieces, tile_policy
 from cupyflash._cuda.compile import current_device
-from cupyflash._cuda.variants import Features, select
+from cupyflash._cuda.variants import Features
 
 cupy = pytest.importorskip("cupy")
 
@@ -222,7 +222,7 @@ def test_long_backward_keeps_float32_accuracy(rng, head_dim, causal):
 def test_hopper_runs_float32_on_float16_pieces(head_dim, monkeypatch):
     def path(direction, dropout=None):
         features = Features.of(direction, np.dtype(np.float32), head_dim, head_dim, False, None, dropout)
-        return select(features, current_device()).path
+        return tile_policy.dense(features, current_device()).path
 
     monkeypatch.delenv("CUPYFLASH_NO_WGMMA", raising=False)
     for direction in ("fwd", "bwd"):

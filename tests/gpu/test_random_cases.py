@@ -46,8 +46,9 @@ from helpers.checks import assert_matches_reference
 from helpers.gpu import nan_filled_allocations
 from helpers.modifiers import run
 
+from cupyflash._cuda import tile_policy
 from cupyflash._cuda.compile import compile_ahead, current_device
-from cupyflash._cuda.variants import Features, select
+from cupyflash._cuda.variants import Features
 from cupyflash._modifiers import BLOCK_MASK_TILE, Modifiers
 
 cupy = pytest.importorskip("cupy")
@@ -156,7 +157,8 @@ class Case:
         )
         device = current_device()
         return {
-            select(Features.of(direction, dtype, d_w, dv_w, self.causal, mods), device) for direction in ("fwd", "bwd")
+            tile_policy.dense(Features.of(direction, dtype, d_w, dv_w, self.causal, mods), device)
+            for direction in ("fwd", "bwd")
         }
 
 

@@ -65,8 +65,8 @@ from helpers.problems import random_array, random_problem
 import cupyflash
 from cupyflash import _modifiers, reference
 from cupyflash._cuda import compile as compile_
-from cupyflash._cuda import launch
-from cupyflash._cuda.variants import Features, select
+from cupyflash._cuda import launch, tile_policy
+from cupyflash._cuda.variants import Features
 
 cupy = pytest.importorskip("cupy")
 
@@ -321,7 +321,8 @@ def _expected_modules(dtype, d, dv, causal, options):
     mods = _modifiers.resolve(np, np.dtype(dtype), (2,), 150, 170, **options) if options else None
     device = compile_.current_device()
     variants = (
-        select(Features.of(direction, np.dtype(dtype), d_w, dv_w, causal, mods), device) for direction in ("fwd", "bwd")
+        tile_policy.dense(Features.of(direction, np.dtype(dtype), d_w, dv_w, causal, mods), device)
+        for direction in ("fwd", "bwd")
     )
     return set().union(*(_module_names(variant) for variant in variants))
 
