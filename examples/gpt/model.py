@@ -1,0 +1,256 @@
+"""A GPT-2-style language model in array code, every gradient written by hand: token and position embeddings,
+pre-norm blocks (layernorm, causal self-attention through cupyflash, residual; layernorm, GELU MLP, residual), a
+final layernorm and an output head tied to the token embedding, with cross-entropy.
+
+One code path for NumPy and CuPy: the array module is that of the parameters. Shapes: B sequences of N tokens,
+width C, H query heads over Hk key/value heads (grouped-query attention when Hk < H) of D = C / H dims.
+Each layer is a pair of functions: ``*_forward(...) -> (out, saved)`` and ``*_backward(dout, saved) -> (dx,
+grads...)``; ``forward`` runs the model and keeps what ``backward`` needs, as llm.c's train_gpt2.cu does.
+
+Precision: the parameters are float32 (the optimizer's master copy); a step computes in ``dtype`` (float32, or
+bfloat16 on the GPU), with layernorm's statistics, the softmax of the loss and every weight gradient in float32
+(``accumulator``; all float64 for float64, which the gradient checks use).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+import cupyflash
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab: int
+    context: int = 256  # the longest sequence N
+    layers: int = 4
+    width: int = 128  # C
+    heads: int = 4  # H
+    kv_heads: int | None = None  # Hk (default H); grouped-query attention when fewer
+
+    def __post_init__(self):
+        if self.width % self.heads:
+            raise ValueError(f"width {self.width} must be a multiple of heads {self.heads}")
+        if self.heads % self.kv:
+            raise ValueError(f"heads {self.heads} must be a multiple of kv_heads {self.kv}")
+
+    @property
+    def kv(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
+
+def init(config: Config, xp=np, seed: int = 0) -> dict:
+    """float32 parameters by name, GPT-2's initialization: N(0, 0.02), the projections into the residual stream
+    scaled by 1/sqrt(2 * layers), biases 0, layernorm gains 1."""
+    rng = np.random.default_rng(seed)
+    c, d = config.width, config.head_dim
+    qkv = c + 2 * config.kv * d
+
+    def normal(*shape, std=0.02):
+        return xp.asarray(rng.standard_normal(shape, dtype=np.float32) * std)
+
+    params = {"wte": normal(config.vocab, c), "wpe": normal(config.context, c)}
+    residual_std = 0.02 / math.sqrt(2 * config.layers)
+    for layer in range(config.layers):
+        p = f"h{layer}."
+        params.update({
+            p + "ln1.g": xp.ones(c, np.float32), p + "ln1.b": xp.zeros(c, np.float32),
+            p + "attn.wqkv": normal(c, qkv), p + "attn.bqkv": xp.zeros(qkv, np.float32),
+            p + "attn.wo": normal(c, c, std=residual_std), p + "attn.bo": xp.zeros(c, np.float32),
+            p + "ln2.g": xp.ones(c, np.float32), p + "ln2.b": xp.zeros(c, np.float32),
+            p + "mlp.wfc": normal(c, 4 * c), p + "mlp.bfc": xp.zeros(4 * c, np.float32),
+            p + "mlp.wproj": normal(4 * c, c, std=residual_std), p + "mlp.bproj": xp.zeros(c, np.float32),
+        })  # fmt: skip
+    params.update({"lnf.g": xp.ones(c, np.float32), "lnf.b": xp.zeros(c, np.float32)})
+    return params
+
+
+# ------------------------------------------------------------------------------------------------ layers
+def accumulator(dtype):
+    """The dtype that statistics, the loss's softmax and weight gradients take: float64 for float64 (the
+    gradient checks), else float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def layernorm_forward(x, g, b, eps=1e-5):
+    """(x - mean) / sqrt(var + eps) * g + b over the last dim; statistics in the accumulator dtype."""
+    x32 = x.astype(accumulator(x.dtype))
+    mean = x32.mean(-1, keepdims=True)
+    rstd = 1.0 / array_module(x).sqrt(((x32 - mean) ** 2).mean(-1, keepdims=True) + eps)
+    xhat = (x32 - mean) * rstd
+    return (xhat * g + b).astype(x.dtype), (xhat, rstd, g, x.dtype)
+
+
+def layernorm_backward(dout, saved):
+    xhat, rstd, g, dtype = saved
+    dout = dout.astype(xhat.dtype)
+    axes = tuple(range(dout.ndim - 1))
+    dg, db = (dout * xhat).sum(axes), dout.sum(axes)
+    dxhat = dout * g
+    dx = rstd * (dxhat - dxhat.mean(-1, keepdims=True) - xhat * (dxhat * xhat).mean(-1, keepdims=True))
+    return dx.astype(dtype), dg, db
+
+
+def linear_forward(x, w, b):
+    """x @ w + b with w (in, out) in x's dtype."""
+    return x @ w.astype(x.dtype) + b.astype(x.dtype), (x, w)
+
+
+def linear_backward(dout, saved):
+    x, w = saved
+    dx = dout @ w.astype(dout.dtype).T
+    flat_x, flat_d = x.reshape(-1, x.shape[-1]), dout.reshape(-1, dout.shape[-1])
+    acc = accumulator(x.dtype)
+    dw = (flat_x.T @ flat_d).astype(acc)
+    return dx, dw, flat_d.astype(acc).sum(0)
+
+
+_GELU_K = math.sqrt(2.0 / math.pi)
+
+
+def gelu_forward(x):
+    """GPT-2's GELU, the tanh approximation: 0.5 x (1 + tanh(k (x + 0.044715 x^3)))."""
+    t = array_module(x).tanh(_GELU_K * (x + 0.044715 * x**3))
+    return 0.5 * x * (1.0 + t), (x, t)
+
+
+def gelu_backward(dout, saved):
+    x, t = saved
+    return dout * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_K * (1.0 + 3 * 0.044715 * x * x))
+
+
+def attention_forward(qkv, config: Config):
+    """Causal self-attention of qkv (B, N, C + 2 Hk D), q's H heads then k's and v's Hk each, through
+    cupyflash: out (B, N, C). Query heads are grouped (B, Hk, H / Hk, N, D) so that k and v (B, Hk, 1, N, D)
+    broadcast over each group."""
+    b, n, _ = qkv.shape
+    h, hk, d = config.heads, config.kv, config.head_dim
+    q = qkv[..., : h * d].reshape(b, n, hk, h // hk, d).transpose(0, 2, 3, 1, 4)
+    k = qkv[..., h * d : (h + hk) * d].reshape(b, n, hk, 1, d).transpose(0, 2, 3, 1, 4)
+    v = qkv[..., (h + hk) * d :].reshape(b, n, hk, 1, d).transpose(0, 2, 3, 1, 4)
+    out, lse = cupyflash.attention_forward(q, k, v, causal=True)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, n, h * d), (q, k, v, out, lse)
+
+
+def attention_backward(dout, saved, config: Config):
+    q, k, v, out, lse = saved
+    b, n, _ = dout.shape
+    h, hk, d = config.heads, config.kv, config.head_dim
+    dout = dout.reshape(b, n, hk, h // hk, d).transpose(0, 2, 3, 1, 4)
+    dq, dk, dv = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)  # dk, dv summed over groups
+    return array_module(dq).concatenate([x.transpose(0, 3, 1, 2, 4).reshape(b, n, -1) for x in (dq, dk, dv)], axis=-1)
+
+
+def cross_entropy_forward(x, wte, targets):
+    """The tied head and the loss: logits = x @ wte^T (B, N, V); the mean over tokens of -log softmax at the
+    targets, in float32. Returns the loss as a 0-d array (no wait for the device)."""
+    xp = array_module(x)
+    logits = (x @ wte.astype(x.dtype).T).astype(accumulator(x.dtype)).reshape(-1, wte.shape[0])
+    logits -= logits.max(-1, keepdims=True)
+    probs = xp.exp(logits)
+    probs /= probs.sum(-1, keepdims=True)
+    rows, flat_targets = xp.arange(probs.shape[0]), targets.reshape(-1)
+    loss = -xp.log(probs[rows, flat_targets]).mean()
+    return loss, (x, wte, probs, rows, flat_targets)
+
+
+def cross_entropy_backward(saved):
+    x, wte, probs, rows, flat_targets = saved
+    dlogits = probs.copy()
+    dlogits[rows, flat_targets] -= 1.0
+    dlogits /= flat_targets.size
+    dx = (dlogits.astype(x.dtype) @ wte.astype(x.dtype)).reshape(x.shape)
+    dwte = dlogits.T @ x.reshape(-1, x.shape[-1]).astype(dlogits.dtype)
+    return dx, dwte
+
+
+def array_module(x):
+    """numpy or cupy: the module of array x."""
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
+
+
+def scatter_add(target, index, values) -> None:
+    """target[index[i]] += values[i], repeated indices summed (an embedding's gradient)."""
+    if isinstance(target, np.ndarray):
+        np.add.at(target, index, values)
+    else:
+        import cupyx
+
+        cupyx.scatter_add(target, index, values)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def forward(params: dict, tokens, targets, config: Config, dtype=np.float32):
+    """The mean cross-entropy (a 0-d float32 array) of predicting ``targets`` (B, N) from ``tokens`` (B, N), and
+    what backward needs."""
+    x, saved, s_lnf = _trunk(params, tokens, config, dtype)
+    loss, s_loss = cross_entropy_forward(x, params["wte"], targets)
+    return loss, (tokens, saved, s_lnf, s_loss)
+
+
+def logits(params: dict, tokens, config: Config, dtype=np.float32):
+    """The next token's logits (B, V) in float32 after each sequence of ``tokens`` (B, N)."""
+    x, _, _ = _trunk(params, tokens, config, dtype)
+    return (x[:, -1] @ params["wte"].astype(dtype).T).astype(accumulator(dtype))
+
+
+def _trunk(params: dict, tokens, config: Config, dtype):
+    """The embeddings and every block, then the final layernorm: (x (B, N, C), each block's saved, lnf's)."""
+    n = tokens.shape[1]
+    if n > config.context:
+        raise ValueError(f"sequences of {n} tokens are longer than the context {config.context}")
+    x = (params["wte"][tokens] + params["wpe"][:n]).astype(dtype)
+    saved = []
+    for layer in range(config.layers):
+        p = f"h{layer}."
+        h1, s_ln1 = layernorm_forward(x, params[p + "ln1.g"], params[p + "ln1.b"])
+        qkv, s_qkv = linear_forward(h1, params[p + "attn.wqkv"], params[p + "attn.bqkv"])
+        att, s_att = attention_forward(qkv, config)
+        proj, s_proj = linear_forward(att, params[p + "attn.wo"], params[p + "attn.bo"])
+        x = x + proj
+        h2, s_ln2 = layernorm_forward(x, params[p + "ln2.g"], params[p + "ln2.b"])
+        fc, s_fc = linear_forward(h2, params[p + "mlp.wfc"], params[p + "mlp.bfc"])
+        act, s_gelu = gelu_forward(fc)
+        mlp, s_mlp = linear_forward(act, params[p + "mlp.wproj"], params[p + "mlp.bproj"])
+        x = x + mlp
+        saved.append((s_ln1, s_qkv, s_att, s_proj, s_ln2, s_fc, s_gelu, s_mlp))
+    xf, s_lnf = layernorm_forward(x, params["lnf.g"], params["lnf.b"])
+    return xf, saved, s_lnf
+
+
+def backward(state, params: dict, config: Config) -> dict:
+    """The loss's gradients by parameter name, in the accumulator dtype (float32; float64 for float64)."""
+    tokens, saved, s_lnf, s_loss = state
+    grads = {}
+    dx, grads["wte"] = cross_entropy_backward(s_loss)
+    dx, grads["lnf.g"], grads["lnf.b"] = layernorm_backward(dx, s_lnf)
+    for layer in reversed(range(config.layers)):
+        p = f"h{layer}."
+        s_ln1, s_qkv, s_att, s_proj, s_ln2, s_fc, s_gelu, s_mlp = saved[layer]
+        d_act, grads[p + "mlp.wproj"], grads[p + "mlp.bproj"] = linear_backward(dx, s_mlp)
+        d_fc = gelu_backward(d_act, s_gelu)
+        d_h2, grads[p + "mlp.wfc"], grads[p + "mlp.bfc"] = linear_backward(d_fc, s_fc)
+        d_ln2, grads[p + "ln2.g"], grads[p + "ln2.b"] = layernorm_backward(d_h2, s_ln2)
+        dx = dx + d_ln2
+        d_att, grads[p + "attn.wo"], grads[p + "attn.bo"] = linear_backward(dx, s_proj)
+        d_qkv = attention_backward(d_att, s_att, config)
+        d_h1, grads[p + "attn.wqkv"], grads[p + "attn.bqkv"] = linear_backward(d_qkv, s_qkv)
+        d_ln1, grads[p + "ln1.g"], grads[p + "ln1.b"] = layernorm_backward(d_h1, s_ln1)
+        dx = dx + d_ln1
+    dx32 = dx.astype(accumulator(dx.dtype))
+    n = tokens.shape[1]
+    grads["wpe"] = array_module(dx).zeros(params["wpe"].shape, dx32.dtype)
+    grads["wpe"][:n] = dx32.sum(0)
+    scatter_add(grads["wte"], tokens.reshape(-1), dx32.reshape(-1, dx32.shape[-1]))  # the embedding's rows
+    return grads

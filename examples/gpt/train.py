@@ -1,0 +1,142 @@
+"""Train the character-level GPT (model.py) on the repository's documentation (data.py), with AdamW (optim.py);
+then write a checkpoint and sample text from it.
+
+    python examples/gpt/train.py --device cpu --steps 200                  # NumPy, a tiny model, minutes
+    python examples/gpt/train.py --device gpu --layers 6 --width 384 --heads 6 --context 256 --steps 2000
+    python examples/gpt/train.py --resume gpt.npz --steps 400              # on from a checkpoint
+
+A progress bar shows when tqdm is installed (an optional dependency); every --eval-every steps the validation
+loss is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from data import Text  # noqa: E402
+from model import Config, backward, forward, init, logits  # noqa: E402
+from optim import AdamW, cosine_lr  # noqa: E402
+
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="the activations' dtype")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=None, help="fewer than --heads: grouped-query attention")
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", default="gpt.npz", help="written at the end ('' for none)")
+    parser.add_argument("--resume", default=None, help="a checkpoint to continue from (its model, optimizer, step)")
+    parser.add_argument("--sample", type=int, default=300, help="characters to sample at the end (0: none)")
+    return parser.parse_args(argv)
+
+
+def array_module(device: str):
+    if device == "cpu":
+        return np
+    import cupy
+
+    return cupy
+
+
+def evaluate(params, text, config, dtype, xp, rng, batches=4, batch=16) -> float:
+    """The mean validation loss over ``batches`` random batches."""
+    total = 0.0
+    for _ in range(batches):
+        x, y = text.batch(rng, "val", batch, config.context)
+        loss, _ = forward(params, xp.asarray(x), xp.asarray(y), config, dtype)
+        total += float(loss)
+    return total / batches
+
+
+def sample(params, text, config, dtype, xp, rng, length: int, prompt: str = "\n", temperature: float = 0.8) -> str:
+    """``length`` characters drawn one at a time after ``prompt`` (the model rereads its last context window)."""
+    tokens = list(text.encode(prompt))
+    for _ in range(length):
+        window = xp.asarray(np.array(tokens[-config.context :], dtype=np.int32)[None])
+        z = logits(params, window, config, dtype)[0]
+        z = xp.asnumpy(z) if xp is not np else z
+        p = np.exp((z - z.max()) / temperature)
+        tokens.append(int(rng.choice(len(p), p=p / p.sum())))
+    return text.decode(tokens[len(prompt) :])
+
+
+def save(path, config, params, optimizer, step) -> None:
+    """params, optimizer state, step and config in one .npz (host copies)."""
+    host = {f"param.{k}": _host(v) for k, v in params.items()}
+    host.update({f"opt.{k}": _host(v) for k, v in optimizer.state().items()})
+    np.savez(path, step=np.array(step), config=np.array(json.dumps(config.__dict__)), **host)
+
+
+def load(path, xp):
+    """(config, params, optimizer state, step) of a checkpoint written by ``save``, params on ``xp``."""
+    with np.load(path) as found:
+        config = Config(**json.loads(str(found["config"])))
+        params = {k[6:]: xp.asarray(found[k]) for k in found.files if k.startswith("param.")}
+        state = {k[4:]: found[k] for k in found.files if k.startswith("opt.")}
+        return config, params, state, int(found["step"])
+
+
+def _host(x):
+    return x if isinstance(x, np.ndarray) else x.get()
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    xp, dtype = array_module(args.device), DTYPES[args.dtype]
+    text = Text()
+    optimizer = AdamW(lr=args.lr)
+    if args.resume:
+        config, params, state, start = load(args.resume, xp)
+        optimizer.load(state, xp)
+    else:
+        config = Config(text.vocab, args.context, args.layers, args.width, args.heads, args.kv_heads)
+        params, start = init(config, xp, args.seed), 0
+    rng = np.random.default_rng(args.seed + start)
+    try:
+        from tqdm import trange
+    except ImportError:
+        trange = range
+    history = {"train": [], "val": []}
+    began = time.perf_counter()
+    for step in (bar := trange(start, args.steps)):
+        x, y = text.batch(rng, "train", args.batch, config.context)
+        loss, state = forward(params, xp.asarray(x), xp.asarray(y), config, dtype)
+        grads = backward(state, params, config)
+        lr = cosine_lr(step, peak=args.lr, warmup=args.warmup, total=args.steps)
+        optimizer.step(params, grads, lr)
+        history["train"].append(float(loss))
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(loss=f"{history['train'][-1]:.3f}")
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            history["val"].append((step + 1, evaluate(params, text, config, dtype, xp, rng)))
+            print(f"step {step + 1}: train {history['train'][-1]:.3f}, val {history['val'][-1][1]:.3f}", flush=True)
+    seconds = time.perf_counter() - began
+    if args.checkpoint:
+        save(args.checkpoint, config, params, optimizer, args.steps)
+    if args.sample:
+        print(sample(params, text, config, dtype, xp, rng, args.sample))
+    return {"history": history, "seconds": seconds, "params": params, "config": config}
+
+
+if __name__ == "__main__":
+    main()
