@@ -348,7 +348,7 @@ def _fp8_selected(head_dim, causal, options, device, packed=False):
     Its tensor maps never see a broadcast batch dim (q and k are copied whole), so ``tma`` does not matter."""
     from cupyflash._cuda import tile_policy
     from cupyflash._cuda.fp8 import head_dim_for
-    from cupyflash._fp8_api import resolve_out_dtype
+    from cupyflash._fp8.api import resolve_out_dtype
 
     if not device.wgmma or packed or set(options) - {"out_dtype"}:
         return None

@@ -10,9 +10,9 @@ from cupyflash._api import (
     attention_varlen_backward,
     attention_varlen_forward,
 )
-from cupyflash._fp8 import FP8Tensor, quantize_fp8
-from cupyflash._hadamard import hadamard_rotate
-from cupyflash._kvcache import attention_with_kvcache
+from cupyflash._fp8.hadamard import hadamard_rotate
+from cupyflash._fp8.tensor import FP8Tensor, quantize_fp8
+from cupyflash._kvcache.api import attention_with_kvcache
 from cupyflash._merge import merge_attention_states, merge_attention_states_stacked
 from cupyflash._modifiers import BLOCK_MASK_TILE, block_mask_from_dense
 from cupyflash._warmup import warmup

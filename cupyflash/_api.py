@@ -7,7 +7,7 @@ views, and hands the arrays to the back end of their array type:
     numpy.ndarray -> cupyflash._cpu           (blocked NumPy, same algorithm as the kernels)
     cupy.ndarray  -> cupyflash._cuda.dense  (our CUDA kernels, compiled when first needed)
 
-FP8Tensor inputs of the forward go to cupyflash._fp8_api first, which has its own checks and back ends.
+FP8Tensor inputs of the forward go to cupyflash._fp8.api first, which has its own checks and back ends.
 
 Both back ends take the same arguments and return full-batch-shape results; the gradients are summed back
 to the shapes of q, k, v here.
@@ -18,12 +18,13 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import DTypeLike
 
-from cupyflash import _cpu, _dropout, _fp8_api, _modifiers, _varlen
+from cupyflash import _cpu, _dropout, _modifiers, _varlen
 from cupyflash._arrays import Array, lse_dtype, sum_to_shape
 from cupyflash._checks import check_bool, check_causal, resolve_scale
 from cupyflash._cuda import dense as _gpu
 from cupyflash._cuda import dense_fast
-from cupyflash._fp8 import FP8Tensor
+from cupyflash._fp8 import api as _fp8_api
+from cupyflash._fp8.tensor import FP8Tensor
 from cupyflash._problem import validate
 
 

@@ -8,7 +8,7 @@ those of cupyflash._modifiers, and a query row that sees no key gives out = 0, l
 regenerate. Inputs must be NumPy arrays (any dtype NumPy can convert to float64, float64 included; bias any
 floating-point dtype); results are float64. ALiBi slopes are used as float32, as everywhere in cupyflash.
 :func:`attention_with_kvcache` (decoding against a key/value cache) and :func:`rotary` (rotary position embeddings)
-come from cupyflash._reference_kvcache.
+come from cupyflash._kvcache.reference.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from cupyflash import _dropout, _modifiers, _reference_kvcache, _varlen
+from cupyflash import _dropout, _modifiers, _varlen
 from cupyflash._arrays import is_cupy, matmul_seen, quiet_float_errors, sum_to_shape
 from cupyflash._checks import check_causal, check_shapes, resolve_scale
+from cupyflash._kvcache import reference as _reference_kvcache
 
 _BIAS_DTYPES_EXTRA = (np.dtype(ml_dtypes.bfloat16),)  # floating point, though NumPy's kind is not "f"
 

@@ -33,7 +33,7 @@ import numpy as np
 
 import cupyflash
 from cupyflash._cuda import tile_policy
-from cupyflash._fp8 import DECODE_TABLE, encode_e4m3
+from cupyflash._fp8.tensor import DECODE_TABLE, encode_e4m3
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)

@@ -25,7 +25,7 @@ import numpy
 from cupyflash._arrays import cupy
 from cupyflash._cuda.launch import Plan
 from cupyflash._dropout import SEED_LIMIT, Dropout
-from cupyflash._fp8 import FP8Tensor
+from cupyflash._fp8.tensor import FP8Tensor
 
 MAX_LAYOUTS = 256
 _ALIGN = 256  # bytes between the outputs within their allocation (CuPy's own allocations' alignment)

@@ -12,9 +12,9 @@ from helpers.problems import random_array
 
 import cupyflash
 from cupyflash import FP8Tensor, hadamard_rotate, quantize_fp8, reference
-from cupyflash._fp8 import DECODE_TABLE, E4M3_MAX, decode_e4m3, encode_e4m3
-from cupyflash._fp8_api import check_compute_capability
-from cupyflash._hadamard import random_signs
+from cupyflash._fp8.api import check_compute_capability
+from cupyflash._fp8.hadamard import random_signs
+from cupyflash._fp8.tensor import DECODE_TABLE, E4M3_MAX, decode_e4m3, encode_e4m3
 
 F8 = ml_dtypes.float8_e4m3fn
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -151,7 +151,7 @@ def test_the_tiles_fit_the_kernels():
     divide HEAD_DIM; a CTA's rows and its streamed block that divide a block-mask tile (a tile never straddles
     two); the FP8 forward's key blocks (1-byte rows, no block mask) divide quantize_fp8's row blocks, as a key
     block takes one k and one v descale; shared memory within what the variant's targets give a CTA."""
-    from cupyflash._fp8 import BLOCK_ROWS as FP8_BLOCK_ROWS
+    from cupyflash._fp8.tensor import BLOCK_ROWS as FP8_BLOCK_ROWS
     from cupyflash._modifiers import BLOCK_MASK_TILE
 
     for (path, itemsize, head_dim, kernel, form), t in tiles.CELLS.items():

@@ -16,7 +16,7 @@ from helpers.gpu import nan_filled_allocations
 import cupyflash
 from cupyflash import FP8Tensor, hadamard_rotate, quantize_fp8, reference
 from cupyflash._cuda import dense_fast
-from cupyflash._fp8 import DECODE_TABLE, encode_e4m3
+from cupyflash._fp8.tensor import DECODE_TABLE, encode_e4m3
 
 cupy = pytest.importorskip("cupy")
 

@@ -40,9 +40,9 @@ from helpers.modifiers import SOFTCAP, alibi_slopes
 from helpers.problems import random_array
 
 import cupyflash
-from cupyflash import _kvcache_args
 from cupyflash._arrays import lse_dtype
 from cupyflash._cuda import decode, tile_policy
+from cupyflash._kvcache import checks as _kvcache_args
 
 cupy = pytest.importorskip("cupy")
 

@@ -23,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_SUFFIXES = (".cu", ".cuh")
 RUNTIME_REQUIREMENTS = {"numpy", "ml_dtypes"}  # CuPy is optional (the extras); SciPy is the tests' (test extra)
-SUBPACKAGES = ("cupyflash", "cupyflash/_cuda", "cupyflash/distributed")
+SUBPACKAGES = ("cupyflash", "cupyflash/_cuda", "cupyflash/_fp8", "cupyflash/_kvcache", "cupyflash/distributed")
 BUILD_INPUTS = (
     "setup.cfg",
     "pyproject.toml",
@@ -143,7 +143,8 @@ def test_wheel_ships_every_module(wheel):
     names, _, _ = wheel
     expected = _python_modules()
     assert "cupyflash/_cuda/__init__.py" in expected and "cupyflash/_cuda/variants.py" in expected
-    shipped = sorted(n for n in names if re.fullmatch(r"cupyflash/(?:_cuda/|distributed/)?[^/]+\.py", n))
+    subpackages = "|".join(re.escape(p.split("/", 1)[1]) for p in SUBPACKAGES if "/" in p)
+    shipped = sorted(n for n in names if re.fullmatch(rf"cupyflash/(?:(?:{subpackages})/)?[^/]+\.py", n))
     missing, extra = sorted(set(expected) - set(shipped)), sorted(set(shipped) - set(expected))
     assert shipped == expected, f"missing {missing}, extra {extra}"
     assert "cupyflash/__main__.py" in names

@@ -25,7 +25,7 @@ Queries are processed BLOCK_Q rows at a time, so memory stays O(BLOCK_Q * Nk) pe
 import numpy as np
 
 from cupyflash._arrays import from_float, quiet_float_errors
-from cupyflash._fp8 import decode_e4m3, encode_e4m3, row_scales
+from cupyflash._fp8.tensor import decode_e4m3, encode_e4m3, row_scales
 
 BLOCK_Q = 256
 P_OFFSET = 256.0  # 2^8: the e4m3 value of a probability of 1
@@ -36,7 +36,7 @@ def attention_forward_fp8(q, k, v, *, scale, causal, out_dtype):
     """Returns out (*lead, Nq, Dv) ``out_dtype`` and lse (*lead, Nq) float32.
 
     q, k, v: NumPy FP8Tensors of shapes (*lead, Nq, D), (*lead, Nk, D), (*lead, Nk, Dv), their data and
-    scale broadcast to the same leading dims (stride-0 views welcome), validated by cupyflash._fp8_api;
+    scale broadcast to the same leading dims (stride-0 views welcome), validated by cupyflash._fp8.api;
     Nq, Nk, prod(lead) >= 1. ``scale`` multiplies the scores; ``causal`` is bottom-right aligned.
     """
     nq, nk = q.shape[-2], k.shape[-2]

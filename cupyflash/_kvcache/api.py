@@ -1,6 +1,6 @@
 """Attention against a key/value cache, for decoding: ``attention_with_kvcache``.
 
-NumPy inputs run on the CPU path (cupyflash._kvcache_cpu), CuPy inputs on the GPU (cupyflash._cuda.decode).
+NumPy inputs run on the CPU path (cupyflash._kvcache.cpu), CuPy inputs on the GPU (cupyflash._cuda.decode).
 The semantics are written out in the docstring below and in the inference page of the documentation
 (``python -m cupyflash --docs inference``).
 """
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupyflash import _kvcache_args, _kvcache_cpu
 from cupyflash._arrays import Array, is_cupy, lse_dtype
 from cupyflash._cuda import decode as _gpu_decode
 from cupyflash._cuda import decode_fast as _gpu_fast
+from cupyflash._kvcache import checks as _kvcache_args
+from cupyflash._kvcache import cpu as _kvcache_cpu
 
 
 def attention_with_kvcache(

@@ -18,7 +18,7 @@ import numpy as np
 
 from cupyflash._arrays import Array, array_module, from_float, to_float
 from cupyflash._checks import check_float_array
-from cupyflash._fp8 import FLOAT_DTYPES
+from cupyflash._fp8.tensor import FLOAT_DTYPES
 
 
 def hadamard_rotate(x: Array, *, seed: int = 0) -> Array:

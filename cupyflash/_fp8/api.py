@@ -1,7 +1,7 @@
 """The FP8 attention forward behind ``attention`` and ``attention_forward`` when q, k, v are FP8Tensors:
 validation, empty problems, the broadcast of the leading dims, and the hand-off to a back end:
 
-    numpy -> cupyflash._fp8_cpu   (the naive implementation, row block by row block, float64)
+    numpy -> cupyflash._fp8.cpu   (the naive implementation, row block by row block, float64)
     cupy  -> cupyflash._cuda.fp8  (the Hopper kernel: FP8 wgmma; compute capability 9.0)
 
 Forward only: there is no FP8 backward (as in FlashAttention-3).
@@ -15,11 +15,11 @@ import math
 import ml_dtypes
 import numpy as np
 
-from cupyflash import _fp8_cpu
 from cupyflash._arrays import cupy
 from cupyflash._checks import check_array_types, check_causal, check_head_dims, check_shapes, resolve_scale
 from cupyflash._cuda import dense_fast
-from cupyflash._fp8 import FP8Tensor
+from cupyflash._fp8 import cpu as _fp8_cpu
+from cupyflash._fp8.tensor import FP8Tensor
 
 OUT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 FP8_COMPUTE_CAPABILITY = 90  # the kernel is sm_90a's: FP8 wgmma and TMA, which run on compute capability 9.0 only
