@@ -25,8 +25,8 @@ APPEND_THREADS = 256
 
 # (element bytes, HEAD, rows per CTA) -> (WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES). STAGES = 1 is one
 # buffer each for k and v whose copies interleave with the products (v of a tile lands while its scores
-# are computed, k of the next while P v is): half the shared memory of two stages; on an H100 it beat every
-# ring shape for bf16 D = 64 and 128 (docs/design/decode.md).
+# are computed, k of the next while P v is): half the shared memory of two stages, and the faster shape for bf16
+# D = 64 and 128 (its measurement: docs/design/decode.md).
 # Rows are packed query rows (G query heads x Nq queries of one key/value head). 16 rows: four warps split
 # each tile's keys (a decode step's few rows would leave three of four m16 tiles empty); 64 rows: four row
 # blocks (speculative decoding, chunks). WARPS_DV > 1 splits v's columns where the accumulators of a whole

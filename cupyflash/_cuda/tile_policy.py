@@ -40,8 +40,8 @@ WS_BWD_MIN_LENGTH = {64: 1024, 128: 1024, 192: 1024, 256: 1024}
 WS_BWD_MIN_WORK = 1 << 34
 # From how many keys an ordered call without a causal mask adds dq in key-block order rather than by arrival
 # (unordered adds always walk as by arrival): there every CTA walks the query blocks in one order, which is faster
-# from these lengths on; at HEAD_DIM 256 past 132 x 64 keys a batch entry's key blocks outnumber an H100's or
-# H200's SMs (fused_backward_by_arrival), so the index order serves there from 132 x 64 + 1 keys.
+# from these lengths on (docs/design/tiles.md). Where a batch entry's key blocks outnumber the SMs, the index
+# order serves whatever the length (fused_backward_by_arrival): at HEAD_DIM 256 that comes before 16384 keys.
 WS_BWD_INDEX_ORDER_KEYS = {64: 8192, 128: 16384, 192: 16384, 256: 16384}
 
 
