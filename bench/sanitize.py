@@ -281,21 +281,19 @@ def _fused_at_any_length(variant):
     if not variant.fused_backward:
         yield
         return
-    from cupyflash._cuda import dense_fast, launch, tile_policy
+    from cupyflash._cuda import plans, tile_policy
 
     names = ("WS_BWD_MIN_LENGTH", "WS_BWD_MIN_WORK")
     saved = {name: getattr(tile_policy, name) for name in names}
     tile_policy.WS_BWD_MIN_LENGTH = {d: 1 for d in saved["WS_BWD_MIN_LENGTH"]}
     tile_policy.WS_BWD_MIN_WORK = 0
-    launch.plans.clear()
-    dense_fast._table.clear()
+    plans.clear()
     try:
         yield
     finally:
         for name, value in saved.items():
             setattr(tile_policy, name, value)
-        launch.plans.clear()
-        dense_fast._table.clear()
+        plans.clear()
 
 
 def _selected(variant, causal, options, device, packed=False, tma=True):

@@ -22,7 +22,7 @@ from cupyflash import _cpu, _dropout, _modifiers, _varlen
 from cupyflash._arrays import Array, lse_dtype, sum_to_shape
 from cupyflash._checks import check_bool, check_causal, resolve_scale
 from cupyflash._cuda import dense as _gpu
-from cupyflash._cuda import dense_fast
+from cupyflash._cuda import plans
 from cupyflash._fp8 import api as _fp8_api
 from cupyflash._fp8.tensor import FP8Tensor
 from cupyflash._problem import validate
@@ -239,11 +239,13 @@ def attention_forward(
         raise ValueError(f"out_dtype applies to FP8 inputs only (q, k, v FP8Tensors), got out_dtype={out_dtype!r}")
     fast = None
     if alibi_slopes is None and bias is None and mask is None and block_mask is None:
-        # A layout checked before goes straight to its launches (cupyflash._cuda.dense_fast).
-        fast = dense_fast.key("fwd", (q, k, v), causal, scale, window, softcap, dropout_p, dropout_seed)
-        outputs = dense_fast.forward(fast, q, k, v, dropout_seed)
-        if outputs is not None:
-            return outputs[0], outputs[1]
+        # A layout checked before goes straight to its launches (its call entry in cupyflash._cuda.plans).
+        fast = plans.key("call", "fwd", (q, k, v), (causal, scale, window, softcap, dropout_p, type(dropout_seed)))
+        call = plans.get(fast)
+        if call is not None:
+            outputs = call.run([q.data.ptr, k.data.ptr, v.data.ptr], dropout_seed)
+            if outputs is not None:
+                return outputs[0], outputs[1]
     options = dict(
         window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask
     )
@@ -340,17 +342,14 @@ def attention_backward(
     fast = None
     if alibi_slopes is None and bias is None and mask is None and block_mask is None:
         # (unordered calls keep their plans apart: at some lengths only they take the fused backward)
-        fast = dense_fast.key(
+        fast = plans.key(
+            "call",
             "bwd" if deterministic else "bwd-unordered",
             (dout, q, k, v, out, lse),
-            causal,
-            scale,
-            window,
-            softcap,
-            dropout_p,
-            dropout_seed,
+            (causal, scale, window, softcap, dropout_p, type(dropout_seed)),
         )
-        outputs = dense_fast.backward(fast, dout, q, k, v, out, lse, dropout_seed)
+        call = plans.get(fast)
+        outputs = None if call is None else call.run([x.data.ptr for x in (q, k, v, out, dout, lse)], dropout_seed)
         if outputs is not None:
             return tuple(
                 g if g.shape == x.shape else sum_to_shape(g, x.shape, lse.dtype) for g, x in zip(outputs, (q, k, v))
@@ -669,7 +668,7 @@ def _validate_varlen(
 
 
 def _fast_key(found) -> dict:
-    """The back end's keyword that keeps a GPU call's plan under its dense_fast layout key (None: none)."""
+    """The back end's keyword that keeps a GPU call's plan under its call key (plans.py; None: none)."""
     return {} if found is None else {"fast_key": found}
 
 

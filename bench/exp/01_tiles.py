@@ -21,7 +21,7 @@ from bench_attention import L2Flush, median_ms  # the benchmark's timing (PYTHON
 
 import cupyflash
 from cupyflash import reference
-from cupyflash._cuda import compile, dense, launch, tiles
+from cupyflash._cuda import compile, dense, plans, tiles
 
 TIMING = SimpleNamespace(warmup=5, repeats=30)
 
@@ -46,14 +46,14 @@ def set_tiles(path, head_dim, kernel, shape):
     warps, block, d_chunk = shape
     tiles.CELLS[key] = dataclasses.replace(original, num_warps=warps, block=block, d_chunk=d_chunk)
     compile.modules.clear()  # modules and plans are memoized per variant, not per tile shape
-    launch.plans.clear()
+    plans.clear()
     return original
 
 
 def restore_tiles(path, head_dim, kernel, original):
     tiles.CELLS[path, 2, head_dim, kernel, "plain"] = original
     compile.modules.clear()
-    launch.plans.clear()
+    plans.clear()
 
 
 def max_rel_error(got, want):

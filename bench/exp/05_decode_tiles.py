@@ -19,7 +19,7 @@ import cupy  # noqa: E402
 from bench_decode import Problem, _bf16, gpu_time_us, ours, peer, rotating  # noqa: E402
 
 from cupyflash._cuda import compile as _compile  # noqa: E402
-from cupyflash._cuda import decode, decode_fast, decode_tiles  # noqa: E402
+from cupyflash._cuda import decode, decode_tiles, plans  # noqa: E402
 
 HEAD = int(os.environ.get("HEAD", "128"))  # the head dim whose 16-row entry is varied
 
@@ -38,15 +38,14 @@ def main():
         for config, waves in itertools.product(CONFIGS, WAVES):
             decode_tiles.TABLE[(2, HEAD, 16)] = config
             decode.WAVES = waves
-            decode._plans.clear()
-            decode_fast._fast.clear()
+            plans.clear()
             _compile.modules.clear()  # the variant's name is the same; its tiles are not
             mine = cupy.asarray(ours(problem)(problem.sets[0]), dtype=np.float32)
             theirs = cupy.from_dlpack(peer(problem, "flash")(problem.sets[0]).contiguous()).astype(np.float32)
             gap = float(cupy.linalg.norm(mine - theirs) / cupy.linalg.norm(theirs))
             assert gap < 2e-2, f"{config}: ours and flash differ by {gap:.2e}"
             t = gpu_time_us(rotating(problem, ours(problem)))
-            splits = next(iter(decode._plans.values())).max_splits
+            splits = next(iter(plans.entries("plan", "decode").values())).max_splits
             rows.append((batch, nk, config, waves, splits, t, flash))
             print(
                 f"B{batch} Nk{nk} {config} waves{waves} splits{splits}: {t:.1f} us, flash {flash:.1f}, "

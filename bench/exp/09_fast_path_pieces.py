@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 from bench_train_step import host_us  # noqa: E402
 
 import cupyflash  # noqa: E402
-from cupyflash._cuda import dense_fast  # noqa: E402
+from cupyflash._cuda import plans  # noqa: E402
 
 bf16 = np.dtype(ml_dtypes.bfloat16)
 qkv = cupy.random.standard_normal((8, 1024, 3, 8, 64), dtype=np.float32).astype(bf16)
@@ -22,26 +22,27 @@ out, lse = cupyflash.attention_forward(q, k, v, causal=True)
 dout = cupy.ones_like(out)
 cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
 args = (q, k, v)
-found = dense_fast.key("fwd", args, True, None, None, 0.0, 0.0, None)
-call = dense_fast.lookup(found)
-bwd_found = dense_fast.key("bwd", (dout, q, k, v, out, lse), True, None, None, 0.0, 0.0, None)
-bwd_call = dense_fast.lookup(bwd_found)
+OPTIONS = (True, None, None, 0.0, 0.0, type(None))  # the API's call key options: causal=True, the rest default
+found = plans.key("call", "fwd", args, OPTIONS)
+call = plans.get(found)
+bwd_found = plans.key("call", "bwd", (dout, q, k, v, out, lse), OPTIONS)
+bwd_call = plans.get(bwd_found)
 spare = [cupy.empty_like(x) for x in (out, lse, q, k, v, lse, lse)]  # where the timed launches write
 pointers = [x.data.ptr for x in args + tuple(spare[:2])]
 bwd_pointers = [x.data.ptr for x in (q, k, v, out, dout, lse, *spare[2:])]
 memory = cupy.cuda.alloc(1024)
 rows = {
     "attention_forward (fast path)": lambda: cupyflash.attention_forward(q, k, v, causal=True),
-    "dense_fast.key fwd": lambda: dense_fast.key("fwd", args, True, None, None, 0.0, 0.0, None),
-    "dense_fast.lookup fwd": lambda: dense_fast.lookup(found),
-    "_Call.run fwd": lambda: call.run([q, k, v], None),
+    "plans.key fwd": lambda: plans.key("call", "fwd", args, OPTIONS),
+    "plans.get fwd": lambda: plans.get(found),
+    "Call.run fwd": lambda: call.run([q, k, v], None),
     "plan.launch_with fwd (no alloc)": lambda: call.plan.launch_with(call.slots, pointers),
     "cupy.cuda.alloc": lambda: cupy.cuda.alloc(1 << 20),
     "ndarray(shape, dtype, memptr)": lambda: cupy.ndarray((8, 8, 1024, 64), bf16, memory),
     "memory + offset": lambda: memory + 256,
     "attention_backward (fast path)": lambda: cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True),
-    "dense_fast.key bwd": lambda: dense_fast.key("bwd", (dout, q, k, v, out, lse), True, None, None, 0.0, 0.0, None),
-    "_Call.run bwd": lambda: bwd_call.run([q, k, v, out, dout, lse], None),
+    "plans.key bwd": lambda: plans.key("call", "bwd", (dout, q, k, v, out, lse), OPTIONS),
+    "Call.run bwd": lambda: bwd_call.run([q, k, v, out, dout, lse], None),
     "plan.launch_with bwd (no alloc)": lambda: bwd_call.plan.launch_with(bwd_call.slots, bwd_pointers),
 }
 print("| piece | host us |\n|---|---|")

@@ -20,7 +20,7 @@ import numpy as np
 import cupyflash
 from cupyflash import _timing
 from cupyflash._cuda import compile as C
-from cupyflash._cuda import dense_fast, launch, tiles
+from cupyflash._cuda import plans, tiles
 from cupyflash._cuda.variants import Variant
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -64,8 +64,7 @@ def set_cell(d, cell):
     else:
         tiles.CELLS[key] = tiles._parse_cell(cell, "ws")
     C.modules.clear()
-    dense_fast._table.clear()
-    launch.plans.clear()
+    plans.clear()
 
 
 def precompile():
@@ -151,7 +150,7 @@ for d in dims:
                 set_cell(d, cell)
                 out = cupyflash.attention_forward(q, k, v, causal=causal)[0]
                 err = max_err(out, ref)
-                used = {plan.variant.path for plan in launch.plans.values()}
+                used = {plan.variant.path for plan in plans.entries("plan").values()}
                 assert used == {"ws"}, used
                 t = flops / ms(lambda: cupyflash.attention_forward(q, k, v, causal=causal)) / 1e9
                 row[cell] = t

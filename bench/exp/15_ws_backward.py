@@ -24,8 +24,7 @@ import numpy as np
 
 import cupyflash
 from cupyflash import _timing
-from cupyflash._cuda import dense_fast, tile_policy, tiles, tma
-from cupyflash._cuda import launch as launches
+from cupyflash._cuda import plans, tile_policy, tiles, tma
 from cupyflash._cuda.compile import current_device, functions
 from cupyflash._cuda.launch import CPointer, launch
 from cupyflash._cuda.params import PARAMS_BYTES, dense_params, layout
@@ -122,8 +121,7 @@ def two_passes(dout, q, k, v, out, lse, causal):
         return cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
     finally:
         tile_policy.WS_BWD_MIN_LENGTH.update(saved)
-        launches.plans.clear()
-        dense_fast._table.clear()
+        plans.clear()
 
 
 def f64(x):

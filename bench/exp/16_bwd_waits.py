@@ -19,7 +19,7 @@ import numpy as np
 
 import cupyflash
 from cupyflash._cuda import compile as compile_
-from cupyflash._cuda import dense_fast, launch, variants
+from cupyflash._cuda import plans, variants
 
 SLOTS = 1 << 16
 FIELDS = (
@@ -129,8 +129,7 @@ for d, causal, n in (
     out, lse = cupyflash.attention_forward(q, k, v, causal=causal)
     # a fresh module for each row (loaded from CuPy's cache), so that built[-1] is this row's
     compile_.modules.clear()
-    launch.plans.clear()
-    dense_fast._table.clear()
+    plans.clear()
     cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
     module = built[-1]
     pointer = module.get_global("wait_clocks")

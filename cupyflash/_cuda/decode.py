@@ -2,8 +2,10 @@
 parameter words and the per-stream workspace), then one or two launches: the append/rotary step when there
 is something to append or rotate, and the split decode, whose last split to finish merges the splits.
 
-A plan is keyed on everything but the arrays' addresses, so a serving loop's repeated calls (every layer
-of every step has the same layout) only fill in the addresses and launch. Workspaces belong to the plan and
+A plan is kept in the plan cache (plans.py) under everything but the arrays' addresses, so a serving loop's
+repeated calls (every layer of every step has the same layout) only fill in the addresses and launch; a call
+whose arguments have the layout of an earlier checked call finds its plan under its call key (call_key) and
+skips the checks too. Workspaces belong to the plan and
 the stream, never to a call: a call captured in a CUDA graph keeps pointing at memory that stays alive.
 """
 
@@ -17,7 +19,7 @@ import numpy
 from cupyflash._arrays import cupy, lse_dtype
 from cupyflash._checks import MAX_SPLITS
 from cupyflash._cuda import compile as _compile
-from cupyflash._cuda import decode_tiles, tile_policy
+from cupyflash._cuda import decode_tiles, plans, tile_policy
 from cupyflash._cuda.decode_params import (
     ALIBI,
     BLOCK_TABLE,
@@ -40,7 +42,6 @@ from cupyflash._cuda.decode_params import (
 from cupyflash._cuda.source import MAX_GRID_Y
 
 MIN_TILES_PER_SPLIT = 1
-MAX_PLANS = 256  # layouts whose plans (and workspaces) are kept
 _PER_THREAD_STREAM = 2  # cudaStreamPerThread: CuPy's Stream.ptds
 WAVES = 1.0  # waves of CTAs the split count aims for
 
@@ -190,7 +191,7 @@ class Plan:
     def workspace(self) -> tuple[dict, numpy.ndarray]:
         """This plan's scratch arrays on the current stream (made on its first call there), and the
         parameter words with their addresses filled in. A plan that runs inside a CUDA-graph capture is
-        pinned: its workspace must live as long as the graph, so plan_for never evicts it. (Only a created
+        pinned: its workspace must live as long as the graph, so the plan cache never evicts it. (Only a created
         stream can capture, so the default streams skip the test.)"""
         current = cupy.cuda.get_current_stream()
         stream = current.ptr
@@ -266,46 +267,88 @@ class Plan:
         return out, lse
 
 
-_plans: dict[tuple, Plan] = {}
-_lock = threading.Lock()
-
-
-def _layout(x):
-    return None if x is None else (x.shape, x.strides)
-
-
 def plan_for(call) -> Plan:
+    """The plan of a checked call's layout, from the plan cache (made on its first call)."""
     vec_ok = _aligned_rows(call.k_cache, call.d) and _aligned_rows(call.v_cache, call.dv)
-    key = (
-        cupy.cuda.Device().id,
-        call.dtype,
-        _layout(call.q),
-        _layout(call.k_cache),
-        _layout(call.v_cache),
-        _layout(call.k),
-        _layout(call.v),
-        _layout(call.block_table),
-        _layout(call.rotary_cos),
-        call.rotary_interleaved,
-        call.causal,
-        call.scale,
-        call.window,
-        call.softcap,
-        _layout(call.alibi_slopes),
-        call.num_splits,
-        vec_ok,
+    key = plans.key(
+        "plan",
+        "decode",
+        (call.q, call.k_cache, call.v_cache, call.k, call.v, call.block_table, call.rotary_cos, call.alibi_slopes),
+        (call.rotary_interleaved, call.causal, call.scale, call.window, call.softcap, call.num_splits, vec_ok),
     )
-    plan = _plans.get(key)
-    if plan is None:
-        with _lock:
-            plan = _plans.get(key)
-            if plan is None:
-                if len(_plans) >= MAX_PLANS:  # the oldest unpinned layout goes (dicts keep insertion order)
-                    oldest = next((k for k, p in _plans.items() if not p.pinned), None)
-                    if oldest is not None:
-                        _plans.pop(oldest)
-                plan = _plans[key] = Plan(call, vec_ok)
-    return plan
+    return plans.get_or_make(key, lambda: Plan(call, vec_ok))
+
+
+def call_key(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    cache_seqlens,
+    block_table,
+    rotary_cos,
+    rotary_sin,
+    rotary_interleaved,
+    causal,
+    scale,
+    window,
+    softcap,
+    alibi_slopes,
+    num_splits,
+    return_lse,
+):
+    """The plan cache's call key of these arguments as the caller passed them (plans.py): everything the
+    checks and the plan depend on but the addresses and an int cache_seqlens' value; None where a call cannot
+    take the fast path (NumPy arrays, index sequences)."""
+    given_int = type(cache_seqlens) is int
+    return plans.key(
+        "call",
+        "decode",
+        (
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            None if given_int else cache_seqlens,
+            block_table,
+            rotary_cos,
+            rotary_sin,
+            alibi_slopes,
+        ),
+        (given_int, rotary_interleaved, causal, scale, window, softcap, num_splits, return_lse),
+    )
+
+
+def keep_call(key, call, q, k, v, block_table, rotary_cos, rotary_sin, alibi_slopes, cache_seqlens) -> None:
+    """Let later calls with this call key skip the checks, where the checked call launched on the caller's
+    own arrays (no cast or copy of rotary tables, slopes or lengths that the fast path would have to redo)."""
+    if key is None:
+        return
+    if rotary_cos is not None and (call.rotary_cos is not rotary_cos or call.rotary_sin is not rotary_sin):
+        return
+    if alibi_slopes is not None and alibi_slopes.dtype != numpy.float32:
+        return
+    if call.q is not q or call.k is not k or call.v is not v:  # copied to a unit last stride
+        return
+    if type(cache_seqlens) is not int and call.cache_seqlens is not cache_seqlens:  # cast or copied
+        return
+    if call.block_table is not block_table:  # copied to contiguous columns
+        return
+    plans.put(key, plan_for(call))
+
+
+def run_call(
+    plan: Plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes, return_lse
+):
+    """(out, lse) of a call found under its call key, or None where an int cache_seqlens is out of range (the
+    checked path raises the error)."""
+    if type(cache_seqlens) is int and not 0 <= cache_seqlens <= plan.seqlen_limit:
+        return None
+    return plan.run(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes, want_lse=return_lse
+    )
 
 
 def _seqlens(call):

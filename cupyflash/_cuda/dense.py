@@ -12,19 +12,20 @@ import math
 import numpy
 
 from cupyflash._arrays import bits, cupy, lse_dtype, sum_to_shape
-from cupyflash._cuda import dense_fast, f32_pieces, fused_backward, tile_policy, tma
+from cupyflash._cuda import f32_pieces, fused_backward, plans, tile_policy, tma
 from cupyflash._cuda.compile import current_device, functions
 from cupyflash._cuda.launch import (
+    BACKWARD_NAMES,
     CHAIN_ROWS,
+    FORWARD_NAMES,
     Plan,
+    keep_call,
     launch,
     launch_summed,
     passes_side_by_side,
-    plan_key,
-    plans,
-    remember,
 )
 from cupyflash._cuda.params import (
+    STRIDED,
     dbias_buffer,
     dense_params,
     kernel_ready,
@@ -59,9 +60,25 @@ def _tma_reads(variant, arrays, sizes, strides, nk: int) -> bool:
     return not variant.block_mask or -(-nk // BLOCK_MASK_TILE) <= WS_BLOCK_MASK_TILES
 
 
+def plan_key(direction: str, arrays: dict, scale: float, causal: bool, mods, dropout) -> tuple | None:
+    """A dense call's key in the plan cache (role "plan"), or None when it is not planned (the modifiers'
+    per-element arrays). Its inputs' layouts: outputs and workspaces are allocated contiguous from their
+    shapes."""
+    if mods is not None and not (mods.bias is None and mods.mask is None and mods.block_mask is None):
+        return None
+    window, softcap = (None, 0.0) if mods is None else (mods.window, mods.softcap)
+    return plans.key(
+        "plan",
+        direction,
+        [arrays[name] for name in STRIDED if name in arrays] + [arrays.get("alibi_slopes")],
+        (scale, causal, window, softcap) + ((None, None) if dropout is None else (dropout.threshold, dropout.scale)),
+    )
+
+
 def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout=None, fast_key=None):
     """out (*batch, Nq, Dv) and lse (*batch, Nq) in lse_dtype (float32; float64 for float64 inputs).
-    ``fast_key``: the call's dense_fast key, under which a plan that launches on these very arrays is kept."""
+    ``fast_key``: the call's key in the plan cache (plans.py, role "call"), under which a plan that launches
+    on these very arrays is kept."""
     batch_shape, (nq, d), nk, d_v = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
     d_w, d_v_w = _widths(q.dtype, d, d_v)
     given = q, k, v
@@ -72,7 +89,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
     lse = cupy.empty(batch_shape + (nq,), dtype=lse_dtype(q.dtype))
     addresses = {"q": q, "k": k, "v": v, "out": out, "lse": lse, **slopes(mods)}
     key = plan_key("fwd", addresses, scale, causal, mods, dropout)
-    plan = plans.get(key) if key is not None else None
+    plan = plans.get(key)
     variant = (
         plan.variant
         if plan is not None
@@ -117,13 +134,10 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
         if copied:  # the parameters point at copies made for this call
             plan.launch(None, None)
             return unpad(arrays["out"], d_v), lse
-        if key is not None:  # (the modifiers' arrays: planned never, launched once)
-            remember(key, plan)
+        plans.put(key, plan)  # (None for the modifiers' arrays: planned never, launched once)
     plan.launch(addresses, dropout)
     if key is not None and not width:
-        dense_fast.remember(
-            fast_key, plan, dense_fast.FORWARD_NAMES, [(out.shape, out.dtype), (lse.shape, lse.dtype)], dropout
-        )
+        keep_call(fast_key, plan, FORWARD_NAMES, [(out.shape, out.dtype), (lse.shape, lse.dtype)], dropout)
     return unpad(out, d_v), lse
 
 
@@ -178,7 +192,7 @@ def attention_backward(
     # may be the two passes)
     direction = "bwd" if deterministic else "bwd-unordered"
     key = plan_key(direction, addresses, scale, causal, mods, dropout) if max(nq, nk) <= CHAIN_ROWS else None
-    plan = plans.get(key) if key is not None else None
+    plan = plans.get(key)
     outputs = [(x.shape, x.dtype) for x in (dq, dk, dv, lse_log2, delta)]
     # Gradients of inputs broadcast over leading dims (stride 0) are summed after the call: scratch memory.
     scratch = [
@@ -186,7 +200,7 @@ def attention_backward(
     ]
     if plan is not None:
         plan.launch(addresses, dropout)
-        dense_fast.remember(fast_key, plan, dense_fast.BACKWARD_NAMES, outputs, dropout, scratch)
+        keep_call(fast_key, plan, BACKWARD_NAMES, outputs, dropout, scratch)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d_v), None
     lengths = tile_policy.backward_lengths(math.prod(batch_shape), nq, nk, max(d_w, d_v_w))
     features = Features.of(
@@ -232,11 +246,11 @@ def attention_backward(
         else:
             plan = Plan(kernels, variant, params, [("preprocess", nq, batch), ("dkdv", nk, batch), ("dq", nq, batch)])
         if key is not None and not copied:
-            remember(key, plan)
+            plans.put(key, plan)
         else:
             fast_key = None
         plan.launch(None, None)
-        dense_fast.remember(fast_key, plan, dense_fast.BACKWARD_NAMES, outputs, dropout, scratch)
+        keep_call(fast_key, plan, BACKWARD_NAMES, outputs, dropout, scratch)
         return unpad(dq, d), unpad(dk, d), unpad(dv, d_v), None
     launch(kernels, variant, "preprocess", nq, batch, params)
     if width:

@@ -13,7 +13,8 @@ call on the same holders only launches:
   shuffles;
 - the descales as float32 (batch, blocks) per flat batch entry.
 Broadcast (GQA) q and k are copied whole (TMA cannot step through a stride-0 batch dim); V^T is written per
-entry anyway. A call's plan is kept under its layout key (dense_fast.fp8_key), as a dense call's is.
+entry anyway. A call's plan is kept in the plan cache (plans.py) under its call key (cupyflash/_fp8/api.py), as a dense
+call's is.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import math
 import numpy
 
 from cupyflash._arrays import cupy
-from cupyflash._cuda import dense_fast, tile_policy, tma
+from cupyflash._cuda import plans, tile_policy, tma
 from cupyflash._cuda.compile import functions
-from cupyflash._cuda.launch import Plan
+from cupyflash._cuda.launch import FP8_NAMES, Plan, keep_call
 from cupyflash._cuda.params import dense_params, kernel_ready, layout, unpad
 from cupyflash._cuda.source import OPTIONS, module_code
 from cupyflash._cuda.tiles import FP8_HEAD_DIMS, WS_WARPGROUP_ROWS
@@ -177,25 +178,18 @@ def division_magic(divisor: int) -> tuple[int, int]:
 def attention_forward_fp8(q, k, v, batch_shape, *, scale: float, causal: bool, out_dtype, fast_key=None):
     """out (*batch, Nq, Dv) in ``out_dtype`` (float16 or bfloat16) and lse (*batch, Nq) float32 of e4m3 holders
     whose data and scales broadcast to ``batch_shape`` (the API validated them and handled empty problems).
-    ``fast_key``: the call's dense_fast.fp8_key, under which its plan is kept."""
+    ``fast_key``: the call's key in the plan cache (role "call"), under which its plan is kept."""
     inputs = kernel_inputs(q, k, v, batch_shape)
     plan, out, lse, d_v = prepare(q, k, v, inputs, batch_shape, scale=scale, causal=causal, out_dtype=out_dtype)
     plan.launch(None, None)
-    dense_fast.remember(
-        fast_key,
-        plan,
-        dense_fast.FP8_NAMES,
-        [(out.shape, out.dtype), (lse.shape, lse.dtype)],
-        None,
-        context=batch_shape,
-    )
+    keep_call(fast_key, plan, FP8_NAMES, [(out.shape, out.dtype), (lse.shape, lse.dtype)], None, context=batch_shape)
     return unpad(out, d_v), lse
 
 
 def forward_fast(found, q, k, v):
     """(out, lse) of a call whose layout key ``found`` has a kept plan, launched on the arrays the holders keep;
     None where there is none (the checked path then runs)."""
-    call = dense_fast.lookup(found)
+    call = plans.get(found)
     if call is None:
         return None
     out, lse = call.run(kernel_addresses(q, k, v, call.context), None)

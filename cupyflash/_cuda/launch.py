@@ -5,19 +5,19 @@ layout reuse so that only the arrays' addresses are written per call (docs/desig
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy
 
 from cupyflash._arrays import cupy, lse_dtype
-from cupyflash._cuda import tiles
+from cupyflash._cuda import plans, tiles
 from cupyflash._cuda.compile import sm_count
-from cupyflash._cuda.params import PARAMS_BYTES, PARAMS_DTYPE, STRIDED
+from cupyflash._cuda.params import PARAMS_BYTES, PARAMS_DTYPE
 from cupyflash._cuda.source import MAX_GRID_Y
 from cupyflash._cuda.tiles import CHAIN_ROWS
 from cupyflash._cuda.tma import MAPPED
 from cupyflash._cuda.variants import Variant
+from cupyflash._dropout import SEED_LIMIT, Dropout
 
 # A kernel argument CuPy passes as the address it holds (cupy/cuda/function.pyx).
 CPointer = None if cupy is None else cupy.cuda.function.CPointer
@@ -118,11 +118,11 @@ def passes_side_by_side(dkdv, dq) -> None:
 
 # What a dense call launches (kernels, grids, shared memory, and every parameter but the arrays' addresses)
 # depends only on its arrays' shapes, strides and dtype, the scalar options and the device. The first call
-# of each such signature works it out; later calls copy its parameters and write only the addresses and the
-# dropout key. Calls with the modifiers' per-element arrays (bias, mask, block_mask), and backward passes
-# chained over long axes, always take the full route. (ALiBi's slopes are read in place through their
-# broadcast view, whose strides are part of the signature and whose address a plan writes like the others'.)
-_PLAN_CACHE_SIZE = 256
+# of each such signature works it out and keeps it in the plan cache (plans.py); later calls copy its
+# parameters and write only the addresses and the dropout key. Calls with the modifiers' per-element arrays
+# (bias, mask, block_mask), and backward passes chained over long axes, always take the full route. (ALiBi's
+# slopes are read in place through their broadcast view, whose strides are part of the key and whose address
+# a plan writes like the others'.)
 _ADDRESS_WORDS = {
     name: PARAMS_DTYPE.fields[name][1] // 8
     for name in (
@@ -146,7 +146,6 @@ _ADDRESS_WORDS.update(
 )  # the FP8 forward's descale tables
 _KEYS_DTYPE, _KEYS_OFFSET = PARAMS_DTYPE.fields["dropout_keys"][:2]
 KEY_WORDS = slice(_KEYS_OFFSET // 4, _KEYS_OFFSET // 4 + _KEYS_DTYPE.shape[0])  # as uint32 words
-plans: dict[tuple, "Plan"] = {}
 
 
 class Plan:
@@ -253,28 +252,96 @@ class Plan:
             stream.wait_event(done)
 
 
-def plan_key(direction: str, arrays: dict, scale: float, causal: bool, mods, dropout) -> tuple | None:
-    """What a dense call's launches depend on, or None when it is not planned (the modifiers' arrays)."""
-    if mods is not None and not (mods.bias is None and mods.mask is None and mods.block_mask is None):
+# The parameter names a call entry writes, in order: its inputs' addresses, then its outputs'.
+FORWARD_NAMES = ("q", "k", "v", "out", "lse")
+FP8_NAMES = ("q", "k", "v", "fp8_descale_q", "fp8_descale_k", "fp8_descale_v", "out", "lse")
+BACKWARD_NAMES = ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "lse_log2", "delta")
+
+
+_ALIGN = 256  # bytes between a call's outputs within their allocation (CuPy's own allocations' alignment)
+
+
+def _round_keys(call, dropout_seed):
+    """The dropout round keys of this call's seed; False where the seed is one the checked path rejects."""
+    if dropout_seed is not None and not 0 <= int(dropout_seed) < SEED_LIMIT:
+        return False
+    if call.dropout_p == 0.0:
         return None
-    # The inputs' layouts; outputs and workspaces are allocated contiguous from their shapes.
-    layout = tuple((arrays[name].shape, arrays[name].strides) for name in STRIDED if name in arrays)
-    return (
-        direction,
-        cupy.cuda.runtime.getDevice(),
-        arrays["q"].dtype,
-        layout,
-        scale,
-        causal,
-        None
-        if mods is None
-        else (mods.window, mods.softcap, None if mods.alibi_slopes is None else mods.alibi_slopes.strides),
-        None if dropout is None else (dropout.threshold, dropout.scale),
-        os.environ.get("CUPYFLASH_NO_WGMMA", ""),
-    )
+    if dropout_seed is None:
+        return False  # "needs an integer dropout_seed": the checked path says so
+    return Dropout(call.dropout_p, int(dropout_seed)).round_keys
 
 
-def remember(key, plan: Plan) -> None:
-    if len(plans) >= _PLAN_CACHE_SIZE:
-        plans.pop(next(iter(plans)))  # the oldest
-    plans[key] = plan
+class Call:
+    """A call entry of the plan cache (plans.py): one layout's launches (``plan``) and outputs, (shape, dtype)
+    each. The first ``returned`` of them are returned as arrays and share one allocation, but for those listed
+    in ``scratch`` (gradients the API then sums over broadcast dims), which share a second one with the other
+    outputs (the backward's workspaces).
+    The second one returns to the pool once its arrays are released (CuPy's pool is stream-ordered); the
+    first one when the last returned array is: one or two pool allocations per call instead of two to five."""
+
+    def __init__(self, plan: Plan, names, outputs, returned: int, dropout_p: float, scratch=(), context=None):
+        self.plan = plan
+        self.context = context  # what the caller needs to find the inputs (the FP8 forward's batch shape)
+        self.slots = plan.slots(names)  # where the addresses of the inputs and then of the outputs go
+        self.maps = plan.tensor_maps is not None
+        self.dropout_p = dropout_p
+        self.returned = [(shape, numpy.dtype(dtype)) for shape, dtype in outputs[:returned]]
+        kept = [i for i in range(returned) if i not in scratch]
+        spare = [i for i in range(len(outputs)) if i not in kept]
+        offsets, self.nbytes = _packed([outputs[i] for i in kept])
+        spare_offsets, self.workspace_nbytes = _packed([outputs[i] for i in spare])
+        # (allocation: 0 the kept one, 1 the scratch one; byte offset) of each output, in order
+        self.places = [None] * len(outputs)
+        for i, offset in zip(kept, offsets):
+            self.places[i] = (0, offset)
+        for i, offset in zip(spare, spare_offsets):
+            self.places[i] = (1, offset)
+
+    def run(self, pointers: list, dropout_seed):
+        """The outputs of a launch on inputs at these addresses (in the plan's order of names), or None where
+        the dropout seed must go through the checks."""
+        if dropout_seed is None and self.dropout_p == 0.0:  # the common call
+            keys = None
+        else:
+            keys = _round_keys(self, dropout_seed)
+            if keys is False:
+                return None
+        memory = (
+            cupy.cuda.alloc(self.nbytes) if self.nbytes else None,
+            cupy.cuda.alloc(self.workspace_nbytes) if self.workspace_nbytes else None,
+        )
+        ndarray = cupy.ndarray
+        places = self.places
+        outputs = [
+            ndarray(shape, dtype, memory[place[0]] + place[1]) for (shape, dtype), place in zip(self.returned, places)
+        ]
+        pointers = pointers + [memory[which].ptr + offset for which, offset in places]
+        self.plan.launch_with(self.slots, pointers, keys, pointers[:3] if self.maps else None)
+        return outputs
+
+
+def _packed(arrays) -> tuple[list[int], int]:
+    """Byte offsets of arrays of these (shape, dtype) one after the other, each at a multiple of _ALIGN, and
+    the bytes they span."""
+    offsets, total = [], 0
+    for shape, dtype in arrays:
+        offsets.append(total)
+        nbytes = numpy.dtype(dtype).itemsize
+        for n in shape:
+            nbytes *= n
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    return offsets, total
+
+
+def keep_call(found, plan: Plan, names, outputs, dropout, scratch=(), context=None) -> None:
+    """Let later calls with the call key ``found`` (None: not eligible) launch ``plan`` directly, allocating
+    ``outputs`` ((shape, dtype) of each, in the order of the output names in ``names``: out and lse of a
+    forward, returned; dq, dk, dv of a backward, returned, then its workspaces lse_log2 and delta).
+    ``scratch``: the indices of returned outputs that are summed into smaller arrays after the call (the
+    gradients of inputs broadcast over leading dims): kept out of the allocation the call's results hold.
+    ``context``: kept with the call for the caller (``plans.get(found).context``)."""
+    if found is None or plans.get(found) is not None:
+        return
+    returned = 3 if names == BACKWARD_NAMES else 2
+    plans.put(found, Call(plan, names, outputs, returned, 0.0 if dropout is None else dropout.p, scratch, context))

@@ -17,7 +17,7 @@ import numpy as np
 
 from cupyflash._arrays import cupy
 from cupyflash._checks import check_array_types, check_causal, check_head_dims, check_shapes, resolve_scale
-from cupyflash._cuda import dense_fast
+from cupyflash._cuda import plans
 from cupyflash._fp8 import cpu as _fp8_cpu
 from cupyflash._fp8.tensor import FP8Tensor
 
@@ -44,9 +44,10 @@ def attention_forward(q, k, v, *, causal, scale, out_dtype, unsupported):
     """out (..., Nq, Dv) ``out_dtype`` (default bfloat16) and lse (..., Nq) float32 of FP8Tensors q, k, v.
 
     ``unsupported``: whether each option of UNSUPPORTED (those FP8 does not take) was given, in its order. A
-    GPU call whose layout was checked before goes straight to its plan (cupyflash._cuda.dense_fast, fp8_key).
+    GPU call whose layout was checked before goes straight to its plan (the plan cache's call entry under
+    ``call_key``).
     """
-    fast = None if any(unsupported) else dense_fast.fp8_key(q, k, v, causal, scale, out_dtype)
+    fast = None if any(unsupported) else call_key(q, k, v, causal, scale, out_dtype)
     if fast is not None:
         outputs = _gpu().forward_fast(fast, q, k, v)
         if outputs is not None:
@@ -70,6 +71,30 @@ def attention_forward(q, k, v, *, causal, scale, out_dtype, unsupported):
     check_compute_capability(cupy.cuda.Device().compute_capability)
     # The holders themselves, not broadcast copies: the GPU path keeps what it derives from each with it.
     return _gpu().attention_forward_fp8(q, k, v, batch, scale=scale, causal=causal, out_dtype=out_dtype, fast_key=fast)
+
+
+def call_key(q, k, v, causal, scale, out_dtype) -> tuple | None:
+    """The plan cache's call key of an FP8 forward (q, k, v FP8Tensors; cupyflash/_cuda/plans.py): the options
+    by value and type, then each holder's layout (holder_layout, kept with the holder: its arrays never
+    change); None where the call cannot take the fast path (NumPy holders, or anything not an FP8Tensor)."""
+    if cupy is None:
+        return None
+    try:
+        layouts = (q._kept["layout"], k._kept["layout"], v._kept["layout"])
+    except (KeyError, AttributeError):  # a holder's first call, or not a holder (its own check then says so)
+        if not all(type(x) is FP8Tensor for x in (q, k, v)):
+            return None
+        layouts = tuple(x.kept("layout", lambda x=x: holder_layout(x)) for x in (q, k, v))
+    if None in layouts:  # (the layouts are tuples: none of them equals None)
+        return None
+    return plans.key("call", "fp8", (), (causal, scale, out_dtype)) + layouts
+
+
+def holder_layout(x) -> tuple | None:
+    """What the FP8 plan depends on of holder x: its data's and its scale's parts of a key (plans.array_key)
+    and its block; None where data or scale is not a CuPy array."""
+    parts = (plans.array_key(x.data), plans.array_key(x.scale))
+    return None if None in parts else parts + (x.block,)
 
 
 @functools.cache

@@ -11,7 +11,7 @@ import numpy as np
 
 from cupyflash._arrays import Array, is_cupy, lse_dtype
 from cupyflash._cuda import decode as _gpu_decode
-from cupyflash._cuda import decode_fast as _gpu_fast
+from cupyflash._cuda import plans
 from cupyflash._kvcache import checks as _kvcache_args
 from cupyflash._kvcache import cpu as _kvcache_cpu
 
@@ -104,7 +104,7 @@ def attention_with_kvcache(
     if is_cupy(q) and not _kvcache_args.check_values_requested():
         # A layout checked before (a serving loop calls with the same layout every layer of every step)
         # skips the checks: only an int cache_seqlens' range is checked again.
-        key = _gpu_fast.fast_key(
+        key = _gpu_decode.call_key(
             q,
             k_cache,
             v_cache,
@@ -123,9 +123,9 @@ def attention_with_kvcache(
             num_splits,
             return_lse,
         )
-        plan = _gpu_fast.fast_plan(key)
+        plan = plans.get(key)
         if plan is not None:
-            found = _gpu_fast.run_fast(
+            found = _gpu_decode.run_call(
                 plan,
                 q,
                 k_cache,
@@ -170,5 +170,5 @@ def attention_with_kvcache(
         out, lse = _kvcache_cpu.attention_with_kvcache(call)
     else:
         out, lse = _gpu_decode.attention_with_kvcache(call)
-        _gpu_fast.remember(key, call, q, k, v, block_table, rotary_cos, rotary_sin, alibi_slopes, cache_seqlens)
+        _gpu_decode.keep_call(key, call, q, k, v, block_table, rotary_cos, rotary_sin, alibi_slopes, cache_seqlens)
     return (out, lse) if call.return_lse else out

@@ -150,7 +150,7 @@ def test_numpy_inputs_never_touch_the_gpu_back_end(rng, monkeypatch):
     """The CPU path needs no GPU: NumPy inputs compile nothing, ask CUDA for no device and plan no launch."""
     from cupyflash._arrays import cupy
     from cupyflash._cuda import compile as compile_
-    from cupyflash._cuda import dense, launch
+    from cupyflash._cuda import dense, plans
 
     def refuse(*args, **kwargs):
         raise AssertionError("the CPU path reached CUDA")
@@ -161,10 +161,10 @@ def test_numpy_inputs_never_touch_the_gpu_back_end(rng, monkeypatch):
     for module in (compile_, dense):
         monkeypatch.setattr(module, "functions", refuse)
         monkeypatch.setattr(module, "current_device", refuse)
-    plans = dict(launch.plans)
+    kept = plans.entries()
     q, k, v, dout = _random_problem(rng, (2, 30, 8), (2, 40, 8), (2, 40, 8), np.float16)
     for options in ({}, dict(window=(5, 1), softcap=3.0)):
         out, lse = cupyflash.attention_forward(q, k, v, causal=True, **options)
         cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True, **options)
         cupyflash.attention_probs(q, k, v, **options)
-    assert launch.plans == plans
+    assert plans.entries() == kept

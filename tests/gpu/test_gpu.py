@@ -19,7 +19,7 @@ from helpers.problems import check_bhnd, random_array, random_problem
 
 import cupyflash
 from cupyflash import reference
-from cupyflash._cuda import launch
+from cupyflash._cuda import plans
 
 cupy = pytest.importorskip("cupy")
 
@@ -149,10 +149,10 @@ def test_repeated_layout_reads_the_new_arrays(rng, assert_matches_reference, dty
     worked out once); it must still read and write its own arrays: fresh inputs, held to the reference."""
     shapes = (2, 3, 333, 64), (2, 3, 400, 64), (2, 3, 400, 64)
     _run(*_random_problem(rng, *shapes, dtype), causal=True)
-    plans = set(launch.plans)
+    planned = set(plans.entries("plan"))
     q, k, v, dout = _random_problem(rng, *shapes, dtype)
     results = _run(q, k, v, dout, causal=True)
-    assert set(launch.plans) == plans, "the second call should have found both of its plans"
+    assert set(plans.entries("plan")) == planned, "the second call should have found both of its plans"
     assert_matches_reference(q, k, v, dout, results, causal=True)
 
 

@@ -1,4 +1,5 @@
-"""Dense calls on a layout that an earlier call had checked skip the checks (cupyflash/_cuda/dense_fast.py).
+"""Dense calls on a layout that an earlier call had checked skip the checks (their call entries in the plan
+cache, cupyflash/_cuda/plans.py).
 Their results must be bitwise those of the checked path on the same arrays, every output element written,
 and every error of the checks must still reach the caller."""
 
@@ -12,7 +13,7 @@ from helpers.checks import assert_bitwise_equal
 from helpers.gpu import nan_filled_allocations
 
 import cupyflash
-from cupyflash._cuda import dense_fast
+from cupyflash._cuda import launch, plans
 
 cupy = pytest.importorskip("cupy")
 
@@ -62,18 +63,18 @@ CASES = {
 @contextlib.contextmanager
 def _counting_fast_calls():
     taken = []
-    run = dense_fast._Call.run
+    run = launch.Call.run
 
     def counted(self, inputs, dropout_seed):
         result = run(self, inputs, dropout_seed)
         taken.append(result is not None)
         return result
 
-    dense_fast._Call.run = counted
+    launch.Call.run = counted
     try:
         yield taken
     finally:
-        dense_fast._Call.run = run
+        launch.Call.run = run
 
 
 def _both_passes(q, k, v, dout, options, seed):
@@ -86,19 +87,19 @@ def _both_passes(q, k, v, dout, options, seed):
 @pytest.mark.parametrize("case", CASES)
 def test_fast_calls_match_checked_calls(rng, case):
     make, options, always_fast = CASES[case]
-    dense_fast._table.clear()
+    plans.clear()
     first = make(rng)
     out, _ = cupyflash.attention_forward(*first, **options, **(dict(dropout_seed=1) if "dropout_p" in options else {}))
     dout = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32).astype(out.dtype))
     _both_passes(*first, dout, options, seed=1)  # checked calls: the layout is now known
-    known = len(dense_fast._table)
+    known = len(plans.entries("call"))
 
     second = make(rng)  # new arrays (new addresses) of the same layout, a new dropout seed
     with _counting_fast_calls() as taken, nan_filled_allocations():
         fast = _both_passes(*second, dout, options, seed=2)
     if always_fast:
         assert known == 2 and taken == [True, True], "the second call of a layout should skip the checks"
-    dense_fast._table.clear()
+    plans.clear()
     with _counting_fast_calls() as taken, nan_filled_allocations():
         checked = _both_passes(*second, dout, options, seed=2)
     assert taken == []
@@ -109,7 +110,7 @@ def test_fast_calls_match_checked_calls(rng, case):
 
 def test_public_attention_draws_seeds_through_the_fast_path(rng):
     q, k, v = _bhnd(rng, BF16, (1, 2, 128, 64), (1, 2, 128, 64))
-    dense_fast._table.clear()
+    plans.clear()
     cupyflash.attention(q, k, v, dropout_p=0.5)
     with _counting_fast_calls() as taken:
         a, b = (cupyflash.attention(q, k, v, dropout_p=0.5) for _ in range(2))

@@ -15,7 +15,7 @@ from helpers.gpu import nan_filled_allocations
 
 import cupyflash
 from cupyflash import FP8Tensor, hadamard_rotate, quantize_fp8, reference
-from cupyflash._cuda import dense_fast
+from cupyflash._cuda import plans
 from cupyflash._fp8.tensor import DECODE_TABLE, encode_e4m3
 
 cupy = pytest.importorskip("cupy")
@@ -245,31 +245,31 @@ def test_kernel_error_does_not_grow_with_the_keys(hopper, d, causal, v_mean):
 
 # ------------------------------------------------------------------------------------------ the fast path
 def test_repeated_calls_take_the_kept_plan_and_inputs(rng, hopper):
-    """A second call on the same holders takes the plan of the first (dense_fast) and the arrays kept with the
+    """A second call on the same holders takes the plan of the first (its call entry) and the arrays kept with the
     holders (V^T among them), with bitwise the same results; new holders of the same layout take the same plan
     and their own arrays; a broadcast (GQA) layout keeps its copies with the holders too."""
     q8 = quantize_fp8(cupy.asarray(_varied(rng, (2, 4, 300, 128))), block=128)
     k8, v8 = (quantize_fp8(cupy.asarray(_varied(rng, (2, 4, 500, 128)))) for _ in range(2))
-    dense_fast._table.clear()
+    plans.clear()
     first = cupyflash.attention_forward(q8, k8, v8, causal=True)
     # v keeps its layout key, V^T and its descale table; the fast path then adds the two's addresses
-    assert len(dense_fast._table) == 1
+    assert len(plans.entries("call", "fp8")) == 1
     assert set(v8._kept) == {"layout", ("values", (2, 4)), ("descales", (2, 4))}
     kept = dict(v8._kept)
     with nan_filled_allocations():
         again = cupyflash.attention_forward(q8, k8, v8, causal=True)
-    assert len(dense_fast._table) == 1 and all(v8._kept[key] is kept[key] for key in kept)
+    assert len(plans.entries("call", "fp8")) == 1 and all(v8._kept[key] is kept[key] for key in kept)
     assert set(v8._kept) - set(kept) == {("value addresses", (2, 4))}
     assert_bitwise_equal(first, again, ("out", "lse"))
     other = [quantize_fp8(cupy.asarray(_varied(rng, x.shape))) for x in (k8, v8)]
     _check_kernel(q8, *other, causal=True)
-    assert len(dense_fast._table) == 1
+    assert len(plans.entries("call", "fp8")) == 1
     q_gqa = quantize_fp8(cupy.asarray(_varied(rng, (2, 2, 3, 200, 64))), block=128)
     k_gqa, v_gqa = (quantize_fp8(cupy.asarray(_varied(rng, (2, 2, 1, 400, 64)))) for _ in range(2))
     first = cupyflash.attention_forward(q_gqa, k_gqa, v_gqa)
     with nan_filled_allocations():
         again = cupyflash.attention_forward(q_gqa, k_gqa, v_gqa)
-    assert len(dense_fast._table) == 2 and ("rows", (2, 2, 3), 64) in k_gqa._kept
+    assert len(plans.entries("call", "fp8")) == 2 and ("rows", (2, 2, 3), 64) in k_gqa._kept
     assert_bitwise_equal(first, again, ("out", "lse"))
     _check_kernel(q_gqa, k_gqa, v_gqa, causal=False)
 
@@ -277,12 +277,12 @@ def test_repeated_calls_take_the_kept_plan_and_inputs(rng, hopper):
 def test_fast_path_keys_on_the_options(rng, hopper):
     """Another causal, scale or out_dtype is another plan; an option FP8 does not take still raises."""
     x8 = quantize_fp8(cupy.asarray(_varied(rng, (1, 2, 256, 64))))
-    dense_fast._table.clear()
+    plans.clear()
     results = [
         cupyflash.attention_forward(x8, x8, x8, causal=c, scale=s, out_dtype=o)
         for c, s, o in ((False, None, None), (True, None, None), (True, 0.2, None), (True, 0.2, np.float16))
     ]
-    assert len(dense_fast._table) == 4 and results[3][0].dtype == np.float16
+    assert len(plans.entries("call", "fp8")) == 4 and results[3][0].dtype == np.float16
     assert not np.array_equal(to_host(results[0][0]), to_host(results[1][0]))
     with pytest.raises(ValueError, match="window is not supported with FP8 inputs"):
         cupyflash.attention_forward(x8, x8, x8, causal=True, window=(4, 0))

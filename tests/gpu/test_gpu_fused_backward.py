@@ -19,7 +19,7 @@ from helpers.modifiers import run
 from helpers.problems import random_problem
 
 import cupyflash
-from cupyflash._cuda import dense_fast, fused_backward, launch, tile_policy, tiles
+from cupyflash._cuda import fused_backward, plans, tile_policy, tiles
 from cupyflash._cuda.compile import current_device
 from cupyflash._cuda.variants import Features
 
@@ -38,11 +38,9 @@ def any_length(monkeypatch):
         pytest.skip("the fused backward runs on compute capability 9.0 only")
     monkeypatch.setattr(tile_policy, "WS_BWD_MIN_LENGTH", {d: 1 for d in tile_policy.WS_BWD_MIN_LENGTH})
     monkeypatch.setattr(tile_policy, "WS_BWD_MIN_WORK", 0)
-    launch.plans.clear()
-    dense_fast._table.clear()
+    plans.clear()
     yield
-    launch.plans.clear()
-    dense_fast._table.clear()
+    plans.clear()
 
 
 def _fused(dtype, d, dv, causal, nq, nk, deterministic=True):

@@ -21,7 +21,7 @@ from helpers.problems import random_array, random_problem
 
 import cupyflash
 from cupyflash import _modifiers, reference
-from cupyflash._cuda import dense, dense_fast, launch, tile_policy, tiles, tma
+from cupyflash._cuda import dense, launch, plans, tile_policy, tiles, tma
 from cupyflash._cuda.compile import current_device, sm_count
 from cupyflash._cuda.variants import Features
 
@@ -179,6 +179,13 @@ def test_window_alone_long_bands(rng, dtype, window, causal, head_dim):
         assert forward.mods == backward.mods == "scalars" and forward.path == backward.path == "mma"
 
 
+def _dense_plans() -> list:
+    """Every dense plan the cache holds: its plan entries, and the plans of its call entries (an entry of either
+    role may have been evicted without the other)."""
+    calls = [c.plan for c in plans.entries("call").values() if isinstance(c, launch.Call)]
+    return list(plans.entries("plan").values()) + calls
+
+
 class _CountTensorMaps:
     """Counts the tensor maps attention_forward builds (one per planned warp-specialized forward)."""
 
@@ -235,7 +242,7 @@ def test_warp_specialized_forward_many_tiles_per_cta(rng, monkeypatch, dtype, op
     if "alibi_slopes" in options:  # a slope per head, broadcast over the batch
         options = {**options, "alibi_slopes": cupy.asarray(rng.uniform(0.01, 0.3, (1, batch[1])), dtype=cupy.float32)}
     counter = _CountTensorMaps(monkeypatch)
-    launch.plans.clear()
+    plans.clear()
     results = _run(q, k, v, dout, causal=causal, **options)
     assert counter.built == 1
     assert_matches_reference(q, k, v, dout, results, causal=causal, **options)
@@ -244,8 +251,7 @@ def test_warp_specialized_forward_many_tiles_per_cta(rng, monkeypatch, dtype, op
     assert counter.built == 1, "the second call reuses the plan"
     for first, second in zip(results[:2], again):
         assert bool(cupy.array_equal(first, second))
-    # (The plan may also be reachable only through the fast path's table, which keeps its own layouts.)
-    known = list(launch.plans.values()) + [call.plan for call in dense_fast._table.values()]
+    known = _dense_plans()
     plan = next(p for p in known if p.tensor_maps is not None)
     assert [int(c.get()[0]) for c in plan.tile_counters.values()] == [0], "each launch leaves its counter at zero"
 
@@ -270,9 +276,9 @@ def test_warp_specialized_forward_tile_order_over_l2_sections(rng, batch, nq, nk
     q, k, v, dout = _random_problem(
         rng, batch + (nq, head_dim), batch + (nk, head_dim), batch + (nk, head_dim), ml_dtypes.bfloat16
     )
-    launch.plans.clear()
+    plans.clear()
     results = _run(q, k, v, dout, causal=causal)
-    assert any(p.tensor_maps is not None for p in launch.plans.values()), "the warp-specialized forward ran"
+    assert any(p.tensor_maps is not None for p in plans.entries("plan").values()), "the warp-specialized forward ran"
     assert_matches_reference(q, k, v, dout, results, causal=causal)
 
 
@@ -296,11 +302,11 @@ def test_warp_specialized_alibi_on_either_side_of_the_diagonal(rng, dtype, causa
         q, k, v, dout = _random_problem(
             rng, batch + (nq, head_dim), batch + (nk, head_dim), batch + (nk, head_dim), dtype
         )
-        launch.plans.clear()
+        plans.clear()
         results = _run(q, k, v, dout, causal=causal, **options)
         ran = [
             p.variant
-            for p in launch.plans.values()
+            for p in plans.entries("plan").values()
             if p.variant.score.startswith("alibi") and p.tensor_maps is not None
         ]
         assert ran, "the ALiBi form ran"
@@ -315,7 +321,7 @@ def _warp_specialized_problems(rng, count):
     if not _hopper_paths():
         pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
     shape = (16, 4, 601, _ws_head_dim())
-    launch.plans.clear()
+    plans.clear()
     return [_random_problem(rng, shape, shape, shape, ml_dtypes.bfloat16) for _ in range(count)]
 
 
@@ -332,8 +338,7 @@ def test_warp_specialized_forward_on_two_streams_at_once(rng):
                 outs.append(cupyflash.attention_forward(q, k, v, causal=True))
     for stream in streams:
         stream.synchronize()
-    # (The plan may also be reachable only through the fast path's table, which keeps its own layouts.)
-    known = list(launch.plans.values()) + [call.plan for call in dense_fast._table.values()]
+    known = _dense_plans()
     plan = next(p for p in known if p.tensor_maps is not None)
     assert len(plan.tile_counters) == 2 and all(int(c.get()[0]) == 0 for c in plan.tile_counters.values())
     for i, (out, lse) in enumerate(outs):
@@ -374,8 +379,7 @@ def test_warp_specialized_forward_on_the_per_thread_default_stream_from_threads(
     assert not any(thread.is_alive() for thread in threads), "a thread is still running after 10 minutes"
     if errors:
         raise errors[0]
-    # (The plan may also be reachable only through the fast path's table, which keeps its own layouts.)
-    known = list(launch.plans.values()) + [call.plan for call in dense_fast._table.values()]
+    known = _dense_plans()
     plan = next(p for p in known if p.tensor_maps is not None)
     assert launch._PER_THREAD_STREAM not in plan.tile_counters
     for i, (expected_out, expected_lse) in enumerate(expected):
@@ -394,7 +398,7 @@ def test_warp_specialized_forward_narrower_heads(rng, monkeypatch, d, dv):
         pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
     assert tiles.ws_head_dim(max(d, dv)) in tiles.WS_HEAD_DIMS
     counter = _CountTensorMaps(monkeypatch)
-    launch.plans.clear()
+    plans.clear()
     q, k, v, dout = _random_problem(rng, (1, 3, 333, d), (1, 3, 400, d), (1, 3, 400, dv), ml_dtypes.bfloat16)
     results = _run(q, k, v, dout, causal=True, window=(200, 0))
     assert counter.built == 1
@@ -412,7 +416,7 @@ def test_padded_head_dims_fall_back_to_their_own_wgmma_forward(rng, monkeypatch,
     functions = dense.functions
     monkeypatch.setattr(dense, "functions", lambda variant: loaded.append(variant) or functions(variant))
     q, k, v, dout = _random_problem(rng, (2, 4, 300, d), (2, 1, 333, d), (2, 1, 333, d), ml_dtypes.bfloat16)
-    launch.plans.clear()
+    plans.clear()
     for options in ({}, {"window": (50, 0)}):
         loaded.clear()
         results = _run(q, k, v, dout, causal=True, **options)
@@ -432,7 +436,7 @@ def test_warp_specialized_forward_falls_back_where_tma_cannot_read(rng, monkeypa
     head_dim = _ws_head_dim()
     counter = _CountTensorMaps(monkeypatch)
     q, k, v, dout = _random_problem(rng, (2, 4, 300, head_dim), (2, 1, 333, head_dim), (2, 1, 333, head_dim), dtype)
-    launch.plans.clear()
+    plans.clear()
     results = _run(q, k, v, dout, causal=True, window=(50, 0))
     assert counter.built == 0
     assert_matches_reference(q, k, v, dout, results, causal=True, window=(50, 0))
@@ -749,14 +753,14 @@ def test_block_mask_calls_read_their_own_block_mask(rng):
     """A block mask is an array, like bias and mask: calls with one are never planned, so a second call of
     the same layout with another block mask reads the new one (forward and backward)."""
     q, k, v, dout = _random_problem(rng, (2, 300, 64), (2, 300, 64), (2, 300, 64), ml_dtypes.bfloat16)
-    plans = set(launch.plans)
+    planned = set(plans.entries("plan"))
     for block_mask in (
         cupy.ones((2, 3, 3), dtype=bool),
         cupy.asarray(np.broadcast_to(np.eye(3, dtype=bool), (2, 3, 3))),
     ):
         results = _run(q, k, v, dout, causal=False, block_mask=block_mask)
         assert_matches_reference(q, k, v, dout, results, causal=False, block_mask=block_mask)
-    assert set(launch.plans) == plans, "block-mask calls should not be planned"
+    assert set(plans.entries("plan")) == planned, "block-mask calls should not be planned"
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -769,11 +773,11 @@ def test_repeated_layout_with_new_slopes_and_arrays(rng, dtype):
         return dict(window=(60, 10), softcap=4.0, alibi_slopes=cupy.asarray(rng.uniform(0.1, 1.0, 3), dtype=np.float32))
 
     _run(*_random_problem(rng, *shapes, dtype), causal=True, **options())
-    plans = set(launch.plans)
+    planned = set(plans.entries("plan"))
     q, k, v, dout = _random_problem(rng, *shapes, dtype)
     second = options()
     results = _run(q, k, v, dout, causal=True, **second)
-    assert set(launch.plans) == plans, "the second call should have found both of its plans"
+    assert set(plans.entries("plan")) == planned, "the second call should have found both of its plans"
     assert_matches_reference(q, k, v, dout, results, causal=True, **second)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import cupyflash
 from cupyflash._cuda import compile as compile_
-from cupyflash._cuda import decode, decode_fast, fused_backward, launch
+from cupyflash._cuda import fused_backward, plans
 
 cupy = pytest.importorskip("cupy")
 
@@ -27,10 +27,11 @@ def cold(monkeypatch):
     """Start cold in this process (CuPy's disk cache may be warm): no module loaded, no launch plan (a plan
     holds its kernels)."""
     monkeypatch.setattr(compile_, "modules", {})
-    saved = dict(launch.plans)
-    launch.plans.clear()
+    saved = plans.entries()
+    plans.clear()
     yield
-    launch.plans.update(saved)
+    for key, entry in saved.items():
+        plans.put(key, entry)
 
 
 def test_after_warmup_with_modifiers_their_forwards_compile_nothing(monkeypatch, cold):
@@ -110,8 +111,6 @@ def test_warmup_selects_for_the_current_device():
 def test_after_warmup_with_decode_kvcache_calls_compile_nothing(monkeypatch, cold):
     """warmup(decode=True) loads the decode kernels of a decode step, of a speculative step (more than 16 packed
     rows) and of a paged cache with small pages: such calls then compile nothing."""
-    monkeypatch.setattr(decode, "_plans", {})
-    monkeypatch.setattr(decode_fast, "_fast", {})
     cupyflash.warmup(dtypes="bfloat16", head_dims=128, causal=False, backward=False, decode=True)
     monkeypatch.setattr(cupy, "RawModule", _no_compiling)
     rng = np.random.default_rng(0)

@@ -65,7 +65,7 @@ from helpers.problems import random_array, random_problem
 import cupyflash
 from cupyflash import _modifiers, reference
 from cupyflash._cuda import compile as compile_
-from cupyflash._cuda import launch, tile_policy
+from cupyflash._cuda import plans, tile_policy
 from cupyflash._cuda.variants import Features
 
 cupy = pytest.importorskip("cupy")
@@ -350,9 +350,9 @@ def test_threads_compile_each_variant_once(rng, monkeypatch):
                 built.append(tuple(sorted(kwargs["name_expressions"])))
         return original(*args, **kwargs)
 
-    saved, saved_plans = dict(compile_.modules), dict(launch.plans)
+    saved, saved_plans = dict(compile_.modules), plans.entries()
     compile_.modules.clear()
-    launch.plans.clear()  # a plan holds its kernels: the calls must find the modules unloaded
+    plans.clear()  # a plan holds its kernels: the calls must find the modules unloaded
     monkeypatch.setattr(cupy, "RawModule", counting_raw_module)
     barrier = threading.Barrier(2 * len(problems))
     results, errors = {}, []
@@ -381,7 +381,7 @@ def test_threads_compile_each_variant_once(rng, monkeypatch):
         for key, value in saved.items():
             compile_.modules.setdefault(key, value)
         for key, value in saved_plans.items():
-            launch.plans.setdefault(key, value)
+            plans.put(key, value)
     if errors:
         raise errors[0][1]
     counts = collections.Counter(built)
