@@ -7,9 +7,10 @@ width C, H query heads over Hk key/value heads (grouped-query attention when Hk 
 Each layer is a pair of functions: ``*_forward(...) -> (out, saved)`` and ``*_backward(dout, saved) -> (dx,
 grads...)``; ``forward`` runs the model and keeps what ``backward`` needs, as llm.c's train_gpt2.cu does.
 
-Precision: the parameters are float32 (the optimizer's master copy); a step computes in ``dtype`` (float32, or
-bfloat16 on the GPU), with layernorm's statistics, the softmax of the loss and every weight gradient in float32
-(``accumulator``; all float64 for float64, which the gradient checks use).
+Precision: the parameters are float32 (the optimizer's master copy); a step computes in ``dtype`` (float32; bfloat16
+or float16 on the GPU), with layernorm's statistics, GELU, the softmax of the loss and every weight gradient in
+float32 (``accumulator``; all float64 for float64, which the gradient checks use). Every matrix product goes through
+``matmul.matmul``: CuPy's ``@`` has no bfloat16, so bfloat16 products go to cuBLAS there.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from matmul import matmul
 
 import cupyflash
 
@@ -100,15 +102,15 @@ def layernorm_backward(dout, saved):
 
 def linear_forward(x, w, b):
     """x @ w + b with w (in, out) in x's dtype."""
-    return x @ w.astype(x.dtype) + b.astype(x.dtype), (x, w)
+    return matmul(x, w.astype(x.dtype)) + b.astype(x.dtype), (x, w)
 
 
 def linear_backward(dout, saved):
     x, w = saved
-    dx = dout @ w.astype(dout.dtype).T
+    dx = matmul(dout, w.astype(dout.dtype).T)
     flat_x, flat_d = x.reshape(-1, x.shape[-1]), dout.reshape(-1, dout.shape[-1])
     acc = accumulator(x.dtype)
-    dw = (flat_x.T @ flat_d).astype(acc)
+    dw = matmul(flat_x.T, flat_d, acc)  # bfloat16 on CuPy: written as float32 by cuBLAS, never rounded to bfloat16
     return dx, dw, flat_d.astype(acc).sum(0)
 
 
@@ -116,14 +118,23 @@ _GELU_K = math.sqrt(2.0 / math.pi)
 
 
 def gelu_forward(x):
-    """GPT-2's GELU, the tanh approximation: 0.5 x (1 + tanh(k (x + 0.044715 x^3)))."""
-    t = array_module(x).tanh(_GELU_K * (x + 0.044715 * x**3))
-    return 0.5 * x * (1.0 + t), (x, t)
+    """GPT-2's GELU, the tanh approximation: 0.5 x (1 + tanh(k (x + 0.044715 x^3))), computed in the accumulator
+    dtype and rounded once to x's.
+
+    The casts matter for bfloat16: a Python float times a bfloat16 array is float32, in NumPy and CuPy alike (seen
+    with ml_dtypes 0.6 and CuPy 14.2), which would leave the MLP's second product in float32 with bfloat16 gradients
+    flowing back into it. In float16, x^3 would overflow past |x| = 40.
+    """
+    x32 = x.astype(accumulator(x.dtype))
+    t = array_module(x).tanh(_GELU_K * (x32 + 0.044715 * x32**3))
+    return (0.5 * x32 * (1.0 + t)).astype(x.dtype), (x, t.astype(x.dtype))
 
 
 def gelu_backward(dout, saved):
     x, t = saved
-    return dout * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_K * (1.0 + 3 * 0.044715 * x * x))
+    x32, t32 = x.astype(accumulator(x.dtype)), t.astype(accumulator(x.dtype))
+    local = 0.5 * (1.0 + t32) + 0.5 * x32 * (1.0 - t32 * t32) * _GELU_K * (1.0 + 3 * 0.044715 * x32 * x32)
+    return (dout.astype(local.dtype) * local).astype(dout.dtype)
 
 
 def attention_forward(qkv, config: Config):
@@ -152,7 +163,7 @@ def cross_entropy_forward(x, wte, targets):
     """The tied head and the loss: logits = x @ wte^T (B, N, V); the mean over tokens of -log softmax at the
     targets, in float32. Returns the loss as a 0-d array (no wait for the device)."""
     xp = array_module(x)
-    logits = (x @ wte.astype(x.dtype).T).astype(accumulator(x.dtype)).reshape(-1, wte.shape[0])
+    logits = matmul(x, wte.astype(x.dtype).T, accumulator(x.dtype)).reshape(-1, wte.shape[0])
     logits -= logits.max(-1, keepdims=True)
     probs = xp.exp(logits)
     probs /= probs.sum(-1, keepdims=True)
@@ -166,8 +177,8 @@ def cross_entropy_backward(saved):
     dlogits = probs.copy()
     dlogits[rows, flat_targets] -= 1.0
     dlogits /= flat_targets.size
-    dx = (dlogits.astype(x.dtype) @ wte.astype(x.dtype)).reshape(x.shape)
-    dwte = dlogits.T @ x.reshape(-1, x.shape[-1]).astype(dlogits.dtype)
+    dx = matmul(dlogits.astype(x.dtype), wte.astype(x.dtype)).reshape(x.shape)
+    dwte = matmul(dlogits.T, x.reshape(-1, x.shape[-1]).astype(dlogits.dtype))
     return dx, dwte
 
 
@@ -202,7 +213,7 @@ def forward(params: dict, tokens, targets, config: Config, dtype=np.float32):
 def logits(params: dict, tokens, config: Config, dtype=np.float32):
     """The next token's logits (B, V) in float32 after each sequence of ``tokens`` (B, N)."""
     x, _, _ = _trunk(params, tokens, config, dtype)
-    return (x[:, -1] @ params["wte"].astype(dtype).T).astype(accumulator(dtype))
+    return matmul(x[:, -1], params["wte"].astype(dtype).T, accumulator(dtype))
 
 
 def _trunk(params: dict, tokens, config: Config, dtype):

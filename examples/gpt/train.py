@@ -26,7 +26,7 @@ from data import Text  # noqa: E402
 from model import Config, backward, forward, init, logits  # noqa: E402
 from optim import AdamW, cosine_lr  # noqa: E402
 
-DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
 
 def parse(argv=None):

@@ -1,16 +1,19 @@
 """examples/gpt: each layer's hand-written backward against central finite differences in float64 on NumPy, the
 whole model's gradients against finite differences (and against torch autograd where torch is installed), a
-tiny model that learns on NumPy, and a checkpoint that round-trips.
+tiny model that learns on NumPy, and a checkpoint that round-trips; the matrix-product helper's NumPy path, and
+the column-major index logic of its cuBLAS path replayed on NumPy (the GPU side: tests/gpu/test_gpu_gpt_example.py).
 """
 
 import sys
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
 
+import matmul  # noqa: E402
 import model  # noqa: E402
 import optim  # noqa: E402
 import train  # noqa: E402
@@ -190,3 +193,133 @@ def test_the_text_is_the_repository_docs():
     assert text.decode(text.encode("attention")) == "attention"
     x, y = text.batch(np.random.default_rng(0), "val", 3, 10)
     assert x.shape == y.shape == (3, 10) and np.array_equal(x[:, 1:], y[:, :-1])
+
+
+# ------------------------------------------------------------------------------------------ matmul.py
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16, BF16])
+def test_matmul_numpy_path_is_plain_matmul(dtype):
+    """On NumPy the helper is ``a @ b`` cast to out_dtype (default a's dtype: NumPy's own bfloat16 product is
+    float32, which would otherwise leak into the activations)."""
+    rng = np.random.default_rng(6)
+    a, w = rng.standard_normal((2, 3, 5)).astype(dtype), rng.standard_normal((7, 5)).astype(dtype)
+    found = matmul.matmul(a, w.T)
+    assert found.dtype == dtype and found.shape == (2, 3, 7)
+    np.testing.assert_array_equal(found, (a @ w.T).astype(dtype))
+    wide = matmul.matmul(a, w.T, np.float64)
+    assert wide.dtype == np.float64
+    np.testing.assert_array_equal(wide, (a @ w.T).astype(np.float64))
+    assert matmul.matmul(a[0, 0], w.T).shape == (7,)  # a 1-D a: a vector times a matrix
+
+
+def _padded(rng, shape):
+    """A standard normal float64 array of ``shape`` inside a larger buffer (so that a wrong leading dimension in
+    the replay reads other numbers, not past the allocation), returned as the view."""
+    base = rng.standard_normal((shape[0] + 3) * (shape[1] + 5) + 64)
+    return base[: shape[0] * (shape[1] + 5)].reshape(shape[0], shape[1] + 5)[:, 2 : 2 + shape[1]]
+
+
+def _always(r, c):
+    return True
+
+
+# Each builds an (r, c) operand a different way: (how, whether cuBLAS can read it in place for that r and c). A
+# stride that neither reading allows is harmless along a dim of length 1, where it is never used.
+OPERANDS = {
+    "C order": (lambda rng, r, c: np.ascontiguousarray(_padded(rng, (r, c))), _always),
+    "a block of a wider array": (lambda rng, r, c: _padded(rng, (r, c)), _always),
+    "transposed (w.T)": (lambda rng, r, c: np.ascontiguousarray(_padded(rng, (c, r))).T, _always),
+    "a transposed block": (lambda rng, r, c: _padded(rng, (c, r)).T, _always),
+    "the last row of each sequence (x[:, -1])": (lambda rng, r, c: rng.standard_normal((r, 4, c))[:, -1], _always),
+    "every other column": (lambda rng, r, c: rng.standard_normal((r, 2 * c))[:, ::2], lambda r, c: 1 in (r, c)),
+    "rows reversed": (lambda rng, r, c: rng.standard_normal((r, c))[::-1], lambda r, c: r == 1),
+}
+
+
+def _column_major(x, rows, cols, ld):
+    """The (rows, cols) column-major matrix with leading dimension ``ld`` that starts at x's first element: what
+    cuBLAS reads from x's pointer. It must reach no further than x's own last element (checked first, so that a
+    wrong plan fails here rather than reading or writing outside the allocation)."""
+    last = sum((size - 1) * stride for size, stride in zip(x.shape, x.strides) if stride > 0)
+    assert ((rows - 1) + (cols - 1) * ld) * x.itemsize <= last, "the column-major matrix runs past the operand"
+    return np.lib.stride_tricks.as_strided(x, shape=(rows, cols), strides=(x.itemsize, ld * x.itemsize))
+
+
+def _replay_gemm(a, b):
+    """a (m, k) @ b (k, n) the way matmul._bfloat16_gemm hands it to cuBLAS (the same layouts and plan), with
+    cuBLAS's column-major gemm done by NumPy on the raw buffers, into a C-order (m, n) output."""
+    (m, k), n = a.shape, b.shape[1]
+    a, layout_a = matmul._in_place_or_copy(a, np)
+    b, layout_b = matmul._in_place_or_copy(b, np)
+    transa, transb, gm, gn, gk, lda, ldb, ldc = matmul.gemm_plan(m, k, n, layout_a, layout_b)
+    n_op, t_op = matmul.CUBLAS_OP_N, matmul.CUBLAS_OP_T
+    assert {transa, transb} <= {n_op, t_op}
+    # cuBLAS's own checks: op(A) is gm x gk, op(B) gk x gn, stored with at least as many rows as the ld says
+    stored_a = (gm, gk) if transa == n_op else (gk, gm)
+    stored_b = (gk, gn) if transb == n_op else (gn, gk)
+    assert lda >= max(1, stored_a[0]) and ldb >= max(1, stored_b[0]) and ldc >= max(1, gm)
+    op_a = _column_major(b, *stored_a, lda)
+    op_b = _column_major(a, *stored_b, ldb)
+    op_a, op_b = (op_a if transa == n_op else op_a.T), (op_b if transb == n_op else op_b.T)
+    out = np.full((m, n), np.nan)
+    _column_major(out, gm, gn, ldc)[...] = op_a @ op_b
+    return out, (layout_a, layout_b)
+
+
+@pytest.mark.parametrize("a_kind", OPERANDS)
+@pytest.mark.parametrize("b_kind", OPERANDS)
+@pytest.mark.parametrize("m, k, n", [(5, 7, 3), (1, 7, 3), (5, 1, 3), (5, 7, 1), (37, 64, 96)])
+def test_cublas_plan_replayed_on_numpy(a_kind, b_kind, m, k, n):
+    """The cuBLAS path's layouts and gemmEx arguments, replayed as a column-major gemm on the same buffers, give
+    a @ b for every way the model's operands are laid out; those the model passes (C order, transposed views,
+    row slices) go in without a copy."""
+    rng = np.random.default_rng(m * 10_000 + k * 100 + n)
+    (make_a, a_in_place), (make_b, b_in_place) = OPERANDS[a_kind], OPERANDS[b_kind]
+    a, b = make_a(rng, m, k), make_b(rng, k, n)
+    found, layouts = _replay_gemm(a, b)
+    np.testing.assert_allclose(found, a @ b, rtol=1e-12, atol=1e-12)
+    for x, in_place in ((a, a_in_place), (b, b_in_place)):
+        layout = matmul.operand_layout(x.shape, matmul._element_strides(x))
+        assert (layout is not None) == in_place(*x.shape), (x.shape, x.strides)
+
+
+def test_operand_layouts_and_plan_by_hand():
+    """The column-major reading spelled out: a C-order (r, c) buffer is the (c, r) transpose with ld c; a
+    transposed view w.T of a C-order (c, r) w is the matrix itself with ld c; a row slice keeps its row stride."""
+    n_op, t_op = matmul.CUBLAS_OP_N, matmul.CUBLAS_OP_T
+    assert matmul.operand_layout((5, 7), (7, 1)) == (n_op, 7)
+    assert matmul.operand_layout((7, 5), (1, 7)) == (t_op, 7)
+    assert matmul.operand_layout((3, 64), (37 * 64, 1)) == (n_op, 37 * 64)
+    assert matmul.operand_layout((5, 7), (14, 2)) is None
+    assert matmul.operand_layout((1, 7), (0, 1)) == (n_op, 7)  # a broadcast single row is still one row
+    assert matmul.operand_layout((1, 7), (1, 6)) == (t_op, 6)  # one row, every sixth element: no copy either
+    assert matmul.operand_layout((4, 1), (0, 1)) is None  # a broadcast column: the same element four times
+    # C (m, n) = A (m, k) @ B (k, n), both C order: cuBLAS's C^T (n, m) = B^T A^T, B first, no transposes
+    assert matmul.gemm_plan(5, 7, 3, (n_op, 7), (n_op, 3)) == (n_op, n_op, 3, 5, 7, 3, 7, 3)
+    with pytest.raises(ValueError, match="too large"):
+        matmul.gemm_plan(2**31, 8, 8, (n_op, 8), (n_op, 8))
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float16])
+def test_every_product_of_a_half_precision_step_has_one_dtype(monkeypatch, dtype):
+    """The cuBLAS path takes two bfloat16 operands and refuses a mix: a forward and backward in bfloat16 (and
+    float16) on NumPy sends every product two operands of one dtype, the activations' or float32 (the tied
+    head's weight gradient), and ends with float32 gradients."""
+    calls = []
+
+    def recorded(a, b, out_dtype=None):
+        calls.append((a.dtype, b.dtype))
+        return matmul.matmul(a, b, out_dtype)
+
+    monkeypatch.setattr(model, "matmul", recorded)
+    params = model.init(TINY, np, 0)
+    rng = np.random.default_rng(7)
+    tokens, targets = (rng.integers(0, TINY.vocab, size=(2, TINY.context)) for _ in range(2))
+    loss, state = model.forward(params, tokens, targets, TINY, dtype)
+    grads = model.backward(state, params, TINY)
+    assert set(calls) == {(np.dtype(dtype),) * 2, (np.dtype(np.float32),) * 2}
+    assert len(calls) == 4 * TINY.layers * 3 + 3  # each linear: 1 forward, 2 backward; the head: 1 + 2
+    assert np.isfinite(float(loss)) and all(g.dtype == np.float32 and np.isfinite(g).all() for g in grads.values())
+    assert model.gelu_forward(np.ones((2, 3), dtype))[0].dtype == dtype
