@@ -67,30 +67,33 @@ def _fp8_case(rng):
 def _breakdown(rounds: int) -> dict:
     """µs per statement of FusedBackwardPlan._launch_locked, in place, for the dense backward cases."""
     from cupyflash._cuda import fused_backward
-    from cupyflash._cuda.launch import CPointer
+    from cupyflash._cuda.launch import launch_kernel
 
     marks: dict[str, list] = {}
 
-    def timed(self, map_addresses) -> None:
+    def timed(self, map_addresses) -> None:  # FusedBackwardPlan._launch_locked, statement by statement
         t = [time.perf_counter_ns()]
         words = self._slots
         maps = self._fused_maps.encode({name: words[w] for name, w in zip(fused_backward.MAPPED, self._address_words)})
+        if maps is not self._maps:
+            self._maps = maps
+            self.argv[1] = maps.ctypes.data
         t.append(time.perf_counter_ns())
         workspace = cupy.cuda.alloc(self._workspace * 4)
+        stream = cupy.cuda.get_current_stream().ptr
         t.append(time.perf_counter_ns())
         start, nbytes = self._zeroed
-        cupy.cuda.runtime.memsetAsync(workspace.ptr + start, 0, nbytes, cupy.cuda.get_current_stream().ptr)
+        cupy.cuda.runtime.memsetAsync(workspace.ptr + start, 0, nbytes, stream)
         t.append(time.perf_counter_ns())
-        dq_accum, counters = np.uint64(workspace.ptr), np.uint64(workspace.ptr + self._counters_at)
-        (pre, pre_grid, pre_block, pre_smem), (bwd, grid, block, smem), (convert, c_grid, c_block, c_smem) = (
-            self.launches
-        )
-        argument = self._argument
-        pre(pre_grid, pre_block, (argument,), pre_smem)
+        values = self.values
+        values[0] = workspace.ptr
+        values[1] = workspace.ptr + self._counters_at
+        (pre, bwd, convert), argv = self.direct, self._argv
+        launch_kernel(*pre, stream, argv, 0)
         t.append(time.perf_counter_ns())
-        bwd(grid, block, (argument, CPointer(maps.ctypes.data), dq_accum, counters, self._by_arrival), smem)
+        launch_kernel(*bwd, stream, argv, 0)
         t.append(time.perf_counter_ns())
-        convert(c_grid, c_block, (argument, dq_accum), c_smem)
+        launch_kernel(*convert, stream, self._convert_argv, 0)
         t.append(time.perf_counter_ns())
         for name, a, b in zip(("maps", "alloc", "memset", "preprocess", "bwd", "convert"), t, t[1:]):
             marks.setdefault(name, []).append((b - a) / 1e3)

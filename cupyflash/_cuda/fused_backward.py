@@ -12,7 +12,7 @@ import numpy
 from cupyflash._arrays import cupy
 from cupyflash._cuda import tile_policy, tiles, tma
 from cupyflash._cuda.compile import sm_count
-from cupyflash._cuda.launch import CPointer, Plan
+from cupyflash._cuda.launch import Plan, ensure_context, launch_kernel
 
 MAPPED = ("q", "k", "v", "dout")  # the inputs it reads through tensor maps, in BwdTensorMaps' order
 
@@ -47,28 +47,38 @@ class FusedBackwardPlan(Plan):
             arrays, sizes, strides, {"q": t.block, "k": t.rows, "v": t.rows, "dout": t.block}
         )
         self._address_words = self.slots(MAPPED)
-        self._by_arrival = numpy.int32(
-            tile_policy.fused_backward_by_arrival(
-                nk,
-                variant.head_dim,
-                variant.causal,
-                sm_count(cupy.cuda.runtime.getDevice()),
-                variant.deterministic,
-                keys=t.rows,
-            )
+        by_arrival = tile_policy.fused_backward_by_arrival(
+            nk,
+            variant.head_dim,
+            variant.causal,
+            sm_count(cupy.cuda.runtime.getDevice()),
+            variant.deterministic,
+            keys=t.rows,
         )
+        # The fused kernel's arguments (launch.Plan's argv): the struct, the maps, then by value dq_accum's and the
+        # counters' addresses and the by-arrival flag (an int32, the low half of the last value); dq's conversion takes
+        # the struct and dq_accum's address.
+        self.values[3] = by_arrival
+        values = self.values.ctypes.data
+        self.argv[2:] = [values, values + 8, values + 24]
+        self._convert = numpy.array([self._buffer.ctypes.data, self.values.ctypes.data], dtype=numpy.uint64)
+        self._convert_argv = int(self._convert.ctypes.data)
 
     def _launch_locked(self, map_addresses) -> None:
+        ensure_context()
         words = self._slots
         maps = self._fused_maps.encode({name: words[w] for name, w in zip(MAPPED, self._address_words)})
+        if maps is not self._maps:
+            self._maps = maps
+            self.argv[1] = maps.ctypes.data
         workspace = cupy.cuda.alloc(self._workspace * 4)  # freed to the stream-ordered pool after the launches
+        stream = cupy.cuda.get_current_stream().ptr
         start, nbytes = self._zeroed
-        cupy.cuda.runtime.memsetAsync(workspace.ptr + start, 0, nbytes, cupy.cuda.get_current_stream().ptr)
-        dq_accum, counters = numpy.uint64(workspace.ptr), numpy.uint64(workspace.ptr + self._counters_at)
-        (pre, pre_grid, pre_block, pre_smem), (bwd, grid, block, smem), (convert, c_grid, c_block, c_smem) = (
-            self.launches
-        )
-        argument = self._argument
-        pre(pre_grid, pre_block, (argument,), pre_smem)
-        bwd(grid, block, (argument, CPointer(maps.ctypes.data), dq_accum, counters, self._by_arrival), smem)
-        convert(c_grid, c_block, (argument, dq_accum), c_smem)
+        cupy.cuda.runtime.memsetAsync(workspace.ptr + start, 0, nbytes, stream)
+        values = self.values  # the fused kernel's by-value arguments after the struct and the maps
+        values[0] = workspace.ptr  # dq_accum
+        values[1] = workspace.ptr + self._counters_at  # the counters
+        (pre, bwd, convert), argv = self.direct, self._argv
+        launch_kernel(*pre, stream, argv, 0)
+        launch_kernel(*bwd, stream, argv, 0)
+        launch_kernel(*convert, stream, self._convert_argv, 0)

@@ -116,6 +116,29 @@ def passes_side_by_side(dkdv, dq) -> None:
         stream.wait_event(done)
 
 
+# cuLaunchKernel itself: a plan's launches skip CuPy's per-call conversion of the arguments (several µs a launch),
+# since their arguments' addresses are fixed when the plan is made.
+launch_kernel = None if cupy is None else cupy.cuda.driver.launchKernel
+
+
+def ensure_context() -> None:
+    """Make the current device's primary context current in this thread, as CuPy's own launches do: the
+    driver launches in the context current in the calling thread, and a thread whose CUDA calls so far found
+    everything in CuPy's memory pool may have none (cudaFree(0) initializes it)."""
+    if not cupy.cuda.driver.ctxGetCurrent():
+        cupy.cuda.runtime.free(0)
+
+
+def driver_launches(launches) -> list[tuple]:
+    """(function handle, grid x, y, z, block x, y, z, dynamic shared memory) of each (Function, grid, block,
+    shared memory) launch, the driver's arguments but the stream and the argument array."""
+    found = []
+    for function, grid, block, smem in launches:
+        grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+        found.append((function.ptr, *grid, *block, smem))
+    return found
+
+
 # What a dense call launches (kernels, grids, shared memory, and every parameter but the arrays' addresses)
 # depends only on its arrays' shapes, strides and dtype, the scalar options and the device. The first call
 # of each such signature works it out and keeps it in the plan cache (plans.py); later calls copy its
@@ -151,10 +174,9 @@ KEY_WORDS = slice(_KEYS_OFFSET // 4, _KEYS_OFFSET // 4 + _KEYS_DTYPE.shape[0])  
 class Plan:
     """The launches of one dense call's layout, with its parameters as 64-bit words.
 
-    The kernels' one argument is passed as a pointer to a buffer of words that the plan keeps: a call writes
-    its arrays' addresses (and dropout key) into it and launches, under the plan's lock, as the launch copies
-    the bytes before it returns. (CuPy reads a NumPy argument's address through ``__array_interface__`` on
-    every launch; a ``CPointer`` it passes as it is.)"""
+    The kernels' parameter struct is a buffer of words that the plan keeps: a call writes its arrays'
+    addresses (and dropout key) into it and launches, under the plan's lock, as the launch copies the bytes
+    before it returns."""
 
     def __init__(self, functions: dict, variant: Variant, params, launches, tensor_maps=None, arrays=None):
         self.words = params.view(numpy.uint64).copy()  # the plan's own addresses; a plain copy
@@ -163,10 +185,10 @@ class Plan:
         # from the addresses (by default those of ``arrays``, the ones the plan was made with).
         self.tensor_maps = tensor_maps
         self.map_addresses = {name: arrays[name].data.ptr for name in MAPPED} if tensor_maps else None
-        self._maps = (None, None)  # (the last encoded tensor-map argument, a CPointer to it)
+        self._maps = None  # the last encoded tensor maps, which argv[1] points at (kept alive here)
         # (function, grid, block, dynamic shared memory) per launch of (kernel, rows, batch); a backward's
         # last two (dK/dV, dQ) run side by side. The function is the RawKernel's CUDA function on this device
-        # (a plan is made for one device), called directly: positional arguments, no per-call lookup.
+        # (a plan is made for one device), launched through the driver (``direct``).
         self.launches = [
             (functions[kernel].kernel,) + launch_shape(variant, kernel, rows, batch) for kernel, rows, batch in launches
         ]
@@ -175,8 +197,16 @@ class Plan:
         self._buffer = self.words.copy()
         self._slots = memoryview(self._buffer).cast("B").cast("Q")  # an address's write, without NumPy's overhead
         self._keys = self._buffer.view(numpy.uint32)[KEY_WORDS]
-        self._argument = CPointer(self._buffer.ctypes.data)
-        self._arguments = (self._argument,)
+        # The launches go to the driver directly (driver_launches): the kernel's arguments as the address of a C
+        # array of pointers, one to each argument's bytes. The first is always the parameter struct (this plan's
+        # buffer, passed by value); the warp-specialized forward's second and third are its tensor maps and
+        # its tile counter's address, written in `values` before each launch.
+        self.values = numpy.zeros(4, dtype=numpy.uint64)
+        self.argv = numpy.zeros(5, dtype=numpy.uint64)
+        self.argv[0] = self._buffer.ctypes.data
+        self.argv[2] = self.values.ctypes.data
+        self._argv = int(self.argv.ctypes.data)
+        self.direct = driver_launches(self.launches)
         self._lock = threading.Lock()
 
     def _tile_counter(self):
@@ -223,31 +253,32 @@ class Plan:
             self._launch_locked(map_addresses)
 
     def _launch_locked(self, map_addresses) -> None:
-        args = self._arguments
+        ensure_context()
+        stream = cupy.cuda.get_current_stream()
+        argv = self._argv
+        counter = None
         if self.tensor_maps is not None:
             found = self.map_addresses if map_addresses is None else dict(zip(MAPPED, map_addresses))
             maps = self.tensor_maps.encode(found)
-            if maps is not self._maps[0]:
-                self._maps = (maps, CPointer(maps.ctypes.data))
-            args += (self._maps[1], self._tile_counter())
-        launches = self.launches
+            if maps is not self._maps:
+                self._maps = maps
+                self.argv[1] = maps.ctypes.data
+            counter = self._tile_counter()  # (alive until its launch is queued)
+            self.values[0] = counter.data.ptr
         if not self.side_by_side:
-            for function, grid, block, smem in launches:
-                function(grid, block, args, smem)
+            for function, gx, gy, gz, bx, by, bz, smem in self.direct:
+                launch_kernel(function, gx, gy, gz, bx, by, bz, smem, stream.ptr, argv, 0)
             return
         # The backward: preprocess, then its dK/dV pass here and its dQ pass on the second stream, at once
         # (passes_side_by_side, unrolled: this is every backward call's host time).
-        (pre, pre_grid, pre_block, pre_smem), (kv, kv_grid, kv_block, kv_smem), (dq, dq_grid, dq_block, dq_smem) = (
-            launches
-        )
-        stream = cupy.cuda.get_current_stream()
+        pre, kv, dq = self.direct
         side, ready, done, lock = side_stream()
-        pre(pre_grid, pre_block, args, pre_smem)
+        launch_kernel(*pre, stream.ptr, argv, 0)
         with lock:
             ready.record(stream)
-            kv(kv_grid, kv_block, args, kv_smem)
+            launch_kernel(*kv, stream.ptr, argv, 0)
             side.wait_event(ready)
-            dq(dq_grid, dq_block, args, dq_smem, side)
+            launch_kernel(*dq, side.ptr, argv, 0)
             done.record(side)
             stream.wait_event(done)
 

@@ -442,3 +442,14 @@ def test_decoding_calls_on_numpy_have_no_key(rng):
     cache = rng.standard_normal((2, 2, 64, 32)).astype(np.float32)
     args = (q, cache, cache, None, None, 5, None, None, None, False, True, None, None, 0.0, None, 0, False)
     assert decode.call_key(*args) is None
+
+
+def test_driver_launches_are_the_driver_arguments_of_each_launch():
+    # Grids come as (x, y, z) and blocks as (threads,): the driver takes three of each, the function's handle
+    # first and the dynamic shared memory last.
+    function = types.SimpleNamespace(ptr=0xDEAD0)
+    launches = [(function, (7, 3, 2), (384,), 99 * 1024), (function, (132,), (128, 2), 0)]
+    assert launch.driver_launches(launches) == [
+        (0xDEAD0, 7, 3, 2, 384, 1, 1, 99 * 1024),
+        (0xDEAD0, 132, 1, 1, 128, 2, 1, 0),
+    ]
