@@ -44,9 +44,9 @@ from cupyflash.distributed._schedule import blocks
 class _Call:
     """A validated ring call: the arrays' module, dtypes, scale, options and the chunk lengths."""
 
-    def __init__(self, arrays, comm, causal, scale, softcap, alibi_slopes, layout, caller):
+    def __init__(self, arrays, comm, causal, scale, window, softcap, alibi_slopes, layout, caller):
         layout = check_layout(layout)
-        options = dict(softcap=softcap, alibi_slopes=alibi_slopes)
+        options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes)
         problem = validate(arrays, causal, scale, options)
         if isinstance(comm, Communicator):
             if problem.xp is np and comm.world_size > 1:
@@ -67,13 +67,15 @@ class _Call:
                     f"{caller}: {name} holds {x.shape[-2]} rows of the sequence; a {layout!r} shard holds "
                     f"{per} equal chunks (shard the sequence with cupyflash.distributed.shard)"
                 )
-        if (problem.causal or alibi_slopes is not None) and q.shape[-2] != k.shape[-2]:
+        if (problem.causal or window is not None or alibi_slopes is not None) and q.shape[-2] != k.shape[-2]:
             raise ValueError(
-                f"{caller}: causal and alibi_slopes need shards of q and k of one length (a sequence "
+                f"{caller}: causal, window and alibi_slopes need shards of q and k of one length (a sequence "
                 f"attending to itself), got {q.shape[-2]} and {k.shape[-2]} rows"
             )
         self.xp, self.dtype, self.acc = problem.xp, problem.dtype, lse_dtype(problem.dtype)
         self.scale, self.causal, self.softcap, self.layout = problem.scale, problem.causal, float(softcap), layout
+        # (left, right) over global positions with causal folded in (right = 0): every pair its own call
+        self.window = None if window is None else problem.mods.window_with_causal(problem.causal)
         # float32 slopes, as attention uses them (then widened for float64's bias blocks)
         self.alibi = None if alibi_slopes is None else self.xp.asarray(alibi_slopes).astype(np.float32).astype(self.acc)
         self.nq_chunk, self.nk_chunk = q.shape[-2] // per, k.shape[-2] // per
@@ -89,11 +91,14 @@ class _Call:
             self.nk_chunk,
             self.causal,
             per_pair=self.alibi is not None,
+            window=self.window,
         )
 
     def options(self, blk, nq, nk):
         """The keyword arguments of ``blk``'s attention call, and the shift of its lse (None: no shift)."""
         kwargs = dict(causal=blk.causal, scale=self.scale, softcap=self.softcap)
+        if blk.window is not None:
+            kwargs["window"] = blk.window
         if self.alibi is None:
             return kwargs, None
         if blk.q_start == blk.k_start:
@@ -117,15 +122,15 @@ def _describe(caller, arrays, call):
     alibi = None if call.alibi is None else tuple(call.alibi.shape)
     return (
         f"{caller} {call.xp.__name__} layout={call.layout!r} causal={call.causal} scale={call.scale!r} "
-        f"softcap={call.softcap!r} alibi={alibi} {shapes}"
+        f"window={call.window!r} softcap={call.softcap!r} alibi={alibi} {shapes}"
     )
 
 
-def _prepare(arrays, comm, causal, scale, softcap, alibi_slopes, layout, caller):
+def _prepare(arrays, comm, causal, scale, window, softcap, alibi_slopes, layout, caller):
     """Validate on every rank and make sure every rank makes the same call, before anything travels: a rank
     that raised alone would leave the others waiting for it."""
     try:
-        call, failure = _Call(arrays, comm, causal, scale, softcap, alibi_slopes, layout, caller), None
+        call, failure = _Call(arrays, comm, causal, scale, window, softcap, alibi_slopes, layout, caller), None
         description = _describe(caller, arrays, call)
     except (TypeError, ValueError) as error:
         call, failure = None, error
@@ -193,6 +198,7 @@ def ring_attention_forward(
     comm: Comm,
     causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: Array | None = None,
     layout: str = "zigzag",
@@ -219,6 +225,10 @@ def ring_attention_forward(
         The causal mask over global positions (Nq = Nk: a sequence attending to itself).
     scale : float, optional
         Multiplies the scores; defaults to ``1 / sqrt(D)``.
+    window : (int, int), optional
+        As in :func:`cupyflash.attention`, over global positions (Nq = Nk): row i sees the keys j with
+        ``i - left <= j <= i + right`` (-1: unbounded). Chunk pairs that no row can see are skipped, so a
+        window of w costs O(N w) per rank.
     softcap : float, optional
         As in :func:`cupyflash.attention`.
     alibi_slopes : array, optional
@@ -252,7 +262,7 @@ def ring_attention_forward(
     True
     """
     arrays = dict(q=q, k=k, v=v)
-    call = _prepare(arrays, comm, causal, scale, softcap, alibi_slopes, layout, "ring_attention_forward")
+    call = _prepare(arrays, comm, causal, scale, window, softcap, alibi_slopes, layout, "ring_attention_forward")
     keys = _start_keys(comm, call, k, v)
     try:
         return _forward_steps(comm, call, q, keys)
@@ -292,6 +302,7 @@ def ring_attention_backward(
     comm: Comm,
     causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: Array | None = None,
     layout: str = "zigzag",
@@ -309,7 +320,7 @@ def ring_attention_backward(
         This rank's shards, as given to :func:`ring_attention_forward`.
     out, lse : arrays, shapes (..., Nq / W, Dv) and (..., Nq / W)
         What :func:`ring_attention_forward` returned on this rank.
-    comm, causal, scale, softcap, alibi_slopes, layout
+    comm, causal, scale, window, softcap, alibi_slopes, layout
         Exactly as passed to :func:`ring_attention_forward`.
 
     Returns
@@ -341,7 +352,7 @@ def ring_attention_backward(
     [True, True, True]
     """
     arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
-    call = _prepare(arrays, comm, causal, scale, softcap, alibi_slopes, layout, "ring_attention_backward")
+    call = _prepare(arrays, comm, causal, scale, window, softcap, alibi_slopes, layout, "ring_attention_backward")
     xp, acc = call.xp, call.acc
     keys = _start_keys(comm, call, k, v)
     grads = _Travelling(comm, xp, [(k.shape, acc), (v.shape, acc)])  # dk, dv of the keys in hand
@@ -410,6 +421,7 @@ def ring_attention(
     comm: Comm,
     causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: Array | None = None,
     layout: str = "zigzag",
@@ -418,7 +430,7 @@ def ring_attention(
 
     Parameters
     ----------
-    q, k, v, comm, causal, scale, softcap, alibi_slopes, layout
+    q, k, v, comm, causal, scale, window, softcap, alibi_slopes, layout
         As in :func:`ring_attention_forward`: this rank's shards (..., N / W, D) and the ring.
 
     Returns
@@ -439,6 +451,15 @@ def ring_attention(
     [(2, 10, 8), (2, 10, 8), (2, 10, 8), (2, 10, 8)]
     """
     out, _ = ring_attention_forward(
-        q, k, v, comm=comm, causal=causal, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, layout=layout
+        q,
+        k,
+        v,
+        comm=comm,
+        causal=causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        layout=layout,
     )
     return out

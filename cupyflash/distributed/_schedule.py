@@ -17,6 +17,17 @@ Without position-dependent scores the pairs of a step merge into one rectangular
 
 so every rank computes the same number of pairs at every step. With ALiBi, whose bias depends on the global
 distance i - j, each pair is its own call, with its global positions.
+
+A window (left, right) keeps the keys j with i - left <= j <= i + right (global positions; causal folds in
+as right = 0). In the pair of chunks a, b (length c, local rows i', keys j', d = (a - b) c) that is the band
+lo <= j' - i' <= hi with lo = d - left, hi = d + right: a pair whose band misses [-(c - 1), c - 1] is
+skipped, so a rank computes O(N w) scores, not O(N^2). What is left is one call of the kernels' own,
+bottom-right aligned window on a square sub-block: for lo > 0 the rows [0, c - lo) against the keys
+[lo, c) (the rows past c - lo see no key of the pair, the keys before lo no row), with window (0, hi - lo);
+for hi < 0 the rows [-hi, c) against the keys [0, c + hi), with window (hi - lo, 0); otherwise the whole
+pair with window (-lo, hi). A bound past the block's edge becomes -1 (unbounded). The local window of
+every call is then one the kernels take as it is, with no position offset: the sub-block's first row and
+first key sit on its diagonal.
 """
 
 from __future__ import annotations
@@ -31,7 +42,8 @@ class Block:
     """One attention call: local query rows ``q_rows`` against rows ``k_rows`` of the key/value shard in hand.
 
     ``causal``: apply the local bottom-right causal mask (a diagonal block). ``q_start``, ``k_start``: global
-    positions of the first query and key rows when the block is one chunk pair (else None).
+    positions of the first query and key rows when the block is one chunk pair or part of one (else None).
+    ``window``: the local window of a windowed call (module docstring), None for none.
     """
 
     q_rows: slice
@@ -39,6 +51,7 @@ class Block:
     causal: bool
     q_start: int | None = None
     k_start: int | None = None
+    window: tuple[int, int] | None = None
 
 
 def source_rank(rank: int, step: int, world_size: int) -> int:
@@ -47,14 +60,42 @@ def source_rank(rank: int, step: int, world_size: int) -> int:
 
 
 def blocks(
-    layout: str, world_size: int, rank: int, step: int, nq_chunk: int, nk_chunk: int, causal: bool, per_pair: bool
+    layout: str,
+    world_size: int,
+    rank: int,
+    step: int,
+    nq_chunk: int,
+    nk_chunk: int,
+    causal: bool,
+    per_pair: bool,
+    window: tuple[int, int] | None = None,
 ) -> list[Block]:
     """The calls of ``rank`` at ``step``; chunks of ``nq_chunk`` query and ``nk_chunk`` key rows.
 
-    ``per_pair``: one call per chunk pair, with global positions (position-dependent scores).
+    ``per_pair``: one call per chunk pair, with global positions (position-dependent scores). ``window``:
+    (left, right) over global positions, causal folded in (right = 0); then nq_chunk = nk_chunk and each
+    pair is one call on the part of it the band covers, or none (module docstring).
     """
     q_chunks = chunks_of(layout, world_size, rank)
     k_chunks = chunks_of(layout, world_size, source_rank(rank, step, world_size))
+    if window is not None:
+        found = []
+        for qs, a in enumerate(q_chunks):
+            for ks, b in enumerate(k_chunks):
+                part = windowed_pair(a, b, nq_chunk, window)
+                if part is not None:
+                    r0, k0, m, local = part
+                    found.append(
+                        Block(
+                            slice(qs * nq_chunk + r0, qs * nq_chunk + r0 + m),
+                            slice(ks * nk_chunk + k0, ks * nk_chunk + k0 + m),
+                            False,
+                            a * nq_chunk + r0,
+                            b * nk_chunk + k0,
+                            local,
+                        )
+                    )
+        return found
     pairs = []  # (local q slot, local k slot, causal)
     for qs, a in enumerate(q_chunks):
         for ks, b in enumerate(k_chunks):
@@ -99,3 +140,26 @@ def blocks(
         Block(slice(qs * nq_chunk, (qs + 1) * nq_chunk), slice(ks * nk_chunk, (ks + 1) * nk_chunk), False)
         for qs, ks, _ in pairs
     ]
+
+
+def windowed_pair(a: int, b: int, c: int, window: tuple[int, int]):
+    """The part of the pair of chunks ``a`` (queries) and ``b`` (keys), ``c`` rows each, that the global
+    ``window`` (left, right; -1 unbounded) lets any row see: (first row, first key, rows = keys, local window),
+    all local to the chunks, or None when no row of a sees a key of b (module docstring)."""
+    left, right = window
+    d = (a - b) * c
+    lo = -c if left < 0 else d - left  # the band lo <= j' - i' <= hi, clipped to the pair below
+    hi = c if right < 0 else d + right
+    lo, hi = max(lo, -(c - 1)), min(hi, c - 1)
+    if lo > hi:
+        return None
+    if lo > 0:
+        r0, k0, m = 0, lo, c - lo
+    elif hi < 0:
+        r0, k0, m = -hi, 0, c + hi
+    else:
+        r0, k0, m = 0, 0, c
+    shift = k0 - r0  # the sub-block's j' - i' on its diagonal
+    local_left = -1 if lo - shift <= -(m - 1) else shift - lo
+    local_right = -1 if hi - shift >= m - 1 else hi - shift
+    return r0, k0, m, (local_left, local_right)

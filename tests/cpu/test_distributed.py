@@ -6,12 +6,14 @@ What this file proves:
   forward and backward, unsharded, equal ``cupyflash.attention_forward`` / ``attention_backward`` over the
   whole sequence (float32: to 1e-5 of the largest magnitude), and meet the project's accuracy rule against
   the float64 reference in every dtype (float64: to float64 rounding); also with grouped-query heads
-  (broadcast k, v), cross attention (Nq != Nk), softcap, an explicit scale and ALiBi with global positions.
+  (broadcast k, v), cross attention (Nq != Nk), softcap, an explicit scale, ALiBi with global positions and
+  sliding windows over global positions.
 * The results are deterministic (bit for bit), and every rank's all-gathered result is the same.
 * shard/unshard: the zigzag and contiguous layouts hold the chunks they document, round trips are exact,
   sizes that do not split raise.
 * The schedule computes every (query, key) pair that the global mask allows exactly once and no other; the
-  zigzag layout gives every rank the same causal work at every step.
+  zigzag layout gives every rank the same causal work at every step; a window's calls cover its band exactly,
+  each on a square sub-block whose every row sees a key, and their work grows as N w, not N^2.
 * Argument errors: a rank whose call differs from the others' makes every rank raise; invalid arguments
   raise the single-process function's own error on every rank; nothing hangs.
 * InProcessGroup: results in rank order, failures propagate without hanging, the group is reusable.
@@ -449,6 +451,105 @@ def test_schedule_covers_every_allowed_pair_once(layout, causal, per_pair):
             f"W={world_size}: {int((counts > expected).sum())} pairs computed twice or masked, "
             f"{int((counts < expected).sum())} pairs missed"
         )
+
+
+# windows of every kind: one-sided, two-sided, narrower and wider than a chunk, zero-width sides
+WINDOWS = [(0, 0), (1, -1), (-1, 2), (4, 1), (7, 7), (2, 30), (40, 0)]
+
+
+def _window_coverage(layout, world_size, chunk, window):
+    """For a global window (left, right): how many times each (query, key) pair is computed over every rank
+    and step, from each block's rows, keys and local window (the kernels' bottom-right one on a square)."""
+    n = (2 if layout == "zigzag" else 1) * world_size * chunk
+    counts = np.zeros((n, n), dtype=int)
+    for rank in range(world_size):
+        for step in range(world_size):
+            src = _schedule.source_rank(rank, step, world_size)
+            for blk in _schedule.blocks(layout, world_size, rank, step, chunk, chunk, False, False, window):
+                rows = _global_rows(layout, world_size, rank, blk.q_rows, chunk)
+                cols = _global_rows(layout, world_size, src, blk.k_rows, chunk)
+                assert len(rows) == len(cols) > 0 and not blk.causal, blk
+                assert (blk.q_start, blk.k_start) == (rows[0], cols[0]), f"{blk}: global starts"
+                i, j = np.arange(len(rows))[:, None], np.arange(len(cols))[None, :]
+                left, right = blk.window
+                seen = np.ones((len(rows), len(cols)), dtype=bool)
+                if left >= 0:
+                    seen &= j >= i - left
+                if right >= 0:
+                    seen &= j <= i + right
+                assert seen.any(axis=1).all(), f"{blk}: a row of the block sees no key"
+                np.add.at(counts, (rows[:, None], cols[None, :]), seen.astype(int))
+    return counts
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_window_schedule_covers_its_band_once(layout, window):
+    """W = 1..6, chunks of 1, 3 and 5 rows: each pair with i - left <= j <= i + right is computed exactly
+    once over every rank and step, and no other pair."""
+    left, right = window
+    for world_size in range(1, 7):
+        for chunk in (1, 3, 5):
+            counts = _window_coverage(layout, world_size, chunk, window)
+            i, j = np.arange(counts.shape[0])[:, None], np.arange(counts.shape[1])[None, :]
+            band = np.ones(counts.shape, dtype=bool)
+            if left >= 0:
+                band &= j >= i - left
+            if right >= 0:
+                band &= j <= i + right
+            assert np.array_equal(counts, band.astype(int)), (world_size, chunk, window)
+
+
+def test_window_skips_the_pairs_no_row_sees():
+    """A window narrower than a chunk (w = 16, chunks of 256, zigzag, W = 4): a query chunk meets only its own
+    chunk and the one before it (2 of the 8 pairs), the latter as a w x w square; so the calls cover
+    O(N w) off the diagonal, where the kernels' own window then skips the tiles outside the band."""
+    w, chunk, world_size = 16, 256, 4
+    calls, off_diagonal = 0, 0
+    for rank in range(world_size):
+        for step in range(world_size):
+            for blk in _schedule.blocks("zigzag", world_size, rank, step, chunk, chunk, False, False, (w, 0)):
+                calls += 1
+                if blk.q_start != blk.k_start:
+                    rows = blk.q_rows.stop - blk.q_rows.start
+                    assert rows == w and blk.q_start - blk.k_start == w and blk.window == (0, -1), blk
+                    off_diagonal += 1
+    chunks = 2 * world_size
+    assert calls == 2 * chunks - 1 and off_diagonal == chunks - 1  # the first chunk has none before it
+
+
+@pytest.mark.parametrize("window", [(5, 0), (3, 8), (0, -1), (-1, 0), (9, 9)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world_size", (1, 2, 3, 4))
+def test_window_equals_attention_over_the_whole_sequence(rng, assert_matches_reference, world_size, layout, window):
+    """The ring with a window over global positions equals the single call with that window, forward and
+    backward, causal or not, and meets the accuracy rule."""
+    q, k, v, dout = _problem(rng, world_size)
+    for causal in (False, True):
+        ring = _ring(world_size, q, k, v, dout, causal=causal, window=window, layout=layout)
+        _assert_same_as_single(ring, _single(q, k, v, dout, causal=causal, window=window))
+    assert_matches_reference(q, k, v, dout, ring, causal=True, window=window)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_window_with_every_option_and_grouped_heads_in_float64(rng, layout):
+    """A window with softcap, a scale, ALiBi (global positions) and grouped-query heads, in float64: the
+    ring equals the float64 reference to float64 rounding (W = 3)."""
+    n = _seq(3)
+    q = rng.standard_normal((B, 1, 3, n, D))
+    k, v = rng.standard_normal((B, 1, 1, n, D)), rng.standard_normal((B, 1, 1, n, DV))
+    dout = rng.standard_normal((B, 1, 3, n, DV))
+    options = dict(window=(4, 2), softcap=SOFTCAP, scale=0.3, alibi_slopes=alibi_slopes(3).astype(np.float64))
+    for causal in (False, True):
+        ring = _ring(3, q, k, v, dout, causal=causal, layout=layout, **options)
+        _assert_float64_matches_reference(q, k, v, dout, ring, causal=causal, **options)
+
+
+def test_window_with_shards_of_different_lengths_raises(rng):
+    q, k, v, _ = random_problem(rng, (B, H, 4, D), (B, H, 6, D), (B, H, 6, DV), np.float32)
+    call = lambda comm: dist.ring_attention_forward(q, k, v, comm=comm, window=(2, 2))  # noqa: E731
+    for error in _errors_on_every_rank(2, call):
+        assert isinstance(error, ValueError) and "got 4 and 6 rows" in str(error), repr(error)
 
 
 @pytest.mark.parametrize("per_pair", [False, True])

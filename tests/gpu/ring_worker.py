@@ -33,6 +33,7 @@ CASES = [
     (BF16, 1, 2, 2, 4 * 50, 32, 32, True, "zigzag", {"alibi": True}),
     (np.float32, 1, 1, 2, 4 * 45, 48, 24, True, "zigzag", {"scale": 0.3}),
     (np.float64, 1, 2, 1, 4 * 20, 16, 16, False, "zigzag", {"alibi": True}),
+    (BF16, 1, 2, 2, 4 * 64, 64, 64, True, "zigzag", {"window": (40, 0)}),
 ]
 
 

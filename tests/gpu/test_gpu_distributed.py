@@ -62,6 +62,8 @@ def test_world_of_one_is_attention_bit_for_bit(rng, causal, monkeypatch):
         (3, "contiguous", False, {"softcap": 15.0}),
         (4, "zigzag", True, {"alibi": True}),
         (2, "contiguous", True, {"scale": 0.2}),
+        (3, "zigzag", True, {"window": (50, 0)}),
+        (2, "contiguous", False, {"window": (20, 30), "alibi": True}),
     ],
 )
 def test_ring_over_threads_on_one_gpu(rng, assert_matches_reference, dtype, world_size, layout, causal, options):
@@ -158,8 +160,8 @@ def test_add_rows(rng, dtype):
 
 @pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
 def test_ring_over_nccl_on_two_gpus():
-    """Six cases over NCCL on two GPUs (dtypes, layouts, GQA, softcap, ALiBi, scale): each held to the accuracy
-    rule and to 2x the single GPU's error against float64; mismatched calls raise on every rank."""
+    """Seven cases over NCCL on two GPUs (dtypes, layouts, GQA, softcap, ALiBi, scale, window): each held to the
+    accuracy rule and to 2x the single GPU's error against float64; mismatched calls raise on every rank."""
     done = subprocess.run(
         [
             sys.executable,
@@ -175,7 +177,7 @@ def test_ring_over_nccl_on_two_gpus():
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert done.stdout.count("ring/one-GPU error") == 6, done.stdout
+    assert done.stdout.count("ring/one-GPU error") == 7, done.stdout
     assert "mismatched calls raise on every rank" in done.stdout
 
 
