@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import DTypeLike
 
-from cupyflash import _cpu, _dropout, _modifiers, _varlen
+from cupyflash import _cpu, _dropout, _varlen
 from cupyflash._arrays import Array, lse_dtype, sum_to_shape
-from cupyflash._checks import check_bool, check_causal, resolve_scale
+from cupyflash._checks import check_bool
 from cupyflash._cuda import dense as _gpu
 from cupyflash._cuda import plans
 from cupyflash._fp8 import api as _fp8_api
@@ -568,7 +568,7 @@ def attention_varlen_forward(
     ((100, 8, 64), (8, 100))
     """
     arrays = dict(q=q, k=k, v=v)
-    packed, scale, causal, mods = _validate_varlen(
+    packed, scale, causal, mods = _varlen.validate(
         arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes
     )
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_varlen_forward")
@@ -635,7 +635,7 @@ def attention_varlen_backward(
     ((100, 4, 32), (100, 4, 32), (100, 4, 32))
     """
     arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
-    packed, scale, causal, mods = _validate_varlen(
+    packed, scale, causal, mods = _varlen.validate(
         arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes
     )
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_varlen_backward")
@@ -645,26 +645,6 @@ def attention_varlen_backward(
     return _backend(xp).attention_varlen_backward(
         dout, q, k, v, out, lse, packed, scale=scale, causal=causal, mods=mods, dropout=dropout
     )
-
-
-def _validate_varlen(
-    arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes
-):
-    packed = _varlen.check(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    causal = check_causal(causal)
-    scale = resolve_scale(scale, packed.d)
-    # The per-element options are checked as for one (Nq, Nk) = (1, 1) problem of leading dims (batch, H).
-    mods = _modifiers.resolve(
-        packed.xp,
-        packed.dtype,
-        (packed.batch, packed.heads),
-        1,
-        1,
-        window=window,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-    )
-    return packed, scale, causal, mods
 
 
 def _fast_key(found) -> dict:

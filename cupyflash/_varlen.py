@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cupyflash._checks import check_array_types, check_head_dims, index_array
+from cupyflash import _modifiers
+from cupyflash._checks import check_array_types, check_causal, check_head_dims, index_array, resolve_scale
 from cupyflash._checks import check_dtypes as _check_dtypes
 
 
@@ -102,6 +103,28 @@ def check(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                     "attention_varlen_forward returns it for these q, k, v"
                 )
     return packed
+
+
+def validate(
+    arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes
+):
+    """The one set of checks of a packed call (the varlen functions and the ring's packed form): the layout
+    (check), causal, the scale (its default) and the score modifiers; (packed, scale, causal, mods)."""
+    packed = check(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    causal = check_causal(causal)
+    scale = resolve_scale(scale, packed.d)
+    # The per-element options are checked as for one (Nq, Nk) = (1, 1) problem of leading dims (batch, H).
+    mods = _modifiers.resolve(
+        packed.xp,
+        packed.dtype,
+        (packed.batch, packed.heads),
+        1,
+        1,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+    )
+    return packed, scale, causal, mods
 
 
 def _offsets(name, cu, xp, rows, tensor, total):

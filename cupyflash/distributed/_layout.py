@@ -83,7 +83,7 @@ def shard(x: Array, comm: Comm, layout: str = "zigzag", axis: int = -2) -> Array
     [[0, 1, 6, 7], [2, 3, 4, 5]]
     """
     layout = check_layout(layout)
-    axis = _axis(x, axis)
+    axis = check_axis(x, axis)
     c = chunk_length(x.shape[axis], layout, comm.world_size, "x")
     xp = _module(x)
     pieces = [_take(x, axis, i * c, (i + 1) * c) for i in chunks_of(layout, comm.world_size, comm.rank)]
@@ -118,7 +118,7 @@ def unshard(x_local: Array, comm: Comm, layout: str = "zigzag", axis: int = -2) 
     True
     """
     layout = check_layout(layout)
-    axis = _axis(x_local, axis)
+    axis = check_axis(x_local, axis)
     per = chunks_per_rank(layout)
     n = x_local.shape[axis]
     if n % per:
@@ -138,7 +138,7 @@ def unshard(x_local: Array, comm: Comm, layout: str = "zigzag", axis: int = -2) 
     return _module(x_local).concatenate([chunks[i] for i in sorted(chunks)], axis=axis)
 
 
-def _axis(x, axis):
+def check_axis(x, axis) -> int:
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis {axis} is out of range for an array of shape {x.shape}")
     return axis % x.ndim

@@ -48,17 +48,7 @@ class _Call:
         layout = check_layout(layout)
         options = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes)
         problem = validate(arrays, causal, scale, options)
-        if isinstance(comm, Communicator):
-            if problem.xp is np and comm.world_size > 1:
-                raise TypeError(
-                    f"{caller}: the arrays are NumPy arrays, but an NCCL communicator moves CuPy arrays "
-                    "(run NumPy arrays over an InProcessGroup)"
-                )
-            if problem.xp is not np and cupy.cuda.Device().id != comm.device:
-                raise ValueError(
-                    f"{caller}: the current device is {cupy.cuda.Device().id} but the communicator's is "
-                    f"{comm.device}; run under `with cupy.cuda.Device({comm.device}):`"
-                )
+        check_comm(problem.xp, comm, caller)
         q, k = arrays["q"], arrays["k"]
         per = chunks_per_rank(layout)
         for name, x in (("q", q), ("k", k)):
@@ -113,6 +103,22 @@ class _Call:
             rho = -(float(blk.k_start - blk.q_start) - xp.arange(nq, dtype=self.acc))
         kwargs["bias"] = (slope * beta)[..., None, :]
         return kwargs, slope * rho
+
+
+def check_comm(xp, comm, caller) -> None:
+    """The arrays' module and the current device suit the communicator: NCCL moves CuPy arrays on its own
+    device."""
+    if isinstance(comm, Communicator):
+        if xp is np and comm.world_size > 1:
+            raise TypeError(
+                f"{caller}: the arrays are NumPy arrays, but an NCCL communicator moves CuPy arrays "
+                "(run NumPy arrays over an InProcessGroup)"
+            )
+        if xp is not np and cupy.cuda.Device().id != comm.device:
+            raise ValueError(
+                f"{caller}: the current device is {cupy.cuda.Device().id} but the communicator's is "
+                f"{comm.device}; run under `with cupy.cuda.Device({comm.device}):`"
+            )
 
 
 def _describe(caller, arrays, call):

@@ -825,3 +825,172 @@ def test_the_example_runs_on_cpu_ranks_with_its_default_length():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "3 ranks (threads), N = 516" in done.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packed batches: every sequence sharded across the ranks (shard_varlen, ring_attention_varlen_*)
+# ---------------------------------------------------------------------------------------------------
+
+# sequence lengths in chunks (times 2W for zigzag, W for contiguous): an empty sequence, a short and a long one
+VARLEN_CHUNKS = (3, 0, 1, 5)
+
+
+def _varlen_offsets(world_size, layout, chunks=VARLEN_CHUNKS):
+    parts = (2 if layout == "zigzag" else 1) * world_size
+    return np.concatenate([[0], np.cumsum([c * parts for c in chunks])]).astype(np.int32)
+
+
+def _varlen_ring(world_size, q, k, v, dout, cu, **kwargs):
+    """Shard, run the packed ring's forward and backward on every rank, unshard: (out, lse, dq, dk, dv)."""
+    layout = kwargs.get("layout", "zigzag")
+
+    def rank_work(comm):
+        q_l, k_l, v_l, dout_l = (dist.shard_varlen(x, cu, comm, layout=layout) for x in (q, k, v, dout))
+        out_l, lse_l = dist.ring_attention_varlen_forward(q_l, k_l, v_l, cu, comm=comm, **kwargs)
+        grads = dist.ring_attention_varlen_backward(dout_l, q_l, k_l, v_l, out_l, lse_l, cu, comm=comm, **kwargs)
+        for g, x in zip(grads, (q_l, k_l, v_l)):
+            assert (g.shape, g.dtype) == (x.shape, x.dtype)
+        return (
+            dist.unshard_varlen(out_l, cu, comm, layout=layout),
+            dist.unshard_varlen(lse_l, cu, comm, layout=layout, axis=-1),
+            *(dist.unshard_varlen(g, cu, comm, layout=layout) for g in grads),
+        )
+
+    results = dist.InProcessGroup(world_size, timeout=30).run(rank_work)
+    for rank, other in enumerate(results[1:], 1):
+        assert_bitwise_equal(other, results[0], names=[f"rank {rank}'s {n}" for n in NAMES])
+    return results[0]
+
+
+def _varlen_single(q, k, v, dout, cu, **kwargs):
+    kwargs.pop("layout", None)
+    out, lse = cupyflash.attention_varlen_forward(q, k, v, cu, cu, **kwargs)
+    return (out, lse, *cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, **kwargs))
+
+
+def _varlen_problem(rng, total, dtype=np.float32, heads=4, kv_heads=2):
+    q = random_array(rng, (total, heads, D), dtype)
+    k = random_array(rng, (total, kv_heads, D), dtype)
+    v = random_array(rng, (total, kv_heads, DV), dtype)
+    dout = random_array(rng, (total, heads, DV), dtype)
+    return q, k, v, dout
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world_size", (1, 2, 3, 4, 8))
+def test_varlen_ring_equals_attention_varlen(rng, world_size, layout, causal):
+    """A packed batch (an empty sequence among them, grouped-query heads) sharded across W ranks: the ring's
+    forward and backward equal attention_varlen's over the whole batch."""
+    cu = _varlen_offsets(world_size, layout)
+    q, k, v, dout = _varlen_problem(rng, int(cu[-1]))
+    ring = _varlen_ring(world_size, q, k, v, dout, cu, causal=causal, layout=layout)
+    _assert_same_as_single(ring, _varlen_single(q, k, v, dout, cu, causal=causal))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_varlen_ring_with_softcap_and_scale_in_float64(rng, layout):
+    """float64 throughout: the ring equals the single call to float64 rounding, with softcap and a scale."""
+    cu = _varlen_offsets(3, layout)
+    q, k, v, dout = _varlen_problem(rng, int(cu[-1]), np.float64)
+    options = dict(causal=True, softcap=SOFTCAP, scale=0.3)
+    ring = _varlen_ring(3, q, k, v, dout, cu, layout=layout, **options)
+    for name, x, y in zip(NAMES, ring, _varlen_single(q, k, v, dout, cu, **options)):
+        assert x.dtype == np.float64 and max_abs(x - y) <= RTOL64 * max(1.0, max_abs(y)), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
+def test_varlen_ring_16_bit_within_twice_the_single_call(rng, dtype):
+    """bfloat16 and float16 (W = 2, causal): each result's error against float64 is at most twice the single
+    16-bit call's plus a rounding step (the ring rounds each call's results once more)."""
+    cu = _varlen_offsets(2, "zigzag")
+    q, k, v, dout = _varlen_problem(rng, int(cu[-1]), dtype)
+    ring = _varlen_ring(2, q, k, v, dout, cu, causal=True)
+    single = _varlen_single(q, k, v, dout, cu, causal=True)
+    exact = _varlen_single(*(x.astype(np.float64) for x in (q, k, v, dout)), cu, causal=True)
+    ulp = float(np.finfo(dtype).eps) if dtype == np.float16 else 2.0**-7
+    for name, x, y, e in zip(NAMES, ring, single, exact):
+        ring_error = max_abs(x.astype(np.float64) - e)
+        single_error = max_abs(y.astype(np.float64) - e)
+        assert ring_error <= 2 * single_error + ulp * max_abs(e), (name, ring_error, single_error)
+
+
+def test_shard_varlen_holds_each_sequences_chunks():
+    """Zigzag, W = 2: every sequence is cut into 4 chunks; rank r holds chunks r and 3 - r of each sequence,
+    sequence after sequence; contiguous: chunk r of 2."""
+    x = np.arange(16)[:, None, None]  # sequences of 4 and 12 rows
+    cu = [0, 4, 16]
+    zigzag = dist.InProcessGroup(2).run(lambda comm: dist.shard_varlen(x, cu, comm)[:, 0, 0].tolist())
+    assert zigzag == [[0, 3, 4, 5, 6, 13, 14, 15], [1, 2, 7, 8, 9, 10, 11, 12]]
+    contiguous = dist.InProcessGroup(2).run(
+        lambda comm: dist.shard_varlen(x, cu, comm, layout="contiguous")[:, 0, 0].tolist()
+    )
+    assert contiguous == [[0, 1, 4, 5, 6, 7, 8, 9], [2, 3, 10, 11, 12, 13, 14, 15]]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shard_varlen_round_trip(rng, layout):
+    cu = _varlen_offsets(3, layout)
+    x = rng.standard_normal((int(cu[-1]), 2, 5))
+    lse = rng.standard_normal((2, int(cu[-1])))
+
+    def rank_work(comm):
+        back = dist.unshard_varlen(dist.shard_varlen(x, cu, comm, layout), cu, comm, layout)
+        back_lse = dist.unshard_varlen(dist.shard_varlen(lse, cu, comm, layout, axis=-1), cu, comm, layout, axis=-1)
+        return back, back_lse
+
+    for back, back_lse in dist.InProcessGroup(3).run(rank_work):
+        assert np.array_equal(back, x) and np.array_equal(back_lse, lse)
+
+
+def test_a_sequence_that_does_not_split_says_how_to_pad():
+    x = np.zeros((14, 1, 4), np.float32)
+    for error in _errors_on_every_rank(2, lambda comm: dist.shard_varlen(x, [0, 8, 14], comm)):
+        assert isinstance(error, ValueError), repr(error)
+        assert "sequence 1 of the packed batch has 6 rows" in str(error) and "pad every sequence" in str(error)
+        assert "multiple of 4" in str(error)
+    q = np.zeros((7, 1, 4), np.float32)  # a shard of 7 rows: the whole batch has 14
+    call = lambda comm: dist.ring_attention_varlen_forward(q, q, q, [0, 8, 14], comm=comm)  # noqa: E731
+    for error in _errors_on_every_rank(2, call):
+        assert isinstance(error, ValueError) and "pad every sequence" in str(error), repr(error)
+
+
+@pytest.mark.parametrize(
+    "cu, message",
+    [
+        ([0, 8, 12], "the whole packed batch has 16 rows"),
+        ([4, 16], "must start at 0"),
+        ([0, 12, 8, 16], "never decrease"),
+        ([[0, 16]], "1-D"),
+        ([0.0, 16.0], "cu_seqlens"),
+    ],
+)
+def test_bad_offsets_raise_on_every_rank(cu, message):
+    q = np.zeros((8, 2, 4), np.float32)
+    call = lambda comm: dist.ring_attention_varlen_forward(q, q, q, cu, comm=comm)  # noqa: E731
+    for error in _errors_on_every_rank(2, call):
+        assert isinstance(error, (TypeError, ValueError)) and message in str(error), repr(error)
+
+
+def test_varlen_ring_rejects_what_attention_varlen_rejects():
+    q = np.zeros((8, 4, 16), np.float32)
+    k = np.zeros((8, 3, 16), np.float32)  # 3 key/value heads do not divide 4 query heads
+    call = lambda comm: dist.ring_attention_varlen_forward(q, k, k, [0, 16], comm=comm)  # noqa: E731
+    for error in _errors_on_every_rank(2, call):
+        assert isinstance(error, ValueError) and "must divide the query heads" in str(error), repr(error)
+    short = np.zeros((6, 3, 16), np.float32)
+    call = lambda comm: dist.ring_attention_varlen_forward(q, short, short, [0, 16], comm=comm)  # noqa: E731
+    for error in _errors_on_every_rank(2, call):
+        assert isinstance(error, ValueError) and "q and k shards hold 8 and 6 rows" in str(error), repr(error)
+
+
+def test_varlen_ranks_making_different_calls_all_raise(rng):
+    cu = _varlen_offsets(2, "zigzag")
+    q, k, v, _ = _varlen_problem(rng, int(cu[-1]))
+
+    def call(comm):
+        q_l, k_l, v_l = (dist.shard_varlen(x, cu, comm) for x in (q, k, v))
+        return dist.ring_attention_varlen_forward(q_l, k_l, v_l, cu, comm=comm, causal=comm.rank == 0)
+
+    for error in _errors_on_every_rank(2, call):
+        assert isinstance(error, ValueError) and "causal=True" in str(error) and "causal=False" in str(error)

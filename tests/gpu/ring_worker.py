@@ -79,6 +79,39 @@ def run_case(comm, rng, dtype, b, hk, g, n, d, dv, causal, layout, options):
     return ", ".join(ratios)
 
 
+def run_varlen_case(comm, rng, dtype, causal, layout):
+    """A packed batch of four sequences (one empty), each sharded across the ranks: the ring against the single
+    GPU's attention_varlen, both against float64 on the host, per result."""
+    parts = (2 if layout == "zigzag" else 1) * comm.world_size
+    cu = np.concatenate([[0], np.cumsum([37 * parts, 0, 5 * parts, 64 * parts])]).astype(np.int32)
+    total = int(cu[-1])
+    q, dout = (rng.standard_normal((total, 4, 64), dtype=np.float32).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((total, 2, 64), dtype=np.float32).astype(dtype) for _ in range(2))
+    gq, gk, gv, gdout = (cupy.asarray(x) for x in (q, k, v, dout))
+    gcu = cupy.asarray(cu)
+    shards = [dist.shard_varlen(x, gcu, comm, layout) for x in (gq, gk, gv, gdout)]
+    out_l, lse_l = dist.ring_attention_varlen_forward(*shards[:3], gcu, comm=comm, causal=causal, layout=layout)
+    grads = dist.ring_attention_varlen_backward(
+        shards[3], *shards[:3], out_l, lse_l, gcu, comm=comm, causal=causal, layout=layout
+    )
+    ring = [dist.unshard_varlen(x, gcu, comm, layout) for x in (out_l, *grads)]
+    if comm.rank != 0:
+        return None
+    one_out, one_lse = cupyflash.attention_varlen_forward(gq, gk, gv, gcu, gcu, causal=causal)
+    one = [one_out, *cupyflash.attention_varlen_backward(gdout, gq, gk, gv, one_out, one_lse, gcu, gcu, causal=causal)]
+    wide = [x.astype(np.float64) for x in (q, k, v, dout)]
+    ref_out, ref_lse = cupyflash.attention_varlen_forward(*wide[:3], cu, cu, causal=causal)
+    refs = [ref_out, *cupyflash.attention_varlen_backward(wide[3], *wide[:3], ref_out, ref_lse, cu, cu, causal=causal)]
+    ratios = []
+    for name, x, y, ref in zip(("out", "dq", "dk", "dv"), ring, one, refs):
+        ring_err = max_abs(to_host(x).astype(np.float64) - ref)
+        one_err = max_abs(to_host(y).astype(np.float64) - ref)
+        floor = 1e-6 * max(1.0, max_abs(ref))
+        assert ring_err <= 2 * max(one_err, floor), f"{name}: ring error {ring_err:.3g} > 2 x one GPU's {one_err:.3g}"
+        ratios.append(f"{name} {ring_err / max(one_err, floor):.2f}")
+    return ", ".join(ratios)
+
+
 def main():
     comm = dist.init()
     assert comm.world_size >= 2, "run under the launcher with --nproc >= 2"
@@ -92,6 +125,10 @@ def main():
                 f"{sorted(case[9])}): ring/one-GPU error {line}",
                 flush=True,
             )
+    for i, (dtype, causal, layout) in enumerate([(BF16, True, "zigzag"), (np.float16, False, "contiguous")]):
+        line = run_varlen_case(comm, np.random.default_rng(2000 + i), dtype, causal, layout)
+        if comm.rank == 0:
+            print(f"varlen case {i} ({np.dtype(dtype).name}, causal={causal}, {layout}): packed ring/one-GPU {line}")
     # A call that differs between ranks raises on every rank.
     n = 16 * (2 + comm.rank)
     x = cupy.zeros((1, 2, n, 16), dtype=np.float16)

@@ -110,6 +110,45 @@ def test_ring_over_threads_on_one_gpu(rng, assert_matches_reference, dtype, worl
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("world_size, layout, causal", [(2, "zigzag", True), (3, "contiguous", False)])
+def test_packed_ring_over_threads_on_one_gpu(rng, dtype, world_size, layout, causal):
+    """A packed batch (one empty sequence, GQA) sharded sequence by sequence across W ranks as threads on one GPU:
+    the ring's results against attention_varlen's on the GPU, both against float64 on the host: the ring's
+    error at most twice the single call's (float64: 1e-12 of the largest magnitude)."""
+    parts = (2 if layout == "zigzag" else 1) * world_size
+    cu = np.concatenate([[0], np.cumsum([11 * parts, 0, 3 * parts, 29 * parts])]).astype(np.int32)
+    total = int(cu[-1])
+    q, dout = (random_array(rng, (total, 4, 48), dtype) for _ in range(2))
+    k, v = (random_array(rng, (total, 2, 48), dtype) for _ in range(2))
+    gq, gk, gv, gdout, gcu = (cupy.asarray(x) for x in (q, k, v, dout, cu))
+
+    def rank_work(comm):
+        shards = [dist.shard_varlen(x, gcu, comm, layout) for x in (gq, gk, gv, gdout)]
+        out, lse = dist.ring_attention_varlen_forward(*shards[:3], gcu, comm=comm, causal=causal, layout=layout)
+        grads = dist.ring_attention_varlen_backward(
+            shards[3], *shards[:3], out, lse, gcu, comm=comm, causal=causal, layout=layout
+        )
+        return [dist.unshard_varlen(x, gcu, comm, layout) for x in (out, *grads)]
+
+    results = dist.InProcessGroup(world_size).run(rank_work)
+    for other in results[1:]:
+        assert_bitwise_equal(other, results[0])
+    one_out, one_lse = cupyflash.attention_varlen_forward(gq, gk, gv, gcu, gcu, causal=causal)
+    one = [one_out, *cupyflash.attention_varlen_backward(gdout, gq, gk, gv, one_out, one_lse, gcu, gcu, causal=causal)]
+    wide = [np.asarray(x, dtype=np.float64) for x in (q, k, v, dout)]
+    ref_out, ref_lse = cupyflash.attention_varlen_forward(*wide[:3], cu, cu, causal=causal)
+    refs = [ref_out, *cupyflash.attention_varlen_backward(wide[3], *wide[:3], ref_out, ref_lse, cu, cu, causal=causal)]
+    for name, x, y, ref in zip(("out", "dq", "dk", "dv"), results[0], one, refs):
+        scale = max(1.0, float(np.abs(ref).max()))
+        ring_err = float(np.abs(to_host(x).astype(np.float64) - ref).max())
+        one_err = float(np.abs(to_host(y).astype(np.float64) - ref).max())
+        if dtype == np.float64:
+            assert ring_err <= 1e-12 * scale, f"{name}: float64 error {ring_err:.3g}"
+        else:
+            assert ring_err <= 2 * max(one_err, 1e-6 * scale), f"{name}: ring {ring_err:.3g}, one GPU {one_err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_merge_rows_is_the_public_merge(rng, dtype):
     """merge_rows on a run of rows inside a larger accumulator: NumPy's merge_attention_states (the same rules)
     on those rows, every other row untouched, and rows that one side never saw (lse -inf) copied exactly."""
@@ -160,8 +199,9 @@ def test_add_rows(rng, dtype):
 
 @pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
 def test_ring_over_nccl_on_two_gpus():
-    """Seven cases over NCCL on two GPUs (dtypes, layouts, GQA, softcap, ALiBi, scale, window): each held to the
-    accuracy rule and to 2x the single GPU's error against float64; mismatched calls raise on every rank."""
+    """Seven cases over NCCL on two GPUs (dtypes, layouts, GQA, softcap, ALiBi, scale, window) and two packed
+    batches: each held to 2x the single GPU's error against float64 (the dense ones to the accuracy rule too);
+    mismatched calls raise on every rank."""
     done = subprocess.run(
         [
             sys.executable,
@@ -178,6 +218,7 @@ def test_ring_over_nccl_on_two_gpus():
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert done.stdout.count("ring/one-GPU error") == 7, done.stdout
+    assert done.stdout.count("packed ring/one-GPU") == 2, done.stdout
     assert "mismatched calls raise on every rank" in done.stdout
 
 

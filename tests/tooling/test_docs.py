@@ -59,6 +59,11 @@ PUBLIC = {
     "distributed.ring_attention": distributed.ring_attention,
     "distributed.ring_attention_forward": distributed.ring_attention_forward,
     "distributed.ring_attention_backward": distributed.ring_attention_backward,
+    "distributed.shard_varlen": distributed.shard_varlen,
+    "distributed.unshard_varlen": distributed.unshard_varlen,
+    "distributed.ring_attention_varlen": distributed.ring_attention_varlen,
+    "distributed.ring_attention_varlen_forward": distributed.ring_attention_varlen_forward,
+    "distributed.ring_attention_varlen_backward": distributed.ring_attention_varlen_backward,
 }
 CLASSES = {"distributed.InProcessGroup": distributed.InProcessGroup}
 TAKES_NO_ARRAYS = {"distributed.init"}

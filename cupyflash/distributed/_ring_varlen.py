@@ -1,0 +1,345 @@
+"""Ring attention over a packed batch of sequences (``attention_varlen``'s layout), every sequence sharded
+across the W ranks as one sequence is (``shard_varlen``; TransformerEngine's THD context parallelism).
+
+A rank's rows are reordered slot-major once (all sequences' first chunks, then all their second ones:
+_varlen_layout.slot_major), so that one slot's rows are one packed batch of offsets ``cu_chunk``; the key/value
+shards travel in that order. The schedule is the dense ring's (``_schedule.blocks``, one call per chunk pair):
+a pair of slots is one ``attention_varlen`` call over every sequence at once, since chunk a of every
+sequence meets chunk b of the same sequence, under the local causal mask when a = b (the same rows in the same
+order), unmasked when a > b, skipped when a < b under a causal mask. The calls' results merge by their
+log-sum-exp into float accumulators laid out (H, rows, D), and the gradients add, exactly as in ``_ring``;
+the results go back to the caller's order at the end.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from cupyflash import _varlen
+from cupyflash._api import attention_varlen_backward, attention_varlen_forward
+from cupyflash._arrays import Array, cupy, is_cupy, lse_dtype
+from cupyflash.distributed._comm import Comm, check_same_call
+from cupyflash.distributed._layout import check_layout
+from cupyflash.distributed._ring import _add_rows, _merge_rows, _start_keys, _Travelling, check_comm
+from cupyflash.distributed._schedule import blocks
+from cupyflash.distributed._varlen_layout import chunk_lengths, host_offsets, slot_major
+
+
+class _Call:
+    """A validated packed ring call: the whole batch's offsets, the slot-major order and the options."""
+
+    def __init__(self, arrays, cu_seqlens, comm, causal, scale, softcap, layout, caller):
+        layout = check_layout(layout)
+        q, k = arrays["q"], arrays["k"]
+        xp = cupy if is_cupy(q) else np
+        for name in ("q", "k"):
+            if getattr(arrays[name], "ndim", 0) != 3:
+                raise ValueError(f"{caller}: {name} must be packed as (total / W, heads, D), got {arrays[name]!r:.80}")
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(
+                f"{caller}: q and k shards hold {q.shape[0]} and {k.shape[0]} rows; the packed ring attends each "
+                "sequence to itself (one cu_seqlens for queries and keys)"
+            )
+        world_size = comm.world_size
+        cu = host_offsets(cu_seqlens, xp, q.shape[0] * world_size)
+        chunks = chunk_lengths(cu, layout, world_size)
+        local = cu // world_size  # the shard's own offsets: each sequence holds len / W rows on every rank
+        packed, scale, causal, _ = _varlen.validate(
+            arrays, local.tolist(), local.tolist(), None, None, causal, scale, None, softcap, None
+        )
+        check_comm(packed.xp, comm, caller)
+        order, cu_chunk = slot_major(cu, layout, world_size)
+        self.xp, self.dtype, self.acc = xp, packed.dtype, lse_dtype(packed.dtype)
+        self.scale, self.causal, self.softcap, self.layout = scale, causal, float(softcap), layout
+        self.heads, self.kv_heads, self.dv = packed.heads, packed.kv_heads, packed.dv
+        self.order = xp.asarray(order)
+        self.cu_chunk = xp.asarray(cu_chunk.astype(np.int32))
+        self.slot_rows, self.max_chunk = int(cu_chunk[-1]), int(chunks.max(initial=0))
+        self.rank, self.world_size = comm.rank, world_size
+        self.digest = f"{len(cu)}:{zlib.crc32(cu.tobytes())}"
+
+    def blocks(self, step):
+        return blocks(
+            self.layout, self.world_size, self.rank, step, self.slot_rows, self.slot_rows, self.causal, per_pair=True
+        )
+
+    def options(self, blk):
+        return dict(
+            max_seqlen_q=self.max_chunk,
+            max_seqlen_k=self.max_chunk,
+            causal=blk.causal,
+            scale=self.scale,
+            softcap=self.softcap,
+        )
+
+    def slot_major(self, x, axis=0):
+        """x's rows in slot-major order (a copy)."""
+        return self.xp.take(x, self.order, axis=axis)
+
+    def back(self, x_sm, dtype, axis=0):
+        """Rows listed slot-major back in the caller's order, as ``dtype``."""
+        x = self.xp.empty(x_sm.shape, dtype=dtype)
+        index = (slice(None),) * axis + (self.order,)
+        x[index] = x_sm
+        return x
+
+
+def _prepare(arrays, cu_seqlens, comm, causal, scale, softcap, layout, caller):
+    """Validate on every rank, and make sure every rank makes the same call before anything travels."""
+    try:
+        call, failure = _Call(arrays, cu_seqlens, comm, causal, scale, softcap, layout, caller), None
+        shapes = " ".join(f"{name}={tuple(x.shape)}:{x.dtype}" for name, x in arrays.items())
+        description = (
+            f"{caller} {call.xp.__name__} layout={call.layout!r} causal={call.causal} scale={call.scale!r} "
+            f"softcap={call.softcap!r} cu_seqlens={call.digest} {shapes}"
+        )
+    except (TypeError, ValueError) as error:
+        call, failure = None, error
+        description = f"{caller} raised {type(error).__name__}: {error}"
+    check_same_call(comm, description)
+    if failure is not None:
+        raise failure
+    return call
+
+
+def ring_attention_varlen_forward(
+    q: Array,
+    k: Array,
+    v: Array,
+    cu_seqlens: Array,
+    *,
+    comm: Comm,
+    causal: bool = False,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    layout: str = "zigzag",
+) -> tuple[Array, Array]:
+    """Attention over a packed batch of sequences, each sharded across the ranks of ``comm``: this rank's rows
+    of ``out`` and ``lse``.
+
+    Exactly :func:`cupyflash.attention_varlen_forward` over the whole batch (every rank calls it at once,
+    with its shards); the key/value shards travel around the ring, and each step's calls are merged by their
+    log-sum-exp in float32 (float64 for float64 inputs).
+
+    Parameters
+    ----------
+    q : numpy.ndarray or cupy.ndarray, shape (total / W, H, D)
+        This rank's shard of the packed queries (:func:`shard_varlen`): its chunks of sequence 0, then of
+        sequence 1, ...; dtype float16, bfloat16, float32 or float64.
+    k, v : arrays, shapes (total / W, Hk, D) and (total / W, Hk, Dv)
+        This rank's shards of the keys and values (Hk divides H: grouped-query attention).
+    cu_seqlens : int32 or int64 array of q's type, or a sequence of ints, shape (batch + 1,)
+        The whole batch's offsets (the same on every rank), as in :func:`cupyflash.attention_varlen` with
+        ``cu_seqlens_q = cu_seqlens_k``. Every length must split into 2W equal chunks ("zigzag") or W
+        ("contiguous"): pad each sequence at its end otherwise.
+    comm : Communicator or an InProcessGroup's communicator
+        The ring (:func:`init`, :class:`InProcessGroup`).
+    causal : bool, optional
+        The causal mask over each sequence's global positions.
+    scale, softcap : optional
+        As in :func:`cupyflash.attention_varlen`.
+    layout : {"zigzag", "contiguous"}, optional
+        How each sequence was sharded (:func:`shard_varlen`).
+
+    Returns
+    -------
+    out : array, shape (total / W, H, Dv), the inputs' dtype
+        This rank's rows of the output, in the layout of its q shard.
+    lse : array, shape (H, total / W), float32 (float64 for float64 inputs)
+        Their log-sum-exp over their whole sequences' keys.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> from cupyflash import distributed as dist
+    >>> rng = np.random.default_rng(0)
+    >>> cu = [0, 16, 24, 64]                              # three sequences of 16, 8 and 40 rows
+    >>> q, k, v = (rng.standard_normal((64, 2, 16), dtype=np.float32) for _ in range(3))
+    >>> def rank_work(comm):
+    ...     q_l, k_l, v_l = (dist.shard_varlen(x, cu, comm) for x in (q, k, v))
+    ...     out_l, lse_l = dist.ring_attention_varlen_forward(q_l, k_l, v_l, cu, comm=comm, causal=True)
+    ...     return dist.unshard_varlen(out_l, cu, comm)
+    >>> out = dist.InProcessGroup(2).run(rank_work)[0]
+    >>> expected = cupyflash.attention_varlen(q, k, v, np.array(cu), np.array(cu), causal=True)
+    >>> bool(np.abs(out - expected).max() < 1e-5)
+    True
+    """
+    arrays = dict(q=q, k=k, v=v)
+    call = _prepare(arrays, cu_seqlens, comm, causal, scale, softcap, layout, "ring_attention_varlen_forward")
+    keys = _start_keys(comm, call, call.slot_major(k), call.slot_major(v))
+    try:
+        out, lse = _forward_steps(comm, call, call.slot_major(q), keys)
+    except BaseException:
+        keys.settle()
+        raise
+    return call.back(out.transpose(1, 0, 2), call.dtype), call.back(lse, call.acc, axis=1)
+
+
+def _forward_steps(comm, call, q, keys):
+    xp, acc = call.xp, call.acc
+    out = xp.zeros((call.heads, q.shape[0], call.dv), dtype=acc)
+    lse = xp.full((call.heads, q.shape[0]), -np.inf, dtype=acc)
+    for step in range(comm.world_size):
+        k_hand, v_hand = keys.in_hand()
+        if step + 1 < comm.world_size:
+            keys.pass_on()
+        for blk in call.blocks(step):
+            qb, kb, vb = q[blk.q_rows], k_hand[blk.k_rows], v_hand[blk.k_rows]
+            out_b, lse_b = attention_varlen_forward(qb, kb, vb, call.cu_chunk, call.cu_chunk, **call.options(blk))
+            _merge_rows(xp, out, lse, blk.q_rows, out_b.transpose(1, 0, 2), lse_b)
+    return out, lse
+
+
+def ring_attention_varlen_backward(
+    dout: Array,
+    q: Array,
+    k: Array,
+    v: Array,
+    out: Array,
+    lse: Array,
+    cu_seqlens: Array,
+    *,
+    comm: Comm,
+    causal: bool = False,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    layout: str = "zigzag",
+) -> tuple[Array, Array, Array]:
+    """Gradients of packed ring attention: this rank's shards of ``dq``, ``dk`` and ``dv``.
+
+    Every rank calls it at once. dQ accumulates on its rank; the float32 sums of dK and dV travel around the
+    ring with the keys and arrive back at their owner. Deterministic for a fixed world size.
+
+    Parameters
+    ----------
+    dout : array, shape (total / W, H, Dv)
+        This rank's shard of the gradient of the loss with respect to ``out``; the inputs' dtype.
+    q, k, v, cu_seqlens
+        As given to :func:`ring_attention_varlen_forward`.
+    out, lse : arrays, shapes (total / W, H, Dv) and (H, total / W)
+        What :func:`ring_attention_varlen_forward` returned on this rank.
+    comm, causal, scale, softcap, layout
+        Exactly as passed to :func:`ring_attention_varlen_forward`.
+
+    Returns
+    -------
+    dq, dk, dv : arrays of the shapes and dtype of q, k, v
+        This rank's shards of the gradients; dk and dv summed over the query heads of each key/value head.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cupyflash
+    >>> from cupyflash import distributed as dist
+    >>> rng = np.random.default_rng(0)
+    >>> cu = [0, 12, 36]
+    >>> q, dout = (rng.standard_normal((36, 4, 8), dtype=np.float32) for _ in range(2))
+    >>> k, v = (rng.standard_normal((36, 2, 8), dtype=np.float32) for _ in range(2))
+    >>> def rank_work(comm):
+    ...     q_l, k_l, v_l, dout_l = (dist.shard_varlen(x, cu, comm) for x in (q, k, v, dout))
+    ...     out_l, lse_l = dist.ring_attention_varlen_forward(q_l, k_l, v_l, cu, comm=comm, causal=True)
+    ...     grads = dist.ring_attention_varlen_backward(dout_l, q_l, k_l, v_l, out_l, lse_l, cu, comm=comm,
+    ...                                                 causal=True)
+    ...     return [dist.unshard_varlen(g, cu, comm) for g in grads]
+    >>> dq, dk, dv = dist.InProcessGroup(3).run(rank_work)[0]
+    >>> cu_ = np.array(cu)
+    >>> out, lse = cupyflash.attention_varlen_forward(q, k, v, cu_, cu_, causal=True)
+    >>> expected = cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_, cu_, causal=True)
+    >>> [bool(np.abs(a - b).max() < 1e-5) for a, b in zip((dq, dk, dv), expected)]
+    [True, True, True]
+    """
+    arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    call = _prepare(arrays, cu_seqlens, comm, causal, scale, softcap, layout, "ring_attention_varlen_backward")
+    xp, acc = call.xp, call.acc
+    k_sm, v_sm = call.slot_major(k), call.slot_major(v)
+    keys = _start_keys(comm, call, k_sm, v_sm)
+    # dk, dv of the keys in hand, (Hk, rows, D) as the merge kernels' accumulators are laid out
+    grads = _Travelling(
+        comm, xp, [((call.kv_heads, k.shape[0], k.shape[2]), acc), ((call.kv_heads, v.shape[0], v.shape[2]), acc)]
+    )
+    inputs = [call.slot_major(x) for x in (dout, q, out)] + [call.slot_major(lse, axis=1)]
+    try:
+        dq, dk, dv = _backward_steps(comm, call, *inputs, keys, grads)
+    except BaseException:
+        keys.settle()
+        grads.settle()
+        raise
+    return tuple(call.back(g.transpose(1, 0, 2), call.dtype) for g in (dq, dk, dv))
+
+
+def _backward_steps(comm, call, dout, q, out, lse, keys, grads):
+    xp, acc = call.xp, call.acc
+    dq = xp.zeros((call.heads, q.shape[0], q.shape[2]), dtype=acc)
+    for step in range(comm.world_size):
+        k_hand, v_hand = keys.in_hand()
+        if step + 1 < comm.world_size:
+            keys.pass_on()
+        parts = []
+        for blk in call.blocks(step):
+            rows = blk.q_rows
+            dq_b, dk_b, dv_b = attention_varlen_backward(
+                dout[rows],
+                q[rows],
+                k_hand[blk.k_rows],
+                v_hand[blk.k_rows],
+                out[rows],
+                lse[:, rows],
+                call.cu_chunk,
+                call.cu_chunk,
+                **call.options(blk),
+            )
+            _add_rows(xp, dq, rows, dq_b.transpose(1, 0, 2))
+            parts.append((blk.k_rows, dk_b.transpose(1, 0, 2), dv_b.transpose(1, 0, 2)))
+        dk_hand, dv_hand = grads.in_hand()  # the sums of these keys, arrived from the previous rank
+        if step == 0:
+            dk_hand[...], dv_hand[...] = 0, 0
+        for k_rows, dk_b, dv_b in parts:
+            _add_rows(xp, dk_hand, k_rows, dk_b)
+            _add_rows(xp, dv_hand, k_rows, dv_b)
+        if comm.world_size > 1:
+            grads.pass_on()
+    dk, dv = grads.in_hand()
+    return dq, dk, dv
+
+
+def ring_attention_varlen(
+    q: Array,
+    k: Array,
+    v: Array,
+    cu_seqlens: Array,
+    *,
+    comm: Comm,
+    causal: bool = False,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    layout: str = "zigzag",
+) -> Array:
+    """Packed ring attention's output alone: :func:`ring_attention_varlen_forward` without the lse.
+
+    Parameters
+    ----------
+    q, k, v, cu_seqlens, comm, causal, scale, softcap, layout
+        As in :func:`ring_attention_varlen_forward`.
+
+    Returns
+    -------
+    out : array, shape (total / W, H, Dv), the inputs' dtype
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupyflash import distributed as dist
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((24, 2, 8), dtype=np.float32) for _ in range(3))
+    >>> outs = dist.InProcessGroup(2).run(lambda comm: dist.ring_attention_varlen(
+    ...     *(dist.shard_varlen(x, [0, 8, 24], comm) for x in (q, k, v)), [0, 8, 24], comm=comm))
+    >>> [o.shape for o in outs]
+    [(12, 2, 8), (12, 2, 8)]
+    """
+    out, _ = ring_attention_varlen_forward(
+        q, k, v, cu_seqlens, comm=comm, causal=causal, scale=scale, softcap=softcap, layout=layout
+    )
+    return out
