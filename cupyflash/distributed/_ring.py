@@ -147,7 +147,7 @@ def _prepare(arrays, comm, causal, scale, window, softcap, alibi_slopes, layout,
     return call
 
 
-class _Travelling:
+class Travelling:
     """Arrays that move one rank along the ring per step: two byte buffers, the one in hand and the one
     arriving (a world of one rank needs only the first)."""
 
@@ -188,8 +188,8 @@ class _Travelling:
         self.current = other
 
 
-def _start_keys(comm, call, k, v):
-    keys = _Travelling(comm, call.xp, [(k.shape, k.dtype), (v.shape, v.dtype)])
+def start_keys(comm, call, k, v):
+    keys = Travelling(comm, call.xp, [(k.shape, k.dtype), (v.shape, v.dtype)])
     k_hand, v_hand = keys._views(keys.buffers[0])
     bits(k_hand)[...] = bits(k)
     bits(v_hand)[...] = bits(v)
@@ -269,7 +269,7 @@ def ring_attention_forward(
     """
     arrays = dict(q=q, k=k, v=v)
     call = _prepare(arrays, comm, causal, scale, window, softcap, alibi_slopes, layout, "ring_attention_forward")
-    keys = _start_keys(comm, call, k, v)
+    keys = start_keys(comm, call, k, v)
     try:
         return _forward_steps(comm, call, q, keys)
     except BaseException:
@@ -277,24 +277,54 @@ def ring_attention_forward(
         raise
 
 
-def _forward_steps(comm, call, q, keys):
-    xp, acc = call.xp, call.acc
-    out = lse = None
+def run_steps(comm, keys, blocks_of, attend) -> None:
+    """The ring's steps: at each, the key/value shard in hand goes on to the next rank while ``attend(blk,
+    k_hand, v_hand)`` runs each block of ``blocks_of(step)`` against it."""
     for step in range(comm.world_size):
         k_hand, v_hand = keys.in_hand()
         if step + 1 < comm.world_size:
             keys.pass_on()
-        for blk in call.blocks(step):
-            qb, kb, vb = q[..., blk.q_rows, :], k_hand[..., blk.k_rows, :], v_hand[..., blk.k_rows, :]
-            kwargs, shift = call.options(blk, qb.shape[-2], kb.shape[-2])
-            out_b, lse_b = attention_forward(qb, kb, vb, **kwargs)
-            if shift is not None:
-                lse_b = lse_b + shift
-            if out is None:  # lse -inf: no key seen yet, so the first merge into a row copies the block
-                out = xp.zeros(out_b.shape[:-2] + (q.shape[-2], out_b.shape[-1]), dtype=acc)
-                lse = xp.full(out.shape[:-1], -np.inf, dtype=acc)
-            _merge_rows(xp, out, lse, blk.q_rows, out_b, lse_b)
-    return out.astype(call.dtype), lse
+        for blk in blocks_of(step):
+            attend(blk, k_hand, v_hand)
+
+
+def run_backward_steps(comm, xp, keys, grads, blocks_of, gradients) -> None:
+    """The backward's steps: ``gradients(blk, k_hand, v_hand)`` returns a block's (key rows, dk, dv) (having
+    added its dq itself); each step's dK, dV are added into the sums of the keys in hand, which arrive from the
+    previous rank while the step's blocks run and go on with the keys, one step behind them: after the last
+    step each sum is home (``grads.in_hand()``)."""
+    for step in range(comm.world_size):
+        k_hand, v_hand = keys.in_hand()
+        if step + 1 < comm.world_size:
+            keys.pass_on()
+        parts = [gradients(blk, k_hand, v_hand) for blk in blocks_of(step)]
+        dk_hand, dv_hand = grads.in_hand()
+        if step == 0:
+            dk_hand[...], dv_hand[...] = 0, 0
+        for rows, dk_b, dv_b in parts:
+            add_rows(xp, dk_hand, rows, dk_b)
+            add_rows(xp, dv_hand, rows, dv_b)
+        if comm.world_size > 1:
+            grads.pass_on()  # after the last step this sends each sum home
+
+
+def _forward_steps(comm, call, q, keys):
+    xp, acc = call.xp, call.acc
+    state = {}  # out and lse, made at the first block (lse -inf: its first merge into a row copies the block)
+
+    def attend(blk, k_hand, v_hand):
+        qb, kb, vb = q[..., blk.q_rows, :], k_hand[..., blk.k_rows, :], v_hand[..., blk.k_rows, :]
+        kwargs, shift = call.options(blk, qb.shape[-2], kb.shape[-2])
+        out_b, lse_b = attention_forward(qb, kb, vb, **kwargs)
+        if shift is not None:
+            lse_b = lse_b + shift
+        if not state:
+            state["out"] = xp.zeros(out_b.shape[:-2] + (q.shape[-2], out_b.shape[-1]), dtype=acc)
+            state["lse"] = xp.full(state["out"].shape[:-1], -np.inf, dtype=acc)
+        merge_rows(xp, state["out"], state["lse"], blk.q_rows, out_b, lse_b)
+
+    run_steps(comm, keys, call.blocks, attend)
+    return state["out"].astype(call.dtype), state["lse"]
 
 
 def ring_attention_backward(
@@ -360,8 +390,8 @@ def ring_attention_backward(
     arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     call = _prepare(arrays, comm, causal, scale, window, softcap, alibi_slopes, layout, "ring_attention_backward")
     xp, acc = call.xp, call.acc
-    keys = _start_keys(comm, call, k, v)
-    grads = _Travelling(comm, xp, [(k.shape, acc), (v.shape, acc)])  # dk, dv of the keys in hand
+    keys = start_keys(comm, call, k, v)
+    grads = Travelling(comm, xp, [(k.shape, acc), (v.shape, acc)])  # dk, dv of the keys in hand
     try:
         return _backward_steps(comm, call, dout, q, out, lse, keys, grads)
     except BaseException:
@@ -373,34 +403,23 @@ def ring_attention_backward(
 def _backward_steps(comm, call, dout, q, out, lse, keys, grads):
     xp, acc = call.xp, call.acc
     dq = xp.zeros(q.shape, dtype=acc)
-    for step in range(comm.world_size):
-        k_hand, v_hand = keys.in_hand()
-        if step + 1 < comm.world_size:
-            keys.pass_on()
-        parts = []
-        for blk in call.blocks(step):
-            kb, vb = k_hand[..., blk.k_rows, :], v_hand[..., blk.k_rows, :]
-            kwargs, shift = call.options(blk, blk.q_rows.stop - blk.q_rows.start, kb.shape[-2])
-            lse_b = lse[..., blk.q_rows] if shift is None else lse[..., blk.q_rows] - shift
-            dq_b, dk_b, dv_b, *_ = attention_backward(
-                dout[..., blk.q_rows, :], q[..., blk.q_rows, :], kb, vb, out[..., blk.q_rows, :], lse_b, **kwargs
-            )
-            _add_rows(xp, dq, blk.q_rows, dq_b)
-            parts.append((blk.k_rows, dk_b, dv_b))
-        # The dK, dV sums of these keys arrive from the previous rank while the blocks above run.
-        dk_hand, dv_hand = grads.in_hand()
-        if step == 0:
-            dk_hand[...], dv_hand[...] = 0, 0
-        for rows, dk_b, dv_b in parts:
-            _add_rows(xp, dk_hand, rows, dk_b)
-            _add_rows(xp, dv_hand, rows, dv_b)
-        if comm.world_size > 1:
-            grads.pass_on()  # after the last step this sends each sum home
+
+    def gradients(blk, k_hand, v_hand):
+        kb, vb = k_hand[..., blk.k_rows, :], v_hand[..., blk.k_rows, :]
+        kwargs, shift = call.options(blk, blk.q_rows.stop - blk.q_rows.start, kb.shape[-2])
+        lse_b = lse[..., blk.q_rows] if shift is None else lse[..., blk.q_rows] - shift
+        dq_b, dk_b, dv_b, *_ = attention_backward(
+            dout[..., blk.q_rows, :], q[..., blk.q_rows, :], kb, vb, out[..., blk.q_rows, :], lse_b, **kwargs
+        )
+        add_rows(xp, dq, blk.q_rows, dq_b)
+        return blk.k_rows, dk_b, dv_b
+
+    run_backward_steps(comm, xp, keys, grads, call.blocks, gradients)
     dk, dv = grads.in_hand()
     return dq.astype(call.dtype), dk.astype(call.dtype), dv.astype(call.dtype)
 
 
-def _merge_rows(xp, out, lse, rows, out_b, lse_b):
+def merge_rows(xp, out, lse, rows, out_b, lse_b):
     """Rows ``rows`` of the running (out, lse) merged with a block's (out_b, lse_b): the public merge on
     NumPy, its one-pass kernel on CuPy."""
     if xp is np:
@@ -411,7 +430,7 @@ def _merge_rows(xp, out, lse, rows, out_b, lse_b):
         ring_states.merge_rows(out, lse, rows.start, out_b, lse_b)
 
 
-def _add_rows(xp, acc, rows, x):
+def add_rows(xp, acc, rows, x):
     """acc[..., rows, :] += x, summed in acc's float type."""
     if xp is np:
         acc[..., rows, :] += x.astype(acc.dtype)

@@ -22,7 +22,15 @@ from cupyflash._api import attention_varlen_backward, attention_varlen_forward
 from cupyflash._arrays import Array, cupy, is_cupy, lse_dtype
 from cupyflash.distributed._comm import Comm, check_same_call
 from cupyflash.distributed._layout import check_layout
-from cupyflash.distributed._ring import _add_rows, _merge_rows, _start_keys, _Travelling, check_comm
+from cupyflash.distributed._ring import (
+    Travelling,
+    add_rows,
+    check_comm,
+    merge_rows,
+    run_backward_steps,
+    run_steps,
+    start_keys,
+)
 from cupyflash.distributed._schedule import blocks
 from cupyflash.distributed._varlen_layout import chunk_lengths, host_offsets, slot_major
 
@@ -169,7 +177,7 @@ def ring_attention_varlen_forward(
     """
     arrays = dict(q=q, k=k, v=v)
     call = _prepare(arrays, cu_seqlens, comm, causal, scale, softcap, layout, "ring_attention_varlen_forward")
-    keys = _start_keys(comm, call, call.slot_major(k), call.slot_major(v))
+    keys = start_keys(comm, call, call.slot_major(k), call.slot_major(v))
     try:
         out, lse = _forward_steps(comm, call, call.slot_major(q), keys)
     except BaseException:
@@ -182,14 +190,13 @@ def _forward_steps(comm, call, q, keys):
     xp, acc = call.xp, call.acc
     out = xp.zeros((call.heads, q.shape[0], call.dv), dtype=acc)
     lse = xp.full((call.heads, q.shape[0]), -np.inf, dtype=acc)
-    for step in range(comm.world_size):
-        k_hand, v_hand = keys.in_hand()
-        if step + 1 < comm.world_size:
-            keys.pass_on()
-        for blk in call.blocks(step):
-            qb, kb, vb = q[blk.q_rows], k_hand[blk.k_rows], v_hand[blk.k_rows]
-            out_b, lse_b = attention_varlen_forward(qb, kb, vb, call.cu_chunk, call.cu_chunk, **call.options(blk))
-            _merge_rows(xp, out, lse, blk.q_rows, out_b.transpose(1, 0, 2), lse_b)
+
+    def attend(blk, k_hand, v_hand):
+        qb, kb, vb = q[blk.q_rows], k_hand[blk.k_rows], v_hand[blk.k_rows]
+        out_b, lse_b = attention_varlen_forward(qb, kb, vb, call.cu_chunk, call.cu_chunk, **call.options(blk))
+        merge_rows(xp, out, lse, blk.q_rows, out_b.transpose(1, 0, 2), lse_b)
+
+    run_steps(comm, keys, call.blocks, attend)
     return out, lse
 
 
@@ -255,9 +262,9 @@ def ring_attention_varlen_backward(
     call = _prepare(arrays, cu_seqlens, comm, causal, scale, softcap, layout, "ring_attention_varlen_backward")
     xp, acc = call.xp, call.acc
     k_sm, v_sm = call.slot_major(k), call.slot_major(v)
-    keys = _start_keys(comm, call, k_sm, v_sm)
+    keys = start_keys(comm, call, k_sm, v_sm)
     # dk, dv of the keys in hand, (Hk, rows, D) as the merge kernels' accumulators are laid out
-    grads = _Travelling(
+    grads = Travelling(
         comm, xp, [((call.kv_heads, k.shape[0], k.shape[2]), acc), ((call.kv_heads, v.shape[0], v.shape[2]), acc)]
     )
     inputs = [call.slot_major(x) for x in (dout, q, out)] + [call.slot_major(lse, axis=1)]
@@ -273,34 +280,24 @@ def ring_attention_varlen_backward(
 def _backward_steps(comm, call, dout, q, out, lse, keys, grads):
     xp, acc = call.xp, call.acc
     dq = xp.zeros((call.heads, q.shape[0], q.shape[2]), dtype=acc)
-    for step in range(comm.world_size):
-        k_hand, v_hand = keys.in_hand()
-        if step + 1 < comm.world_size:
-            keys.pass_on()
-        parts = []
-        for blk in call.blocks(step):
-            rows = blk.q_rows
-            dq_b, dk_b, dv_b = attention_varlen_backward(
-                dout[rows],
-                q[rows],
-                k_hand[blk.k_rows],
-                v_hand[blk.k_rows],
-                out[rows],
-                lse[:, rows],
-                call.cu_chunk,
-                call.cu_chunk,
-                **call.options(blk),
-            )
-            _add_rows(xp, dq, rows, dq_b.transpose(1, 0, 2))
-            parts.append((blk.k_rows, dk_b.transpose(1, 0, 2), dv_b.transpose(1, 0, 2)))
-        dk_hand, dv_hand = grads.in_hand()  # the sums of these keys, arrived from the previous rank
-        if step == 0:
-            dk_hand[...], dv_hand[...] = 0, 0
-        for k_rows, dk_b, dv_b in parts:
-            _add_rows(xp, dk_hand, k_rows, dk_b)
-            _add_rows(xp, dv_hand, k_rows, dv_b)
-        if comm.world_size > 1:
-            grads.pass_on()
+
+    def gradients(blk, k_hand, v_hand):
+        rows = blk.q_rows
+        dq_b, dk_b, dv_b = attention_varlen_backward(
+            dout[rows],
+            q[rows],
+            k_hand[blk.k_rows],
+            v_hand[blk.k_rows],
+            out[rows],
+            lse[:, rows],
+            call.cu_chunk,
+            call.cu_chunk,
+            **call.options(blk),
+        )
+        add_rows(xp, dq, rows, dq_b.transpose(1, 0, 2))
+        return blk.k_rows, dk_b.transpose(1, 0, 2), dv_b.transpose(1, 0, 2)
+
+    run_backward_steps(comm, xp, keys, grads, call.blocks, gradients)
     dk, dv = grads.in_hand()
     return dq, dk, dv
 
