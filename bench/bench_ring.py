@@ -3,6 +3,7 @@
 Run under the launcher, one process per GPU:
 
     python -m cupyflash.distributed.launch --nproc 2 bench/bench_ring.py [--sizes 32k,128k,256k] [--json PATH]
+    python -m cupyflash.distributed.launch --nproc 2 bench/bench_ring.py --window 4k --sizes 128k --skip noncausal
 
 Shape (the context-parallel target's): bfloat16, B = 1, 32 query heads over 8 key/value heads (GQA by
 broadcasting), D = 128; causal rows use the zigzag layout, the others the contiguous one. Every rank builds
@@ -14,6 +15,7 @@ the same inputs (same seed) and takes its shard.
 3. Speed: forward, and forward + backward, wall time (CUDA events on every rank, the slowest rank counts),
    median of --repeats after a warm-up; single-GPU times on rank 0 while the others wait. Memory: the size
    of the CuPy pool after the ring calls (freed beforehand; with --parts, the parts' arrays count too), per GPU.
+   With --window w the causal rows (and the exactness check) use a sliding window (w, 0) over global positions.
 """
 
 from __future__ import annotations
@@ -105,16 +107,17 @@ def errors(result, ref):
     return [float(cupy.abs(to_f64(a) - b).max()) for a, b in zip(result, ref)]
 
 
-def exactness(comm, n, causal, layout):
+def exactness(comm, n, causal, layout, window=None):
     q, k, v, dout = inputs(n, 1234)
     q64, k64, v64, dout64 = (to_f64(x) for x in (q, k, v, dout))
-    out64, lse64 = cupyflash.attention_forward(q64, k64, v64, causal=causal)
-    ref = [out64, lse64, *cupyflash.attention_backward(dout64, q64, k64, v64, out64, lse64, causal=causal)]
-    out, lse = cupyflash.attention_forward(q, k, v, causal=causal)
-    one = errors([out, lse, *cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)], ref)
+    kw = dict(causal=causal, window=window)
+    out64, lse64 = cupyflash.attention_forward(q64, k64, v64, **kw)
+    ref = [out64, lse64, *cupyflash.attention_backward(dout64, q64, k64, v64, out64, lse64, **kw)]
+    out, lse = cupyflash.attention_forward(q, k, v, **kw)
+    one = errors([out, lse, *cupyflash.attention_backward(dout, q, k, v, out, lse, **kw)], ref)
     ql, kl, vl, dl = (dist.shard(x, comm, layout) for x in (q, k, v, dout))
-    out_l, lse_l = dist.ring_attention_forward(ql, kl, vl, comm=comm, causal=causal, layout=layout)
-    grads = dist.ring_attention_backward(dl, ql, kl, vl, out_l, lse_l, comm=comm, causal=causal, layout=layout)
+    out_l, lse_l = dist.ring_attention_forward(ql, kl, vl, comm=comm, layout=layout, **kw)
+    grads = dist.ring_attention_backward(dl, ql, kl, vl, out_l, lse_l, comm=comm, layout=layout, **kw)
     ring = [
         dist.unshard(out_l, comm, layout),
         dist.unshard(lse_l, comm, layout, axis=-1),
@@ -128,19 +131,19 @@ def exactness(comm, n, causal, layout):
     }
 
 
-def speed(comm, n, causal, layout, repeats, parts=False):
-    row = {"N": n, "causal": causal, "layout": layout, "W": comm.world_size}
+def speed(comm, n, causal, layout, repeats, parts=False, window=None):
+    row = {"N": n, "causal": causal, "layout": layout, "W": comm.world_size, "window": window}
     pool = cupy.get_default_memory_pool()
     full = inputs(n, 99)
     if comm.rank == 0:
-        row["one_fwd_ms"], row["one_fwd_bwd_ms"] = _one_gpu(*full, causal, repeats)
+        row["one_fwd_ms"], row["one_fwd_bwd_ms"] = _one_gpu(*full, causal, repeats, window)
     comm.barrier()
     shards = [dist.shard(x, comm, layout) for x in full]
     del full
     pool.free_all_blocks()
     if parts:  # rank 0's steps one by one, no ring: what the ring's time is made of
-        row["parts_ms"] = _parts(comm, *shards, causal, layout, repeats)
-    row["ring_fwd_ms"], row["ring_fwd_bwd_ms"] = _ring(comm, *shards, causal, layout, repeats)
+        row["parts_ms"] = _parts(comm, *shards, causal, layout, repeats, window)
+    row["ring_fwd_ms"], row["ring_fwd_bwd_ms"] = _ring(comm, *shards, causal, layout, repeats, window)
     row["ring_pool_peak_GiB"] = pool.total_bytes() / 2**30
     if comm.rank == 0:
         row["speedup_fwd"] = row["one_fwd_ms"] / row["ring_fwd_ms"]
@@ -161,49 +164,51 @@ def connect(comm):
     cupy.cuda.get_current_stream().synchronize()
 
 
-def _one_gpu(q, k, v, dout, causal, repeats):
+def _one_gpu(q, k, v, dout, causal, repeats, window=None):
     def fwd():
-        return cupyflash.attention_forward(q, k, v, causal=causal)
+        return cupyflash.attention_forward(q, k, v, causal=causal, window=window)
 
     def fwd_bwd():
         out, lse = fwd()
-        return cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        return cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, window=window)
 
     return events_ms(fwd, repeats), events_ms(fwd_bwd, repeats)
 
 
-def _ring(comm, ql, kl, vl, dl, causal, layout, repeats):
+def _ring(comm, ql, kl, vl, dl, causal, layout, repeats, window=None):
+    kw = dict(comm=comm, causal=causal, window=window, layout=layout)
+
     def fwd():
-        return dist.ring_attention_forward(ql, kl, vl, comm=comm, causal=causal, layout=layout)
+        return dist.ring_attention_forward(ql, kl, vl, **kw)
 
     def fwd_bwd():
         out, lse = fwd()
-        return dist.ring_attention_backward(dl, ql, kl, vl, out, lse, comm=comm, causal=causal, layout=layout)
+        return dist.ring_attention_backward(dl, ql, kl, vl, out, lse, **kw)
 
     return events_ms(fwd, repeats, comm), events_ms(fwd_bwd, repeats, comm)
 
 
-def _parts(comm, ql, kl, vl, dl, causal, layout, repeats):
+def _parts(comm, ql, kl, vl, dl, causal, layout, repeats, window=None):
     """Per step and block of rank 0 (steps after the first on its own keys in place of the travelling
     ones: same shapes, same work): forward and backward times, and the merges'."""
     from cupyflash._cuda import ring_states
     from cupyflash.distributed._ring import _Call
 
-    call = _Call(dict(q=ql, k=kl, v=vl), comm, causal, None, 0.0, None, layout, "parts")
+    call = _Call(dict(q=ql, k=kl, v=vl), comm, causal, None, window, 0.0, None, layout, "parts")
     found = {}
     if comm.rank == 0:
         for step in range(comm.world_size):
             for i, blk in enumerate(call.blocks(step)):
                 args = (ql[..., blk.q_rows, :], kl[..., blk.k_rows, :], vl[..., blk.k_rows, :])
-                out, lse = cupyflash.attention_forward(*args, causal=blk.causal)
+                kw = call.options(blk, blk.q_rows.stop - blk.q_rows.start, blk.k_rows.stop - blk.k_rows.start)[0]
+                out, lse = cupyflash.attention_forward(*args, **kw)
                 acc = cupy.zeros(out.shape, dtype=np.float32)
                 acc_lse = cupy.zeros(lse.shape, dtype=np.float32)
                 name = f"t{step}b{i} q{blk.q_rows.stop - blk.q_rows.start}xk{blk.k_rows.stop - blk.k_rows.start}"
-                found[name + " fwd"] = events_ms(lambda: cupyflash.attention_forward(*args, causal=blk.causal), repeats)
+                found[name + " fwd"] = events_ms(lambda: cupyflash.attention_forward(*args, **kw), repeats)
                 found[name + " merge"] = events_ms(lambda: ring_states.merge_rows(acc, acc_lse, 0, out, lse), repeats)
                 found[name + " bwd"] = events_ms(
-                    lambda: cupyflash.attention_backward(dl[..., blk.q_rows, :], *args, out, lse, causal=blk.causal),
-                    repeats,
+                    lambda: cupyflash.attention_backward(dl[..., blk.q_rows, :], *args, out, lse, **kw), repeats
                 )
         print("  parts: " + "  ".join(f"{k} {v:.2f}" for k, v in found.items()))
     comm.barrier()
@@ -224,8 +229,10 @@ def main(argv=None):
     parser.add_argument("--json", default=None)
     parser.add_argument("--parts", action="store_true", help="also time rank 0's steps one by one")
     parser.add_argument("--skip", default="", help="comma list of: nccl, exact, speed, noncausal")
+    parser.add_argument("--window", default=None, help="a sliding window (w, 0) for the causal rows, e.g. 4k")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
+    window = None if args.window is None else (parse_size(args.window), 0)
     WARMUP[0] = args.warmup
     comm = dist.init()
     say = print if comm.rank == 0 else (lambda *a, **k: None)
@@ -240,7 +247,7 @@ def main(argv=None):
         n = parse_size(args.exact_n)
         result["exact"] = {}
         for causal, layout in ((True, "zigzag"), (False, "contiguous")):
-            e = exactness(comm, n, causal, layout)
+            e = exactness(comm, n, causal, layout, window if causal else None)
             result["exact"][f"causal={causal}"] = e
             say(
                 f"exactness N={n} causal={causal} {layout}: "
@@ -252,11 +259,12 @@ def main(argv=None):
         cases = [(True, "zigzag")] + ([] if "noncausal" in skip else [(False, "contiguous")])
         for causal, layout in cases:
             for n in (parse_size(s) for s in args.sizes.split(",")):
-                row = speed(comm, n, causal, layout, args.repeats, args.parts)
+                row = speed(comm, n, causal, layout, args.repeats, args.parts, window if causal else None)
                 result["speed"].append(row)
                 if comm.rank == 0:
                     say(
-                        f"N={n:7d} causal={causal!s:5} {layout:10}  one fwd {row['one_fwd_ms']:9.2f} "
+                        f"N={n:7d} causal={causal!s:5} window={row['window']} {layout:10}  "
+                        f"one fwd {row['one_fwd_ms']:9.2f} "
                         f"fwd+bwd {row['one_fwd_bwd_ms']:9.2f} | ring fwd {row['ring_fwd_ms']:9.2f} "
                         f"fwd+bwd {row['ring_fwd_bwd_ms']:9.2f} ms | speedup fwd {row['speedup_fwd']:.3f} "
                         f"fwd+bwd {row['speedup_fwd_bwd']:.3f} | pool {row['ring_pool_peak_GiB']:.2f} GiB"
