@@ -238,7 +238,7 @@ def attention_forward(
     if out_dtype is not None:
         raise ValueError(f"out_dtype applies to FP8 inputs only (q, k, v FP8Tensors), got out_dtype={out_dtype!r}")
     fast = None
-    if alibi_slopes is None and bias is None and mask is None and block_mask is None:
+    if alibi_slopes is None and bias is None and mask is None and block_mask is None and _plain_window(window):
         # A layout checked before goes straight to its launches (its call entry in cupyflash._cuda.plans).
         fast = plans.key("call", "fwd", (q, k, v), (causal, scale, window, softcap, dropout_p, type(dropout_seed)))
         call = plans.get(fast)
@@ -340,7 +340,7 @@ def attention_backward(
     if deterministic is not True:
         deterministic = check_bool("deterministic", deterministic)
     fast = None
-    if alibi_slopes is None and bias is None and mask is None and block_mask is None:
+    if alibi_slopes is None and bias is None and mask is None and block_mask is None and _plain_window(window):
         # (unordered calls keep their plans apart: at some lengths only they take the fused backward)
         fast = plans.key(
             "call",
@@ -645,6 +645,12 @@ def attention_varlen_backward(
     return _backend(xp).attention_varlen_backward(
         dout, q, k, v, out, lse, packed, scale=scale, causal=causal, mods=mods, dropout=dropout
     )
+
+
+def _plain_window(window) -> bool:
+    """Whether a call's window can be part of its call key: None or a tuple itself (a window of another type
+    may change in place or compare equal to a different one: such calls always take the checks)."""
+    return window is None or type(window) is tuple
 
 
 def _fast_key(found) -> dict:

@@ -74,7 +74,7 @@ def get(found):
         return None
     try:
         return _entries.get(found)
-    except TypeError:  # an unhashable option (a window given as a list): the checked path
+    except (TypeError, ValueError):  # an unhashable option (a window given as a list): the checked path
         return None
 
 
@@ -86,7 +86,7 @@ def put(found, entry) -> None:
     try:
         if found in _entries:
             return
-    except TypeError:
+    except (TypeError, ValueError):
         return
     with _lock:
         _make_room()
@@ -95,7 +95,10 @@ def put(found, entry) -> None:
 
 def get_or_make(found, make):
     """The entry under key ``found``, made by ``make()`` and kept if there is none (one maker at a time, so
-    two threads never build the same plan)."""
+    two threads never build the same plan). No key (an array the rule does not describe) or an unhashable one:
+    a new entry each call, kept nowhere."""
+    if found is None or not _hashable(found):
+        return make()
     entry = get(found)
     if entry is None:
         with _lock:
@@ -105,6 +108,14 @@ def get_or_make(found, make):
                 _make_room()
                 _entries[found] = entry
     return entry
+
+
+def _hashable(found) -> bool:
+    try:
+        hash(found)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _make_room() -> None:
@@ -125,9 +136,11 @@ def entries(role: str | None = None, family: str | None = None) -> dict:
 
 def discard(found) -> None:
     """Drop the entry under key ``found``, if any."""
-    _entries.pop(found, None)
+    with _lock:
+        _entries.pop(found, None)
 
 
 def clear() -> None:
     """Drop every entry."""
-    _entries.clear()
+    with _lock:
+        _entries.clear()

@@ -65,7 +65,10 @@ class _Call:
         self.xp, self.dtype, self.acc = problem.xp, problem.dtype, lse_dtype(problem.dtype)
         self.scale, self.causal, self.softcap, self.layout = problem.scale, problem.causal, float(softcap), layout
         # (left, right) over global positions with causal folded in (right = 0): every pair its own call
-        self.window = None if window is None else problem.mods.window_with_causal(problem.causal)
+        # (an unbounded window resolves to no modifier at all)
+        self.window = (
+            None if window is None or problem.mods is None else problem.mods.window_with_causal(problem.causal)
+        )
         # float32 slopes, as attention uses them (then widened for float64's bias blocks)
         self.alibi = None if alibi_slopes is None else self.xp.asarray(alibi_slopes).astype(np.float32).astype(self.acc)
         self.nq_chunk, self.nk_chunk = q.shape[-2] // per, k.shape[-2] // per

@@ -44,7 +44,8 @@ class _Call:
         xp = cupy if is_cupy(q) else np
         for name in ("q", "k"):
             if getattr(arrays[name], "ndim", 0) != 3:
-                raise ValueError(f"{caller}: {name} must be packed as (total / W, heads, D), got {arrays[name]!r:.80}")
+                shape = getattr(arrays[name], "shape", type(arrays[name]).__name__)
+                raise ValueError(f"{caller}: {name} must be packed as (total / W, heads, D), got {shape}")
         if q.shape[0] != k.shape[0]:
             raise ValueError(
                 f"{caller}: q and k shards hold {q.shape[0]} and {k.shape[0]} rows; the packed ring attends each "
@@ -63,7 +64,8 @@ class _Call:
         self.scale, self.causal, self.softcap, self.layout = scale, causal, float(softcap), layout
         self.heads, self.kv_heads, self.dv = packed.heads, packed.kv_heads, packed.dv
         self.order = xp.asarray(order)
-        self.cu_chunk = xp.asarray(cu_chunk.astype(np.int32))
+        # (host values: an array on the device would be read back by every call's checks)
+        self.cu_chunk = cu_chunk.tolist()
         self.slot_rows, self.max_chunk = int(cu_chunk[-1]), int(chunks.max(initial=0))
         self.rank, self.world_size = comm.rank, world_size
         self.digest = f"{len(cu)}:{zlib.crc32(cu.tobytes())}"

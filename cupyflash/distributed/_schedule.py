@@ -78,7 +78,7 @@ def blocks(
     """
     q_chunks = chunks_of(layout, world_size, rank)
     k_chunks = chunks_of(layout, world_size, source_rank(rank, step, world_size))
-    if window is not None:
+    if window is not None and nq_chunk > 0:  # (empty shards: the plain schedule's empty calls)
         found = []
         for qs, a in enumerate(q_chunks):
             for ks, b in enumerate(k_chunks):

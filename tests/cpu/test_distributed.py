@@ -994,3 +994,25 @@ def test_varlen_ranks_making_different_calls_all_raise(rng):
 
     for error in _errors_on_every_rank(2, call):
         assert isinstance(error, ValueError) and "causal=True" in str(error) and "causal=False" in str(error)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), [-1, -1]])
+def test_an_unbounded_window_is_no_window(rng, window):
+    """window=(-1, -1) is every key: the ring gives the same results as with no window."""
+    q, k, v, dout = _problem(rng, 2)
+    ring = _ring(2, q, k, v, dout, causal=True, window=window)
+    _assert_same_as_single(ring, _single(q, k, v, dout, causal=True))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_windowed_ring_on_empty_shards(layout):
+    """Zero rows with a window: empty results of the right shapes, as without a window."""
+    q = np.zeros((1, 2, 0, 8), np.float32)
+
+    def rank_work(comm):
+        out, lse = dist.ring_attention_forward(q, q, q, comm=comm, window=(3, 0), layout=layout)
+        grads = dist.ring_attention_backward(q, q, q, q, out, lse, comm=comm, window=(3, 0), layout=layout)
+        return out.shape, lse.shape, [g.shape for g in grads]
+
+    for out, lse, grads in dist.InProcessGroup(2).run(rank_work):
+        assert out == (1, 2, 0, 8) and lse == (1, 2, 0) and grads == [(1, 2, 0, 8)] * 3

@@ -453,3 +453,40 @@ def test_driver_launches_are_the_driver_arguments_of_each_launch():
         (0xDEAD0, 7, 3, 2, 384, 1, 1, 99 * 1024),
         (0xDEAD0, 132, 1, 1, 128, 2, 1, 0),
     ]
+
+
+def test_a_call_without_a_key_gets_its_own_entry_kept_nowhere(table):
+    # An array the key rule does not describe (a cupy.ndarray subclass) has no key: each such call must make
+    # its own plan, never share the one a previous keyless call made.
+    made = iter(["first", "second"])
+    assert plans.get_or_make(None, lambda: next(made)) == "first"
+    assert plans.get_or_make(None, lambda: next(made)) == "second"
+    assert plans.get_or_make(("call", "fwd", [1, 2]), lambda: "unhashable") == "unhashable"
+    assert table == {}
+
+
+def test_keys_whose_hash_raises_value_error_are_passed_over(table):
+    # A writable memoryview hashes with a ValueError, not a TypeError.
+    key = ("call", "fwd", memoryview(bytearray([3, 0])))
+    assert plans.get(key) is None
+    plans.put(key, "entry")
+    assert table == {}
+
+
+def test_only_plain_tuple_windows_reach_a_call_key():
+    # A window of another type may change in place (its hash and equality by identity): such calls take the
+    # checks every time.
+    from cupyflash._api import _plain_window
+
+    class Window:
+        def __init__(self, left, right):
+            self.values = [left, right]
+
+        def __iter__(self):
+            return iter(self.values)
+
+        def __len__(self):
+            return 2
+
+    assert _plain_window(None) and _plain_window((3, 0))
+    assert not _plain_window([3, 0]) and not _plain_window(Window(3, 0)) and not _plain_window(np.array([3, 0]))
