@@ -231,8 +231,11 @@ __device__ __forceinline__ void merge_splits(const KVCacheParams& p, int splits,
   }
 }
 
-template <typename T, int HEAD, int WARPS_M, int WARPS_N, int WARPS_DV, int BLOCK_N, int STAGES>
-__global__ void __launch_bounds__(DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES>::THREADS, 1)
+// MIN_CTAS: the CTAs per SM the registers are budgeted for (__launch_bounds__'s second argument). One CTA keeps
+// about one tile of k or v in flight; two keep twice that, which a memory-bound step needs to reach the read roof
+// (docs/design/decode.md).
+template <typename T, int HEAD, int WARPS_M, int WARPS_N, int WARPS_DV, int BLOCK_N, int STAGES, int MIN_CTAS>
+__global__ void __launch_bounds__(DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES>::THREADS, MIN_CTAS)
     attention_decode(const KVCacheParams p) {
   using Tr = DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES>;
   using Acc = typename Tr::Acc;

@@ -3,6 +3,7 @@ entry, split rule) against torch SDPA flash in the same run, each checked agains
 
     python bench/exp/05_decode_tiles.py                        # D = 128, the configurations below
     HEAD=64 CONFIGS=1.8.1.128.2,1.4.1.128.1 SIZES=8x8192 python bench/exp/05_decode_tiles.py
+    CONFIGS=1.4.2.128.1.1,1.4.2.128.1.2,1.4.2.64.2.2,1.4.2.64.3.2 python bench/exp/05_decode_tiles.py  # CTAs per SM
 """
 
 import itertools
@@ -24,7 +25,11 @@ from cupyflash._cuda import decode, decode_tiles, plans  # noqa: E402
 HEAD = int(os.environ.get("HEAD", "128"))  # the head dim whose 16-row entry is varied
 
 DEFAULT = "1.8.2.128.2,1.4.1.128.1,1.4.2.128.1,1.8.1.128.1,1.4.1.64.1"
-CONFIGS = [tuple(int(x) for x in c.split(".")) for c in os.environ.get("CONFIGS", DEFAULT).split(",")]
+# WARPS_M.WARPS_N.WARPS_DV.BLOCK_N.STAGES[.MIN_CTAS]: the table's tuple (MIN_CTAS 1 where not given)
+CONFIGS = [
+    tuple(int(x) for x in (c + ".1" if c.count(".") == 4 else c).split("."))
+    for c in os.environ.get("CONFIGS", DEFAULT).split(",")
+]
 WAVES = [1.0]
 
 

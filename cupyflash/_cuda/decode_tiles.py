@@ -23,43 +23,45 @@ SOURCE = "attention_decode.cu"
 APPEND_SOURCE = "kvcache_append.cu"
 APPEND_THREADS = 256
 
-# (element bytes, HEAD, rows per CTA) -> (WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES). STAGES = 1 is one
+# (element bytes, HEAD, rows per CTA) -> (WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES, MIN_CTAS). STAGES = 1 is one
 # buffer each for k and v whose copies interleave with the products (v of a tile lands while its scores
 # are computed, k of the next while P v is): half the shared memory of two stages, and the faster shape for bf16
 # D = 64 and 128 (its measurement: docs/design/decode.md).
 # Rows are packed query rows (G query heads x Nq queries of one key/value head). 16 rows: four warps split
 # each tile's keys (a decode step's few rows would leave three of four m16 tiles empty); 64 rows: four row
 # blocks (speculative decoding, chunks). WARPS_DV > 1 splits v's columns where the accumulators of a whole
-# row would not fit the registers. Tiles and stages keep every module inside an sm_80 CTA's shared memory.
+# row would not fit the registers. MIN_CTAS: the CTAs per SM the kernel's registers are budgeted for
+# (__launch_bounds__), which split_count then fills. Tiles and stages keep every module inside an sm_80 CTA's
+# shared memory.
 TABLE = {
-    (2, 32, 16): (1, 4, 1, 64, 4),
-    (2, 64, 16): (1, 4, 2, 128, 1),
-    (2, 128, 16): (1, 4, 2, 128, 1),
-    (2, 256, 16): (1, 4, 2, 64, 2),
-    (2, 32, 64): (4, 1, 1, 64, 3),
-    (2, 64, 64): (4, 1, 1, 64, 3),
-    (2, 128, 64): (4, 1, 1, 64, 2),
-    (2, 256, 64): (4, 1, 2, 32, 2),
-    (4, 32, 16): (1, 4, 1, 64, 3),
-    (4, 64, 16): (1, 4, 1, 64, 3),
-    (4, 128, 16): (1, 4, 1, 64, 2),
-    (4, 256, 16): (1, 2, 2, 32, 2),
-    (4, 32, 64): (4, 1, 1, 64, 2),
-    (4, 64, 64): (4, 1, 1, 32, 2),
-    (4, 128, 64): (4, 1, 1, 32, 2),
-    (4, 256, 64): (4, 1, 2, 16, 2),
-    (8, 32, 16): (1, 4, 1, 64, 2),
-    (8, 64, 16): (1, 4, 1, 64, 2),
-    (8, 128, 16): (1, 2, 2, 32, 2),
-    (8, 256, 16): (1, 1, 4, 16, 2),
-    (8, 32, 64): (4, 1, 1, 32, 2),
-    (8, 64, 64): (4, 1, 2, 32, 2),
-    (8, 128, 64): (4, 1, 2, 16, 2),
+    (2, 32, 16): (1, 4, 1, 64, 4, 1),
+    (2, 64, 16): (1, 4, 2, 128, 1, 1),
+    (2, 128, 16): (1, 4, 2, 128, 1, 1),
+    (2, 256, 16): (1, 4, 2, 64, 2, 1),
+    (2, 32, 64): (4, 1, 1, 64, 3, 1),
+    (2, 64, 64): (4, 1, 1, 64, 3, 1),
+    (2, 128, 64): (4, 1, 1, 64, 2, 1),
+    (2, 256, 64): (4, 1, 2, 32, 2, 1),
+    (4, 32, 16): (1, 4, 1, 64, 3, 1),
+    (4, 64, 16): (1, 4, 1, 64, 3, 1),
+    (4, 128, 16): (1, 4, 1, 64, 2, 1),
+    (4, 256, 16): (1, 2, 2, 32, 2, 1),
+    (4, 32, 64): (4, 1, 1, 64, 2, 1),
+    (4, 64, 64): (4, 1, 1, 32, 2, 1),
+    (4, 128, 64): (4, 1, 1, 32, 2, 1),
+    (4, 256, 64): (4, 1, 2, 16, 2, 1),
+    (8, 32, 16): (1, 4, 1, 64, 2, 1),
+    (8, 64, 16): (1, 4, 1, 64, 2, 1),
+    (8, 128, 16): (1, 2, 2, 32, 2, 1),
+    (8, 256, 16): (1, 1, 4, 16, 2, 1),
+    (8, 32, 64): (4, 1, 1, 32, 2, 1),
+    (8, 64, 64): (4, 1, 2, 32, 2, 1),
+    (8, 128, 64): (4, 1, 2, 16, 2, 1),
 }
 # Paged caches whose pages are not a multiple of BLOCK_N positions: their tiles' rows are looked up and
 # addressed one by one, and a ring of more threads issues those copies faster than the interleaved tile
 # (docs/design/decode.md).
-TABLE_ROWWISE = {(2, 64, 16): (1, 8, 1, 128, 2), (2, 128, 16): (1, 8, 2, 128, 2)}
+TABLE_ROWWISE = {(2, 64, 16): (1, 8, 1, 128, 2, 1), (2, 128, 16): (1, 8, 2, 128, 2, 1)}
 DTYPES_BY_BYTES = {2: ("float16", "bfloat16"), 4: ("float32",), 8: ("float64",)}
 
 
@@ -86,8 +88,8 @@ class DecodeVariant:
         return ITEMSIZES[self.dtype]
 
     @property
-    def shape(self) -> tuple[int, int, int, int, int]:
-        """(WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES)."""
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        """(WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES, MIN_CTAS)."""
         key = (self.itemsize, self.head_dim, self.rows)
         return TABLE_ROWWISE[key] if self.rowwise else TABLE[key]
 
@@ -98,14 +100,14 @@ class DecodeVariant:
     def threads(self, kernel: str) -> int:
         if kernel == "append":
             return APPEND_THREADS
-        warps_m, warps_n, warps_dv, _, _ = self.shape
+        warps_m, warps_n, warps_dv, *_ = self.shape
         return 32 * warps_m * warps_n * warps_dv
 
     def smem(self, kernel: str) -> int:
         """Dynamic shared memory (attention_decode.cu, DecodeTraits::SMEM), bytes."""
         if kernel != "decode":
             return 0
-        warps_m, warps_n, _, block_n, stages = self.shape
+        warps_m, warps_n, _, block_n, stages, _ = self.shape
         acc = 8 if self.itemsize == 8 else 4
         q = self.rows * _padded_row(self.itemsize, self.head_dim)
         ring = stages * 2 * block_n * _padded_row(self.itemsize, self.head_dim)
@@ -118,8 +120,10 @@ class DecodeVariant:
         c = CTYPES[self.dtype]
         if kernel == "append":
             return f"kvcache_append<{c}>"
-        warps_m, warps_n, warps_dv, block_n, stages = self.shape
-        return f"attention_decode<{c}, {self.head_dim}, {warps_m}, {warps_n}, {warps_dv}, {block_n}, {stages}>"
+        warps_m, warps_n, warps_dv, block_n, stages, min_ctas = self.shape
+        return (
+            f"attention_decode<{c}, {self.head_dim}, {warps_m}, {warps_n}, {warps_dv}, {block_n}, {stages}, {min_ctas}>"
+        )
 
     def code(self, kernels: tuple[str, ...] | None = None) -> str:
         names = [self.name_expression(k) for k in (kernels or self.kernels)]
