@@ -423,9 +423,9 @@ def _backward_steps(comm, call, dout, q, out, lse, keys, grads):
 
 
 def merge_rows(xp, out, lse, rows, out_b, lse_b):
-    """Rows ``rows`` of the running (out, lse) merged with a block's (out_b, lse_b): the public merge on
-    NumPy, its one-pass kernel on CuPy."""
-    if xp is np:
+    """Rows ``rows`` (a slice, or an index array of distinct rows) of the running (out, lse) merged with a
+    block's (out_b, lse_b): the public merge on NumPy and for index arrays, its one-pass kernel on CuPy."""
+    if xp is np or not isinstance(rows, slice):
         out[..., rows, :], lse[..., rows] = merge_attention_states(
             out[..., rows, :], lse[..., rows], out_b.astype(out.dtype), lse_b
         )
@@ -434,8 +434,8 @@ def merge_rows(xp, out, lse, rows, out_b, lse_b):
 
 
 def add_rows(xp, acc, rows, x):
-    """acc[..., rows, :] += x, summed in acc's float type."""
-    if xp is np:
+    """acc[..., rows, :] += x, summed in acc's float type (rows: a slice, or an index array of distinct rows)."""
+    if xp is np or not isinstance(rows, slice):
         acc[..., rows, :] += x.astype(acc.dtype)
     else:
         ring_states.add_rows(acc, rows.start, x)

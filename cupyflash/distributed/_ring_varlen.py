@@ -9,11 +9,16 @@ sequence meets chunk b of the same sequence, under the local causal mask when a 
 order), unmasked when a > b, skipped when a < b under a causal mask. The calls' results merge by their
 log-sum-exp into float accumulators laid out (H, rows, D), and the gradients add, exactly as in ``_ring``;
 the results go back to the caller's order at the end.
+
+A window cuts a pair of chunks down to the square its band covers (_schedule.windowed_pair), whose place and
+size depend on the chunk length: the sequences are taken in groups of one chunk length, each group's part of a
+pair one call on its rows gathered (their results merged and added back by row index).
 """
 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,7 +26,7 @@ from cupyflash import _varlen
 from cupyflash._api import attention_varlen_backward, attention_varlen_forward
 from cupyflash._arrays import Array, cupy, is_cupy, lse_dtype
 from cupyflash.distributed._comm import Comm, check_same_call
-from cupyflash.distributed._layout import check_layout
+from cupyflash.distributed._layout import check_layout, chunks_of
 from cupyflash.distributed._ring import (
     Travelling,
     add_rows,
@@ -31,14 +36,25 @@ from cupyflash.distributed._ring import (
     run_steps,
     start_keys,
 )
-from cupyflash.distributed._schedule import blocks
+from cupyflash.distributed._schedule import blocks, source_rank, windowed_pair
 from cupyflash.distributed._varlen_layout import chunk_lengths, host_offsets, slot_major
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A windowed call: the rows of a group of sequences' trimmed chunk pair, ``m`` per sequence (index arrays of
+    the slot-major rows and keys), and its local window."""
+
+    q_rows: object
+    k_rows: object
+    m: int
+    window: tuple[int, int]
 
 
 class _Call:
     """A validated packed ring call: the whole batch's offsets, the slot-major order and the options."""
 
-    def __init__(self, arrays, cu_seqlens, comm, causal, scale, softcap, layout, caller):
+    def __init__(self, arrays, cu_seqlens, comm, causal, scale, window, softcap, layout, caller):
         layout = check_layout(layout)
         q, k = arrays["q"], arrays["k"]
         xp = cupy if is_cupy(q) else np
@@ -55,8 +71,8 @@ class _Call:
         cu = host_offsets(cu_seqlens, xp, q.shape[0] * world_size)
         chunks = chunk_lengths(cu, layout, world_size)
         local = cu // world_size  # the shard's own offsets: each sequence holds len / W rows on every rank
-        packed, scale, causal, _ = _varlen.validate(
-            arrays, local.tolist(), local.tolist(), None, None, causal, scale, None, softcap, None
+        packed, scale, causal, mods = _varlen.validate(
+            arrays, local.tolist(), local.tolist(), None, None, causal, scale, window, softcap, None
         )
         check_comm(packed.xp, comm, caller)
         order, cu_chunk = slot_major(cu, layout, world_size)
@@ -69,18 +85,51 @@ class _Call:
         self.slot_rows, self.max_chunk = int(cu_chunk[-1]), int(chunks.max(initial=0))
         self.rank, self.world_size = comm.rank, world_size
         self.digest = f"{len(cu)}:{zlib.crc32(cu.tobytes())}"
+        # (left, right) over each sequence's positions, causal folded in; None: no window (or an unbounded one)
+        self.window = None if window is None or mods is None else mods.window_with_causal(causal)
+        # sequences by chunk length (a window's part of a pair depends on it): length -> their slot offsets
+        self.groups = {}
+        for s, c in enumerate(chunks.tolist()):
+            if c:
+                self.groups.setdefault(c, []).append(cu_chunk[s])
 
     def blocks(self, step):
-        return blocks(
-            self.layout, self.world_size, self.rank, step, self.slot_rows, self.slot_rows, self.causal, per_pair=True
-        )
+        """The step's calls: one per pair of chunk slots over every sequence (slices of the slot-major rows,
+        offsets cu_chunk), or with a window one per pair and chunk length (rows gathered, ``Block.window``)."""
+        if self.window is None:
+            return blocks(
+                self.layout, self.world_size, self.rank, step, self.slot_rows, self.slot_rows, self.causal, True
+            )
+        xp, found = self.xp, []
+        q_chunks = chunks_of(self.layout, self.world_size, self.rank)
+        k_chunks = chunks_of(self.layout, self.world_size, source_rank(self.rank, step, self.world_size))
+        for qs, a in enumerate(q_chunks):
+            for ks, b in enumerate(k_chunks):
+                for c, starts in self.groups.items():
+                    part = windowed_pair(a, b, c, self.window)
+                    if part is None:
+                        continue
+                    r0, k0, m, local = part
+                    starts_ = np.asarray(starts)[:, None]
+                    rows = (qs * self.slot_rows + starts_ + r0 + np.arange(m)).reshape(-1)
+                    keys = (ks * self.slot_rows + starts_ + k0 + np.arange(m)).reshape(-1)
+                    found.append(_Part(xp.asarray(rows), xp.asarray(keys), m, local))
+        return found
 
     def options(self, blk):
+        """The keyword arguments of ``blk``'s attention_varlen call, its offsets first."""
+        if isinstance(blk, _Part):
+            cu, longest, causal, window = list(range(0, len(blk.q_rows) + 1, blk.m)), blk.m, False, blk.window
+        else:
+            cu, longest, causal, window = self.cu_chunk, self.max_chunk, blk.causal, None
         return dict(
-            max_seqlen_q=self.max_chunk,
-            max_seqlen_k=self.max_chunk,
-            causal=blk.causal,
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            max_seqlen_q=longest,
+            max_seqlen_k=longest,
+            causal=causal,
             scale=self.scale,
+            window=window,
             softcap=self.softcap,
         )
 
@@ -96,14 +145,14 @@ class _Call:
         return x
 
 
-def _prepare(arrays, cu_seqlens, comm, causal, scale, softcap, layout, caller):
+def _prepare(arrays, cu_seqlens, comm, causal, scale, window, softcap, layout, caller):
     """Validate on every rank, and make sure every rank makes the same call before anything travels."""
     try:
-        call, failure = _Call(arrays, cu_seqlens, comm, causal, scale, softcap, layout, caller), None
+        call, failure = _Call(arrays, cu_seqlens, comm, causal, scale, window, softcap, layout, caller), None
         shapes = " ".join(f"{name}={tuple(x.shape)}:{x.dtype}" for name, x in arrays.items())
         description = (
             f"{caller} {call.xp.__name__} layout={call.layout!r} causal={call.causal} scale={call.scale!r} "
-            f"softcap={call.softcap!r} cu_seqlens={call.digest} {shapes}"
+            f"window={call.window!r} softcap={call.softcap!r} cu_seqlens={call.digest} {shapes}"
         )
     except (TypeError, ValueError) as error:
         call, failure = None, error
@@ -123,6 +172,7 @@ def ring_attention_varlen_forward(
     comm: Comm,
     causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
     softcap: float = 0.0,
     layout: str = "zigzag",
 ) -> tuple[Array, Array]:
@@ -148,8 +198,8 @@ def ring_attention_varlen_forward(
         The ring (:func:`init`, :class:`InProcessGroup`).
     causal : bool, optional
         The causal mask over each sequence's global positions.
-    scale, softcap : optional
-        As in :func:`cupyflash.attention_varlen`.
+    scale, window, softcap : optional
+        As in :func:`cupyflash.attention_varlen`; the window over each sequence's global positions.
     layout : {"zigzag", "contiguous"}, optional
         How each sequence was sharded (:func:`shard_varlen`).
 
@@ -178,7 +228,7 @@ def ring_attention_varlen_forward(
     True
     """
     arrays = dict(q=q, k=k, v=v)
-    call = _prepare(arrays, cu_seqlens, comm, causal, scale, softcap, layout, "ring_attention_varlen_forward")
+    call = _prepare(arrays, cu_seqlens, comm, causal, scale, window, softcap, layout, "ring_attention_varlen_forward")
     keys = start_keys(comm, call, call.slot_major(k), call.slot_major(v))
     try:
         out, lse = _forward_steps(comm, call, call.slot_major(q), keys)
@@ -195,7 +245,7 @@ def _forward_steps(comm, call, q, keys):
 
     def attend(blk, k_hand, v_hand):
         qb, kb, vb = q[blk.q_rows], k_hand[blk.k_rows], v_hand[blk.k_rows]
-        out_b, lse_b = attention_varlen_forward(qb, kb, vb, call.cu_chunk, call.cu_chunk, **call.options(blk))
+        out_b, lse_b = attention_varlen_forward(qb, kb, vb, **call.options(blk))
         merge_rows(xp, out, lse, blk.q_rows, out_b.transpose(1, 0, 2), lse_b)
 
     run_steps(comm, keys, call.blocks, attend)
@@ -214,6 +264,7 @@ def ring_attention_varlen_backward(
     comm: Comm,
     causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
     softcap: float = 0.0,
     layout: str = "zigzag",
 ) -> tuple[Array, Array, Array]:
@@ -230,7 +281,7 @@ def ring_attention_varlen_backward(
         As given to :func:`ring_attention_varlen_forward`.
     out, lse : arrays, shapes (total / W, H, Dv) and (H, total / W)
         What :func:`ring_attention_varlen_forward` returned on this rank.
-    comm, causal, scale, softcap, layout
+    comm, causal, scale, window, softcap, layout
         Exactly as passed to :func:`ring_attention_varlen_forward`.
 
     Returns
@@ -261,7 +312,7 @@ def ring_attention_varlen_backward(
     [True, True, True]
     """
     arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
-    call = _prepare(arrays, cu_seqlens, comm, causal, scale, softcap, layout, "ring_attention_varlen_backward")
+    call = _prepare(arrays, cu_seqlens, comm, causal, scale, window, softcap, layout, "ring_attention_varlen_backward")
     xp, acc = call.xp, call.acc
     k_sm, v_sm = call.slot_major(k), call.slot_major(v)
     keys = start_keys(comm, call, k_sm, v_sm)
@@ -286,15 +337,7 @@ def _backward_steps(comm, call, dout, q, out, lse, keys, grads):
     def gradients(blk, k_hand, v_hand):
         rows = blk.q_rows
         dq_b, dk_b, dv_b = attention_varlen_backward(
-            dout[rows],
-            q[rows],
-            k_hand[blk.k_rows],
-            v_hand[blk.k_rows],
-            out[rows],
-            lse[:, rows],
-            call.cu_chunk,
-            call.cu_chunk,
-            **call.options(blk),
+            dout[rows], q[rows], k_hand[blk.k_rows], v_hand[blk.k_rows], out[rows], lse[:, rows], **call.options(blk)
         )
         add_rows(xp, dq, rows, dq_b.transpose(1, 0, 2))
         return blk.k_rows, dk_b.transpose(1, 0, 2), dv_b.transpose(1, 0, 2)
@@ -313,6 +356,7 @@ def ring_attention_varlen(
     comm: Comm,
     causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
     softcap: float = 0.0,
     layout: str = "zigzag",
 ) -> Array:
@@ -320,7 +364,7 @@ def ring_attention_varlen(
 
     Parameters
     ----------
-    q, k, v, cu_seqlens, comm, causal, scale, softcap, layout
+    q, k, v, cu_seqlens, comm, causal, scale, window, softcap, layout
         As in :func:`ring_attention_varlen_forward`.
 
     Returns
@@ -339,6 +383,6 @@ def ring_attention_varlen(
     [(12, 2, 8), (12, 2, 8)]
     """
     out, _ = ring_attention_varlen_forward(
-        q, k, v, cu_seqlens, comm=comm, causal=causal, scale=scale, softcap=softcap, layout=layout
+        q, k, v, cu_seqlens, comm=comm, causal=causal, scale=scale, window=window, softcap=softcap, layout=layout
     )
     return out

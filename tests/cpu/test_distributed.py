@@ -888,15 +888,30 @@ def test_varlen_ring_equals_attention_varlen(rng, world_size, layout, causal):
     _assert_same_as_single(ring, _varlen_single(q, k, v, dout, cu, causal=causal))
 
 
+@pytest.mark.parametrize("window", [(1, 1), (5, -1), (-1, 3), (7, 2), (2, 0), (-1, -1)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world_size", (1, 2, 3))
+def test_varlen_ring_with_a_window(rng, world_size, layout, window):
+    """A window over each sequence's global positions, sequences of different chunk lengths (one empty): the
+    ring equals attention_varlen with that window, causal or not."""
+    cu = _varlen_offsets(world_size, layout, chunks=(3, 0, 1, 5, 3))
+    q, k, v, dout = _varlen_problem(rng, int(cu[-1]))
+    for causal in (False, True):
+        ring = _varlen_ring(world_size, q, k, v, dout, cu, causal=causal, window=window, layout=layout)
+        _assert_same_as_single(ring, _varlen_single(q, k, v, dout, cu, causal=causal, window=window))
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_varlen_ring_with_softcap_and_scale_in_float64(rng, layout):
-    """float64 throughout: the ring equals the single call to float64 rounding, with softcap and a scale."""
+    """float64 throughout: the ring equals the single call to float64 rounding, with softcap and a scale, causal
+    or with a window."""
     cu = _varlen_offsets(3, layout)
     q, k, v, dout = _varlen_problem(rng, int(cu[-1]), np.float64)
-    options = dict(causal=True, softcap=SOFTCAP, scale=0.3)
-    ring = _varlen_ring(3, q, k, v, dout, cu, layout=layout, **options)
-    for name, x, y in zip(NAMES, ring, _varlen_single(q, k, v, dout, cu, **options)):
-        assert x.dtype == np.float64 and max_abs(x - y) <= RTOL64 * max(1.0, max_abs(y)), name
+    for options in (dict(causal=True, softcap=SOFTCAP, scale=0.3), dict(window=(4, 6), softcap=SOFTCAP, scale=0.3)):
+        ring = _varlen_ring(3, q, k, v, dout, cu, layout=layout, **options)
+        single = _varlen_single(q, k, v, dout, cu, **options)
+        for name, x, y in zip(NAMES, ring, single):
+            assert x.dtype == np.float64 and max_abs(x - y) <= RTOL64 * max(1.0, max_abs(y)), (name, options)
 
 
 @pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())

@@ -110,8 +110,11 @@ def test_ring_over_threads_on_one_gpu(rng, assert_matches_reference, dtype, worl
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("world_size, layout, causal", [(2, "zigzag", True), (3, "contiguous", False)])
-def test_packed_ring_over_threads_on_one_gpu(rng, dtype, world_size, layout, causal):
+@pytest.mark.parametrize(
+    "world_size, layout, causal, window",
+    [(2, "zigzag", True, None), (3, "contiguous", False, None), (2, "zigzag", True, (9, 0))],
+)
+def test_packed_ring_over_threads_on_one_gpu(rng, dtype, world_size, layout, causal, window):
     """A packed batch (one empty sequence, GQA) sharded sequence by sequence across W ranks as threads on one GPU:
     the ring's results against attention_varlen's on the GPU, both against float64 on the host: the ring's
     error at most twice the single call's (float64: 1e-12 of the largest magnitude)."""
@@ -124,20 +127,20 @@ def test_packed_ring_over_threads_on_one_gpu(rng, dtype, world_size, layout, cau
 
     def rank_work(comm):
         shards = [dist.shard_varlen(x, gcu, comm, layout) for x in (gq, gk, gv, gdout)]
-        out, lse = dist.ring_attention_varlen_forward(*shards[:3], gcu, comm=comm, causal=causal, layout=layout)
-        grads = dist.ring_attention_varlen_backward(
-            shards[3], *shards[:3], out, lse, gcu, comm=comm, causal=causal, layout=layout
-        )
+        kw = dict(comm=comm, causal=causal, window=window, layout=layout)
+        out, lse = dist.ring_attention_varlen_forward(*shards[:3], gcu, **kw)
+        grads = dist.ring_attention_varlen_backward(shards[3], *shards[:3], out, lse, gcu, **kw)
         return [dist.unshard_varlen(x, gcu, comm, layout) for x in (out, *grads)]
 
     results = dist.InProcessGroup(world_size).run(rank_work)
     for other in results[1:]:
         assert_bitwise_equal(other, results[0])
-    one_out, one_lse = cupyflash.attention_varlen_forward(gq, gk, gv, gcu, gcu, causal=causal)
-    one = [one_out, *cupyflash.attention_varlen_backward(gdout, gq, gk, gv, one_out, one_lse, gcu, gcu, causal=causal)]
+    kw = dict(causal=causal, window=window)
+    one_out, one_lse = cupyflash.attention_varlen_forward(gq, gk, gv, gcu, gcu, **kw)
+    one = [one_out, *cupyflash.attention_varlen_backward(gdout, gq, gk, gv, one_out, one_lse, gcu, gcu, **kw)]
     wide = [np.asarray(x, dtype=np.float64) for x in (q, k, v, dout)]
-    ref_out, ref_lse = cupyflash.attention_varlen_forward(*wide[:3], cu, cu, causal=causal)
-    refs = [ref_out, *cupyflash.attention_varlen_backward(wide[3], *wide[:3], ref_out, ref_lse, cu, cu, causal=causal)]
+    ref_out, ref_lse = cupyflash.attention_varlen_forward(*wide[:3], cu, cu, **kw)
+    refs = [ref_out, *cupyflash.attention_varlen_backward(wide[3], *wide[:3], ref_out, ref_lse, cu, cu, **kw)]
     for name, x, y, ref in zip(("out", "dq", "dk", "dv"), results[0], one, refs):
         scale = max(1.0, float(np.abs(ref).max()))
         ring_err = float(np.abs(to_host(x).astype(np.float64) - ref).max())
