@@ -11,6 +11,11 @@ Precision: the parameters are float32 (the optimizer's master copy); a step comp
 or float16 on the GPU), with layernorm's statistics, GELU, the softmax of the loss and every weight gradient in
 float32 (``accumulator``; all float64 for float64, which the gradient checks use). Every matrix product goes through
 ``matmul.matmul``: CuPy's ``@`` has no bfloat16, so bfloat16 products go to cuBLAS there.
+
+Layernorm, GELU, the bias and residual adds, the bias gradients and the loss's softmax are written once as array
+code, which NumPy runs; on CuPy each is one or two fused kernels instead (fused.py, the same arithmetic in the same
+dtypes), where the array code would be several passes over memory. A sum rounded to bfloat16 is rounded once,
+after adding in the accumulator dtype, on either path.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import fused
 import numpy as np
 from matmul import matmul
 
@@ -82,27 +88,46 @@ def accumulator(dtype):
 
 
 def layernorm_forward(x, g, b, eps=1e-5):
-    """(x - mean) / sqrt(var + eps) * g + b over the last dim; statistics in the accumulator dtype."""
+    """(x - mean) / sqrt(var + eps) * g + b over the last dim; statistics in the accumulator dtype. Keeps x,
+    mean and rstd (the backward rebuilds the normalized x from them)."""
+    if fused.applies(x):
+        out, mean, rstd = fused.layernorm_forward(x, g, b, eps)
+        return out, (x, mean, rstd, g)
     x32 = x.astype(accumulator(x.dtype))
     mean = x32.mean(-1, keepdims=True)
     rstd = 1.0 / array_module(x).sqrt(((x32 - mean) ** 2).mean(-1, keepdims=True) + eps)
-    xhat = (x32 - mean) * rstd
-    return (xhat * g + b).astype(x.dtype), (xhat, rstd, g, x.dtype)
+    return ((x32 - mean) * rstd * g + b).astype(x.dtype), (x, mean, rstd, g)
 
 
-def layernorm_backward(dout, saved):
-    xhat, rstd, g, dtype = saved
-    dout = dout.astype(xhat.dtype)
+def layernorm_backward(dout, saved, dresidual=None):
+    """(dx, dg, db); dx plus ``dresidual`` where given (the residual stream's gradient, which the block's skip
+    connection adds), summed before dx is rounded to x's dtype."""
+    x, mean, rstd, g = saved
+    if fused.applies(dout):
+        return fused.layernorm_backward(dout, x, mean, rstd, g, dresidual)
+    acc = mean.dtype
+    xhat = (x.astype(acc) - mean) * rstd
+    dout = dout.astype(acc)
     axes = tuple(range(dout.ndim - 1))
     dg, db = (dout * xhat).sum(axes), dout.sum(axes)
     dxhat = dout * g
     dx = rstd * (dxhat - dxhat.mean(-1, keepdims=True) - xhat * (dxhat * xhat).mean(-1, keepdims=True))
-    return dx.astype(dtype), dg, db
+    if dresidual is not None:
+        dx = dx + dresidual.astype(acc)
+    return dx.astype(x.dtype), dg, db
 
 
-def linear_forward(x, w, b):
-    """x @ w + b with w (in, out) in x's dtype."""
-    return matmul(x, w.astype(x.dtype)) + b.astype(x.dtype), (x, w)
+def linear_forward(x, w, b, residual=None):
+    """x @ w + b with w (in, out) in x's dtype, plus ``residual`` (the residual stream) where given: the sum in
+    the accumulator dtype, rounded once to x's."""
+    y = matmul(x, w.astype(x.dtype))
+    if fused.applies(y):
+        return fused.bias_add(y, b, residual), (x, w)
+    acc = accumulator(x.dtype)
+    out = y.astype(acc, copy=False) + b
+    if residual is not None:
+        out = residual.astype(acc, copy=False) + out
+    return out.astype(x.dtype, copy=False), (x, w)
 
 
 def linear_backward(dout, saved):
@@ -111,7 +136,8 @@ def linear_backward(dout, saved):
     flat_x, flat_d = x.reshape(-1, x.shape[-1]), dout.reshape(-1, dout.shape[-1])
     acc = accumulator(x.dtype)
     dw = matmul(flat_x.T, flat_d, acc)  # bfloat16 on CuPy: written as float32 by cuBLAS, never rounded to bfloat16
-    return dx, dw, flat_d.astype(acc).sum(0)
+    db = fused.column_sums(flat_d) if fused.applies(flat_d) else flat_d.astype(acc).sum(0)
+    return dx, dw, db
 
 
 _GELU_K = math.sqrt(2.0 / math.pi)
@@ -119,21 +145,26 @@ _GELU_K = math.sqrt(2.0 / math.pi)
 
 def gelu_forward(x):
     """GPT-2's GELU, the tanh approximation: 0.5 x (1 + tanh(k (x + 0.044715 x^3))), computed in the accumulator
-    dtype and rounded once to x's.
+    dtype and rounded once to x's. Keeps x only: the backward recomputes the tanh.
 
     The casts matter for bfloat16: a Python float times a bfloat16 array is float32, in NumPy and CuPy alike (seen
     with ml_dtypes 0.6 and CuPy 14.2), which would leave the MLP's second product in float32 with bfloat16 gradients
     flowing back into it. In float16, x^3 would overflow past |x| = 40.
     """
+    if fused.applies(x):
+        return fused.gelu_forward(x), (x,)
     x32 = x.astype(accumulator(x.dtype))
-    t = array_module(x).tanh(_GELU_K * (x32 + 0.044715 * x32**3))
-    return (0.5 * x32 * (1.0 + t)).astype(x.dtype), (x, t.astype(x.dtype))
+    t = array_module(x).tanh(_GELU_K * (x32 + 0.044715 * (x32 * x32 * x32)))
+    return (0.5 * x32 * (1.0 + t)).astype(x.dtype), (x,)
 
 
 def gelu_backward(dout, saved):
-    x, t = saved
-    x32, t32 = x.astype(accumulator(x.dtype)), t.astype(accumulator(x.dtype))
-    local = 0.5 * (1.0 + t32) + 0.5 * x32 * (1.0 - t32 * t32) * _GELU_K * (1.0 + 3 * 0.044715 * x32 * x32)
+    (x,) = saved
+    if fused.applies(dout):
+        return fused.gelu_backward(dout, x)
+    x32 = x.astype(accumulator(x.dtype))
+    t = array_module(x).tanh(_GELU_K * (x32 + 0.044715 * (x32 * x32 * x32)))
+    local = 0.5 * (1.0 + t) + 0.5 * x32 * (1.0 - t * t) * _GELU_K * (1.0 + 3 * 0.044715 * x32 * x32)
     return (dout.astype(local.dtype) * local).astype(dout.dtype)
 
 
@@ -161,22 +192,30 @@ def attention_backward(dout, saved, config: Config):
 
 def cross_entropy_forward(x, wte, targets):
     """The tied head and the loss: logits = x @ wte^T (B, N, V); the mean over tokens of -log softmax at the
-    targets, in float32. Returns the loss as a 0-d array (no wait for the device)."""
+    targets, in float32. Returns the loss as a 0-d array (no wait for the device). Keeps the probabilities, in
+    place of the logits."""
     xp = array_module(x)
     logits = matmul(x, wte.astype(x.dtype).T, accumulator(x.dtype)).reshape(-1, wte.shape[0])
+    flat_targets = targets.reshape(-1)
+    if fused.applies(logits):
+        losses = fused.softmax_cross_entropy(logits, flat_targets)  # logits become the probabilities
+        return losses.mean(), (x, wte, logits, flat_targets)
     logits -= logits.max(-1, keepdims=True)
     probs = xp.exp(logits)
     probs /= probs.sum(-1, keepdims=True)
-    rows, flat_targets = xp.arange(probs.shape[0]), targets.reshape(-1)
-    loss = -xp.log(probs[rows, flat_targets]).mean()
-    return loss, (x, wte, probs, rows, flat_targets)
+    loss = -xp.log(probs[xp.arange(probs.shape[0]), flat_targets]).mean()
+    return loss, (x, wte, probs, flat_targets)
 
 
 def cross_entropy_backward(saved):
-    x, wte, probs, rows, flat_targets = saved
-    dlogits = probs.copy()
-    dlogits[rows, flat_targets] -= 1.0
-    dlogits /= flat_targets.size
+    """(dx, dwte). On CuPy the loss's gradient is written over the kept probabilities: call it once per forward."""
+    x, wte, probs, flat_targets = saved
+    if fused.applies(probs):
+        dlogits = fused.cross_entropy_backward(probs, flat_targets)
+    else:
+        dlogits = probs.copy()
+        dlogits[array_module(probs).arange(probs.shape[0]), flat_targets] -= 1.0
+        dlogits /= flat_targets.size
     dx = matmul(dlogits.astype(x.dtype), wte.astype(x.dtype)).reshape(x.shape)
     dwte = matmul(dlogits.T, x.reshape(-1, x.shape[-1]).astype(dlogits.dtype))
     return dx, dwte
@@ -228,13 +267,11 @@ def _trunk(params: dict, tokens, config: Config, dtype):
         h1, s_ln1 = layernorm_forward(x, params[p + "ln1.g"], params[p + "ln1.b"])
         qkv, s_qkv = linear_forward(h1, params[p + "attn.wqkv"], params[p + "attn.bqkv"])
         att, s_att = attention_forward(qkv, config)
-        proj, s_proj = linear_forward(att, params[p + "attn.wo"], params[p + "attn.bo"])
-        x = x + proj
+        x, s_proj = linear_forward(att, params[p + "attn.wo"], params[p + "attn.bo"], residual=x)
         h2, s_ln2 = layernorm_forward(x, params[p + "ln2.g"], params[p + "ln2.b"])
         fc, s_fc = linear_forward(h2, params[p + "mlp.wfc"], params[p + "mlp.bfc"])
         act, s_gelu = gelu_forward(fc)
-        mlp, s_mlp = linear_forward(act, params[p + "mlp.wproj"], params[p + "mlp.bproj"])
-        x = x + mlp
+        x, s_mlp = linear_forward(act, params[p + "mlp.wproj"], params[p + "mlp.bproj"], residual=x)
         saved.append((s_ln1, s_qkv, s_att, s_proj, s_ln2, s_fc, s_gelu, s_mlp))
     xf, s_lnf = layernorm_forward(x, params["lnf.g"], params["lnf.b"])
     return xf, saved, s_lnf
@@ -252,13 +289,11 @@ def backward(state, params: dict, config: Config) -> dict:
         d_act, grads[p + "mlp.wproj"], grads[p + "mlp.bproj"] = linear_backward(dx, s_mlp)
         d_fc = gelu_backward(d_act, s_gelu)
         d_h2, grads[p + "mlp.wfc"], grads[p + "mlp.bfc"] = linear_backward(d_fc, s_fc)
-        d_ln2, grads[p + "ln2.g"], grads[p + "ln2.b"] = layernorm_backward(d_h2, s_ln2)
-        dx = dx + d_ln2
+        dx, grads[p + "ln2.g"], grads[p + "ln2.b"] = layernorm_backward(d_h2, s_ln2, dresidual=dx)
         d_att, grads[p + "attn.wo"], grads[p + "attn.bo"] = linear_backward(dx, s_proj)
         d_qkv = attention_backward(d_att, s_att, config)
         d_h1, grads[p + "attn.wqkv"], grads[p + "attn.bqkv"] = linear_backward(d_qkv, s_qkv)
-        d_ln1, grads[p + "ln1.g"], grads[p + "ln1.b"] = layernorm_backward(d_h1, s_ln1)
-        dx = dx + d_ln1
+        dx, grads[p + "ln1.g"], grads[p + "ln1.b"] = layernorm_backward(d_h1, s_ln1, dresidual=dx)
     dx32 = dx.astype(accumulator(dx.dtype))
     n = tokens.shape[1]
     grads["wpe"] = array_module(dx).zeros(params["wpe"].shape, dx32.dtype)

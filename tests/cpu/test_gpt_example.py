@@ -56,6 +56,12 @@ def test_layernorm_backward():
     dx, dg, db = model.layernorm_backward(w, saved)
     for analytic, target in ((dx, x), (dg, g), (db, b)):
         _check(analytic, loss, target)
+    # the residual stream's gradient, added in (the skip connection around the layernorm)
+    dresidual = rng.standard_normal(x.shape)
+    dx_plus, dg_plus, db_plus = model.layernorm_backward(w, saved, dresidual=dresidual)
+    np.testing.assert_allclose(dx_plus, dx + dresidual, rtol=1e-14, atol=1e-14)
+    np.testing.assert_array_equal(dg_plus, dg)
+    np.testing.assert_array_equal(db_plus, db)
 
 
 def test_linear_gelu_backward():
@@ -71,6 +77,8 @@ def test_linear_gelu_backward():
     dx, dw, db = model.linear_backward(model.gelu_backward(dout, s_gelu), s_lin)
     for analytic, target in ((dx, x), (dw, w), (db, b)):
         _check(analytic, loss, target)
+    residual = rng.standard_normal(y.shape)
+    np.testing.assert_allclose(model.linear_forward(x, w, b, residual=residual)[0], y + residual, rtol=1e-14)
 
 
 def test_attention_backward_grouped_heads():
