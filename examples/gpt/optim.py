@@ -1,68 +1,117 @@
-"""AdamW over float32 master parameters, with the gradient's global norm clipped and a cosine learning rate.
+"""AdamW over float32 master parameters kept in one flat buffer, with the gradient's global norm clipped and a
+cosine learning rate.
 
 Weight decay applies to the matrices (2-D parameters: embeddings, projections), not to biases and layernorm
-gains, as in GPT-2's and nanoGPT's recipes.
+gains, as in GPT-2's and nanoGPT's recipes. The parameters, their gradients and Adam's two moments each live in
+one flat buffer, the matrices first, so that a step is one pass over four buffers (one fused kernel on CuPy:
+fused.adamw) and weight decay applies to a prefix of them.
+
+Nothing in a step waits for the device: the learning rate, the step count and the gradients' norm are arrays on
+the parameters' device, read where they are used. So a step can be captured in a CUDA graph (graph.py) and
+replayed with a new learning rate written into ``lr`` before each replay.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+import fused
 import numpy as np
 
 
-@dataclass
 class AdamW:
-    lr: float = 3e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    clip: float = 1.0  # the gradients' global norm is scaled down to this (None: no clipping)
+    """AdamW with global-norm clipping over the parameters ``params`` (a dict of float arrays of one dtype, on one
+    device), which it lays out in one flat buffer: each entry of ``params`` is replaced by a view of that buffer
+    (same name, shape and values), which ``step`` updates in place.
 
-    def __post_init__(self):
-        self.m, self.v, self.t = {}, {}, 0
+    ``lr`` is the learning rate until ``set_lr`` (or ``step(..., lr=...)``) changes it; ``clip`` the bound on the
+    gradients' global norm (None: no clipping).
+    """
 
-    def step(self, params: dict, grads: dict, lr: float | None = None) -> float:
-        """Update ``params`` in place from ``grads`` (float32, same names); returns the gradients' global norm
-        before clipping."""
-        norm = global_norm(grads)
-        scale = min(1.0, self.clip / (norm + 1e-6)) if self.clip is not None else 1.0
-        lr = self.lr if lr is None else lr
+    def __init__(self, params: dict, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, clip=1.0):
+        self.betas, self.eps, self.weight_decay, self.clip = tuple(betas), eps, weight_decay, clip
+        first = next(iter(params.values()))
+        xp, dtype = array_module(first), first.dtype
+        # (name, offset, shape): the matrices first, each group in the dict's order
+        names = [n for n in params if params[n].ndim == 2] + [n for n in params if params[n].ndim != 2]
+        self.layout, offset = [], 0
+        for name in names:
+            self.layout.append((name, offset, params[name].shape))
+            offset += params[name].size
+        self.decay_end = sum(params[n].size for n in names if params[n].ndim == 2)
+        self.params = xp.empty(offset, dtype)
+        for name, view in self.views(self.params).items():
+            view[...] = params[name]
+            params[name] = view
+        self.grads = xp.zeros(offset, dtype)
+        self.m, self.v = xp.zeros(offset, dtype), xp.zeros(offset, dtype)
+        self.t = xp.zeros(1, np.int32)  # steps taken, on the device: a captured step advances it at each replay
+        self.lr = xp.full(1, lr, dtype)  # the learning rate the next step reads
+
+    def views(self, flat) -> dict:
+        """Each parameter's view of the flat buffer ``flat`` (the parameters', the gradients' or a moment's)."""
+        return {name: flat[offset : offset + math.prod(shape)].reshape(shape) for name, offset, shape in self.layout}
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the following steps, written into the device array ``lr`` (on the current stream;
+        a captured step reads it there at each replay)."""
+        self.lr.fill(lr)
+
+    def step(self, grads: dict, lr: float | None = None):
+        """Update the parameters in place from ``grads`` (by name, the parameters' dtype); ``lr``, where given,
+        is set first (``set_lr``). Returns the gradients' global norm before clipping as a 0-d array (no wait)."""
+        if lr is not None:
+            self.set_lr(lr)
+        for name, view in self.views(self.grads).items():
+            view[...] = grads[name]
         self.t += 1
         b1, b2 = self.betas
-        correction1, correction2 = 1 - b1**self.t, 1 - b2**self.t
-        for name, p in params.items():
-            g = grads[name] * scale
-            if name not in self.m:
-                self.m[name], self.v[name] = p * 0, p * 0
-            m, v = self.m[name], self.v[name]
-            m *= b1
-            m += (1 - b1) * g
-            v *= b2
-            v += (1 - b2) * g * g
-            if p.ndim == 2:
-                p *= 1 - lr * self.weight_decay
-            p -= lr * (m / correction1) / ((v / correction2) ** 0.5 + self.eps)
-        return norm
+        if fused.applies(self.grads):
+            sumsq = fused.sum_squares(self.grads)
+            fused.adamw(
+                self.params, self.grads, self.m, self.v, sumsq=sumsq, lr=self.lr, t=self.t, betas=self.betas,
+                eps=self.eps, weight_decay=self.weight_decay, clip=self.clip, decay_end=self.decay_end,
+            )  # fmt: skip
+            return array_module(sumsq).sqrt(sumsq).reshape(())
+        xp, dtype = array_module(self.grads), self.grads.dtype
+        sumsq = (self.grads * self.grads).sum(keepdims=True)
+        g = self.grads
+        if self.clip is not None:
+            g = g * xp.minimum(dtype.type(1), self.clip / (xp.sqrt(sumsq) + dtype.type(1e-6)))
+        self.m *= b1
+        self.m += (1 - b1) * g
+        self.v *= b2
+        self.v += (1 - b2) * g * g
+        t = self.t.astype(dtype)
+        correction1, correction2 = 1 - b1**t, 1 - b2**t
+        self.params[: self.decay_end] *= 1 - self.lr * self.weight_decay
+        self.params -= self.lr * (self.m / correction1) / (xp.sqrt(self.v / correction2) + self.eps)
+        return xp.sqrt(sumsq).reshape(())
 
     def state(self) -> dict:
-        """The optimizer's arrays and step, by name, for a checkpoint."""
+        """The optimizer's step and moments by parameter name, for a checkpoint."""
         return {
-            "t": np.array(self.t),
-            **{f"m.{k}": v for k, v in self.m.items()},
-            **{f"v.{k}": v for k, v in self.v.items()},
+            "t": self.t.reshape(()),
+            **{f"m.{k}": v for k, v in self.views(self.m).items()},
+            **{f"v.{k}": v for k, v in self.views(self.v).items()},
         }
 
-    def load(self, state: dict, xp) -> None:
-        self.t = int(state["t"])
-        self.m = {k[2:]: xp.asarray(v) for k, v in state.items() if k.startswith("m.")}
-        self.v = {k[2:]: xp.asarray(v) for k, v in state.items() if k.startswith("v.")}
+    def load(self, state: dict) -> None:
+        """Take the step and moments of ``state()`` (host or device arrays)."""
+        xp = array_module(self.m)
+        self.t[...] = int(state["t"])
+        for key, flat in (("m", self.m), ("v", self.v)):
+            for name, view in self.views(flat).items():
+                view[...] = xp.asarray(state[f"{key}.{name}"])
 
 
-def global_norm(grads: dict) -> float:
-    """sqrt of the sum of every gradient's squares (one value: a wait for the device)."""
-    return math.sqrt(sum(float((g.astype(np.float32) ** 2).sum()) for g in grads.values()))
+def array_module(x):
+    """numpy or cupy: the module of array x."""
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
 
 
 def cosine_lr(step: int, *, peak: float, warmup: int, total: int, floor: float = 0.1) -> float:

@@ -6,12 +6,13 @@ then write a checkpoint and sample text from it.
     python examples/gpt/train.py --resume gpt.npz --steps 400              # on from a checkpoint
 
 A progress bar shows when tqdm is installed (an optional dependency); every --eval-every steps the validation
-loss is printed.
+loss is printed. The training losses stay on the device until then: no step waits for the GPU to finish.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -22,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import fused  # noqa: E402
 from data import Text  # noqa: E402
 from model import Config, backward, forward, init, logits  # noqa: E402
 from optim import AdamW, cosine_lr  # noqa: E402
@@ -47,6 +49,7 @@ def parse(argv=None):
     parser.add_argument("--checkpoint", default="gpt.npz", help="written at the end ('' for none)")
     parser.add_argument("--resume", default=None, help="a checkpoint to continue from (its model, optimizer, step)")
     parser.add_argument("--sample", type=int, default=300, help="characters to sample at the end (0: none)")
+    parser.add_argument("--plain", action="store_true", help="CuPy runs the plain array code, no fused kernels")
     return parser.parse_args(argv)
 
 
@@ -100,41 +103,64 @@ def _host(x):
     return x if isinstance(x, np.ndarray) else x.get()
 
 
+def make_step(params, optimizer, config, dtype):
+    """One training step on device arrays (tokens, targets) -> (loss, gradients' norm), both 0-d device arrays:
+    forward, backward, and AdamW at the learning rate in ``optimizer.lr``. Nothing in it waits for the device, so
+    it could be captured in a CUDA graph too."""
+
+    def step(tokens, targets):
+        loss, state = forward(params, tokens, targets, config, dtype)
+        grads = backward(state, params, config)
+        return loss, optimizer.step(grads)
+
+    return step
+
+
+def setup(args, text, xp):
+    """(config, params, optimizer, first step): a new model from args, or the checkpoint args.resume names."""
+    if args.resume:
+        config, params, state, start = load(args.resume, xp)
+        optimizer = AdamW(params, lr=args.lr)
+        optimizer.load(state)
+        return config, params, optimizer, start
+    config = Config(text.vocab, args.context, args.layers, args.width, args.heads, args.kv_heads)
+    params = init(config, xp, args.seed)
+    return config, params, AdamW(params, lr=args.lr), 0
+
+
 def main(argv=None) -> dict:
     args = parse(argv)
     xp, dtype = array_module(args.device), DTYPES[args.dtype]
     text = Text()
-    optimizer = AdamW(lr=args.lr)
-    if args.resume:
-        config, params, state, start = load(args.resume, xp)
-        optimizer.load(state, xp)
-    else:
-        config = Config(text.vocab, args.context, args.layers, args.width, args.heads, args.kv_heads)
-        params, start = init(config, xp, args.seed), 0
+    config, params, optimizer, start = setup(args, text, xp)
     rng = np.random.default_rng(args.seed + start)
     try:
         from tqdm import trange
     except ImportError:
         trange = range
+    step_fn = make_step(params, optimizer, config, dtype)
     history = {"train": [], "val": []}
+    losses = xp.zeros(max(0, args.steps - start), np.float32)  # each step's loss, read back at evaluations
     began = time.perf_counter()
-    for step in (bar := trange(start, args.steps)):
-        x, y = text.batch(rng, "train", args.batch, config.context)
-        loss, state = forward(params, xp.asarray(x), xp.asarray(y), config, dtype)
-        grads = backward(state, params, config)
-        lr = cosine_lr(step, peak=args.lr, warmup=args.warmup, total=args.steps)
-        optimizer.step(params, grads, lr)
-        history["train"].append(float(loss))
-        if hasattr(bar, "set_postfix"):
-            bar.set_postfix(loss=f"{history['train'][-1]:.3f}")
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            history["val"].append((step + 1, evaluate(params, text, config, dtype, xp, rng)))
-            print(f"step {step + 1}: train {history['train'][-1]:.3f}, val {history['val'][-1][1]:.3f}", flush=True)
-    seconds = time.perf_counter() - began
-    if args.checkpoint:
-        save(args.checkpoint, config, params, optimizer, args.steps)
-    if args.sample:
-        print(sample(params, text, config, dtype, xp, rng, args.sample))
+    with contextlib.ExitStack() as context:
+        if args.plain:
+            context.enter_context(fused.disabled())
+        for step in (bar := trange(start, args.steps)):
+            x, y = text.batch(rng, "train", args.batch, config.context)
+            optimizer.set_lr(cosine_lr(step, peak=args.lr, warmup=args.warmup, total=args.steps))
+            loss, _ = step_fn(xp.asarray(x), xp.asarray(y))
+            losses[step - start] = loss
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                history["train"] += _host(losses[len(history["train"]) : step + 1 - start]).tolist()
+                if hasattr(bar, "set_postfix"):
+                    bar.set_postfix(loss=f"{history['train'][-1]:.3f}")
+                history["val"].append((step + 1, evaluate(params, text, config, dtype, xp, rng)))
+                print(f"step {step + 1}: train {history['train'][-1]:.3f}, val {history['val'][-1][1]:.3f}", flush=True)
+        seconds = time.perf_counter() - began
+        if args.checkpoint:
+            save(args.checkpoint, config, params, optimizer, args.steps)
+        if args.sample:
+            print(sample(params, text, config, dtype, xp, rng, args.sample))
     return {"history": history, "seconds": seconds, "params": params, "config": config}
 
 

@@ -190,9 +190,111 @@ def test_optimizer_pieces():
     assert optim.cosine_lr(100, peak=1.0, warmup=10, total=100) == pytest.approx(0.1)
     p = {"w": np.ones((2, 2), np.float32), "b": np.ones(2, np.float32)}
     g = {"w": np.full((2, 2), 3.0, np.float32), "b": np.full(2, 4.0, np.float32)}
-    norm = optim.AdamW(lr=0.1, clip=1.0).step(p, g)
-    assert norm == pytest.approx(np.sqrt(4 * 9 + 2 * 16))
+    norm = optim.AdamW(p, lr=0.1, clip=1.0).step(g)
+    assert norm.shape == () and float(norm) == pytest.approx(np.sqrt(4 * 9 + 2 * 16))
     assert np.all(p["w"] < 1.0) and np.all(p["b"] < 1.0)  # both moved against their gradients
+
+
+def _reference_adamw(params, grads_per_step, lrs, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, clip=1.0):
+    """AdamW written per parameter, in float64: the global norm clipped to ``clip``, weight decay on the matrices
+    only, Adam's bias corrections; the parameters after each step's gradients at each step's learning rate."""
+    params = {k: v.astype(np.float64) for k, v in params.items()}
+    m = {k: np.zeros_like(v) for k, v in params.items()}
+    v = {k: np.zeros_like(x) for k, x in params.items()}
+    b1, b2 = betas
+    for t, (grads, lr) in enumerate(zip(grads_per_step, lrs), start=1):
+        norm = np.sqrt(sum((g.astype(np.float64) ** 2).sum() for g in grads.values()))
+        scale = min(1.0, clip / (norm + 1e-6))
+        for name, p in params.items():
+            g = grads[name] * scale
+            m[name] = b1 * m[name] + (1 - b1) * g
+            v[name] = b2 * v[name] + (1 - b2) * g * g
+            if p.ndim == 2:
+                p *= 1 - lr * weight_decay
+            p -= lr * (m[name] / (1 - b1**t)) / (np.sqrt(v[name] / (1 - b2**t)) + eps)
+    return params
+
+
+def test_adamw_over_one_flat_buffer_matches_per_parameter_adamw():
+    """Five steps of the flat-buffer AdamW (the matrices first, decay on that prefix) against AdamW written per
+    parameter, with clipping active (gradients of norm ~10 against a bound of 1) and a new learning rate each
+    step; the dict's arrays become views that the steps update in place."""
+    rng = np.random.default_rng(8)
+    params = model.init(TINY, np, 0)
+    start = {k: v.copy() for k, v in params.items()}
+    optimizer = optim.AdamW(params, lr=1e-3)
+    assert optimizer.decay_end == sum(v.size for v in params.values() if v.ndim == 2)
+    steps = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()} for _ in range(5)]
+    lrs = [optim.cosine_lr(i, peak=1e-2, warmup=2, total=5) for i in range(5)]
+    for grads, lr in zip(steps, lrs):
+        optimizer.set_lr(lr)
+        norm = optimizer.step(grads)
+        assert float(norm) == pytest.approx(np.sqrt(sum((g.astype(np.float64) ** 2).sum() for g in grads.values())))
+    expected = _reference_adamw(start, steps, lrs)
+    for name, value in params.items():
+        assert np.shares_memory(value, optimizer.params), name
+        np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert int(optimizer.t[0]) == 5
+
+
+def test_the_learning_rate_is_read_from_the_device_array():
+    """A step reads the learning rate from ``optimizer.lr`` (where a captured step finds it at each replay): one
+    optimizer given each step's rate through ``step(lr=...)``, another whose array is written between steps, and a
+    third that writes a rate into the array but steps at a different one, agree where they should."""
+    rng = np.random.default_rng(9)
+    steps = [{"w": rng.standard_normal((3, 4)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32)}]
+    steps *= 3
+    runs = []
+    for how in ("argument", "array", "changed"):
+        p = {"w": np.ones((3, 4), np.float32), "b": np.zeros(4, np.float32)}
+        optimizer = optim.AdamW(p, lr=0.5)
+        for i, grads in enumerate(steps):
+            lr = 0.01 * (i + 1)
+            if how == "argument":
+                optimizer.step(grads, lr=lr)
+            elif how == "array":
+                optimizer.lr[...] = lr
+                optimizer.step(grads)
+            else:
+                optimizer.set_lr(lr)
+                optimizer.lr *= 2
+                optimizer.step(grads)
+        runs.append(p)
+    argument, array, changed = runs
+    for name in argument:
+        np.testing.assert_array_equal(argument[name], array[name])
+        assert not np.allclose(argument[name], changed[name])
+
+
+def test_optimizer_state_round_trips():
+    """An optimizer loaded from another's state (as a checkpoint holds it: step and moments by name) takes the
+    same next step."""
+    rng = np.random.default_rng(10)
+    grads = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in model.init(TINY, np, 0).items()}]
+    grads *= 3
+    p1 = model.init(TINY, np, 0)
+    first = optim.AdamW(p1, lr=1e-2)
+    for g in grads[:2]:
+        first.step(g)
+    p2 = {k: v.copy() for k, v in p1.items()}
+    second = optim.AdamW(p2, lr=1e-2)
+    second.load({k: np.array(v) for k, v in first.state().items()})
+    first.step(grads[2])
+    second.step(grads[2])
+    for name in p1:
+        np.testing.assert_array_equal(p1[name], p2[name])
+
+
+def test_a_training_step_on_numpy():
+    """train.make_step on NumPy: a finite loss and gradient norm as 0-d arrays, every parameter moved."""
+    params = model.init(TINY, np, 0)
+    before = {k: v.copy() for k, v in params.items()}
+    optimizer = optim.AdamW(params, lr=1e-2)
+    rng = np.random.default_rng(11)
+    tokens, targets = (rng.integers(0, TINY.vocab, size=(2, TINY.context)) for _ in range(2))
+    loss, norm = train.make_step(params, optimizer, TINY, np.float32)(tokens, targets)
+    assert loss.shape == norm.shape == () and np.isfinite(float(loss)) and float(norm) > 0
+    assert all(not np.array_equal(before[k], params[k]) for k in params)
 
 
 def test_the_text_is_the_repository_docs():
