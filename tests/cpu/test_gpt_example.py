@@ -286,7 +286,8 @@ def test_optimizer_state_round_trips():
 
 
 def test_a_training_step_on_numpy():
-    """train.make_step on NumPy: a finite loss and gradient norm as 0-d arrays, every parameter moved."""
+    """train.make_step (the function --graph captures) on NumPy: a finite loss and gradient norm as 0-d arrays,
+    every parameter moved; --graph is refused without --device gpu."""
     params = model.init(TINY, np, 0)
     before = {k: v.copy() for k, v in params.items()}
     optimizer = optim.AdamW(params, lr=1e-2)
@@ -295,6 +296,9 @@ def test_a_training_step_on_numpy():
     loss, norm = train.make_step(params, optimizer, TINY, np.float32)(tokens, targets)
     assert loss.shape == norm.shape == () and np.isfinite(float(loss)) and float(norm) > 0
     assert all(not np.array_equal(before[k], params[k]) for k in params)
+    for argv in (["--graph"], ["--device", "gpu", "--graph", "--plain"]):
+        with pytest.raises(SystemExit):  # a CUDA graph needs the GPU, and captures the fused kernels
+            train.parse(argv)
 
 
 def test_the_text_is_the_repository_docs():
