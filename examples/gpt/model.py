@@ -216,8 +216,11 @@ def cross_entropy_backward(saved):
         dlogits = probs.copy()
         dlogits[array_module(probs).arange(probs.shape[0]), flat_targets] -= 1.0
         dlogits /= flat_targets.size
-    dx = matmul(dlogits.astype(x.dtype), wte.astype(x.dtype)).reshape(x.shape)
-    dwte = matmul(dlogits.T, x.reshape(-1, x.shape[-1]).astype(dlogits.dtype))
+    # Both products take dlogits in x's dtype, as every other layer's backward takes its dout: in float32 the
+    # head's weight gradient (V x B*N x C) would be the step's largest product, off the tensor cores.
+    d = dlogits.astype(x.dtype, copy=False)
+    dx = matmul(d, wte.astype(x.dtype)).reshape(x.shape)
+    dwte = matmul(d.T, x.reshape(-1, x.shape[-1]), dlogits.dtype)
     return dx, dwte
 
 
