@@ -32,6 +32,8 @@ class CapturedStep:
     ``shape`` is the (B, N) of every batch, ``dtype`` the tokens' integer type. Call it with each step's batch (host
     or device arrays): the first call runs ``step`` uncaptured and captures it, every later one replays the graph.
     It returns step's outputs, which a replay overwrites: read or copy them (on ``stream``) before the next call.
+    Work queued on other streams before the first call is waited for; after it, work elsewhere that touches what
+    the step reads or writes must be ordered with ``stream`` by the caller.
     """
 
     def __init__(self, step, shape, dtype=np.int32, stream=None):
@@ -54,6 +56,9 @@ class CapturedStep:
             if self.graph is not None:
                 self.graph.launch(self.stream)
                 return self.outputs
+            # The parameters and buffers were made on other streams (the default one), whose work this
+            # non-blocking stream does not wait for: let it finish once.
+            cupy.cuda.Device().synchronize()
             with cupy.cuda.using_allocator(self.pool.malloc):
                 first = self.step(self.tokens, self.targets)  # compiles, plans, and is the first real step
                 self.stream.synchronize()
