@@ -1,5 +1,8 @@
 """examples/gpt on CuPy: the bfloat16 matrix products (matmul.py, cuBLAS gemmEx) against float64 NumPy on the
-shapes and operand layouts the model uses, and short training runs in bfloat16 and float16 that learn and, in
+shapes and operand layouts the model uses; each fused kernel (fused.py) against the plain array code it replaces,
+in float64, float32, float16 and bfloat16; the whole model's gradients fused and plain; AdamW's fused update; the
+training step captured as a CUDA graph (graph.py) against the same steps run eagerly, the learning rate it reads
+at each replay, and replays that allocate nothing; short training runs in bfloat16 and float16 that learn and, in
 bfloat16, stay near the float32 run. Needs a GPU:
 
     python -m pytest -m gpu tests/gpu/test_gpu_gpt_example.py
@@ -13,11 +16,16 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers.gpu import nan_filled_allocations
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
 
+import fused  # noqa: E402
 import matmul  # noqa: E402
+import model  # noqa: E402
+import optim  # noqa: E402
 import train  # noqa: E402
+from graph import CapturedStep  # noqa: E402
 
 cupy = pytest.importorskip("cupy")
 
@@ -138,9 +146,9 @@ def test_mixed_bfloat16_products_are_refused():
         matmul.matmul(cupy.ones((2, 3), BF16), cupy.ones((3, 4), F32))
 
 
-def _train(dtype, steps, seed=0):
+def _train(dtype, steps, seed=0, extra=()):
     argv = ["--device", "gpu", "--dtype", dtype, "--steps", str(steps), "--warmup", "5", "--seed", str(seed),
-            "--eval-every", str(steps), "--checkpoint", "", "--sample", "0"]  # fmt: skip
+            "--eval-every", str(steps), "--checkpoint", "", "--sample", "0", *extra]  # fmt: skip
     return np.array(train.main(argv)["history"]["train"])
 
 
@@ -163,6 +171,295 @@ BFLOAT16_LOSS_GAP = 0.01
 
 
 def test_bfloat16_tracks_float32():
-    """Eight steps in bfloat16 and in float32 from one seed: each step's loss within BFLOAT16_LOSS_GAP."""
+    """Eight steps in bfloat16 and in float32 from one seed: each step's loss within BFLOAT16_LOSS_GAP; and the
+    bfloat16 steps on the plain array code (--plain) within the same gap of the fused ones."""
     bf16, f32 = _train("bfloat16", 8), _train("float32", 8)
     assert np.isfinite(bf16).all() and np.abs(bf16 - f32).max() < BFLOAT16_LOSS_GAP, (bf16 - f32, f32)
+    plain = _train("bfloat16", 8, extra=["--plain"])
+    assert np.abs(plain - bf16).max() < BFLOAT16_LOSS_GAP, (plain - bf16, bf16)
+
+
+# ------------------------------------------------------------------------------------------ fused kernels
+F16, F64 = np.dtype(np.float16), np.dtype(np.float64)
+DTYPES = [F64, F32, F16, BF16]
+# Elementwise results that the fused kernel and the array code compute with the same operations in the same dtype
+# can still differ where the compiler contracts a multiply and an add into one FMA (one rounding instead of two),
+# or where a sum runs in another order: a few units of the accumulator's last place, which rounding to a
+# half-precision dtype turns into at most one unit of that dtype's last place (2^-8 relative for bfloat16, 2^-11
+# for float16) for the few values that sit next to a rounding boundary.
+ELEMENT_RTOL = {F64: 1e-13, F32: 1e-5, F16: 2.0**-10, BF16: 2.0**-7}
+# Norm-wise bounds for results that are sums over many terms (statistics, weight gradients): summation order.
+SUM_RTOL = {F64: 1e-12, F32: 1e-5, F16: 1e-5, BF16: 1e-5}
+
+
+def _device(rng, shape, dtype, scale=1.0, offset=0.0):
+    """A CuPy array of ``dtype`` from standard normal values * scale + offset (the same draws for every dtype)."""
+    return cupy.asarray((rng.standard_normal(shape) * scale + offset).astype(dtype))
+
+
+def _host64(x):
+    return x.get().astype(np.float64)
+
+
+def _assert_elementwise(found, expected, dtype, atol=0.0):
+    assert found.dtype == expected.dtype and found.shape == expected.shape, (found.dtype, expected.dtype)
+    np.testing.assert_allclose(_host64(found), _host64(expected), rtol=ELEMENT_RTOL[np.dtype(dtype)], atol=atol)
+
+
+def _rel_error(found, expected):
+    """||found - expected|| / ||expected|| (Frobenius), 0 where both are 0 (a layernorm of one element)."""
+    return np.linalg.norm(found - expected) / max(np.linalg.norm(expected), np.finfo(np.float64).tiny)
+
+
+def _assert_sums(found, expected, dtype):
+    assert found.dtype == expected.dtype and found.shape == expected.shape, (found.dtype, expected.dtype)
+    error = _rel_error(_host64(found), _host64(expected))
+    assert error <= SUM_RTOL[np.dtype(dtype)], error
+
+
+def _both(function, *args, **kwargs):
+    """function(*args) on the fused kernels (their allocations filled with NaN first, so that an output element
+    the kernels never write fails) and on the plain array code."""
+    with nan_filled_allocations():
+        found = function(*args, **kwargs)
+    with fused.disabled():
+        expected = function(*args, **kwargs)
+    return found, expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 37, 200), (2, 64, 768), (5, 1)])
+def test_fused_layernorm(rng, dtype, shape):
+    """Forward (out, mean, rstd) and backward (dx with and without the residual's gradient, dg, db); widths that
+    are and are not multiples of the warp, and a row of one element; x with a mean far from 0 (the two-pass
+    variance)."""
+    x = _device(rng, shape, dtype, scale=2.0, offset=3.0)
+    g, b = _device(rng, shape[-1:], F32), _device(rng, shape[-1:], F32)
+    if dtype == F64:
+        g, b = g.astype(F64), b.astype(F64)
+    dout, dresidual = _device(rng, shape, dtype), _device(rng, shape, dtype)
+    (out, saved), (out_plain, saved_plain) = _both(model.layernorm_forward, x, g, b)
+    _assert_elementwise(out, out_plain, dtype, atol=ELEMENT_RTOL[dtype])
+    for i in (1, 2):  # mean, rstd
+        _assert_sums(saved[i], saved_plain[i], dtype)
+    for residual in (None, dresidual):
+        (dx, dg, db), (dx_plain, dg_plain, db_plain) = _both(model.layernorm_backward, dout, saved, residual)
+        # dx's terms cancel (dxhat less its mean): compare it as a sum, norm-wise, plus one rounding of the result
+        tolerance = SUM_RTOL[dtype] + (ELEMENT_RTOL[dtype] if dtype in (F16, BF16) else 0.0)
+        assert _rel_error(_host64(dx), _host64(dx_plain)) <= tolerance
+        assert dx.dtype == dtype
+        _assert_sums(dg, dg_plain, dtype)
+        _assert_sums(db, db_plain, dtype)
+
+
+# GELU's tails: where tanh is within a few units of the last place of +-1, 1 + tanh (forward) and 1 - tanh^2
+# (backward) keep only those few units, so a one-unit difference in tanh's argument (a contracted FMA) moves the
+# result by about one unit of 1 in the accumulator, times |x| (forward) or |x|^3 (backward): absolute, not relative.
+GELU_ATOL = {F64: 1e-13, F32: 1e-5, F16: 1e-5, BF16: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_gelu(rng, dtype):
+    """Forward and backward over values up to |x| ~ 12 (both tails of the tanh): each element within one rounding
+    of the result dtype, or an absolute GELU_ATOL (times |x|^2 |dout| for the backward) in the tails, and the
+    whole within float32's (float64's) rounding norm-wise."""
+    x = _device(rng, (7, 33, 65), dtype, scale=3.0)
+    dout = _device(rng, x.shape, dtype)
+    (y, saved), (y_plain, _) = _both(model.gelu_forward, x)
+    _assert_elementwise(y, y_plain, dtype, atol=GELU_ATOL[dtype])
+    dx, dx_plain = _both(model.gelu_backward, dout, saved)
+    scale = float(abs(x).astype(F32).max()) ** 2 * float(abs(dout).astype(F32).max())
+    _assert_elementwise(dx, dx_plain, dtype, atol=GELU_ATOL[dtype] * scale)
+    for found, expected in ((y, y_plain), (dx, dx_plain)):
+        assert _rel_error(_host64(found), _host64(expected)) <= SUM_RTOL[dtype] + ELEMENT_RTOL[dtype] / 8
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_bias_residual_and_bias_gradient(rng, dtype):
+    """A linear layer's output with its bias, with and without the residual added (one rounding), and its bias
+    gradient (column sums over 3 * 300 rows, more than one chunk of the column-sum kernel)."""
+    x, residual = _device(rng, (3, 300, 48), dtype), _device(rng, (3, 300, 40), dtype, scale=10.0)
+    w, b = _device(rng, (48, 40), F32 if dtype != F64 else F64), _device(rng, (40,), F32 if dtype != F64 else F64)
+    for extra in (None, residual):
+        (y, saved), (y_plain, _) = _both(model.linear_forward, x, w, b, extra)
+        _assert_elementwise(y, y_plain, dtype, atol=1e-30)
+    dout = _device(rng, (3, 300, 40), dtype)
+    (_, _, db), (_, _, db_plain) = _both(model.linear_backward, dout, saved)
+    _assert_sums(db, db_plain, dtype)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("vocab", [11, 1000, 50304])
+def test_fused_softmax_cross_entropy(rng, dtype, vocab):
+    """The loss and its gradient from logits (rows, V) of a wide spread (scale 8: without the max, exp would
+    overflow float32 in some rows; wider, the plain code's log(probability) underflows past exp(-87), where the
+    kernel's log-sum-exp form does not); a vocabulary smaller than the block, one not a multiple of it, and GPT-2's
+    padded one. The fused forward's probabilities overwrite its logits, and its backward overwrites them with
+    dlogits."""
+    rows = 67
+    logits = _device(rng, (rows, vocab), dtype, scale=8.0)
+    targets = cupy.asarray(rng.integers(0, vocab, size=rows))
+    probs_plain = logits.copy()
+    probs_plain -= probs_plain.max(-1, keepdims=True)
+    probs_plain = cupy.exp(probs_plain)
+    probs_plain /= probs_plain.sum(-1, keepdims=True)
+    losses_plain = -cupy.log(probs_plain[cupy.arange(rows), targets])
+    probs = logits.copy()
+    losses = fused.softmax_cross_entropy(probs, targets)
+    tolerance = 1e-12 if dtype == F64 else 1e-5
+    np.testing.assert_allclose(_host64(losses), _host64(losses_plain), rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(_host64(probs), _host64(probs_plain), rtol=tolerance, atol=1e-30)
+    dlogits_plain = probs_plain.copy()
+    dlogits_plain[cupy.arange(rows), targets] -= 1.0
+    dlogits_plain /= rows
+    dlogits = fused.cross_entropy_backward(probs, targets)
+    assert dlogits is probs
+    np.testing.assert_allclose(_host64(dlogits), _host64(dlogits_plain), rtol=tolerance, atol=tolerance / rows)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_fused_head_and_loss_in_the_model(rng, dtype):
+    """model.cross_entropy_forward / backward (the tied head, the loss and its gradients) fused and plain."""
+    x = _device(rng, (2, 37, 64), dtype)
+    wte = _device(rng, (300, 64), F32, scale=0.5)
+    targets = cupy.asarray(rng.integers(0, 300, size=(2, 37)).astype(np.int32))
+    (loss, saved), (loss_plain, saved_plain) = _both(model.cross_entropy_forward, x, wte, targets)
+    assert abs(float(loss) - float(loss_plain)) <= 1e-5 * abs(float(loss_plain))
+    dx, dwte = model.cross_entropy_backward(saved)
+    with fused.disabled():
+        dx_plain, dwte_plain = model.cross_entropy_backward(saved_plain)
+    # dlogits rounded to bfloat16 for both products: a one-unit difference there where the float32 dlogits differ
+    assert _rel_error(_host64(dx), _host64(dx_plain)) <= SUM_RTOL[dtype] + ELEMENT_RTOL[dtype]
+    assert _rel_error(_host64(dwte), _host64(dwte_plain)) <= SUM_RTOL[dtype] + ELEMENT_RTOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_fused_sum_of_squares(rng, dtype):
+    """Over more elements than the fixed grid covers in one pass, and over fewer than one block."""
+    for n in (3, 5_000_001):
+        x = _device(rng, (n,), dtype)
+        found = fused.sum_squares(x)
+        assert found.shape == (1,) and found.dtype == dtype
+        expected = float((x.get().astype(np.float64) ** 2).sum())
+        assert abs(float(found[0]) - expected) <= (1e-12 if dtype == F64 else 1e-5) * expected
+
+
+def _optimizer_steps(params, steps, clip):
+    optimizer = optim.AdamW(params, lr=1e-3, clip=clip)
+    norms = []
+    for i, grads in enumerate(steps):
+        optimizer.set_lr(1e-3 * (i + 1))
+        norms.append(float(optimizer.step(grads)))
+    return optimizer, norms
+
+
+@pytest.mark.parametrize("clip", [1.0, None])
+def test_fused_adamw_matches_the_array_code(rng, clip):
+    """Four steps of the flat-buffer AdamW, fused and plain, from the same parameters and gradients (norm ~30:
+    clipped when clip is 1): parameters, moments and norms agree to float32 rounding."""
+    shapes = {"w": (40, 30), "e": (70, 16), "b": (30,), "g": (16,)}
+    start = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    steps = [{k: cupy.asarray(rng.standard_normal(s).astype(np.float32)) for k, s in shapes.items()} for _ in range(4)]
+    params = {k: cupy.asarray(v) for k, v in start.items()}
+    optimizer, norms = _optimizer_steps(params, steps, clip)
+    params_plain = {k: cupy.asarray(v) for k, v in start.items()}
+    with fused.disabled():
+        plain, norms_plain = _optimizer_steps(params_plain, steps, clip)
+    np.testing.assert_allclose(norms, norms_plain, rtol=1e-6)
+    for name in shapes:
+        np.testing.assert_allclose(params[name].get(), params_plain[name].get(), rtol=1e-6, atol=1e-7, err_msg=name)
+    for found, expected in ((optimizer.m, plain.m), (optimizer.v, plain.v)):
+        np.testing.assert_allclose(found.get(), expected.get(), rtol=1e-5, atol=1e-12)
+    assert int(optimizer.t[0]) == int(plain.t[0]) == 4
+
+
+SMALL = model.Config(vocab=97, context=64, layers=2, width=64, heads=4, kv_heads=2)
+
+
+def _gradients(params, tokens, targets, dtype):
+    loss, state = model.forward(params, tokens, targets, SMALL, dtype)
+    return float(loss), model.backward(state, params, SMALL)
+
+
+def test_whole_model_fused_against_plain_and_float64(rng):
+    """The whole model's loss and gradients with the fused kernels and with the array code: in float64 and
+    float32 the two agree to summation order; in bfloat16 the fused gradients are no further from the float64
+    ones than the plain bfloat16 gradients are (each a few roundings of 2^-8 away)."""
+    params = model.init(SMALL, cupy, 3)
+    for name in params:  # gains and biases away from 1 and 0, so that their gradients are exercised
+        params[name] = params[name] + cupy.asarray(0.05 * rng.standard_normal(params[name].shape), np.float32)
+    tokens, targets = (cupy.asarray(rng.integers(0, SMALL.vocab, size=(3, SMALL.context))) for _ in range(2))
+    params64 = {k: v.astype(F64) for k, v in params.items()}
+    loss64, grads64 = _gradients(params64, tokens, targets, F64)
+    with fused.disabled():
+        loss64_plain, grads64_plain = _gradients(params64, tokens, targets, F64)
+    assert abs(loss64 - loss64_plain) <= 1e-12 * loss64
+    for dtype in (F32, BF16):
+        loss, grads = _gradients(params, tokens, targets, dtype)
+        with fused.disabled():
+            loss_plain, grads_plain = _gradients(params, tokens, targets, dtype)
+        assert abs(loss - loss_plain) <= (1e-5 if dtype == F32 else 1e-2) * loss64
+        for name in params:
+            expected = grads64[name].get()
+            np.testing.assert_allclose(grads64_plain[name].get(), expected, rtol=1e-10, atol=1e-13, err_msg=name)
+            found, found_plain = grads[name].get().astype(F64), grads_plain[name].get().astype(F64)
+            if dtype == F32:
+                assert _rel_error(found, found_plain) <= 1e-4, name
+            else:
+                error, error_plain = _rel_error(found, expected), _rel_error(found_plain, expected)
+                assert error <= 1.5 * error_plain + 1e-3, (name, error, error_plain)
+
+
+# ------------------------------------------------------------------------------------------ the CUDA graph
+# Eager and captured steps run the same kernels on the same values, so their losses should agree to the bit, but
+# for the order of the atomic adds that scatter the embedding's gradient (cupyx.scatter_add) and any other
+# algorithm cuBLAS picks under capture: far below a bfloat16 rounding of the loss (2^-8 of ~4, 0.016). The bound
+# is a quarter of that.
+GRAPH_LOSS_GAP = 0.004
+
+
+def test_graph_mode_matches_eager():
+    """Ten bfloat16 steps of the default small model from one seed (the same parameters and batches), eagerly and
+    with --graph (step 1 uncaptured, the capture, then nine replays)."""
+    eager, graph = _train("bfloat16", 10), _train("bfloat16", 10, extra=["--graph"])
+    assert np.isfinite(graph).all() and np.abs(graph - eager).max() <= GRAPH_LOSS_GAP, (graph - eager, eager)
+    assert eager[-1] < eager[0] - 0.3  # a run that learns (not one that stands still in both modes)
+
+
+def _captured_model(rng, lr=1e-3):
+    params = model.init(SMALL, cupy, 0)
+    optimizer = optim.AdamW(params, lr=lr)
+    step = CapturedStep(train.make_step(params, optimizer, SMALL, BF16), (4, SMALL.context))
+    batches = [tuple(rng.integers(0, SMALL.vocab, size=(4, SMALL.context)).astype(np.int32) for _ in range(2))]
+    return params, optimizer, step, batches * 8
+
+
+def test_graph_replays_read_the_learning_rate_and_allocate_nothing(rng):
+    """The captured step takes its learning rate from the device at each replay (a rate of 0 leaves the
+    parameters as they were; the next rate moves them again), advances Adam's step count at each replay, and
+    allocates nothing: neither the graph's pool nor CuPy's default pool grows over the replays."""
+    params, optimizer, step, batches = _captured_model(rng)
+    with step.stream:
+        for x, y in batches[:2]:  # the uncaptured step and the capture, then the first replay
+            step(x, y)
+        before = {k: v.copy() for k, v in params.items()}
+        step.stream.synchronize()
+        pools = (step.pool.total_bytes(), cupy.get_default_memory_pool().total_bytes())
+        used = cupy.get_default_memory_pool().used_bytes()
+        optimizer.set_lr(0.0)
+        loss, norm = step(*batches[2])
+        step.stream.synchronize()
+        for name in params:
+            np.testing.assert_array_equal(params[name].get(), before[name].get(), err_msg=name)
+        assert float(norm) > 0 and np.isfinite(float(loss))
+        optimizer.set_lr(1e-3)
+        losses = []
+        for x, y in batches[3:]:
+            loss, _ = step(x, y)
+            losses.append(float(loss))
+        step.stream.synchronize()
+    assert all(not np.array_equal(params[k].get(), before[k].get()) for k in params)
+    assert int(optimizer.t[0]) == len(batches)
+    assert (step.pool.total_bytes(), cupy.get_default_memory_pool().total_bytes()) == pools
+    assert cupy.get_default_memory_pool().used_bytes() == used
+    assert losses[-1] < losses[0]  # one batch, over and over: the replays learn it
