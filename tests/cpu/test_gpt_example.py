@@ -1,7 +1,9 @@
 """examples/gpt: each layer's hand-written backward against central finite differences in float64 on NumPy, the
-whole model's gradients against finite differences (and against torch autograd where torch is installed), a
-tiny model that learns on NumPy, and a checkpoint that round-trips; the matrix-product helper's NumPy path, and
-the column-major index logic of its cuBLAS path replayed on NumPy (the GPU side: tests/gpu/test_gpu_gpt_example.py).
+whole model's gradients against finite differences (and, where torch is installed, the benchmark's torch model's
+loss, gradients and training steps against ours), a tiny model that learns on NumPy, and a checkpoint that
+round-trips; the flat-buffer AdamW against AdamW written per parameter, with its learning rate read from a device
+array; the matrix-product helper's NumPy path, and the column-major index logic of its cuBLAS path replayed on
+NumPy (the GPU side: tests/gpu/test_gpu_gpt_example.py).
 """
 
 import sys
@@ -133,36 +135,51 @@ def test_whole_model_gradients_against_finite_differences():
 
 
 def test_whole_model_gradients_against_torch():
-    """The same float64 model written with torch's autograd (torch.nn.functional's pieces) gives the same loss
-    and gradients."""
+    """The same float64 model in torch (examples/gpt/torch_model.py, the benchmark's reference, loaded with these
+    parameters) gives the same loss, and autograd the same gradients."""
     torch = pytest.importorskip("torch")
+    import torch_model
+
     params, tokens, targets = _float64_model(seed=5)
     loss, state = model.forward(params, tokens, targets, TINY, np.float64)
     grads = model.backward(state, params, TINY)
-    t = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
-    c, h, hk, d = TINY.width, TINY.heads, TINY.kv, TINY.head_dim
-    b, n = tokens.shape
-    x = t["wte"][torch.tensor(tokens)] + t["wpe"][:n]
-    for layer in range(TINY.layers):
-        p = f"h{layer}."
-        qkv = (
-            torch.nn.functional.layer_norm(x, (c,), t[p + "ln1.g"], t[p + "ln1.b"]) @ t[p + "attn.wqkv"]
-            + t[p + "attn.bqkv"]
-        )
-        q = qkv[..., : h * d].reshape(b, n, h, d).transpose(1, 2)
-        k = qkv[..., h * d : (h + hk) * d].reshape(b, n, hk, d).transpose(1, 2).repeat_interleave(h // hk, 1)
-        v = qkv[..., (h + hk) * d :].reshape(b, n, hk, d).transpose(1, 2).repeat_interleave(h // hk, 1)
-        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + att.transpose(1, 2).reshape(b, n, c) @ t[p + "attn.wo"] + t[p + "attn.bo"]
-        hidden = torch.nn.functional.layer_norm(x, (c,), t[p + "ln2.g"], t[p + "ln2.b"]) @ t[p + "mlp.wfc"]
-        hidden = torch.nn.functional.gelu(hidden + t[p + "mlp.bfc"], approximate="tanh")
-        x = x + hidden @ t[p + "mlp.wproj"] + t[p + "mlp.bproj"]
-    x = torch.nn.functional.layer_norm(x, (c,), t["lnf.g"], t["lnf.b"])
-    expected = torch.nn.functional.cross_entropy((x @ t["wte"].T).reshape(b * n, -1), torch.tensor(targets).reshape(-1))
+    net = torch_model.load(torch_model.GPT(TINY).double(), params)
+    assert set(torch_model.names(TINY)) == set(params)
+    assert {name for name, _ in torch_model.names(TINY).values()} == set(dict(net.named_parameters()))
+    expected = net(torch.tensor(tokens), torch.tensor(targets))
     expected.backward()
-    assert abs(float(loss) - float(expected)) < 1e-10
+    assert abs(float(loss) - expected.item()) < 1e-10
+    theirs = torch_model.gradients(net)
     for name in params:
-        np.testing.assert_allclose(grads[name], t[name].grad.numpy(), rtol=1e-7, atol=1e-10, err_msg=name)
+        np.testing.assert_allclose(grads[name], theirs[name], rtol=1e-7, atol=1e-10, err_msg=name)
+
+
+def test_training_steps_against_torch():
+    """Four float64 training steps, ours (model.py, optim.AdamW) and torch's (torch_model: torch.optim.AdamW with the
+    same decay groups, clip_grad_norm_) from the same parameters on the same batches at the same learning rates,
+    clipping active: the same losses, and the same parameters after every step."""
+    torch = pytest.importorskip("torch")
+    import torch_model
+
+    params, _, _ = _float64_model(seed=6)
+    net = torch_model.load(torch_model.GPT(TINY).double(), params)
+    optimizer = optim.AdamW(params, lr=0.0, clip=0.5)
+    theirs = torch_model.adamw(net, lr=0.0, fused=False)
+    rng = np.random.default_rng(12)
+    for i in range(4):
+        tokens, targets = (rng.integers(0, TINY.vocab, size=(2, TINY.context)) for _ in range(2))
+        lr = optim.cosine_lr(i, peak=3e-2, warmup=2, total=4)
+        loss, state = model.forward(params, tokens, targets, TINY, np.float64)
+        norm = optimizer.step(model.backward(state, params, TINY), lr=lr)
+        assert float(norm) > 0.5  # clipped
+        expected = net(torch.tensor(tokens), torch.tensor(targets))
+        expected.backward()
+        torch_model.step(net, theirs, lr, clip=0.5)
+        assert abs(float(loss) - expected.item()) < 1e-10, i
+        found = {n: p.detach().numpy() for n, p in net.named_parameters()}
+        for name, (their_name, transposed) in torch_model.names(TINY).items():
+            value = found[their_name].T if transposed else found[their_name]
+            np.testing.assert_allclose(params[name], value, rtol=1e-9, atol=1e-12, err_msg=f"step {i}: {name}")
 
 
 # The bound: a uniform guess over the vocabulary costs log(V) = log(119) = 4.78 on these docs; the mean training
