@@ -35,6 +35,7 @@ _CTYPES = {
 }
 _SOURCE = Path(__file__).with_name("fused.cu")
 _ROW_WARPS = 8  # rows per block of the warp-per-row kernels (256 threads)
+_COLUMN_BLOCK = (32, 8)  # the column sums' block: 32 columns by fused.cu's COLUMN_ROWS rows
 _LOSS_THREADS = 512  # threads per row of the loss: 50k logits are ~100 per thread
 _SUM_BLOCKS, _SUM_THREADS = 1024, 256  # a fixed grid, so that the sum's order is the same on every device
 
@@ -85,8 +86,11 @@ def layernorm_backward(dout, x, mean, rstd, g, dresidual=None):
     dg and db (C,) in the accumulator dtype."""
     import cupy
 
+    if dout.dtype != x.dtype or dout.shape != x.shape:
+        raise ValueError(f"dout {dout.shape} {dout.dtype} must match x {x.shape} {x.dtype}")
     dout, x = cupy.ascontiguousarray(dout), cupy.ascontiguousarray(x)
     acc = mean.dtype
+    mean, rstd = cupy.ascontiguousarray(mean), cupy.ascontiguousarray(rstd)
     rows, width = x.size // x.shape[-1], x.shape[-1]
     dx = cupy.empty_like(x)
     residual = np.uint64(0)  # a null pointer: no residual gradient to add
@@ -103,7 +107,7 @@ def layernorm_backward(dout, x, mean, rstd, g, dresidual=None):
     dg_part, db_part = (cupy.empty((chunks, width), acc) for _ in range(2))
     _function("layernorm_param_grads", x.dtype)(
         (_blocks(width, 32), chunks),
-        (32, 8),
+        _COLUMN_BLOCK,
         (dout, x, mean, rstd, dg_part, db_part, np.int64(rows), np.int32(width), np.int64(chunk)),
     )
     return dx, dg_part.sum(0), db_part.sum(0)
@@ -120,7 +124,7 @@ def column_sums(a):
     chunk, chunks = _row_chunks(rows)
     part = cupy.empty((chunks, width), acc)
     _function("column_sums", a.dtype)(
-        (_blocks(width, 32), chunks), (32, 8), (a, part, np.int64(rows), np.int32(width), np.int64(chunk))
+        (_blocks(width, 32), chunks), _COLUMN_BLOCK, (a, part, np.int64(rows), np.int32(width), np.int64(chunk))
     )
     return part.sum(0)
 
@@ -179,6 +183,7 @@ def sum_squares(x):
     """The sum of x's squares (a 1-D array) in the accumulator dtype, as a (1,) array; a fixed summation order."""
     import cupy
 
+    x = cupy.ascontiguousarray(x)
     acc = accumulator(x.dtype)
     blocks = max(1, min(_SUM_BLOCKS, _blocks(x.size, _SUM_THREADS)))
     part = cupy.empty(blocks, acc)

@@ -454,3 +454,79 @@ def test_every_product_of_a_half_precision_step_has_one_dtype(monkeypatch, dtype
     assert len(calls) == 4 * TINY.layers * 3 + 3  # each linear: 1 forward, 2 backward; the head: 1 + 2
     assert np.isfinite(float(loss)) and all(g.dtype == np.float32 and np.isfinite(g).all() for g in grads.values())
     assert model.gelu_forward(np.ones((2, 3), dtype))[0].dtype == dtype
+
+
+# ------------------------------------------------------------------------------------------ fused.py's sources
+def _nvrtc():
+    """CuPy's NVRTC binding and its compiler options (CuPy's headers, CUDA's), or a skip where it cannot load."""
+    try:
+        import cupy._core.core as cupy_core
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+        return nvrtc, cupy_core.assemble_cupy_compiler_options(("--std=c++17", "-ftz=true"))
+    except Exception as exc:  # no CuPy, no NVRTC, or no CUDA headers: nothing to compile with here
+        pytest.skip(f"NVRTC cannot compile here: {exc!r}")
+
+
+def _compile(nvrtc, options, source, names, arch):
+    program = nvrtc.createProgram(source, "gpt_fused.cu", [], [])
+    try:
+        for name in names:
+            nvrtc.addNameExpression(program, name)
+        try:
+            nvrtc.compileProgram(program, [*options, f"-arch={arch}"])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(program))
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_fused_kernels_compile(arch, monkeypatch):
+    """fused.cu's templates for every dtype fused.py instantiates, and each ElementwiseKernel's body as CuPy wraps
+    it (its types as CuPy names them: bfloat16, float16, float, double; each parameter a reference to an element),
+    compile with NVRTC (no GPU needed)."""
+    import fused
+
+    nvrtc, options = _nvrtc()
+    for dtype in fused._CTYPES:
+        names = [fused._template(name, dtype) for name in fused._PER_ELEMENT]
+        if dtype in (np.float32, np.float64):
+            names.append(fused._template("softmax_cross_entropy", dtype))
+        _compile(nvrtc, options, fused._SOURCE.read_text(), names, arch)
+    captured = {}
+
+    class Recorder:
+        def __init__(self, params, outputs, body, name, preamble=""):
+            captured[name] = (params, outputs, body, preamble)
+
+    cupy = pytest.importorskip("cupy")
+    monkeypatch.setattr(cupy, "ElementwiseKernel", Recorder)
+    fused._elementwise.cache_clear()
+    try:
+        fused._elementwise()
+    finally:
+        fused._elementwise.cache_clear()
+    ctypes = {"int32": "int", "int64": "long long"}
+    source = ["#include <cupy/carray.cuh>", "#include <cupy/float16.cuh>", "#include <cupy/bfloat16.cuh>"]
+    source.append(fused._ACCUMULATOR)
+    for name, (params, outputs, body, _) in captured.items():
+        for k, element in enumerate(("bfloat16", "float16", "float", "double")):
+            if name == "gpt_adamw" and element in ("bfloat16", "float16"):
+                continue  # the optimizer's buffers are float32 (float64 in the checks)
+            arguments, references = [], []
+            for declaration in f"{params}, {outputs}".split(","):
+                *raw, kind, variable = declaration.split()
+                kind = ctypes.get(kind, kind)
+                arguments.append(f"{kind}* {variable}" if raw else f"{kind}* {variable}_")
+                if not raw:
+                    references.append(f"{kind}& {variable} = {variable}_[i];")
+            source.append(
+                f"namespace {name}_{k} {{ typedef {element} T; typedef float P;\n"
+                f"__global__ void kernel({', '.join(arguments)}) {{ ptrdiff_t i = threadIdx.x;\n"
+                f"{' '.join(references)}\n{body}\n}} }}"
+            )
+    assert set(captured) == {f"gpt_{n}" for n in ("gelu_forward", "gelu_backward", "bias_add", "bias_residual_add",
+                                                  "cross_entropy_backward", "adamw")}  # fmt: skip
+    _compile(nvrtc, options, "\n".join(source), [], arch)
