@@ -216,12 +216,14 @@ def cross_entropy_backward(saved):
         dlogits = probs.copy()
         dlogits[array_module(probs).arange(probs.shape[0]), flat_targets] -= 1.0
         dlogits /= flat_targets.size
-    # Both products take dlogits in x's dtype, as every other layer's backward takes its dout: in float32 the
-    # head's weight gradient (V x B*N x C) would be the step's largest product, off the tensor cores.
     d = dlogits.astype(x.dtype, copy=False)
     dx = matmul(d, wte.astype(x.dtype)).reshape(x.shape)
-    dwte = matmul(d.T, x.reshape(-1, x.shape[-1]), dlogits.dtype)
-    return dx, dwte
+    flat_x = x.reshape(-1, x.shape[-1])
+    if x.dtype == np.float16:  # float16's range would flush most of dlogits (p / rows) to 0: float32 here
+        return dx, matmul(dlogits.T, flat_x.astype(dlogits.dtype))
+    # dlogits in x's dtype, as every other layer's weight gradient takes its dout: in float32 the head's (V x B*N x
+    # C) would be a bfloat16 step's largest product, and off the tensor cores
+    return dx, matmul(d.T, flat_x, dlogits.dtype)
 
 
 def array_module(x):
