@@ -23,6 +23,8 @@ pool) and zeroed with cudaMemsetAsync, both captured as graph nodes.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 
@@ -50,23 +52,28 @@ class CapturedStep:
     def __call__(self, tokens, targets):
         import cupy
 
+        if self.graph is None:
+            # The parameters and these buffers were made on the default stream, whose work this non-blocking
+            # stream does not wait for: let it finish, once.
+            cupy.cuda.Device().synchronize()
         with self.stream:
             _copy_into(self.tokens, tokens)
             _copy_into(self.targets, targets)
             if self.graph is not None:
                 self.graph.launch(self.stream)
                 return self.outputs
-            # The parameters and buffers were made on other streams (the default one), whose work this
-            # non-blocking stream does not wait for: let it finish once.
-            cupy.cuda.Device().synchronize()
             with cupy.cuda.using_allocator(self.pool.malloc):
                 first = self.step(self.tokens, self.targets)  # compiles, plans, and is the first real step
                 self.stream.synchronize()
                 self.stream.begin_capture()
                 try:
-                    self.outputs = self.step(self.tokens, self.targets)
-                finally:
-                    self.graph = self.stream.end_capture()
+                    outputs = self.step(self.tokens, self.targets)
+                except BaseException:
+                    with contextlib.suppress(Exception):  # end the capture; the step's own error is the one to see
+                        self.stream.end_capture()
+                    raise
+                self.graph = self.stream.end_capture()
+                self.outputs = outputs
             return first
 
 
