@@ -15,8 +15,9 @@ step's events are ordered with its launches), tokens per second from it, the wal
 same steps, the first step's time (kernel compilation, cupyflash's plans, the capture, torch.compile), and memory:
 ``peak`` the most bytes in use at once during the first three steps (ours: a CuPy memory hook over every pool;
 torch: max_memory_allocated), ``reserved`` what the allocators hold at the end (ours: the CuPy pools, the graph's
-own included; torch: max_memory_reserved). Then the losses every --log-every steps side by side, with the largest
-relative difference from the reference (torch-eager where it ran, else ours-eager) at each.
+own included, and the cuBLAS workspace of the variant's stream, which lies outside them; torch:
+max_memory_reserved, its cuBLAS workspace included). Then the losses every --log-every steps side by side, with
+the largest relative difference from the reference (torch-eager where it ran, else ours-eager) at each.
 
 Model: 12 layers, width 768, 12 heads of 64, N = 1024, batch 8, vocabulary 50304 (GPT-2's 50257 padded to a
 multiple of 64, as nanoGPT and llm.c do; the same in both models). Data: the repository's documentation as
@@ -129,6 +130,7 @@ def peak_memory_hook():
 
 
 def run_ours(name, args, config, initial, batches) -> dict:
+    import cublas_ctypes
     import cupy
     import fused
     from graph import CapturedStep
@@ -171,6 +173,7 @@ def run_ours(name, args, config, initial, batches) -> dict:
     if hooked:
         memory.__exit__(None, None, None)
     pools = cupy.get_default_memory_pool().total_bytes() + (captured.pool.total_bytes() if captured else 0)
+    pools += cublas_ctypes.WORKSPACE_BYTES  # every product ran on `stream`, with that stream's workspace
     step_ms = [cupy.cuda.get_elapsed_time(a, b) for a, b in events]
     return _summary(args, step_ms, wall_ms, first_step_s, losses.get(), memory.peak, pools)
 

@@ -6,8 +6,11 @@ What makes the step capturable:
 
 - nothing in it waits for the device: the loss and the gradients' norm stay device arrays, and the optimizer
   reads its learning rate and step count from device arrays (optim.AdamW), which the replays see change;
-- every kernel is compiled, and every cupyflash plan made, before the capture: the first call runs the step once
-  uncaptured (a real step, the first of training) on the same stream and buffers, then captures it;
+- every kernel is compiled, every cupyflash plan made and cuBLAS's handle and this stream's workspace allocated
+  (matmul.py, cublas_ctypes.py) before the capture: the first call runs the step once uncaptured (a real step, the
+  first of training) on the same stream and buffers, then captures it;
+- the matrix products call cuBLAS through its C API (cublas_ctypes.py), not CuPy's wrappers, which refuse any call
+  during a capture; in every dtype matmul.py takes (float32, float16, bfloat16; float64);
 - the memory the graph uses is its own: the uncaptured step and the capture allocate from a private CuPy memory
   pool that nothing else allocates from, and that lives as long as the graph. A replay allocates nothing: it
   writes the same addresses the capture recorded, which hold what the next replay needs (the loss, the norm);

@@ -1,16 +1,20 @@
 """The model's matrix products: ``matmul(a, b, out_dtype)`` is a (..., k) @ b (k, n), every product of model.py
 goes through it.
 
-CuPy's ``@`` has no bfloat16: it takes ml_dtypes' bfloat16 (type char 'E') for an integer type and fails in its
-integer GEMM. So a product of two bfloat16 CuPy arrays is handed to cuBLAS's gemmEx directly, bfloat16 inputs on
-the tensor cores with float32 accumulation (CUBLAS_COMPUTE_32F), the result written by cuBLAS as bfloat16 or, where
-the caller wants the accumulator (weight gradients, logits), as float32 without a bfloat16 rounding in between.
-Everything else (NumPy, CuPy float16, float32, float64) is plain ``@``.
+On NumPy it is ``a @ b``. On CuPy every product goes to cuBLAS's gemmEx through cublas_ctypes.py, on a handle of
+our own, for two reasons: CuPy's ``@`` has no bfloat16 (it takes ml_dtypes' bfloat16, type char 'E', for an integer
+type and fails in its integer GEMM), and no CuPy product can be captured in a CUDA graph (CuPy's cuBLAS wrappers
+refuse any call while the stream is capturing), which graph.py needs. Two operands of one dtype of ``GEMM_TYPES``:
+float64 (accumulated in float64), float32, float16 or bfloat16 (accumulated in float32, CUBLAS_COMPUTE_32F: no
+TF32; the half types on the tensor cores). cuBLAS writes the result in the operands' dtype or, for the half types,
+in float32 where the caller wants the accumulator (weight gradients, logits) without a rounding in between; any
+other ``out_dtype`` is a cast afterwards.
 
 cuBLAS is column-major: the buffer of a row-major (r, c) matrix read column-major is its transpose, so the
-row-major C = A @ B is computed as the column-major C^T = B^T A^T, B first. ``operand_layout`` and ``gemm_plan``
-hold that index logic as pure functions of shapes and strides (tests/cpu/test_gpt_example.py replays them on
-NumPy); transposed views (``w.T``, ``flat_x.T``) and row slices (``x[:, -1]``) go in without a copy.
+row-major C = A @ B is computed as the column-major C^T = B^T A^T, B first. ``operand_layout``, ``gemm_plan`` and
+``gemm_arguments`` hold that index logic as pure functions of shapes, strides and pointers
+(tests/cpu/test_gpt_example.py replays them on NumPy); transposed views (``w.T``, ``flat_x.T``) and row slices
+(``x[:, -1]``) go in without a copy.
 """
 
 from __future__ import annotations
@@ -26,24 +30,36 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 # cublas module, which loads libcublas on first touch and so cannot be read on a machine without CUDA
 # (tests/gpu/test_gpu_gpt_example.py checks them against that module).
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
-CUDA_R_32F, CUDA_R_16BF = 0, 14
-CUBLAS_COMPUTE_32F = 68
+CUDA_R_32F, CUDA_R_64F, CUDA_R_16F, CUDA_R_16BF = 0, 1, 2, 14
+CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_64F = 68, 70
 CUBLAS_GEMM_DEFAULT = -1
-CUBLAS_POINTER_MODE_HOST = 0
-_CUDA_TYPES = {np.dtype(np.float32): CUDA_R_32F, BFLOAT16: CUDA_R_16BF}
 _INT32_MAX = 2**31 - 1  # gemmEx takes its sizes and leading dimensions as int
+
+F64, F32, F16 = np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16)
+CUDA_TYPES = {F64: CUDA_R_64F, F32: CUDA_R_32F, F16: CUDA_R_16F, BFLOAT16: CUDA_R_16BF}
+# the operands' dtype -> (the compute type, the dtype of alpha and beta, the dtypes cuBLAS writes the result in)
+GEMM_TYPES = {
+    F64: (CUBLAS_COMPUTE_64F, F64, (F64,)),
+    F32: (CUBLAS_COMPUTE_32F, F32, (F32,)),
+    F16: (CUBLAS_COMPUTE_32F, F32, (F16, F32)),
+    BFLOAT16: (CUBLAS_COMPUTE_32F, F32, (BFLOAT16, F32)),
+}
+# alpha = 1 and beta = 0, read by cuBLAS from host memory: kept for the process, so their addresses stay valid
+_SCALARS = {dtype: (np.ones((), dtype), np.zeros((), dtype)) for dtype in (F64, F32)}
+for _scalar in (x for pair in _SCALARS.values() for x in pair):
+    _scalar.flags.writeable = False
 
 
 def matmul(a, b, out_dtype=None):
     """a (..., k) @ b (k, n) -> (..., n) in ``out_dtype`` (default a's dtype).
 
-    For two bfloat16 CuPy arrays: cuBLAS, float32 accumulation, ``out_dtype`` bfloat16 or float32. Otherwise
-    ``a @ b`` cast to ``out_dtype``.
+    NumPy: ``a @ b`` cast to ``out_dtype``. CuPy: cuBLAS (see the module's docstring), eagerly or under stream
+    capture; a and b of one dtype of GEMM_TYPES.
     """
     out_dtype = np.dtype(a.dtype if out_dtype is None else out_dtype)
-    if isinstance(a, np.ndarray) or BFLOAT16 not in (a.dtype, b.dtype):
+    if isinstance(a, np.ndarray):
         return (a @ b).astype(out_dtype, copy=False)
-    return _bfloat16_gemm(a, b, out_dtype)
+    return _cublas_gemm(a, b, out_dtype)
 
 
 def operand_layout(shape, strides):
@@ -96,16 +112,38 @@ def _in_place_or_copy(x, xp):
     return x, layout
 
 
-def _bfloat16_gemm(a, b, out_dtype):
-    import cupy
-    from cupy.cuda import cublas
+def gemm_arguments(a, layout_a, b, layout_b, out) -> tuple:
+    """cublasGemmEx's arguments after the handle for ``out`` (m, n) = a (m, k) @ b (k, n): a and b where they lie,
+    read as their ``operand_layout``s say, ``out`` in C order; the pointers are each array's first element's
+    (``data.ptr`` of a CuPy array, ``ctypes.data`` of a NumPy one). cuBLAS's A is our b and its B our a."""
+    (m, k), n = a.shape, b.shape[1]
+    operand_type = CUDA_TYPES[a.dtype]
+    compute, scalar, _ = GEMM_TYPES[a.dtype]
+    one, zero = _SCALARS[scalar]
+    transa, transb, gm, gn, gk, lda, ldb, ldc = gemm_plan(m, k, n, layout_a, layout_b)
+    return (
+        transa, transb, gm, gn, gk,
+        one.ctypes.data, _pointer(b), operand_type, lda,
+        _pointer(a), operand_type, ldb,
+        zero.ctypes.data, _pointer(out), CUDA_TYPES[out.dtype], ldc,
+        compute, CUBLAS_GEMM_DEFAULT,
+    )  # fmt: skip
 
-    if a.dtype != BFLOAT16 or b.dtype != BFLOAT16:
-        raise TypeError(f"a bfloat16 CuPy product needs both operands bfloat16; got {a.dtype} @ {b.dtype}")
-    if out_dtype not in _CUDA_TYPES:
-        raise TypeError(f"a bfloat16 CuPy product is written as bfloat16 or float32, not {out_dtype}")
+
+def _pointer(x) -> int:
+    return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+
+
+def _cublas_gemm(a, b, out_dtype):
+    import cublas_ctypes
+    import cupy
+
+    if a.dtype != b.dtype or a.dtype not in GEMM_TYPES:
+        names = ", ".join(str(t) for t in GEMM_TYPES)
+        raise TypeError(f"a CuPy product takes two operands of one dtype of {names}; got {a.dtype} @ {b.dtype}")
     if b.ndim != 2 or a.ndim < 1 or a.shape[-1] != b.shape[0]:
         raise ValueError(f"expected a (..., k) @ b (k, n); got {a.shape} @ {b.shape}")
+    written = out_dtype if out_dtype in GEMM_TYPES[a.dtype][2] else a.dtype  # another out_dtype: cast afterwards
     k, n = b.shape
     lead = a.shape[:-1]
     m = math.prod(lead)
@@ -114,25 +152,6 @@ def _bfloat16_gemm(a, b, out_dtype):
         return cupy.zeros(lead + (n,), out_dtype)
     a, layout_a = _in_place_or_copy(a, cupy)
     b, layout_b = _in_place_or_copy(b, cupy)
-    transa, transb, gm, gn, gk, lda, ldb, ldc = gemm_plan(m, k, n, layout_a, layout_b)
-    out = cupy.empty((m, n), out_dtype)
-    # alpha and beta are read from host memory in cuBLAS's host pointer mode, which CuPy's handle is in except
-    # inside its own calls that switch it; it is set (and restored) here rather than assumed.
-    one, zero = np.ones((), np.float32), np.zeros((), np.float32)
-    handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)  # ordered with CuPy's own work on this stream
-    mode = cublas.getPointerMode(handle)
-    if mode != CUBLAS_POINTER_MODE_HOST:
-        cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
-    try:
-        cublas.gemmEx(
-            handle, transa, transb, gm, gn, gk,
-            one.ctypes.data, b.data.ptr, CUDA_R_16BF, lda,
-            a.data.ptr, CUDA_R_16BF, ldb,
-            zero.ctypes.data, out.data.ptr, _CUDA_TYPES[out_dtype], ldc,
-            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
-        )  # fmt: skip
-    finally:
-        if mode != CUBLAS_POINTER_MODE_HOST:
-            cublas.setPointerMode(handle, mode)
-    return out.reshape(lead + (n,))
+    out = cupy.empty((m, n), written)
+    cublas_ctypes.gemm_ex(*gemm_arguments(a, layout_a, b, layout_b, out))  # on the current stream
+    return out.reshape(lead + (n,)).astype(out_dtype, copy=False)

@@ -10,7 +10,8 @@ grads...)``; ``forward`` runs the model and keeps what ``backward`` needs, as ll
 Precision: the parameters are float32 (the optimizer's master copy); a step computes in ``dtype`` (float32; bfloat16
 or float16 on the GPU), with layernorm's statistics, GELU, the softmax of the loss and every weight gradient in
 float32 (``accumulator``; all float64 for float64, which the gradient checks use). Every matrix product goes through
-``matmul.matmul``: CuPy's ``@`` has no bfloat16, so bfloat16 products go to cuBLAS there.
+``matmul.matmul``, which on CuPy calls cuBLAS itself: CuPy's ``@`` has no bfloat16 and cannot be captured in a CUDA
+graph.
 
 Layernorm, GELU, the bias and residual adds, the bias gradients and the loss's softmax are written once as array
 code, which NumPy runs; on CuPy each is one or two fused kernels instead (fused.py, the same arithmetic in the same

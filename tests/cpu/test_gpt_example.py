@@ -6,8 +6,10 @@ array; the matrix-product helper's NumPy path, and the column-major index logic 
 NumPy (the GPU side: tests/gpu/test_gpu_gpt_example.py).
 """
 
+import ctypes
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
 
+import cublas_ctypes  # noqa: E402
 import matmul  # noqa: E402
 import model  # noqa: E402
 import optim  # noqa: E402
@@ -379,23 +382,32 @@ def _column_major(x, rows, cols, ld):
 
 
 def _replay_gemm(a, b):
-    """a (m, k) @ b (k, n) the way matmul._bfloat16_gemm hands it to cuBLAS (the same layouts and plan), with
-    cuBLAS's column-major gemm done by NumPy on the raw buffers, into a C-order (m, n) output."""
-    (m, k), n = a.shape, b.shape[1]
+    """a (m, k) @ b (k, n) the way matmul._cublas_gemm hands it to cuBLAS (the same copies, layouts and
+    cublasGemmEx arguments, pointers included), with cuBLAS's column-major gemm done by NumPy on the buffers the
+    pointers name, into a C-order (m, n) output."""
+    m, n = a.shape[0], b.shape[1]
     a, layout_a = matmul._in_place_or_copy(a, np)
     b, layout_b = matmul._in_place_or_copy(b, np)
-    transa, transb, gm, gn, gk, lda, ldb, ldc = matmul.gemm_plan(m, k, n, layout_a, layout_b)
+    out = np.full((m, n), np.nan, a.dtype)
+    arguments = matmul.gemm_arguments(a, layout_a, b, layout_b, out)
+    (transa, transb, gm, gn, gk, alpha, ptr_a, type_a, lda, ptr_b, type_b, ldb, beta, ptr_c, type_c, ldc, compute,
+     algo) = arguments  # fmt: skip
+    buffers = {x.ctypes.data: x for x in (a, b, out)}
+    assert len(buffers) == 3 and {ptr_a, ptr_b, ptr_c} == set(buffers)
+    assert type_a == type_b == type_c == matmul.CUDA_R_64F and compute == matmul.CUBLAS_COMPUTE_64F
+    assert algo == matmul.CUBLAS_GEMM_DEFAULT
+    # alpha and beta: float64 scalars (the compute type's) in host memory, 1 and 0
+    assert (ctypes.c_double.from_address(alpha).value, ctypes.c_double.from_address(beta).value) == (1.0, 0.0)
     n_op, t_op = matmul.CUBLAS_OP_N, matmul.CUBLAS_OP_T
     assert {transa, transb} <= {n_op, t_op}
     # cuBLAS's own checks: op(A) is gm x gk, op(B) gk x gn, stored with at least as many rows as the ld says
     stored_a = (gm, gk) if transa == n_op else (gk, gm)
     stored_b = (gk, gn) if transb == n_op else (gn, gk)
     assert lda >= max(1, stored_a[0]) and ldb >= max(1, stored_b[0]) and ldc >= max(1, gm)
-    op_a = _column_major(b, *stored_a, lda)
-    op_b = _column_major(a, *stored_b, ldb)
+    op_a = _column_major(buffers[ptr_a], *stored_a, lda)
+    op_b = _column_major(buffers[ptr_b], *stored_b, ldb)
     op_a, op_b = (op_a if transa == n_op else op_a.T), (op_b if transb == n_op else op_b.T)
-    out = np.full((m, n), np.nan)
-    _column_major(out, gm, gn, ldc)[...] = op_a @ op_b
+    _column_major(buffers[ptr_c], gm, gn, ldc)[...] = op_a @ op_b
     return out, (layout_a, layout_b)
 
 
@@ -433,9 +445,72 @@ def test_operand_layouts_and_plan_by_hand():
         matmul.gemm_plan(2**31, 8, 8, (n_op, 8), (n_op, 8))
 
 
+# cudaDataType by dtype (library_types.h), written out here rather than read from matmul.py
+CUDA_R = {np.dtype(np.float64): 1, np.dtype(np.float32): 0, np.dtype(np.float16): 2, BF16: 14}
+
+
+@pytest.mark.parametrize("dtype", list(matmul.GEMM_TYPES))
+def test_gemm_types_by_dtype(dtype):
+    """Each operand dtype's cudaDataType, compute type and scalars, and the output types cuBLAS writes: the half
+    types accumulate in float32 (alpha and beta float32) and may be written as float32; float64 stays float64."""
+    a, b = np.ones((2, 3), dtype), np.ones((3, 4), dtype)
+    layouts = (matmul.operand_layout(a.shape, (3, 1)), matmul.operand_layout(b.shape, (4, 1)))
+    half = dtype in (BF16, np.float16)
+    assert matmul.GEMM_TYPES[dtype][2] == ((dtype, np.dtype(np.float32)) if half else (dtype,))
+    for out_dtype in matmul.GEMM_TYPES[dtype][2]:
+        out = np.empty((2, 4), out_dtype)
+        arguments = matmul.gemm_arguments(a, layouts[0], b, layouts[1], out)
+        alpha, type_a, type_b, beta, type_c, compute = (arguments[i] for i in (5, 7, 10, 12, 14, 16))
+        assert type_a == type_b == CUDA_R[dtype] and type_c == CUDA_R[out_dtype]
+        scalar = ctypes.c_double if dtype == np.float64 else ctypes.c_float
+        assert compute == (70 if dtype == np.float64 else 68)  # CUBLAS_COMPUTE_64F, _32F (cublas_api.h)
+        assert (scalar.from_address(alpha).value, scalar.from_address(beta).value) == (1.0, 0.0)
+
+
+def test_libcublas_is_found_among_the_mapped_files():
+    """cublas_ctypes binds the libcublas the process has loaded: the first mapped file named libcublas.so[.N...],
+    not libcublasLt, whatever its directory (spaces included)."""
+    maps = (
+        "7f01-7f02 r--p 00000000 08:01 11 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+        "7f03-7f04 r-xp 00000000 08:01 12 /site packages/nvidia/cu13/lib/libcublasLt.so.13\n"
+        "7f05-7f06 r-xp 00000000 08:01 13 /site packages/nvidia/cu13/lib/libcublas.so.13\n"
+        "7f07-7f08 rw-p 00000000 00:00 0 \n"
+        "7f09-7f0a r-xp 00000000 08:01 14 /usr/local/cuda/lib64/libcublas.so.12.9.1.4\n"
+    )
+    assert cublas_ctypes.loaded_library(maps) == "/site packages/nvidia/cu13/lib/libcublas.so.13"
+    assert cublas_ctypes.loaded_library(maps.splitlines()[-1]) == "/usr/local/cuda/lib64/libcublas.so.12.9.1.4"
+    assert cublas_ctypes.loaded_library("\n".join(maps.splitlines()[:2])) is None
+
+
+def test_cublas_handle_sets_the_stream_and_its_workspace_on_each_change(monkeypatch):
+    """A handle sets cuBLAS's stream only when the stream changes, and then the stream's workspace too (setting the
+    stream resets cuBLAS to a workspace pool of its own, which allocates); each stream keeps the workspace it was
+    given first. Replayed with a stand-in for libcublas that records its calls."""
+    calls = []
+
+    class Library:
+        def __getattr__(self, name):
+            return lambda *args: calls.append((name, *args[1:])) or 0  # the handle, then the rest; status 0
+
+    workspaces = iter(range(100, 200))
+    monkeypatch.setattr(cublas_ctypes, "_lib", Library())
+    monkeypatch.setattr(cublas_ctypes, "_refuse_under_capture", lambda what: None)
+    monkeypatch.setattr(cublas_ctypes, "_allocate_workspace", lambda: SimpleNamespace(ptr=next(workspaces), size=32))
+    handle = cublas_ctypes._Handle()
+    assert calls == [("cublasCreate_v2",), ("cublasSetPointerMode_v2", cublas_ctypes.CUBLAS_POINTER_MODE_HOST)]
+    calls.clear()
+    for stream in (0, 7, 7, 9, 0, 0, 9):
+        handle.use(stream)
+    set_stream_and_workspace = {
+        stream: [("cublasSetStream_v2", stream), ("cublasSetWorkspace_v2", workspace, 32)]
+        for stream, workspace in ((0, 100), (7, 101), (9, 102))
+    }
+    assert calls == sum((set_stream_and_workspace[s] for s in (0, 7, 9, 0, 9)), [])
+
+
 @pytest.mark.parametrize("dtype", [BF16, np.float16])
 def test_every_product_of_a_half_precision_step_has_one_dtype(monkeypatch, dtype):
-    """The cuBLAS path takes two bfloat16 operands and refuses a mix: a forward and backward in bfloat16 (and
+    """The cuBLAS path takes two operands of one dtype and refuses a mix: a forward and backward in bfloat16 (and
     float16) on NumPy sends every product two operands of one dtype, the activations' (in bfloat16 the tied
     head's weight gradient too, from dlogits rounded as every layer's dout is) or float32 (that gradient in
     float16, whose range would flush dlogits), and ends with float32 gradients."""

@@ -1,13 +1,14 @@
-"""examples/gpt on CuPy: the bfloat16 matrix products (matmul.py, cuBLAS gemmEx) against float64 NumPy on the
-shapes and operand layouts the model uses; each fused kernel (fused.py) against the plain array code it replaces,
-in float64, float32, float16 and bfloat16; the whole model's gradients fused and plain; AdamW's fused update; the
-training step captured as a CUDA graph (graph.py) against the same steps run eagerly, the learning rate it reads
-at each replay, and replays that allocate nothing; short training runs in bfloat16 and float16 that learn and, in
-bfloat16, stay near the float32 run. Needs a GPU:
+"""examples/gpt on CuPy: the matrix products (matmul.py: cuBLAS gemmEx on a handle of our own, cublas_ctypes.py)
+against float64 NumPy on the shapes and operand layouts the model uses, in bfloat16, float16, float32 and float64,
+eagerly, on several streams and captured in a CUDA graph; each fused kernel (fused.py) against the plain array code
+it replaces, in float64, float32, float16 and bfloat16; the whole model's gradients fused and plain; AdamW's fused
+update; the training step captured as a CUDA graph (graph.py) against the same steps run eagerly in each dtype,
+the learning rate it reads at each replay, and replays that allocate nothing; short training runs in bfloat16 and
+float16 that learn and, in bfloat16, stay near the float32 run. Needs a GPU:
 
     python -m pytest -m gpu tests/gpu/test_gpu_gpt_example.py
 
-The CPU side (the NumPy path, and the cuBLAS path's index logic replayed on NumPy) is tests/cpu/test_gpt_example.py.
+The CPU side (the NumPy path, and the cuBLAS path's arguments replayed on NumPy) is tests/cpu/test_gpt_example.py.
 """
 
 import sys
@@ -20,6 +21,7 @@ from helpers.gpu import nan_filled_allocations
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
 
+import cublas_ctypes  # noqa: E402
 import fused  # noqa: E402
 import matmul  # noqa: E402
 import model  # noqa: E402
@@ -32,11 +34,13 @@ cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-F32 = np.dtype(np.float32)
+F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+# the unit roundoff of each dtype: 2^-p for p significant bits, round to nearest
+UNIT = {BF16: 2.0**-8, F16: 2.0**-11, F32: 2.0**-24, F64: 2.0**-53}
 
 
-def _bf16(rng, shape):
-    return rng.standard_normal(shape, dtype=np.float32).astype(BF16)
+def _normal(rng, shape, dtype):
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
 
 def _rel_frobenius(found, expected):
@@ -44,60 +48,59 @@ def _rel_frobenius(found, expected):
 
 
 def _bound(a, b, out_dtype):
-    """The relative Frobenius error allowed for a @ b against the float64 product of the same bfloat16 values.
+    """The relative Frobenius error allowed for a @ b against the float64 product of the same values.
 
-    The inputs are exact (the reference multiplies the very bfloat16 numbers cuBLAS gets), so two errors remain:
-    rounding each output to bfloat16, at most 2^-8 of its value (8 significant bits, round to nearest), hence at
-    most 2^-8 in Frobenius norm, and none for float32 outputs; and float32 accumulation over k products, at most
-    k * 2^-23 of sum |a_i b_i| per element (the classic k u bound with u = 2^-23, not 2^-24, in case the tensor cores
-    truncate rather than round their adds), taken relative to the product as ||(|a| |b|)||_F / ||a b||_F.
+    The inputs are exact (the reference multiplies the very numbers cuBLAS gets), so two errors remain: rounding
+    each output to ``out_dtype``, at most its unit roundoff of its value, hence in Frobenius norm too (none where
+    the output is the accumulator's own dtype); and accumulation over k products, at most k u of sum |a_i b_i| per
+    element (the classic bound, u = 2^-23 for float32 accumulation rather than 2^-24, in case the tensor cores
+    truncate rather than round their adds; 2^-52 for float64), taken relative to the product as
+    ||(|a| |b|)||_F / ||a b||_F.
     """
+    accumulator = F64 if a.dtype == F64 else F32
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     growth = np.linalg.norm(np.abs(a64) @ np.abs(b64)) / np.linalg.norm(a64 @ b64)
-    return (2.0**-8 if out_dtype == BF16 else 0.0) + a.shape[-1] * 2.0**-23 * growth
+    rounding = 0.0 if out_dtype == accumulator else UNIT[out_dtype]
+    return rounding + a.shape[-1] * 2 * UNIT[accumulator] * growth
 
 
-# (name, a and b as the model builds them from host arrays: functions of (xp, rng), out_dtype)
+# (name, a and b as the model builds them from host arrays: functions of (xp, host operands), whether the result is
+# asked for in float32, the accumulator of the half types, rather than in the operands' dtype)
 PRODUCTS = {
-    "linear forward: x (3, 37, 64) @ w (64, 96)": (lambda xp, h: (xp.asarray(h[0]), xp.asarray(h[1])), BF16),
-    "linear backward dx: dout (3, 37, 96) @ w.T": (lambda xp, h: (xp.asarray(h[2]), xp.asarray(h[1]).T), BF16),
+    "linear forward: x (3, 37, 64) @ w (64, 96)": (lambda xp, h: (xp.asarray(h[0]), xp.asarray(h[1])), False),
+    "linear backward dx: dout (3, 37, 96) @ w.T": (lambda xp, h: (xp.asarray(h[2]), xp.asarray(h[1]).T), False),
     "linear backward dw in float32: flat_x.T (64, 111) @ flat_dout (111, 96)": (
         lambda xp, h: (xp.asarray(h[0]).reshape(-1, 64).T, xp.asarray(h[2]).reshape(-1, 96)),
-        F32,
+        True,
     ),
     "the tied head in float32: x[:, -1] (3, 64) @ wte.T (64, 119)": (
         lambda xp, h: (xp.asarray(h[0])[:, -1], xp.asarray(h[3]).T),
-        F32,
+        True,
     ),
     "the head's backward: dlogits (111, 119) @ wte (119, 64)": (
         lambda xp, h: (xp.asarray(h[4]), xp.asarray(h[3])),
-        BF16,
+        False,
     ),
     "an operand that must be copied first: x[..., ::2] (3, 37, 32) @ w[::2] (32, 96)": (
         lambda xp, h: (xp.asarray(h[0])[..., ::2], xp.asarray(h[1])[::2]),
-        BF16,
+        False,
     ),
-    "k = 1: x[..., :1] @ w[:1]": (lambda xp, h: (xp.asarray(h[0])[..., :1], xp.asarray(h[1])[:1]), BF16),
+    "k = 1: x[..., :1] @ w[:1]": (lambda xp, h: (xp.asarray(h[0])[..., :1], xp.asarray(h[1])[:1]), False),
 }
+GEMM_DTYPES = [BF16, F16, F32, F64]
 
 
-def _host_operands(rng):
+def _host_operands(rng, dtype):
     return (
-        _bf16(rng, (3, 37, 64)),  # x
-        _bf16(rng, (64, 96)),  # w
-        _bf16(rng, (3, 37, 96)),  # dout
-        _bf16(rng, (119, 64)),  # wte
-        _bf16(rng, (111, 119)),  # dlogits
+        _normal(rng, (3, 37, 64), dtype),  # x
+        _normal(rng, (64, 96), dtype),  # w
+        _normal(rng, (3, 37, 96), dtype),  # dout
+        _normal(rng, (119, 64), dtype),  # wte
+        _normal(rng, (111, 119), dtype),  # dlogits
     )
 
 
-@pytest.mark.parametrize("name", PRODUCTS)
-def test_bfloat16_products_against_float64(rng, name):
-    build, out_dtype = PRODUCTS[name]
-    host = _host_operands(rng)
-    a_host, b_host = build(np, host)
-    a, b = build(cupy, host)
-    found = matmul.matmul(a, b, out_dtype)
+def _check_product(found, a_host, b_host, out_dtype):
     assert isinstance(found, cupy.ndarray) and found.dtype == out_dtype
     assert found.shape == a_host.shape[:-1] + (b_host.shape[1],)
     expected = a_host.astype(np.float64) @ b_host.astype(np.float64)
@@ -105,45 +108,112 @@ def test_bfloat16_products_against_float64(rng, name):
     assert error <= _bound(a_host, b_host, out_dtype), error
 
 
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
+@pytest.mark.parametrize("name", PRODUCTS)
+def test_products_against_float64(rng, name, dtype):
+    """Each product the model makes, in each dtype, with the result in the operands' dtype or in float32 (written
+    by cuBLAS for the half types; for float64, a cast afterwards)."""
+    build, wide = PRODUCTS[name]
+    out_dtype = F32 if wide else dtype
+    host = _host_operands(rng, dtype)
+    a_host, b_host = build(np, host)
+    a, b = build(cupy, host)
+    _check_product(matmul.matmul(a, b, out_dtype), a_host, b_host, out_dtype)
+
+
 def test_bfloat16_product_of_gpt2_small_sizes(rng):
     """A (4, 256, 768) @ (768, 3072) product, the MLP's first in GPT-2 small: k large enough for the accumulation
     term of the bound to matter, and a size cuBLAS runs on its tensor-core kernels."""
-    a_host, b_host = _bf16(rng, (4, 256, 768)), _bf16(rng, (768, 3072))
+    a_host, b_host = _normal(rng, (4, 256, 768), BF16), _normal(rng, (768, 3072), BF16)
     for out_dtype in (BF16, F32):
-        found = matmul.matmul(cupy.asarray(a_host), cupy.asarray(b_host), out_dtype)
-        expected = a_host.astype(np.float64) @ b_host.astype(np.float64)
-        error = _rel_frobenius(found.get().astype(np.float64), expected)
-        assert error <= _bound(a_host, b_host, out_dtype), (out_dtype, error)
+        _check_product(matmul.matmul(cupy.asarray(a_host), cupy.asarray(b_host), out_dtype), a_host, b_host, out_dtype)
 
 
-def test_cublas_constants_and_call_conventions(rng):
-    """matmul.py's enum numbers are CuPy's; a product made while the handle is in device pointer mode and on a
-    stream of its own is still right, and the handle's pointer mode is given back as found."""
+def test_cublas_constants_and_streams(rng):
+    """matmul.py's and cublas_ctypes.py's enum numbers are CuPy's; products on the default stream, on two streams of
+    their own and back (each change of stream sets the handle's stream and that stream's workspace) are right, and
+    a stream keeps the workspace it was given first."""
     from cupy.cuda import cublas, runtime
 
     assert (matmul.CUBLAS_OP_N, matmul.CUBLAS_OP_T) == (cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T)
-    assert (matmul.CUDA_R_32F, matmul.CUDA_R_16BF) == (runtime.CUDA_R_32F, runtime.CUDA_R_16BF)
-    assert matmul.CUBLAS_COMPUTE_32F == cublas.CUBLAS_COMPUTE_32F
+    assert (matmul.CUDA_R_32F, matmul.CUDA_R_64F) == (runtime.CUDA_R_32F, runtime.CUDA_R_64F)
+    assert (matmul.CUDA_R_16F, matmul.CUDA_R_16BF) == (runtime.CUDA_R_16F, runtime.CUDA_R_16BF)
+    assert (matmul.CUBLAS_COMPUTE_32F, matmul.CUBLAS_COMPUTE_64F) == (
+        cublas.CUBLAS_COMPUTE_32F,
+        cublas.CUBLAS_COMPUTE_64F,
+    )
     assert matmul.CUBLAS_GEMM_DEFAULT == cublas.CUBLAS_GEMM_DEFAULT
-    assert matmul.CUBLAS_POINTER_MODE_HOST == cublas.CUBLAS_POINTER_MODE_HOST
-    a_host, b_host = _bf16(rng, (5, 40)), _bf16(rng, (40, 24))
-    expected = a_host.astype(np.float64) @ b_host.astype(np.float64)
-    handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_DEVICE)
-    try:
-        with cupy.cuda.Stream(non_blocking=True) as stream:
-            found = matmul.matmul(cupy.asarray(a_host), cupy.asarray(b_host), F32)
+    assert cublas_ctypes.CUBLAS_POINTER_MODE_HOST == cublas.CUBLAS_POINTER_MODE_HOST
+    a_host, b_host = _normal(rng, (5, 40), BF16), _normal(rng, (40, 24), BF16)
+    a, b = cupy.asarray(a_host), cupy.asarray(b_host)
+    streams = [cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)]
+    workspaces = {}
+    for stream in [cupy.cuda.Stream.null, *streams, streams[0], cupy.cuda.Stream.null]:
+        with stream:
+            found = matmul.matmul(a, b, F32)
             stream.synchronize()
-        assert cublas.getPointerMode(handle) == cublas.CUBLAS_POINTER_MODE_DEVICE
-    finally:
-        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-    assert _rel_frobenius(found.get().astype(np.float64), expected) <= _bound(a_host, b_host, F32)
+        _check_product(found, a_host, b_host, F32)
+        handle = cublas_ctypes._local.handles[cupy.cuda.runtime.getDevice()]
+        assert handle.stream == stream.ptr
+        workspace = handle.workspaces[stream.ptr]
+        assert workspaces.setdefault(stream.ptr, workspace) is workspace
+        assert workspace.size == cublas_ctypes.WORKSPACE_BYTES
 
 
-def test_mixed_bfloat16_products_are_refused():
-    """cuBLAS gets two bfloat16 operands or none: a bfloat16 @ float32 product is an error, not a silent cast."""
-    with pytest.raises(TypeError, match="both operands bfloat16"):
-        matmul.matmul(cupy.ones((2, 3), BF16), cupy.ones((3, 4), F32))
+def test_products_of_mixed_or_other_dtypes_are_refused():
+    """cuBLAS gets two operands of one dtype it takes: a bfloat16 @ float32 product is an error, not a silent
+    cast, and so are float16 @ float32 and integer products."""
+    for a, b in [
+        (cupy.ones((2, 3), BF16), cupy.ones((3, 4), F32)),
+        (cupy.ones((2, 3), F16), cupy.ones((3, 4), F32)),
+        (cupy.ones((2, 3), np.int32), cupy.ones((3, 4), np.int32)),
+    ]:
+        with pytest.raises(TypeError, match="two operands of one dtype of"):
+            matmul.matmul(a, b)
+
+
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
+def test_products_captured_in_a_graph(rng, dtype):
+    """Every product of PRODUCTS captured in one CUDA graph (after one uncaptured run on the stream, which makes
+    its workspace), replayed on new operand values written into the same buffers: each result right for the
+    values of its replay (CuPy's own ``@`` would raise under the capture)."""
+    cases = [(build(cupy, _host_operands(rng, dtype)), F32 if wide else dtype) for build, wide in PRODUCTS.values()]
+    cupy.cuda.Device().synchronize()  # the operands, made on the default stream, which the one below does not wait for
+    stream = cupy.cuda.Stream(non_blocking=True)
+    pool = cupy.cuda.MemoryPool()  # the graph's buffers (its copies, its outputs): nothing else allocates them
+    with stream, cupy.cuda.using_allocator(pool.malloc):
+        for (a, b), out_dtype in cases:
+            matmul.matmul(a, b, out_dtype)
+        stream.begin_capture()
+        try:
+            outs = [matmul.matmul(a, b, out_dtype) for (a, b), out_dtype in cases]
+        finally:
+            graph = stream.end_capture()
+    with stream:
+        for _ in range(2):
+            for (a, b), _ in cases:  # new values in place: a view's base, or the array itself
+                for x in (a, b):
+                    base = x.base if x.base is not None else x
+                    base[...] = cupy.asarray(_normal(rng, base.shape, dtype))
+            graph.launch(stream)
+            stream.synchronize()
+            for ((a, b), out_dtype), found in zip(cases, outs):
+                _check_product(found, a.get(), b.get(), out_dtype)
+
+
+def test_a_first_product_under_capture_is_refused():
+    """The first product on a stream allocates the stream's cuBLAS workspace, which a capture must not do: it
+    raises, saying to run one product on the stream before capturing."""
+    a, b = cupy.ones((4, 8), BF16), cupy.ones((8, 4), BF16)
+    matmul.matmul(a, b)  # the handle exists; the stream below is new
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="run one product there before capturing"):
+                matmul.matmul(a, b)
+        finally:
+            stream.end_capture()
 
 
 def _train(dtype, steps, seed=0, extra=()):
@@ -180,7 +250,6 @@ def test_bfloat16_tracks_float32():
 
 
 # ------------------------------------------------------------------------------------------ fused kernels
-F16, F64 = np.dtype(np.float16), np.dtype(np.float64)
 DTYPES = [F64, F32, F16, BF16]
 # Elementwise results that the fused kernel and the array code compute with the same operations in the same dtype
 # can still differ where the compiler contracts a multiply and an add into one FMA (one rounding instead of two),
@@ -418,10 +487,11 @@ def test_whole_model_fused_against_plain_and_float64(rng):
 GRAPH_LOSS_GAP = 0.004
 
 
-def test_graph_mode_matches_eager():
-    """Ten bfloat16 steps of the default small model from one seed (the same parameters and batches), eagerly and
-    with --graph (step 1 uncaptured, the capture, then nine replays)."""
-    eager, graph = _train("bfloat16", 10), _train("bfloat16", 10, extra=["--graph"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_graph_mode_matches_eager(dtype):
+    """Ten steps of the default small model from one seed (the same parameters and batches), eagerly and with
+    --graph (step 1 uncaptured, the capture, then nine replays), in each dtype train.py offers."""
+    eager, graph = _train(dtype, 10), _train(dtype, 10, extra=["--graph"])
     assert np.isfinite(graph).all() and np.abs(graph - eager).max() <= GRAPH_LOSS_GAP, (graph - eager, eager)
     assert eager[-1] < eager[0] - 0.3  # a run that learns (not one that stands still in both modes)
 
