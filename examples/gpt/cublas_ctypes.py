@@ -13,7 +13,9 @@ allocates nothing.
   for the process: two streams sharing one buffer could run products over it at the same time, and a graph
   replays with the address it captured. cublasSetStream resets the workspace to cuBLAS's own pool, which
   allocates, so each change of stream sets the stream's workspace again; a product on the stream set last sets
-  nothing. The buffers are keyed by the stream's pointer, as CuPy's memory pool keys its free blocks.
+  nothing. The buffers are keyed by the stream's pointer, as CuPy's memory pool keys its free blocks: a stream
+  created after another was destroyed may get its pointer, and its buffer, so let a stream's work finish before
+  dropping the stream while products run elsewhere.
 - The library: the libcublas that CuPy loads (importing its cublas module loads it; CuPy 14 finds it with
   cuda-pathfinder: the nvidia-cublas wheel, conda, CUDA_PATH, the system), found among the files the process has
   mapped; failing that, cuda-pathfinder's or ctypes.util's lookup.

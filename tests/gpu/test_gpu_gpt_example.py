@@ -205,8 +205,12 @@ def test_a_first_product_under_capture_is_refused():
     """The first product on a stream allocates the stream's cuBLAS workspace, which a capture must not do: it
     raises, saying to run one product on the stream before capturing."""
     a, b = cupy.ones((4, 8), BF16), cupy.ones((8, 4), BF16)
-    matmul.matmul(a, b)  # the handle exists; the stream below is new
-    stream = cupy.cuda.Stream(non_blocking=True)
+    matmul.matmul(a, b)  # the handle exists; the stream below is new to it
+    handle = cublas_ctypes._local.handles[cupy.cuda.runtime.getDevice()]
+    streams = [cupy.cuda.Stream(non_blocking=True)]
+    while streams[-1].ptr in handle.workspaces:  # the pointer of a destroyed stream, which kept its workspace
+        streams.append(cupy.cuda.Stream(non_blocking=True))
+    stream = streams[-1]
     with stream:
         stream.begin_capture()
         try:
