@@ -459,8 +459,11 @@ def test_fused_adamw_matches_the_array_code(rng, clip):
     np.testing.assert_allclose(norms, norms_plain, rtol=1e-6)
     for name in shapes:
         np.testing.assert_allclose(params[name].get(), params_plain[name].get(), rtol=1e-6, atol=1e-7, err_msg=name)
+    # m sums gradients of either sign, so an element can cancel to far below its terms: its float32 rounding
+    # is relative to the terms (about the moment's largest element), not to itself.
     for found, expected in ((optimizer.m, plain.m), (optimizer.v, plain.v)):
-        np.testing.assert_allclose(found.get(), expected.get(), rtol=1e-5, atol=1e-12)
+        expected = expected.get()
+        np.testing.assert_allclose(found.get(), expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
     assert int(optimizer.t[0]) == int(plain.t[0]) == 4
 
 
