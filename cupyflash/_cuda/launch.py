@@ -194,6 +194,7 @@ class Plan:
         ]
         self.side_by_side = [kernel for kernel, _, _ in launches[-2:]] == ["dkdv", "dq"]
         self.tile_counters = {}  # the warp-specialized forward's, by stream
+        self.pinned = False  # a tile counter of it was captured in a CUDA graph (plans.py never evicts it)
         self._buffer = self.words.copy()
         self._slots = memoryview(self._buffer).cast("B").cast("Q")  # an address's write, without NumPy's overhead
         self._keys = self._buffer.view(numpy.uint32)[KEY_WORDS]
@@ -214,9 +215,14 @@ class Plan:
         it again) for launches on the current stream, which run one after another. One per stream: launches
         on two streams may run at once. The per-thread default stream has one handle for a different stream in
         each thread, and a thread's launches may outlive it: there every launch gets a new zeroed counter."""
-        stream = cupy.cuda.get_current_stream().ptr
+        current = cupy.cuda.get_current_stream()
+        stream = current.ptr
         if stream == _PER_THREAD_STREAM:
             return cupy.zeros(1, dtype=numpy.int32)
+        if stream != 0 and current.is_capturing():
+            # A graph replays the counter's address: the plan, which keeps the counter alive, must outlive it.
+            # (Only a created stream can capture.)
+            self.pinned = True
         counter = self.tile_counters.get(stream)
         if counter is None:
             counter = self.tile_counters.setdefault(stream, cupy.zeros(1, dtype=numpy.int32))
@@ -310,6 +316,11 @@ class Call:
     outputs (the backward's workspaces).
     The second one returns to the pool once its arrays are released (CuPy's pool is stream-ordered); the
     first one when the last returned array is: one or two pool allocations per call instead of two to five."""
+
+    @property
+    def pinned(self) -> bool:
+        """Its plan ran inside a CUDA-graph capture (plans.py keeps the entries of such plans)."""
+        return self.plan.pinned
 
     def __init__(self, plan: Plan, names, outputs, returned: int, dropout_p: float, scratch=(), context=None):
         self.plan = plan

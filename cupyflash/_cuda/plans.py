@@ -16,8 +16,9 @@ modulo 16 and device (None for an array not given), and each option by value and
 ``causal=1``: a key by value alone would not tell it from ``True``; a window's entries by type too). NumPy or
 other array types make no key: their calls go through the checks, and make no CUDA call to build one.
 
-**Bounds**: at most ``LIMIT`` entries; a new one evicts the oldest that is not pinned (a decoding plan that
-ran inside a CUDA-graph capture is pinned: the graph holds its workspace's addresses).
+**Bounds**: at most ``LIMIT`` entries; a new one evicts the oldest that is not pinned (a plan that ran inside a
+CUDA-graph capture with memory of its own, a decoding plan's workspace or the warp-specialized forward's tile
+counter, is pinned, and so are the call entries that hold it: the graph holds those addresses).
 
 **Invalidation**: none is needed, since a key names all that its plan depends on. ``clear()`` drops every
 entry (tests use it to make calls plan afresh); plans then hold no memory but their parameter words.
@@ -141,6 +142,7 @@ def discard(found) -> None:
 
 
 def clear() -> None:
-    """Drop every entry."""
+    """Drop every entry, pinned ones too: for tests and experiments, never while a CUDA graph that ran one of
+    them may still be replayed."""
     with _lock:
         _entries.clear()

@@ -392,6 +392,20 @@ def test_pinned_entries_are_never_evicted(table, monkeypatch):
     assert _layout(0) in table and _layout(6) in table
 
 
+def test_a_call_entry_is_pinned_with_its_plan(table, monkeypatch):
+    """A call entry holds its plan (and the plan its graph-captured memory): it stays while the plan is pinned."""
+    from cupyflash._cuda import launch
+
+    monkeypatch.setattr(plans, "LIMIT", 2)
+    call = object.__new__(launch.Call)
+    call.plan = types.SimpleNamespace(pinned=False)
+    plans.put(_layout(0), call)
+    call.plan.pinned = True  # (the plan's first launch under a capture)
+    for i in range(1, 4):
+        plans.put(_layout(i), types.SimpleNamespace(pinned=False))
+    assert _layout(0) in table and table[_layout(0)] is call
+
+
 def test_a_plan_is_made_once_however_many_threads_ask(table):
     made = []
     gate = threading.Barrier(8)

@@ -9,6 +9,7 @@ NaN, so an element the kernels forget to write fails the test.
 """
 
 import functools
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -184,6 +185,35 @@ def test_backward_joins_its_second_stream(rng):
         captured = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
         graph = stream.end_capture()
         graph.launch()
+    stream.synchronize()
+    assert_bitwise_equal(captured, eager)
+
+
+def test_a_captured_forward_keeps_its_plan(rng, monkeypatch):
+    """A forward captured in a CUDA graph pins its plan in the plan cache (the warp-specialized forward's tile
+    counter lives there and the graph replays its address): filling the cache past its limit evicts other plans,
+    and the graph still replays the eager call's bits."""
+    q, k, v, _ = _random_problem(rng, (2, 3, 300, 64), (2, 3, 400, 64), (2, 3, 400, 64), ml_dtypes.bfloat16)
+    eager = cupyflash.attention_forward(q, k, v, causal=True)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cupyflash.attention_forward(q, k, v, causal=True)  # planned, and the counter made, outside the capture
+        stream.begin_capture()
+        captured = cupyflash.attention_forward(q, k, v, causal=True)
+        graph = stream.end_capture()
+    held = [entry for entry in plans.entries().values() if getattr(entry, "pinned", False)]
+    if not any(getattr(entry, "tile_counters", None) for entry in held):
+        pytest.skip("this GPU runs the forward without a tile counter (not the warp-specialized kernel)")
+    monkeypatch.setattr(plans, "LIMIT", len(plans.entries()) + 2)
+    fillers = [("filler", "test", i) for i in range(len(plans.entries()) + 4)]
+    for key in fillers:
+        plans.put(key, SimpleNamespace(pinned=False))
+    assert all(any(entry is kept for kept in plans.entries().values()) for entry in held)
+    for key in fillers:
+        plans.discard(key)
+    with stream:
+        for _ in range(2):
+            graph.launch()
     stream.synchronize()
     assert_bitwise_equal(captured, eager)
 
