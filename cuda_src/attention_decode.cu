@@ -24,6 +24,9 @@
 #include "mma.cuh"
 #include "copy.cuh"
 #include "kvcache.cuh"
+#include "lse_merge.cuh"
+#include "mask.cuh"
+#include "softcap.cuh"
 
 template <typename T, int HEAD, int WARPS_M, int WARPS_N, int WARPS_DV, int BLOCK_N, int STAGES>
 struct DecodeTraits {
@@ -163,11 +166,10 @@ __device__ __forceinline__ bool load_stage(const KVCacheParams& p, T* stage, int
   return in_cache;
 }
 
-// The merge of a (sequence, row tile)'s splits, by the CTA of the last split to finish: with M the largest
-// lse_s of a row, lse = M + log(sum_s exp(lse_s - M)) and out = sum_s exp(lse_s - lse) out_s. A split that
-// saw no key (lse -inf) weighs 0 (its out is 0); a NaN lse (a poisoned split) makes the row NaN. A warp per
-// row finds the weights (into shared memory: `weights` holds ROWS x MAX_SPLITS), then each thread sums
-// columns over the splits. Partial states are read through L2 (__ldcg): other CTAs wrote them.
+// The merge of a (sequence, row tile)'s splits, by the CTA of the last split to finish, by the rules of
+// lse_merge.cuh: a split that saw no key (lse -inf) weighs 0; a NaN lse (a poisoned split) makes the row NaN. A warp
+// per row finds the weights (into shared memory: `weights` holds ROWS x MAX_SPLITS), then each thread sums columns over
+// the splits. Partial states are read through L2 (__ldcg): other CTAs wrote them.
 template <class Tr>
 __device__ __forceinline__ void merge_splits(const KVCacheParams& p, int splits, int b, int hk, int row0, int rows,
                                              typename Tr::Acc* weights, typename Tr::Acc* row_lse) {
@@ -189,20 +191,17 @@ __device__ __forceinline__ void merge_splits(const KVCacheParams& p, int splits,
 #pragma unroll
     for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) m = max_of(m, __shfl_xor_sync(0xffffffffu, m, offset));
     nan = __any_sync(0xffffffffu, nan);
-    const Acc base = m == neg_inf_of<Acc>() ? Acc(0) : m;
+    const Acc base = merge_base(m);
     Acc total = Acc(0);
     for (int s = lane; s < splits; s += WARP_SIZE) {
-      const Acc x = __ldcg(lse_part + s * all_rows + flat);
-      const Acc w = x == neg_inf_of<Acc>() ? Acc(0) : exp_of(x - base);
+      const Acc w = merge_weight(__ldcg(lse_part + s * all_rows + flat), base);
       weights[r * MAX_SPLITS + s] = w;
       total += w;
     }
     total = warp_sum(total);
     const Acc inv = total > Acc(0) ? Acc(1) / total : Acc(0);
     for (int s = lane; s < splits; s += WARP_SIZE) weights[r * MAX_SPLITS + s] *= inv;
-    if (lane == 0) {
-      row_lse[r] = nan ? nan_of<Acc>() : (total > Acc(0) ? base + log2_of(total) * ln2<Acc>() : neg_inf_of<Acc>());
-    }
+    if (lane == 0) row_lse[r] = nan ? nan_of<Acc>() : merged_lse(base, total);
   }
   __syncthreads();
   constexpr int UNROLL = 4;  // splits whose loads are in flight together
@@ -239,7 +238,6 @@ __global__ void __launch_bounds__(DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_
     attention_decode(const KVCacheParams p) {
   using Tr = DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES>;
   using Acc = typename Tr::Acc;
-  using R = KVReals<Acc>;
   extern __shared__ __align__(16) unsigned char smem[];
   T* q_tile = reinterpret_cast<T*>(smem);
   T* ring = reinterpret_cast<T*>(smem + Tr::Q_BYTES);
@@ -331,7 +329,10 @@ __global__ void __launch_bounds__(DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_
   Acc o[Tr::O_TILES][4];
   zero_tiles(o);
   Acc row_max[2] = {neg_inf_of<Acc>(), neg_inf_of<Acc>()}, row_sum[2] = {Acc(0), Acc(0)};
-  const Acc scale_log2 = R::scale_log2(p), softcap_k = R::softcap_k(p), softcap_log2 = R::softcap_log2(p);
+  // Scores in log2 units: scale * q.k, or with a softcap softcap * tanh(scale * q.k / softcap) (the dense
+  // kernels' SoftcapTanh, so both take the same function of a raw score).
+  const Acc scale_log2 = Reals<Acc>::scale_log2(p), softcap_log2 = Reals<Acc>::softcap(p) * log2e<Acc>();
+  const SoftcapTanh<T, Acc> softcap(p);
 
   // One tile's work: the scores against k_tile with the online softmax (P into s, the state into
   // row_max, row_sum and o), then P v_tile into o.
@@ -363,10 +364,9 @@ __global__ void __launch_bounds__(DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int half = e / 2, key = key0 + j * 8 + 2 * t + (e & 1), qp = query_pos[half];
-          Acc x = p.softcap_on ? softcap_log2 * softcap_tanh<T>(s[j][e] * softcap_k) : s[j][e] * scale_log2;
+          Acc x = p.softcap_on ? softcap_log2 * softcap.tanh_of(s[j][e]) : s[j][e] * scale_log2;
           if (p.alibi_on) x -= slope_log2[half] * Acc(qp > key ? qp - key : key - qp);
-          const bool hidden = key >= length || (p.window_right >= 0 && key > qp + p.window_right) ||
-                              (p.window_left >= 0 && key < qp - p.window_left);
+          const bool hidden = key >= length || !in_window(key, qp, p.window_left, p.window_right);
           s[j][e] = hidden ? neg_inf_of<Acc>() : x;
           tile_max[half] = max_of(tile_max[half], s[j][e]);
         }

@@ -2,6 +2,7 @@
 // (contiguous or paged), which sequences' values are in range, and the key range and split of a sequence.
 #pragma once
 #include "common.cuh"
+#include "params.cuh"
 
 constexpr int MAX_SPLITS = 128;  // splits of one sequence at most (cupyflash/_checks.py, MAX_SPLITS)
 
@@ -58,28 +59,15 @@ struct KVCacheParams {
   int min_tiles_per_split;
   int row_tiles;
   int seqlen_all;
-  float scale_log2;    // log2(e) * scale
-  float softcap_k;     // scale / softcap
-  float softcap_log2;  // log2(e) * softcap
+  // The real-valued parameters, named as AttnParams names them (params.cuh, Reals reads either struct).
+  float scale;
+  float scale_log2;   // log2(e) * scale
+  float softcap;      // 0 = off
+  float softcap_inv;  // 1 / softcap (0 when off)
+  double scale_f64;
   double scale_log2_f64;
-  double softcap_k_f64;
-  double softcap_log2_f64;
-};
-
-// The parameters' real numbers in a kernel's accumulator type A (float; double for float64 inputs).
-template <typename A>
-struct KVReals;
-template <>
-struct KVReals<float> {
-  __device__ __forceinline__ static float scale_log2(const KVCacheParams& p) { return p.scale_log2; }
-  __device__ __forceinline__ static float softcap_k(const KVCacheParams& p) { return p.softcap_k; }
-  __device__ __forceinline__ static float softcap_log2(const KVCacheParams& p) { return p.softcap_log2; }
-};
-template <>
-struct KVReals<double> {
-  __device__ __forceinline__ static double scale_log2(const KVCacheParams& p) { return p.scale_log2_f64; }
-  __device__ __forceinline__ static double softcap_k(const KVCacheParams& p) { return p.softcap_k_f64; }
-  __device__ __forceinline__ static double softcap_log2(const KVCacheParams& p) { return p.softcap_log2_f64; }
+  double softcap_f64;
+  double softcap_inv_f64;
 };
 
 // One element rounded from the accumulator type (float; double for float64 inputs).
@@ -120,29 +108,6 @@ template <>
 __device__ __forceinline__ double nan_of<double>() {
   return __longlong_as_double(0x7ff8000000000000ll);
 }
-// exp(x) of the merge's weights (x <= 0): float through exp2 on the special-function unit, double exactly.
-__device__ __forceinline__ float exp_of(float x) {
-  return fast_exp2(x * LOG2E);
-}
-__device__ __forceinline__ double exp_of(double x) {
-  return exp(x);
-}
-// The softcap's tanh, in each input type's precision as the dense kernels take it (softcap.cuh).
-template <typename T>
-__device__ __forceinline__ float softcap_tanh(float x) {
-  if constexpr (sizeof(T) == 2) {
-    float y;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-  } else {
-    return tanhf(x);
-  }
-}
-template <typename T>
-__device__ __forceinline__ double softcap_tanh(double x) {
-  return tanh(x);
-}
-
 // Sequence b's cached positions before the append.
 __device__ __forceinline__ int cached_length(const KVCacheParams& p, int b) {
   return p.cache_seqlens ? p.cache_seqlens[b] : p.seqlen_all;

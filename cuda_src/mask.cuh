@@ -7,6 +7,12 @@
 #pragma once
 #include "common.cuh"
 
+// Whether the query at position qp sees key j through a window band [qp - left, qp + right] (-1 = unbounded;
+// causal is right = 0): the one test behind every kernel's window (score_mods.cuh, attention_decode.cu).
+__device__ __forceinline__ bool in_window(int j, int qp, int left, int right) {
+  return (left < 0 || j >= qp - left) && (right < 0 || j <= qp + right);
+}
+
 template <bool IS_CAUSAL>
 struct Mask {
   int nk;      // number of keys

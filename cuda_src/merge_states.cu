@@ -2,10 +2,8 @@
 //
 // merge_states: the attention of a run of query rows over the keys seen so far (out_acc, lse_acc, in the
 // accumulator type A) merged with their attention over a new, disjoint set of keys (out_b in T, lse_b in A)
-// by log-sum-exp: lse = log(exp(lse_acc) + exp(lse_b)), out = sum of exp(lse_part - lse) out_part.
-// The rules of cupyflash.merge_attention_states: the larger lse is subtracted first; a part whose lse is
-// -inf saw no key and is never read (so a row seen by one part comes back bit for bit, and the first
-// merge into out_acc = anything, lse_acc = -inf is a copy); a row no part saw gets out 0, lse -inf; an lse
+// by log-sum-exp, by the rules of lse_merge.cuh: a part whose lse is -inf is never read (so a row seen by one
+// part comes back bit for bit, and the first merge into out_acc = anything, lse_acc = -inf is a copy); an lse
 // of +inf or NaN makes the row NaN.
 // accumulate_rows: acc += x, the float sums of the gradients (dq on its rank; dk, dv travelling).
 //
@@ -14,22 +12,10 @@
 // Saves nothing: both kernels read and write the arrays they are given, once.
 #include "common.cuh"
 #include "mma.cuh"
+#include "lse_merge.cuh"
 
 constexpr int STATES_THREADS = 256;
 constexpr int STATES_ROWS_PER_CTA = STATES_THREADS / 32;
-
-__device__ __forceinline__ float exp_acc(float x) {
-  return expf(x);
-}
-__device__ __forceinline__ double exp_acc(double x) {
-  return exp(x);
-}
-__device__ __forceinline__ float log_acc(float x) {
-  return logf(x);
-}
-__device__ __forceinline__ double log_acc(double x) {
-  return log(x);
-}
 
 // One warp per row: the lanes stride over the row's columns, and lane 0 writes the row's new lse once the
 // whole warp has read the old one.
@@ -45,8 +31,8 @@ __global__ void __launch_bounds__(STATES_THREADS) merge_states(acc_t<T>* out_acc
   const A la = lse_acc[acc_row], lb = lse_b[row];
   const A ninf = static_cast<A>(neg_inf());
   const A top = (la != la || lb != lb) ? la + lb : (la > lb ? la : lb);  // NaN propagates
-  const A shift = top == ninf ? A(0) : top;  // no part saw the row: exp(-inf - 0) = 0, not exp(NaN)
-  const A wa = exp_acc(la - shift), wb = exp_acc(lb - shift);
+  const A shift = merge_base(top);
+  const A wa = merge_weight(la, shift), wb = merge_weight(lb, shift);
   const A total = wa + wb;
   const bool seen = total != A(0);  // true for a NaN total: it propagates
   const A inv = seen ? A(1) / total : A(0);
@@ -59,7 +45,7 @@ __global__ void __launch_bounds__(STATES_THREADS) merge_states(acc_t<T>* out_acc
     dst[c] = seen ? sum * inv : A(0);
   }
   __syncwarp();
-  if (lane == 0) lse_acc[acc_row] = seen ? shift + log_acc(total) : ninf;
+  if (lane == 0) lse_acc[acc_row] = merged_lse(shift, total);
 }
 
 template <typename T>

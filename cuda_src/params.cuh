@@ -103,24 +103,55 @@ struct AttnParams {
   int fp8_descale_shift[3];
 };
 
-// The real-valued parameters in a kernel's accumulator type A (float; double for float64 inputs).
+// The real-valued parameters in a kernel's accumulator type A (float; double for float64 inputs), from any
+// parameter struct that carries them under these names (AttnParams, KVCacheParams).
 template <typename A>
 struct Reals;
 template <>
 struct Reals<float> {
-  __device__ __forceinline__ static float scale(const AttnParams& p) { return p.scale; }
-  __device__ __forceinline__ static float scale_log2(const AttnParams& p) { return p.scale_log2; }
-  __device__ __forceinline__ static float softcap(const AttnParams& p) { return p.softcap; }
-  __device__ __forceinline__ static float softcap_inv(const AttnParams& p) { return p.softcap_inv; }
-  __device__ __forceinline__ static float dropout_scale(const AttnParams& p) { return p.dropout_scale; }
+  template <class P>
+  __device__ __forceinline__ static float scale(const P& p) {
+    return p.scale;
+  }
+  template <class P>
+  __device__ __forceinline__ static float scale_log2(const P& p) {
+    return p.scale_log2;
+  }
+  template <class P>
+  __device__ __forceinline__ static float softcap(const P& p) {
+    return p.softcap;
+  }
+  template <class P>
+  __device__ __forceinline__ static float softcap_inv(const P& p) {
+    return p.softcap_inv;
+  }
+  template <class P>
+  __device__ __forceinline__ static float dropout_scale(const P& p) {
+    return p.dropout_scale;
+  }
 };
 template <>
 struct Reals<double> {
-  __device__ __forceinline__ static double scale(const AttnParams& p) { return p.scale_f64; }
-  __device__ __forceinline__ static double scale_log2(const AttnParams& p) { return p.scale_log2_f64; }
-  __device__ __forceinline__ static double softcap(const AttnParams& p) { return p.softcap_f64; }
-  __device__ __forceinline__ static double softcap_inv(const AttnParams& p) { return p.softcap_inv_f64; }
-  __device__ __forceinline__ static double dropout_scale(const AttnParams& p) { return p.dropout_scale_f64; }
+  template <class P>
+  __device__ __forceinline__ static double scale(const P& p) {
+    return p.scale_f64;
+  }
+  template <class P>
+  __device__ __forceinline__ static double scale_log2(const P& p) {
+    return p.scale_log2_f64;
+  }
+  template <class P>
+  __device__ __forceinline__ static double softcap(const P& p) {
+    return p.softcap_f64;
+  }
+  template <class P>
+  __device__ __forceinline__ static double softcap_inv(const P& p) {
+    return p.softcap_inv_f64;
+  }
+  template <class P>
+  __device__ __forceinline__ static double dropout_scale(const P& p) {
+    return p.dropout_scale_f64;
+  }
 };
 
 // Flat batch index of this CTA: blockIdx.y, extended by blockIdx.z past the 65535 limit of y.

@@ -29,6 +29,7 @@
 #include "seq_info.cuh"
 #include "softcap.cuh"
 #include "block_mask.cuh"
+#include "mask.cuh"
 
 // Per CTA it keeps only its batch entry's base pointers and slope in registers; sizes, strides and
 // flags are read from the kernel's parameter struct (constant memory operands, no registers).
@@ -231,8 +232,7 @@ struct ScoreMods {
   }
 
   __device__ __forceinline__ bool visible(int i, int key) const {
-    const int offset = nk() - nq(), left = window_left(), right = window_right();
-    return i < nq() && key < nk() && (left < 0 || key >= i + offset - left) && (right < 0 || key <= i + offset + right);
+    return i < nq() && key < nk() && in_window(key, i + nk() - nq(), window_left(), window_right());
   }
 
   // Raw scores -> logits: the scale, ALiBi and bias passes (softcap is the caller's, as the backward

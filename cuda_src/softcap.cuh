@@ -16,8 +16,8 @@
 template <typename T, typename A>
 struct SoftcapTanh {
   A k;  // scale / softcap
-  __device__ __forceinline__ explicit SoftcapTanh(const AttnParams& p)
-      : k(Reals<A>::scale(p) * Reals<A>::softcap_inv(p)) {}
+  template <class P>
+  __device__ __forceinline__ explicit SoftcapTanh(const P& p) : k(Reals<A>::scale(p) * Reals<A>::softcap_inv(p)) {}
   __device__ __forceinline__ A tanh_of(A raw) const {
     if constexpr (sizeof(T) == 2) {
       float t;

@@ -161,11 +161,16 @@ class Plan:
             row_tiles=row_tiles,
         ).items():
             w[name] = int(value)
-        scale_log2 = call.scale * LOG2E
-        softcap_k = call.scale / call.softcap if call.softcap > 0 else 0.0
-        softcap_log2 = call.softcap * LOG2E
-        w["scale_log2"], w["softcap_k"], w["softcap_log2"] = scale_log2, softcap_k, softcap_log2
-        w["scale_log2_f64"], w["softcap_k_f64"], w["softcap_log2_f64"] = scale_log2, softcap_k, softcap_log2
+        # The real numbers as the dense parameters carry them (params.py), each in float32 and float64.
+        softcap_inv = 1.0 / call.softcap if call.softcap > 0 else 0.0
+        reals = {
+            "scale": call.scale,
+            "scale_log2": call.scale * LOG2E,
+            "softcap": call.softcap,
+            "softcap_inv": softcap_inv,
+        }
+        for name, value in reals.items():
+            w[name] = w[name + "_f64"] = value
         # Kept as plain words: copying a structured array costs microseconds a call, a plain one a fraction.
         self.words = words.view(numpy.uint64).copy()
         self.decode_grid = (self.max_splits, call.hk * row_tiles, call.batch)

@@ -63,8 +63,8 @@ PARAMS_DTYPE = numpy.dtype(
             "seqlen_all",
         )
     ]
-    + [(name, numpy.float32) for name in ("scale_log2", "softcap_k", "softcap_log2")]
-    + [(name, numpy.float64) for name in ("scale_log2_f64", "softcap_k_f64", "softcap_log2_f64")],
+    + [(name, numpy.float32) for name in ("scale", "scale_log2", "softcap", "softcap_inv")]
+    + [(name, numpy.float64) for name in ("scale_f64", "scale_log2_f64", "softcap_f64", "softcap_inv_f64")],
     align=True,
 )
 PARAMS_BYTES = numpy.dtype((numpy.void, PARAMS_DTYPE.itemsize))
