@@ -9,8 +9,9 @@
 Variants are named
 ``{fwd,bwd,probs}/{fp16,bf16,fp32,fp64,fp8}/HEAD_DIM/PATH/FORM[/SCORE][/block-mask][/dropout][/unordered][/OUT]``
 with PATH the tile table's path (mma, large, wgmma, pieces, ws), FORM plain, causal or the modifiers'
-instantiation (scalars, softcap, softcap-causal, window, all) and OUT the dtype of out where it is not the
-inputs' (the FP8 forward's: ``fwd/fp8/HEAD_DIM/ws/{plain,causal}/{out-bf16,out-fp16}``): every module of
+instantiation (scalars, softcap, softcap-causal, window, all) and OUT the dtype of the results where it is not the
+inputs' (the FP8 forward's: ``fwd/fp8/HEAD_DIM/ws/{plain,causal}/{out-bf16,out-fp16}``; 16-bit inputs' unrounded
+out or gradients: ``out-fp32``): every module of
 cupyflash._cuda.tile_policy.shipped_variants() that the GPU at hand can run (Hopper's paths need compute
 capability 9.0, and so does FP8; the large float64 tiles 9.0 or more, where they replace the mma ones).
 ``--variants`` is a regular expression searched in those names. Each variant runs through the public API,
@@ -34,6 +35,7 @@ problems with head dim D = HEAD_DIM, so each kernel is exactly the variant named
   sequences of 0, 70, 1, 150 queries and 90, 0, 40, 270 keys, 2 heads sharing one key/value head, causal
   with ALiBi;
 - dropout variants: the same calls with dropout_p = 0.2;
+- unrounded results (out-fp32): the same calls with out_dtype (forward) or grad_dtype (backward) float32;
 - the fused backward (path ws, and its unordered form): q (2, 3, 333, D), k and v (2, 3, 397, D) with its length
   thresholds lowered, twice: key blocks adding in the order they reach a query block, then in index order (the
   unordered form walks by arrival both times: the library never walks it in index order);
@@ -333,6 +335,7 @@ def _selected(variant, causal, options, device, packed=False, tma=True):
         packed,
         lengths=lengths,
         deterministic=variant.deterministic,
+        results=variant.out_dtype or None,
     )
     with _fused_at_any_length(variant):
         return tile_policy.dense(dataclasses.replace(features, tma=tma), device)
@@ -375,6 +378,7 @@ def run_variant(variant, rng):
     shape = MODS_SHAPE if variant.mods != "none" else FUSED_SHAPE if variant.fused_backward else PLAIN_SHAPE
     q, k, v, dout = _problem(rng, dtype, shape["batch"], shape["nq"], shape["nk"], variant.head_dim)
     dropout = dict(dropout_p=0.2, dropout_seed=7) if variant.dropout else {}
+    wide = _wide_options(variant)
     ran = 0
     # k and v of one entry of the last batch dim, broadcast over it: the calls of a forward that the
     # warp-specialized kernel would otherwise take.
@@ -390,18 +394,31 @@ def run_variant(variant, rng):
         if variant.direction == "probs":
             cupyflash.attention_probs(q, keys, values, causal=causal, **options)
             continue
-        out, lse = cupyflash.attention_forward(q, keys, values, causal=causal, **options, **dropout)
+        out, lse = cupyflash.attention_forward(q, keys, values, causal=causal, **options, **dropout, **wide["fwd"])
         if variant.fused_backward:
-            _fused_calls(variant, dout, q, keys, values, out, lse, causal)
+            _fused_calls(variant, dout, q, keys, values, out, lse, causal, wide["bwd"])
         elif variant.direction == "bwd":
-            cupyflash.attention_backward(dout, q, keys, values, out, lse, causal=causal, **options, **dropout)
+            cupyflash.attention_backward(
+                dout, q, keys, values, out, lse, causal=causal, **options, **dropout, **wide["bwd"]
+            )
     for causal, options in _packed_options(variant):
         if _selected(variant, causal, options, device, packed=True) == variant:
             ran += 1
-            _packed_call(rng, dtype, variant, dropout)
+            _packed_call(rng, dtype, variant, dropout, wide)
     if not ran:
         raise RuntimeError(f"no call selects {variant_label(variant)} on this GPU")
     cupy.cuda.Device().synchronize()
+
+
+def _wide_options(variant):
+    """The keywords that ask a forward ("fwd") and a backward ("bwd") call for ``variant``'s unrounded results:
+    out_dtype for a forward variant, grad_dtype for a backward one (its forward stays rounded)."""
+    found = {"fwd": {}, "bwd": {}}
+    if variant.wide:
+        found[variant.direction] = {"fwd": dict(out_dtype="float32"), "bwd": dict(grad_dtype="float32")}[
+            variant.direction
+        ]
+    return found
 
 
 def _run_fp8(variant, rng, device):
@@ -444,7 +461,7 @@ def kernel_names(variant):
     return names
 
 
-def _fused_calls(variant, dout, q, k, v, out, lse, causal):
+def _fused_calls(variant, dout, q, k, v, out, lse, causal, wide):
     """The fused backward twice: its key blocks in the order they reach a query block, then in the order of their
     index (as where an entry's key blocks outnumber the SMs); unordered adds walk by arrival both times."""
     import cupyflash
@@ -460,12 +477,14 @@ def _fused_calls(variant, dout, q, k, v, out, lse, causal):
         try:
             if zeroed:
                 fused_backward.cupy = _ZeroedEmpty(module)
-            cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=variant.deterministic)
+            cupyflash.attention_backward(
+                dout, q, k, v, out, lse, causal=causal, deterministic=variant.deterministic, **wide
+            )
             sm_count = fused_backward.sm_count
             fused_backward.sm_count = lambda device: 1
             try:
                 cupyflash.attention_backward(
-                    dout, q, k, v, out, lse, causal=causal, deterministic=variant.deterministic
+                    dout, q, k, v, out, lse, causal=causal, deterministic=variant.deterministic, **wide
                 )
             finally:
                 fused_backward.sm_count = sm_count
@@ -486,7 +505,7 @@ class _ZeroedEmpty:
         return self._module.zeros(*args, **kwargs)
 
 
-def _packed_call(rng, dtype, variant, dropout):
+def _packed_call(rng, dtype, variant, dropout, wide):
     """A variable-length batch through the same kernels (module docstring)."""
     import cupy
     import numpy as np
@@ -500,9 +519,9 @@ def _packed_call(rng, dtype, variant, dropout):
     )
     k, v = (cupy.asarray(rng.standard_normal((sum(lengths_k), 1, d), dtype=np.float32).astype(dtype)) for _ in range(2))
     options = dict(causal=True, alibi_slopes=cupy.asarray(np.array([0.25, 0.0625], dtype=np.float32)), **dropout)
-    out, lse = cupyflash.attention_varlen_forward(q, k, v, cu_q, cu_k, **options)
+    out, lse = cupyflash.attention_varlen_forward(q, k, v, cu_q, cu_k, **options, **wide["fwd"])
     if variant.direction == "bwd":
-        cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **options)
+        cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **options, **wide["bwd"])
 
 
 def worker(pattern):

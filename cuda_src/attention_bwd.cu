@@ -1,7 +1,9 @@
 // attention_bwd.cu — attention backward by recomputation: dq, dk, dv from dout, q, k, v, out, lse.
 //
 // Layout: as the forward (params.cuh); dq (b, nq, d), dk (b, nk, d), dv (b, nk, dv) contiguous (with
-// variable-length sequences: (head, packed row, d), SeqInfo's q_flat / k_flat).
+// variable-length sequences: (head, packed row, d), SeqInfo's q_flat / k_flat), of GradT: T, or float32 for 16-bit
+// inputs whose caller asks for unrounded gradients (stored from the registers: a staging tile of T cannot hold
+// them).
 // Nothing of size nq x nk is stored: P is rebuilt tile by tile from the saved lse,
 // P_ij = exp(scale * q_i . k_j - lse_i). Three launches, no atomics, so results are
 // bitwise reproducible:
@@ -137,7 +139,7 @@ __device__ __forceinline__ void dscores_kept_cols(A (&dp)[N_TILES][4], A (&prob)
 }
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_M, int D_CHUNK, bool IS_CAUSAL, Mods MODS, bool WGMMA,
-          bool HAS_DROPOUT, bool PAIRED, bool PIPELINED, bool ACROSS_TURN, bool LSE_BY_COPY>
+          bool HAS_DROPOUT, bool PAIRED, bool PIPELINED, bool ACROSS_TURN, bool LSE_BY_COPY, typename GradT>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1) attention_bwd_dkdv_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
@@ -162,6 +164,7 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1) attention_bwd_dkdv_k
   static_assert(!PIECES || (!HAS_MODS && !HAS_DROPOUT && !PAIRED && HEAD_DIM % 64 == 0 && D_CHUNK % 64 == 0),
                 "pieces: plain or causal, lo pieces and column chunks on (64-element) atom boundaries");
   static_assert(OutTile::SIZE * sizeof(T) <= KVTile::SIZE * sizeof(E), "dk, dv staged in sK, sV");
+  static_assert(sizeof(GradT) == sizeof(T) || (sizeof(T) == 2 && sizeof(GradT) == 4), "dk, dv: T, or float32");
   static_assert(!PIECES || (SPLIT_BLOCK_ROWS % BLOCK_M == 0 && SPLIT_BLOCK_ROWS % BLOCK_N == 0),
                 "pieces: each tile inside one row block");
   using A = acc_t<T>;  // float; double for float64 inputs
@@ -474,7 +477,21 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1) attention_bwd_dkdv_k
   const A dk_factor = Reals<A>::scale(p) * (DS_UNSCALED ? dv_scale : A(1));
   const A dk_scale[2] = {dk_factor, dk_factor};
   const A dv_scales[2] = {dv_scale, dv_scale};
-  cp_async_wait<0>();  // with no query block to visit, the K/V copies may still be in flight
+  cp_async_wait<0>();                          // with no query block to visit, the K/V copies may still be in flight
+  if constexpr (sizeof(GradT) != sizeof(T)) {  // unrounded: from the registers
+    GradT* dk = static_cast<GradT*>(p.dk) + (seq.k_flat + n0) * p.d_qk + c0;
+    GradT* dv = static_cast<GradT*>(p.dv) + (seq.k_flat + n0) * p.d_v + c0;
+    if constexpr (PAIRED) {
+      if (role == 0)
+        acc_to_gmem<G_TILES>(dv, p.d_v, row0, acc_dk, dv_scales, lane, seq.nk() - n0, p.d_v - c0);
+      else
+        acc_to_gmem<G_TILES>(dk, p.d_qk, row0, acc_dk, dk_scale, lane, seq.nk() - n0, p.d_qk - c0);
+    } else {
+      acc_to_gmem<G_TILES>(dk, p.d_qk, row0, acc_dk, dk_scale, lane, seq.nk() - n0, p.d_qk - c0);
+      acc_to_gmem<G_TILES>(dv, p.d_v, row0, acc_dv, dv_scales, lane, seq.nk() - n0, p.d_v - c0);
+    }
+    return;
+  }
   __syncthreads();
   T* sK_out = reinterpret_cast<T*>(sK);
   T* sV_out = reinterpret_cast<T*>(sV);
@@ -495,7 +512,7 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1) attention_bwd_dkdv_k
 }
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, Mods MODS, bool WGMMA,
-          bool HAS_DROPOUT, bool PAIRED, bool PIPELINED, bool ACROSS_TURN>
+          bool HAS_DROPOUT, bool PAIRED, bool PIPELINED, bool ACROSS_TURN, typename GradT>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1) attention_bwd_dq_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
@@ -520,6 +537,7 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1) attention_bwd_dq_ker
   static_assert(!PIECES || (!HAS_MODS && !HAS_DROPOUT && !PAIRED && HEAD_DIM % 64 == 0 && D_CHUNK % 64 == 0),
                 "pieces: plain or causal, lo pieces and column chunks on (64-element) atom boundaries");
   static_assert(OutTile::SIZE * sizeof(T) <= QTile::SIZE * sizeof(E), "dq staged in sQ");
+  static_assert(sizeof(GradT) == sizeof(T) || (sizeof(T) == 2 && sizeof(GradT) == 4), "dq: T, or float32");
   static_assert(!PIECES || (SPLIT_BLOCK_ROWS % BLOCK_M == 0 && SPLIT_BLOCK_ROWS % BLOCK_N == 0),
                 "pieces: each tile inside one row block");
   using A = acc_t<T>;  // float; double for float64 inputs
@@ -796,7 +814,12 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1) attention_bwd_dq_ker
   // once the loop is done) for 16-byte stores.
   const A dq_factor = Reals<A>::scale(p) * (DS_UNSCALED ? Reals<A>::dropout_scale(p) : A(1));
   const A dq_scale[2] = {dq_factor, dq_factor};
-  cp_async_wait<0>();  // with no key block to visit, the Q/dO copies may still be in flight
+  cp_async_wait<0>();                          // with no key block to visit, the Q/dO copies may still be in flight
+  if constexpr (sizeof(GradT) != sizeof(T)) {  // unrounded: from the registers
+    GradT* dq = static_cast<GradT*>(p.dq) + (seq.q_flat + m0) * p.d_qk + c0;
+    acc_to_gmem<G_WARP>(dq, p.d_qk, row0, acc_dq, dq_scale, lane, seq.nq() - m0, p.d_qk - c0, g0);
+    return;
+  }
   __syncthreads();
   T* sQ_out = reinterpret_cast<T*>(sQ);
   acc_to_smem<OutTile, G_WARP>(sQ_out, row0, acc_dq, dq_scale, lane, g0);

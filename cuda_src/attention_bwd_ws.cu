@@ -3,7 +3,8 @@
 // preprocess), with five products per tile where the two-pass backward's recomputation takes seven.
 //
 // Layout: q, dout (b, nq, d) and k, v (b, nk, d) of one dense batch, read through TMA tensor maps (tma.cuh);
-// lse_log2 and delta (b, nq) float32; dk, dv (b, nk, d) contiguous. dq_accum: float32, (b, ceil(nq / BLOCK_M),
+// lse_log2 and delta (b, nq) float32; dq, dk, dv of GradT (T, or float32 for unrounded gradients: stored from the
+// registers) and dk, dv (b, nk, d) contiguous. dq_accum: float32, (b, ceil(nq / BLOCK_M),
 // DQ_CHAINS, DQ_RECORD: each consumer's dQ_partial in turn) in the order the dQ products' accumulators hold it
 // (DqChunk), never zeroed: the first key block of a chain at a query block stores its partial there (DETERMINISTIC;
 // otherwise the host zeroes it); attention_bwd_dq_convert_kernel sums the chains, scales and rounds into dq (b, nq, d).
@@ -50,9 +51,11 @@ struct BwdTensorMaps {
 };
 
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool IS_CAUSAL_, bool DETERMINISTIC_, int DQ_CHAINS_,
-          bool PAIRED_>
+          bool PAIRED_, typename GradT_>
 struct BwdWsTraits {
   using T = T_;
+  using GradT = GradT_;  // dq, dk, dv: T, or float32 (unrounded), which the epilogues store from the registers
+  static constexpr bool GRAD_FROM_REGISTERS = sizeof(GradT) != sizeof(T);
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_M = BLOCK_M_, STAGES = STAGES_;
   static constexpr bool IS_CAUSAL = IS_CAUSAL_, DETERMINISTIC = DETERMINISTIC_;
   // PAIRED (HEAD_DIM 192 and 256, where one consumer's dK and dV over 64 keys would take 192 or all 256 registers):
@@ -108,6 +111,7 @@ struct BwdWsTraits {
                             TILE_FLOATS % 512 == 0),
                 "paired: 64-query blocks, wg 1's dQ_partial within a tile, wg 0's within a tile and its overflow");
   static_assert(STAGES >= 2, "the next query block lands while this one is worked on");
+  static_assert(sizeof(GradT) == sizeof(T) || sizeof(GradT) == 4, "gradients: T, or float32");
 };
 
 // One consumer's dQ_partial (64 rows x its columns) as a flat chunk: thread i of the warpgroup holds accumulator
@@ -328,12 +332,18 @@ __device__ __forceinline__ void bwd_write_dq(const BwdWsCta<K>& cta, float* dq_a
 }
 
 // Keys [key0, key0 + 64)'s rows of a gradient (dk or dv, times row_scale) from a consumer's accumulator: staged in
-// `stage` (64 rows of sK or sV, which no product reads any more), then stored.
+// `stage` (64 rows of sK or sV, which no product reads any more), then stored; unrounded, from the registers.
 template <class K>
 __device__ __forceinline__ void store_gradient(const float (&acc)[K::G_TILES][4], typename K::T* stage, void* to,
                                                int stride, const float (&row_scale)[2], const AttnParams& p, int b,
                                                int key0, int wg, int warp, int lane) {
   using T = typename K::T;
+  if constexpr (K::GRAD_FROM_REGISTERS) {
+    using GradT = typename K::GradT;
+    GradT* rows_at = static_cast<GradT*>(to) + (static_cast<i64>(b) * p.nk + key0) * stride;
+    acc_to_gmem<K::G_TILES>(rows_at, stride, warp * 16, acc, row_scale, lane, p.nk - key0, stride);
+    return;
+  }
   acc_to_smem<typename K::OutTile, K::G_TILES>(stage, warp * 16, acc, row_scale, lane);
   named_barrier_sync(2 + wg, 128);
   const int rows = min(K::WG_KEYS, p.nk - key0);
@@ -536,11 +546,11 @@ __device__ __forceinline__ void bwd_consume_paired(const BwdWsCta<K>& cta, const
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int STAGES, bool IS_CAUSAL, bool DETERMINISTIC, int DQ_CHAINS,
-          bool PAIRED>
+          bool PAIRED, typename GradT>
 __global__ void __launch_bounds__(3 * 128, 1) attention_bwd_ws_kernel(const AttnParams p,
                                                                 const __grid_constant__ BwdTensorMaps maps,
                                                                 float* dq_accum, int* dq_counters, int by_arrival) {
-  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DETERMINISTIC, DQ_CHAINS, PAIRED>;
+  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, DETERMINISTIC, DQ_CHAINS, PAIRED, GradT>;
   using Cta = BwdWsCta<K>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) u64 bars[Cta::BARRIERS];
@@ -591,32 +601,40 @@ __global__ void __launch_bounds__(3 * 128, 1) attention_bwd_ws_kernel(const Attn
 }
 
 // One consumer's share of attention_bwd_dq_convert_kernel (below): its chunk (64 rows x COLS, at `chunk` in each
-// chain's record) summed over the chains, scaled and rounded into `own`, then (after the CTA's barrier) stored
-// from `own` to dq's rows from row0 and columns from col0.
+// chain's record) summed over the chains in chain order, as the accumulator fragments the dQ products held (DqChunk:
+// thread's n-tile j in x[j]).
 template <class K, int COLS>
-__device__ __forceinline__ void stage_dq_share(const AttnParams& p, const float4* chunk, int added, typename K::T* own,
-                                               int thread) {
-  using T = typename K::T;
-  // A staged row, in T: 16 bytes of padding keep the pairs' rows on other banks.
-  constexpr int TILES = COLS / 8, ROW = COLS + 8;
-  float4 x[TILES];
+__device__ __forceinline__ void sum_dq_share(const float4* chunk, int added, int thread, float (&x)[COLS / 8][4]) {
+  constexpr int TILES = COLS / 8;
 #pragma unroll
-  for (int j = 0; j < TILES; ++j) x[j] = added > 0 ? __ldg(chunk + j * 128 + thread) : make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int j = 0; j < TILES; ++j) {
+    const float4 y = added > 0 ? __ldg(chunk + j * 128 + thread) : make_float4(0.f, 0.f, 0.f, 0.f);
+    x[j][0] = y.x, x[j][1] = y.y, x[j][2] = y.z, x[j][3] = y.w;
+  }
 #pragma unroll
-  for (int chain = 1; chain < K::DQ_CHAINS; ++chain) {  // the chains' sums in chain order
+  for (int chain = 1; chain < K::DQ_CHAINS; ++chain) {
     if (chain >= added) break;
 #pragma unroll
     for (int j = 0; j < TILES; ++j) {
       const float4 y = __ldg(chunk + chain * K::DQ_RECORD / 4 + j * 128 + thread);
-      x[j] = make_float4(x[j].x + y.x, x[j].y + y.y, x[j].z + y.z, x[j].w + y.w);
+      x[j][0] += y.x, x[j][1] += y.y, x[j][2] += y.z, x[j][3] += y.w;
     }
   }
+}
+// ... then scaled and rounded into `own`, from where (after the CTA's barrier) store_dq_share stores it to dq's rows
+// from row0 and columns from col0.
+template <class K, int COLS>
+__device__ __forceinline__ void stage_dq_share(const AttnParams& p, const float (&x)[COLS / 8][4], typename K::T* own,
+                                               int thread) {
+  using T = typename K::T;
+  // A staged row, in T: 16 bytes of padding keep the pairs' rows on other banks.
+  constexpr int TILES = COLS / 8, ROW = COLS + 8;
   const int r = DqChunk::row(thread, 0);
 #pragma unroll
   for (int j = 0; j < TILES; ++j) {
     const int c = DqChunk::col(thread, j, 0);
-    Elem<T>::store2(own + r * ROW + c, x[j].x * p.scale, x[j].y * p.scale);
-    Elem<T>::store2(own + (r + 8) * ROW + c, x[j].z * p.scale, x[j].w * p.scale);
+    Elem<T>::store2(own + r * ROW + c, x[j][0] * p.scale, x[j][1] * p.scale);
+    Elem<T>::store2(own + (r + 8) * ROW + c, x[j][2] * p.scale, x[j][3] * p.scale);
   }
 }
 template <class K, int COLS>
@@ -640,11 +658,12 @@ __device__ __forceinline__ void store_dq_share(const AttnParams& p, const typena
 // or no keys at all) has 0 for dq and nothing in dq_accum. It reads every float of its chunks before it stores
 // (the compiler may not move a load of dq_accum above a store to dq, which could alias: one DRAM round trip per
 // tile made this kernel latency-bound), and the rounded rows go out through shared memory as 16-byte pieces of
-// whole rows (the fragments' 4-byte pairs would fill half of each 32-byte sector per store).
-template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL, int DQ_CHAINS, bool PAIRED>
+// whole rows (the fragments' 4-byte pairs would fill half of each 32-byte sector per store). Unrounded (GradT
+// float32), the sums go out from the registers: their 8-byte pairs fill whole sectors.
+template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL, int DQ_CHAINS, bool PAIRED, typename GradT>
 __global__ void __launch_bounds__(256) attention_bwd_dq_convert_kernel(const AttnParams p, const float* dq_accum) {
-  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, 2, IS_CAUSAL, true, DQ_CHAINS, PAIRED>;
-  __shared__ __align__(16) T staged[2][64 * (K::DQ_COLS0 + 8)];
+  using K = BwdWsTraits<T, HEAD_DIM, BLOCK_M, 2, IS_CAUSAL, true, DQ_CHAINS, PAIRED, GradT>;
+  __shared__ __align__(16) T staged[2][K::GRAD_FROM_REGISTERS ? 8 : 64 * (K::DQ_COLS0 + 8)];
   const int b = batch_index(), m = blockIdx.x;
   if (b >= p.batch) return;  // a CTA past the batch (launch._grid), before the barrier: the whole CTA leaves
   // The key blocks that added to this query block: all, or causal those up to the last that sees its last row.
@@ -657,10 +676,30 @@ __global__ void __launch_bounds__(256) attention_bwd_dq_convert_kernel(const Att
   // multiple of 8 on the tensor-map path, and dq's rows start on 16 bytes).
   const int row0 = m * BLOCK_M + (K::DQ_SPLIT_ROWS ? 64 * wg : 0), col0 = K::dq_col0(wg);
   const float4* chunk = reinterpret_cast<const float4*>(record + K::dq_chunk_at(wg));
-  if (wg == 0)
-    stage_dq_share<K, K::DQ_COLS0>(p, chunk, added, staged[0], thread);
-  else
-    stage_dq_share<K, K::DQ_COLS1>(p, chunk, added, staged[1], thread);
+  if constexpr (K::GRAD_FROM_REGISTERS) {
+    const float scale[2] = {p.scale, p.scale};
+    GradT* dq = static_cast<GradT*>(p.dq) + (static_cast<i64>(b) * p.nq + row0) * p.d_qk + col0;
+    const int warp = thread / WARP_SIZE, lane = thread % WARP_SIZE;  // DqChunk's rows are the fragments'
+    if (wg == 0) {
+      float x[K::DQ_COLS0 / 8][4];
+      sum_dq_share<K, K::DQ_COLS0>(chunk, added, thread, x);
+      acc_to_gmem<K::DQ_COLS0 / 8>(dq, p.d_qk, warp * 16, x, scale, lane, p.nq - row0, p.d_qk - col0);
+    } else {
+      float x[K::DQ_COLS1 / 8][4];
+      sum_dq_share<K, K::DQ_COLS1>(chunk, added, thread, x);
+      acc_to_gmem<K::DQ_COLS1 / 8>(dq, p.d_qk, warp * 16, x, scale, lane, p.nq - row0, p.d_qk - col0);
+    }
+    return;
+  }
+  if (wg == 0) {
+    float x[K::DQ_COLS0 / 8][4];
+    sum_dq_share<K, K::DQ_COLS0>(chunk, added, thread, x);
+    stage_dq_share<K, K::DQ_COLS0>(p, x, staged[0], thread);
+  } else {
+    float x[K::DQ_COLS1 / 8][4];
+    sum_dq_share<K, K::DQ_COLS1>(chunk, added, thread, x);
+    stage_dq_share<K, K::DQ_COLS1>(p, x, staged[1], thread);
+  }
   __syncthreads();
   if (wg == 0)
     store_dq_share<K, K::DQ_COLS0>(p, staged[0], row0, col0, b, thread);

@@ -1,8 +1,9 @@
 // attention_fwd.cu — fused attention forward: out = softmax(scale * q k^T) v, and its log-sum-exp.
 //
 // Layout: q (b, nq, d), k (b, nk, d), v (b, nk, dv) with any row/batch strides (unit column
-// stride); out (b, nq, dv) and lse (b, nq) float32 (float64 for float64 inputs), contiguous; or packed variable-length
-// sequences, each batch entry with its own nq and nk (SeqInfo). See params.cuh. One CTA owns BLOCK_M = 16 * NUM_WARPS
+// stride); out (b, nq, dv) of OutT (T, or float32 for 16-bit inputs: out unrounded) and lse (b, nq) float32 (float64
+// for float64 inputs), contiguous; or packed variable-length sequences, each batch entry with its own nq and nk
+// (SeqInfo). See params.cuh. One CTA owns BLOCK_M = 16 * NUM_WARPS
 // query rows of one batch entry (16 per warp). It streams K and V tiles of BLOCK_N keys through shared memory with
 // cp.async, keeps the online-softmax state (m_i, l_i) and the output accumulator in registers, feeds P straight from
 // the score registers into the P V product, and writes out and lse once. Nothing of size nq x nk exists anywhere. Key
@@ -49,7 +50,7 @@
 // out = O_i / l_i (times 1 / (1 - p) with dropout; times out_factor, the split float32 inputs' scaling)
 // and lse_i = scale * m_i + log(l_i), columns [c0, c0 + 8*O_TILES) (lse by the c0 = 0 CTA); exp_scale is
 // the factor the softmax ran with. Staged through sQ for 16-byte stores: every warp must be done with
-// its products first.
+// its products first. An out wider than T (float32 from 16-bit inputs: unrounded) goes from the registers.
 template <class QTile, int THREADS, bool HAS_DROPOUT, bool SCALED = false, typename T, int O_TILES, typename A,
           class Rows>
 __device__ __forceinline__ void write_out(const Rows& rows, T* sQ, int c0, const A (&acc_o)[O_TILES][4],
@@ -66,15 +67,21 @@ __device__ __forceinline__ void write_out(const Rows& rows, T* sQ, int c0, const
     inv_sum[0] *= out_factor;
     inv_sum[1] *= out_factor;
   }
-  __syncthreads();
-  acc_to_smem<QTile, O_TILES>(sQ, warp * 16, acc_o, inv_sum, lane);
-  if (c0 == 0) rows.write_lse(warp * 16, row_lse, lane);
-  __syncthreads();
-  store_tile<QTile, 8 * O_TILES, THREADS>(rows.out + c0, p.out_stride[3], sQ, rows.seq.nq() - rows.m0, p.d_v - c0);
+  if constexpr (sizeof(typename Rows::OutElement) != sizeof(T)) {
+    acc_to_gmem<O_TILES>(rows.out + c0, p.out_stride[3], warp * 16, acc_o, inv_sum, lane, rows.seq.nq() - rows.m0,
+                         p.d_v - c0);
+    if (c0 == 0) rows.write_lse(warp * 16, row_lse, lane);
+  } else {
+    __syncthreads();
+    acc_to_smem<QTile, O_TILES>(sQ, warp * 16, acc_o, inv_sum, lane);
+    if (c0 == 0) rows.write_lse(warp * 16, row_lse, lane);
+    __syncthreads();
+    store_tile<QTile, 8 * O_TILES, THREADS>(rows.out + c0, p.out_stride[3], sQ, rows.seq.nq() - rows.m0, p.d_v - c0);
+  }
 }
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, int D_CHUNK, bool IS_CAUSAL, Mods MODS,
-          bool HAS_DROPOUT>
+          bool HAS_DROPOUT, typename OutT>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1) attention_fwd_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
   constexpr int THREADS = NUM_WARPS * WARP_SIZE;
@@ -89,6 +96,7 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1) attention_fwd_kernel
   static_assert(!(HAS_MODS && IS_CAUSAL), "with modifiers, causal is the window's right edge");
   static_assert(MODS != Mods::softcap, "Mods::softcap: the backward's passes only");
   static_assert(BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0, "tiles inside block-mask tiles");
+  static_assert(sizeof(OutT) == sizeof(T) || (sizeof(T) == 2 && sizeof(OutT) == 4), "out: T, or float32 (16-bit T)");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ u32 bitmap_words[HAS_MODS ? TILE_BITMAP_WORDS : 1];
@@ -104,7 +112,7 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1) attention_fwd_kernel
   if (m0 >= seq.nq()) return;                        // past a shorter sequence's end (variable-length batches)
   const int c0 = (blockIdx.x % N_CHUNKS) * D_CHUNK;  // this CTA's output columns
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-  const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS> rows(p, b, seq, m0, bitmap_words);
+  const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS, T, T, OutT> rows(p, b, seq, m0, bitmap_words);
   const Dropout dropout(p, b);
   // P_ij -> P_ij * Z_ij, after the softmax has summed P_ij into l_i.
   auto drop = [&](A(&s)[S_TILES][4], int n_block) {
@@ -160,7 +168,7 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, 1) attention_fwd_kernel
 }
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int BLOCK_N, bool IS_CAUSAL, Mods MODS, bool HAS_DROPOUT,
-          bool BOUNDED, int CTAS_PER_SM>
+          bool BOUNDED, int CTAS_PER_SM, typename OutT>
 __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_fwd_wgmma_kernel(const AttnParams p) {
   constexpr bool HAS_MODS = MODS != Mods::none;
   // float32 inputs: k and v arrive split into float16 pieces (split_f32.cu), q is split here; the shared
@@ -188,6 +196,7 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
   static_assert(!PIECES || SPLIT_BLOCK_ROWS % BLOCK_N == 0, "split float32: each key tile inside one row block");
   static_assert(!BOUNDED || (MODS == Mods::scalars && IsBfloat16<T>::value && !HAS_DROPOUT),
                 "bounded scores: softcapped bfloat16 with the scalar modifiers");
+  static_assert(sizeof(OutT) == sizeof(T) || (sizeof(T) == 2 && sizeof(OutT) == 4), "out: T, or float32 (16-bit T)");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ u32 bitmap_words[HAS_MODS ? TILE_BITMAP_WORDS : 1];
@@ -203,7 +212,7 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
   if (m0 >= seq.nq()) return;  // past a shorter sequence's end (variable-length batches)
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int wg_row0 = (warp / 4) * 64;
-  const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS, E, T> rows(p, b, seq, m0, bitmap_words);
+  const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS, E, T, OutT> rows(p, b, seq, m0, bitmap_words);
   const Dropout dropout(p, b);
   // P_ij -> P_ij * Z_ij, after the softmax has summed P_ij into l_i.
   auto drop = [&](float (&s)[S_TILES][4], int n_block) {

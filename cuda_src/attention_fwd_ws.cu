@@ -3,8 +3,9 @@
 // FlashAttention-3's layout.
 //
 // Layout: q (b, nq, d), k (b, nk, d), v (b, nk, dv) of one dense batch, read through TMA tensor maps (tma.cuh;
-// FP8: v as V^T (b, dv, nk rounded up to 32), keys in the P fragments' order); out (b, nq, dv) and lse (b, nq)
-// float32, contiguous. Saves for the backward: lse only (the FP8 forward has no backward).
+// FP8: v as V^T (b, dv, nk rounded up to 32), keys in the P fragments' order); out (b, nq, dv) of OutT (T; float32
+// unrounded; 16 bits for e4m3 inputs) and lse (b, nq) float32, contiguous. Saves for the backward: lse only (the FP8
+// forward has no backward).
 //
 // A persistent CTA per SM: warpgroup 0 copies (copy_tiles: q per tile, then the K/V tiles of its key blocks into
 // a ring of STAGES slots; with STORE_WARPS, warps 1 .. WGS store out), warpgroups 1 .. WGS compute 64 rows each
@@ -103,8 +104,10 @@ template <typename T_, int HEAD_DIM_, int BLOCK_N_, int STAGES_, bool IS_CAUSAL_
           int WGS_, int PV_COLS_, bool S_FIRST_>
 struct WsTraits {
   using T = T_;
-  using OutT = OutT_;  // out's type: T, or for e4m3 inputs half_t or bfloat16_t
+  using OutT = OutT_;  // out's type: T, float (16-bit inputs, out unrounded), or for e4m3 inputs half_t or bfloat16_t
   static constexpr bool FP8 = sizeof(T) == 1;
+  // An out of other bytes than T goes from the registers (finish_tile): the q buffer, of T, cannot stage it.
+  static constexpr bool OUT_FROM_REGISTERS = sizeof(OutT) != sizeof(T);
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_N = BLOCK_N_, STAGES = STAGES_;
   static constexpr bool IS_CAUSAL = IS_CAUSAL_, BOUNDED = BOUNDED_, ALIBI = ALIBI_, HALF_FIRST = HALF_FIRST_;
   static constexpr bool BLOCK_MASK = BLOCK_MASK_, PACK_AFTER_WAIT = PACK_AFTER_WAIT_, STORE_WARPS = STORE_WARPS_;
@@ -145,7 +148,9 @@ struct WsTraits {
   static_assert((sizeof(T) == 2 && (MODS == Mods::none || MODS == Mods::window || MODS == Mods::dense_scalars)) ||
                     (FP8 && MODS == Mods::none && !STORE_WARPS),
                 "16-bit: plain, a window alone, or the scalar modifiers on a dense batch; e4m3: plain");
-  static_assert(FP8 ? sizeof(OutT) == 2 : sizeof(OutT) == sizeof(T), "out: T, or 16 bits for e4m3 inputs");
+  static_assert(FP8 ? sizeof(OutT) == 2 : sizeof(OutT) == sizeof(T) || sizeof(OutT) == 4,
+                "out: T or float32, or 16 bits for e4m3 inputs");
+  static_assert(!(OUT_FROM_REGISTERS && STORE_WARPS), "the storing warps store staged rows");
   // e4m3 visits every key block from hi down to lo (its descales are loaded a block ahead) and has no
   // half-width first block (16-bit fragments).
   static_assert(!(FP8 && (BLOCK_MASK || ALIBI || HALF_FIRST || BOUNDED)), "e4m3: plain or causal only");
@@ -325,8 +330,9 @@ __device__ __forceinline__ void store_out_tiles(const WsCta<K>& cta, int group, 
 
 // The epilogue of one warpgroup's rows: out = O / l staged through its q rows (its products are done with
 // them) and stored, and lse. STORE_WARPS hands the staged rows to the storing warp instead.
-// e4m3 inputs: out = O * v_unit / l (O is in units of the v descale of its last block), stored from the
-// registers (the q buffer, in 8-bit elements, cannot stage it).
+// An out of other bytes than T, stored from the registers (OUT_FROM_REGISTERS: the q buffer cannot stage it): for
+// e4m3 inputs out = O * v_unit / l (O is in units of the v descale of its last block), 16 bits; for 16-bit inputs
+// float32 O / l, unrounded.
 template <class K, class Rows, class Softmax>
 __device__ __forceinline__ void finish_tile(const WsCta<K>& cta, const Rows& rows, const Softmax& softmax,
                                             const float (&acc_o)[K::O_TILES][4], float exp_scale, int buffer, int wg,
@@ -336,7 +342,7 @@ __device__ __forceinline__ void finish_tile(const WsCta<K>& cta, const Rows& row
   typename K::T* sQ_wg = cta.sQ + (K::WGS * buffer + wg) * QTile::SIZE;
   float inv_sum[2], row_lse[2];
   softmax.finalize(exp_scale, inv_sum, row_lse);
-  if constexpr (K::FP8) {
+  if constexpr (K::OUT_FROM_REGISTERS) {
     rows.write_lse(warp * 16, row_lse, lane);
     const int row = warp * 16 + lane / 4, col = 2 * (lane % 4);
 #pragma unroll

@@ -231,6 +231,29 @@ __device__ __forceinline__ void acc_to_smem(T* smem, int row0, const A (&acc)[N_
   }
 }
 
+// Write one warp's accumulator tile (16 rows x 8*N_TILES cols, row g times row_scale[0], g+8 times [1]) straight
+// from the registers to rows row0.. and columns col0.. of gmem, skipping rows at or past valid_rows and columns at or
+// past valid_cols: the epilogue of results wider than the inputs (float32 from 16-bit inputs), which a staging tile
+// of the inputs' elements could not hold. A lane's pair is 8 bytes there, so the 4 lanes of a row fill a 32-byte
+// sector per store, as the staged 16-byte copies do.
+template <int N_TILES, typename Out, typename A>
+__device__ __forceinline__ void acc_to_gmem(Out* gmem, i64 row_stride, int row0, const A (&acc)[N_TILES][4],
+                                            const A (&row_scale)[2], int lane, int valid_rows, int valid_cols,
+                                            int col0 = 0) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + 8 * r;
+    if (row >= valid_rows) continue;
+    Out* at = gmem + row * row_stride;
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j) {
+      const int c = col0 + j * 8 + 2 * t;
+      if (c < valid_cols) Elem<Out>::store2(at + c, acc[j][2 * r] * row_scale[r], acc[j][2 * r + 1] * row_scale[r]);
+    }
+  }
+}
+
 template <int N_TILES, typename A>
 __device__ __forceinline__ void zero_acc(A (&acc)[N_TILES][4]) {
 #pragma unroll

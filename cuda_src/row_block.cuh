@@ -11,11 +11,12 @@
 // The query rows [m0, m0 + BLOCK_M) of batch entry b that one CTA owns, where its tensors start, and the
 // key blocks those rows see: [n_first, n_blocks), walked downwards with prev_on. k, v hold In elements
 // (T's own, or for split float32 inputs their float16 pieces), q holds QIn (the float32 forward splits its
-// own q tile), out holds T.
+// own q tile), out holds Out (T, or the accumulator's float32 where the caller asks for unrounded results).
 template <typename T, int NUM_WARPS, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, Mods MODS, typename In = T,
-          typename QIn = In>
+          typename QIn = In, typename Out = T>
 struct RowBlock {
   using Element = T;
+  using OutElement = Out;
   static constexpr bool HAS_MODS = MODS != Mods::none;
   const AttnParams& p;
   SeqInfo<may_be_packed(MODS)> seq;  // this batch entry's lengths and rows
@@ -23,7 +24,7 @@ struct RowBlock {
   const QIn* q;  // row m0
   const In* k;
   const In* v;
-  T* out;         // row m0
+  Out* out;       // row m0
   acc_t<T>* lse;  // row m0
   int n_first = 0, n_blocks, n_unmasked;
   int keys_end;  // one past the last key any of these rows sees (n_blocks' last block may end before it)
@@ -46,7 +47,7 @@ struct RowBlock {
     q = static_cast<const QIn*>(p.q) + batch_offset(p.q_stride, b, p) + (seq.q_row + m0) * p.q_stride[3];
     k = static_cast<const In*>(p.k) + batch_offset(p.k_stride, b, p) + seq.k_row * p.k_stride[3];
     v = static_cast<const In*>(p.v) + batch_offset(p.v_stride, b, p) + seq.k_row * p.v_stride[3];
-    out = static_cast<T*>(p.out) + batch_offset(p.out_stride, b, p) + (seq.q_row + m0) * p.out_stride[3];
+    out = static_cast<Out*>(p.out) + batch_offset(p.out_stride, b, p) + (seq.q_row + m0) * p.out_stride[3];
     lse = static_cast<acc_t<T>*>(p.lse) + seq.q_flat + m0;
     nk_ = seq.nk();
     const int offset = seq.causal_offset();

@@ -6,6 +6,7 @@ the manner of FlashAttention-3's hopper/tile_size.h.
     decode(dtype, d, dv, packed_rows, page_size)  attention_with_kvcache's split-KV kernels
     fused_backward_by_arrival(...)                the fused backward's order of dq adds (a launch argument)
     shipped_variants(), variants_for(arch)        the catalogue: every dense and FP8 variant the library ships
+    wide_form(...), wide_variants()               unrounded results: the form a call takes, and what ships
 
 Each decision is one named expression with its reason beside it. The tile shapes a variant compiles with are
 in the tables (tiles.py: dense and FP8; decode_tiles.py: decoding); the measurements behind the thresholds
@@ -25,6 +26,7 @@ from cupyflash._cuda.variants import (
     FP8,
     FP8_OUT_DTYPES,
     ITEMSIZES,
+    WIDE,
     Device,
     Features,
     Variant,
@@ -43,11 +45,21 @@ WS_BWD_MIN_WORK = 1 << 34
 # from these lengths on (docs/design/tiles.md). Where a batch entry's key blocks outnumber the SMs, the index
 # order serves whatever the length (fused_backward_by_arrival): at HEAD_DIM 256 that comes before 16384 keys.
 WS_BWD_INDEX_ORDER_KEYS = {64: 8192, 128: 16384, 192: 16384, 256: 16384}
+# Unrounded results (WIDE: out, or dq, dk, dv, in float32 from 16-bit inputs) ship at these HEAD_DIMs, a narrower
+# head dim padded to the next (zero columns cost time, not accuracy), and in the forms that serve the ring's calls:
+# plain and causal, the scalars, all and all+dropout on the mma.sync and wgmma paths; the warp-specialized forward
+# plain, causal, a window alone and the scalars' plain scores; the fused backward in order. Every other call runs on
+# one of those (wide_form), so that the catalogue grows by a fifth rather than doubling.
+WIDE_HEAD_DIMS = (64, 128, 192, 256)
+WIDE_16BIT = ("float16", "bfloat16")  # the inputs whose results can be wider (float32 and float64 already are)
 
 
 def dense(f: Features, device: Device) -> Variant:
     """The variant that serves a dense call with features ``f`` on a device with abilities ``device``."""
     itemsize, head_dim = ITEMSIZES[f.dtype], tiles.padded_head_dim(f.head_dim)
+    wide = f.out_dtype == WIDE
+    if wide:
+        head_dim = next(d for d in WIDE_HEAD_DIMS if d >= head_dim)
     # Packed batches and attention_probs read cu_seqlens or every option at run time: the modifiers' kernels.
     has_mods = f.has_mods or f.direction == "probs" or f.packed
     # float32 on Hopper runs on float16 pieces, for plain calls only (the pieces are made per call).
@@ -57,9 +69,13 @@ def dense(f: Features, device: Device) -> Variant:
     ws_fwd = _warp_specialized_forward(f, itemsize, wgmma)  # its HEAD_DIM, or None where it does not serve
     # A block mask with no bias or mask: the warp-specialized forward walks it; other forwards with a block mask
     # take the ``all`` form, whose walk costs the scalars' forwards time; the backward's scalars walk it.
-    ws_block_mask = ws_fwd is not None and f.block_mask and not f.arrays and ws_walks_block_mask(itemsize, ws_fwd)
+    ws_block_mask = (
+        ws_fwd is not None and f.block_mask and not f.arrays and not wide and ws_walks_block_mask(itemsize, ws_fwd)
+    )
     mods = _mods_form(f, itemsize, head_dim, has_mods, wgmma, ws_block_mask)
     warp_specialized = ws_fwd is not None and mods != "all"
+    if wide:
+        mods = wide_form(f, mods, warp_specialized)
     fused = _fused_backward(f, itemsize, wgmma, has_mods)  # its HEAD_DIM, or None
     if warp_specialized or fused is not None:
         path, head_dim = "ws", ws_fwd if f.direction == "fwd" else fused
@@ -77,16 +93,31 @@ def dense(f: Features, device: Device) -> Variant:
         mods,
         f.causal and mods in ("none", "softcap"),  # other forms take causal as the window's right edge
         f.dropout,
-        _score_form(f, mods, wgmma, warp_specialized),
+        "plain" if wide else _score_form(f, mods, wgmma, warp_specialized),
         warp_specialized and ws_block_mask,
-        deterministic=f.deterministic or fused is None,  # only the fused backward adds dq in any order
+        out_dtype=f.out_dtype,
+        # only the fused backward adds dq in any order (its unrounded gradients: in order)
+        deterministic=f.deterministic or fused is None or wide,
     )
+
+
+def wide_form(f: Features, mods: str, warp_specialized: bool) -> str:
+    """The modifiers' form of a call with unrounded results: the one ``_mods_form`` chose where it ships WIDE, else
+    the scalars (a window alone, off the warp-specialized forward; a softcap alone's backward) or all (dropout
+    without modifiers)."""
+    if mods == "softcap" or (mods == "window" and not warp_specialized):
+        return "scalars"
+    if f.dropout and mods == "none":
+        return "all"
+    return mods
 
 
 def _warp_specialized_forward(f: Features, itemsize: int, wgmma: bool) -> int | None:
     """The warp-specialized forward's HEAD_DIM for this call, or None: 16-bit forwards on Hopper whose tensor maps
     describe the inputs, without dropout or packed batches (it has neither)."""
     if f.direction != "fwd" or not wgmma or itemsize != 2 or not f.tma or f.dropout or f.packed:
+        return None
+    if f.out_dtype == WIDE and f.alibi:  # its ALiBi forms do not ship unrounded
         return None
     head_dim = tiles.ws_head_dim(f.head_dim, "fwd")
     return head_dim if head_dim is not None and tiles.has("ws", itemsize, head_dim) else None
@@ -199,7 +230,8 @@ def decode(dtype: str, d: int, dv: int, packed_rows: int, page_size: int | None 
 
 def shipped_variants() -> list[Variant]:
     """Every variant the library can compile: on every path of the tile table, each of its forms, causal
-    and not where the kernel tells them apart, and the forward's score forms where they exist."""
+    and not where the kernel tells them apart, and the forward's score forms where they exist; then the FP8
+    forward's, and those with unrounded results (wide_variants)."""
     found = []
     for dtype in DTYPES:
         itemsize = ITEMSIZES[dtype]
@@ -250,6 +282,24 @@ def shipped_variants() -> list[Variant]:
         for causal in (False, True)
         for out in FP8_OUT_DTYPES
     ]
+    return found + wide_variants()
+
+
+def wide_variants() -> list[Variant]:
+    """The variants with unrounded results (WIDE_HEAD_DIMS' comment says which)."""
+    found = []
+    for dtype in WIDE_16BIT:
+        for head_dim in WIDE_HEAD_DIMS:
+            for path in ("mma", "wgmma"):
+                for direction in ("fwd", "bwd"):
+                    base = Variant(direction, dtype, head_dim, path, out_dtype=WIDE)
+                    found += [dataclasses.replace(base, causal=c) for c in (False, True)]
+                    found += [dataclasses.replace(base, mods="scalars"), dataclasses.replace(base, mods="all")]
+                    found.append(dataclasses.replace(base, mods="all", dropout=True))
+            ws = Variant("fwd", dtype, head_dim, "ws", out_dtype=WIDE)
+            found += [dataclasses.replace(ws, causal=c) for c in (False, True)]
+            found += [dataclasses.replace(ws, mods="window"), dataclasses.replace(ws, mods="scalars")]
+            found += [Variant("bwd", dtype, head_dim, "ws", causal=c, out_dtype=WIDE) for c in (False, True)]
     return found
 
 

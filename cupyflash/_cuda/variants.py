@@ -29,6 +29,9 @@ CTYPES = {
 ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "float8_e4m3": 1}
 FP8 = "float8_e4m3"  # the FP8 forward's inputs (cupyflash/_cuda/fp8.py); its out is one of FP8_OUT_DTYPES
 FP8_OUT_DTYPES = ("bfloat16", "float16")
+# Unrounded results: out (forward) or dq, dk, dv (backward) of 16-bit inputs in float32, the accumulator's dtype
+# (attention_forward(out_dtype=...), attention_backward(grad_dtype=...)), stored from the registers.
+WIDE = "float32"
 _SOURCES = {"fwd": "attention_fwd.cu", "bwd": "attention_bwd.cu", "probs": "attention_probs.cu"}
 _WS_SOURCE = "attention_fwd_ws.cu"
 _WS_BWD_SOURCE = "attention_bwd_ws.cu"  # the fused backward and its dq conversion; its preprocess is the two passes'
@@ -58,7 +61,10 @@ class Variant:
     own backward, which takes it as the plain kernels do. ``score``: one of SCORES (forwards).
     ``block_mask``: the warp-specialized forward's walk of a block mask (other kernels skip block-mask
     tiles in their ``all`` form, and the backward in ``scalars`` too). ``deterministic``: False for the fused
-    backward whose dq adds land in any order (``attention_backward(deterministic=False)``); True elsewhere."""
+    backward whose dq adds land in any order (``attention_backward(deterministic=False)``); True elsewhere.
+    ``out_dtype``: the FP8 forward's out, or WIDE (16-bit inputs, out or dq, dk, dv unrounded in float32:
+    ``attention_forward(out_dtype=...)``, ``attention_backward(grad_dtype=...)``); "" where the results are in
+    the inputs' dtype."""
 
     direction: str  # "fwd", "bwd" or "probs"
     dtype: str  # one of DTYPES
@@ -69,12 +75,22 @@ class Variant:
     dropout: bool = False
     score: str = "plain"
     block_mask: bool = False
-    out_dtype: str = ""  # out's dtype where it is not the inputs' (the FP8 forward's)
+    out_dtype: str = ""  # the results' dtype where it is not the inputs' (the FP8 forward's out; WIDE's)
     deterministic: bool = True
 
     @property
     def itemsize(self) -> int:
         return ITEMSIZES[self.dtype]
+
+    @property
+    def wide(self) -> bool:
+        """Whether its results are unrounded: float32 from 16-bit inputs."""
+        return self.out_dtype == WIDE
+
+    @property
+    def results(self) -> str:
+        """The C++ type of its results: out (forward) or dq, dk, dv (backward)."""
+        return CTYPES[self.out_dtype or self.dtype]
 
     @property
     def form(self) -> str:
@@ -139,34 +155,39 @@ class Variant:
         if kernel == "bwd":  # the fused backward: its dq adds in a fixed order per query block, or in any
             return (
                 f"attention_bwd_ws_kernel<{c}, {hd}, {t.block}, {t.stages}, {b[self.causal]}, "
-                f"{b[self.deterministic]}, {tiles.ws_bwd_dq_chains(t, self.deterministic)}, {b[t.paired]}>"
+                f"{b[self.deterministic]}, {tiles.ws_bwd_dq_chains(t, self.deterministic)}, {b[t.paired]}, "
+                f"{self.results}>"
             )
         if kernel == "dq_convert":
             chains = tiles.ws_bwd_dq_chains(t, self.deterministic)
-            return f"attention_bwd_dq_convert_kernel<{c}, {hd}, {t.block}, {b[self.causal]}, {chains}, {b[t.paired]}>"
+            return (
+                f"attention_bwd_dq_convert_kernel<{c}, {hd}, {t.block}, {b[self.causal]}, {chains}, {b[t.paired]}, "
+                f"{self.results}>"
+            )
         if kernel == "fwd" and self.path == "ws":  # the scalars there are a dense batch's (no cu_seqlens)
             mods = "Mods::dense_scalars" if self.mods == "scalars" else mods
             return (
                 f"attention_fwd_ws_kernel<{c}, {hd}, {t.block}, {t.stages}, {b[self.causal]}, {mods}, "
                 f"{b[self.score == 'bounded']}, {b[self.score.startswith('alibi')]}, "
                 f"{b[self.score == 'alibi_half_first']}, {b[self.block_mask]}, {b[t.pack_after_wait]}, "
-                f"{b[t.store_warps]}, {CTYPES[self.out_dtype or self.dtype]}, {t.rows // tiles.WS_WARPGROUP_ROWS}, "
+                f"{b[t.store_warps and not self.wide]}, {self.results}, {t.rows // tiles.WS_WARPGROUP_ROWS}, "
                 f"{t.pv_cols}, {b[t.scores_first]}>"
             )
         if kernel == "fwd" and wgmma:  # no column chunks: the whole head dim per CTA
             return (
                 f"attention_fwd_wgmma_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {b[self.causal]}, {mods}, "
-                f"{b[self.dropout]}, {b[self.score == 'bounded']}, {t.ctas_per_sm}>"
+                f"{b[self.dropout]}, {b[self.score == 'bounded']}, {t.ctas_per_sm}, {self.results}>"
             )
         if kernel == "fwd":
             return (
                 f"attention_fwd_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {b[self.causal]}, "
-                f"{mods}, {b[self.dropout]}>"
+                f"{mods}, {b[self.dropout]}, {self.results}>"
             )
         lse = f", {b[t.lse_by_copy]}" if kernel == "dkdv" else ""
         return (
             f"attention_bwd_{kernel}_kernel<{c}, {hd}, {t.num_warps}, {t.block}, {t.d_chunk}, {b[self.causal]}, "
-            f"{mods}, {b[wgmma]}, {b[self.dropout]}, {b[t.paired]}, {b[t.pipelined]}, {b[t.across_turn]}{lse}>"
+            f"{mods}, {b[wgmma]}, {b[self.dropout]}, {b[t.paired]}, {b[t.pipelined]}, {b[t.across_turn]}{lse}, "
+            f"{self.results}>"
         )
 
     def code(self, kernels: tuple[str, ...] | None = None) -> str:
@@ -231,7 +252,8 @@ class Device:
 class Features:
     """What of a call decides its variant. ``head_dim``: max(D, Dv) as the kernels read rows (row_width);
     ``window``: as given, causal apart; ``arrays``: a bias or a mask; ``tma``: whether the warp-specialized forward
-    may serve (its tensor maps describe the inputs, its block-mask walk holds the key tiles)."""
+    may serve (its tensor maps describe the inputs, its block-mask walk holds the key tiles); ``out_dtype``: WIDE
+    where the call asks for unrounded results of 16-bit inputs, else ""."""
 
     direction: str
     dtype: str
@@ -247,6 +269,7 @@ class Features:
     tma: bool = True
     lengths: tuple[int, int] = (0, 0)  # (Nq, Nk) where the choice depends on them (the backward), else 0s
     deterministic: bool = True  # the backward's: False lets the fused backward add dq in any order
+    out_dtype: str = ""
 
     @property
     def has_mods(self) -> bool:
@@ -270,13 +293,16 @@ class Features:
         packed: bool = False,
         lengths: tuple[int, int] = (0, 0),
         deterministic: bool = True,
+        results=None,
     ) -> "Features":
         """The features of a call: ``mods`` a resolved cupyflash._modifiers.Modifiers or None, ``dropout``
         a cupyflash._dropout.Dropout or None, ``lengths`` (Nq, Nk) for a dense backward (the fused backward
-        serves long sequences only), ``deterministic`` the backward's."""
+        serves long sequences only), ``deterministic`` the backward's, ``results`` the dtype of its results
+        (out, or dq, dk, dv; None: the inputs')."""
         name = dtype if isinstance(dtype, str) else numpy.dtype(dtype).name
         head_dim = max(row_width(d, name), row_width(d_v, name))
         lengths = tuple(int(n) for n in lengths)
+        out_dtype = "" if results is None or numpy.dtype(results).name == name else numpy.dtype(results).name
         if mods is None:
             return cls(
                 direction,
@@ -287,6 +313,7 @@ class Features:
                 packed=packed,
                 lengths=lengths,
                 deterministic=deterministic,
+                out_dtype=out_dtype,
             )
         return cls(
             direction,
@@ -302,6 +329,7 @@ class Features:
             packed,
             lengths=lengths,
             deterministic=deterministic,
+            out_dtype=out_dtype,
         )
 
 

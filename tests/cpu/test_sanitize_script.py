@@ -44,11 +44,13 @@ def test_fp8_variants_are_labelled_with_their_out_dtype(sanitize):
     assert len(FP8_SHIPPED) == len(expected) == 4 * len(tiles.FP8_HEAD_DIMS)
     assert {sanitize.variant_label(v) for v in FP8_SHIPPED} == expected
     assert sanitize.variant_label(tile_policy.fp8(128, True, "float16")) == "fwd/fp8/128/ws/causal/out-fp16"
-    # --variants picks them out by dtype and by out dtype, and nothing else has an out dtype in its name.
+    # --variants picks them out by dtype and by out dtype, and nothing else but the unrounded results (out-fp32)
+    # has an out dtype in its name.
     labels = [sanitize.variant_label(v) for v in SHIPPED]
     assert {label for label in labels if re.search("^fwd/fp8/", label)} == expected
     assert len([label for label in labels if re.search("/out-fp16$", label)]) == 2 * len(tiles.FP8_HEAD_DIMS)
-    assert not [label for v, label in zip(SHIPPED, labels) if v.dtype != FP8 and "out-" in label]
+    assert not [label for v, label in zip(SHIPPED, labels) if v.dtype != FP8 and "out-" in label and not v.wide]
+    assert all(label.endswith("/out-fp32") for v, label in zip(SHIPPED, labels) if v.wide)
 
 
 @pytest.mark.parametrize(
@@ -100,6 +102,26 @@ def test_16_bit_warp_specialized_forwards_still_select_their_own(sanitize):
         if half in SHIPPED:
             assert sanitize._selected(half, variant.causal, {}, HOPPER) == half
             assert sanitize.variant_label(half) != sanitize.variant_label(variant)
+
+
+def test_unrounded_variants_are_reached_and_ask_for_float32_results(sanitize):
+    """Every variant with unrounded results (out-fp32) is reached on the device its path runs on, and the worker's
+    calls ask for float32 out (forward) or gradients (backward) alone."""
+    wide = [v for v in SHIPPED if v.wide]
+    assert len(wide) == 208
+    for variant in wide:
+        device = HOPPER if variant.path in ("wgmma", "ws") else AMPERE
+        assert sanitize.reachable(variant, device), sanitize.variant_label(variant)
+        rounded = dataclasses.replace(variant, out_dtype="")
+        assert not any(
+            sanitize._selected(rounded, causal, options, device) == variant
+            for causal, options in sanitize._calls(variant, None, None)
+        ), "a call without out_dtype or grad_dtype never takes an unrounded variant"
+        options = sanitize._wide_options(variant)
+        other = "bwd" if variant.direction == "fwd" else "fwd"
+        assert options[other] == {} and options[variant.direction] == (
+            dict(out_dtype="float32") if variant.direction == "fwd" else dict(grad_dtype="float32")
+        )
 
 
 class _Recorded(Exception):

@@ -60,7 +60,9 @@ def test_shipped_variants_are_distinct_and_well_formed():
     assert len(SHIPPED) == len(SHIPPED_SET), "a variant is listed twice"
     for v in SHIPPED:
         assert v.direction in ("fwd", "bwd", "probs") and v.dtype in DTYPES + (FP8,) and v.path in PATHS, v
-        assert (v.dtype == FP8) == bool(v.out_dtype), v  # only the FP8 forward's out differs from its inputs
+        # the FP8 forward's out differs from its inputs, and the unrounded results of 16-bit inputs
+        assert bool(v.out_dtype) == (v.dtype == FP8 or v.wide), v
+        assert not v.wide or (v.dtype in ("float16", "bfloat16") and v.head_dim in tile_policy.WIDE_HEAD_DIMS), v
         assert v.mods in MODS and v.score in SCORES and v.head_dim in tiles.HEAD_DIMS, v
         assert not (v.causal and v.mods not in ("none", "softcap")), f"{v}: causal travels in the window"
         assert v.direction != "probs" or (v.mods == "all" and not v.dropout), v
@@ -264,7 +266,7 @@ def test_the_window_alone_forward_takes_its_own_tiles_and_ctas_per_sm():
         assert chosen.tiles("fwd") == cell
         assert chosen.name_expression("fwd") == (
             f"attention_fwd_wgmma_kernel<half_t, {head_dim}, {cell.num_warps}, {cell.block}, false, Mods::window, "
-            f"false, false, {cell.ctas_per_sm}>"
+            f"false, false, {cell.ctas_per_sm}, half_t>"
         )
         scalars = dataclasses.replace(chosen, mods="scalars")
         assert scalars.tiles("fwd").ctas_per_sm == 1
@@ -274,7 +276,7 @@ def test_the_window_alone_forward_takes_its_own_tiles_and_ctas_per_sm():
     assert own, "the table gives no window forward several CTAs per SM"
     for variant in SHIPPED:
         if variant.direction == "fwd" and variant.path in ("wgmma", "pieces") and variant.mods != "window":
-            assert variant.name_expression("fwd").endswith(", 1>"), variant
+            assert variant.name_expression("fwd").endswith(f", 1, {variant.results}>"), variant
 
 
 def test_the_window_alone_backward_takes_its_own_tiles():
@@ -558,8 +560,8 @@ def test_a_block_mask_forward_walks_it_on_the_warp_specialized_kernel():
     assert {v for v in SHIPPED if v.block_mask} == {
         dataclasses.replace(v, block_mask=True)
         for v in SHIPPED
-        if v.path == "ws" and v.mods == "scalars" and v.tiles("fwd").block == 128
-    }  # key blocks: the mask's tiles
+        if v.path == "ws" and v.mods == "scalars" and v.tiles("fwd").block == 128 and not v.wide
+    }  # key blocks: the mask's tiles (unrounded results: the walk is not shipped)
 
 
 def test_the_warp_specialized_block_mask_walk_holds_2048_key_tiles(monkeypatch):
@@ -695,11 +697,11 @@ def test_the_fused_backward_serves_long_plain_and_causal_16_bit_calls_on_hopper(
                 paired = _bool(t.paired)
                 assert v.name_expression("bwd") == (
                     f"attention_bwd_ws_kernel<{ctype}, {head_dim}, {t.block}, "
-                    f"{t.stages}, {_bool(causal)}, true, {chains}, {paired}>"
+                    f"{t.stages}, {_bool(causal)}, true, {chains}, {paired}, {ctype}>"
                 )
                 assert v.name_expression("dq_convert") == (
                     f"attention_bwd_dq_convert_kernel<{ctype}, {head_dim}, "
-                    f"{t.block}, {_bool(causal)}, {chains}, {paired}>"
+                    f"{t.block}, {_bool(causal)}, {chains}, {paired}, {ctype}>"
                 )
                 assert "attention_bwd_ws_kernel" in v.code(("bwd", "dq_convert"))
                 assert "attention_bwd_preprocess_kernel" in v.code(("preprocess",))
@@ -744,11 +746,12 @@ def test_unordered_adds_take_the_fused_backward_from_the_same_shortest_length():
                 paired = _bool(t.paired)
                 assert v.name_expression("bwd") == (
                     f"attention_bwd_ws_kernel<{ctype}, {head_dim}, {t.block}, "
-                    f"{t.stages}, {_bool(causal)}, false, 1, {paired}>"
+                    f"{t.stages}, {_bool(causal)}, false, 1, {paired}, {ctype}>"
                 )
                 assert (
                     v.name_expression("dq_convert")
-                    == f"attention_bwd_dq_convert_kernel<{ctype}, {head_dim}, {t.block}, {_bool(causal)}, 1, {paired}>"
+                    == f"attention_bwd_dq_convert_kernel<{ctype}, {head_dim}, {t.block}, {_bool(causal)}, 1, {paired}, "
+                    f"{ctype}>"
                 )
                 shorter = _backward((shortest - 1, shortest), dtype, head_dim, causal, deterministic=False)
                 assert shorter == Variant("bwd", np.dtype(dtype).name, head_dim, "wgmma", causal=causal)
@@ -801,3 +804,108 @@ def test_backward_lengths_keep_calls_with_little_work_on_the_two_passes():
     ) == (0, 0)
     assert _backward(tile_policy.backward_lengths(least - 1, n, n, 128)).path == "wgmma"
     assert _backward(tile_policy.backward_lengths(least, n, n, 128)).fused_backward
+
+
+# ------------------------------------------------------------------------------------------ unrounded results
+def _features(direction, dtype, head_dim, causal, dropout=None, packed=False, lengths=(0, 0), **options):
+    mods = _modifiers.resolve(np, np.dtype(dtype), (2, 3), 100, 120, **options) if options else None
+    return Features.of(direction, np.dtype(dtype), head_dim, head_dim, causal, mods, dropout, packed, lengths=lengths)
+
+
+WIDE_OPTIONS = (
+    {},
+    dict(window=(40, 0)),
+    dict(window=(40, 10), softcap=20.0),
+    dict(softcap=20.0),
+    dict(alibi_slopes=SLOPES),
+    dict(bias=np.zeros((100, 120), np.float32)),
+    dict(mask=np.ones((100, 120), bool)),
+    dict(block_mask=ON),
+)
+
+
+def test_float32_results_of_16_bit_inputs_take_a_shipped_unrounded_variant():
+    """Whatever the options, path and head dim, a call asking for float32 results of 16-bit inputs gets a shipped
+    variant that stores float32, at a HEAD_DIM that holds its head dim; its kernels are the rounded call's where
+    those ship unrounded."""
+    for dtype, _ in HALVES:
+        for head_dim in (8, 40, 64, 96, 128, 160, 200, 256):
+            for device in (HOPPER, AMPERE):
+                for direction in ("fwd", "bwd"):
+                    for causal in (False, True):
+                        for options in WIDE_OPTIONS:
+                            for extra in (dict(), dict(dropout=DROPOUT), dict(packed=True)):
+                                if extra.get("packed") and set(options) & {"bias", "mask", "block_mask"}:
+                                    continue
+                                f = _features(direction, dtype, head_dim, causal, **extra, **options)
+                                wide = dataclasses.replace(f, out_dtype="float32")
+                                for tma_ok in (True, False):
+                                    chosen = tile_policy.dense(dataclasses.replace(wide, tma=tma_ok), device)
+                                    assert chosen.wide and chosen in SHIPPED_SET, (f, chosen)
+                                    assert chosen.head_dim >= head_dim and chosen.head_dim in tile_policy.WIDE_HEAD_DIMS
+                                    rounded = tile_policy.dense(dataclasses.replace(f, tma=tma_ok), device)
+                                    same = dataclasses.replace(rounded, out_dtype="float32")
+                                    if same in SHIPPED_SET and rounded.head_dim == chosen.head_dim:
+                                        assert chosen == same, (f, chosen, rounded)
+
+
+def test_the_rings_calls_keep_their_kernels_with_unrounded_results():
+    """Plain, causal and windowed calls of the ring's 16-bit blocks take the kernels of the rounded call, with float32
+    results: the warp-specialized forward, the fused backward at long lengths, the two passes below them."""
+    for dtype, _ in HALVES:
+        for head_dim in tile_policy.WIDE_HEAD_DIMS:
+            for causal in (False, True):
+                for options in ({}, dict(window=(200, 0))):
+                    for direction, lengths in (("fwd", (0, 0)), ("bwd", (0, 0)), ("bwd", (16384, 16384))):
+                        f = _features(direction, dtype, head_dim, causal, lengths=lengths, **options)
+                        rounded = tile_policy.dense(f, HOPPER)
+                        chosen = tile_policy.dense(dataclasses.replace(f, out_dtype="float32"), HOPPER)
+                        if direction == "bwd" and options:  # a window alone's backward: the scalars' passes
+                            assert rounded.mods == "window" and chosen.path == rounded.path, chosen
+                            assert chosen == dataclasses.replace(rounded, mods="scalars", out_dtype="float32")
+                            continue
+                        assert chosen == dataclasses.replace(rounded, out_dtype="float32"), (f, chosen)
+                        assert chosen.path == ("ws" if direction == "fwd" or lengths[0] else "wgmma")
+                        assert chosen.results == "float"
+
+
+def test_unrounded_results_fall_back_to_the_forms_that_ship():
+    """Where the rounded call's form does not ship unrounded, the call runs on a form that does: a window or softcap
+    alone on the scalars, dropout alone on all+dropout, the warp-specialized ALiBi and block-mask walk on the wgmma
+    forward, the unordered fused backward in order, the bounded softcap's scores as plain ones."""
+
+    def wide(direction="fwd", dtype=BF16, causal=True, **options):
+        f = _features(direction, dtype, 128, causal, **options)
+        return tile_policy.dense(dataclasses.replace(f, out_dtype="float32"), HOPPER)
+
+    assert wide("bwd", window=(40, 0)).mods == "scalars"
+    assert wide("bwd", softcap=20.0).mods == "scalars"
+    assert wide(softcap=20.0).score == "plain" and wide(softcap=20.0).path == "ws"
+    assert wide(dropout=DROPOUT).mods == "all" and wide(dropout=DROPOUT).dropout
+    assert not wide(dropout=DROPOUT).causal  # causal travels as the window's right edge
+    assert wide(alibi_slopes=SLOPES).path == "wgmma" and wide(alibi_slopes=SLOPES).mods == "scalars"
+    walked = wide(block_mask=ON)
+    assert walked.path == "wgmma" and walked.mods == "all" and not walked.block_mask
+    f = _features("bwd", BF16, 128, True, lengths=(16384, 16384))
+    unordered = dataclasses.replace(f, deterministic=False, out_dtype="float32")
+    assert tile_policy.dense(unordered, HOPPER) == Variant(
+        "bwd", "bfloat16", 128, "ws", causal=True, out_dtype="float32"
+    )
+
+
+def test_results_in_the_inputs_dtype_or_float32_for_float32_inputs_are_not_wide():
+    for dtype in (np.float16, BF16, np.float32, np.float64):
+        assert Features.of("fwd", np.dtype(dtype), 64, 64, False, results=np.dtype(dtype)).out_dtype == ""
+        assert Features.of("fwd", np.dtype(dtype), 64, 64, False).out_dtype == ""
+    assert Features.of("fwd", np.dtype(np.float16), 64, 64, False, results=np.float32).out_dtype == "float32"
+    assert Features.of("bwd", BF16, 64, 64, False, results="float32").out_dtype == "float32"
+
+
+def test_unrounded_variants_stay_a_fifth_of_the_catalogue():
+    """Every form a wide call can take ships at every WIDE_HEAD_DIM for both 16-bit dtypes: 208 variants, a fifth
+    more than the rounded catalogue's 907, not twice it."""
+    wide = [v for v in SHIPPED if v.wide]
+    assert len(wide) == len(tile_policy.wide_variants()) == 208
+    assert len(SHIPPED) - len(wide) == 907
+    assert {v.path for v in wide} == {"mma", "wgmma", "ws"}
+    assert all(v.deterministic and not v.block_mask and v.score == "plain" for v in wide)

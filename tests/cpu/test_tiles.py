@@ -175,41 +175,49 @@ def test_name_expressions_carry_the_cells_switches():
     """Each backward pass's name carries its cell's PAIRED, PIPELINED and ACROSS_TURN (and the dK/dV pass
     LSE_BY_COPY), the warp-specialized forward's its ring, PACK_AFTER_WAIT, STORE_WARPS and the FP8 form's P V
     chunks and S_FIRST, the fused backward's
-    (and its dq conversion's) its query block, its ring and PAIRED."""
+    (and its dq conversion's) its query block, its ring and PAIRED; every kernel that stores results ends with
+    their type (unrounded: float, where the warp-specialized forward's storing warps stay off)."""
     for v in SHIPPED:
+        results = CTYPES[v.out_dtype or v.dtype]
+        assert (results == "float") == v.wide or v.dtype == "float32", v
         for kernel in v.kernels:
             if kernel in ("preprocess", "probs"):
                 continue
             t, name = v.tiles(kernel), v.name_expression(kernel)
             if kernel in ("dkdv", "dq"):
                 tail = f"{_bool(t.paired)}, {_bool(t.pipelined)}, {_bool(t.across_turn)}"
-                tail += f", {_bool(t.lse_by_copy)}>" if kernel == "dkdv" else ">"
+                tail += f", {_bool(t.lse_by_copy)}, {results}>" if kernel == "dkdv" else f", {results}>"
                 assert name.endswith(tail), (v, name)
                 assert name.startswith(f"attention_bwd_{kernel}_kernel<")
             elif kernel == "bwd":
                 chains = tiles.ws_bwd_dq_chains(t, v.deterministic)
                 assert name == (
                     f"attention_bwd_ws_kernel<{CTYPES[v.dtype]}, {v.head_dim}, {t.block}, {t.stages}, "
-                    f"{_bool(v.causal)}, {_bool(v.deterministic)}, {chains}, {_bool(t.paired)}>"
+                    f"{_bool(v.causal)}, {_bool(v.deterministic)}, {chains}, {_bool(t.paired)}, {results}>"
                 ), (v, name)
             elif kernel == "dq_convert":
                 chains = tiles.ws_bwd_dq_chains(t, v.deterministic)
                 assert name == (
                     f"attention_bwd_dq_convert_kernel<{CTYPES[v.dtype]}, {v.head_dim}, {t.block}, "
-                    f"{_bool(v.causal)}, {chains}, {_bool(t.paired)}>"
+                    f"{_bool(v.causal)}, {chains}, {_bool(t.paired)}, {results}>"
                 )
             elif v.path == "ws":
-                out = CTYPES[v.out_dtype or v.dtype]
                 warpgroups = t.rows // tiles.WS_WARPGROUP_ROWS
                 assert name.endswith(
-                    f"{_bool(t.pack_after_wait)}, {_bool(t.store_warps)}, {out}, {warpgroups}, "
+                    f"{_bool(t.pack_after_wait)}, {_bool(t.store_warps and not v.wide)}, {results}, {warpgroups}, "
                     f"{t.pv_cols}, {_bool(t.scores_first)}>"
                 ), (v, name)
                 assert f", {t.block}, {t.stages}, " in name
+            else:  # the other forwards
+                assert name.endswith(f", {results}>"), (v, name)
     dkdv = Variant("bwd", "float16", 128, "wgmma").name_expression("dkdv")
     assert (
         dkdv == "attention_bwd_dkdv_kernel<half_t, 128, 4, 64, 128, false, Mods::none, true, false, false, true, "
-        "true, true>"
+        "true, true, half_t>"
+    )
+    wide = Variant("bwd", "bfloat16", 128, "wgmma", out_dtype="float32").name_expression("dq")
+    assert wide == (
+        "attention_bwd_dq_kernel<bfloat16_t, 128, 4, 64, 128, false, Mods::none, true, false, false, true, true, float>"
     )
 
 
