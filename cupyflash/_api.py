@@ -20,7 +20,7 @@ from numpy.typing import DTypeLike
 
 from cupyflash import _cpu, _dropout, _varlen
 from cupyflash._arrays import Array, lse_dtype, sum_to_shape
-from cupyflash._checks import check_bool
+from cupyflash._checks import check_bool, resolve_results_dtype
 from cupyflash._cuda import dense as _gpu
 from cupyflash._cuda import plans
 from cupyflash._fp8 import api as _fp8_api
@@ -106,12 +106,15 @@ def attention(
     dropout_seed : int, optional
         In [0, 2**64). None draws one from ``numpy.random``; pass one to reproduce a result.
     out_dtype : dtype, optional
-        FP8 inputs only: ``out``'s dtype, bfloat16 (``ml_dtypes.bfloat16``, the default) or float16.
-        Must be None for other inputs.
+        ``out``'s dtype. None (the default) or the inputs' dtype: ``out`` rounded to it. The accumulator's
+        dtype, float32 (float64 for float64 inputs): ``out`` unrounded, as the kernels accumulate it, for
+        results that are summed or merged further and should be rounded once, at the end (ring attention's
+        blocks, partial results merged by :func:`merge_attention_states`). Any other value raises
+        ``ValueError``. For FP8 inputs: bfloat16 (``ml_dtypes.bfloat16``, the default) or float16.
 
     Returns
     -------
-    out : array of the inputs' type and dtype, shape (..., Nq, Dv)
+    out : array of the inputs' type, shape (..., Nq, Dv), the inputs' dtype or ``out_dtype``
         The leading dims ``...`` are those of q, k, v broadcast together (NumPy rules), so
         grouped-query attention is ``q`` of shape (B, Hk, G, Nq, D) with ``k[:, :, None]``
         and ``v[:, :, None]``. For FP8 inputs: of their data's array type, dtype ``out_dtype``.
@@ -123,6 +126,9 @@ def attention(
     float64 throughout (its softmax, accumulators and ``lse`` too). The scores are built in the order
     ``scale``, ``softcap``, ``alibi_slopes``, ``bias``, then the hidden keys (``causal``, ``window``,
     ``mask``, ``block_mask``) become ``-inf``; a query row left with no key gives an output row of 0.
+    A float32 ``out`` of float16 or bfloat16 inputs runs kernels compiled at head dims 64, 128, 192 and 256
+    (narrower heads padded to the next) in fewer forms than the rounded one; a few option combinations run
+    on a more general kernel, and so more slowly (docs/api.md, unrounded results).
 
     Examples
     --------
@@ -193,11 +199,13 @@ def attention_forward(
         As in :func:`attention`, except that ``dropout_p > 0`` needs an integer ``dropout_seed``: pass
         the same one to :func:`attention_backward`.
     out_dtype : dtype, optional
-        FP8 inputs only: bfloat16 (the default) or float16, as in :func:`attention`.
+        As in :func:`attention`: None or the inputs' dtype (``out`` rounded to it), or the accumulator's
+        dtype, float32 (float64 for float64 inputs: ``out`` unrounded); FP8 inputs: bfloat16 (the default) or
+        float16.
 
     Returns
     -------
-    out : array, shape (..., Nq, Dv), the inputs' dtype (FP8 inputs: ``out_dtype``)
+    out : array, shape (..., Nq, Dv), the inputs' dtype, or ``out_dtype``
         ``softmax(scale * q @ k^T) @ v``, with the broadcast leading dims.
     lse : array, shape (..., Nq), float32 (float64 for float64 inputs)
         ``log(sum_j exp(s_ij))`` of the (modified) scores over the keys row ``i`` sees (natural
@@ -220,6 +228,22 @@ def attention_forward(
     >>> error = out8.astype(np.float32) - out
     >>> out8.dtype.name, bool(np.sqrt(np.mean(error ** 2)) < 0.05 * np.sqrt(np.mean(out ** 2)))  # RMSE < 5%
     ('bfloat16', True)
+
+    bfloat16 inputs with ``out`` unrounded, in float32: two halves of the keys attended apart and merged by their
+    lse, rounded once at the end (as ring attention does), give every output to within a rounding of the
+    single call's:
+
+    >>> import ml_dtypes
+    >>> qb, kb, vb = (x.astype(ml_dtypes.bfloat16) for x in (q, k, v))
+    >>> out_a, lse_a = cupyflash.attention_forward(qb, kb[..., :50, :], vb[..., :50, :], out_dtype=np.float32)
+    >>> out_b, lse_b = cupyflash.attention_forward(qb, kb[..., 50:, :], vb[..., 50:, :], out_dtype=np.float32)
+    >>> out_a.dtype.name
+    'float32'
+    >>> merged, _ = cupyflash.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    >>> rounded = merged.astype(ml_dtypes.bfloat16).astype(np.float32)
+    >>> whole = cupyflash.attention(qb, kb, vb).astype(np.float32)
+    >>> bool(np.abs(rounded - whole).max() <= 2**-7 * np.abs(whole).max())
+    True
     """
     if isinstance(q, FP8Tensor) or isinstance(k, FP8Tensor) or isinstance(v, FP8Tensor):
         # Whether each option FP8 does not take was given, in the order of _fp8_api.UNSUPPORTED.
@@ -235,12 +259,12 @@ def attention_forward(
         return _fp8_api.attention_forward(
             q, k, v, causal=causal, scale=scale, out_dtype=out_dtype, unsupported=unsupported
         )
-    if out_dtype is not None:
-        raise ValueError(f"out_dtype applies to FP8 inputs only (q, k, v FP8Tensors), got out_dtype={out_dtype!r}")
     fast = None
     if alibi_slopes is None and bias is None and mask is None and block_mask is None and _plain_window(window):
         # A layout checked before goes straight to its launches (its call entry in cupyflash._cuda.plans).
-        fast = plans.key("call", "fwd", (q, k, v), (causal, scale, window, softcap, dropout_p, type(dropout_seed)))
+        fast = plans.key(
+            "call", "fwd", (q, k, v), (causal, scale, window, softcap, dropout_p, type(dropout_seed), out_dtype)
+        )
         call = plans.get(fast)
         if call is not None:
             outputs = call.run([q.data.ptr, k.data.ptr, v.data.ptr], dropout_seed)
@@ -250,15 +274,24 @@ def attention_forward(
         window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask
     )
     problem = validate(dict(q=q, k=k, v=v), causal, scale, options)
+    out_dtype = resolve_results_dtype("out_dtype", out_dtype, problem.dtype)
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_forward")
     xp, batch = problem.xp, problem.batch
     if problem.is_empty:
-        out = xp.zeros(batch + (problem.nq, problem.dv), dtype=problem.dtype)
+        out = xp.zeros(batch + (problem.nq, problem.dv), dtype=problem.dtype if out_dtype is None else out_dtype)
         lse = xp.full(batch + (problem.nq,), -np.inf, dtype=lse_dtype(problem.dtype))
         return out, lse
     q, k, v = (_broadcast(xp, x, batch) for x in (q, k, v))
     return _backend(problem.xp).attention_forward(
-        q, k, v, scale=problem.scale, causal=problem.causal, mods=problem.mods, dropout=dropout, **_fast_key(fast)
+        q,
+        k,
+        v,
+        scale=problem.scale,
+        causal=problem.causal,
+        mods=problem.mods,
+        dropout=dropout,
+        out_dtype=out_dtype,
+        **_fast_key(fast),
     )
 
 
@@ -281,6 +314,7 @@ def attention_backward(
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
     deterministic: bool = True,
+    grad_dtype: DTypeLike | None = None,
 ) -> tuple[Array, ...]:
     """Gradients of attention with respect to q, k and v.
 
@@ -301,15 +335,23 @@ def attention_backward(
         aside, below). False lets a faster path add dq's float32 partial sums in whatever order they
         arrive, so dq's last bits may vary between runs (as with cuDNN's and FlashAttention-3's
         backward); today that is the fused backward (bfloat16 or float16 on Hopper, long sequences,
-        no score modifiers or dropout). Every other call behaves the same either way.
+        no score modifiers or dropout). Every other call behaves the same either way (and so do calls with
+        unrounded gradients: their fused backward adds in order).
+    grad_dtype : dtype, optional
+        The dtype of ``dq``, ``dk``, ``dv``. None (the default) or the inputs' dtype: rounded to it. The
+        accumulator's dtype, float32 (float64 for float64 inputs): unrounded, as the kernels accumulate
+        them, for gradients summed further and rounded once at the end (gradient accumulation over
+        micro-batches, ring attention's blocks). Any other value raises ``ValueError``. ``dbias`` keeps the
+        bias's dtype. float16 and bfloat16 inputs run their float32 gradients as ``out_dtype`` does in
+        :func:`attention` (Notes there).
 
     Returns
     -------
     dq : array, shape of ``q``
     dk : array, shape of ``k``
     dv : array, shape of ``v``
-        In the inputs' dtype. Where an input was broadcast (MQA/GQA), its gradient is summed over
-        the broadcast dims (in float32; in float64 for float64 inputs), as autograd would.
+        In the inputs' dtype, or ``grad_dtype``. Where an input was broadcast (MQA/GQA), its gradient is
+        summed over the broadcast dims (in float32; in float64 for float64 inputs), as autograd would.
     dbias : array, shape and dtype of ``bias``
         Only when ``bias`` is given: the gradient of the scores, ``P * (dP - rowsum(P * dP))``,
         summed over the dims along which ``bias`` was broadcast (in float32; in float64 for float64
@@ -331,6 +373,20 @@ def attention_backward(
     >>> dq, dk, dv = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
     >>> dq.shape, dk.shape, dv.shape
     ((1, 2, 3, 50, 32), (1, 2, 1, 50, 32), (1, 2, 1, 50, 32))
+
+    bfloat16 gradients accumulated over two micro-batches in float32, rounded once at the end:
+
+    >>> import ml_dtypes
+    >>> bf16 = lambda x: x.astype(ml_dtypes.bfloat16)
+    >>> dk_sum = np.zeros(k.shape, dtype=np.float32)
+    >>> for step in range(2):
+    ...     xs = [bf16(rng.standard_normal(x.shape, dtype=np.float32)) for x in (q, k, v)]
+    ...     out_s, lse_s = cupyflash.attention_forward(*xs, causal=True)
+    ...     _, dk_s, _ = cupyflash.attention_backward(bf16(dout), *xs, out_s, lse_s, causal=True,
+    ...                                               grad_dtype=np.float32)
+    ...     dk_sum += dk_s
+    >>> dk_s.dtype.name, dk_sum.shape
+    ('float32', (1, 2, 1, 50, 32))
     """
     if any(isinstance(x, FP8Tensor) for x in (q, k, v)):
         raise TypeError(
@@ -346,7 +402,7 @@ def attention_backward(
             "call",
             "bwd" if deterministic else "bwd-unordered",
             (dout, q, k, v, out, lse),
-            (causal, scale, window, softcap, dropout_p, type(dropout_seed)),
+            (causal, scale, window, softcap, dropout_p, type(dropout_seed), grad_dtype),
         )
         call = plans.get(fast)
         outputs = None if call is None else call.run([x.data.ptr for x in (q, k, v, out, dout, lse)], dropout_seed)
@@ -359,10 +415,11 @@ def attention_backward(
         window=window, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, block_mask=block_mask
     )
     problem = validate(arrays, causal, scale, options)
+    grad_dtype = resolve_results_dtype("grad_dtype", grad_dtype, problem.dtype)
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_backward")
     xp, batch = problem.xp, problem.batch
     if problem.is_empty:
-        grads = tuple(xp.zeros(x.shape, dtype=problem.dtype) for x in (q, k, v))
+        grads = tuple(xp.zeros(x.shape, dtype=problem.dtype if grad_dtype is None else grad_dtype) for x in (q, k, v))
         return grads + ((xp.zeros(bias.shape, dtype=bias.dtype),) if bias is not None else ())
     qb, kb, vb = (_broadcast(xp, x, batch) for x in (q, k, v))
     *grads, dbias = _backend(problem.xp).attention_backward(
@@ -377,6 +434,7 @@ def attention_backward(
         mods=problem.mods,
         dropout=dropout,
         deterministic=deterministic,
+        grad_dtype=grad_dtype,
         **_fast_key(fast),
     )
     grads = tuple(sum_to_shape(g, x.shape, lse_dtype(problem.dtype)) for g, x in zip(grads, (q, k, v)))
@@ -454,6 +512,7 @@ def attention_varlen(
     alibi_slopes: Array | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
+    out_dtype: DTypeLike | None = None,
 ) -> Array:
     """Attention over a batch of sequences of different lengths, packed along the rows without padding.
 
@@ -476,10 +535,12 @@ def attention_varlen(
         As in :func:`attention`, per sequence: causal and the window are bottom-right aligned in each.
     alibi_slopes : array, optional
         Broadcastable to ``(batch, H)``.
+    out_dtype : dtype, optional
+        As in :func:`attention`: None or the inputs' dtype, or the accumulator's dtype (``out`` unrounded).
 
     Returns
     -------
-    out : array, shape (total_q, H, Dv)
+    out : array, shape (total_q, H, Dv), the inputs' dtype or ``out_dtype``
         Each sequence's rows are what :func:`attention` gives for that sequence alone.
 
     Notes
@@ -518,6 +579,7 @@ def attention_varlen(
         alibi_slopes=alibi_slopes,
         dropout_p=dropout.p if dropout else 0.0,
         dropout_seed=dropout.seed if dropout else None,
+        out_dtype=out_dtype,
     )
     return out
 
@@ -538,6 +600,7 @@ def attention_varlen_forward(
     alibi_slopes: Array | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
+    out_dtype: DTypeLike | None = None,
 ) -> tuple[Array, Array]:
     """:func:`attention_varlen` that also returns the log-sum-exp for the backward.
 
@@ -548,10 +611,12 @@ def attention_varlen_forward(
     dropout_p, dropout_seed
         As in :func:`attention_varlen`, except that ``dropout_p > 0`` needs an integer ``dropout_seed``
         (as in :func:`attention_forward`): pass the same one to :func:`attention_varlen_backward`.
+    out_dtype : dtype, optional
+        As in :func:`attention`: None or the inputs' dtype, or the accumulator's dtype (``out`` unrounded).
 
     Returns
     -------
-    out : array, shape (total_q, H, Dv), the inputs' dtype
+    out : array, shape (total_q, H, Dv), the inputs' dtype or ``out_dtype``
     lse : array, shape (H, total_q), float32 (float64 for float64 inputs)
         Natural-log log-sum-exp of each query row's scores; ``-inf`` for rows that see no key.
 
@@ -571,15 +636,16 @@ def attention_varlen_forward(
     packed, scale, causal, mods = _varlen.validate(
         arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes
     )
+    out_dtype = resolve_results_dtype("out_dtype", out_dtype, packed.dtype)
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_varlen_forward")
     xp = packed.xp
     if packed.total_q == 0 or packed.heads == 0:
         return (
-            xp.zeros((packed.total_q, packed.heads, packed.dv), dtype=packed.dtype),
+            xp.zeros((packed.total_q, packed.heads, packed.dv), dtype=packed.dtype if out_dtype is None else out_dtype),
             xp.full((packed.heads, packed.total_q), -np.inf, dtype=lse_dtype(packed.dtype)),
         )
     return _backend(xp).attention_varlen_forward(
-        q, k, v, packed, scale=scale, causal=causal, mods=mods, dropout=dropout
+        q, k, v, packed, scale=scale, causal=causal, mods=mods, dropout=dropout, out_dtype=out_dtype
     )
 
 
@@ -602,6 +668,7 @@ def attention_varlen_backward(
     alibi_slopes: Array | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
+    grad_dtype: DTypeLike | None = None,
 ) -> tuple[Array, Array, Array]:
     """Gradients of :func:`attention_varlen` with respect to q, k and v.
 
@@ -615,10 +682,12 @@ def attention_varlen_backward(
         (float64 for float64 inputs).
     max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes, dropout_p, dropout_seed
         Exactly as passed to :func:`attention_varlen_forward`.
+    grad_dtype : dtype, optional
+        As in :func:`attention_backward`: None or the inputs' dtype, or the accumulator's dtype (unrounded).
 
     Returns
     -------
-    dq, dk, dv : arrays of the shapes and dtype of q, k, v
+    dq, dk, dv : arrays of the shapes of q, k, v, in their dtype or ``grad_dtype``
         dk and dv are summed over the query heads that share each key/value head.
 
     Examples
@@ -638,12 +707,13 @@ def attention_varlen_backward(
     packed, scale, causal, mods = _varlen.validate(
         arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes
     )
+    grad_dtype = resolve_results_dtype("grad_dtype", grad_dtype, packed.dtype)
     dropout = _dropout.resolve(dropout_p, dropout_seed, caller="attention_varlen_backward")
     xp = packed.xp
     if packed.total_q == 0 or packed.total_k == 0 or packed.heads == 0:
-        return tuple(xp.zeros(x.shape, dtype=packed.dtype) for x in (q, k, v))
+        return tuple(xp.zeros(x.shape, dtype=packed.dtype if grad_dtype is None else grad_dtype) for x in (q, k, v))
     return _backend(xp).attention_varlen_backward(
-        dout, q, k, v, out, lse, packed, scale=scale, causal=causal, mods=mods, dropout=dropout
+        dout, q, k, v, out, lse, packed, scale=scale, causal=causal, mods=mods, dropout=dropout, grad_dtype=grad_dtype
     )
 
 

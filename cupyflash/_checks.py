@@ -134,8 +134,12 @@ def check_dtypes(arrays):
     for name, dtype in named[1:]:
         if dtype != first_dtype:
             names = ", ".join(n for n, _ in named)
+            hint = ""
+            if name == "out" and dtype == lse_dtype(first_dtype):  # an unrounded out (attention_forward(out_dtype=))
+                hint = f" (an unrounded out goes back rounded: out.astype({first_name}.dtype))"
             raise TypeError(
                 f"{first_name} has dtype {first_dtype} but {name} has dtype {dtype}; {names} must share one dtype"
+                + hint
             )
     if "lse" in arrays and arrays["lse"].dtype != lse_dtype(first_dtype):
         raise TypeError(
@@ -182,6 +186,28 @@ def check_forward_outputs(arrays, batch):
                 f"{name} has shape {arrays[name].shape}; expected {shape}, the shape of the "
                 f"{'lse' if name == 'lse' else 'out'} that attention_forward returns for these q, k, v"
             )
+
+
+def resolve_results_dtype(name, value, dtype):
+    """``out_dtype`` or ``grad_dtype`` (``name``) of a call on inputs of ``dtype``: None where the results come in
+    the inputs' dtype (None given, or that dtype), else the accumulator's dtype (float32; float64 for float64
+    inputs), in which the results come unrounded."""
+    if value is None:
+        return None
+    accumulator = lse_dtype(dtype)
+    try:
+        given = np.dtype(value)
+    except (TypeError, ValueError):
+        given = None
+    if given is not None and given == dtype:  # (a dtype equals None: NumPy reads None as float64)
+        return None
+    if given is not None and given == accumulator:
+        return accumulator
+    if accumulator == dtype:
+        expected = f"None or {dtype.name} (the inputs' dtype, which is the accumulator's)"
+    else:
+        expected = f"None, {dtype.name} (the inputs' dtype) or {accumulator.name} (the accumulator's: unrounded)"
+    raise ValueError(f"{name} for {dtype.name} inputs must be {expected}, got {value!r}")
 
 
 def check_bool(name, value):

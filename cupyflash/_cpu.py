@@ -45,11 +45,11 @@ _NO_MODIFIERS = Modifiers((-1, -1), 0.0, None, None, None, None, None)
 
 
 @quiet_float_errors
-def attention_forward(q, k, v, *, scale, causal, mods=None, dropout=None):
-    """Returns out (*batch, Nq, Dv) in the inputs' dtype and lse (*batch, Nq) ``lse_dtype`` (float32; float64
-    for float64 inputs)."""
+def attention_forward(q, k, v, *, scale, causal, mods=None, dropout=None, out_dtype=None):
+    """Returns out (*batch, Nq, Dv) in ``out_dtype`` (None: the inputs' dtype; ``lse_dtype``: unrounded) and lse
+    (*batch, Nq) ``lse_dtype`` (float32; float64 for float64 inputs)."""
     tiles = _ScoreTiles(q.shape[-2], k.shape[-2], scale, causal, mods, dropout, q.shape[:-2], q.dtype, (k, v))
-    out = np.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+    out = np.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype if out_dtype is None else out_dtype)
     lse = np.empty(q.shape[:-1], dtype=tiles.dtype)
     for i0 in range(0, tiles.nq, BLOCK_Q):
         i1 = min(i0 + BLOCK_Q, tiles.nq)
@@ -86,9 +86,11 @@ def _forward_query_block(q, k, v, i0, i1, tiles):
 
 
 @quiet_float_errors
-def attention_backward(dout, q, k, v, out, lse, *, scale, causal, mods=None, dropout=None, deterministic=True):
-    """Returns dq, dk, dv with the full batch shape, in the inputs' dtype, and dbias or None. Deterministic
-    whatever ``deterministic`` says (NumPy's sums run in one order).
+def attention_backward(
+    dout, q, k, v, out, lse, *, scale, causal, mods=None, dropout=None, deterministic=True, grad_dtype=None
+):
+    """Returns dq, dk, dv with the full batch shape, in ``grad_dtype`` (None: the inputs' dtype; ``lse_dtype``:
+    unrounded), and dbias or None. Deterministic whatever ``deterministic`` says (NumPy's sums run in one order).
 
     dbias has the bias's own shape ``mods.bias_shape`` and dtype (summed over its broadcast dims in
     float32; in float64 for float64 inputs); None when there is no bias.
@@ -99,15 +101,16 @@ def attention_backward(dout, q, k, v, out, lse, *, scale, causal, mods=None, dro
     delta = np.sum(dout.astype(tiles.dtype) * out.astype(tiles.dtype), axis=-1)
     # Rows that see no key have lse = -inf; +inf instead makes their P = exp(S - inf) = 0, never NaN.
     lse = np.where(np.isneginf(lse), np.inf, lse)
+    grad_dtype = q.dtype if grad_dtype is None else grad_dtype
     dq = np.zeros(q.shape, dtype=tiles.dtype)
-    dk = np.empty(k.shape, dtype=q.dtype)
-    dv = np.empty(v.shape, dtype=q.dtype)
+    dk = np.empty(k.shape, dtype=grad_dtype)
+    dv = np.empty(v.shape, dtype=grad_dtype)
     dbias = None if tiles.bias is None else np.zeros(tiles.dbias_shape, dtype=tiles.dtype)
     for j0 in range(0, tiles.nk, BLOCK_K):
         j1 = min(j0 + BLOCK_K, tiles.nk)
         dk[..., j0:j1, :], dv[..., j0:j1, :] = _backward_key_block(dout, q, k, v, lse, delta, dq, dbias, j0, j1, tiles)
     dbias = None if dbias is None else dbias.reshape(tiles.bias_shape).astype(tiles.bias.dtype)
-    return dq.astype(q.dtype), dk, dv, dbias
+    return dq.astype(grad_dtype, copy=False), dk, dv, dbias
 
 
 def _backward_key_block(dout, q, k, v, lse, delta, dq, dbias, j0, j1, tiles):
@@ -281,9 +284,11 @@ def _transpose(x):
 
 
 @quiet_float_errors
-def attention_varlen_forward(q, k, v, packed, *, scale, causal, mods=None, dropout=None):
-    """out (total_q, H, Dv) in the inputs' dtype and lse (H, total_q) float32 (float64 for float64 inputs)."""
-    out = np.zeros((packed.total_q, packed.heads, packed.dv), dtype=q.dtype)
+def attention_varlen_forward(q, k, v, packed, *, scale, causal, mods=None, dropout=None, out_dtype=None):
+    """out (total_q, H, Dv) in ``out_dtype`` (as in attention_forward) and lse (H, total_q) float32 (float64 for
+    float64 inputs)."""
+    out_dtype = q.dtype if out_dtype is None else out_dtype
+    out = np.zeros((packed.total_q, packed.heads, packed.dv), dtype=out_dtype)
     lse = np.full((packed.heads, packed.total_q), -np.inf, dtype=lse_dtype(q.dtype))
     for s, q0, q1, k0, k1 in packed.sequences():
         if q1 == q0:
@@ -292,16 +297,22 @@ def attention_varlen_forward(q, k, v, packed, *, scale, causal, mods=None, dropo
         mods_s, dropout_s = _sequence_options(packed, s, mods, dropout)
         if k1 == k0:  # no key: out = 0, lse = -inf, as already filled
             continue
-        out_s, lse_s = attention_forward(qs, ks, vs, scale=scale, causal=causal, mods=mods_s, dropout=dropout_s)
+        out_s, lse_s = attention_forward(
+            qs, ks, vs, scale=scale, causal=causal, mods=mods_s, dropout=dropout_s, out_dtype=out_dtype
+        )
         out[q0:q1] = out_s.reshape(packed.heads, q1 - q0, packed.dv).transpose(1, 0, 2)
         lse[:, q0:q1] = lse_s.reshape(packed.heads, q1 - q0)
     return out, lse
 
 
 @quiet_float_errors
-def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale, causal, mods=None, dropout=None):
-    """dq, dk, dv in the shapes and dtype of q, k, v (dk, dv summed over each group's query heads)."""
-    dq, dk, dv = (np.zeros(x.shape, dtype=q.dtype) for x in (q, k, v))
+def attention_varlen_backward(
+    dout, q, k, v, out, lse, packed, *, scale, causal, mods=None, dropout=None, grad_dtype=None
+):
+    """dq, dk, dv in the shapes of q, k, v and ``grad_dtype`` (as in attention_backward; dk, dv summed over each
+    group's query heads)."""
+    grad_dtype = q.dtype if grad_dtype is None else grad_dtype
+    dq, dk, dv = (np.zeros(x.shape, dtype=grad_dtype) for x in (q, k, v))
     hk, g = packed.kv_heads, packed.groups
     for s, q0, q1, k0, k1 in packed.sequences():
         if q1 == q0 or k1 == k0:
@@ -311,12 +322,22 @@ def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale, causal,
         lses = lse[:, q0:q1].reshape(hk, g, q1 - q0)
         mods_s, dropout_s = _sequence_options(packed, s, mods, dropout)
         dq_s, dk_s, dv_s, _ = attention_backward(
-            douts, qs, ks, vs, outs, lses, scale=scale, causal=causal, mods=mods_s, dropout=dropout_s
+            douts,
+            qs,
+            ks,
+            vs,
+            outs,
+            lses,
+            scale=scale,
+            causal=causal,
+            mods=mods_s,
+            dropout=dropout_s,
+            grad_dtype=grad_dtype,
         )
         dq[q0:q1] = dq_s.reshape(packed.heads, q1 - q0, packed.d).transpose(1, 0, 2)
         for grad, target in ((dk_s, dk), (dv_s, dv)):
             summed = grad.astype(lse_dtype(q.dtype)).sum(axis=1)  # over the G query heads of each group
-            target[k0:k1] = summed.transpose(1, 0, 2).astype(q.dtype)
+            target[k0:k1] = summed.transpose(1, 0, 2).astype(grad_dtype)
     return dq, dk, dv
 
 

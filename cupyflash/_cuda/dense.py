@@ -60,10 +60,10 @@ def _tma_reads(variant, arrays, sizes, strides, nk: int) -> bool:
     return not variant.block_mask or -(-nk // BLOCK_MASK_TILE) <= WS_BLOCK_MASK_TILES
 
 
-def plan_key(direction: str, arrays: dict, scale: float, causal: bool, mods, dropout) -> tuple | None:
+def plan_key(direction: str, arrays: dict, scale: float, causal: bool, mods, dropout, results) -> tuple | None:
     """A dense call's key in the plan cache (role "plan"), or None when it is not planned (the modifiers'
-    per-element arrays). Its inputs' layouts: outputs and workspaces are allocated contiguous from their
-    shapes."""
+    per-element arrays). Its inputs' layouts and its results' dtype (``results``): outputs and workspaces are
+    allocated contiguous from their shapes."""
     if mods is not None and not (mods.bias is None and mods.mask is None and mods.block_mask is None):
         return None
     window, softcap = (None, 0.0) if mods is None else (mods.window, mods.softcap)
@@ -71,30 +71,29 @@ def plan_key(direction: str, arrays: dict, scale: float, causal: bool, mods, dro
         "plan",
         direction,
         [arrays[name] for name in STRIDED if name in arrays] + [arrays.get("alibi_slopes")],
-        (scale, causal, window, softcap) + ((None, None) if dropout is None else (dropout.threshold, dropout.scale)),
+        (scale, causal, window, softcap, results.name)
+        + ((None, None) if dropout is None else (dropout.threshold, dropout.scale)),
     )
 
 
-def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout=None, fast_key=None):
-    """out (*batch, Nq, Dv) and lse (*batch, Nq) in lse_dtype (float32; float64 for float64 inputs).
-    ``fast_key``: the call's key in the plan cache (plans.py, role "call"), under which a plan that launches
-    on these very arrays is kept."""
+def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout=None, fast_key=None, out_dtype=None):
+    """out (*batch, Nq, Dv) in ``out_dtype`` (None: the inputs' dtype; or lse_dtype, unrounded) and lse (*batch, Nq)
+    in lse_dtype (float32; float64 for float64 inputs). ``fast_key``: the call's key in the plan cache (plans.py,
+    role "call"), under which a plan that launches on these very arrays is kept."""
+    out_dtype = q.dtype if out_dtype is None else numpy.dtype(out_dtype)
     batch_shape, (nq, d), nk, d_v = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
     d_w, d_v_w = _widths(q.dtype, d, d_v)
     given = q, k, v
     q, k, v = kernel_ready(q, d_w), kernel_ready(k, d_w), kernel_ready(v, d_v_w)
     if any(a is not b for a, b in zip((q, k, v), given)) or (d_w, d_v_w) != (d, d_v):
         fast_key = None  # launched on padded copies
-    out = cupy.empty(batch_shape + (nq, d_v_w), dtype=q.dtype)
+    out = cupy.empty(batch_shape + (nq, d_v_w), dtype=out_dtype)
     lse = cupy.empty(batch_shape + (nq,), dtype=lse_dtype(q.dtype))
     addresses = {"q": q, "k": k, "v": v, "out": out, "lse": lse, **slopes(mods)}
-    key = plan_key("fwd", addresses, scale, causal, mods, dropout)
+    key = plan_key("fwd", addresses, scale, causal, mods, dropout, out_dtype)
     plan = plans.get(key)
-    variant = (
-        plan.variant
-        if plan is not None
-        else tile_policy.dense(Features.of("fwd", q.dtype, d_w, d_v_w, causal, mods, dropout), current_device())
-    )
+    features = Features.of("fwd", q.dtype, d_w, d_v_w, causal, mods, dropout, results=out_dtype)
+    variant = plan.variant if plan is not None else tile_policy.dense(features, current_device())
     # float32 on Hopper: the kernel reads float16 pieces of k and v, and q itself (it splits each q tile as it
     # loads it).
     width = _pieces_width(variant)
@@ -128,7 +127,6 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
                 block = variant.tiles("fwd").block
                 maps = tma.TensorMaps(arrays, sizes, strides, {"q": WS_WARPGROUP_ROWS, "k": block, "v": block})
             else:
-                features = Features.of("fwd", q.dtype, d_w, d_v_w, causal, mods, dropout)
                 variant = tile_policy.dense(dataclasses.replace(features, tma=False), current_device())
         plan = Plan(functions(variant), variant, params, [("fwd", nq, batch)], maps, arrays)
         if copied:  # the parameters point at copies made for this call
@@ -155,10 +153,13 @@ def attention_backward(
     dropout=None,
     fast_key=None,
     deterministic: bool = True,
+    grad_dtype=None,
 ):
-    """dq, dk, dv with the full (broadcast) batch shape, in the input dtype, and dbias (the bias's shape
-    and dtype) or None. ``fast_key`` as in attention_forward. ``deterministic=False`` lets the fused backward
-    add dq in any order (bfloat16 / float16 on Hopper, long sequences); every other path is deterministic."""
+    """dq, dk, dv with the full (broadcast) batch shape, in ``grad_dtype`` (None: the inputs' dtype; or lse_dtype,
+    unrounded), and dbias (the bias's shape and dtype) or None. ``fast_key`` as in attention_forward.
+    ``deterministic=False`` lets the fused backward add dq in any order (bfloat16 / float16 on Hopper, long
+    sequences); every other path is deterministic."""
+    grad_dtype = q.dtype if grad_dtype is None else numpy.dtype(grad_dtype)
     batch_shape, (nq, d), nk, d_v = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
     d_w, d_v_w = _widths(q.dtype, d, d_v)
     given = dout, q, k, v, out, lse
@@ -169,9 +170,9 @@ def attention_backward(
         lse = cupy.ascontiguousarray(cupy.broadcast_to(lse, batch_shape + (nq,)), dtype=acc)
     if any(a is not b for a, b in zip((dout, q, k, v, out, lse), given)) or (d_w, d_v_w) != (d, d_v):
         fast_key = None  # launched on copies
-    dq = cupy.empty(batch_shape + (nq, d_w), dtype=q.dtype)
-    dk = cupy.empty(batch_shape + (nk, d_w), dtype=q.dtype)
-    dv = cupy.empty(batch_shape + (nk, d_v_w), dtype=q.dtype)
+    dq = cupy.empty(batch_shape + (nq, d_w), dtype=grad_dtype)
+    dk = cupy.empty(batch_shape + (nk, d_w), dtype=grad_dtype)
+    dv = cupy.empty(batch_shape + (nk, d_v_w), dtype=grad_dtype)
     lse_log2 = cupy.empty(batch_shape + (nq,), dtype=acc)
     delta = cupy.empty(batch_shape + (nq,), dtype=acc)
     addresses = {
@@ -191,7 +192,9 @@ def attention_backward(
     # (an unordered call keys its plans apart: where its fused backward takes a length, the ordered call's plan
     # may be the two passes)
     direction = "bwd" if deterministic else "bwd-unordered"
-    key = plan_key(direction, addresses, scale, causal, mods, dropout) if max(nq, nk) <= CHAIN_ROWS else None
+    key = (
+        plan_key(direction, addresses, scale, causal, mods, dropout, grad_dtype) if max(nq, nk) <= CHAIN_ROWS else None
+    )
     plan = plans.get(key)
     outputs = [(x.shape, x.dtype) for x in (dq, dk, dv, lse_log2, delta)]
     # Gradients of inputs broadcast over leading dims (stride 0) are summed after the call: scratch memory.
@@ -204,7 +207,16 @@ def attention_backward(
         return unpad(dq, d), unpad(dk, d), unpad(dv, d_v), None
     lengths = tile_policy.backward_lengths(math.prod(batch_shape), nq, nk, max(d_w, d_v_w))
     features = Features.of(
-        "bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, lengths=lengths, deterministic=deterministic
+        "bwd",
+        q.dtype,
+        d_w,
+        d_v_w,
+        causal,
+        mods,
+        dropout,
+        lengths=lengths,
+        deterministic=deterministic,
+        results=grad_dtype,
     )
     variant = tile_policy.dense(features, current_device())
     # float32 on Hopper: the passes read float16 pieces of q, k, v, dout; the preprocess reads out and dout
@@ -314,14 +326,15 @@ def _device_offsets(packed):
     return cupy.asarray(packed.cu_q.astype(numpy.int32)), cupy.asarray(packed.cu_k.astype(numpy.int32))
 
 
-def attention_varlen_forward(q, k, v, packed, *, scale: float, causal: bool, mods=None, dropout=None):
-    """out (total_q, H, Dv) and lse (H, total_q) in lse_dtype of a packed batch; no padding anywhere."""
+def attention_varlen_forward(q, k, v, packed, *, scale: float, causal: bool, mods=None, dropout=None, out_dtype=None):
+    """out (total_q, H, Dv) in ``out_dtype`` (as in attention_forward) and lse (H, total_q) in lse_dtype of a
+    packed batch; no padding anywhere."""
+    out_dtype = q.dtype if out_dtype is None else numpy.dtype(out_dtype)
     d_w, d_v_w = _widths(q.dtype, packed.d, packed.dv)
-    variant = tile_policy.dense(
-        Features.of("fwd", q.dtype, d_w, d_v_w, causal, mods, dropout, packed=True), current_device()
-    )
+    features = Features.of("fwd", q.dtype, d_w, d_v_w, causal, mods, dropout, packed=True, results=out_dtype)
+    variant = tile_policy.dense(features, current_device())
     q, k, v = kernel_ready(q, d_w), kernel_ready(k, d_w), kernel_ready(v, d_v_w)
-    out = cupy.empty((packed.total_q, packed.heads, d_v_w), dtype=q.dtype)
+    out = cupy.empty((packed.total_q, packed.heads, d_v_w), dtype=out_dtype)
     lse = cupy.empty((packed.heads, packed.total_q), dtype=lse_dtype(q.dtype))
     cu_q, cu_k = _device_offsets(packed)
     others = {"lse": lse, **packed_slopes(mods)}  # alive until the launch
@@ -342,21 +355,24 @@ def attention_varlen_forward(q, k, v, packed, *, scale: float, causal: bool, mod
     return unpad(out, packed.dv), lse
 
 
-def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale: float, causal: bool, mods=None, dropout=None):
-    """dq (total_q, H, D), dk (total_k, Hk, D), dv (total_k, Hk, Dv) of a packed batch. The kernels write
-    per-head arrays (H, total, .); dk and dv are then summed over each group's G query heads (in lse_dtype)."""
+def attention_varlen_backward(
+    dout, q, k, v, out, lse, packed, *, scale: float, causal: bool, mods=None, dropout=None, grad_dtype=None
+):
+    """dq (total_q, H, D), dk (total_k, Hk, D), dv (total_k, Hk, Dv) of a packed batch in ``grad_dtype`` (as in
+    attention_backward). The kernels write per-head arrays (H, total, .); dk and dv are then summed over each
+    group's G query heads (in lse_dtype)."""
+    grad_dtype = q.dtype if grad_dtype is None else numpy.dtype(grad_dtype)
     d_w, d_v_w = _widths(q.dtype, packed.d, packed.dv)
-    variant = tile_policy.dense(
-        Features.of("bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, packed=True), current_device()
-    )
+    features = Features.of("bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, packed=True, results=grad_dtype)
+    variant = tile_policy.dense(features, current_device())
     q, k = kernel_ready(q, d_w), kernel_ready(k, d_w)
     v, out, dout = (kernel_ready(x, d_v_w) for x in (v, out, dout))
     acc = lse_dtype(q.dtype)
     lse = cupy.ascontiguousarray(lse, dtype=acc)
     h, total_q, total_k = packed.heads, packed.total_q, packed.total_k
-    dq = cupy.empty((h, total_q, d_w), dtype=q.dtype)
-    dk = cupy.empty((h, total_k, d_w), dtype=q.dtype)
-    dv = cupy.empty((h, total_k, d_v_w), dtype=q.dtype)
+    dq = cupy.empty((h, total_q, d_w), dtype=grad_dtype)
+    dk = cupy.empty((h, total_k, d_w), dtype=grad_dtype)
+    dv = cupy.empty((h, total_k, d_v_w), dtype=grad_dtype)
     lse_log2, delta = (cupy.empty((h, total_q), dtype=acc) for _ in range(2))
     cu_q, cu_k = _device_offsets(packed)
     others = {"dq": dq, "dk": dk, "dv": dv, "lse": lse, "lse_log2": lse_log2, "delta": delta, **packed_slopes(mods)}
@@ -382,8 +398,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, packed, *, scale: float, 
 
     def packed_rows(x, width, groups):  # (H, total, w) -> (total, H // groups, width), summed over groups
         if groups > 1:
-            x = x.reshape(h // groups, groups, x.shape[1], x.shape[2]).astype(acc).sum(axis=1).astype(q.dtype)
-        return cupy.ascontiguousarray(bits(x[..., :width]).transpose(1, 0, 2)).view(q.dtype)
+            x = x.reshape(h // groups, groups, x.shape[1], x.shape[2]).astype(acc).sum(axis=1).astype(grad_dtype)
+        return cupy.ascontiguousarray(bits(x[..., :width]).transpose(1, 0, 2)).view(grad_dtype)
 
     return (
         packed_rows(dq, packed.d, 1),

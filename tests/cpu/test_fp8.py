@@ -471,8 +471,8 @@ def test_out_dtype_misuse(rng):
         with pytest.raises(ValueError, match="out_dtype must be bfloat16"):
             cupyflash.attention(q8, k8, v8, out_dtype=bad)
     q, k, v = (x.dequantize() for x in (q8, k8, v8))
-    for function in (cupyflash.attention, cupyflash.attention_forward):
-        with pytest.raises(ValueError, match="out_dtype applies to FP8 inputs only"):
+    for function in (cupyflash.attention, cupyflash.attention_forward):  # other inputs: theirs or the accumulator's
+        with pytest.raises(ValueError, match="out_dtype for float32 inputs must be None or float32"):
             function(q, k, v, out_dtype=np.float16)
 
 

@@ -446,7 +446,7 @@ def test_modifier_arrays_are_never_planned():
     for name in ("bias", "mask", "block_mask"):
         mods = types.SimpleNamespace(bias=None, mask=None, block_mask=None, window=None, softcap=0.0)
         setattr(mods, name, np.zeros((1, 1, 4, 4)))
-        assert dense.plan_key("fwd", {}, 0.5, False, mods, None) is None
+        assert dense.plan_key("fwd", {}, 0.5, False, mods, None, np.dtype(np.float16)) is None
 
 
 def test_decoding_calls_on_numpy_have_no_key(rng):
