@@ -8,9 +8,10 @@ Forward, on every rank at once (s = the rank whose key/value shard is in hand at
         for each block of the step:  out_b, lse_b = attention_forward(q rows, k rows, v rows)
                                      (out, lse) of those rows = merge_attention_states((out, lse), (out_b, lse_b))
 
-so the transfer of step t+1's keys overlaps step t's attention. Each block's out comes rounded to the inputs'
-dtype (as attention_forward returns it); the blocks accumulate in float32 (float64 for float64 inputs), and
-the sum is rounded to the inputs' dtype once more at the end. The gradients likewise.
+so the transfer of step t+1's keys overlaps step t's attention. Each block's out comes unrounded, in the
+accumulator's dtype (``attention_forward(out_dtype=...)``); the blocks merge in float32 (float64 for float64
+inputs), and the result is rounded to the inputs' dtype once, at the end, as one GPU's is. The gradients likewise
+(``attention_backward(grad_dtype=...)``).
 
 Backward: each block's gradients come from ``attention_backward`` with the final ``out`` and ``lse`` (which
 make each block's softmax exact). dQ accumulates on its rank; dK and dV accumulate in a float32 buffer that
@@ -318,7 +319,7 @@ def _forward_steps(comm, call, q, keys):
     def attend(blk, k_hand, v_hand):
         qb, kb, vb = q[..., blk.q_rows, :], k_hand[..., blk.k_rows, :], v_hand[..., blk.k_rows, :]
         kwargs, shift = call.options(blk, qb.shape[-2], kb.shape[-2])
-        out_b, lse_b = attention_forward(qb, kb, vb, **kwargs)
+        out_b, lse_b = attention_forward(qb, kb, vb, **kwargs, out_dtype=acc)
         if shift is not None:
             lse_b = lse_b + shift
         if not state:
@@ -412,7 +413,14 @@ def _backward_steps(comm, call, dout, q, out, lse, keys, grads):
         kwargs, shift = call.options(blk, blk.q_rows.stop - blk.q_rows.start, kb.shape[-2])
         lse_b = lse[..., blk.q_rows] if shift is None else lse[..., blk.q_rows] - shift
         dq_b, dk_b, dv_b, *_ = attention_backward(
-            dout[..., blk.q_rows, :], q[..., blk.q_rows, :], kb, vb, out[..., blk.q_rows, :], lse_b, **kwargs
+            dout[..., blk.q_rows, :],
+            q[..., blk.q_rows, :],
+            kb,
+            vb,
+            out[..., blk.q_rows, :],
+            lse_b,
+            **kwargs,
+            grad_dtype=acc,
         )
         add_rows(xp, dq, blk.q_rows, dq_b)
         return blk.k_rows, dk_b, dv_b

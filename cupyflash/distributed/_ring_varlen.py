@@ -7,7 +7,8 @@ shards travel in that order. The schedule is the dense ring's (``_schedule.block
 a pair of slots is one ``attention_varlen`` call over every sequence at once, since chunk a of every
 sequence meets chunk b of the same sequence, under the local causal mask when a = b (the same rows in the same
 order), unmasked when a > b, skipped when a < b under a causal mask. The calls' results merge by their
-log-sum-exp into float accumulators laid out (H, rows, D), and the gradients add, exactly as in ``_ring``;
+log-sum-exp into float accumulators laid out (H, rows, D), and the gradients add, exactly as in ``_ring`` (each
+call's results unrounded, in the accumulator's dtype);
 the results go back to the caller's order at the end.
 
 A window cuts a pair of chunks down to the square its band covers (_schedule.windowed_pair), whose place and
@@ -245,7 +246,7 @@ def _forward_steps(comm, call, q, keys):
 
     def attend(blk, k_hand, v_hand):
         qb, kb, vb = q[blk.q_rows], k_hand[blk.k_rows], v_hand[blk.k_rows]
-        out_b, lse_b = attention_varlen_forward(qb, kb, vb, **call.options(blk))
+        out_b, lse_b = attention_varlen_forward(qb, kb, vb, **call.options(blk), out_dtype=acc)
         merge_rows(xp, out, lse, blk.q_rows, out_b.transpose(1, 0, 2), lse_b)
 
     run_steps(comm, keys, call.blocks, attend)
@@ -337,7 +338,14 @@ def _backward_steps(comm, call, dout, q, out, lse, keys, grads):
     def gradients(blk, k_hand, v_hand):
         rows = blk.q_rows
         dq_b, dk_b, dv_b = attention_varlen_backward(
-            dout[rows], q[rows], k_hand[blk.k_rows], v_hand[blk.k_rows], out[rows], lse[:, rows], **call.options(blk)
+            dout[rows],
+            q[rows],
+            k_hand[blk.k_rows],
+            v_hand[blk.k_rows],
+            out[rows],
+            lse[:, rows],
+            **call.options(blk),
+            grad_dtype=acc,
         )
         add_rows(xp, dq, rows, dq_b.transpose(1, 0, 2))
         return blk.k_rows, dk_b.transpose(1, 0, 2), dv_b.transpose(1, 0, 2)

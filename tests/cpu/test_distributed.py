@@ -113,6 +113,16 @@ def _assert_float64_matches_reference(q, k, v, dout, results, *, causal, scale=N
         assert error <= RTOL64 * size, f"{name}: relative error {error / size:.3g} > {RTOL64:g}"
 
 
+def _assert_errors_within_a_quarter_more(ring, single, exact):
+    """Each result's max error against float64 is at most 1.25 times the single call's; results whose single-call
+    error is float32 noise (lse, float32 in both) are held to 1.25 times 1e-6 of their largest magnitude."""
+    for name, x, y, e in zip(NAMES, ring, single, exact):
+        ring_error = max_abs(x.astype(np.float64) - e)
+        single_error = max_abs(y.astype(np.float64) - e)
+        floor = 1e-6 * max(1.0, max_abs(e))
+        assert ring_error <= 1.25 * max(single_error, floor), (name, ring_error, single_error)
+
+
 def _problem(rng, world_size, dtype=np.float32, batch=(B, H), d=D, dv=DV):
     n = _seq(world_size)
     return random_problem(rng, batch + (n, d), batch + (n, d), batch + (n, dv), dtype)
@@ -232,6 +242,29 @@ def test_16_bit_dtypes_with_options_meet_the_accuracy_rule(rng, dtype):
     q, k, v, dout = _problem(rng, 3, dtype)
     ring = _ring(3, q, k, v, dout, causal=True, **options)
     assert_matches_reference_scaled(q, k, v, dout, ring, causal=True, **options)
+
+
+@pytest.mark.parametrize(
+    "world_size, layout, causal, option",
+    [
+        (2, "zigzag", True, None),
+        (3, "contiguous", False, "softcap"),
+        (4, "zigzag", True, "alibi_h"),
+        (2, "zigzag", True, "window"),
+    ],
+)
+@pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
+def test_16_bit_errors_within_a_quarter_of_the_single_call(rng, dtype, world_size, layout, causal, option):
+    """Each block's results come unrounded (attention_forward(out_dtype=), attention_backward(grad_dtype=)) and the
+    ring rounds once, at the end, as the single call does: every result's error against float64 is within 1.25
+    times the single call's (rounding each block's results first made dv's 2.9 times one GPU's)."""
+    options = {} if option is None else dict(window=(24, 0)) if option == "window" else _options(option)
+    n = 2 * world_size * 24
+    q, k, v, dout = random_problem(rng, (B, H, n, 32), (B, H, n, 32), (B, H, n, 32), dtype)
+    ring = _ring(world_size, q, k, v, dout, causal=causal, layout=layout, **options)
+    single = _single(q, k, v, dout, causal=causal, **options)
+    exact = _single(*(x.astype(np.float64) for x in (q, k, v, dout)), causal=causal, **options)
+    _assert_errors_within_a_quarter_more(ring, single, exact)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -915,19 +948,16 @@ def test_varlen_ring_with_softcap_and_scale_in_float64(rng, layout):
 
 
 @pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
-def test_varlen_ring_16_bit_within_twice_the_single_call(rng, dtype):
-    """bfloat16 and float16 (W = 2, causal): each result's error against float64 is at most twice the single
-    16-bit call's plus a rounding step (the ring rounds each call's results once more)."""
-    cu = _varlen_offsets(2, "zigzag")
+def test_varlen_ring_16_bit_within_a_quarter_of_the_single_call(rng, dtype):
+    """bfloat16 and float16 (W = 2, causal): each call's results come unrounded and the ring rounds once, at
+    the end, as the single call does: each result's error against float64 is within 1.25 times the single
+    16-bit call's."""
+    cu = _varlen_offsets(2, "zigzag", chunks=(12, 0, 4, 20))
     q, k, v, dout = _varlen_problem(rng, int(cu[-1]), dtype)
     ring = _varlen_ring(2, q, k, v, dout, cu, causal=True)
     single = _varlen_single(q, k, v, dout, cu, causal=True)
     exact = _varlen_single(*(x.astype(np.float64) for x in (q, k, v, dout)), cu, causal=True)
-    ulp = float(np.finfo(dtype).eps) if dtype == np.float16 else 2.0**-7
-    for name, x, y, e in zip(NAMES, ring, single, exact):
-        ring_error = max_abs(x.astype(np.float64) - e)
-        single_error = max_abs(y.astype(np.float64) - e)
-        assert ring_error <= 2 * single_error + ulp * max_abs(e), (name, ring_error, single_error)
+    _assert_errors_within_a_quarter_more(ring, single, exact)
 
 
 def test_shard_varlen_holds_each_sequences_chunks():
