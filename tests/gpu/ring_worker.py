@@ -3,9 +3,11 @@
     python -m cupyflash.distributed.launch --nproc 2 tests/gpu/ring_worker.py
 
 Every rank builds the same inputs, runs ring attention over NCCL on its shards, and gathers the results;
-rank 0 holds them to the accuracy rule (helpers/checks.py) against the float64 reference, and to 2x the
-error of our single-GPU result. A failed check raises, so the process (and the launcher) exits non-zero.
-Rank 0 prints one line per case.
+rank 0 holds them to the accuracy rule (helpers/checks.py) against the float64 reference, and each result to
+RATIO times the error of our single-GPU result (the blocks' results come unrounded and the ring rounds once, at
+the end, as one GPU does; where one GPU's error is float32 or float64 noise, a floor of 1e-6 or 1e-13 of the
+largest magnitude stands for it). A failed check raises, so the process (and the launcher) exits non-zero.
+Rank 0 prints one line per case, with each result's ratio.
 """
 
 import sys
@@ -25,6 +27,7 @@ from cupyflash import distributed as dist  # noqa: E402
 from cupyflash import reference  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+RATIO = 1.25  # the ring's error over one GPU's, per result
 # (dtype, B, Hk, G, N, D, Dv, causal, layout, options)
 CASES = [
     (BF16, 1, 2, 3, 4 * 96, 128, 128, True, "zigzag", {}),
@@ -34,7 +37,12 @@ CASES = [
     (np.float32, 1, 1, 2, 4 * 45, 48, 24, True, "zigzag", {"scale": 0.3}),
     (np.float64, 1, 2, 1, 4 * 20, 16, 16, False, "zigzag", {"alibi": True}),
     (BF16, 1, 2, 2, 4 * 64, 64, 64, True, "zigzag", {"window": (40, 0)}),
+    (BF16, 1, 4, 4, 8192, 128, 128, True, "zigzag", {}),  # where rounding each block first left dv at 2.9x
 ]
+# From this length the float64 results come from our float64 kernels on the GPU (held to 1e-12 of the reference
+# by the other tests), as the reference's N x N float64 scores would not fit the host; the accuracy rule's naive
+# twin, as long, is skipped for the same reason.
+LONG = 4096
 
 
 def run_case(comm, rng, dtype, b, hk, g, n, d, dv, causal, layout, options):
@@ -58,7 +66,7 @@ def run_case(comm, rng, dtype, b, hk, g, n, d, dv, causal, layout, options):
     ]
     if comm.rank != 0:
         return None
-    if dtype != np.float64:  # the rule's naive twin computes in float32; float64 is held to 2x one GPU below
+    if dtype != np.float64 and n < LONG:  # the rule's naive twin computes in float32; float64: RATIO below
         assert_matches_reference(gq, gk, gv, gdout, ring, causal=causal, round_scaled_scores=False, **kwargs)
     one_out, one_lse = cupyflash.attention_forward(gq, gk, gv, causal=causal, **kwargs)
     one = [
@@ -66,15 +74,23 @@ def run_case(comm, rng, dtype, b, hk, g, n, d, dv, causal, layout, options):
         one_lse,
         *cupyflash.attention_backward(gdout, gq, gk, gv, one_out, one_lse, causal=causal, **kwargs),
     ]
-    host = {key: to_host(val) if hasattr(val, "shape") else val for key, val in kwargs.items()}
-    ref_out, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, **host)
-    refs = [ref_out, ref_lse, *reference.attention_backward(dout, q, k, v, causal=causal, **host)]
+    if n >= LONG:
+        wide = [x.astype(np.float64) for x in (gq, gk, gv, gdout)]
+        ref_out, ref_lse = cupyflash.attention_forward(*wide[:3], causal=causal, **kwargs)
+        grads = cupyflash.attention_backward(wide[3], *wide[:3], ref_out, ref_lse, causal=causal, **kwargs)
+        refs = [to_host(x) for x in (ref_out, ref_lse, *grads)]
+    else:
+        host = {key: to_host(val) if hasattr(val, "shape") else val for key, val in kwargs.items()}
+        ref_out, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, **host)
+        refs = [ref_out, ref_lse, *reference.attention_backward(dout, q, k, v, causal=causal, **host)]
     ratios = []
     for name, x, y, ref in zip(("out", "lse", "dq", "dk", "dv"), ring, one, refs):
         ring_err = max_abs(to_host(x).astype(np.float64) - ref)
         one_err = max_abs(to_host(y).astype(np.float64) - ref)
         floor = 1e-6 * max(1.0, max_abs(ref)) if dtype != np.float64 else 1e-13 * max(1.0, max_abs(ref))
-        assert ring_err <= 2 * max(one_err, floor), f"{name}: ring error {ring_err:.3g} > 2 x one GPU's {one_err:.3g}"
+        assert ring_err <= RATIO * max(one_err, floor), (
+            f"{name}: ring error {ring_err:.3g} > {RATIO} x one GPU's {one_err:.3g}"
+        )
         ratios.append(f"{name} {ring_err / max(one_err, floor):.2f}")
     return ", ".join(ratios)
 
@@ -107,7 +123,9 @@ def run_varlen_case(comm, rng, dtype, causal, layout):
         ring_err = max_abs(to_host(x).astype(np.float64) - ref)
         one_err = max_abs(to_host(y).astype(np.float64) - ref)
         floor = 1e-6 * max(1.0, max_abs(ref))
-        assert ring_err <= 2 * max(one_err, floor), f"{name}: ring error {ring_err:.3g} > 2 x one GPU's {one_err:.3g}"
+        assert ring_err <= RATIO * max(one_err, floor), (
+            f"{name}: ring error {ring_err:.3g} > {RATIO} x one GPU's {one_err:.3g}"
+        )
         ratios.append(f"{name} {ring_err / max(one_err, floor):.2f}")
     return ", ".join(ratios)
 

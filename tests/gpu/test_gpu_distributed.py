@@ -4,9 +4,11 @@
 
 On one GPU: a world of one process (``init()`` without a launcher) gives attention's results bit for bit;
 W ranks as threads (InProcessGroup) on CuPy arrays run the GPU's merge and accumulate kernels through the
-ring, held to the accuracy rule; the kernels themselves (cupyflash/_cuda/ring_states.py) against the NumPy
-merge, with every allocation poisoned. On two GPUs: tests/gpu/ring_worker.py over NCCL through the
-launcher (every case held to the accuracy rule and to 2x the single GPU's error), and the example script.
+ring, held to the accuracy rule and each result to 1.25x the single GPU's error against float64 (the blocks'
+results come unrounded and the ring rounds once, as one GPU does); the kernels themselves
+(cupyflash/_cuda/ring_states.py) against the NumPy merge, with every allocation poisoned. On two GPUs:
+tests/gpu/ring_worker.py over NCCL through the launcher (every case held to the accuracy rule and to 1.25x the
+single GPU's error), and the example script.
 """
 
 import os
@@ -32,8 +34,29 @@ ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
 
 
+# The ring's error against float64 over one GPU's, per result: both round once, at the end. Where one GPU's
+# error is float32 (or float64) noise, as lse's and float32's are, it is held to the floor instead.
+RING_ERROR_RATIO = 1.25
+
+
 def _two_gpus():
     return gpu_available() and cupy.cuda.runtime.getDeviceCount() >= 2
+
+
+def _assert_within_ratio_of_one_gpu(names, ring, one, refs, dtype):
+    """Each ring result's max error against the float64 ``refs`` is at most RING_ERROR_RATIO times one GPU's, or
+    than 1e-6 (float64: 1e-13) of the largest magnitude where one GPU's error is smaller."""
+    ratios = []
+    for name, x, y, ref in zip(names, ring, one, refs):
+        scale = max(1.0, float(np.abs(ref).max(initial=0)))
+        floor = (1e-13 if np.dtype(dtype) == np.float64 else 1e-6) * scale
+        ring_err = float(np.abs(to_host(x) - ref).max(initial=0))
+        one_err = float(np.abs(to_host(y) - ref).max(initial=0))
+        assert ring_err <= RING_ERROR_RATIO * max(one_err, floor), (
+            f"{name}: ring error {ring_err:.3g} > {RING_ERROR_RATIO} x one GPU's {one_err:.3g}"
+        )
+        ratios.append(ring_err / max(one_err, floor))
+    return ratios
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -93,10 +116,6 @@ def test_ring_over_threads_on_one_gpu(rng, assert_matches_reference, dtype, worl
     results = dist.InProcessGroup(world_size).run(rank_work)
     for other in results[1:]:  # every rank gathers the same arrays
         assert_bitwise_equal(other, results[0])
-    if dtype != np.float64:
-        assert_matches_reference(q, k, v, dout, results[0], causal=causal, **kwargs)
-        return
-    # float64 runs in float64 throughout: held to the float64 reference at 1e-12 of its largest magnitude.
     host = {key: to_host(val) if hasattr(val, "shape") else val for key, val in kwargs.items()}
     ref_out, ref_lse = reference.attention(*(to_host(x) for x in (q, k, v)), causal=causal, return_lse=True, **host)
     refs = [
@@ -104,9 +123,46 @@ def test_ring_over_threads_on_one_gpu(rng, assert_matches_reference, dtype, worl
         ref_lse,
         *reference.attention_backward(*(to_host(x) for x in (dout, q, k, v)), causal=causal, **host),
     ]
+    one_out, one_lse = cupyflash.attention_forward(q, k, v, causal=causal, **kwargs)
+    one = [one_out, one_lse, *cupyflash.attention_backward(dout, q, k, v, one_out, one_lse, causal=causal, **kwargs)]
+    _assert_within_ratio_of_one_gpu(("out", "lse", "dq", "dk", "dv"), results[0], one, refs, dtype)
+    if dtype != np.float64:
+        assert_matches_reference(q, k, v, dout, results[0], causal=causal, **kwargs)
+        return
+    # float64 runs in float64 throughout: held to the float64 reference at 1e-12 of its largest magnitude.
     for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), results[0], refs):
         error = np.abs(to_host(x) - ref).max()
         assert error <= 1e-12 * max(1.0, np.abs(ref).max()), f"{name}: float64 error {error:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ring_of_long_16_bit_shards_within_a_quarter_of_one_gpu(rng, dtype, causal):
+    """Two ranks as threads, N = 8192, 32 heads of 128 (where rounding each block's results first left dv's
+    error 2.9x one GPU's, bf16 causal): blocks long enough for the warp-specialized forward and the fused
+    backward, each result's error against float64 within 1.25x one GPU's."""
+    n, hk, g, d = 8192, 8, 4, 128
+    q = cupy.asarray(random_array(rng, (1, hk, g, n, d), dtype))
+    k, v = (cupy.asarray(random_array(rng, (1, hk, 1, n, d), dtype)) for _ in range(2))
+    dout = cupy.asarray(random_array(rng, (1, hk, g, n, d), dtype))
+
+    def rank_work(comm):
+        shards = [dist.shard(x, comm) for x in (q, k, v, dout)]
+        out, lse = dist.ring_attention_forward(*shards[:3], comm=comm, causal=causal)
+        grads = dist.ring_attention_backward(shards[3], *shards[:3], out, lse, comm=comm, causal=causal)
+        return [dist.unshard(out, comm), dist.unshard(lse, comm, axis=-1), *(dist.unshard(x, comm) for x in grads)]
+
+    ring = dist.InProcessGroup(2).run(rank_work)[0]
+    one_out, one_lse = cupyflash.attention_forward(q, k, v, causal=causal)
+    one = [one_out, one_lse, *cupyflash.attention_backward(dout, q, k, v, one_out, one_lse, causal=causal)]
+    # float64 from our float64 kernels (held to 1e-12 of the reference by the other tests): the reference's N x N
+    # float64 scores for 32 heads would take 17 GB.
+    wide = [x.astype(np.float64) for x in (q, k, v, dout)]
+    ref_out, ref_lse = cupyflash.attention_forward(*wide[:3], causal=causal)
+    refs = [ref_out, ref_lse, *cupyflash.attention_backward(wide[3], *wide[:3], ref_out, ref_lse, causal=causal)]
+    refs = [to_host(x) for x in refs]
+    ratios = _assert_within_ratio_of_one_gpu(("out", "lse", "dq", "dk", "dv"), ring, one, refs, dtype)
+    print("ring / one GPU error:", ", ".join(f"{r:.2f}" for r in ratios))
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -117,7 +173,7 @@ def test_ring_over_threads_on_one_gpu(rng, assert_matches_reference, dtype, worl
 def test_packed_ring_over_threads_on_one_gpu(rng, dtype, world_size, layout, causal, window):
     """A packed batch (one empty sequence, GQA) sharded sequence by sequence across W ranks as threads on one GPU:
     the ring's results against attention_varlen's on the GPU, both against float64 on the host: the ring's
-    error at most twice the single call's (float64: 1e-12 of the largest magnitude)."""
+    error at most 1.25x the single call's (float64 also within 1e-12 of the largest magnitude)."""
     parts = (2 if layout == "zigzag" else 1) * world_size
     cu = np.concatenate([[0], np.cumsum([11 * parts, 0, 3 * parts, 29 * parts])]).astype(np.int32)
     total = int(cu[-1])
@@ -141,14 +197,11 @@ def test_packed_ring_over_threads_on_one_gpu(rng, dtype, world_size, layout, cau
     wide = [np.asarray(x, dtype=np.float64) for x in (q, k, v, dout)]
     ref_out, ref_lse = cupyflash.attention_varlen_forward(*wide[:3], cu, cu, **kw)
     refs = [ref_out, *cupyflash.attention_varlen_backward(wide[3], *wide[:3], ref_out, ref_lse, cu, cu, **kw)]
-    for name, x, y, ref in zip(("out", "dq", "dk", "dv"), results[0], one, refs):
-        scale = max(1.0, float(np.abs(ref).max()))
-        ring_err = float(np.abs(to_host(x).astype(np.float64) - ref).max())
-        one_err = float(np.abs(to_host(y).astype(np.float64) - ref).max())
-        if dtype == np.float64:
-            assert ring_err <= 1e-12 * scale, f"{name}: float64 error {ring_err:.3g}"
-        else:
-            assert ring_err <= 2 * max(one_err, 1e-6 * scale), f"{name}: ring {ring_err:.3g}, one GPU {one_err:.3g}"
+    _assert_within_ratio_of_one_gpu(("out", "dq", "dk", "dv"), results[0], one, refs, dtype)
+    if dtype == np.float64:
+        for name, x, ref in zip(("out", "dq", "dk", "dv"), results[0], refs):
+            error = float(np.abs(to_host(x) - ref).max())
+            assert error <= 1e-12 * max(1.0, float(np.abs(ref).max())), f"{name}: float64 error {error:.3g}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -202,9 +255,9 @@ def test_add_rows(rng, dtype):
 
 @pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
 def test_ring_over_nccl_on_two_gpus():
-    """Seven cases over NCCL on two GPUs (dtypes, layouts, GQA, softcap, ALiBi, scale, window) and two packed
-    batches: each held to 2x the single GPU's error against float64 (the dense ones to the accuracy rule too);
-    mismatched calls raise on every rank."""
+    """Eight cases over NCCL on two GPUs (dtypes, layouts, GQA, softcap, ALiBi, scale, window, and bf16 causal at
+    N = 8192) and two packed batches: each result held to 1.25x the single GPU's error against float64 (the dense
+    ones to the accuracy rule too); mismatched calls raise on every rank."""
     done = subprocess.run(
         [
             sys.executable,
@@ -220,7 +273,7 @@ def test_ring_over_nccl_on_two_gpus():
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert done.stdout.count("ring/one-GPU error") == 7, done.stdout
+    assert done.stdout.count("ring/one-GPU error") == 8, done.stdout
     assert done.stdout.count("packed ring/one-GPU") == 2, done.stdout
     assert "mismatched calls raise on every rank" in done.stdout
 
