@@ -13,8 +13,13 @@ from cupyflash._cuda import launch
 
 
 class _FakeStream:
+    capturing = set()  # the stream pointers under a CUDA-graph capture
+
     def __init__(self, ptr):
         self.ptr = ptr
+
+    def is_capturing(self):
+        return self.ptr in self.capturing
 
 
 def _plan_with_fakes(monkeypatch, current):
@@ -31,6 +36,7 @@ def _plan_with_fakes(monkeypatch, current):
     monkeypatch.setattr(launch, "cupy", fake)
     plan = launch.Plan.__new__(launch.Plan)
     plan.tile_counters = {}
+    plan.pinned = False
     return plan, made
 
 
@@ -53,6 +59,17 @@ def test_one_counter_per_stream(monkeypatch):
     for t in threads:
         t.join()
     assert len(shared) == 3 and all(c is shared[0] for c in shared)
+
+
+def test_a_counter_drawn_under_a_capture_pins_its_plan(monkeypatch):
+    """A graph replays the counter's address, so the plan that keeps the counter must never leave the cache."""
+    current = [0x3000]
+    plan, _ = _plan_with_fakes(monkeypatch, current)
+    plan._tile_counter()
+    assert not plan.pinned
+    monkeypatch.setattr(_FakeStream, "capturing", {0x3000})
+    counter = plan._tile_counter()
+    assert plan.pinned and counter is plan.tile_counters[0x3000]
 
 
 def test_a_new_counter_per_launch_on_the_per_thread_default_stream(monkeypatch):
