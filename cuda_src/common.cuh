@@ -87,6 +87,19 @@ __device__ __forceinline__ float log2_of(float x) {
 __device__ __forceinline__ double log2_of(double x) {
   return log2(x);
 }
+// The accurate exponential and logarithm, where a kernel takes a few per row (lse_merge.cuh), never per key.
+__device__ __forceinline__ float exp_acc(float x) {
+  return expf(x);
+}
+__device__ __forceinline__ double exp_acc(double x) {
+  return exp(x);
+}
+__device__ __forceinline__ float log_acc(float x) {
+  return logf(x);
+}
+__device__ __forceinline__ double log_acc(double x) {
+  return log(x);
+}
 __device__ __forceinline__ float abs_of(float x) {
   return fabsf(x);
 }

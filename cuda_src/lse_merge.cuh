@@ -10,19 +10,6 @@
 #pragma once
 #include "common.cuh"
 
-__device__ __forceinline__ float exp_acc(float x) {
-  return expf(x);
-}
-__device__ __forceinline__ double exp_acc(double x) {
-  return exp(x);
-}
-__device__ __forceinline__ float log_acc(float x) {
-  return logf(x);
-}
-__device__ __forceinline__ double log_acc(double x) {
-  return log(x);
-}
-
 // What the parts' lse are taken against: their max M, or 0 when no part saw a key (then every weight is
 // exp(-inf - 0) = 0, not exp(-inf + inf) = NaN).
 template <typename A>

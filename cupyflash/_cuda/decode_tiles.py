@@ -27,7 +27,7 @@ APPEND_THREADS = 256
 # buffer each for k and v whose copies interleave with the products (v of a tile lands while its scores
 # are computed, k of the next while P v is): half the shared memory of two stages, and the faster shape for bf16
 # D = 64 (its measurement: docs/design/decode.md). 16-bit D = 128 and 256 run two CTAs per SM, which keeps twice
-# the bytes in flight: 6-13% less time on steps over 256 MB on an H200 (docs/design/decode.md).
+# the bytes in flight, the faster shape for them (docs/design/decode.md, Loads).
 # Rows are packed query rows (G query heads x Nq queries of one key/value head). 16 rows: four warps split
 # each tile's keys (a decode step's few rows would leave three of four m16 tiles empty); 64 rows: four row
 # blocks (speculative decoding, chunks). WARPS_DV > 1 splits v's columns where the accumulators of a whole

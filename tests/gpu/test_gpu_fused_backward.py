@@ -19,7 +19,7 @@ from helpers.modifiers import run
 from helpers.problems import random_problem
 
 import cupyflash
-from cupyflash._cuda import fused_backward, plans, tile_policy, tiles
+from cupyflash._cuda import fused_backward, tile_policy, tiles
 from cupyflash._cuda.compile import current_device
 from cupyflash._cuda.variants import Features
 
@@ -28,19 +28,6 @@ cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-
-
-@pytest.fixture
-def any_length(monkeypatch):
-    """The fused backward at every length (plans and the fast path's table forgotten, before and after, so
-    that no call reuses launches chosen under the other threshold)."""
-    if not current_device().wgmma:
-        pytest.skip("the fused backward runs on compute capability 9.0 only")
-    monkeypatch.setattr(tile_policy, "WS_BWD_MIN_LENGTH", {d: 1 for d in tile_policy.WS_BWD_MIN_LENGTH})
-    monkeypatch.setattr(tile_policy, "WS_BWD_MIN_WORK", 0)
-    plans.clear()
-    yield
-    plans.clear()
 
 
 def _fused(dtype, d, dv, causal, nq, nk, deterministic=True):

@@ -20,7 +20,7 @@ from helpers.problems import random_problem
 
 import cupyflash
 from cupyflash import reference
-from cupyflash._cuda import dense, fused_backward, plans, tile_policy
+from cupyflash._cuda import dense, fused_backward, plans
 from cupyflash._cuda.compile import current_device
 
 cupy = pytest.importorskip("cupy")
@@ -159,18 +159,6 @@ def test_the_bnhd_layout_and_a_sliced_view(rng, path):
     q, k, v, dout = random_problem(rng, (2, 300, 4, 64), (2, 300, 4, 64), (2, 300, 4, 64), np.float16, xp=cupy)
     view = [x[:, 50:250].transpose(0, 2, 1, 3) for x in (q, k, v, dout)]
     _check(*view, True, {})
-
-
-@pytest.fixture
-def any_length(monkeypatch):
-    """The fused backward at every length (as in test_gpu_fused_backward.py)."""
-    if not current_device().wgmma:
-        pytest.skip("the fused backward runs on compute capability 9.0 only")
-    monkeypatch.setattr(tile_policy, "WS_BWD_MIN_LENGTH", {d: 1 for d in tile_policy.WS_BWD_MIN_LENGTH})
-    monkeypatch.setattr(tile_policy, "WS_BWD_MIN_WORK", 0)
-    plans.clear()
-    yield
-    plans.clear()
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
