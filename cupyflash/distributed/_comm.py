@@ -54,6 +54,8 @@ class Communicator:
         from cupy.cuda import nccl
 
         self._stream.wait_event(cupy.cuda.get_current_stream().record())
+        if not send and not recv:  # nothing this rank moves at this point (a window's skipped rows)
+            return _Pending(self._stream.record(), ())
         nxt, prev = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         nccl.groupStart()
         try:

@@ -4,22 +4,30 @@ around a ring.
 Forward, on every rank at once (s = the rank whose key/value shard is in hand at step t, ``_schedule``):
 
     for t in 0 .. W-1:
-        start sending the k, v shard in hand to rank + 1, receiving the next one from rank - 1
+        start sending the rows of the k, v shard in hand that later steps read to rank + 1, receiving the
+            next shard's from rank - 1
         for each block of the step:  out_b, lse_b = attention_forward(q rows, k rows, v rows)
                                      (out, lse) of those rows = merge_attention_states((out, lse), (out_b, lse_b))
 
 so the transfer of step t+1's keys overlaps step t's attention. Each block's out comes unrounded, in the
 accumulator's dtype (``attention_forward(out_dtype=...)``); the blocks merge in float32 (float64 for float64
 inputs), and the result is rounded to the inputs' dtype once, at the end, as one GPU's is. The gradients likewise
-(``attention_backward(grad_dtype=...)``).
+(``attention_backward(grad_dtype=...)``). The first block that covers a run of rows is that run's accumulator,
+as it came (no zero-filled one, no merge into it); a block that is the only one of its rows asks for the inputs'
+dtype directly (its one rounding). ``_pieces`` holds this bookkeeping.
 
 Backward: each block's gradients come from ``attention_backward`` with the final ``out`` and ``lse`` (which
-make each block's softmax exact). dQ accumulates on its rank; dK and dV accumulate in a float32 buffer that
-travels with the keys, one step behind them, and arrives back at its owner after W steps. The order of every
-sum is fixed by the schedule, so the gradients are deterministic for a fixed W.
+make each block's softmax exact). dQ accumulates on its rank, and so do dK and dV of its own keys (step 0); those
+of another rank's keys start a float32 sum at the first rank after the owner, which travels one step behind the
+keys and arrives back at its owner after the last step. The own step's blocks run half before the other steps
+(while the first keys travel) and half after (while the last sums go home). The order of every sum is fixed by
+the schedule, so the gradients are deterministic for a fixed W.
 
-Memory per rank: the shards, the float32 accumulators of out (or dq, dk, dv), and two k/v (and two dk/dv)
-buffers: one in hand, one arriving.
+Only the rows that some call reads (keys) or wrote (dK, dV sums) travel, and nothing is zeroed, merged or
+converted for rows no call touches: under a window the shards move a few thousand rows, not all of them.
+
+Memory per rank: the shards, the float32 accumulators of out (or dq, dk, dv), the key/value rows in hand and
+arriving (in the backward also their dK, dV sums).
 
 ALiBi adds -slope * |i - j| with global positions i, j. Within one chunk pair that is the kernels' own ALiBi
 for a diagonal pair (same chunk, so the local distance is the global one). For a pair whose keys all lie
@@ -33,13 +41,14 @@ from __future__ import annotations
 import numpy as np
 
 from cupyflash._api import attention_backward, attention_forward
-from cupyflash._arrays import Array, bits, cupy, lse_dtype, round_up
+from cupyflash._arrays import Array, cupy, lse_dtype
 from cupyflash._cuda import ring_states
 from cupyflash._merge import merge_attention_states
 from cupyflash._problem import validate
 from cupyflash.distributed._comm import Comm, Communicator, check_same_call
 from cupyflash.distributed._layout import check_layout, chunks_per_rank
-from cupyflash.distributed._schedule import blocks
+from cupyflash.distributed._pieces import Held, Sums, assemble, exchange_rows
+from cupyflash.distributed._schedule import Plan, blocks
 
 
 class _Call:
@@ -73,13 +82,19 @@ class _Call:
         # float32 slopes, as attention uses them (then widened for float64's bias blocks)
         self.alibi = None if alibi_slopes is None else self.xp.asarray(alibi_slopes).astype(np.float32).astype(self.acc)
         self.nq_chunk, self.nk_chunk = q.shape[-2] // per, k.shape[-2] // per
+        self.batch, self.dv = problem.batch, arrays["v"].shape[-1]
+        self.nq, self.nk = q.shape[-2], k.shape[-2]
+        # the float sums of dK, dV: k's and v's shapes
+        self.acc_k_shape, self.acc_v_shape = k.shape, arrays["v"].shape
         self.rank, self.world_size = comm.rank, comm.world_size
+        self.plan = Plan(lambda rank, step: self.blocks(step, rank), comm.world_size, comm.rank, self.nk)
 
-    def blocks(self, step):
+    def blocks(self, step, rank=None):
+        """The calls of ``rank`` (default: this one) at ``step``."""
         return blocks(
             self.layout,
             self.world_size,
-            self.rank,
+            self.rank if rank is None else rank,
             step,
             self.nq_chunk,
             self.nk_chunk,
@@ -149,55 +164,6 @@ def _prepare(arrays, comm, causal, scale, window, softcap, alibi_slopes, layout,
     if failure is not None:
         raise failure
     return call
-
-
-class Travelling:
-    """Arrays that move one rank along the ring per step: two byte buffers, the one in hand and the one
-    arriving (a world of one rank needs only the first)."""
-
-    def __init__(self, comm, xp, layout):
-        self.comm, self.layout = comm, layout  # [(shape, dtype)]
-        offsets, total = [], 0
-        for shape, dtype in layout:
-            offsets.append(total)
-            total = round_up(total + int(np.prod(shape)) * np.dtype(dtype).itemsize, 256)
-        self.offsets = offsets
-        self.buffers = [xp.empty(total, dtype=np.uint8) for _ in range(1 if comm.world_size == 1 else 2)]
-        self.current, self.pending = 0, None
-
-    def _views(self, buffer):
-        return [
-            buffer[o : o + int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
-            for o, (shape, dtype) in zip(self.offsets, self.layout)
-        ]
-
-    def in_hand(self):
-        """The arrays in hand (waiting for them if they are still arriving)."""
-        if self.pending is not None:
-            self.comm.wait(self.pending)
-            self.pending = None
-        return self._views(self.buffers[self.current])
-
-    def settle(self):
-        """After a failure: the current stream waits for the transfer in flight, so that its buffers go back
-        to the memory pool only once NCCL is done with them (nothing to wait for between threads)."""
-        if self.pending is not None and isinstance(self.comm, Communicator):
-            self.comm.wait(self.pending)
-        self.pending = None
-
-    def pass_on(self):
-        """Send the arrays in hand to the next rank; the previous rank's arrive in the other buffer."""
-        other = 1 - self.current
-        self.pending = self.comm.exchange([self.buffers[self.current]], [self.buffers[other]])
-        self.current = other
-
-
-def start_keys(comm, call, k, v):
-    keys = Travelling(comm, call.xp, [(k.shape, k.dtype), (v.shape, v.dtype)])
-    k_hand, v_hand = keys._views(keys.buffers[0])
-    bits(k_hand)[...] = bits(k)
-    bits(v_hand)[...] = bits(v)
-    return keys
 
 
 def ring_attention_forward(
@@ -273,62 +239,161 @@ def ring_attention_forward(
     """
     arrays = dict(q=q, k=k, v=v)
     call = _prepare(arrays, comm, causal, scale, window, softcap, alibi_slopes, layout, "ring_attention_forward")
-    keys = start_keys(comm, call, k, v)
+    return _forward(comm, call, q, k, v)
+
+
+def run_forward(comm, call, k, v, attend, axis=-2):
+    """The forward's steps, shared with the packed ring: at each, the key/value rows that later steps read go
+    on to the next rank while ``attend(blk, kb, vb, direct)`` computes each of the step's blocks against the
+    rows in hand, returning its (out, lse) with the rows on axes -2 and -1 (in the caller's dtype if
+    ``direct``: the block is the only one of its rows). The keys' rows lie on ``axis``.
+
+    Returns the pieces [(rows, (out, lse))] of the merged results (``_pieces.Sums``): a block that covers its
+    rows first is their accumulator, no zero-filled one, and rows no block covers have no piece."""
+    xp, plan, w = call.xp, call.plan, comm.world_size
+    found = Sums(xp, [blk.q_rows for t in range(w) for blk in plan.blocks(t)], call.nq, _merge(xp), _no_rows(xp))
+    held, pending, arrived = own_keys(call, k, v, axis), None, []
     try:
-        return _forward_steps(comm, call, q, keys)
+        for t in range(w):
+            if pending is not None:
+                comm.wait(pending)
+                held = Held(xp, arrived, held.layout, axis)
+            if t + 1 < w:
+                pending, arrived = pass_keys(comm, call, held, t)
+            for blk in plan.blocks(t):
+                found.add(blk.q_rows, attend(blk, *held.take(blk.k_rows), found.direct(blk.q_rows)))
     except BaseException:
-        keys.settle()
+        settle(comm, [pending])
         raise
+    return found.finish()
 
 
-def run_steps(comm, keys, blocks_of, attend) -> None:
-    """The ring's steps: at each, the key/value shard in hand goes on to the next rank while ``attend(blk,
-    k_hand, v_hand)`` runs each block of ``blocks_of(step)`` against it."""
-    for step in range(comm.world_size):
-        k_hand, v_hand = keys.in_hand()
-        if step + 1 < comm.world_size:
-            keys.pass_on()
-        for blk in blocks_of(step):
-            attend(blk, k_hand, v_hand)
+def own_keys(call, k, v, axis) -> Held:
+    """The rank's own key/value shard, in hand at step 0 (the caller's arrays: nothing copied)."""
+    return Held(call.xp, [(slice(0, k.shape[axis]), (k, v))], [(k.shape, k.dtype), (v.shape, v.dtype)], axis)
 
 
-def run_backward_steps(comm, xp, keys, grads, blocks_of, gradients) -> None:
-    """The backward's steps: ``gradients(blk, k_hand, v_hand)`` returns a block's (key rows, dk, dv) (having
-    added its dq itself); each step's dK, dV are added into the sums of the keys in hand, which arrive from the
-    previous rank while the step's blocks run and go on with the keys, one step behind them: after the last
-    step each sum is home (``grads.in_hand()``)."""
-    for step in range(comm.world_size):
-        k_hand, v_hand = keys.in_hand()
-        if step + 1 < comm.world_size:
-            keys.pass_on()
-        parts = [gradients(blk, k_hand, v_hand) for blk in blocks_of(step)]
-        dk_hand, dv_hand = grads.in_hand()
-        if step == 0:
-            dk_hand[...], dv_hand[...] = 0, 0
-        for rows, dk_b, dv_b in parts:
-            add_rows(xp, dk_hand, rows, dk_b)
-            add_rows(xp, dv_hand, rows, dv_b)
-        if comm.world_size > 1:
-            grads.pass_on()  # after the last step this sends each sum home
+def pass_keys(comm, call, held, step):
+    """Start sending the key/value rows in hand that later steps read (``Plan.keys_after``) on to the next rank,
+    and receiving the next shard's from the previous one: (pending, arriving pieces)."""
+    w, r, plan = comm.world_size, comm.rank, call.plan
+    travel = plan.keys_after((r - step) % w, step), plan.keys_after((r - 1 - step) % w, step)
+    return exchange_rows(comm, call.xp, held.pieces, *travel, held.layout, held.axis)
 
 
-def _forward_steps(comm, call, q, keys):
+def _merge(xp):
+    return lambda acc, rows, part: merge_rows(xp, acc[0], acc[1], rows, part[0], part[1])
+
+
+def _no_rows(xp):
+    """Accumulators of out and lse that merge as nothing: out 0, lse -inf."""
+
+    def neutral(n, part):
+        out, lse = part
+        return (
+            xp.zeros(out.shape[:-2] + (n, out.shape[-1]), dtype=lse.dtype),
+            xp.full(lse.shape[:-1] + (n,), -np.inf, dtype=lse.dtype),
+        )
+
+    return neutral
+
+
+def _add(xp):
+    return lambda acc, rows, part: [add_rows(xp, x, rows, y) for x, y in zip(acc, part)]
+
+
+def _zeros(xp, dtype):
+    return lambda n, part: tuple(xp.zeros(x.shape[:-2] + (n, x.shape[-1]), dtype=dtype) for x in part)
+
+
+def settle(comm, pending) -> None:
+    """After a failure: the current stream waits for the transfers in flight, so that their buffers go back
+    to the memory pool only once NCCL is done with them (nothing to wait for between threads)."""
+    if isinstance(comm, Communicator):
+        for p in pending:
+            if p is not None:
+                comm.wait(p)
+
+
+def run_backward(comm, call, k, v, gradients, axis=-2):
+    """The backward's steps, shared with the packed ring. ``gradients(blk, kb, vb, direct)`` returns a
+    block's (dq, dk, dv), rows on axis -2 (the caller's dtype if ``direct``: the block is the only one of
+    its rows of dq and of dk, dv).
+
+    dQ sums on its rank. The dK, dV of the rank's own keys (step 0) stay home; those of another rank's keys
+    (step t >= 1) start a float sum at the first rank after the owner, go on one step behind the keys, and
+    arrive home after the last step. The own step's calls are split around the others: the first half runs
+    while the first keys travel, the second while the last sums go home. Only the rows some call wrote
+    travel (``Plan.sums_after``).
+
+    Returns the pieces [(rows, (dq,))] and [(rows, (dk, dv))] of this rank's sums."""
+    xp, plan, acc = call.xp, call.plan, call.acc
+    w, r = comm.world_size, comm.rank
+    own = plan.blocks(0)
+    early, late = own[: len(own) // 2], own[len(own) // 2 :]
+    order = early + [blk for t in range(1, w) for blk in plan.blocks(t)] + late
+    dq = Sums(xp, [blk.q_rows for blk in order], call.nq, _add(xp), _zeros(xp, acc))
+    home_remote = plan.sums_after(r, w - 1) if w > 1 else []
+    home = Sums(xp, [blk.k_rows for blk in own] + home_remote, call.nk, _add(xp), _zeros(xp, acc))
+    sums_layout = [(call.acc_k_shape, acc), (call.acc_v_shape, acc)]
+    mine = own_keys(call, k, v, axis)
+
+    def run(blk, held, sums):
+        direct = sums is home and dq.direct(blk.q_rows) and home.direct(blk.k_rows)
+        dq_b, dk_b, dv_b = gradients(blk, *held.take(blk.k_rows), direct)
+        dq.add(blk.q_rows, (dq_b,))
+        sums.add(blk.k_rows, (dk_b, dv_b))
+
+    held, keys, sums, arriving, arrived = mine, None, None, [], []
+    try:
+        for t in range(w):
+            if keys is not None:
+                comm.wait(keys)
+                held = Held(xp, arriving, held.layout, axis)
+            if t + 1 < w:
+                keys, arriving = pass_keys(comm, call, held, t)
+            if t == 0:
+                for blk in early:
+                    run(blk, mine, home)
+                continue
+            step = Sums(
+                xp, [s for s, _ in arrived] + [blk.k_rows for blk in plan.blocks(t)], call.nk, _add(xp), _zeros(xp, acc)
+            )
+            for blk in plan.blocks(t):  # queued before the wait: the sums arrive while they run
+                run(blk, held, step)
+            if sums is not None:
+                comm.wait(sums)
+                for span, part in arrived:
+                    step.add(span, part)
+            source = (r - t) % w
+            pieces = step.finish()
+            assert [s for s, _ in pieces] == plan.sums_after(source, t), "the sums differ from the plan"
+            travel = (plan.sums_after(source, t), plan.sums_after((source - 1) % w, t))
+            sums, arrived = exchange_rows(comm, xp, pieces, *travel, sums_layout, -2)
+        for blk in late:
+            run(blk, mine, home)
+        if sums is not None:
+            comm.wait(sums)
+            for span, part in arrived:
+                home.add(span, part)
+    except BaseException:
+        settle(comm, [keys, sums])
+        raise
+    return dq.finish(), home.finish()
+
+
+def _forward(comm, call, q, k, v):
     xp, acc = call.xp, call.acc
-    state = {}  # out and lse, made at the first block (lse -inf: its first merge into a row copies the block)
 
-    def attend(blk, k_hand, v_hand):
-        qb, kb, vb = q[..., blk.q_rows, :], k_hand[..., blk.k_rows, :], v_hand[..., blk.k_rows, :]
-        kwargs, shift = call.options(blk, qb.shape[-2], kb.shape[-2])
-        out_b, lse_b = attention_forward(qb, kb, vb, **kwargs, out_dtype=acc)
-        if shift is not None:
-            lse_b = lse_b + shift
-        if not state:
-            state["out"] = xp.zeros(out_b.shape[:-2] + (q.shape[-2], out_b.shape[-1]), dtype=acc)
-            state["lse"] = xp.full(state["out"].shape[:-1], -np.inf, dtype=acc)
-        merge_rows(xp, state["out"], state["lse"], blk.q_rows, out_b, lse_b)
+    def attend(blk, kb, vb, direct):
+        kwargs, shift = call.options(blk, blk.q_rows.stop - blk.q_rows.start, kb.shape[-2])
+        out_b, lse_b = attention_forward(q[..., blk.q_rows, :], kb, vb, **kwargs, out_dtype=None if direct else acc)
+        return out_b, lse_b if shift is None else lse_b + shift
 
-    run_steps(comm, keys, call.blocks, attend)
-    return state["out"].astype(call.dtype), state["lse"]
+    found = run_forward(comm, call, k, v, attend)
+    out = assemble(xp, call.batch + (call.nq, call.dv), call.dtype, [(s, p[0]) for s, p in found])
+    lse = assemble(xp, call.batch + (call.nq,), acc, [(s, p[1]) for s, p in found], fill=-np.inf, axis=-1)
+    return out, lse
 
 
 def ring_attention_backward(
@@ -393,41 +458,27 @@ def ring_attention_backward(
     """
     arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     call = _prepare(arrays, comm, causal, scale, window, softcap, alibi_slopes, layout, "ring_attention_backward")
-    xp, acc = call.xp, call.acc
-    keys = start_keys(comm, call, k, v)
-    grads = Travelling(comm, xp, [(k.shape, acc), (v.shape, acc)])  # dk, dv of the keys in hand
-    try:
-        return _backward_steps(comm, call, dout, q, out, lse, keys, grads)
-    except BaseException:
-        keys.settle()
-        grads.settle()
-        raise
+    return _backward(comm, call, dout, q, k, v, out, lse)
 
 
-def _backward_steps(comm, call, dout, q, out, lse, keys, grads):
-    xp, acc = call.xp, call.acc
-    dq = xp.zeros(q.shape, dtype=acc)
+def _backward(comm, call, dout, q, k, v, out, lse):
+    xp = call.xp
 
-    def gradients(blk, k_hand, v_hand):
-        kb, vb = k_hand[..., blk.k_rows, :], v_hand[..., blk.k_rows, :]
+    def gradients(blk, kb, vb, direct):
         kwargs, shift = call.options(blk, blk.q_rows.stop - blk.q_rows.start, kb.shape[-2])
         lse_b = lse[..., blk.q_rows] if shift is None else lse[..., blk.q_rows] - shift
-        dq_b, dk_b, dv_b, *_ = attention_backward(
-            dout[..., blk.q_rows, :],
-            q[..., blk.q_rows, :],
-            kb,
-            vb,
-            out[..., blk.q_rows, :],
-            lse_b,
-            **kwargs,
-            grad_dtype=acc,
+        rows = (..., blk.q_rows, slice(None))
+        grads = attention_backward(
+            dout[rows], q[rows], kb, vb, out[rows], lse_b, **kwargs, grad_dtype=None if direct else call.acc
         )
-        add_rows(xp, dq, blk.q_rows, dq_b)
-        return blk.k_rows, dk_b, dv_b
+        return grads[:3]
 
-    run_backward_steps(comm, xp, keys, grads, call.blocks, gradients)
-    dk, dv = grads.in_hand()
-    return dq.astype(call.dtype), dk.astype(call.dtype), dv.astype(call.dtype)
+    dq, dkv = run_backward(comm, call, k, v, gradients)
+    return (
+        assemble(xp, q.shape, call.dtype, [(s, p[0]) for s, p in dq]),
+        assemble(xp, k.shape, call.dtype, [(s, p[0]) for s, p in dkv]),
+        assemble(xp, v.shape, call.dtype, [(s, p[1]) for s, p in dkv]),
+    )
 
 
 def merge_rows(xp, out, lse, rows, out_b, lse_b):

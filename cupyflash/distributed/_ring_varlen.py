@@ -25,26 +25,19 @@ import numpy as np
 
 from cupyflash import _varlen
 from cupyflash._api import attention_varlen_backward, attention_varlen_forward
-from cupyflash._arrays import Array, cupy, is_cupy, lse_dtype
+from cupyflash._arrays import Array, bits, cupy, is_cupy, lse_dtype
 from cupyflash.distributed._comm import Comm, check_same_call
 from cupyflash.distributed._layout import check_layout, chunks_of
-from cupyflash.distributed._ring import (
-    Travelling,
-    add_rows,
-    check_comm,
-    merge_rows,
-    run_backward_steps,
-    run_steps,
-    start_keys,
-)
-from cupyflash.distributed._schedule import blocks, source_rank, windowed_pair
+from cupyflash.distributed._pieces import empty
+from cupyflash.distributed._ring import check_comm, run_backward, run_forward
+from cupyflash.distributed._schedule import Plan, blocks, source_rank, windowed_pair
 from cupyflash.distributed._varlen_layout import chunk_lengths, host_offsets, slot_major
 
 
 @dataclass(frozen=True)
 class _Part:
-    """A windowed call: the rows of a group of sequences' trimmed chunk pair, ``m`` per sequence (index arrays of
-    the slot-major rows and keys), and its local window."""
+    """A windowed call: the rows of a group of sequences' trimmed chunk pair, ``m`` per sequence (host index
+    arrays of the slot-major rows and keys), and its local window."""
 
     q_rows: object
     k_rows: object
@@ -93,17 +86,22 @@ class _Call:
         for s, c in enumerate(chunks.tolist()):
             if c:
                 self.groups.setdefault(c, []).append(cu_chunk[s])
+        self.nq = self.nk = q.shape[0]
+        # the float sums of dK, dV, laid out (Hk, rows, D) as the merge kernels' accumulators are
+        self.acc_k_shape = (self.kv_heads, k.shape[0], k.shape[2])
+        self.acc_v_shape = (self.kv_heads, k.shape[0], arrays["v"].shape[2])
+        self.plan = Plan(lambda rank, step: self.blocks(step, rank), world_size, comm.rank, self.nk)
 
-    def blocks(self, step):
-        """The step's calls: one per pair of chunk slots over every sequence (slices of the slot-major rows,
-        offsets cu_chunk), or with a window one per pair and chunk length (rows gathered, ``Block.window``)."""
+    def blocks(self, step, rank=None):
+        """The calls of ``rank`` (default: this one) at ``step``: one per pair of chunk slots over every
+        sequence (slices of the slot-major rows, offsets cu_chunk), or with a window one per pair and chunk
+        length (rows gathered, ``Block.window``)."""
+        rank = self.rank if rank is None else rank
         if self.window is None:
-            return blocks(
-                self.layout, self.world_size, self.rank, step, self.slot_rows, self.slot_rows, self.causal, True
-            )
-        xp, found = self.xp, []
-        q_chunks = chunks_of(self.layout, self.world_size, self.rank)
-        k_chunks = chunks_of(self.layout, self.world_size, source_rank(self.rank, step, self.world_size))
+            return blocks(self.layout, self.world_size, rank, step, self.slot_rows, self.slot_rows, self.causal, True)
+        found = []
+        q_chunks = chunks_of(self.layout, self.world_size, rank)
+        k_chunks = chunks_of(self.layout, self.world_size, source_rank(rank, step, self.world_size))
         for qs, a in enumerate(q_chunks):
             for ks, b in enumerate(k_chunks):
                 for c, starts in self.groups.items():
@@ -114,8 +112,12 @@ class _Call:
                     starts_ = np.asarray(starts)[:, None]
                     rows = (qs * self.slot_rows + starts_ + r0 + np.arange(m)).reshape(-1)
                     keys = (ks * self.slot_rows + starts_ + k0 + np.arange(m)).reshape(-1)
-                    found.append(_Part(xp.asarray(rows), xp.asarray(keys), m, local))
+                    found.append(_Part(rows, keys, m, local))
         return found
+
+    def rows(self, rows):
+        """A call's rows as an index into the arrays: a slice, or an index array on the arrays' device."""
+        return rows if isinstance(rows, slice) else self.xp.asarray(rows)
 
     def options(self, blk):
         """The keyword arguments of ``blk``'s attention_varlen call, its offsets first."""
@@ -138,11 +140,24 @@ class _Call:
         """x's rows in slot-major order (a copy)."""
         return self.xp.take(x, self.order, axis=axis)
 
-    def back(self, x_sm, dtype, axis=0):
-        """Rows listed slot-major back in the caller's order, as ``dtype``."""
-        x = self.xp.empty(x_sm.shape, dtype=dtype)
-        index = (slice(None),) * axis + (self.order,)
-        x[index] = x_sm
+    def back(self, pieces, shape, dtype, fill=0, axis=0):
+        """An array of ``shape`` and ``dtype`` in the caller's order from pieces [(span, x)] of its rows listed
+        slot-major (along ``axis``), cast once; ``fill`` in rows no piece covers."""
+        x, n, done = empty(self.xp, shape, dtype), shape[axis], 0
+        for span, part in pieces + [(slice(n, n), None)]:
+            if span.start > done:
+                gap = (slice(None),) * axis + (self.order[done : span.start],)
+                if fill == 0:
+                    bits(x)[gap] = 0  # (the bits of 0.0 in every float type)
+                else:
+                    x[gap] = fill
+            if part is not None:
+                index = (slice(None),) * axis + (self.order[span],)
+                if part.dtype == x.dtype:
+                    bits(x)[index] = bits(part)
+                else:
+                    x[index] = part
+            done = span.stop
         return x
 
 
@@ -230,27 +245,21 @@ def ring_attention_varlen_forward(
     """
     arrays = dict(q=q, k=k, v=v)
     call = _prepare(arrays, cu_seqlens, comm, causal, scale, window, softcap, layout, "ring_attention_varlen_forward")
-    keys = start_keys(comm, call, call.slot_major(k), call.slot_major(v))
-    try:
-        out, lse = _forward_steps(comm, call, call.slot_major(q), keys)
-    except BaseException:
-        keys.settle()
-        raise
-    return call.back(out.transpose(1, 0, 2), call.dtype), call.back(lse, call.acc, axis=1)
+    q_sm = call.slot_major(q)
 
+    def attend(blk, kb, vb, direct):
+        options = call.options(blk)
+        out_dtype = None if direct else call.acc
+        out_b, lse_b = attention_varlen_forward(q_sm[call.rows(blk.q_rows)], kb, vb, **options, out_dtype=out_dtype)
+        return out_b.transpose(1, 0, 2), lse_b  # (H, rows, Dv), as the merge kernels' accumulators are laid out
 
-def _forward_steps(comm, call, q, keys):
-    xp, acc = call.xp, call.acc
-    out = xp.zeros((call.heads, q.shape[0], call.dv), dtype=acc)
-    lse = xp.full((call.heads, q.shape[0]), -np.inf, dtype=acc)
-
-    def attend(blk, k_hand, v_hand):
-        qb, kb, vb = q[blk.q_rows], k_hand[blk.k_rows], v_hand[blk.k_rows]
-        out_b, lse_b = attention_varlen_forward(qb, kb, vb, **call.options(blk), out_dtype=acc)
-        merge_rows(xp, out, lse, blk.q_rows, out_b.transpose(1, 0, 2), lse_b)
-
-    run_steps(comm, keys, call.blocks, attend)
-    return out, lse
+    found = run_forward(comm, call, call.slot_major(k), call.slot_major(v), attend, axis=0)
+    out = [(span, part[0].transpose(1, 0, 2)) for span, part in found]
+    lse = [(span, part[1]) for span, part in found]
+    return (
+        call.back(out, (q.shape[0], call.heads, call.dv), call.dtype),
+        call.back(lse, (call.heads, q.shape[0]), call.acc, fill=-np.inf, axis=1),
+    )
 
 
 def ring_attention_varlen_backward(
@@ -314,45 +323,29 @@ def ring_attention_varlen_backward(
     """
     arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     call = _prepare(arrays, cu_seqlens, comm, causal, scale, window, softcap, layout, "ring_attention_varlen_backward")
-    xp, acc = call.xp, call.acc
-    k_sm, v_sm = call.slot_major(k), call.slot_major(v)
-    keys = start_keys(comm, call, k_sm, v_sm)
-    # dk, dv of the keys in hand, (Hk, rows, D) as the merge kernels' accumulators are laid out
-    grads = Travelling(
-        comm, xp, [((call.kv_heads, k.shape[0], k.shape[2]), acc), ((call.kv_heads, v.shape[0], v.shape[2]), acc)]
-    )
-    inputs = [call.slot_major(x) for x in (dout, q, out)] + [call.slot_major(lse, axis=1)]
-    try:
-        dq, dk, dv = _backward_steps(comm, call, *inputs, keys, grads)
-    except BaseException:
-        keys.settle()
-        grads.settle()
-        raise
-    return tuple(call.back(g.transpose(1, 0, 2), call.dtype) for g in (dq, dk, dv))
+    dout_sm, q_sm, out_sm = (call.slot_major(x) for x in (dout, q, out))
+    lse_sm = call.slot_major(lse, axis=1)
 
-
-def _backward_steps(comm, call, dout, q, out, lse, keys, grads):
-    xp, acc = call.xp, call.acc
-    dq = xp.zeros((call.heads, q.shape[0], q.shape[2]), dtype=acc)
-
-    def gradients(blk, k_hand, v_hand):
-        rows = blk.q_rows
-        dq_b, dk_b, dv_b = attention_varlen_backward(
-            dout[rows],
-            q[rows],
-            k_hand[blk.k_rows],
-            v_hand[blk.k_rows],
-            out[rows],
-            lse[:, rows],
+    def gradients(blk, kb, vb, direct):
+        rows = call.rows(blk.q_rows)
+        grads = attention_varlen_backward(
+            dout_sm[rows],
+            q_sm[rows],
+            kb,
+            vb,
+            out_sm[rows],
+            lse_sm[:, rows],
             **call.options(blk),
-            grad_dtype=acc,
+            grad_dtype=None if direct else call.acc,
         )
-        add_rows(xp, dq, rows, dq_b.transpose(1, 0, 2))
-        return blk.k_rows, dk_b.transpose(1, 0, 2), dv_b.transpose(1, 0, 2)
+        return tuple(g.transpose(1, 0, 2) for g in grads)  # (heads, rows, D)
 
-    run_backward_steps(comm, xp, keys, grads, call.blocks, gradients)
-    dk, dv = grads.in_hand()
-    return dq, dk, dv
+    dq, dkv = run_backward(comm, call, call.slot_major(k), call.slot_major(v), gradients, axis=0)
+    return (
+        call.back([(s, p[0].transpose(1, 0, 2)) for s, p in dq], q.shape, call.dtype),
+        call.back([(s, p[0].transpose(1, 0, 2)) for s, p in dkv], k.shape, call.dtype),
+        call.back([(s, p[1].transpose(1, 0, 2)) for s, p in dkv], v.shape, call.dtype),
+    )
 
 
 def ring_attention_varlen(

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cupyflash.distributed._layout import chunks_of
+from cupyflash.distributed._pieces import spans
 
 
 @dataclass(frozen=True)
@@ -163,3 +164,35 @@ def windowed_pair(a: int, b: int, c: int, window: tuple[int, int]):
     local_left = -1 if lo - shift <= -(m - 1) else shift - lo
     local_right = -1 if hi - shift >= m - 1 else hi - shift
     return r0, k0, m, (local_left, local_right)
+
+
+class Plan:
+    """Every rank's calls at every step (``blocks_of(rank, step)``: each rank works them all out, since what
+    travels depends on the calls of the ranks it travels to), and the rows that travel.
+
+    Key/value shards travel from rank to rank, and so do the float sums of their dK, dV (one step behind,
+    from the first rank after the shard's owner back home, ``_ring``); of either only the rows some call
+    reads or wrote travel. ``n``: the rows of a key shard.
+    """
+
+    def __init__(self, blocks_of, world_size: int, rank: int, n: int):
+        self.world_size, self.rank, self.n = world_size, rank, n
+        self.table = [[blocks_of(r, t) for t in range(world_size)] for r in range(world_size)]
+
+    def blocks(self, step: int) -> list:
+        """This rank's calls at ``step``."""
+        return self.table[self.rank][step]
+
+    def _key_rows(self, source: int, steps) -> list:
+        """The key rows of rank ``source``'s shard that the calls at ``steps`` read (by the ranks holding it)."""
+        w = self.world_size
+        return [blk.k_rows for t in steps for blk in self.table[(source + t) % w][t]]
+
+    def keys_after(self, source: int, step: int) -> list[slice]:
+        """The rows of rank ``source``'s key/value shard that go on at ``step``: those read after it."""
+        return spans(self._key_rows(source, range(step + 1, self.world_size)), self.n, touching=True)
+
+    def sums_after(self, source: int, step: int) -> list[slice]:
+        """The rows of the dK, dV sums of rank ``source``'s shard after ``step`` (>= 1): those the calls of
+        steps 1 .. step wrote (the owner's own, step 0, stay home)."""
+        return spans(self._key_rows(source, range(1, step + 1)), self.n)
