@@ -8,7 +8,11 @@ What this file proves:
   the float64 reference in every dtype (float64: to float64 rounding); also with grouped-query heads
   (broadcast k, v), cross attention (Nq != Nk), softcap, an explicit scale, ALiBi with global positions and
   sliding windows over global positions.
-* The results are deterministic (bit for bit), and every rank's all-gathered result is the same.
+* The results are deterministic (bit for bit), and every rank's all-gathered result is the same; a world of
+  one is attention's results bit for bit.
+* The bookkeeping: a run of rows takes its first covering block as its accumulator (no zeroed one); under a
+  window nothing is zeroed and only the rows the calls read (keys) or wrote (dK, dV sums) travel; a block
+  alone on its rows comes in the inputs' dtype, rounded once by its own call.
 * shard/unshard: the zigzag and contiguous layouts hold the chunks they document, round trips are exact,
   sizes that do not split raise.
 * The schedule computes every (query, key) pair that the global mask allows exactly once and no other; the
@@ -38,7 +42,8 @@ import cupyflash
 from cupyflash import distributed as dist
 from cupyflash import reference
 from cupyflash._arrays import cupy
-from cupyflash.distributed import _schedule
+from cupyflash.distributed import _pieces, _schedule
+from cupyflash.distributed import _ring as ring_module
 from cupyflash.distributed._layout import chunk_length, chunks_of
 
 B, H, D, DV = 2, 3, 12, 20
@@ -616,6 +621,105 @@ def test_source_rank():
     """At step t rank r holds the shard of rank (r - t) mod W."""
     assert [_schedule.source_rank(r, 1, 4) for r in range(4)] == [3, 0, 1, 2]
     assert [_schedule.source_rank(0, t, 3) for t in range(3)] == [0, 2, 1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bookkeeping: what the ring zeroes, merges, converts and moves
+# ---------------------------------------------------------------------------------------------------
+
+
+def _plan(world_size, rank, c, causal=True, window=None, layout="zigzag"):
+    blocks_of = lambda r, t: _schedule.blocks(layout, world_size, r, t, c, c, causal, False, window)  # noqa: E731
+    return _schedule.Plan(blocks_of, world_size, rank, 2 * c if layout == "zigzag" else c)
+
+
+def test_spans_join_overlapping_rows():
+    assert _pieces.spans([slice(4, 8), slice(0, 2), slice(6, 10), slice(3, 3)], 12) == [slice(0, 2), slice(4, 10)]
+    assert _pieces.spans([slice(0, 2), slice(2, 4)], 12) == [slice(0, 2), slice(2, 4)]
+    assert _pieces.spans([slice(0, 2), slice(2, 4)], 12, touching=True) == [slice(0, 4)]
+    assert _pieces.spans([slice(0, 2), np.array([5, 1])], 12) == [slice(0, 12)]  # an index array: every row
+
+
+def test_sums_take_the_part_that_covers_a_span_as_it_is():
+    """A part covering its span whole becomes the accumulator itself (no zeros, no pass); parts that come before
+    it wait and are added into it; a span that no part covers starts from neutral; a span's only part is
+    direct."""
+    made = []
+
+    def add(acc, rows, part):
+        acc[0][..., rows, :] += part[0]
+
+    def neutral(n, part):
+        made.append(n)
+        return (np.zeros(part[0].shape[:-2] + (n, part[0].shape[-1])),)
+
+    rows = [slice(0, 2), slice(0, 8), slice(8, 16), slice(20, 22), slice(21, 24)]
+    sums = _pieces.Sums(np, rows, 24, add, neutral)
+    assert [sums.direct(r) for r in rows] == [False, False, True, False, False]
+    parts = {(r.start, r.stop): (np.full((3, r.stop - r.start, 2), float(i + 1)),) for i, r in enumerate(rows)}
+    for r in rows:
+        sums.add(r, parts[(r.start, r.stop)])
+    (s0, (a0,)), (s1, (a1,)), (s2, (a2,)) = sums.finish()
+    assert (s0, s1, s2) == (slice(0, 8), slice(8, 16), slice(20, 24)) and made == [4]
+    assert a0 is parts[(0, 8)][0] and a1 is parts[(8, 16)][0]  # taken as they came
+    np.testing.assert_array_equal(a0[0, :, 0], [3, 3, 2, 2, 2, 2, 2, 2])  # the early part waited, then added
+    np.testing.assert_array_equal(a2[0, :, 0], [4, 9, 5, 5])
+
+
+def test_a_window_moves_only_the_rows_it_reads_and_writes():
+    """W = 2, zigzag, causal, a window w narrower than a chunk c: the only calls between ranks are w x w corners,
+    so w rows of keys travel (not 2c) and w rows of dK, dV sums go home; without a window, rank 0's keys travel
+    without its late chunk, which no other rank's query sees."""
+    c, w = 32, 4
+    plan = _plan(2, 0, c, window=(w, 0))
+    assert plan.keys_after(0, 0) == [slice(c - w, c)]  # chunk 0's last w keys, for chunk 1's first w queries
+    assert plan.keys_after(1, 0) == [slice(2 * c - w, 2 * c)]  # chunk 2's last w keys, for chunk 3's
+    assert plan.keys_after(0, 1) == plan.keys_after(1, 1) == []
+    assert plan.sums_after(0, 1) == [slice(c - w, c)] and plan.sums_after(1, 1) == [slice(2 * c - w, 2 * c)]
+    plan = _plan(2, 0, c)
+    assert plan.keys_after(0, 0) == [slice(0, c)] and plan.keys_after(1, 0) == [slice(0, 2 * c)]
+    assert plan.sums_after(0, 1) == [slice(0, c)] and plan.sums_after(1, 1) == [slice(0, 2 * c)]
+
+
+def test_a_window_zeroes_nothing_and_moves_its_rows_alone(rng, monkeypatch):
+    """The whole ring with a window w < c on 2 ranks: no accumulator starts from zeros or -inf, every exchange
+    carries w rows per array, the first chunk (one block) comes from its call in the inputs' dtype, and the
+    results are the single call's."""
+    c, w = 16, 3
+    zeros = []
+    for name in ("_zeros", "_no_rows"):
+        make = getattr(ring_module, name)
+        monkeypatch.setattr(
+            ring_module, name, lambda *a, make=make: lambda n, part: zeros.append(n) or make(*a)(n, part)
+        )
+    dtypes = []
+    forward = ring_module.attention_forward
+    monkeypatch.setattr(
+        ring_module, "attention_forward", lambda *a, **k: dtypes.append(k["out_dtype"]) or forward(*a, **k)
+    )
+    group = dist.InProcessGroup(2, timeout=30)
+    moved = []
+    for comm in group.comms:
+        exchange = comm.exchange
+        comm.exchange = lambda send, recv, exchange=exchange: (
+            moved.extend(x.shape for x in send) or exchange(send, recv)
+        )
+    q, k, v, dout = random_problem(rng, (B, H, 4 * c, D), (B, H, 4 * c, D), (B, H, 4 * c, DV), np.float32)
+    ring = _ring(2, q, k, v, dout, group=group, causal=True, window=(w, 0))
+    _assert_same_as_single(ring, _single(q, k, v, dout, causal=True, window=(w, 0)))
+    assert zeros == []
+    assert sorted(moved) == sorted([(B, H, w, D), (B, H, w, DV)] * 6)  # keys each way twice, sums each way once
+    assert dtypes.count(None) == 1 and dtypes.count(np.float32) == len(dtypes) - 1  # chunk 0: one block
+
+
+@pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
+def test_a_world_of_one_is_attention_bit_for_bit(rng, dtype):
+    """W = 1, causal or not: the one call covers every row and comes in the inputs' dtype, rounded once by the
+    call itself: the ring's results are attention_forward's and attention_backward's bit for bit (a window and
+    ALiBi make one call per chunk pair, whose merges round otherwise)."""
+    q, k, v, dout = _problem(rng, 1, dtype)
+    for options in (dict(causal=True), dict(causal=False, softcap=SOFTCAP)):
+        assert_bitwise_equal(_ring(1, q, k, v, dout, **options), _single(q, k, v, dout, **options), names=NAMES)
 
 
 # ---------------------------------------------------------------------------------------------------
