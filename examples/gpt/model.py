@@ -11,12 +11,13 @@ Precision: the parameters are float32 (the optimizer's master copy); a step comp
 or float16 on the GPU), with layernorm's statistics, GELU, the softmax of the loss and every weight gradient in
 float32 (``accumulator``; all float64 for float64, which the gradient checks use). Every matrix product goes through
 ``matmul.matmul``, which on CuPy calls cuBLAS itself: CuPy's ``@`` has no bfloat16 and cannot be captured in a CUDA
-graph.
+graph. The products read the matrices in ``dtype`` (``weights``: the optimizer's copies in training, else cast once
+per forward).
 
-Layernorm, GELU, the bias and residual adds, the bias gradients and the loss's softmax are written once as array
-code, which NumPy runs; on CuPy each is one or two fused kernels instead (fused.py, the same arithmetic in the same
-dtypes), where the array code would be several passes over memory. A sum rounded to bfloat16 is rounded once,
-after adding in the accumulator dtype, on either path.
+Layernorm, GELU, the bias and residual adds, the bias gradients, the merging of attention's heads and the loss's
+softmax are written once as array code, which NumPy runs; on CuPy each is one or two fused kernels instead
+(fused.py, the same arithmetic in the same dtypes), where the array code would be several passes over memory. A sum
+rounded to bfloat16 is rounded once, after adding in the accumulator dtype, on either path.
 """
 
 from __future__ import annotations
@@ -132,13 +133,20 @@ def linear_forward(x, w, b, residual=None):
 
 
 def linear_backward(dout, saved):
+    """(dx, dw, db)."""
+    dx, dw = _linear_products(dout, saved)
+    flat_d = dout.reshape(-1, dout.shape[-1])
+    db = fused.column_sums(flat_d) if fused.applies(flat_d) else flat_d.astype(accumulator(dout.dtype)).sum(0)
+    return dx, dw, db
+
+
+def _linear_products(dout, saved):
+    """The products of linear_backward: (dx, dw)."""
     x, w = saved
     dx = matmul(dout, w.astype(dout.dtype).T)
     flat_x, flat_d = x.reshape(-1, x.shape[-1]), dout.reshape(-1, dout.shape[-1])
-    acc = accumulator(x.dtype)
-    dw = matmul(flat_x.T, flat_d, acc)  # bfloat16 on CuPy: written as float32 by cuBLAS, never rounded to bfloat16
-    db = fused.column_sums(flat_d) if fused.applies(flat_d) else flat_d.astype(acc).sum(0)
-    return dx, dw, db
+    dw = matmul(flat_x.T, flat_d, accumulator(x.dtype))  # bfloat16 on CuPy: written as float32, never rounded
+    return dx, dw
 
 
 _GELU_K = math.sqrt(2.0 / math.pi)
@@ -169,6 +177,28 @@ def gelu_backward(dout, saved):
     return (dout.astype(local.dtype) * local).astype(dout.dtype)
 
 
+def linear_gelu_forward(x, w, b):
+    """GELU(x @ w + b), the MLP's first half: (act, saved), saved as linear_forward's and gelu_forward's. On CuPy
+    the bias and the GELU are one pass over the product (fused.bias_gelu_forward), which writes the pre-activation
+    that the backward reads beside act."""
+    if not fused.applies(x):
+        fc, s_fc = linear_forward(x, w, b)
+        act, s_gelu = gelu_forward(fc)
+        return act, (s_fc, s_gelu)
+    act, fc = fused.bias_gelu_forward(matmul(x, w.astype(x.dtype)), b)
+    return act, ((x, w), (fc,))
+
+
+def linear_gelu_backward(dout, saved):
+    """(dx, dw, db) of linear_gelu_forward. On CuPy GELU's backward sums the bias's gradient as it writes its
+    result (fused.gelu_backward), rather than in a pass of its own."""
+    s_fc, s_gelu = saved
+    if not fused.applies(dout):
+        return linear_backward(gelu_backward(dout, s_gelu), s_fc)
+    d_fc, db = fused.gelu_backward(dout, *s_gelu, bias_grad=True)
+    return (*_linear_products(d_fc, s_fc), db)
+
+
 def attention_forward(qkv, config: Config):
     """Causal self-attention of qkv (B, N, C + 2 Hk D), q's H heads then k's and v's Hk each, through
     cupyflash: out (B, N, C). Query heads are grouped (B, Hk, H / Hk, N, D) so that k and v (B, Hk, 1, N, D)
@@ -178,17 +208,32 @@ def attention_forward(qkv, config: Config):
     q = qkv[..., : h * d].reshape(b, n, hk, h // hk, d).transpose(0, 2, 3, 1, 4)
     k = qkv[..., h * d : (h + hk) * d].reshape(b, n, hk, 1, d).transpose(0, 2, 3, 1, 4)
     v = qkv[..., (h + hk) * d :].reshape(b, n, hk, 1, d).transpose(0, 2, 3, 1, 4)
-    out, lse = cupyflash.attention_forward(q, k, v, causal=True)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, n, h * d), (q, k, v, out, lse)
+    out, lse = cupyflash.attention_forward(q, k, v, causal=True)  # (the views go in without a copy)
+    merged = merge_heads(out, array_module(out).empty((b, n, h * d), out.dtype))
+    return merged, (q, k, v, out, lse)
 
 
 def attention_backward(dout, saved, config: Config):
+    """d_qkv (B, N, C + 2 Hk D): dq, dk and dv, each merged into its columns."""
     q, k, v, out, lse = saved
     b, n, _ = dout.shape
     h, hk, d = config.heads, config.kv, config.head_dim
     dout = dout.reshape(b, n, hk, h // hk, d).transpose(0, 2, 3, 1, 4)
     dq, dk, dv = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)  # dk, dv summed over groups
-    return array_module(dq).concatenate([x.transpose(0, 3, 1, 2, 4).reshape(b, n, -1) for x in (dq, dk, dv)], axis=-1)
+    d_qkv = array_module(dq).empty((b, n, (h + 2 * hk) * d), dq.dtype)
+    for grad, columns in ((dq, slice(0, h * d)), (dk, slice(h * d, (h + hk) * d)), (dv, slice((h + hk) * d, None))):
+        merge_heads(grad, d_qkv[..., columns])
+    return d_qkv
+
+
+def merge_heads(x, out):
+    """out (B, N, Hk G D) = x (B, Hk, G, N, D): each token's heads side by side in its row, written where ``out``
+    lies (a column slice of a wider array too) and returned. On CuPy one fused pass; as array code, a copy through
+    the transposed view."""
+    if fused.applies(x):
+        return fused.merge_heads(x, out)
+    out[...] = x.transpose(0, 3, 1, 2, 4).reshape(out.shape)
+    return out
 
 
 def cross_entropy_forward(x, wte, targets):
@@ -209,22 +254,27 @@ def cross_entropy_forward(x, wte, targets):
 
 
 def cross_entropy_backward(saved):
-    """(dx, dwte). On CuPy the loss's gradient is written over the kept probabilities: call it once per forward."""
+    """(dx, dwte). On CuPy the loss's gradient is written over the kept probabilities where it stays in their dtype:
+    call it once per forward."""
     x, wte, probs, flat_targets = saved
-    if fused.applies(probs):
-        dlogits = fused.cross_entropy_backward(probs, flat_targets)
+    acc = accumulator(x.dtype)
+    # dlogits in x's dtype, as every other layer's weight gradient takes its dout: in float32 the head's (V x B*N x
+    # C) would be a bfloat16 step's largest product, and off the tensor cores. float16 keeps it in float32: its
+    # range would flush most of dlogits (p / rows) to 0.
+    grad_dtype = acc if x.dtype == np.float16 else x.dtype
+    if fused.applies(probs):  # rounded to grad_dtype as it is written: no cast of the (B*N, V) array after
+        dlogits = fused.cross_entropy_backward(probs, flat_targets, grad_dtype)
     else:
         dlogits = probs.copy()
         dlogits[array_module(probs).arange(probs.shape[0]), flat_targets] -= 1.0
         dlogits /= flat_targets.size
+        dlogits = dlogits.astype(grad_dtype, copy=False)
     d = dlogits.astype(x.dtype, copy=False)
     dx = matmul(d, wte.astype(x.dtype)).reshape(x.shape)
     flat_x = x.reshape(-1, x.shape[-1])
-    if x.dtype == np.float16:  # float16's range would flush most of dlogits (p / rows) to 0: float32 here
-        return dx, matmul(dlogits.T, flat_x.astype(dlogits.dtype))
-    # dlogits in x's dtype, as every other layer's weight gradient takes its dout: in float32 the head's (V x B*N x
-    # C) would be a bfloat16 step's largest product, and off the tensor cores
-    return dx, matmul(d.T, flat_x, dlogits.dtype)
+    if x.dtype == np.float16:
+        return dx, matmul(dlogits.T, flat_x.astype(acc))
+    return dx, matmul(d.T, flat_x, acc)
 
 
 def array_module(x):
@@ -247,22 +297,35 @@ def scatter_add(target, index, values) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the model
-def forward(params: dict, tokens, targets, config: Config, dtype=np.float32):
+def forward(params: dict, tokens, targets, config: Config, dtype=np.float32, weights: dict | None = None):
     """The mean cross-entropy (a 0-d float32 array) of predicting ``targets`` (B, N) from ``tokens`` (B, N), and
-    what backward needs."""
-    x, saved, s_lnf = _trunk(params, tokens, config, dtype)
-    loss, s_loss = cross_entropy_forward(x, params["wte"], targets)
+    what backward needs.
+
+    ``weights``: the matrices in ``dtype`` (``matrices``), where the caller keeps them (optim.AdamW.copies, which
+    each optimizer step rewrites); None: cast from ``params`` here, once for the forward and the backward.
+    """
+    weights = matrices(params, dtype) if weights is None else weights
+    x, saved, s_lnf = _trunk(params, weights, tokens, config, dtype)
+    loss, s_loss = cross_entropy_forward(x, weights["wte"], targets)
     return loss, (tokens, saved, s_lnf, s_loss)
 
 
-def logits(params: dict, tokens, config: Config, dtype=np.float32):
+def logits(params: dict, tokens, config: Config, dtype=np.float32, weights: dict | None = None):
     """The next token's logits (B, V) in float32 after each sequence of ``tokens`` (B, N)."""
-    x, _, _ = _trunk(params, tokens, config, dtype)
-    return matmul(x[:, -1], params["wte"].astype(dtype).T, accumulator(dtype))
+    weights = matrices(params, dtype) if weights is None else weights
+    x, _, _ = _trunk(params, weights, tokens, config, dtype)
+    return matmul(x[:, -1], weights["wte"].T, accumulator(dtype))
 
 
-def _trunk(params: dict, tokens, config: Config, dtype):
-    """The embeddings and every block, then the final layernorm: (x (B, N, C), each block's saved, lnf's)."""
+def matrices(params: dict, dtype) -> dict:
+    """The matrices (the 2-D parameters; the products read all but wpe) cast to ``dtype``, by name: the parameters
+    themselves where they are of that dtype."""
+    return {name: w.astype(dtype, copy=False) for name, w in params.items() if w.ndim == 2}
+
+
+def _trunk(params: dict, weights: dict, tokens, config: Config, dtype):
+    """The embeddings and every block, then the final layernorm: (x (B, N, C), each block's saved, lnf's). The
+    products take ``weights``, the biases and gains ``params``."""
     n = tokens.shape[1]
     if n > config.context:
         raise ValueError(f"sequences of {n} tokens are longer than the context {config.context}")
@@ -271,14 +334,13 @@ def _trunk(params: dict, tokens, config: Config, dtype):
     for layer in range(config.layers):
         p = f"h{layer}."
         h1, s_ln1 = layernorm_forward(x, params[p + "ln1.g"], params[p + "ln1.b"])
-        qkv, s_qkv = linear_forward(h1, params[p + "attn.wqkv"], params[p + "attn.bqkv"])
+        qkv, s_qkv = linear_forward(h1, weights[p + "attn.wqkv"], params[p + "attn.bqkv"])
         att, s_att = attention_forward(qkv, config)
-        x, s_proj = linear_forward(att, params[p + "attn.wo"], params[p + "attn.bo"], residual=x)
+        x, s_proj = linear_forward(att, weights[p + "attn.wo"], params[p + "attn.bo"], residual=x)
         h2, s_ln2 = layernorm_forward(x, params[p + "ln2.g"], params[p + "ln2.b"])
-        fc, s_fc = linear_forward(h2, params[p + "mlp.wfc"], params[p + "mlp.bfc"])
-        act, s_gelu = gelu_forward(fc)
-        x, s_mlp = linear_forward(act, params[p + "mlp.wproj"], params[p + "mlp.bproj"], residual=x)
-        saved.append((s_ln1, s_qkv, s_att, s_proj, s_ln2, s_fc, s_gelu, s_mlp))
+        act, s_fc = linear_gelu_forward(h2, weights[p + "mlp.wfc"], params[p + "mlp.bfc"])
+        x, s_mlp = linear_forward(act, weights[p + "mlp.wproj"], params[p + "mlp.bproj"], residual=x)
+        saved.append((s_ln1, s_qkv, s_att, s_proj, s_ln2, s_fc, s_mlp))
     xf, s_lnf = layernorm_forward(x, params["lnf.g"], params["lnf.b"])
     return xf, saved, s_lnf
 
@@ -291,10 +353,9 @@ def backward(state, params: dict, config: Config) -> dict:
     dx, grads["lnf.g"], grads["lnf.b"] = layernorm_backward(dx, s_lnf)
     for layer in reversed(range(config.layers)):
         p = f"h{layer}."
-        s_ln1, s_qkv, s_att, s_proj, s_ln2, s_fc, s_gelu, s_mlp = saved[layer]
+        s_ln1, s_qkv, s_att, s_proj, s_ln2, s_fc, s_mlp = saved[layer]
         d_act, grads[p + "mlp.wproj"], grads[p + "mlp.bproj"] = linear_backward(dx, s_mlp)
-        d_fc = gelu_backward(d_act, s_gelu)
-        d_h2, grads[p + "mlp.wfc"], grads[p + "mlp.bfc"] = linear_backward(d_fc, s_fc)
+        d_h2, grads[p + "mlp.wfc"], grads[p + "mlp.bfc"] = linear_gelu_backward(d_act, s_fc)
         dx, grads[p + "ln2.g"], grads[p + "ln2.b"] = layernorm_backward(d_h2, s_ln2, dresidual=dx)
         d_att, grads[p + "attn.wo"], grads[p + "attn.bo"] = linear_backward(dx, s_proj)
         d_qkv = attention_backward(d_att, s_att, config)

@@ -6,6 +6,10 @@ gains, as in GPT-2's and nanoGPT's recipes. The parameters, their gradients and 
 one flat buffer, the matrices first, so that a step is one pass over four buffers (one fused kernel on CuPy:
 fused.adamw) and weight decay applies to a prefix of them.
 
+The products of a bfloat16 or float16 step read the matrices in that dtype: ``copies`` keeps them in one more flat
+buffer, which each step rewrites from the parameters it has just updated (in the same kernel on CuPy), so that no
+step casts its weights.
+
 Nothing in a step waits for the device: the learning rate, the step count and the gradients' norm are arrays on
 the parameters' device, read where they are used. So a step can be captured in a CUDA graph (graph.py) and
 replayed with a new learning rate written into ``lr`` before each replay.
@@ -47,6 +51,30 @@ class AdamW:
         self.m, self.v = xp.zeros(offset, dtype), xp.zeros(offset, dtype)
         self.t = xp.zeros(1, np.int32)  # steps taken, on the device: a captured step advances it at each replay
         self.lr = xp.full(1, lr, dtype)  # the learning rate the next step reads
+        self.copy = None  # the matrices in the dtype of ``copies``, once asked for
+
+    def copies(self, dtype) -> dict:
+        """The matrices (the 2-D parameters, a prefix of the flat buffer) in ``dtype`` by name, as views of one flat
+        buffer that every later ``step`` rewrites from the parameters it updates: the weights of model.forward's
+        products (``weights``), with no cast in the step. Cast from the parameters now; call again after changing
+        the parameters other than through ``step``. For the parameters' own dtype, their own views. One other dtype
+        per optimizer (a ValueError for a second)."""
+        dtype = np.dtype(dtype)
+        if dtype == self.params.dtype:
+            return self._matrices(self.params)
+        if fused.accumulator(dtype) != self.params.dtype:  # (the fused step rounds its own results)
+            raise ValueError(f"copies of {self.params.dtype} parameters are bfloat16 or float16, not {dtype}")
+        if self.copy is None:
+            self.copy = array_module(self.params).empty(self.decay_end, dtype)
+        elif self.copy.dtype != dtype:
+            raise ValueError(f"this optimizer keeps its copies in {self.copy.dtype}, not {dtype}")
+        self.copy[...] = self.params[: self.decay_end]  # rounded to nearest even, as the step's kernel rounds
+        return self._matrices(self.copy)
+
+    def _matrices(self, flat) -> dict:
+        """The matrices' views of ``flat``, the parameters' buffer or the copy's (which holds only them)."""
+        return {name: flat[offset : offset + math.prod(shape)].reshape(shape) for name, offset, shape in self.layout
+                if len(shape) == 2}  # fmt: skip
 
     def views(self, flat) -> dict:
         """Each parameter's view of the flat buffer ``flat`` (the parameters', the gradients' or a moment's)."""
@@ -70,7 +98,7 @@ class AdamW:
             sumsq = fused.sum_squares(self.grads)
             fused.adamw(
                 self.params, self.grads, self.m, self.v, sumsq=sumsq, lr=self.lr, t=self.t, betas=self.betas,
-                eps=self.eps, weight_decay=self.weight_decay, clip=self.clip, decay_end=self.decay_end,
+                eps=self.eps, weight_decay=self.weight_decay, clip=self.clip, decay_end=self.decay_end, copy=self.copy,
             )  # fmt: skip
             return array_module(sumsq).sqrt(sumsq).reshape(())
         xp, dtype = array_module(self.grads), self.grads.dtype
@@ -86,6 +114,8 @@ class AdamW:
         correction1, correction2 = 1 - b1**t, 1 - b2**t
         self.params[: self.decay_end] *= 1 - self.lr * self.weight_decay
         self.params -= self.lr * (self.m / correction1) / (xp.sqrt(self.v / correction2) + self.eps)
+        if self.copy is not None:
+            self.copy[...] = self.params[: self.decay_end]
         return xp.sqrt(sumsq).reshape(())
 
     def state(self) -> dict:

@@ -114,10 +114,12 @@ def _host(x):
 def make_step(params, optimizer, config, dtype):
     """One training step on device arrays (tokens, targets) -> (loss, gradients' norm), both 0-d device arrays:
     forward, backward, and AdamW at the learning rate in ``optimizer.lr``. Nothing in it waits for the device, so
-    it runs as it is or captured in a CUDA graph (graph.CapturedStep)."""
+    it runs as it is or captured in a CUDA graph (graph.CapturedStep). The products read the optimizer's copies of
+    the matrices in ``dtype``, which it keeps up to date: change ``params`` through the optimizer only."""
+    weights = optimizer.copies(dtype)
 
     def step(tokens, targets):
-        loss, state = forward(params, tokens, targets, config, dtype)
+        loss, state = forward(params, tokens, targets, config, dtype, weights)
         grads = backward(state, params, config)
         return loss, optimizer.step(grads)
 

@@ -84,6 +84,24 @@ def test_linear_gelu_backward():
         _check(analytic, loss, target)
     residual = rng.standard_normal(y.shape)
     np.testing.assert_allclose(model.linear_forward(x, w, b, residual=residual)[0], y + residual, rtol=1e-14)
+    # the MLP's first half as one layer (fused on CuPy), the same functions composed on NumPy
+    act, saved = model.linear_gelu_forward(x, w, b)
+    np.testing.assert_array_equal(act, model.gelu_forward(y)[0])
+    for analytic, target in zip(model.linear_gelu_backward(dout, saved), (x, w, b)):
+        _check(analytic, loss, target)
+
+
+def test_merge_heads_writes_where_out_lies():
+    """Heads (B, Hk, G, N, D) side by side in each token's row, into a column slice of a wider array (the qkv
+    gradient's thirds), leaving its other columns as they were."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 3, 2, 5, 4))
+    wide = np.full((2, 5, 2 + 24 + 3), 7.0)
+    out = model.merge_heads(x, wide[..., 2:26])
+    assert np.shares_memory(out, wide)
+    for b, hk, g, n, d in np.ndindex(x.shape):
+        assert wide[b, n, 2 + (hk * 2 + g) * 4 + d] == x[b, hk, g, n, d]
+    assert (wide[..., :2] == 7.0).all() and (wide[..., 26:] == 7.0).all()
 
 
 def test_attention_backward_grouped_heads():
@@ -303,6 +321,41 @@ def test_optimizer_state_round_trips():
     second.step(grads[2])
     for name in p1:
         np.testing.assert_array_equal(p1[name], p2[name])
+
+
+def test_adamw_keeps_half_precision_copies_of_the_matrices():
+    """AdamW.copies: the matrices in bfloat16, rewritten by every step as the float32 parameters rounded to nearest
+    even; the parameters' own views for their own dtype; one copy dtype per optimizer, and never a wider one."""
+    params = model.init(TINY, np, 0)
+    optimizer = optim.AdamW(params, lr=1e-2)
+    own = optimizer.copies(np.float32)
+    assert set(own) == {k for k, v in params.items() if v.ndim == 2}
+    assert all(np.shares_memory(own[k], params[k]) for k in own)
+    copies = optimizer.copies(BF16)
+    assert set(copies) == set(own) and all(v.dtype == BF16 for v in copies.values())
+    rng = np.random.default_rng(13)
+    for _ in range(2):
+        optimizer.step({k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()})
+        for name, copy in copies.items():
+            np.testing.assert_array_equal(copy, params[name].astype(BF16), err_msg=name)
+    with pytest.raises(ValueError, match="keeps its copies"):
+        optimizer.copies(np.float16)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        optim.AdamW(model.init(TINY, np, 0)).copies(np.float64)
+
+
+def test_forward_reads_the_weights_it_is_given():
+    """model.forward's products take ``weights`` where given (the optimizer's copies), the parameters cast once
+    where not: the same loss from the cast matrices, another from other matrices."""
+    params = model.init(TINY, np, 0)
+    rng = np.random.default_rng(14)
+    tokens, targets = (rng.integers(0, TINY.vocab, size=(2, TINY.context)) for _ in range(2))
+    loss, _ = model.forward(params, tokens, targets, TINY, BF16)
+    weights = model.matrices(params, BF16)
+    assert set(weights) == {k for k, v in params.items() if v.ndim == 2}
+    assert float(model.forward(params, tokens, targets, TINY, BF16, weights)[0]) == float(loss)
+    weights["h0.mlp.wfc"] = weights["h0.mlp.wfc"] * BF16.type(2)
+    assert float(model.forward(params, tokens, targets, TINY, BF16, weights)[0]) != float(loss)
 
 
 def test_a_training_step_on_numpy():
@@ -546,64 +599,74 @@ def _nvrtc():
         pytest.skip(f"NVRTC cannot compile here: {exc!r}")
 
 
-def _compile(nvrtc, options, source, names, arch):
+def _compile(nvrtc, options, source, names, arch) -> dict:
+    """NVRTC's build of ``source`` with the name expressions ``names``: ptxas' report (registers, spills, stack
+    frame) of each, by name."""
+    from cupyflash._cuda.ptxas_report import parse_ptxas
+
     program = nvrtc.createProgram(source, "gpt_fused.cu", [], [])
     try:
         for name in names:
             nvrtc.addNameExpression(program, name)
         try:
-            nvrtc.compileProgram(program, [*options, f"-arch={arch}"])
+            nvrtc.compileProgram(program, [*options, f"-arch={arch}", "-Xptxas", "-v"])
         except nvrtc.NVRTCError:
             pytest.fail(nvrtc.getProgramLog(program))
+        found = parse_ptxas(nvrtc.getProgramLog(program))
+        return {name: found[nvrtc.getLoweredName(program, name)] for name in names}
     finally:
         nvrtc.destroyProgram(program)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_fused_kernels_compile(arch, monkeypatch):
-    """fused.cu's templates for every dtype fused.py instantiates, and each ElementwiseKernel's body as CuPy wraps
-    it (its types as CuPy names them: bfloat16, float16, float, double; each parameter a reference to an element),
-    compile with NVRTC (no GPU needed)."""
+def test_fused_kernels_compile(arch):
+    """fused.cu's templates, every one fused.py launches (each pointwise kernel with packs of 1 and 16 bytes) for
+    every dtype, compile with NVRTC (no GPU needed), with no spills and no stack frame."""
     import fused
 
     nvrtc, options = _nvrtc()
     for dtype in fused._CTYPES:
-        names = [fused._template(name, dtype) for name in fused._PER_ELEMENT]
-        if dtype in (np.float32, np.float64):
-            names.append(fused._template("softmax_cross_entropy", dtype))
-        _compile(nvrtc, options, fused._SOURCE.read_text(), names, arch)
-    captured = {}
+        names = fused._names(dtype)
+        assert {name.split("<")[0] for name in names} >= set(fused._KERNELS) - {"softmax_cross_entropy"}
+        report = _compile(nvrtc, options, fused._SOURCE.read_text(), names, arch)
+        spilled = {n: r for n, r in report.items() if r["spill_stores"] or r["spill_loads"] or r["stack_frame"]}
+        assert not spilled, spilled
 
-    class Recorder:
-        def __init__(self, params, outputs, body, name, preamble=""):
-            captured[name] = (params, outputs, body, preamble)
 
-    cupy = pytest.importorskip("cupy")
-    monkeypatch.setattr(cupy, "ElementwiseKernel", Recorder)
-    fused._elementwise.cache_clear()
-    try:
-        fused._elementwise()
-    finally:
-        fused._elementwise.cache_clear()
-    ctypes = {"int32": "int", "int64": "long long"}
-    source = ["#include <cupy/carray.cuh>", "#include <cupy/float16.cuh>", "#include <cupy/bfloat16.cuh>"]
-    source.append(fused._ACCUMULATOR)
-    for name, (params, outputs, body, _) in captured.items():
-        for k, element in enumerate(("bfloat16", "float16", "float", "double")):
-            if name == "gpt_adamw" and element in ("bfloat16", "float16"):
-                continue  # the optimizer's buffers are float32 (float64 in the checks)
-            arguments, references = [], []
-            for declaration in f"{params}, {outputs}".split(","):
-                *raw, kind, variable = declaration.split()
-                kind = ctypes.get(kind, kind)
-                arguments.append(f"{kind}* {variable}" if raw else f"{kind}* {variable}_")
-                if not raw:
-                    references.append(f"{kind}& {variable} = {variable}_[i];")
-            source.append(
-                f"namespace {name}_{k} {{ typedef {element} T; typedef float P;\n"
-                f"__global__ void kernel({', '.join(arguments)}) {{ ptrdiff_t i = threadIdx.x;\n"
-                f"{' '.join(references)}\n{body}\n}} }}"
-            )
-    assert set(captured) == {f"gpt_{n}" for n in ("gelu_forward", "gelu_backward", "bias_add", "bias_residual_add",
-                                                  "cross_entropy_backward", "adamw")}  # fmt: skip
-    _compile(nvrtc, options, "\n".join(source), [], arch)
+def test_fused_kernel_names_and_packs():
+    """The template arguments fused.py asks for: T and A by dtype, 16-byte packs of T, or of A for the kernels
+    that stream the accumulator's arrays (the optimizer's buffers, the loss's probabilities)."""
+    import fused
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    assert fused._template("bias_add", bf16, 8) == "bias_add<__nv_bfloat16, float, 8>"
+    assert fused._template("merge_heads", np.float16, 8) == "merge_heads<__half, 8>"
+    assert fused._template("layernorm_forward", np.float64) == "layernorm_forward<double, double>"
+    names = fused._names(bf16)
+    assert "adamw<__nv_bfloat16, float, 4>" in names and "cross_entropy_backward<__nv_bfloat16, float, 4>" in names
+    assert "column_sums<__nv_bfloat16, float, 8>" in names and "column_sums<__nv_bfloat16, float, 1>" in names
+    assert not any(n.startswith("softmax_cross_entropy") for n in names)
+    assert "softmax_cross_entropy<float>" in fused._names(np.float32)
+    assert "bias_gelu_forward<double, double, 2>" in fused._names(np.float64)
+
+
+class _Pointer:
+    """A stand-in for a CuPy array in fused._pack: a device address and an item size."""
+
+    def __init__(self, ptr, itemsize):
+        self.data, self.itemsize = SimpleNamespace(ptr=ptr), itemsize
+
+
+def test_pack_width_follows_alignment_and_rows():
+    """16 bytes per load where every array starts on a multiple of its pack and rows hold whole packs; else 1."""
+    import fused
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    assert fused._pack(bf16, _Pointer(256, 2), _Pointer(512, 2), width=768) == 8
+    assert fused._pack(bf16, _Pointer(256, 2), None, width=768) == 8  # an absent array (a null pointer)
+    assert fused._pack(bf16, _Pointer(256 + 2, 2), width=768) == 1  # a view one element in
+    assert fused._pack(bf16, _Pointer(256 + 16, 2), width=768) == 8  # a view eight elements in
+    assert fused._pack(bf16, _Pointer(256, 2), width=770) == 1  # rows of 770: packs would straddle them
+    assert fused._pack(np.float32, _Pointer(256, 4), _Pointer(256 + 8, 2)) == 4  # a bfloat16 copy: 8-byte packs
+    assert fused._pack(np.float32, _Pointer(256, 4), _Pointer(256 + 4, 2)) == 1
+    assert fused._pack(np.float64, _Pointer(256, 8), width=3) == 1

@@ -11,6 +11,7 @@ float16 that learn and, in bfloat16, stay near the float32 run. Needs a GPU:
 The CPU side (the NumPy path, and the cuBLAS path's arguments replayed on NumPy) is tests/cpu/test_gpt_example.py.
 """
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -310,6 +311,53 @@ def _both(function, *args, **kwargs):
     return found, expected
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """The fused.cu kernels launched inside the test, as their name expressions (which say the pack: the elements
+    per load and store), in order."""
+    names = []
+    function = fused._function
+
+    def recorded(name, dtype, pack=None):
+        names.append(fused._template(name, dtype, pack))
+        return function(name, dtype, pack)
+
+    monkeypatch.setattr(fused, "_function", recorded)
+    return names
+
+
+def _wide(dtype) -> int:
+    """Elements of ``dtype`` in a 16-byte pack."""
+    return 16 // np.dtype(dtype).itemsize
+
+
+def _off_by_one(a):
+    """a's values in a C-contiguous view one element past the start of its allocation: no 16-byte pack fits its
+    address, so the kernels that take it move one element at a time."""
+    flat = cupy.empty(a.size + 1, a.dtype)
+    view = flat[1:].reshape(a.shape)
+    view[...] = a
+    return view
+
+
+# Where the pointwise kernels move 16-byte packs and where one element at a time: rows of whole packs in arrays
+# that start at their allocations ("packed"), rows that no pack divides ("odd width"), and an input whose address
+# is one element off ("offset").
+LAYOUTS = ["packed", "odd width", "offset"]
+
+
+def _layout_input(rng, layout, rows, width, dtype, **kwargs):
+    """(an input (3, rows, width) for the layout; width made odd for "odd width"), and the pack the kernels should
+    take for it."""
+    if layout == "odd width":
+        width += 1
+    x = _device(rng, (3, rows, width), dtype, **kwargs)
+    if layout == "offset":
+        x = _off_by_one(x)
+    wide = _wide(dtype)
+    return x, (wide if layout == "packed" else 1)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 37, 200), (2, 64, 768), (5, 1)])
 def test_fused_layernorm(rng, dtype, shape):
@@ -350,11 +398,12 @@ GELU_ATOL = {F64: 1e-13, F32: 1e-5, F16: 1e-5, BF16: 1e-5}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_gelu(rng, dtype):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fused_gelu(rng, dtype, layout, launches):
     """Forward and backward over values up to |x| ~ 12 (both tails of the tanh): each element within one rounding
     of the result dtype, or an absolute GELU_ATOL (times |x|^2 |dout| for the backward) in the tails, and the
-    whole within float32's (float64's) rounding norm-wise."""
-    x = _device(rng, (7, 33, 65), dtype, scale=3.0)
+    whole within float32's (float64's) rounding norm-wise; in packs of 16 bytes and one element at a time."""
+    x, pack = _layout_input(rng, layout, 33, 64, dtype, scale=3.0)
     dout = _device(rng, x.shape, dtype)
     (y, saved), (y_plain, _) = _both(model.gelu_forward, x)
     _assert_elementwise(y, y_plain, dtype, atol=GELU_ATOL[dtype])
@@ -363,20 +412,109 @@ def test_fused_gelu(rng, dtype):
     _assert_elementwise(dx, dx_plain, dtype, atol=GELU_ATOL[dtype] * scale)
     for found, expected in ((y, y_plain), (dx, dx_plain)):
         assert _rel_error(_host64(found), _host64(expected)) <= SUM_RTOL[dtype] + ELEMENT_RTOL[dtype] / 8
+    assert launches[0].endswith(f", {pack}>") and launches[1].endswith(f", {pack}>"), launches
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_bias_residual_and_bias_gradient(rng, dtype):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fused_linear_gelu(rng, dtype, layout, launches):
+    """The MLP's first half, GELU(x @ w + b): the fused bias-and-GELU pass against linear_forward then
+    gelu_forward (act, and the pre-activation it keeps), and GELU's backward with the bias gradient summed in the
+    same pass against gelu_backward then linear_backward; widths of whole packs and not, an offset input; 3 * 300
+    rows, more than one chunk of the column sums."""
+    h, _ = _layout_input(rng, layout, 300, 32, dtype)
+    width = 96 if layout != "odd width" else 97  # the product's width: the bias and GELU kernels' rows
+    master = F64 if dtype == F64 else F32
+    w, b = _device(rng, (h.shape[-1], width), master, scale=0.3), _device(rng, (width,), master)
+    (act, saved), (act_plain, saved_plain) = _both(model.linear_gelu_forward, h, w, b)
+    (pre,), (pre_plain,) = saved[1], saved_plain[1]
+    _assert_elementwise(pre, pre_plain, dtype, atol=1e-30)  # y + b, one rounding in both
+    _assert_elementwise(act, act_plain, dtype, atol=GELU_ATOL[dtype])
+    dout = _device(rng, act.shape, dtype)
+    (dx, dw, db), (dx_plain, dw_plain, db_plain) = _both(model.linear_gelu_backward, dout, saved)
+    # db sums the gradient the kernel wrote: against the sums of that gradient (d_fc, recomputed here as the
+    # product dx came from would have it), in the summation order's bounds; d_fc itself against the plain one
+    with fused.disabled():
+        d_fc_plain = model.gelu_backward(dout, saved[1])
+    d_fc = fused.gelu_backward(dout, pre)
+    scale = float(abs(pre).astype(F32).max()) ** 2 * float(abs(dout).astype(F32).max())
+    _assert_elementwise(d_fc, d_fc_plain, dtype, atol=GELU_ATOL[dtype] * scale)
+    terms = _host64(d_fc).reshape(-1, width)
+    assert _rel_error(_host64(db), terms.sum(0), np.linalg.norm(terms)) <= SUM_RTOL[dtype]
+    for found, expected in ((dx, dx_plain), (dw, dw_plain), (db, db_plain)):
+        assert found.dtype == expected.dtype and found.shape == expected.shape
+        assert _rel_error(_host64(found), _host64(expected)) <= SUM_RTOL[dtype] + ELEMENT_RTOL[dtype], found.shape
+    packs = [name for name in launches if name.startswith(("bias_gelu_forward", "column_sums"))]
+    wide = 1 if width % _wide(dtype) else _wide(dtype)  # (the offset input is the product's: aligned by cuBLAS)
+    assert packs and all(name.endswith(f", {wide}>") for name in packs), launches
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fused_bias_residual_and_bias_gradient(rng, dtype, layout, launches):
     """A linear layer's output with its bias, with and without the residual added (one rounding), and its bias
-    gradient (column sums over 3 * 300 rows, more than one chunk of the column-sum kernel)."""
-    x, residual = _device(rng, (3, 300, 48), dtype), _device(rng, (3, 300, 40), dtype, scale=10.0)
-    w, b = _device(rng, (48, 40), F32 if dtype != F64 else F64), _device(rng, (40,), F32 if dtype != F64 else F64)
+    gradient (column sums over 3 * 300 rows, more than one chunk of the column-sum kernel); in packs and one
+    element at a time (the residual and dout as the layout makes them)."""
+    residual, pack = _layout_input(rng, layout, 300, 40, dtype, scale=10.0)
+    width = residual.shape[-1]
+    x = _device(rng, (3, 300, 48), dtype)
+    w, b = _device(rng, (48, width), F32 if dtype != F64 else F64), _device(rng, (width,), F32 if dtype != F64 else F64)
     for extra in (None, residual):
         (y, saved), (y_plain, _) = _both(model.linear_forward, x, w, b, extra)
         _assert_elementwise(y, y_plain, dtype, atol=1e-30)
-    dout = _device(rng, (3, 300, 40), dtype)
+    dout, _ = _layout_input(rng, layout, 300, 40, dtype)
     (_, _, db), (_, _, db_plain) = _both(model.linear_backward, dout, saved)
     _assert_sums(db, db_plain, dtype, terms=_host64(dout))
+    residual_add, sums = launches[1], launches[-1]
+    assert residual_add.startswith("bias_add") and residual_add.endswith(f", {pack}>"), launches
+    assert sums.startswith("column_sums") and sums.endswith(f", {pack}>"), launches
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["packed", "head dim 6", "odd column offset"])
+def test_fused_merge_heads(rng, dtype, case, launches):
+    """Attention's heads (B, Hk, G, N, D) merged into each token's row: into a whole array, and into a column
+    slice of a wider one (the qkv gradient's thirds) whose other columns stay as they were; exactly the plain
+    code's copy. Head dims and column offsets that 16-byte packs divide and that they do not."""
+    b, hk, g, n = 2, 3, 2, 37
+    d = 6 if case == "head dim 6" else 64
+    x = _device(rng, (b, hk, g, n, d), dtype)
+    with nan_filled_allocations():
+        out = model.merge_heads(x, cupy.empty((b, n, hk * g * d), dtype))
+    with fused.disabled():
+        out_plain = model.merge_heads(x, cupy.empty((b, n, hk * g * d), dtype))
+    np.testing.assert_array_equal(_host64(out), _host64(out_plain))
+    first = 1 if case == "odd column offset" else hk * g * d
+    wide = cupy.full((b, n, first + 2 * hk * g * d), 7.0, F32).astype(dtype)
+    columns = slice(first, first + hk * g * d)
+    model.merge_heads(x, wide[..., columns])
+    np.testing.assert_array_equal(_host64(wide[..., columns]), _host64(out_plain))
+    rest = np.delete(_host64(wide), np.arange(first, first + hk * g * d), axis=-1)
+    assert (rest == 7.0).all()
+    pack = _wide(dtype) if d % _wide(dtype) == 0 and first % _wide(dtype) == 0 else 1
+    assert launches[-1] == fused._template("merge_heads", dtype, pack), launches
+
+
+@pytest.mark.parametrize("grad_dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("vocab", [300, 301])
+def test_fused_cross_entropy_backward_in_the_activation_dtype(rng, grad_dtype, vocab, launches):
+    """The loss's gradient (p - onehot) / rows from float32 probabilities, written in bfloat16 or float16 (a new
+    array) or in place (float32): exactly the plain code's float32 gradient rounded once. A vocabulary of whole
+    packs of four and one not."""
+    rows = 67
+    logits = _device(rng, (rows, vocab), F32, scale=4.0)
+    targets = cupy.asarray(rng.integers(0, vocab, size=rows).astype(np.int32))
+    probs = logits.copy()
+    fused.softmax_cross_entropy(probs, targets)
+    expected = probs.copy()
+    expected[cupy.arange(rows), targets] -= 1.0
+    expected /= rows
+    expected = expected.astype(grad_dtype)
+    with nan_filled_allocations():
+        d = fused.cross_entropy_backward(probs, targets, grad_dtype)
+    assert d.dtype == grad_dtype and (d is probs) == (grad_dtype == F32)
+    np.testing.assert_array_equal(_host64(d), _host64(expected))
+    assert launches[-1].endswith(f", {4 if vocab % 4 == 0 else 1}>"), launches
 
 
 @pytest.mark.parametrize("dtype", [F64, F32])
@@ -465,6 +603,53 @@ def test_fused_adamw_matches_the_array_code(rng, clip):
         expected = expected.get()
         np.testing.assert_allclose(found.get(), expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
     assert int(optimizer.t[0]) == int(plain.t[0]) == 4
+
+
+@pytest.mark.parametrize("copy_dtype", [BF16, F16])
+def test_fused_adamw_writes_the_half_precision_copies(rng, copy_dtype):
+    """AdamW keeping the matrices in bfloat16 or float16 (optim.AdamW.copies): after each of four steps, fused and
+    plain, the copy is exactly the float32 master of each matrix rounded to nearest even (ml_dtypes' cast on the
+    host), the views the optimizer handed out first among them; biases and gains have no copy. Sizes that no pack
+    divides: the matrices end inside a pack of four, and the buffer in a tail of two."""
+    shapes = {"w": (13, 7), "e": (5, 3), "b": (7,), "g": (3,), "c": (2,)}  # matrices 106 elements, all 118
+    start = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    steps = [{k: cupy.asarray(rng.standard_normal(s).astype(np.float32)) for k, s in shapes.items()} for _ in range(4)]
+    for plain in (False, True):
+        params = {k: cupy.asarray(v) for k, v in start.items()}
+        with fused.disabled() if plain else contextlib.nullcontext():
+            optimizer = optim.AdamW(params, lr=1e-3, clip=1.0)
+            copies = optimizer.copies(copy_dtype)
+            assert set(copies) == {"w", "e"} and all(copies[k].dtype == copy_dtype for k in copies)
+            for i, grads in enumerate(steps):
+                optimizer.set_lr(1e-3 * (i + 1))
+                optimizer.step(grads)
+                for name in copies:
+                    expected = params[name].get().astype(copy_dtype)
+                    np.testing.assert_array_equal(copies[name].get(), expected, err_msg=f"{name}, step {i}")
+        assert optimizer.copies(copy_dtype)["w"].data.ptr == copies["w"].data.ptr  # one buffer, cast again
+    with pytest.raises(ValueError, match="keeps its copies"):
+        optimizer.copies(F16 if copy_dtype == BF16 else BF16)
+
+
+def test_fused_adamw_one_element_at_a_time_matches_packs(rng):
+    """fused.adamw on buffers whose addresses no 16-byte pack fits (views one element in: the kernel's one-element
+    path) and on the same values where packs fit: the same parameters, moments and bfloat16 copy."""
+    n, decay_end = 1001, 999
+    values = [rng.standard_normal(n).astype(np.float32) for _ in range(4)]
+    values[3] = np.abs(values[3])  # v >= 0
+    sumsq = cupy.asarray(np.array([float((values[1].astype(np.float64) ** 2).sum())], np.float32))
+    lr, t = cupy.full(1, 1e-2, np.float32), cupy.full(1, 3, np.int32)
+    found = {}
+    for layout in ("packed", "offset"):
+        p, g, m, v = (cupy.asarray(x) if layout == "packed" else _off_by_one(cupy.asarray(x)) for x in values)
+        copy = cupy.empty(decay_end, BF16)
+        copy = copy if layout == "packed" else _off_by_one(copy)
+        fused.adamw(p, g, m, v, sumsq=sumsq, lr=lr, t=t, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, clip=1.0,
+                    decay_end=decay_end, copy=copy)  # fmt: skip
+        found[layout] = [x.get() for x in (p, m, v, copy)]
+        np.testing.assert_array_equal(found[layout][3], found[layout][0][:decay_end].astype(BF16))
+    for packed, single in zip(found["packed"], found["offset"]):
+        np.testing.assert_allclose(packed.astype(F64), single.astype(F64), rtol=1e-6, atol=1e-7)
 
 
 SMALL = model.Config(vocab=97, context=64, layers=2, width=64, heads=4, kv_heads=2)
