@@ -6,7 +6,7 @@
 // Each is a template over the element type T (float, double, __half, __nv_bfloat16) and the accumulator A
 // (double for double, float otherwise), as model.accumulator picks it: elements are widened to A on load,
 // every sum and product runs in A, and a result in T is rounded once, to nearest, on store. Sums are
-// deterministic: fixed trees of shuffles, and partial sums that the caller adds in a fixed order (no atomics).
+// deterministic: fixed trees of shuffles, and partial sums added in a fixed order (no atomics).
 // The pointwise kernels take a third parameter N, the elements per load and store (a Pack): 16 bytes' worth, or 1
 // where fused.py found an array that 16-byte accesses would not fit (fused._pack says when).
 
@@ -255,6 +255,20 @@ __global__ void column_sums(const T *dout, const T *x, T *dx, A *part, long long
         for (int i = 1; i < COLUMN_ROWS; ++i) total += shared[i][threadIdx.x * N + j];
         part[blockIdx.y * C + c + j] = total;
     }
+}
+
+// The caller's half of the column sums: out[j][c] = part[j][0][c] + part[j][1][c] + ..., the chunks' partial sums
+// added in order, for count arrays of them side by side (layernorm's dg and db: count 2). part is (count, rows, C),
+// out (count, C); one thread per column.
+template <typename A> __global__ void column_totals(const A *part, A *out, int rows, int C, int count) {
+    const long long i = grid_first();
+    if (i >= (long long)count * C) return;
+    const long long j = i / C;
+    const A *p = part + j * rows * C + (i - j * C);
+    A total = 0;
+#pragma unroll 8
+    for (int row = 0; row < rows; ++row) total += p[(long long)row * C];
+    out[i] = total;
 }
 
 // ------------------------------------------------------------------------------------------ attention's heads

@@ -44,6 +44,7 @@ _KERNELS = {
     "bias_add": "{T}, {A}, {N}",
     "bias_gelu_forward": "{T}, {A}, {N}",
     "column_sums": "{T}, {A}, {N}",
+    "column_totals": "{A}",  # the column sums' partial sums, added
     "merge_heads": "{T}, {N}",
     "cross_entropy_backward": "{T}, {A}, {N}",  # packs of A: the probabilities
     "adamw": "{T}, {A}, {N}",  # packs of A: the parameters; T the dtype of their copy
@@ -54,6 +55,7 @@ _SOURCE = Path(__file__).with_name("fused.cu")
 _ROW_WARPS = 8  # rows per block of the warp-per-row kernels (256 threads)
 _COLUMN_BLOCK = (32, 8)  # the column sums' block: 32 columns (packs) by fused.cu's COLUMN_ROWS rows
 _COLUMN_SUM_BLOCKS = 512  # the column sums' grid: about 4 blocks per SM of an H100 or H200, or more
+_TOTAL_THREADS = 256  # threads per block of column_totals (one per column)
 _LOSS_THREADS = 512  # threads per row of the loss: 50k logits are ~100 per thread
 _SUM_BLOCKS, _SUM_THREADS = 1024, 256  # a fixed grid, so that the sum's order is the same on every device
 _POINTWISE_BLOCKS, _POINTWISE_THREADS = 4096, 256  # the grid-stride kernels: a few waves at most, then loops
@@ -89,7 +91,7 @@ def layernorm_forward(x, g, b, eps: float):
     x = cupy.ascontiguousarray(x)
     acc = accumulator(x.dtype)
     rows, width = x.size // x.shape[-1], x.shape[-1]
-    out = cupy.empty_like(x)
+    out = cupy.empty(x.shape, x.dtype)
     mean, rstd = (cupy.empty(x.shape[:-1] + (1,), acc) for _ in range(2))
     kernel = _function("layernorm_forward", x.dtype)
     kernel(
@@ -111,7 +113,7 @@ def layernorm_backward(dout, x, mean, rstd, g, dresidual=None):
     acc = mean.dtype
     mean, rstd = cupy.ascontiguousarray(mean), cupy.ascontiguousarray(rstd)
     rows, width = x.size // x.shape[-1], x.shape[-1]
-    dx = cupy.empty_like(x)
+    dx = cupy.empty(x.shape, x.dtype)
     residual = np.uint64(0)  # a null pointer: no residual gradient to add
     if dresidual is not None:
         if dresidual.shape != x.shape or dresidual.dtype != x.dtype:
@@ -123,13 +125,14 @@ def layernorm_backward(dout, x, mean, rstd, g, dresidual=None):
         (dout, x, mean, rstd, _vector(g, acc), residual, dx, np.int64(rows), np.int32(width)),
     )
     chunk, chunks = _row_chunks(rows)
-    dg_part, db_part = (cupy.empty((chunks, width), acc) for _ in range(2))
+    part = cupy.empty((2, chunks, width), acc)  # dg's partial sums, then db's
     _function("layernorm_param_grads", x.dtype)(
         (_blocks(width, 32), chunks),
         _COLUMN_BLOCK,
-        (dout, x, mean, rstd, dg_part, db_part, np.int64(rows), np.int32(width), np.int64(chunk)),
+        (dout, x, mean, rstd, part[0], part[1], np.int64(rows), np.int32(width), np.int64(chunk)),
     )
-    return dx, dg_part.sum(0), db_part.sum(0)
+    dg, db = _column_totals(part, x.dtype)
+    return dx, dg, db
 
 
 def column_sums(a):
@@ -160,7 +163,22 @@ def _column_sums(dout, x, dx, sums: bool):
         _COLUMN_BLOCK,
         (dout, _null(x), _null(dx), _null(part), np.int64(rows), np.int32(width), np.int64(chunk)),
     )
-    return None if part is None else part.sum(0)
+    return None if part is None else _column_totals(part[None], dout.dtype)[0]
+
+
+def _column_totals(part, dtype):
+    """The sums over rows of each of part's (count, rows, C) partial sums (the accumulator's dtype, of the column
+    sums of arrays of ``dtype``), (count, C), added in the order of the rows: fused.cu's column_totals, one launch
+    where CuPy's ``part.sum(1)`` takes several times its host time."""
+    import cupy
+
+    count, rows, width = part.shape
+    out = cupy.empty((count, width), part.dtype)
+    blocks = max(1, _blocks(count * width, _TOTAL_THREADS))
+    _function("column_totals", dtype)(
+        (blocks,), (_TOTAL_THREADS,), (part, out, np.int32(rows), np.int32(width), np.int32(count))
+    )
+    return out
 
 
 # ------------------------------------------------------------------------------------------ GELU, bias
@@ -169,7 +187,7 @@ def gelu_forward(x):
     import cupy
 
     x = cupy.ascontiguousarray(x)
-    act = cupy.empty_like(x)
+    act = cupy.empty(x.shape, x.dtype)
     _pointwise("bias_gelu_forward", x, (x, _null(None), _null(None), act), (x, act))
     return act
 
@@ -181,7 +199,7 @@ def bias_gelu_forward(y, b):
     import cupy
 
     y = cupy.ascontiguousarray(y)
-    pre, act = cupy.empty_like(y), cupy.empty_like(y)
+    pre, act = cupy.empty(y.shape, y.dtype), cupy.empty(y.shape, y.dtype)
     _pointwise("bias_gelu_forward", y, (y, _vector(b, accumulator(y.dtype)), pre, act), (y, pre, act))
     return act, pre
 
@@ -195,7 +213,7 @@ def gelu_backward(dout, x, bias_grad=False):
     if dout.dtype != x.dtype or dout.shape != x.shape:
         raise ValueError(f"dout {dout.shape} {dout.dtype} must match x {x.shape} {x.dtype}")
     dout, x = cupy.ascontiguousarray(dout), cupy.ascontiguousarray(x)
-    dx = cupy.empty_like(x)
+    dx = cupy.empty(x.shape, x.dtype)
     db = _column_sums(dout, x, dx, sums=bias_grad)
     return (dx, db) if bias_grad else dx
 
@@ -210,7 +228,7 @@ def bias_add(y, b, residual=None):
         if residual.shape != y.shape or residual.dtype != y.dtype:
             raise ValueError(f"residual {residual.shape} {residual.dtype} must match y {y.shape} {y.dtype}")
         residual = cupy.ascontiguousarray(residual)
-    out = cupy.empty_like(y)
+    out = cupy.empty(y.shape, y.dtype)
     _pointwise("bias_add", y, (y, _vector(b, accumulator(y.dtype)), _null(residual), out), (y, residual, out))
     return out
 
@@ -376,7 +394,16 @@ def _vector(a, dtype):
 
 
 def _function(name: str, dtype, pack: int | None = None):
-    """fused.cu's ``name`` for arrays of ``dtype`` (its T), moving ``pack`` elements at a time where it takes N."""
+    """fused.cu's ``name`` for arrays of ``dtype`` (its T) on the current device, moving ``pack`` elements at a
+    time where it takes N."""
+    import cupy
+
+    return _device_function(cupy.cuda.runtime.getDevice(), name, dtype, pack)
+
+
+@functools.cache
+def _device_function(device: int, name: str, dtype, pack: int | None):
+    """_function's lookup, kept: CuPy's makes a new function object each time (a module is loaded per device)."""
     dtype = np.dtype(dtype)
     if dtype not in _CTYPES:
         raise TypeError(f"the fused kernels take float64, float32, float16 or bfloat16, not {dtype}")

@@ -645,6 +645,7 @@ def test_fused_kernel_names_and_packs():
     names = fused._names(bf16)
     assert "adamw<__nv_bfloat16, float, 4>" in names and "cross_entropy_backward<__nv_bfloat16, float, 4>" in names
     assert "column_sums<__nv_bfloat16, float, 8>" in names and "column_sums<__nv_bfloat16, float, 1>" in names
+    assert "column_totals<float>" in names  # the column sums' partial sums, added in float32
     assert not any(n.startswith("softmax_cross_entropy") for n in names)
     assert "softmax_cross_entropy<float>" in fused._names(np.float32)
     assert "bias_gelu_forward<double, double, 2>" in fused._names(np.float64)

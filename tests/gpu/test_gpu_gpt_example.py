@@ -465,9 +465,10 @@ def test_fused_bias_residual_and_bias_gradient(rng, dtype, layout, launches):
     dout, _ = _layout_input(rng, layout, 300, 40, dtype)
     (_, _, db), (_, _, db_plain) = _both(model.linear_backward, dout, saved)
     _assert_sums(db, db_plain, dtype, terms=_host64(dout))
-    residual_add, sums = launches[1], launches[-1]
+    residual_add, sums, totals = launches[1], launches[-2], launches[-1]
     assert residual_add.startswith("bias_add") and residual_add.endswith(f", {pack}>"), launches
     assert sums.startswith("column_sums") and sums.endswith(f", {pack}>"), launches
+    assert totals == fused._template("column_totals", dtype), launches  # the chunks' partial sums, added
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
