@@ -122,7 +122,7 @@ def layernorm_backward(dout, saved, dresidual=None):
 def linear_forward(x, w, b, residual=None):
     """x @ w + b with w (in, out) in x's dtype, plus ``residual`` (the residual stream) where given: the sum in
     the accumulator dtype, rounded once to x's."""
-    y = matmul(x, w.astype(x.dtype))
+    y = matmul(x, w.astype(x.dtype, copy=False))
     if fused.applies(y):
         return fused.bias_add(y, b, residual), (x, w)
     acc = accumulator(x.dtype)
@@ -143,7 +143,7 @@ def linear_backward(dout, saved):
 def _linear_products(dout, saved):
     """The products of linear_backward: (dx, dw)."""
     x, w = saved
-    dx = matmul(dout, w.astype(dout.dtype).T)
+    dx = matmul(dout, w.astype(dout.dtype, copy=False).T)
     flat_x, flat_d = x.reshape(-1, x.shape[-1]), dout.reshape(-1, dout.shape[-1])
     dw = matmul(flat_x.T, flat_d, accumulator(x.dtype))  # bfloat16 on CuPy: written as float32, never rounded
     return dx, dw
@@ -185,7 +185,7 @@ def linear_gelu_forward(x, w, b):
         fc, s_fc = linear_forward(x, w, b)
         act, s_gelu = gelu_forward(fc)
         return act, (s_fc, s_gelu)
-    act, fc = fused.bias_gelu_forward(matmul(x, w.astype(x.dtype)), b)
+    act, fc = fused.bias_gelu_forward(matmul(x, w.astype(x.dtype, copy=False)), b)
     return act, ((x, w), (fc,))
 
 
@@ -241,7 +241,7 @@ def cross_entropy_forward(x, wte, targets):
     targets, in float32. Returns the loss as a 0-d array (no wait for the device). Keeps the probabilities, in
     place of the logits."""
     xp = array_module(x)
-    logits = matmul(x, wte.astype(x.dtype).T, accumulator(x.dtype)).reshape(-1, wte.shape[0])
+    logits = matmul(x, wte.astype(x.dtype, copy=False).T, accumulator(x.dtype)).reshape(-1, wte.shape[0])
     flat_targets = targets.reshape(-1)
     if fused.applies(logits):
         losses = fused.softmax_cross_entropy(logits, flat_targets)  # logits become the probabilities
@@ -270,7 +270,7 @@ def cross_entropy_backward(saved):
         dlogits /= flat_targets.size
         dlogits = dlogits.astype(grad_dtype, copy=False)
     d = dlogits.astype(x.dtype, copy=False)
-    dx = matmul(d, wte.astype(x.dtype)).reshape(x.shape)
+    dx = matmul(d, wte.astype(x.dtype, copy=False)).reshape(x.shape)
     flat_x = x.reshape(-1, x.shape[-1])
     if x.dtype == np.float16:
         return dx, matmul(dlogits.T, flat_x.astype(acc))
@@ -329,7 +329,7 @@ def _trunk(params: dict, weights: dict, tokens, config: Config, dtype):
     n = tokens.shape[1]
     if n > config.context:
         raise ValueError(f"sequences of {n} tokens are longer than the context {config.context}")
-    x = (params["wte"][tokens] + params["wpe"][:n]).astype(dtype)
+    x = (params["wte"][tokens] + params["wpe"][:n]).astype(dtype, copy=False)
     saved = []
     for layer in range(config.layers):
         p = f"h{layer}."
