@@ -130,20 +130,83 @@ def gemm_arguments(a, layout_a, b, layout_b, out) -> tuple:
     )  # fmt: skip
 
 
+_B, _A, _OUT = 6, 9, 13  # where gemm_arguments puts b's, a's and out's pointers
+
+
 def _pointer(x) -> int:
     return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+
+
+# The products by layout: (a's shape and strides, b's, their dtype, out_dtype) -> (the output's shape, the dtype
+# cuBLAS writes, gemm_arguments with null pointers), for the operands cuBLAS reads where they lie. A model's step
+# makes the same few products every time: a later one only allocates its output and writes three pointers.
+_PRODUCTS = {}
+_MOST_PRODUCTS = 1024  # (sampling's growing windows add a layout per length; then the cache starts afresh)
 
 
 def _cublas_gemm(a, b, out_dtype):
     import cublas_ctypes
     import cupy
 
+    key = (a.shape, a.strides, b.shape, b.strides, a.dtype, b.dtype, out_dtype)
+    product = _PRODUCTS.get(key)
+    if product is None:
+        product = _product(a, b, out_dtype)
+        if product is None:
+            return _general_gemm(a, b, out_dtype)
+        if len(_PRODUCTS) >= _MOST_PRODUCTS:
+            _PRODUCTS.clear()
+        _PRODUCTS[key] = product
+    shape, written, arguments = product
+    out = cupy.empty(shape, written)
+    arguments = arguments.copy()
+    arguments[_B], arguments[_A], arguments[_OUT] = b.data.ptr, a.data.ptr, out.data.ptr
+    cublas_ctypes.gemm_ex(*arguments)  # on the current stream
+    return out if written == out_dtype else out.astype(out_dtype)
+
+
+def _product(a, b, out_dtype):
+    """_PRODUCTS's entry for a @ b, or None where the general path must take it: no elements, an operand to copy
+    first, or an ``a`` whose (m, k) reshape would be a copy (the entry's pointer is a's own). Raises on operands
+    that the general path refuses."""
+    _check_operands(a, b)
+    k, n = b.shape
+    m = math.prod(a.shape[:-1])
+    if m == 0 or n == 0 or k == 0 or not (a.ndim == 2 or a.flags.c_contiguous):
+        return None
+    flat = a.reshape(m, k)
+    strides_a, strides_b = _element_strides(flat), _element_strides(b)
+    if strides_a is None or strides_b is None:
+        return None
+    layout_a, layout_b = operand_layout(flat.shape, strides_a), operand_layout(b.shape, strides_b)
+    if layout_a is None or layout_b is None:
+        return None
+    written = _written(a.dtype, out_dtype)
+    out = np.empty(0, written)  # (a stand-in: gemm_arguments reads its dtype; the pointers are written per call)
+    arguments = list(gemm_arguments(flat, layout_a, b, layout_b, out))
+    arguments[_B] = arguments[_A] = arguments[_OUT] = 0
+    return a.shape[:-1] + (n,), written, arguments
+
+
+def _written(dtype, out_dtype):
+    """The dtype cuBLAS writes a product of ``dtype`` operands in: out_dtype where it can, else the operands'."""
+    return out_dtype if out_dtype in GEMM_TYPES[dtype][2] else dtype
+
+
+def _check_operands(a, b) -> None:
     if a.dtype != b.dtype or a.dtype not in GEMM_TYPES:
         names = ", ".join(str(t) for t in GEMM_TYPES)
         raise TypeError(f"a CuPy product takes two operands of one dtype of {names}; got {a.dtype} @ {b.dtype}")
     if b.ndim != 2 or a.ndim < 1 or a.shape[-1] != b.shape[0]:
         raise ValueError(f"expected a (..., k) @ b (k, n); got {a.shape} @ {b.shape}")
-    written = out_dtype if out_dtype in GEMM_TYPES[a.dtype][2] else a.dtype  # another out_dtype: cast afterwards
+
+
+def _general_gemm(a, b, out_dtype):
+    """_cublas_gemm for any operands: empty ones, and those copied to C order first."""
+    import cublas_ctypes
+    import cupy
+
+    written = _written(a.dtype, out_dtype)  # another out_dtype: cast afterwards
     k, n = b.shape
     lead = a.shape[:-1]
     m = math.prod(lead)

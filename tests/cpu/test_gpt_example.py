@@ -481,6 +481,29 @@ def test_cublas_plan_replayed_on_numpy(a_kind, b_kind, m, k, n):
         assert (layout is not None) == in_place(*x.shape), (x.shape, x.strides)
 
 
+@pytest.mark.parametrize("a_kind", OPERANDS)
+@pytest.mark.parametrize("b_kind", OPERANDS)
+def test_a_kept_product_writes_the_arguments_of_the_general_path(a_kind, b_kind):
+    """A product kept by layout (matmul._product, whose later calls write only the three pointers) has the
+    general path's gemmEx arguments, for a 2-D a and a 3-D one (the model's activations); operands that the
+    general path would copy first are not kept."""
+    rng = np.random.default_rng(11)
+    (make_a, a_in_place), (make_b, b_in_place) = OPERANDS[a_kind], OPERANDS[b_kind]
+    for a in (make_a(rng, 6, 7), np.ascontiguousarray(make_a(rng, 6, 7)).reshape(2, 3, 7)):
+        b = make_b(rng, 7, 5)
+        kept = matmul._product(a, b, np.dtype(np.float64))
+        flat = a.reshape(-1, 7)
+        if not ((a.ndim == 3 or a_in_place(6, 7)) and b_in_place(7, 5)):
+            assert kept is None
+            continue
+        shape, written, arguments = kept
+        assert shape == a.shape[:-1] + (5,) and written == np.float64
+        out = np.empty((6, 5))
+        arguments[matmul._B], arguments[matmul._A], arguments[matmul._OUT] = (x.ctypes.data for x in (b, a, out))
+        layouts = (matmul._in_place_or_copy(flat, np)[1], matmul._in_place_or_copy(b, np)[1])
+        assert tuple(arguments) == matmul.gemm_arguments(flat, layouts[0], b, layouts[1], out)
+
+
 def test_operand_layouts_and_plan_by_hand():
     """The column-major reading spelled out: a C-order (r, c) buffer is the (c, r) transpose with ld c; a
     transposed view w.T of a C-order (c, r) w is the matrix itself with ld c; a row slice keeps its row stride."""
