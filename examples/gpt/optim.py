@@ -48,6 +48,7 @@ class AdamW:
             view[...] = params[name]
             params[name] = view
         self.grads = xp.zeros(offset, dtype)
+        self._grad_views = list(self.views(self.grads).items())  # where step copies each gradient
         self.m, self.v = xp.zeros(offset, dtype), xp.zeros(offset, dtype)
         self.t = xp.zeros(1, np.int32)  # steps taken, on the device: a captured step advances it at each replay
         self.lr = xp.full(1, lr, dtype)  # the learning rate the next step reads
@@ -90,8 +91,7 @@ class AdamW:
         is set first (``set_lr``). Returns the gradients' global norm before clipping as a 0-d array (no wait)."""
         if lr is not None:
             self.set_lr(lr)
-        for name, view in self.views(self.grads).items():
-            view[...] = grads[name]
+        _gather(self._grad_views, grads)
         self.t += 1
         b1, b2 = self.betas
         if fused.applies(self.grads):
@@ -133,6 +133,26 @@ class AdamW:
         for key, flat in (("m", self.m), ("v", self.v)):
             for name, view in self.views(flat).items():
                 view[...] = xp.asarray(state[f"{key}.{name}"])
+
+
+def _gather(places, grads: dict) -> None:
+    """view[...] = grads[name] for each (name, view) in ``places``. On CuPy, where the gradient is contiguous and
+    matches its view, one device-to-device copy on the current stream: CuPy's assignment would make the same copy
+    after several times the host time (a step gathers every parameter's gradient)."""
+    if not places or isinstance(places[0][1], np.ndarray):
+        for name, view in places:
+            view[...] = grads[name]
+        return
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    stream = cupy.cuda.get_current_stream().ptr
+    for name, view in places:
+        g = grads[name]
+        if isinstance(g, cupy.ndarray) and g.dtype == view.dtype and g.shape == view.shape and g.flags.c_contiguous:
+            runtime.memcpyAsync(view.data.ptr, g.data.ptr, view.nbytes, runtime.memcpyDeviceToDevice, stream)
+        else:
+            view[...] = g
 
 
 def array_module(x):
