@@ -13,6 +13,7 @@ from cupyflash._api import (
 from cupyflash._fp8.hadamard import hadamard_rotate
 from cupyflash._fp8.tensor import FP8Tensor, quantize_fp8
 from cupyflash._kvcache.api import attention_with_kvcache
+from cupyflash._kvcache.fp8 import FP8KVCache, quantize_kvcache
 from cupyflash._merge import merge_attention_states, merge_attention_states_stacked
 from cupyflash._modifiers import BLOCK_MASK_TILE, block_mask_from_dense
 from cupyflash._warmup import warmup
@@ -28,6 +29,8 @@ __all__ = [
     "attention_varlen_forward",
     "attention_varlen_backward",
     "attention_with_kvcache",
+    "quantize_kvcache",
+    "FP8KVCache",
     "merge_attention_states",
     "merge_attention_states_stacked",
     "quantize_fp8",

@@ -1,6 +1,7 @@
 """Attention against a key/value cache, for decoding: ``attention_with_kvcache``.
 
-NumPy inputs run on the CPU path (cupyflash._kvcache.cpu), CuPy inputs on the GPU (cupyflash._cuda.decode).
+NumPy inputs run on the CPU path (cupyflash._kvcache.cpu), CuPy inputs on the GPU (cupyflash._cuda.decode); FP8
+caches (cupyflash._kvcache.fp8) on the CPU path only, for now.
 The semantics are written out in the docstring below and in the inference page of the documentation
 (``python -m cupyflash --docs inference``).
 """
@@ -14,12 +15,13 @@ from cupyflash._cuda import decode as _gpu_decode
 from cupyflash._cuda import plans
 from cupyflash._kvcache import checks as _kvcache_args
 from cupyflash._kvcache import cpu as _kvcache_cpu
+from cupyflash._kvcache.fp8 import FP8KVCache
 
 
 def attention_with_kvcache(
     q: Array,
-    k_cache: Array,
-    v_cache: Array,
+    k_cache: Array | FP8KVCache,
+    v_cache: Array | FP8KVCache,
     k: Array | None = None,
     v: Array | None = None,
     *,
@@ -46,10 +48,15 @@ def attention_with_kvcache(
         page_size, D / Dv) with ``block_table``
         Any strides with a contiguous last dim (FlashAttention's (B, S, H, D) caches pass as
         ``.transpose(0, 2, 1, 3)`` views). ``Hq`` must be a multiple of ``Hk``: query head ``h`` reads
-        key/value head ``h // (Hq // Hk)``.
+        key/value head ``h // (Hq // Hk)``. Or both FP8KVCache holders of those shapes: float8 e4m3 codes with
+        float32 scales per tensor, per head or per block of positions (:func:`quantize_kvcache`), attended as
+        their values ``e4m3(code) * scale``; NumPy only for now (CuPy ones raise NotImplementedError).
     k, v : arrays (B, Hk, Nnew, D / Dv), optional
         New keys and values, written in place into the caches at positions ``cache_seqlens[b] ...
-        cache_seqlens[b] + Nnew - 1`` (through the block table when paged) before attention runs.
+        cache_seqlens[b] + Nnew - 1`` (through the block table when paged) before attention runs. Into FP8
+        caches they are quantized (finite values only) with the cache's scales, saturating at +-448 times the
+        scale; a call that writes a block's first position first sets that block's scale (``scaling="block"``)
+        from the amax of its rows in the block, per head.
     cache_seqlens : int, or int32 or int64 array (B,), or a sequence of ints
         Valid cached positions per sequence before this call (not modified). Attention runs over
         ``L_b = cache_seqlens[b] + Nnew`` keys.
@@ -76,8 +83,8 @@ def attention_with_kvcache(
 
     Returns
     -------
-    out : array (B, Hq, Nq, Dv), the inputs' dtype
-    lse : array (B, Hq, Nq), float32 (float64 for float64 inputs); only with ``return_lse``.
+    out : array (B, Hq, Nq, Dv), q's dtype
+    lse : array (B, Hq, Nq), float32 (float64 for float64 q); only with ``return_lse``.
 
     Out-of-range values in GPU-resident ``cache_seqlens`` or ``block_table`` are not checked on the host
     (that would synchronise every call) unless ``CUPYFLASH_CHECK_VALUES=1``; the kernels give such a

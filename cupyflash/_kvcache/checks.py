@@ -20,6 +20,11 @@ out of range (with a block-table entry outside the cache, only the positions of 
 the block table's values are checked, a page that new keys are appended into must also be used by no other
 sequence or position: two appends into one page would write the same positions, which no kernel can tell.
 q, k and v are read with a unit last stride: where theirs is not, they are copied (they are small).
+
+FP8 caches (cupyflash._kvcache.fp8.FP8KVCache, both caches or neither) take the place of the cache arrays: q, k
+and v keep one dtype of their own, out comes back in it, and the new k and v must be finite (e4m3 has no
+infinity). They run on the CPU path only: the GPU decode kernel has no e4m3 form yet, so CuPy arrays with them
+raise NotImplementedError.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cupyflash._arrays import cupy, lse_dtype
+from cupyflash._arrays import cupy, is_cupy, lse_dtype
 from cupyflash._checks import (
     MAX_HEAD_DIM,
     MAX_SPLITS,
@@ -42,12 +47,21 @@ from cupyflash._checks import (
     int32_indices,
     resolve_scale,
 )
+from cupyflash._fp8.tensor import FP8Tensor
+from cupyflash._kvcache.fp8 import FP8KVCache
 from cupyflash._modifiers import check_softcap, check_window
+
+FP8_ON_GPU = (
+    "attention_with_kvcache has no GPU kernel for FP8 caches yet: the decode kernel does not read e4m3 keys and "
+    "values with their scales, nor quantize appended ones (CuPy arrays given: {}). Pass NumPy arrays (the CPU "
+    "path), or dequantize the caches (FP8KVCache.dequantize) to 16-bit ones for the GPU"
+)
 
 
 @dataclass(frozen=True)
 class KVCacheCall:
-    """One resolved call. Arrays are of the inputs' module (numpy or cupy); ``cache_seqlens`` is int32
+    """One resolved call. Arrays are of the inputs' module (numpy or cupy); the caches arrays or FP8KVCache
+    holders (``fp8``, both or neither); ``cache_seqlens`` is int32
     (B,), or None for CuPy inputs given one int for every sequence (``seqlen_all``, passed to the kernels
     by value), ``block_table`` int32 (B, max_pages) or None, ``rotary_cos/sin`` ``lse_dtype`` (max_pos,
     rotary_dim / 2) or None, ``alibi_slopes`` float32 (B, Hq) (maybe a broadcast view) or None."""
@@ -107,6 +121,11 @@ class KVCacheCall:
     @property
     def dv(self) -> int:
         return self.v_cache.shape[3]
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the caches are FP8KVCache holders (e4m3 codes and float32 scales)."""
+        return isinstance(self.k_cache, FP8KVCache)
 
     @property
     def paged(self) -> bool:
@@ -179,13 +198,21 @@ def resolve(
     return_lse=False,
 ) -> KVCacheCall:
     """Check every argument of ``attention_with_kvcache``; the resolved call."""
-    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache)
+    fp8 = _fp8_caches(k_cache, v_cache)
+    caches = dict(k_cache=k_cache, v_cache=v_cache)
+    arrays = dict(q=q) if fp8 else dict(q=q, **caches)  # the arrays of one shared dtype
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new keys and values to append) or both be None")
     if k is not None:
         arrays.update(k=k, v=v)
     others = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
-    xp = check_array_types({**arrays, **{name: x for name, x in others.items() if x is not None}})
+    others = {name: x for name, x in others.items() if x is not None}
+    if fp8:
+        others.update({f"{name}.{part}": getattr(c, part) for name, c in caches.items() for part in ("data", "scale")})
+        on_gpu = [name for name, x in {**arrays, **others}.items() if is_cupy(x)]
+        if on_gpu:
+            raise NotImplementedError(FP8_ON_GPU.format(", ".join(on_gpu)))
+    xp = check_array_types({**arrays, **others})
     seqlens_host = None
     if not _is_int(cache_seqlens):
         cache_seqlens, seqlens_host = index_array(
@@ -195,7 +222,7 @@ def resolve(
     if block_table is not None:
         block_table, table_host = index_array("block_table", block_table, xp)
     check_dtypes(arrays)
-    for name, x in arrays.items():
+    for name, x in {**arrays, **caches}.items():
         if x.ndim != 4:
             expected = {"q": "(B, Hq, Nq, D)", "k": "(B, Hk, Nnew, D)", "v": "(B, Hk, Nnew, Dv)"}.get(
                 name, "(B, Hk, Ncache, D) or (num_pages, Hk, page_size, D) with a block_table"
@@ -241,10 +268,21 @@ def resolve(
             raise ValueError(f"k has shape {k.shape}; expected (B, Hk, Nnew, D) = ({batch}, {hk}, Nnew, {d})")
         if v.shape != (batch, hk, nnew, dv):
             raise ValueError(f"v has shape {v.shape}; expected (B, Hk, Nnew, Dv) = ({batch}, {hk}, {nnew}, {dv})")
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            _check_writable(name, cache)
-    for name in ("k_cache", "v_cache"):
-        x = arrays[name]
+        for name, cache in caches.items():
+            if fp8:
+                _check_writable(f"{name}.data", cache.data)
+                if cache.scaling == "block":  # the first position of a block sets its scale
+                    _check_writable(f"{name}.scale", cache.scale)
+            else:
+                _check_writable(name, cache)
+        if fp8 and xp is np:
+            for name, x in (("k", k), ("v", v)):
+                if not np.isfinite(x).all():
+                    raise ValueError(
+                        f"{name} holds NaN or infinite values; FP8 caches store finite values only (e4m3fn has "
+                        "no infinity)"
+                    )
+    for name, x in () if fp8 else caches.items():  # (an FP8KVCache's data was checked when it was made)
         if x.size and x.shape[3] > 1 and x.strides[3] != x.itemsize:
             raise ValueError(
                 f"{name} must have a contiguous last dim (stride {x.itemsize} bytes), got strides {x.strides}"
@@ -303,6 +341,25 @@ def resolve(
         num_splits,
         check_bool("return_lse", return_lse),
     )
+
+
+def _fp8_caches(k_cache, v_cache) -> bool:
+    """Whether the caches are FP8KVCache holders (both, or an error names the one that is not); FP8Tensor, the
+    FP8 forward's holder, is refused by name."""
+    caches = dict(k_cache=k_cache, v_cache=v_cache)
+    for name, cache in caches.items():
+        if isinstance(cache, FP8Tensor):
+            raise TypeError(
+                f"{name} is an FP8Tensor, the FP8 forward's holder; an FP8 cache is an FP8KVCache "
+                "(cupyflash.quantize_kvcache, or FP8KVCache(data, scale, scaling))"
+            )
+    held = [name for name, cache in caches.items() if isinstance(cache, FP8KVCache)]
+    if len(held) == 1:
+        (plain,) = set(caches) - set(held)
+        raise TypeError(
+            f"{held[0]} is an FP8KVCache but {plain} is not; pass both caches as FP8KVCache holders or neither"
+        )
+    return bool(held)
 
 
 def _unit_last_stride(xp, x):

@@ -10,12 +10,18 @@ plus the forward's tiles: linear in ``L_b``, never ``Nq x L_b``.
 Rotary embeddings are computed in the compute dtype (float32; float64 for float64 inputs) and rounded once
 to the inputs' dtype: the new keys because the cache holds that dtype, q because that is how the kernels
 feed it to the matrix units.
+
+FP8 caches (FP8KVCache): the new keys (rotated, not rounded to q's dtype) and values are quantized into them from
+the compute dtype by cupyflash._kvcache.fp8.write, and a sequence's positions are read back as their values
+``e4m3(code) * scale`` in the compute dtype (fp8.read): attention then runs as on those values, in float32
+(float64 for float64 q), out rounded once to q's dtype.
 """
 
 import numpy as np
 
 from cupyflash import _cpu, _modifiers
 from cupyflash._arrays import lse_dtype, quiet_float_errors
+from cupyflash._kvcache import fp8 as _fp8
 
 
 @quiet_float_errors
@@ -50,10 +56,16 @@ def append(call):
     """Write the new keys (rotated) and values into the caches at positions cache_seqlens[b] + j, in place."""
     if call.nnew == 0:
         return
+    # An FP8 cache quantizes from the compute dtype; a 16-bit one stores its own dtype.
+    dtype = lse_dtype(call.dtype) if call.fp8 else call.dtype
     for b in range(call.batch):
         positions = int(call.cache_seqlens[b]) + np.arange(call.nnew)
-        k = call.k[b] if call.rotary_dim == 0 else _rotate(call, call.k[b], positions)
+        k = call.k[b] if call.rotary_dim == 0 else _rotate(call, call.k[b], positions, dtype)
         pages, slots = _locate(call, b, positions)
+        if call.fp8:
+            _fp8.write(call.k_cache, pages, slots, k.astype(dtype))
+            _fp8.write(call.v_cache, pages, slots, call.v[b].astype(dtype))
+            continue
         # Two index arrays around a slice: the indexed dims come first, (Nnew, Hk, D).
         call.k_cache[pages, :, slots] = k.transpose(1, 0, 2)
         call.v_cache[pages, :, slots] = call.v[b].transpose(1, 0, 2)
@@ -69,9 +81,9 @@ def _queries(call, b):
     return _rotate(call, call.q[b], start + steps)
 
 
-def _rotate(call, x, positions):
+def _rotate(call, x, positions, dtype=None):
     """x (..., n, D) with row i rotated at ``positions[i]`` on its first rotary_dim dims: a copy, computed in
-    the rotary tables' dtype (lse_dtype) and rounded once to x's dtype."""
+    the rotary tables' dtype (lse_dtype) and rounded once to ``dtype`` (None: x's)."""
     cos, sin = call.rotary_cos[positions], call.rotary_sin[positions]  # (n, rotary_dim / 2)
     r = call.rotary_dim
     rotated = x.astype(cos.dtype)  # a copy; dims from rotary_dim on stay as they are
@@ -82,11 +94,14 @@ def _rotate(call, x, positions):
         first, second = slice(0, r // 2), slice(r // 2, r)
     x1, x2 = rotated[..., first], rotated[..., second]  # views: both right-hand sides are computed before storing
     x1[...], x2[...] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    return rotated.astype(x.dtype)
+    return rotated.astype(x.dtype if dtype is None else dtype)
 
 
 def _gather(call, cache, b, length):
-    """Positions 0 .. length - 1 of sequence b in ``cache``: (Hk, length, D), a view when contiguous."""
+    """Positions 0 .. length - 1 of sequence b in ``cache``: (Hk, length, D), a view when contiguous (FP8: their
+    values in the compute dtype)."""
+    if call.fp8:
+        return _fp8.read(cache, *_locate(call, b, np.arange(length)), lse_dtype(call.dtype))
     if not call.paged:
         return cache[b, :, :length]
     pages, slots = _locate(call, b, np.arange(length))

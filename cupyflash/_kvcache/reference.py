@@ -4,17 +4,27 @@ cupyflash.reference.
 Written from the semantics alone, sharing no code with the CPU path or its argument checks: the caches are
 updated one position at a time, each sequence's keys are read back one position at a time, and the scores
 are the whole (Hq, Nq, L_b) matrix with every rule applied at the positions the docstring names.
+
+FP8 caches (FP8KVCache) are read as e4m3 values (ml_dtypes' decoding) times their scales, and written by the
+append rule of cupyflash/_kvcache/fp8.py, here in code of its own: a block's new scale from the amax of the rows
+the call writes into it, each value divided by its scale in the compute dtype (float32; float64 for float64 q)
+and rounded to e4m3 by the spacing of its binade, ties to even, saturating at +-448.
 """
 
 from __future__ import annotations
 
 import functools
 
+import ml_dtypes
 import numpy as np
 
 from cupyflash._arrays import is_cupy, quiet_float_errors
 from cupyflash._checks import check_bool, resolve_scale
+from cupyflash._kvcache.fp8 import FP8KVCache
 from cupyflash._modifiers import check_softcap, check_window
+
+E4M3_MAX = 448.0
+SCALE_DIVISOR = np.float32(112)  # 448 / 4: a block's scale leaves its largest value at 112, a headroom of 4
 
 
 @quiet_float_errors
@@ -104,17 +114,20 @@ def attention_with_kvcache(
     ----------
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved, causal,
     scale, window, softcap, alibi_slopes
-        As in :func:`cupyflash.attention_with_kvcache`, NumPy arrays of any float dtype.
+        As in :func:`cupyflash.attention_with_kvcache`, NumPy arrays of any float dtype; the caches may be NumPy
+        FP8KVCache holders (both or neither), read as their values and appended to by their rule, with the
+        new keys and values quantized from float32 (float64 for float64 q).
     return_lse : bool, optional
         Also return the log-sum-exp.
     return_caches : bool, optional
-        Also return float64 copies of the caches after the append.
+        Also return float64 copies of the caches after the append (FP8 caches: FP8KVCache holders of copies of
+        their codes and scales).
 
     Returns
     -------
     out : numpy.ndarray, shape (B, Hq, Nq, Dv), float64
     lse : numpy.ndarray, shape (B, Hq, Nq), float64; only with ``return_lse`` (-inf for rows that see no key)
-    k_cache, v_cache : numpy.ndarray, float64, the caches' shapes; only with ``return_caches``
+    k_cache, v_cache : numpy.ndarray, float64, the caches' shapes (or FP8KVCache); only with ``return_caches``
 
     Examples
     --------
@@ -132,7 +145,13 @@ def attention_with_kvcache(
     >>> bool(np.abs(out - ref).max() < 1e-5), bool((k_cache == ref_k_cache).all())
     (True, True)
     """
-    q, k_cache, v_cache = (_float64(name, x) for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
+    q, compute = _float64("q", q), (np.float64 if q.dtype == np.float64 else np.float32)  # FP8 appends' dtype
+    if isinstance(k_cache, FP8KVCache) != isinstance(v_cache, FP8KVCache):
+        raise TypeError("k_cache and v_cache must both be FP8KVCache holders or neither")
+    k_cache, v_cache = (
+        _E4M3Cache(name, x, compute) if isinstance(x, FP8KVCache) else _float64(name, x)
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache))
+    )
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together or both be None")
     batch, hq, nq, d = q.shape
@@ -169,9 +188,13 @@ def attention_with_kvcache(
         if not 0 <= start <= length <= pages.capacity(k_cache):
             raise ValueError(f"cache_seqlens[{b}] = {start}: its {length} keys do not fit the cache")
         new_keys = k[b] if rotate is None else rotate(k[b], positions=start + np.arange(nnew))
-        for j in range(nnew):  # one position at a time, into whichever page holds it
-            where = pages.locate(b, start + j, k_cache)
-            k_cache[where], v_cache[where] = new_keys[:, j], v[b, :, j]
+        wheres = [pages.locate(b, start + j, k_cache) for j in range(nnew)]  # whichever page holds each
+        for cache, rows in ((k_cache, new_keys), (v_cache, v[b])):
+            if isinstance(cache, _E4M3Cache):
+                cache.append(wheres, rows)
+                continue
+            for j, where in enumerate(wheres):  # one position at a time
+                cache[where] = rows[:, j]
         if length == 0:
             continue
         keys, values = (
@@ -193,6 +216,8 @@ def attention_with_kvcache(
             softcap,
             None if slopes is None else slopes[b],
         )
+    if isinstance(k_cache, _E4M3Cache):
+        k_cache, v_cache = k_cache.holder(), v_cache.holder()
     results = (out,) + ((lse,) if return_lse else ()) + ((k_cache, v_cache) if return_caches else ())
     return results if len(results) > 1 else out
 
@@ -237,6 +262,55 @@ class _Pages:
         if not 0 <= page < cache.shape[0]:
             raise ValueError(f"block_table[{b}, {pos // self.page_size}] = {page} is not a page of the cache")
         return page, slice(None), pos % self.page_size
+
+
+class _E4M3Cache:
+    """An FP8KVCache as the reference reads and appends to it: copies of its codes and scales; ``cache[i, :,
+    slot]`` is that position's (Hk, D) values in float64, ``e4m3(code) * scale``."""
+
+    def __init__(self, name, holder, compute):
+        if is_cupy(holder.data):
+            raise TypeError(f"{name} holds CuPy arrays; the reference runs on NumPy: pass an FP8KVCache of NumPy ones")
+        self.codes, self.scale = np.array(holder.data), np.array(holder.scale)
+        self.scaling, self.block, self.compute = holder.scaling, holder.block, compute
+        self.shape = holder.shape
+
+    def __getitem__(self, where):
+        i, _, slot = where
+        return self.codes[i, :, slot].view(ml_dtypes.float8_e4m3fn).astype(np.float64) * self._scale(i, slot)
+
+    def _scale(self, i, slot):
+        """The (Hk or 1, 1) float32 scales of position (i, slot)."""
+        return self.scale[i if self.scale.shape[0] > 1 else 0, :, slot // self.block][:, None]
+
+    def append(self, wheres, rows):
+        """Write rows (Hk, n, D) at positions ``wheres``: rounded to the compute dtype; the scales of "block"
+        blocks whose first position is among them from the amax of the rows that land in the block; then each
+        value divided by its scale and rounded to e4m3."""
+        rows = rows.astype(self.compute)
+        blocks = [(i, slot // self.block) for i, _, slot in wheres]
+        if self.scaling == "block":
+            for first in {blocks[j] for j, (_, _, slot) in enumerate(wheres) if slot % self.block == 0}:
+                members = [j for j, block in enumerate(blocks) if block == first]
+                amax = np.abs(rows[:, members]).max(axis=(1, 2), initial=0).astype(np.float32)
+                self.scale[first[0], :, first[1]] = np.where(amax == 0, np.float32(1), amax / SCALE_DIVISOR)
+        for j, (i, _, slot) in enumerate(wheres):
+            self.codes[i, :, slot] = _e4m3_codes(rows[:, j] / self._scale(i, slot).astype(self.compute))
+
+    def holder(self):
+        return FP8KVCache(self.codes, self.scale, self.scaling)
+
+
+def _e4m3_codes(y):
+    """The e4m3fn codes of float32 or float64 y, rounded to the nearest value, ties to even, saturating at
+    +-448: y rounded on the spacing of its binade [2^e, 2^(e+1)), 2^(e-3) (3 mantissa bits), the subnormals
+    sharing 2^-6's spacing 2^-9."""
+    y = y.astype(np.float64)  # exact
+    _, e = np.frexp(y)  # |y| in [2^(e-1), 2^e)
+    step = np.ldexp(1.0, np.maximum(e - 1, -6) - 3)
+    # y / step is exact (a power of two), and an even multiple of the step is an even code.
+    nearest = np.clip(np.rint(y / step) * step, -E4M3_MAX, E4M3_MAX)
+    return nearest.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
 
 
 def _float64(name, x):
