@@ -13,24 +13,20 @@ Layouts (``dim0`` is B for a contiguous cache, num_pages for a paged one; ``N`` 
                                      (dim0, Hk, 1): one per head and page (or sequence), whatever N
 
 Element ``[i, h, p, d]`` stands for ``e4m3(data[i, h, p, d]) * scale[i, h, p // block]``, each index of scale
-taken as 0 where its dim is 1. Not FP8Tensor, the FP8 forward's holder: a cache is written in place at every step
-(FP8Tensor is immutable, and the GPU forward keeps copies derived from its arrays, which would go stale), its
-scales are written too (the "block" rule below), and a scale shared by the sequences of a head, (1, Hk, 1), is
-not one of FP8Tensor's layouts (a scale per leading slice or one per tensor).
+taken as 0 where its dim is 1. Not FP8Tensor, the FP8 forward's holder, which is immutable (the GPU forward keeps
+copies derived from its arrays) and has no scale shared by the sequences of a head: a cache and its block scales
+are written in place at every step.
 
-Scales leave HEADROOM: ``scale = amax / (448 / HEADROOM)``, so that values up to HEADROOM times the largest
-seen when the scale was set still fit (448 is e4m3's largest value). HEADROOM is a power of two, so every value
-that stays a normal e4m3 number (above 2^-6 scale) gets the same 3 mantissa bits, rounded the same way, as with
-no headroom; the price is the normal range, 2^(14.8 - 2) below amax instead of 2^14.8 (docs/design/fp8_kvcache.md
-measures it).
+Scales leave a headroom of 16, ``scale = amax / 28`` (448 is e4m3's largest value): decoding sets a block's scale
+from its first row, and the block's later rows must still fit. 16 is a power of two, so a value that stays a
+normal e4m3 number is rounded exactly as with no headroom (docs/design/fp8_kvcache.md measures both).
 
-Appends write ``e4m3(x / scale)`` with the division in float32 (float64 for float64 inputs) and the rounding
-to nearest even, saturating at +-448: a value beyond 448 scale is stored as +-448 scale, as the GPU's
-``cvt.rn.satfinite`` stores it. "tensor" and "head" scales are never changed by an append (they are shared:
-changing one would need every element under it quantized again). A "block" scale is set by the call that
-writes the block's first position (slot ``p`` with ``p % block == 0``): from the amax over that block's rows
-written by the call (one row when decoding, a whole prompt's share at prefill), per head. Positions written
-into the block by later calls keep that scale and saturate beyond it.
+Appends write ``e4m3(x / scale)``, the division in float32 (float64 for float64 inputs), rounded to nearest even
+and saturating: a value beyond 448 scale is stored as +-448 scale, as the GPU's ``cvt.rn.satfinite`` stores it.
+"tensor" and "head" scales are never changed by an append (shared: changing one would mean quantizing every
+element under it again). A "block" scale is set by the call that writes the block's first position (slot ``p``
+with ``p % block == 0``), per head, from the amax over the rows that call writes into the block (one row when
+decoding, a prompt's share at prefill); later positions of the block keep it and saturate beyond it.
 """
 
 from __future__ import annotations
@@ -45,8 +41,8 @@ from cupyflash._fp8.tensor import E4M3_MAX, FLOAT_DTYPES, INPUT_DTYPES, SCALE_DT
 
 SCALINGS = ("tensor", "head", "block")
 BLOCK_POSITIONS = 128  # every key tile of the decode kernel (16 to 128 keys) lies in one block of a contiguous cache
-HEADROOM = 4  # a power of two: the normal values' rounding does not depend on it
-SCALE_DIVISOR = np.float32(E4M3_MAX / HEADROOM)  # 112: a block's largest value when its scale was set
+HEADROOM = 16  # a power of two: the normal values' rounding does not depend on it
+SCALE_DIVISOR = np.float32(E4M3_MAX / HEADROOM)  # 28: a block's largest value when its scale was set
 
 
 class FP8KVCache:
@@ -193,8 +189,8 @@ def quantize_kvcache(cache: Array, scaling: str = "block") -> FP8KVCache:
     """Quantize a key or value cache to float8 e4m3fn with float32 scales, one per tensor, per head or per
     block of positions.
 
-    Each group of elements that shares a scale gets ``scale = amax(|x|) / 112`` (448, e4m3fn's largest value,
-    over a headroom of 4 for the values appended later; a group of zeros gets 1.0), and each element the e4m3fn
+    Each group of elements that shares a scale gets ``scale = amax(|x|) / 28`` (448, e4m3fn's largest value,
+    over a headroom of 16 for the values appended later; a group of zeros gets 1.0), and each element the e4m3fn
     value nearest to ``x / scale`` (float32 arithmetic, ties to even), as appends quantize. Every position
     is quantized: a cache's unused positions should hold zeros (or any finite values within the range of the
     rest), since they count in the amax of their group.
@@ -256,7 +252,7 @@ def quantize_kvcache(cache: Array, scaling: str = "block") -> FP8KVCache:
 
 
 def scales_of(amax):
-    """The scale of a group whose largest magnitude is ``amax`` (float32, any shape): amax / 112 in float32,
+    """The scale of a group whose largest magnitude is ``amax`` (float32, any shape): amax / 28 in float32,
     1.0 for a group of zeros."""
     xp = array_module(amax)
     amax = amax.astype(np.float32)

@@ -24,7 +24,7 @@ from cupyflash._kvcache.fp8 import FP8KVCache
 from cupyflash._modifiers import check_softcap, check_window
 
 E4M3_MAX = 448.0
-SCALE_DIVISOR = np.float32(112)  # 448 / 4: a block's scale leaves its largest value at 112, a headroom of 4
+SCALE_DIVISOR = np.float32(28)  # 448 / 16: a block's scale leaves its largest value at 28, a headroom of 16
 
 
 @quiet_float_errors
