@@ -16,6 +16,13 @@
 // memory at the end) and WARPS_DV column slices of v (warps of one row block and key slice compute the same
 // scores; a wide Dv then needs fewer accumulator registers per thread).
 //
+// e4m3 caches (C = e4m3_t; T, q's and out's dtype, float16 or bfloat16): a stage holds the codes as copied, and
+// each key's k and v descales (copied beside them); once a tile has landed the CTA widens its codes to T, exactly,
+// into one tile each for k and v (e4m3.cuh) that the 16-bit products read. The descales stay out of the
+// widened values (scaling them there would round every element once more): k's multiplies each score column, and
+// v's each probability column of P before its rounding for P v, relative to the descale of the split's first key,
+// which multiplies out at the end (P times a descale in float16 could fall below its normal range).
+//
 // Saves: out and lse directly for a sequence that takes one split; otherwise each split's normalized out
 // and lse (accumulator dtype) in out_part / lse_part, and the CTA of the last split to finish merges them
 // by their log-sum-exp (merge_splits), so one launch does it all. A sequence whose values are out of range
@@ -23,14 +30,28 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "copy.cuh"
+#include "e4m3.cuh"
 #include "kvcache.cuh"
 #include "lse_merge.cuh"
 #include "mask.cuh"
 #include "softcap.cuh"
 
-template <typename T, int HEAD, int WARPS_M, int WARPS_N, int WARPS_DV, int BLOCK_N, int STAGES>
+// The products' element type: q's, or float16 for e4m3 caches (the codes widen to it at one instruction per pair).
+template <bool E4M3, typename T>
+struct DecodeMma {
+  using type = T;
+};
+template <typename T>
+struct DecodeMma<true, T> {
+  using type = half_t;
+};
+
+template <typename T, typename C, int HEAD, int WARPS_M, int WARPS_N, int WARPS_DV, int BLOCK_N, int STAGES>
 struct DecodeTraits {
   using Elem = T;
+  using Cached = C;                             // the cache's element: T, or e4m3_t
+  static constexpr bool E4M3 = sizeof(C) == 1;  // codes widened to Mma in shared memory before the products
+  using Mma = typename DecodeMma<E4M3, T>::type;
   using Acc = acc_t<T>;
   static constexpr int WARPS = WARPS_M * WARPS_N * WARPS_DV, THREADS = WARPS * WARP_SIZE;
   static constexpr int ROWS = 16 * WARPS_M;     // packed query rows per CTA
@@ -38,27 +59,33 @@ struct DecodeTraits {
   static constexpr int S_TILES = KW / 8;        // score accumulator n-tiles per warp
   static constexpr int DVW = HEAD / WARPS_DV;   // v columns per warp
   static constexpr int O_TILES = DVW / 8;
-  using QTile = PaddedTile<T, ROWS, HEAD>;
-  using KVTile = PaddedTile<T, BLOCK_N, HEAD>;
-  static constexpr int STAGE_SIZE = 2 * KVTile::SIZE;  // elements: the k tile, then the v tile
-  static constexpr int OUT_STRIDE = HEAD + 1;          // merged out rows (accumulator dtype)
+  using QTile = PaddedTile<Mma, ROWS, HEAD>;
+  using KVTile = PaddedTile<Mma, BLOCK_N, HEAD>;  // the k and v tiles the products read
+  using RawTile = PaddedTile<C, BLOCK_N, HEAD>;   // as copied from the cache (KVTile itself for a 16-bit cache)
+  // A stage, bytes: the k tile, the v tile, and for e4m3 each key's k descale, then each key's v descale.
+  static constexpr int SCALES_OFFSET = 2 * RawTile::SIZE * static_cast<int>(sizeof(C));
+  static constexpr int STAGE_BYTES = SCALES_OFFSET + (E4M3 ? 2 * BLOCK_N * static_cast<int>(sizeof(float)) : 0);
+  // e4m3: the widened k and v tiles, after the stages.
+  static constexpr int WIDE_BYTES = E4M3 ? 2 * KVTile::SIZE * static_cast<int>(sizeof(Mma)) : 0;
+  static constexpr int OUT_STRIDE = HEAD + 1;  // merged out rows (accumulator dtype)
   // Shared memory, bytes: the q tile, the ring, and after the loop the merged out, then the split merge's
   // weights (over the ring).
-  static constexpr int RING_BYTES = STAGES * STAGE_SIZE * static_cast<int>(sizeof(T));
+  static constexpr int RING_BYTES = STAGES * STAGE_BYTES + WIDE_BYTES;
   static constexpr int OUT_BYTES = ROWS * OUT_STRIDE * static_cast<int>(sizeof(Acc));
   static constexpr int WEIGHT_BYTES = ROWS * MAX_SPLITS * static_cast<int>(sizeof(Acc));  // merge_splits
   static constexpr int MERGE_BYTES = OUT_BYTES > WEIGHT_BYTES ? OUT_BYTES : WEIGHT_BYTES;
-  static constexpr int Q_BYTES = QTile::SIZE * static_cast<int>(sizeof(T));
+  static constexpr int Q_BYTES = QTile::SIZE * static_cast<int>(sizeof(Mma));
   // The row states after the loop; during it, two slots of BLOCK_N row lookups (RowFetch).
   static constexpr int ROW_STATE_BYTES = 3 * WARPS_N * ROWS * static_cast<int>(sizeof(Acc));
   static constexpr int LOOKUP_BYTES = 2 * BLOCK_N * 8;
   static constexpr int STATE_BYTES = ROW_STATE_BYTES > LOOKUP_BYTES ? ROW_STATE_BYTES : LOOKUP_BYTES;
   static constexpr int SMEM = Q_BYTES + (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES) + STATE_BYTES;
   static_assert(KW % 16 == 0 && DVW % 16 == 0 && HEAD % 16 == 0, "mma tiles pair up");
-  static_assert(THREADS >= HEAD * static_cast<int>(sizeof(T)) / 16, "a pass covers at least one row");
-  static_assert(BLOCK_N % (THREADS / (HEAD * static_cast<int>(sizeof(T)) / 16)) == 0 ||
-                    THREADS / (HEAD * static_cast<int>(sizeof(T)) / 16) > BLOCK_N,
+  static_assert(THREADS >= HEAD * static_cast<int>(sizeof(C)) / 16, "a pass covers at least one row");
+  static_assert(BLOCK_N % (THREADS / (HEAD * static_cast<int>(sizeof(C)) / 16)) == 0 ||
+                    THREADS / (HEAD * static_cast<int>(sizeof(C)) / 16) > BLOCK_N,
                 "passes cover a tile's rows evenly");
+  static_assert(!E4M3 || STAGES > 1, "e4m3 tiles are widened from a stage of their own");
 };
 
 // One 16-byte chunk of the cache, or zeros when !valid (as copy.cuh's cp_async_16), with a hint that L2
@@ -105,12 +132,12 @@ struct RowFetch {
 };
 
 // Copy keys [pos0, pos0 + BLOCK_N) of sequence b (those below `end`) into a stage: the k tile and the v
-// tile, zeros past `end` and past the head dims; `rows` (RowFetch) says where the rows are. Returns
-// false when the block table pointed outside the cache.
+// tile, zeros past `end` and past the head dims, and for e4m3 caches each key's descales; `rows` (RowFetch) says
+// where the rows are. Returns false when the block table pointed outside the cache.
 template <class Tr, bool LOAD_K = true, bool LOAD_V = true, typename T>
 __device__ __forceinline__ bool load_stage(const KVCacheParams& p, T* stage, int b, int hk, int pos0, int end,
                                            const CacheRow* rows) {
-  using Tile = typename Tr::KVTile;
+  using Tile = typename Tr::RawTile;
   constexpr int VEC = Tile::VEC, CHUNKS = Tile::NUM_COLS / VEC, ROW_STEP = Tr::THREADS / CHUNKS;
   constexpr int PASSES = ceil_div(Tile::NUM_ROWS, ROW_STEP);
   T* k_tile = stage;
@@ -148,7 +175,7 @@ __device__ __forceinline__ bool load_stage(const KVCacheParams& p, T* stage, int
       }
     }
   } else {  // rows not in whole aligned 16-byte chunks: element by element, through registers
-    for (int r = threadIdx.x / WARP_SIZE; r < Tr::KVTile::NUM_ROWS; r += Tr::WARPS) {
+    for (int r = threadIdx.x / WARP_SIZE; r < Tile::NUM_ROWS; r += Tr::WARPS) {
       const int pos = pos0 + r;
       CacheRow at = {0, 0};
       if (pos < end) at = cache_row(p, b, pos);
@@ -163,7 +190,37 @@ __device__ __forceinline__ bool load_stage(const KVCacheParams& p, T* stage, int
       }
     }
   }
+  if constexpr (Tr::E4M3) {  // entry i: key i % BLOCK_N's k descale (i < BLOCK_N), else its v descale
+    constexpr int BLOCK_N = Tile::NUM_ROWS;
+    const u32 dst = smem_u32(reinterpret_cast<unsigned char*>(stage) + Tr::SCALES_OFFSET);
+    const bool whole = whole_page<BLOCK_N>(p, pos0, end);  // as RowFetch published the rows
+    for (int i = threadIdx.x; i < 2 * BLOCK_N; i += Tr::THREADS) {
+      const int r = i % BLOCK_N;
+      const CacheRow at = whole ? CacheRow{rows[0].page, rows[0].row + r} : rows[r];
+      const bool is_v = i >= BLOCK_N, ok = at.row >= 0 && at.page >= 0;
+      const float* src = is_v ? scale_at(p.v_scale, p.v_scale_stride, p.v_scale_block, hk, ok ? at : CacheRow{0, 0})
+                              : scale_at(p.k_scale, p.k_scale_stride, p.k_scale_block, hk, ok ? at : CacheRow{0, 0});
+      cp_async_small<4>(dst + i * 4, src, ok);
+    }
+  }
   return in_cache;
+}
+
+// e4m3 caches: a landed stage's k and v codes widened to float16 into `wide` (the k tile, then the v tile).
+template <class Tr, typename C>
+__device__ __forceinline__ void widen_stage(const C* stage, half_t* wide) {
+  using Raw = typename Tr::RawTile;
+  using Wide = typename Tr::KVTile;
+  constexpr int CHUNKS = Raw::NUM_COLS / 16, PER_TILE = Raw::NUM_ROWS * CHUNKS;
+  for (int i = threadIdx.x; i < 2 * PER_TILE; i += Tr::THREADS) {
+    const int tile = i / PER_TILE, r = (i % PER_TILE) / CHUNKS, c = (i % CHUNKS) * 16;
+    const uint4 codes = *reinterpret_cast<const uint4*>(stage + tile * Raw::SIZE + Raw::offset(r, c));
+    uint4 lo, hi;
+    widen_e4m3x16(codes, lo, hi);
+    uint4* dst = reinterpret_cast<uint4*>(wide + tile * Wide::SIZE + Wide::offset(r, c));
+    dst[0] = lo;
+    dst[1] = hi;
+  }
 }
 
 // The merge of a (sequence, row tile)'s splits, by the CTA of the last split to finish, by the rules of
@@ -233,14 +290,18 @@ __device__ __forceinline__ void merge_splits(const KVCacheParams& p, int splits,
 // MIN_CTAS: the CTAs per SM the registers are budgeted for (__launch_bounds__'s second argument). One CTA keeps
 // about one tile of k or v in flight; two keep twice that, which a memory-bound step needs to reach the read roof
 // (docs/design/decode.md).
-template <typename T, int HEAD, int WARPS_M, int WARPS_N, int WARPS_DV, int BLOCK_N, int STAGES, int MIN_CTAS>
-__global__ void __launch_bounds__(DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES>::THREADS, MIN_CTAS)
-    attention_decode(const KVCacheParams p) {
-  using Tr = DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES>;
+template <typename T, typename C, int HEAD, int WARPS_M, int WARPS_N, int WARPS_DV, int BLOCK_N, int STAGES,
+          int MIN_CTAS>
+__global__ void __launch_bounds__(DecodeTraits<T, C, HEAD, WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES>::THREADS,
+                                  MIN_CTAS) attention_decode(const KVCacheParams p) {
+  using Tr = DecodeTraits<T, C, HEAD, WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES>;
   using Acc = typename Tr::Acc;
+  using Mma = typename Tr::Mma;
   extern __shared__ __align__(16) unsigned char smem[];
-  T* q_tile = reinterpret_cast<T*>(smem);
-  T* ring = reinterpret_cast<T*>(smem + Tr::Q_BYTES);
+  Mma* q_tile = reinterpret_cast<Mma*>(smem);
+  unsigned char* ring = smem + Tr::Q_BYTES;
+  auto stage_at = [&](int i) { return reinterpret_cast<C*>(ring + i * Tr::STAGE_BYTES); };
+  Mma* wide = reinterpret_cast<Mma*>(ring + STAGES * Tr::STAGE_BYTES);      // e4m3: the widened k and v tiles
   Acc* merged = reinterpret_cast<Acc*>(smem + Tr::Q_BYTES);                 // after the loop, over the ring
   Acc* states = reinterpret_cast<Acc*>(smem + Tr::SMEM - Tr::STATE_BYTES);  // [3][WARPS_N][ROWS]
 
@@ -272,7 +333,7 @@ __global__ void __launch_bounds__(DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_
   for (int s = 0; s < STAGES - 1; ++s) {
     const int n = tile_begin + s;
     __syncthreads();
-    if (n < tile_end) in_cache &= load_stage<Tr>(p, ring + s * Tr::STAGE_SIZE, b, hk, tile_pos(n), length, slot(n));
+    if (n < tile_end) in_cache &= load_stage<Tr>(p, stage_at(s), b, hk, tile_pos(n), length, slot(n));
     fetch(n + 1);
     fetched.publish(slot(n + 1));
     cp_async_commit();
@@ -280,9 +341,9 @@ __global__ void __launch_bounds__(DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_
   if constexpr (STAGES == 1) {  // one buffer each for k and v, in commit groups of their own (see the loop)
     __syncthreads();
     if (tile_begin < tile_end) {
-      in_cache &= load_stage<Tr, true, false>(p, ring, b, hk, tile_pos(tile_begin), length, slot(tile_begin));
+      in_cache &= load_stage<Tr, true, false>(p, stage_at(0), b, hk, tile_pos(tile_begin), length, slot(tile_begin));
       cp_async_commit();
-      in_cache &= load_stage<Tr, false, true>(p, ring, b, hk, tile_pos(tile_begin), length, slot(tile_begin));
+      in_cache &= load_stage<Tr, false, true>(p, stage_at(0), b, hk, tile_pos(tile_begin), length, slot(tile_begin));
       cp_async_commit();
     }
     fetch(tile_begin + 1);
@@ -292,21 +353,43 @@ __global__ void __launch_bounds__(DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_
   // The q tile: tiny and read once, element by element (any strides, any head dim), zeros past the rows
   // and past D; Q_BATCH loads in flight per thread before their stores.
   constexpr int Q_ELEMS = Tr::ROWS * HEAD, Q_BATCH = 8;
-  for (int e0 = 0; e0 < Q_ELEMS; e0 += Q_BATCH * Tr::THREADS) {
-    T x[Q_BATCH];
-#pragma unroll
-    for (int u = 0; u < Q_BATCH; ++u) {
-      const int e = e0 + u * Tr::THREADS + threadIdx.x, r = e / HEAD, c = e % HEAD, packed = row0 + r;
-      x[u] = T{};
-      if (e < Q_ELEMS && packed < packed_rows && c < p.d) {
-        const PackedRow row(p, b, hk, packed);
-        x[u] = static_cast<const T*>(p.q)[b * p.q_stride[0] + row.h * p.q_stride[1] + row.i * p.q_stride[2] + c];
-      }
+  auto q_at = [&](int e) {  // element e of the tile from q (T), or zero
+    const int r = e / HEAD, c = e % HEAD, packed = row0 + r;
+    if (e >= Q_ELEMS || packed >= packed_rows || c >= p.d) return T{};
+    const PackedRow row(p, b, hk, packed);
+    return static_cast<const T*>(p.q)[b * p.q_stride[0] + row.h * p.q_stride[1] + row.i * p.q_stride[2] + c];
+  };
+  // e4m3: q goes to float16 for the products, exactly where float16 holds it; a tile whose largest element
+  // exceeds 2^15 is divided by the power of two q_unscale first (the k descales multiply it back).
+  Acc q_unscale = Acc(1);
+  if constexpr (Tr::E4M3) {
+    __shared__ unsigned q_amax_bits;  // the tile's largest |q| (a float's bits: they order as the floats)
+    if (threadIdx.x == 0) q_amax_bits = 0u;
+    float amax = 0.0f;
+    for (int e = threadIdx.x; e < Q_ELEMS; e += Tr::THREADS) amax = fmaxf(amax, fabsf(Elem<T>::to_acc(q_at(e))));
+    __syncthreads();
+    atomicMax(&q_amax_bits, __float_as_uint(amax));
+    __syncthreads();
+    amax = __uint_as_float(q_amax_bits);
+    if (amax > 32768.0f && amax <= 3.402823466e38f) {
+      int exponent;
+      frexpf(amax / 32768.0f, &exponent);
+      q_unscale = ldexpf(1.0f, exponent);
     }
+    const float q_scale = 1.0f / q_unscale;  // a power of two: exact
+    for (int e = threadIdx.x; e < Q_ELEMS; e += Tr::THREADS) {
+      q_tile[Tr::QTile::offset(e / HEAD, e % HEAD)] = from_acc<half_t>(Elem<T>::to_acc(q_at(e)) * q_scale);
+    }
+  } else {
+    for (int e0 = 0; e0 < Q_ELEMS; e0 += Q_BATCH * Tr::THREADS) {
+      T x[Q_BATCH];  // (T is Mma here)
 #pragma unroll
-    for (int u = 0; u < Q_BATCH; ++u) {
-      const int e = e0 + u * Tr::THREADS + threadIdx.x;
-      if (e < Q_ELEMS) q_tile[Tr::QTile::offset(e / HEAD, e % HEAD)] = x[u];
+      for (int u = 0; u < Q_BATCH; ++u) x[u] = q_at(e0 + u * Tr::THREADS + threadIdx.x);
+#pragma unroll
+      for (int u = 0; u < Q_BATCH; ++u) {
+        const int e = e0 + u * Tr::THREADS + threadIdx.x;
+        if (e < Q_ELEMS) q_tile[Tr::QTile::offset(e / HEAD, e % HEAD)] = x[u];
+      }
     }
   }
 
@@ -334,12 +417,28 @@ __global__ void __launch_bounds__(DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_
   const Acc scale_log2 = Reals<Acc>::scale_log2(p), softcap_log2 = Reals<Acc>::softcap(p) * log2e<Acc>();
   const SoftcapTanh<T, Acc> softcap(p);
 
+  // e4m3: the largest v descale among this warp's keys so far, by which P's columns are divided (they stay at most
+  // 1, in float16's range) and out multiplied; o is rescaled when it grows (as the online softmax's max).
+  Acc v_ref = Tr::E4M3 ? Acc(0) : Acc(1), v_ref_inv = Acc(0);
+
   // One tile's work: the scores against k_tile with the online softmax (P into s, the state into
-  // row_max, row_sum and o), then P v_tile into o.
-  auto scores = [&](const T* k_tile, int n, Acc(&s)[Tr::S_TILES][4]) {
+  // row_max, row_sum and o), then P v_tile into o. `scales`: e4m3 caches' descales of the tile's keys, k's
+  // then v's (load_stage), which multiply the raw scores' columns.
+  auto scores = [&](const Mma* k_tile, int n, Acc(&s)[Tr::S_TILES][4], const float* scales) {
     zero_tiles(s);
-    gemm_smem_abt<T, HEAD, Tr::S_TILES, Tr::QTile::STRIDE, Tr::KVTile::STRIDE>(
+    gemm_smem_abt<Mma, HEAD, Tr::S_TILES, Tr::QTile::STRIDE, Tr::KVTile::STRIDE>(
         s, q_tile, wm * 16, k_tile + wn * Tr::KW * Tr::KVTile::STRIDE, lane);
+    if constexpr (Tr::E4M3) {
+#pragma unroll
+      for (int j = 0; j < Tr::S_TILES; ++j) {
+        const float2 k_scale = *reinterpret_cast<const float2*>(scales + wn * Tr::KW + j * 8 + 2 * t);
+        const Acc lo = k_scale.x * q_unscale, hi = k_scale.y * q_unscale;
+        s[j][0] *= lo;
+        s[j][1] *= hi;
+        s[j][2] *= lo;
+        s[j][3] *= hi;
+      }
+    }
 
     // Scores in log2 units, hidden keys at -inf, and the online softmax of this warp's rows. A slice that
     // every row sees whole, without softcap or ALiBi (most of a decode step's keys), skips the per-key
@@ -406,9 +505,38 @@ __global__ void __launch_bounds__(DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_
       }
     }
   };
-  auto accumulate = [&](const T* v_tile, const Acc(&s)[Tr::S_TILES][4]) {
-    gemm_acc_b<T, Tr::S_TILES, Tr::O_TILES, Tr::KVTile::STRIDE>(o, s, v_tile + wn * Tr::KW * Tr::KVTile::STRIDE,
-                                                                wd * Tr::DVW, lane);
+  // e4m3: P's columns times their keys' v descales over v_ref.
+  auto weigh_by_v_scales = [&](Acc(&s)[Tr::S_TILES][4], const float* scales) {
+    float2 v_scale[Tr::S_TILES];
+    Acc top = v_ref;
+#pragma unroll
+    for (int j = 0; j < Tr::S_TILES; ++j) {
+      v_scale[j] = *reinterpret_cast<const float2*>(scales + BLOCK_N + wn * Tr::KW + j * 8 + 2 * t);
+      top = fmaxf(top, fmaxf(v_scale[j].x, v_scale[j].y));
+    }
+    top = quad_max(top);  // the warp's columns are the same for every row: top is the warp's
+    if (top > v_ref) {
+      const Acc rescale = v_ref / top;
+#pragma unroll
+      for (int j = 0; j < Tr::O_TILES; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[j][e] *= rescale;
+      }
+      v_ref = top;
+      v_ref_inv = Acc(1) / top;
+    }
+#pragma unroll
+    for (int j = 0; j < Tr::S_TILES; ++j) {
+      const Acc lo = v_scale[j].x * v_ref_inv, hi = v_scale[j].y * v_ref_inv;
+      s[j][0] *= lo;
+      s[j][1] *= hi;
+      s[j][2] *= lo;
+      s[j][3] *= hi;
+    }
+  };
+  auto accumulate = [&](const Mma* v_tile, const Acc(&s)[Tr::S_TILES][4]) {
+    gemm_acc_b<Mma, Tr::S_TILES, Tr::O_TILES, Tr::KVTile::STRIDE>(o, s, v_tile + wn * Tr::KW * Tr::KVTile::STRIDE,
+                                                                  wd * Tr::DVW, lane);
   };
   if constexpr (STAGES > 1) {
     for (int n = tile_begin; n < tile_end; ++n) {
@@ -416,30 +544,40 @@ __global__ void __launch_bounds__(DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_
       __syncthreads();  // tile n has landed for every thread; stage (n - 1) % STAGES is free again
       const int ahead = n + STAGES - 1;
       if (ahead < tile_end) {
-        in_cache &= load_stage<Tr>(p, ring + ((ahead - tile_begin) % STAGES) * Tr::STAGE_SIZE, b, hk, tile_pos(ahead),
-                                   length, slot(ahead));
+        in_cache &=
+            load_stage<Tr>(p, stage_at((ahead - tile_begin) % STAGES), b, hk, tile_pos(ahead), length, slot(ahead));
       }
       cp_async_commit();
       if (ahead + 1 < tile_end) fetched.publish(slot(ahead + 1));
       fetch(ahead + 2);
-      const T* k_tile = ring + ((n - tile_begin) % STAGES) * Tr::STAGE_SIZE;
+      const C* stage = stage_at((n - tile_begin) % STAGES);
       Acc s[Tr::S_TILES][4];
-      scores(k_tile, n, s);
-      accumulate(k_tile + Tr::KVTile::SIZE, s);
+      if constexpr (Tr::E4M3) {
+        const float* scales =
+            reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(stage) + Tr::SCALES_OFFSET);
+        widen_stage<Tr>(stage, wide);
+        __syncthreads();  // the widened tiles are whole (the loop's first barrier: every warp is done with them)
+        scores(wide, n, s, scales);
+        weigh_by_v_scales(s, scales);
+        accumulate(wide + Tr::KVTile::SIZE, s);
+      } else {
+        scores(stage, n, s, nullptr);
+        accumulate(stage + Tr::KVTile::SIZE, s);
+      }
     }
   } else {
     // One buffer each: v of tile n lands while its scores are computed, k of tile n + 1 while P v is (as
     // FlashAttention-2 interleaves them). Half the shared memory of two stages, so more CTAs fit an SM.
-    T* k_tile = ring;
-    T* v_tile = ring + Tr::KVTile::SIZE;
+    T* k_tile = stage_at(0);
+    T* v_tile = k_tile + Tr::KVTile::SIZE;
     for (int n = tile_begin; n < tile_end; ++n) {
       cp_async_wait<1>();
       __syncthreads();  // k of tile n has landed (v may still be on its way)
       Acc s[Tr::S_TILES][4];
-      scores(k_tile, n, s);
+      scores(k_tile, n, s, nullptr);
       __syncthreads();  // every warp is done with k of tile n
       if (n + 1 < tile_end) {
-        in_cache &= load_stage<Tr, true, false>(p, ring, b, hk, tile_pos(n + 1), length, slot(n + 1));
+        in_cache &= load_stage<Tr, true, false>(p, stage_at(0), b, hk, tile_pos(n + 1), length, slot(n + 1));
       }
       cp_async_commit();
       cp_async_wait<1>();
@@ -447,7 +585,7 @@ __global__ void __launch_bounds__(DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_
       accumulate(v_tile, s);
       __syncthreads();  // every warp is done with v of tile n
       if (n + 1 < tile_end) {
-        in_cache &= load_stage<Tr, false, true>(p, ring, b, hk, tile_pos(n + 1), length, slot(n + 1));
+        in_cache &= load_stage<Tr, false, true>(p, stage_at(0), b, hk, tile_pos(n + 1), length, slot(n + 1));
       }
       cp_async_commit();
       if (n + 2 < tile_end) fetched.publish(slot(n + 2));
@@ -483,12 +621,12 @@ __global__ void __launch_bounds__(DecodeTraits<T, HEAD, WARPS_M, WARPS_N, WARPS_
     Acc total = Acc(0);
 #pragma unroll
     for (int w = 0; w < WARPS_N; ++w) total += sums[w * Tr::ROWS + r] * fast_exp2(maxes[w * Tr::ROWS + r] - base);
-    weight[half] = total > Acc(0) ? fast_exp2(row_max[half] - base) / total : Acc(0);
+    weight[half] = total > Acc(0) ? v_ref * fast_exp2(row_max[half] - base) / total : Acc(0);
     if (wn == 0 && wd == 0 && t == 0) {  // the row's lse, natural log; -inf for a row that saw no key
       states[2 * WARPS_N * Tr::ROWS + r] = total > Acc(0) ? (m + log2_of(total)) * ln2<Acc>() : neg_inf_of<Acc>();
     }
   }
-  // The slices add their weighted out into `merged` one after another (a fixed order: deterministic).
+// The slices add their weighted out into `merged` one after another (a fixed order: deterministic).
 #pragma unroll 1
   for (int w = 0; w < WARPS_N; ++w) {
     if (wn == w) {

@@ -25,13 +25,17 @@ struct KVCacheParams {
   const float* alibi_slopes;  // (B, Hq) with alibi_stride, or null
   void* q_rot;                // (B, Hq, Nq, D) contiguous: the rotated queries (written by kvcache_append)
   int* split_counters;        // (B, Hk * row_tiles), zero between calls: splits done (attention_decode.cu)
-  i64 q_stride[3];            // b, h, n of q (of q_rot when rotary)
-  i64 q_in_stride[3];         // b, h, n of the caller's q (read by kvcache_append)
-  i64 k_stride[3];            // page (or b), hk, position of k_cache
+  float* k_scale;             // e4m3 caches: the descales (dim0 or 1, Hk or 1, blocks), float32; null otherwise
+  float* v_scale;
+  i64 q_stride[3];     // b, h, n of q (of q_rot when rotary)
+  i64 q_in_stride[3];  // b, h, n of the caller's q (read by kvcache_append)
+  i64 k_stride[3];     // page (or b), hk, position of k_cache
   i64 v_stride[3];
   i64 k_new_stride[3];  // b, hk, n
   i64 v_new_stride[3];
-  i64 out_stride[3];  // b, h, n
+  i64 out_stride[3];      // b, h, n
+  i64 k_scale_stride[3];  // page (or b), hk, block of k_scale; 0 along a dim of size 1
+  i64 v_scale_stride[3];
   i64 block_table_stride;
   i64 alibi_stride[2];
   int batch;
@@ -59,6 +63,10 @@ struct KVCacheParams {
   int min_tiles_per_split;
   int row_tiles;
   int seqlen_all;
+  int k_scale_block;  // e4m3 caches: positions of dim 2 per scale (128, or page_size / Ncache)
+  int v_scale_block;
+  int k_scale_set;  // whether the append sets a block's scale when it writes the block's first position
+  int v_scale_set;
   // The real-valued parameters, named as AttnParams names them (params.cuh, Reals reads either struct).
   float scale;
   float scale_log2;   // log2(e) * scale
@@ -149,6 +157,12 @@ __device__ __forceinline__ CacheRow cache_row(const KVCacheParams& p, int b, int
   const int slot = pos / p.page_size;
   const int page = p.block_table[b * p.block_table_stride + slot];
   return {(page >= 0 && page < p.num_pages) ? page : -1, pos - slot * p.page_size};
+}
+
+// The descale of cache row `at` of key/value head hk, for an e4m3 cache's scale array and its strides.
+template <typename F>
+__device__ __forceinline__ F* scale_at(F* scale, const i64 (&stride)[3], int block, int hk, CacheRow at) {
+  return scale + at.page * stride[0] + hk * stride[1] + (at.row / block) * stride[2];
 }
 
 // The keys a row tile of sequence b (length L) can see start at key_begin: with a left window, the

@@ -11,9 +11,22 @@
 // are not written (the attention gives them NaN rows).
 // Grid: y = 0 new keys, 1 new values, 2 queries (without new keys y = 0 is the queries); x strides over (row, unit), a
 // unit being one rotated pair or one copied element.
+//
+// kvcache_append_e4m3: the same into e4m3 caches (float32 descales beside the codes: kvcache.cuh, scale_at). Each
+// new element is stored as e4m3(x / scale) (x rotated first for keys, in the accumulator type; the division
+// correctly rounded, as the CPU path divides; e4m3.cuh rounds), with the scale of its position. Where a cache's
+// scales are per block (k_scale_set / v_scale_set) and the call writes a block's first position, that block's
+// scale is set first, per head, from the largest magnitude among the rows the call writes into it: amax / 28
+// (1 for zeros), a headroom of 16 below e4m3's 448 for the block's later rows, which keep it (and saturate
+// beyond it). Non-finite new values are stored as NaN codes (a NaN or infinite amax makes the block's scale
+// one too): whatever reads them gets NaN, never a finite stand-in.
+// Grid: x = block of positions (counted from the one holding position cache_seqlens[b]; blocks of the scales'
+// size where an append sets scales, else of APPEND_E4M3_POSITIONS), y = 0 new keys, 1 new values, 2 queries
+// (rotated by the CTAs of every x and z together), z = b * Hk + hk.
 #include "common.cuh"
 #include "mma.cuh"
 #include "kvcache.cuh"
+#include "e4m3.cuh"
 
 template <typename T>
 __device__ __forceinline__ void rotate_row(T* dst, const T* src, const KVCacheParams& p, int pos, int unit) {
@@ -33,6 +46,16 @@ __device__ __forceinline__ void rotate_row(T* dst, const T* src, const KVCachePa
   dst[c1] = from_acc<T>(y * cos + x * sin);
 }
 
+// Query row `row` of (B, Hq, Nq) rotated into q_rot, its unit `unit` (one pair, or one copied dim).
+template <typename T>
+__device__ __forceinline__ void rotate_query(const KVCacheParams& p, i64 row, int unit) {
+  const int j = static_cast<int>(row % p.nq), h = static_cast<int>((row / p.nq) % p.hq);
+  const int b = static_cast<int>(row / (static_cast<i64>(p.nq) * p.hq));
+  if (sequence_length(p, b) < 0) return;
+  const T* src = static_cast<const T*>(p.q) + b * p.q_in_stride[0] + h * p.q_in_stride[1] + j * p.q_in_stride[2];
+  rotate_row(static_cast<T*>(p.q_rot) + row * p.d, src, p, cached_length(p, b) + (p.rotary_q_advance ? j : 0), unit);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(256) kvcache_append(const KVCacheParams p) {
   const int part = blockIdx.y + (p.nnew == 0 ? 2 : 0);  // 0: k, 1: v, 2: q (the grid has the parts it needs)
@@ -45,16 +68,14 @@ __global__ void __launch_bounds__(256) kvcache_append(const KVCacheParams p) {
        e += static_cast<i64>(gridDim.x) * blockDim.x) {
     const int unit = static_cast<int>(e % units);
     const i64 row = e / units;
+    if (part == 2) {
+      rotate_query<T>(p, row, unit);
+      continue;
+    }
     const int j = static_cast<int>(row % n), h = static_cast<int>((row / n) % heads);
     const int b = static_cast<int>(row / (static_cast<i64>(n) * heads));
     if (sequence_length(p, b) < 0) continue;
     const int cached = cached_length(p, b);
-    if (part == 2) {
-      const T* src = static_cast<const T*>(p.q) + b * p.q_in_stride[0] + h * p.q_in_stride[1] + j * p.q_in_stride[2];
-      T* dst = static_cast<T*>(p.q_rot) + (row * p.d);
-      rotate_row(dst, src, p, cached + (p.rotary_q_advance ? j : 0), unit);
-      continue;
-    }
     const CacheRow at = cache_row(p, b, cached + j);
     if (at.page < 0) continue;
     if (part == 0) {
@@ -68,5 +89,81 @@ __global__ void __launch_bounds__(256) kvcache_append(const KVCacheParams p) {
       T* dst = static_cast<T*>(p.v_cache) + at.page * p.v_stride[0] + h * p.v_stride[1] + at.row * p.v_stride[2];
       dst[unit] = src[unit];
     }
+  }
+}
+
+constexpr int APPEND_E4M3_POSITIONS = 128;  // positions per CTA where an append sets no scale
+
+// Element c of new key or value row `src` (at position pos) as it is quantized: rotated for keys, in float.
+template <typename T>
+__device__ __forceinline__ float new_value(const KVCacheParams& p, const T* src, bool is_key, int pos, int c) {
+  const int half = p.rotary_half;
+  if (!is_key || c >= 2 * half) return Elem<T>::to_acc(src[c]);
+  const int unit = p.rotary_interleaved ? c / 2 : (c < half ? c : c - half);
+  const int c0 = p.rotary_interleaved ? 2 * unit : unit, c1 = p.rotary_interleaved ? 2 * unit + 1 : unit + half;
+  const float cos = static_cast<const float*>(p.rotary_cos)[static_cast<i64>(pos) * half + unit];
+  const float sin = static_cast<const float*>(p.rotary_sin)[static_cast<i64>(pos) * half + unit];
+  const float x = Elem<T>::to_acc(src[c0]), y = Elem<T>::to_acc(src[c1]);
+  return c == c0 ? x * cos - y * sin : y * cos + x * sin;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) kvcache_append_e4m3(const KVCacheParams p) {
+  const int part = blockIdx.y + (p.nnew == 0 ? 2 : 0);  // 0: k, 1: v, 2: q
+  if (part == 2) {
+    const int units = p.d - p.rotary_half;
+    const i64 total = static_cast<i64>(p.batch) * p.hq * p.nq * units;
+    const i64 step = static_cast<i64>(gridDim.x) * gridDim.z * blockDim.x;
+    for (i64 e = (static_cast<i64>(blockIdx.z) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+         e += step) {
+      rotate_query<T>(p, e / units, static_cast<int>(e % units));
+    }
+    return;
+  }
+  const int b = blockIdx.z / p.hk, hk = blockIdx.z % p.hk;
+  if (sequence_length(p, b) < 0) return;
+  const bool is_key = part == 0;
+  const int block = is_key ? p.k_scale_block : p.v_scale_block;
+  const bool sets = is_key ? p.k_scale_set : p.v_scale_set;
+  const int cached = cached_length(p, b), span = sets ? block : APPEND_E4M3_POSITIONS;
+  const int first = (cached / span + static_cast<int>(blockIdx.x)) * span;  // this CTA's block: [first, first + span)
+  const int lo = max(cached, first), hi = min(cached + p.nnew, first + span);
+  if (lo >= hi) return;
+  const int d = is_key ? p.d : p.dv;
+  const i64* new_stride = is_key ? p.k_new_stride : p.v_new_stride;
+  const i64* stride = is_key ? p.k_stride : p.v_stride;
+  const T* new_rows = static_cast<const T*>(is_key ? p.k_new : p.v_new) + b * new_stride[0] + hk * new_stride[1];
+  unsigned char* codes = static_cast<unsigned char*>(is_key ? p.k_cache : p.v_cache) + hk * stride[1];
+  float* scale = is_key ? p.k_scale : p.v_scale;
+  const i64(&scale_stride)[3] = is_key ? p.k_scale_stride : p.v_scale_stride;
+  auto value = [&](int pos, int c) { return new_value(p, new_rows + (pos - cached) * new_stride[2], is_key, pos, c); };
+  const int elements = (hi - lo) * d;
+
+  __shared__ float block_scale;
+  __shared__ float warp_max[256 / WARP_SIZE];
+  const bool setting = sets && lo == first;  // this call writes the block's first position
+  if (setting) {
+    float amax = 0.0f;
+    for (int e = threadIdx.x; e < elements; e += blockDim.x) amax = fmaxf(amax, fabsf(value(lo + e / d, e % d)));
+#pragma unroll
+    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2)
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    if (threadIdx.x % WARP_SIZE == 0) warp_max[threadIdx.x / WARP_SIZE] = amax;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 1; w < static_cast<int>(blockDim.x) / WARP_SIZE; ++w) amax = fmaxf(amax, warp_max[w]);
+      const float s = amax == 0.0f ? 1.0f : __fdiv_rn(amax, 28.0f);  // E4M3_MAX / HEADROOM (fp8.py)
+      const CacheRow at = cache_row(p, b, lo);
+      if (at.page >= 0) *scale_at(scale, scale_stride, block, hk, at) = s;
+      block_scale = s;
+    }
+    __syncthreads();
+  }
+  for (int e = threadIdx.x; e < elements; e += blockDim.x) {
+    const int pos = lo + e / d, c = e % d;
+    const CacheRow at = cache_row(p, b, pos);
+    if (at.page < 0) continue;  // (the attention gives the sequence NaN rows)
+    const float s = setting ? block_scale : *scale_at(scale, scale_stride, block, hk, at);
+    codes[at.page * stride[0] + at.row * stride[2] + c] = e4m3_of(__fdiv_rn(value(pos, c), s));
   }
 }

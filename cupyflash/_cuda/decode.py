@@ -26,6 +26,7 @@ from cupyflash._cuda.decode_params import (
     COS,
     K_CACHE,
     K_NEW,
+    K_SCALE,
     LOG2E,
     LSE,
     OUT,
@@ -36,18 +37,31 @@ from cupyflash._cuda.decode_params import (
     SIN,
     V_CACHE,
     V_NEW,
+    V_SCALE,
     WORD,
     Q,
 )
 from cupyflash._cuda.source import MAX_GRID_Y
+from cupyflash._kvcache.fp8 import FP8KVCache
 
 MIN_TILES_PER_SPLIT = 1
+APPEND_E4M3_POSITIONS = 128  # kvcache_append.cu: positions per CTA of an e4m3 append that sets no scale
 _PER_THREAD_STREAM = 2  # cudaStreamPerThread: CuPy's Stream.ptds
 WAVES = 1.0  # waves of CTAs the split count aims for
 
 
 def _elements(x) -> tuple[int, ...]:
     return tuple(s // x.itemsize for s in x.strides)
+
+
+def _codes(cache):
+    """A cache argument's element array: the array itself, or an FP8KVCache's codes."""
+    return cache.data if isinstance(cache, FP8KVCache) else cache
+
+
+def _scale_strides(holder) -> tuple[int, ...]:
+    """An FP8KVCache's scale strides in elements, 0 along a dim of size 1 (kvcache.cuh, scale_at)."""
+    return tuple(0 if n == 1 else s // 4 for n, s in zip(holder.scale.shape, holder.scale.strides))
 
 
 def _aligned_rows(x, width: int) -> bool:
@@ -101,9 +115,10 @@ class Plan:
         if call.rotary_cos is not None:
             self.seqlen_limit = min(self.seqlen_limit, call.rotary_cos.shape[0] - call.rotary_span())
         packed = call.group * call.nq
-        self.variant = tile_policy.decode(
-            call.dtype.name, call.d, call.dv, packed, call.page_size if call.paged else None
-        )
+        self.fp8 = call.fp8
+        page_size = call.page_size if call.paged else None
+        cache = "e4m3" if call.fp8 else None
+        self.variant = tile_policy.decode(call.dtype.name, call.d, call.dv, packed, page_size, cache)
         self.functions = _compile.functions(self.variant)
         # The launch's pieces, looked up once: a decode call's host time is a few microseconds.
         self._decode, self._append = self.functions["decode"], self.functions["append"]
@@ -121,8 +136,16 @@ class Plan:
         w = words[0]
         w["q_in_stride"] = _elements(call.q)[:3]
         w["q_stride"] = (call.hq * call.nq * call.d, call.nq * call.d, call.d) if self.rotary else _elements(call.q)[:3]
-        w["k_stride"] = _elements(call.k_cache)[:3]
-        w["v_stride"] = _elements(call.v_cache)[:3]
+        w["k_stride"] = _elements(_codes(call.k_cache))[:3]
+        w["v_stride"] = _elements(_codes(call.v_cache))[:3]
+        spans = []  # e4m3: positions per CTA of the append, k's and v's
+        if call.fp8:
+            for part, holder in (("k", call.k_cache), ("v", call.v_cache)):
+                sets = holder.scaling == "block"
+                w[f"{part}_scale_stride"] = _scale_strides(holder)
+                w[f"{part}_scale_block"] = holder.block
+                w[f"{part}_scale_set"] = sets
+                spans.append(holder.block if sets else APPEND_E4M3_POSITIONS)
         if call.k is not None:
             w["k_new_stride"] = _elements(call.k)[:3]
             w["v_new_stride"] = _elements(call.v)[:3]
@@ -181,9 +204,20 @@ class Plan:
                 f"ceil(G * Nq / {self.variant.rows}) = {self.decode_grid[1]}); split the call"
             )
         parts = (2 if call.nnew else 0) + (1 if self.rotary else 0)
-        units = max(call.batch * call.hk * call.nnew * max(call.d, call.dv), call.batch * call.hq * call.nq * call.d)
-        blocks = min(math.ceil(units / decode_tiles.APPEND_THREADS), 8 * _compile.sm_count(device))
-        self.append_grid = (max(1, blocks), parts, 1)
+        if call.fp8:  # kvcache_append_e4m3: x = blocks of positions an append touches, z = (b, hk)
+            blocks = max(1, max(math.ceil(max(call.nnew - 1, 0) / span) + 1 for span in spans))
+            self.append_grid = (blocks, parts, call.batch * call.hk)
+            if self.append and call.batch * call.hk > MAX_GRID_Y:
+                raise ValueError(
+                    f"attention_with_kvcache appends into FP8 caches of at most {MAX_GRID_Y} sequences x key/value "
+                    f"heads (B * Hk = {call.batch * call.hk}); split the call"
+                )
+        else:
+            units = max(
+                call.batch * call.hk * call.nnew * max(call.d, call.dv), call.batch * call.hq * call.nq * call.d
+            )
+            blocks = min(math.ceil(units / decode_tiles.APPEND_THREADS), 8 * _compile.sm_count(device))
+            self.append_grid = (max(1, blocks), parts, 1)
         self.workspace_shapes = dict(
             out_part=((self.max_splits, call.batch * call.hq * call.nq, call.dv) if self.max_splits > 1 else None),
             lse_part=((self.max_splits, call.batch * call.hq * call.nq) if self.max_splits > 1 else None),
@@ -245,6 +279,9 @@ class Plan:
         lse = cupy.empty(self.out_shape[:3], dtype=self.acc) if want_lse and not append_only else None
         scratch, template = self.workspace()
         u64 = template.copy()
+        if self.fp8:  # FP8KVCache holders: codes and descales
+            u64[K_SCALE], u64[V_SCALE] = k_cache.scale.data.ptr, v_cache.scale.data.ptr
+            k_cache, v_cache = k_cache.data, v_cache.data
         u64[Q], u64[K_CACHE], u64[V_CACHE] = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr
         for word, array in (
             (K_NEW, k),
@@ -274,14 +311,25 @@ class Plan:
 
 def plan_for(call) -> Plan:
     """The plan of a checked call's layout, from the plan cache (made on its first call)."""
-    vec_ok = _aligned_rows(call.k_cache, call.d) and _aligned_rows(call.v_cache, call.dv)
+    vec_ok = _aligned_rows(_codes(call.k_cache), call.d) and _aligned_rows(_codes(call.v_cache), call.dv)
+    (k_arrays, k_layout), (v_arrays, v_layout) = cache_layout(call.k_cache), cache_layout(call.v_cache)
     key = plans.key(
         "plan",
         "decode",
-        (call.q, call.k_cache, call.v_cache, call.k, call.v, call.block_table, call.rotary_cos, call.alibi_slopes),
-        (call.rotary_interleaved, call.causal, call.scale, call.window, call.softcap, call.num_splits, vec_ok),
+        (call.q, *k_arrays, *v_arrays, call.k, call.v, call.block_table, call.rotary_cos, call.alibi_slopes),
+        (call.rotary_interleaved, call.causal, call.scale, call.window, call.softcap, call.num_splits, vec_ok)
+        + k_layout
+        + v_layout,
     )
     return plans.get_or_make(key, lambda: Plan(call, vec_ok))
+
+
+def cache_layout(cache) -> tuple[tuple, tuple]:
+    """A cache argument's arrays and the options a key adds for it: an array alone, or an FP8KVCache's codes and
+    scales with its scaling and block (which the shapes alone do not tell)."""
+    if isinstance(cache, FP8KVCache):
+        return (cache.data, cache.scale), (cache.scaling, cache.block)
+    return (cache, None), (None, None)
 
 
 def call_key(
@@ -307,13 +355,14 @@ def call_key(
     checks and the plan depend on but the addresses and an int cache_seqlens' value; None where a call cannot
     take the fast path (NumPy arrays, index sequences)."""
     given_int = type(cache_seqlens) is int
+    (k_arrays, k_layout), (v_arrays, v_layout) = cache_layout(k_cache), cache_layout(v_cache)
     return plans.key(
         "call",
         "decode",
         (
             q,
-            k_cache,
-            v_cache,
+            *k_arrays,
+            *v_arrays,
             k,
             v,
             None if given_int else cache_seqlens,
@@ -322,7 +371,7 @@ def call_key(
             rotary_sin,
             alibi_slopes,
         ),
-        (given_int, rotary_interleaved, causal, scale, window, softcap, num_splits, return_lse),
+        (given_int, rotary_interleaved, causal, scale, window, softcap, num_splits, return_lse) + k_layout + v_layout,
     )
 
 

@@ -24,13 +24,25 @@ POINTERS = (
     "alibi_slopes",
     "q_rot",
     "split_counters",
+    "k_scale",
+    "v_scale",
 )
 # Host mirror of `struct KVCacheParams` (cuda_src/kvcache.cuh): same field order, C alignment.
 PARAMS_DTYPE = numpy.dtype(
     [(name, numpy.uint64) for name in POINTERS]
     + [
         (name, numpy.int64, (3,))
-        for name in ("q_stride", "q_in_stride", "k_stride", "v_stride", "k_new_stride", "v_new_stride", "out_stride")
+        for name in (
+            "q_stride",
+            "q_in_stride",
+            "k_stride",
+            "v_stride",
+            "k_new_stride",
+            "v_new_stride",
+            "out_stride",
+            "k_scale_stride",
+            "v_scale_stride",
+        )
     ]
     + [("block_table_stride", numpy.int64), ("alibi_stride", numpy.int64, (2,))]
     + [
@@ -61,6 +73,10 @@ PARAMS_DTYPE = numpy.dtype(
             "min_tiles_per_split",
             "row_tiles",
             "seqlen_all",
+            "k_scale_block",
+            "v_scale_block",
+            "k_scale_set",
+            "v_scale_set",
         )
     ]
     + [(name, numpy.float32) for name in ("scale", "scale_log2", "softcap", "softcap_inv")]
@@ -70,7 +86,7 @@ PARAMS_DTYPE = numpy.dtype(
 PARAMS_BYTES = numpy.dtype((numpy.void, PARAMS_DTYPE.itemsize))
 WORD = {name: PARAMS_DTYPE.fields[name][1] // 8 for name in POINTERS}  # each pointer's uint64 word
 SEQLEN_ALL = PARAMS_DTYPE.fields["seqlen_all"][1] // 4  # its int32 word
-(Q, K_CACHE, V_CACHE, K_NEW, V_NEW, OUT, LSE, SEQLENS, BLOCK_TABLE, COS, SIN, ALIBI) = (
+(Q, K_CACHE, V_CACHE, K_NEW, V_NEW, OUT, LSE, SEQLENS, BLOCK_TABLE, COS, SIN, ALIBI, K_SCALE, V_SCALE) = (
     WORD[name]
     for name in (
         "q",
@@ -85,5 +101,7 @@ SEQLEN_ALL = PARAMS_DTYPE.fields["seqlen_all"][1] // 4  # its int32 word
         "rotary_cos",
         "rotary_sin",
         "alibi_slopes",
+        "k_scale",
+        "v_scale",
     )
 )

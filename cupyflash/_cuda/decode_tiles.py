@@ -3,9 +3,11 @@
 compile.py and ptxas_report.py read), and the choice of a variant for a call.
 
 A variant's module holds two kernels: ``decode`` (cuda_src/attention_decode.cu, attention_decode, which
-merges its own splits) and the append/rotary step ``append`` (cuda_src/kvcache_append.cu). HEAD is the head dim
-the tiles are built for, at least max(D, Dv): columns past D and Dv are zero-filled in shared memory and
-never read from global memory.
+merges its own splits) and the append/rotary step ``append`` (cuda_src/kvcache_append.cu; kvcache_append_e4m3 for
+e4m3 caches). HEAD is the head dim the tiles are built for, at least max(D, Dv): columns past D and Dv are
+zero-filled in shared memory and never read from global memory. A variant's ``dtype`` is q's (and out's); its
+``cache`` is "e4m3" for FP8 caches (cupyflash._kvcache.fp8), read as 1-byte codes and widened to q's dtype in
+shared memory, else None (the cache has q's dtype).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ SOURCE = "attention_decode.cu"
 APPEND_SOURCE = "kvcache_append.cu"
 APPEND_THREADS = 256
 
-# (element bytes, HEAD, rows per CTA) -> (WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES, MIN_CTAS). STAGES = 1 is one
-# buffer each for k and v whose copies interleave with the products (v of a tile lands while its scores
+# (cache element bytes, HEAD, rows per CTA) -> (WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES, MIN_CTAS). STAGES = 1 is
+# one buffer each for k and v whose copies interleave with the products (v of a tile lands while its scores
 # are computed, k of the next while P v is): half the shared memory of two stages, and the faster shape for bf16
 # D = 64 (its measurement: docs/design/decode.md). 16-bit D = 128 and 256 run two CTAs per SM, which keeps twice
 # the bytes in flight, the faster shape for them (docs/design/decode.md, Loads).
@@ -34,7 +36,18 @@ APPEND_THREADS = 256
 # row would not fit the registers. MIN_CTAS: the CTAs per SM the kernel's registers are budgeted for
 # (__launch_bounds__), which split_count then fills. Tiles and stages keep every module inside an sm_80 CTA's
 # shared memory.
+# e4m3 caches (1 byte): a stage holds half a 16-bit one's bytes, and the widened k and v tiles take one 16-bit
+# stage more; at D = 128 three stages (two tiles in flight of 16 KB each) at two CTAs per SM keep as many bytes in
+# flight as the 16-bit tile's two stages (one 32 KB tile ahead); D = 256 takes 32-key tiles to stay at two CTAs.
 TABLE = {
+    (1, 32, 16): (1, 4, 1, 64, 4, 2),
+    (1, 64, 16): (1, 4, 1, 64, 4, 2),
+    (1, 128, 16): (1, 4, 2, 64, 3, 2),
+    (1, 256, 16): (1, 2, 2, 32, 3, 2),
+    (1, 32, 64): (4, 1, 1, 64, 3, 1),
+    (1, 64, 64): (4, 1, 1, 64, 3, 1),
+    (1, 128, 64): (4, 1, 1, 64, 2, 1),
+    (1, 256, 64): (4, 1, 2, 32, 2, 1),
     (2, 32, 16): (1, 4, 1, 64, 4, 1),
     (2, 64, 16): (1, 4, 2, 128, 1, 1),
     (2, 128, 16): (1, 4, 2, 64, 2, 2),
@@ -64,6 +77,11 @@ TABLE = {
 # (docs/design/decode.md).
 TABLE_ROWWISE = {(2, 64, 16): (1, 8, 1, 128, 2, 1), (2, 128, 16): (1, 8, 2, 128, 2, 1)}
 DTYPES_BY_BYTES = {2: ("float16", "bfloat16"), 4: ("float32",), 8: ("float64",)}
+CACHES = ("e4m3",)  # cache element formats other than q's dtype
+E4M3_DTYPES = ("float16", "bfloat16")  # q's dtypes with e4m3 caches: the products run in 16 bits
+CACHE_ITEMSIZES = {"e4m3": 1}
+CACHE_CTYPES = {"e4m3": "e4m3_t"}
+APPEND_KERNELS = {None: "kvcache_append", "e4m3": "kvcache_append_e4m3"}
 
 
 def _padded_row(itemsize: int, cols: int) -> int:
@@ -77,6 +95,7 @@ class DecodeVariant:
     head_dim: int  # HEAD
     rows: int  # packed query rows per CTA: 16 or 64
     rowwise: bool = False  # TABLE_ROWWISE's tile: paged caches whose pages do not hold whole tiles
+    cache: str | None = None  # "e4m3": FP8 caches (codes and descales); None: the cache has q's dtype
 
     direction = "decode"
     path = "decode"
@@ -86,6 +105,11 @@ class DecodeVariant:
 
     @property
     def itemsize(self) -> int:
+        """Bytes of one cache element (the table's key)."""
+        return CACHE_ITEMSIZES[self.cache] if self.cache else ITEMSIZES[self.dtype]
+
+    @property
+    def q_itemsize(self) -> int:
         return ITEMSIZES[self.dtype]
 
     @property
@@ -109,9 +133,12 @@ class DecodeVariant:
         if kernel != "decode":
             return 0
         warps_m, warps_n, _, block_n, stages, _ = self.shape
-        acc = 8 if self.itemsize == 8 else 4
-        q = self.rows * _padded_row(self.itemsize, self.head_dim)
-        ring = stages * 2 * block_n * _padded_row(self.itemsize, self.head_dim)
+        acc = 8 if self.q_itemsize == 8 else 4
+        q = self.rows * _padded_row(self.q_itemsize, self.head_dim)
+        stage = 2 * block_n * _padded_row(self.itemsize, self.head_dim)
+        if self.cache:  # each key's two descales; the widened k and v tiles
+            stage += 2 * block_n * 4
+        ring = stages * stage + (2 * block_n * _padded_row(self.q_itemsize, self.head_dim) if self.cache else 0)
         merged = self.rows * (self.head_dim + 1) * acc
         weights = self.rows * MAX_SPLITS * acc
         states = max(3 * warps_n * self.rows * acc, 2 * block_n * 8)  # row states, or the row lookups
@@ -120,10 +147,12 @@ class DecodeVariant:
     def name_expression(self, kernel: str) -> str:
         c = CTYPES[self.dtype]
         if kernel == "append":
-            return f"kvcache_append<{c}>"
+            return f"{APPEND_KERNELS[self.cache]}<{c}>"
         warps_m, warps_n, warps_dv, block_n, stages, min_ctas = self.shape
+        cached = CACHE_CTYPES[self.cache] if self.cache else c
         return (
-            f"attention_decode<{c}, {self.head_dim}, {warps_m}, {warps_n}, {warps_dv}, {block_n}, {stages}, {min_ctas}>"
+            f"attention_decode<{c}, {cached}, {self.head_dim}, {warps_m}, {warps_n}, {warps_dv}, {block_n}, {stages}, "
+            f"{min_ctas}>"
         )
 
     def code(self, kernels: tuple[str, ...] | None = None) -> str:
@@ -139,7 +168,11 @@ class DecodeVariant:
         return {"sm_80": "sm_80", "sm_90": "sm_90"}
 
     def __str__(self) -> str:
-        return f"decode {self.dtype} HEAD_DIM={self.head_dim} rows={self.rows}" + (" rowwise" if self.rowwise else "")
+        return (
+            f"decode {self.dtype} HEAD_DIM={self.head_dim} rows={self.rows}"
+            + (" rowwise" if self.rowwise else "")
+            + (f" cache={self.cache}" if self.cache else "")
+        )
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,13 +183,25 @@ def _append_source() -> str:
 
 
 def shipped_variants() -> list[DecodeVariant]:
-    return [
-        DecodeVariant(dtype, head, rows) for (itemsize, head, rows) in TABLE for dtype in DTYPES_BY_BYTES[itemsize]
-    ] + [
-        DecodeVariant(dtype, head, rows, rowwise=True)
-        for (itemsize, head, rows) in TABLE_ROWWISE
-        for dtype in DTYPES_BY_BYTES[itemsize]
-    ]
+    return (
+        [
+            DecodeVariant(dtype, head, rows)
+            for (itemsize, head, rows) in TABLE
+            for dtype in DTYPES_BY_BYTES.get(itemsize, ())
+        ]
+        + [
+            DecodeVariant(dtype, head, rows, cache=cache)
+            for cache in CACHES
+            for (itemsize, head, rows) in TABLE
+            if itemsize == CACHE_ITEMSIZES[cache]
+            for dtype in E4M3_DTYPES
+        ]
+        + [
+            DecodeVariant(dtype, head, rows, rowwise=True)
+            for (itemsize, head, rows) in TABLE_ROWWISE
+            for dtype in DTYPES_BY_BYTES[itemsize]
+        ]
+    )
 
 
 def variants_for(arch: str) -> list[DecodeVariant]:
@@ -164,10 +209,13 @@ def variants_for(arch: str) -> list[DecodeVariant]:
     return [v for v in shipped_variants() if arch in v.compile_targets()]
 
 
-def variants_for_call(dtype: str, width: int) -> list[DecodeVariant]:
-    """Every variant ``tile_policy.decode`` may pick for calls of this dtype with max(D, Dv) = ``width``: 16- and 64-row
-    tiles, and the row-wise tile for small pages where the table has one."""
-    head, itemsize = head_bucket(width, width), ITEMSIZES[dtype]
+def variants_for_call(dtype: str, width: int, cache: str | None = None) -> list[DecodeVariant]:
+    """Every variant ``tile_policy.decode`` may pick for calls of this dtype (and cache format) with max(D, Dv) =
+    ``width``: 16- and 64-row tiles, and the row-wise tile for small pages where the table has one."""
+    head = head_bucket(width, width)
+    if cache:
+        return [DecodeVariant(dtype, head, rows, cache=cache) for rows in (16, 64)]
+    itemsize = ITEMSIZES[dtype]
     return [DecodeVariant(dtype, head, rows) for rows in (16, 64) if (itemsize, head, rows) in TABLE] + [
         DecodeVariant(dtype, head, rows, rowwise=True) for rows in (16, 64) if (itemsize, head, rows) in TABLE_ROWWISE
     ]

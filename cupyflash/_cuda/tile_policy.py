@@ -209,15 +209,17 @@ def fp8(head_dim: int, causal: bool, out_dtype: str) -> Variant:
     return Variant("fwd", FP8, head_dim, "ws", causal=causal, out_dtype=out_dtype)
 
 
-def decode(dtype: str, d: int, dv: int, packed_rows: int, page_size: int | None = None) -> DecodeVariant:
-    """The decode variant for a call: the narrowest HEAD that holds D and Dv; 64-row tiles when more than 16 rows
-    are packed and the table has them (fewer CTAs re-read the cache), else 16-row tiles (several per key/value
-    head if need be); for a paged cache whose pages do not hold whole tiles, TABLE_ROWWISE's tile where it has
-    one (a row's keys then never straddle a page within a tile)."""
+def decode(
+    dtype: str, d: int, dv: int, packed_rows: int, page_size: int | None = None, cache: str | None = None
+) -> DecodeVariant:
+    """The decode variant for a call (``cache``: "e4m3" for FP8 caches): the narrowest HEAD that holds D and Dv;
+    64-row tiles when more than 16 rows are packed and the table has them (fewer CTAs re-read the cache), else
+    16-row tiles (several per key/value head if need be); for a paged cache whose pages do not hold whole tiles,
+    TABLE_ROWWISE's tile where it has one (a row's keys then never straddle a page within a tile)."""
     head = decode_tiles.head_bucket(d, dv)
-    itemsize = ITEMSIZES[dtype]
+    itemsize = decode_tiles.CACHE_ITEMSIZES[cache] if cache else ITEMSIZES[dtype]
     rows = 64 if packed_rows > 16 and (itemsize, head, 64) in decode_tiles.TABLE else 16
-    variant = DecodeVariant(dtype, head, rows)
+    variant = DecodeVariant(dtype, head, rows, cache=cache)
     if page_size is not None and page_size % variant.block_n and (itemsize, head, rows) in decode_tiles.TABLE_ROWWISE:
         return DecodeVariant(dtype, head, rows, rowwise=True)
     return variant

@@ -1,7 +1,7 @@
 """Attention against a key/value cache, for decoding: ``attention_with_kvcache``.
 
-NumPy inputs run on the CPU path (cupyflash._kvcache.cpu), CuPy inputs on the GPU (cupyflash._cuda.decode); FP8
-caches (cupyflash._kvcache.fp8) on the CPU path only, for now.
+NumPy inputs run on the CPU path (cupyflash._kvcache.cpu), CuPy inputs on the GPU (cupyflash._cuda.decode), FP8
+caches (cupyflash._kvcache.fp8) on either.
 The semantics are written out in the docstring below and in the inference page of the documentation
 (``python -m cupyflash --docs inference``).
 """
@@ -50,7 +50,7 @@ def attention_with_kvcache(
         ``.transpose(0, 2, 1, 3)`` views). ``Hq`` must be a multiple of ``Hk``: query head ``h`` reads
         key/value head ``h // (Hq // Hk)``. Or both FP8KVCache holders of those shapes: float8 e4m3 codes with
         float32 scales per tensor, per head or per block of positions (:func:`quantize_kvcache`), attended as
-        their values ``e4m3(code) * scale``; NumPy only for now (CuPy ones raise NotImplementedError).
+        their values ``e4m3(code) * scale``; on the GPU with float16 or bfloat16 ``q``.
     k, v : arrays (B, Hk, Nnew, D / Dv), optional
         New keys and values, written in place into the caches at positions ``cache_seqlens[b] ...
         cache_seqlens[b] + Nnew - 1`` (through the block table when paged) before attention runs. Into FP8

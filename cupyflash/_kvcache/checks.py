@@ -23,8 +23,8 @@ q, k and v are read with a unit last stride: where theirs is not, they are copie
 
 FP8 caches (cupyflash._kvcache.fp8.FP8KVCache, both caches or neither) take the place of the cache arrays: q, k
 and v keep one dtype of their own, out comes back in it, and the new k and v must be finite (e4m3 has no
-infinity). They run on the CPU path only: the GPU decode kernel has no e4m3 form yet, so CuPy arrays with them
-raise NotImplementedError.
+infinity; the CPU path raises, the GPU stores NaN codes that read back as NaN). On the GPU q is float16 or
+bfloat16: the kernel widens the codes to q's dtype for 16-bit products.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cupyflash._arrays import cupy, is_cupy, lse_dtype
+from cupyflash._arrays import cupy, lse_dtype
 from cupyflash._checks import (
     MAX_HEAD_DIM,
     MAX_SPLITS,
@@ -51,11 +51,7 @@ from cupyflash._fp8.tensor import FP8Tensor
 from cupyflash._kvcache.fp8 import FP8KVCache
 from cupyflash._modifiers import check_softcap, check_window
 
-FP8_ON_GPU = (
-    "attention_with_kvcache has no GPU kernel for FP8 caches yet: the decode kernel does not read e4m3 keys and "
-    "values with their scales, nor quantize appended ones (CuPy arrays given: {}). Pass NumPy arrays (the CPU "
-    "path), or dequantize the caches (FP8KVCache.dequantize) to 16-bit ones for the GPU"
-)
+FP8_GPU_DTYPES = ("float16", "bfloat16")  # q's dtypes with FP8 caches on the GPU (16-bit products)
 
 
 @dataclass(frozen=True)
@@ -209,10 +205,13 @@ def resolve(
     others = {name: x for name, x in others.items() if x is not None}
     if fp8:
         others.update({f"{name}.{part}": getattr(c, part) for name, c in caches.items() for part in ("data", "scale")})
-        on_gpu = [name for name, x in {**arrays, **others}.items() if is_cupy(x)]
-        if on_gpu:
-            raise NotImplementedError(FP8_ON_GPU.format(", ".join(on_gpu)))
     xp = check_array_types({**arrays, **others})
+    if fp8 and xp is not np and q.dtype.name not in FP8_GPU_DTYPES:
+        raise TypeError(
+            f"q has dtype {q.dtype}; with FP8 caches on the GPU q must be float16 or bfloat16 (the kernel widens "
+            "the e4m3 codes to q's dtype for 16-bit products). Float32 and float64 queries take FP8 caches on the "
+            "CPU path (NumPy arrays)"
+        )
     seqlens_host = None
     if not _is_int(cache_seqlens):
         cache_seqlens, seqlens_host = index_array(

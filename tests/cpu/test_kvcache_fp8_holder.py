@@ -13,7 +13,6 @@ import pytest
 import cupyflash
 from cupyflash import reference
 from cupyflash._fp8.tensor import encode_e4m3
-from cupyflash._kvcache import checks
 from cupyflash._kvcache.reference import _e4m3_codes
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
@@ -383,14 +382,3 @@ def test_shapes_and_dtypes_are_checked_as_for_arrays(rng):
         cupyflash.attention_with_kvcache(q, k_cache, v_cache, k.astype(np.float16), v, cache_seqlens=3)
     with pytest.raises(ValueError, match="cache_seqlens\\[0\\] = 140 is out of range"):
         cupyflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=140)
-
-
-def test_cupy_arrays_with_fp8_caches_raise_not_implemented(rng, monkeypatch):
-    """Until the GPU kernel reads e4m3, CuPy arrays with FP8 caches raise NotImplementedError naming them (CuPy
-    stood in for by marking q as a device array)."""
-    q, k_cache, v_cache, k, v = _call_arrays(rng)
-    monkeypatch.setattr(checks, "is_cupy", lambda x: x is q or x is k_cache.data)
-    with pytest.raises(
-        NotImplementedError, match=r"no GPU kernel for FP8 caches yet.*\(CuPy arrays given: q, k_cache.data\)"
-    ):
-        cupyflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3)

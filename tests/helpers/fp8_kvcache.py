@@ -17,8 +17,9 @@ import numpy as np
 
 import cupyflash
 from cupyflash import reference
-from helpers.checks import FP32_RTOL, LSE_RTOL, max_abs, to_host
-from helpers.kvcache import Problem, make_problem, run
+from cupyflash._arrays import cupy
+from helpers.checks import FP32_RTOL, LSE_RTOL, assert_close, assert_lse_close, lse_atol, max_abs, to_host
+from helpers.kvcache import Problem, make_problem, naive, run, to_device
 
 SCALINGS = ("tensor", "head", "block")
 # Half a unit in the last place of out's dtype, relative: the one rounding of out.
@@ -137,3 +138,51 @@ def assert_attention_close(out, lse, expected, expected_lse, dtype):
     )
     error = max_abs(lse[seen] - expected_lse[seen])
     assert error <= lse_bound, f"lse differs by {error:.3g} > {lse_bound:.3g}"
+
+
+# ------------------------------------------------------------------------------------ on the GPU
+def holder_to_device(x):
+    """A CuPy copy of a NumPy holder, its codes in the same memory order (a transposed view stays one)."""
+    data = to_device(Problem(x.data, None, None)).q
+    return cupyflash.FP8KVCache(data, cupy.asarray(x.scale), x.scaling)
+
+
+def device_problem(p: Problem) -> Problem:
+    """CuPy copies of a NumPy FP8 problem (holders included)."""
+    d = to_device(Problem(p.q, None, None, p.k, p.v, p.options))
+    return Problem(d.q, holder_to_device(p.k_cache), holder_to_device(p.v_cache), d.k, d.v, d.options)
+
+
+def check_fp8_on_gpu(p: Problem, call=run, naive_factor=2):
+    """``call`` on CuPy copies of the NumPy problem p, held to the reference: the caches after the append as
+    check_fp8 holds the CPU path's (codes and scales bit for bit; rotated keys within one e4m3 step), and out and lse
+    against the float64 reference on the caches' values after the call by the 16-bit accuracy rule (out within
+    ``naive_factor`` times the error of a naive attention in q's dtype on the values rounded to it; lse to float32
+    accuracy: the kernel multiplies exact 16-bit values and applies the scales in float32). p's holders get the
+    GPU's caches. Returns out, lse on the host."""
+    before = snapshot(p)
+    options = {name: x for name, x in before.options.items() if name not in REFERENCE_IGNORES}
+    _, _, ref_k_cache, ref_v_cache = reference.attention_with_kvcache(
+        before.q, before.k_cache, before.v_cache, before.k, before.v, return_lse=True, return_caches=True, **options
+    )
+    d = device_problem(p)
+    out, lse = call(d)
+    assert isinstance(out, cupy.ndarray) and isinstance(lse, cupy.ndarray)
+    for host, device in ((p.k_cache, d.k_cache), (p.v_cache, d.v_cache)):
+        host.data[...] = device.data.get()
+        host.scale[...] = device.scale.get()
+    rotated = "rotary_cos" in p.options
+    compare_caches("k_cache", p.k_cache, ref_k_cache, rotated)
+    compare_caches("v_cache", p.v_cache, ref_v_cache, False)
+    expected, expected_lse = attention_after(p)
+    assert (out.dtype, lse.dtype) == (p.q.dtype, np.float32), f"out {out.dtype}, lse {lse.dtype}"
+    out, lse = to_host(out), to_host(lse)
+    values = [x.dequantize(np.float64) for x in (p.k_cache, p.v_cache)]
+    naive_out, _ = naive(before, *values)
+    seen = np.isfinite(expected_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), ~seen, err_msg="lse is -inf for other rows than the reference")
+    assert not out[~seen].any(), "a row that sees no key has a nonzero out"
+    if seen.any():
+        assert_close("out", out[seen], expected[seen], naive_out[seen], p.q.dtype, naive_factor)
+        assert_lse_close(lse[seen], expected_lse[seen], lse_atol(p.q.dtype, p.options.get("softcap")))
+    return out, lse
