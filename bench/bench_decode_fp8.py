@@ -107,12 +107,13 @@ def speed_row(rng, batch, nk, page_size=None, scaling="block"):
 
 
 def attention64(q, k, v):
-    """float64 attention of one sequence, q (Hq, 1, D) over k, v (Hk, N, D), grouped heads."""
-    group = q.shape[0] // k.shape[0]
-    k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)
-    s = q @ k.transpose(0, 2, 1) / math.sqrt(q.shape[-1])
+    """float64 attention of one sequence, q (Hq, 1, D) over k, v (Hk, N, D), grouped heads (no copies of k, v)."""
+    hk, group = k.shape[0], q.shape[0] // k.shape[0]
+    qg = q.reshape(hk, group, q.shape[-1])
+    s = np.matmul(qg, k.transpose(0, 2, 1)) / math.sqrt(q.shape[-1])  # (Hk, G, N)
     p = np.exp(s - s.max(-1, keepdims=True))
-    return (p @ v) / p.sum(-1, keepdims=True)
+    out = np.matmul(p, v) / p.sum(-1, keepdims=True)
+    return out.reshape(q.shape[0], 1, v.shape[-1])
 
 
 def accuracy_row(rng, nk, scaling, outliers):
