@@ -182,7 +182,9 @@ def _set(holder, data, scale, block):
     object.__setattr__(holder, "_kept", {})
 
 
-def _check_holder(data, scale, block, contiguous):
+def check_codes_and_scale(data, scale) -> None:
+    """What every holder of e4m3 codes checks of its arrays (FP8Tensor's, FP8KVCache's): arrays, of one array type
+    and device, uint8 codes and float32 scales."""
     for name, x in (("data", data), ("scale", scale)):
         check_array(name, x)
     if is_cupy(data) != is_cupy(scale):
@@ -198,6 +200,10 @@ def _check_holder(data, scale, block, contiguous):
         raise TypeError(f"data has dtype {data.dtype}; expected uint8 (the bytes of float8_e4m3fn values)")
     if scale.dtype != SCALE_DTYPE:
         raise TypeError(f"scale has dtype {scale.dtype}; expected float32")
+
+
+def _check_holder(data, scale, block, contiguous):
+    check_codes_and_scale(data, scale)
     if data.ndim < 2:
         raise ValueError(f"data must have at least 2 dims (..., N, D), got shape {data.shape}")
     if isinstance(block, (bool, np.bool_)) or not isinstance(block, numbers.Integral):

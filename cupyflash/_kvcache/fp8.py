@@ -36,8 +36,8 @@ import math
 import numpy as np
 
 from cupyflash._arrays import Array, array_module, from_float, is_cupy, to_float
-from cupyflash._checks import check_array, check_float_array
-from cupyflash._fp8.tensor import E4M3_MAX, FLOAT_DTYPES, INPUT_DTYPES, SCALE_DTYPE, decode_e4m3, encode_e4m3
+from cupyflash._checks import check_float_array
+from cupyflash._fp8.tensor import E4M3_MAX, FLOAT_DTYPES, INPUT_DTYPES, check_codes_and_scale, decode_e4m3, encode_e4m3
 
 SCALINGS = ("tensor", "head", "block")
 BLOCK_POSITIONS = 128  # every key tile of the decode kernel (16 to 128 keys) lies in one block of a contiguous cache
@@ -142,21 +142,7 @@ class FP8KVCache:
 
 def _check_holder(data, scale, scaling):
     """FP8KVCache's arguments checked; the positions per scale along dim 2."""
-    for name, x in (("data", data), ("scale", scale)):
-        check_array(name, x)
-    if is_cupy(data) != is_cupy(scale):
-        raise TypeError(
-            f"data is {'cupy' if is_cupy(data) else 'numpy'} but scale is "
-            f"{'cupy' if is_cupy(scale) else 'numpy'}; they must be of one array type"
-        )
-    if is_cupy(data) and data.device.id != scale.device.id:
-        raise ValueError(
-            f"data is on device {data.device.id} but scale on device {scale.device.id}; they must be on one device"
-        )
-    if data.dtype != np.uint8:
-        raise TypeError(f"data has dtype {data.dtype}; expected uint8 (the bytes of float8_e4m3fn values)")
-    if scale.dtype != SCALE_DTYPE:
-        raise TypeError(f"scale has dtype {scale.dtype}; expected float32")
+    check_codes_and_scale(data, scale)
     if data.ndim != 4:
         raise ValueError(
             f"data must have 4 dims (B, Hk, Ncache, D) or (num_pages, Hk, page_size, D), got shape {data.shape}"

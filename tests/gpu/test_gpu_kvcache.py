@@ -27,6 +27,7 @@ from helpers.kvcache import (
     DTYPES,
     check,
     compare,
+    counting_resolve,
     flash_layout,
     make_problem,
     on_host,
@@ -42,7 +43,6 @@ from helpers.problems import random_array
 import cupyflash
 from cupyflash._arrays import lse_dtype
 from cupyflash._cuda import decode, tile_policy
-from cupyflash._kvcache import checks as _kvcache_args
 
 cupy = pytest.importorskip("cupy")
 
@@ -428,19 +428,6 @@ def test_index_arguments_by_one_rule(rng, case):
 
 
 # ------------------------------------------------------------------------------------ the fast path
-def _counting_resolve(monkeypatch):
-    """Count the calls that take the checked path (_kvcache_args.resolve)."""
-    calls = []
-    resolve = _kvcache_args.resolve
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return resolve(*args, **kwargs)
-
-    monkeypatch.setattr(_kvcache_args, "resolve", counted)
-    return calls
-
-
 FAST_SEQLENS = {"array": ([5, 250, 0, 120], [300, 17, 1, 511], [0, 2, 64, 497]), "int": (40, 511, 3)}
 
 
@@ -474,7 +461,7 @@ def test_fast_path_repeated_layouts(rng, monkeypatch, dtype, seqlens):
 
     first = to_device(problem(lengths[0]))
     _check(first)
-    calls = _counting_resolve(monkeypatch)
+    calls = counting_resolve(monkeypatch)
     second = to_device(problem(lengths[1]))  # new arrays of the same layout
     _check(second)
     refill = problem(lengths[2])

@@ -19,11 +19,10 @@ import numpy as np
 import pytest
 from helpers.fp8_kvcache import SCALINGS, check_fp8_on_gpu, device_problem, make_fp8_problem
 from helpers.gpu import nan_filled_allocations
-from helpers.kvcache import Problem, run
+from helpers.kvcache import Problem, counting_resolve, run
 from helpers.modifiers import alibi_slopes
 
 import cupyflash
-from cupyflash._kvcache import checks as _kvcache_args
 
 cupy = pytest.importorskip("cupy")
 
@@ -184,14 +183,7 @@ def test_fast_path_of_a_repeated_layout(rng, monkeypatch):
         dv=128, causal=True,
     )  # fmt: skip
     check_fp8_on_gpu(p, _run)
-    calls = []
-    resolve = _kvcache_args.resolve
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return resolve(*args, **kwargs)
-
-    monkeypatch.setattr(_kvcache_args, "resolve", counted)
+    calls = counting_resolve(monkeypatch)
     q2 = rng.standard_normal(p.q.shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
     seqlens = (p.seqlens() + 1).astype(np.int32)  # int32, as the first call's: no cast, the same layout
     p = Problem(q2, p.k_cache, p.v_cache, p.k, p.v, dict(p.options, cache_seqlens=seqlens))

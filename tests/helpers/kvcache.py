@@ -21,6 +21,7 @@ import numpy as np
 import cupyflash
 from cupyflash import reference
 from cupyflash._arrays import cupy, is_cupy
+from cupyflash._kvcache import checks as _kvcache_args
 from helpers.checks import assert_close, assert_lse_close, bits, lse_atol, max_abs, naive_attention, to_host
 from helpers.problems import random_array
 
@@ -168,6 +169,20 @@ def subset(p: Problem, rows) -> Problem:
 
 
 # ------------------------------------------------------------------------------------ the call and its check
+def counting_resolve(monkeypatch) -> list:
+    """Count the calls that take the checked path (cupyflash._kvcache.checks.resolve): a list that grows by one
+    per such call."""
+    calls = []
+    resolve = _kvcache_args.resolve
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return resolve(*args, **kwargs)
+
+    monkeypatch.setattr(_kvcache_args, "resolve", counted)
+    return calls
+
+
 def run(p: Problem, **changes):
     """attention_with_kvcache on problem p (options updated by ``changes``) with return_lse: out, lse."""
     options = dict(p.options, **changes)
