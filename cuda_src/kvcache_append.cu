@@ -18,8 +18,8 @@
 // scales are per block (k_scale_set / v_scale_set) and the call writes a block's first position, that block's
 // scale is set first, per head, from the largest magnitude among the rows the call writes into it: amax / 28
 // (1 for zeros), a headroom of 16 below e4m3's 448 for the block's later rows, which keep it (and saturate
-// beyond it). Non-finite new values are stored as NaN codes (a NaN or infinite amax makes the block's scale
-// one too): whatever reads them gets NaN, never a finite stand-in.
+// beyond it). Non-finite new values are stored as NaN codes (an infinite one also makes the scale of a block it
+// starts infinite; a NaN is left out of the amax): whatever reads them gets NaN, never a finite stand-in.
 // Grid: x = block of positions (counted from the one holding position cache_seqlens[b]; blocks of the scales'
 // size where an append sets scales, else of APPEND_E4M3_POSITIONS), y = 0 new keys, 1 new values, 2 queries
 // (rotated by the CTAs of every x and z together), z = b * Hk + hk.

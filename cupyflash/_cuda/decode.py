@@ -209,8 +209,8 @@ class Plan:
             self.append_grid = (blocks, parts, call.batch * call.hk)
             if self.append and call.batch * call.hk > MAX_GRID_Y:
                 raise ValueError(
-                    f"attention_with_kvcache appends into FP8 caches of at most {MAX_GRID_Y} sequences x key/value "
-                    f"heads (B * Hk = {call.batch * call.hk}); split the call"
+                    f"attention_with_kvcache's append and rotary step for FP8 caches takes at most {MAX_GRID_Y} "
+                    f"sequences x key/value heads (B * Hk = {call.batch * call.hk}); split the call"
                 )
         else:
             units = max(

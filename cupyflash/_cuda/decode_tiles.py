@@ -6,7 +6,7 @@ A variant's module holds two kernels: ``decode`` (cuda_src/attention_decode.cu, 
 merges its own splits) and the append/rotary step ``append`` (cuda_src/kvcache_append.cu; kvcache_append_e4m3 for
 e4m3 caches). HEAD is the head dim the tiles are built for, at least max(D, Dv): columns past D and Dv are
 zero-filled in shared memory and never read from global memory. A variant's ``dtype`` is q's (and out's); its
-``cache`` is "e4m3" for FP8 caches (cupyflash._kvcache.fp8), read as 1-byte codes and widened to q's dtype in
+``cache`` is "e4m3" for FP8 caches (cupyflash._kvcache.fp8), read as 1-byte codes and widened to float16 in
 shared memory, else None (the cache has q's dtype).
 """
 

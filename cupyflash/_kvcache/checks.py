@@ -24,7 +24,7 @@ q, k and v are read with a unit last stride: where theirs is not, they are copie
 FP8 caches (cupyflash._kvcache.fp8.FP8KVCache, both caches or neither) take the place of the cache arrays: q, k
 and v keep one dtype of their own, out comes back in it, and the new k and v must be finite (e4m3 has no
 infinity; the CPU path raises, the GPU stores NaN codes that read back as NaN). On the GPU q is float16 or
-bfloat16: the kernel widens the codes to q's dtype for 16-bit products.
+bfloat16: the kernel widens the codes to float16 for its products (q too).
 """
 
 from __future__ import annotations
@@ -209,8 +209,8 @@ def resolve(
     if fp8 and xp is not np and q.dtype.name not in FP8_GPU_DTYPES:
         raise TypeError(
             f"q has dtype {q.dtype}; with FP8 caches on the GPU q must be float16 or bfloat16 (the kernel widens "
-            "the e4m3 codes to q's dtype for 16-bit products). Float32 and float64 queries take FP8 caches on the "
-            "CPU path (NumPy arrays)"
+            "the e4m3 codes to float16 for its products). Float32 and float64 queries take FP8 caches on the CPU "
+            "path (NumPy arrays)"
         )
     seqlens_host = None
     if not _is_int(cache_seqlens):
@@ -272,6 +272,13 @@ def resolve(
                 _check_writable(f"{name}.data", cache.data)
                 if cache.scaling == "block":  # the first position of a block sets its scale
                     _check_writable(f"{name}.scale", cache.scale)
+                    if xp is not np and paged and cache.shape[2] % cache.block:
+                        raise ValueError(
+                            f"{name} has pages of {cache.shape[2]} positions with a scale per {cache.block}: the GPU "
+                            "appends into block scales only where a page holds whole blocks (pages of up to 128 "
+                            "positions or a multiple of 128, or one scale per page: scale of shape (num_pages, Hk, "
+                            "1)). Use such pages, or append on the CPU path"
+                        )
             else:
                 _check_writable(name, cache)
         if fp8 and xp is np:
