@@ -176,14 +176,16 @@ __device__ __forceinline__ int key_begin(const KVCacheParams& p, int length) {
 
 // How sequence b's key tiles are split: `splits` parts of `tiles_per_split` tiles (the last maybe fewer,
 // none empty). A sequence of length 0, or whose values are out of range, takes one split of no tiles.
-// The decode kernel and the merge compute this alike from the same parameters.
+// The decode kernel and the merge compute this alike from the same parameters. The tiles start at key_begin
+// rounded down to a multiple of ALIGN (the keys before key_begin are hidden by the window test anyway): tiles of
+// ALIGN positions then never straddle pages of a multiple of ALIGN.
 struct SplitPlan {
   int begin, tiles, tiles_per_split, splits;
 };
-template <int BLOCK_N>
+template <int BLOCK_N, int ALIGN = 1>
 __device__ __forceinline__ SplitPlan split_plan(const KVCacheParams& p, int length) {
   if (length <= 0) return {0, 0, 0, 1};
-  const int begin = key_begin(p, length);
+  const int begin = key_begin(p, length) / ALIGN * ALIGN;
   const int tiles = ceil_div(length - begin, BLOCK_N);
   int splits = ceil_div(tiles, p.min_tiles_per_split);
   splits = splits < p.max_splits ? splits : p.max_splits;

@@ -104,6 +104,14 @@ struct Mma16 {
 template <typename T>
 __device__ __forceinline__ void mma16_op(float (&c)[4], const u32 (&a)[4], const u32 (&b)[2]);
 
+// An 8x8 matrix of 16-bit elements transposed across the warp (a fragment of rows g, columns 2t, 2t+1 becomes the
+// transpose's): an accumulator's pair of columns into an operand's pair of rows, without shared memory.
+__device__ __forceinline__ u32 movmatrix_trans(u32 x) {
+  u32 r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+  return r;
+}
+
 template <>
 __device__ __forceinline__ void mma16_op<half_t>(float (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
   asm volatile(

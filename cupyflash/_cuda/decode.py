@@ -118,7 +118,7 @@ class Plan:
         self.fp8 = call.fp8
         page_size = call.page_size if call.paged else None
         cache = "e4m3" if call.fp8 else None
-        self.variant = tile_policy.decode(call.dtype.name, call.d, call.dv, packed, page_size, cache)
+        self.variant = tile_policy.decode(call.dtype.name, call.d, call.dv, packed, page_size, cache, vec_ok)
         self.functions = _compile.functions(self.variant)
         # The launch's pieces, looked up once: a decode call's host time is a few microseconds.
         self._decode, self._append = self.functions["decode"], self.functions["append"]

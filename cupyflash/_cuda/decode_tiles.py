@@ -3,11 +3,13 @@
 compile.py and ptxas_report.py read), and the choice of a variant for a call.
 
 A variant's module holds two kernels: ``decode`` (cuda_src/attention_decode.cu, attention_decode, which
-merges its own splits) and the append/rotary step ``append`` (cuda_src/kvcache_append.cu; kvcache_append_e4m3 for
-e4m3 caches). HEAD is the head dim the tiles are built for, at least max(D, Dv): columns past D and Dv are
-zero-filled in shared memory and never read from global memory. A variant's ``dtype`` is q's (and out's); its
-``cache`` is "e4m3" for FP8 caches (cupyflash._kvcache.fp8), read as 1-byte codes and widened to float16 in
-shared memory, else None (the cache has q's dtype).
+merges its own splits; for e4m3 caches and at most 8 packed query rows, cuda_src/attention_decode_fp8.cu, whose
+products take the keys as their rows) and the append/rotary step ``append`` (cuda_src/kvcache_append.cu;
+kvcache_append_e4m3 for e4m3 caches). HEAD is the head dim the tiles are built for, at least max(D, Dv): columns
+past D and Dv are zero-filled in shared memory and never read from global memory. A variant's ``dtype`` is q's (and
+out's); its ``cache`` is "e4m3" for FP8 caches (cupyflash._kvcache.fp8), read as 1-byte codes and widened to
+float16 (in shared memory by the tiled kernel, in registers by the keys-as-rows one), else None (the cache has q's
+dtype).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from cupyflash._cuda.variants import CTYPES, ITEMSIZES
 
 HEADS = (32, 64, 128, 256)
 SOURCE = "attention_decode.cu"
+FP8_SOURCE = "attention_decode_fp8.cu"
 APPEND_SOURCE = "kvcache_append.cu"
 APPEND_THREADS = 256
 
@@ -72,6 +75,14 @@ TABLE = {
     (8, 64, 64): (4, 1, 2, 32, 2, 1),
     (8, 128, 64): (4, 1, 2, 16, 2, 1),
 }
+# attention_decode_fp8.cu (e4m3 caches, at most FP8_ROWS packed query rows, the keys as the products' rows): HEAD ->
+# (STAGES, MIN_CTAS). 4 warps of 16 keys per 64-key tile, each warp with a ring of its own; a stage per warp is 16
+# rows of k and of v codes. At D = 128, two stages at five CTAs per SM beat three at four by 2% and four at three by
+# 1-10% (docs/design/fp8_kvcache.md): the step is bound by the latency of each warp's chain of products, so warps
+# per SM count for more than depth. The other head dims keep about the same shared memory per SM.
+FP8_ROWS = 8
+FP8_KEYS_AS_ROWS = {32: (4, 6), 64: (4, 5), 128: (2, 5), 256: (3, 2)}
+FP8_PAGE_MULTIPLE = 16  # a warp's 16 keys never straddle pages of a multiple of 16 positions
 # Paged caches whose pages are not a multiple of BLOCK_N positions: their tiles' rows are looked up and
 # addressed one by one, and a ring of more threads issues those copies faster than the interleaved tile
 # (docs/design/decode.md).
@@ -96,6 +107,7 @@ class DecodeVariant:
     rows: int  # packed query rows per CTA: 16 or 64
     rowwise: bool = False  # TABLE_ROWWISE's tile: paged caches whose pages do not hold whole tiles
     cache: str | None = None  # "e4m3": FP8 caches (codes and descales); None: the cache has q's dtype
+    keys_as_rows: bool = False  # attention_decode_fp8.cu (rows = FP8_ROWS): the products' rows are keys
 
     direction = "decode"
     path = "decode"
@@ -114,7 +126,9 @@ class DecodeVariant:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
-        """(WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES, MIN_CTAS)."""
+        """(WARPS_M, WARPS_N, WARPS_DV, BLOCK_N, STAGES, MIN_CTAS); keys as rows: 4 warps along the keys, 16 each."""
+        if self.keys_as_rows:
+            return (1, 4, 1, 64, *FP8_KEYS_AS_ROWS[self.head_dim])
         key = (self.itemsize, self.head_dim, self.rows)
         return TABLE_ROWWISE[key] if self.rowwise else TABLE[key]
 
@@ -133,6 +147,10 @@ class DecodeVariant:
         if kernel != "decode":
             return 0
         warps_m, warps_n, _, block_n, stages, _ = self.shape
+        if self.keys_as_rows:  # attention_decode_fp8.cu, Fp8DecodeTraits::SMEM
+            ring = stages * 2 * block_n * (self.head_dim + 16)
+            merge = max(self.rows * (self.head_dim + 1) * 4, self.rows * MAX_SPLITS * 4)
+            return max(ring, merge) + 3 * warps_n * self.rows * 4
         acc = 8 if self.q_itemsize == 8 else 4
         q = self.rows * _padded_row(self.q_itemsize, self.head_dim)
         stage = 2 * block_n * _padded_row(self.itemsize, self.head_dim)
@@ -149,6 +167,8 @@ class DecodeVariant:
         if kernel == "append":
             return f"{APPEND_KERNELS[self.cache]}<{c}>"
         warps_m, warps_n, warps_dv, block_n, stages, min_ctas = self.shape
+        if self.keys_as_rows:
+            return f"attention_decode_fp8<{c}, {self.head_dim}, {stages}, {min_ctas}>"
         cached = CACHE_CTYPES[self.cache] if self.cache else c
         return (
             f"attention_decode<{c}, {cached}, {self.head_dim}, {warps_m}, {warps_n}, {warps_dv}, {block_n}, {stages}, "
@@ -158,7 +178,7 @@ class DecodeVariant:
     def code(self, kernels: tuple[str, ...] | None = None) -> str:
         names = [self.name_expression(k) for k in (kernels or self.kernels)]
         # Both sources share kvcache.cuh and the element helpers: one module, each header pasted once.
-        return module_code(SOURCE, names) + "\n" + _append_source()
+        return module_code(FP8_SOURCE if self.keys_as_rows else SOURCE, names) + "\n" + _append_source()
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -171,6 +191,7 @@ class DecodeVariant:
         return (
             f"decode {self.dtype} HEAD_DIM={self.head_dim} rows={self.rows}"
             + (" rowwise" if self.rowwise else "")
+            + (" keys-as-rows" if self.keys_as_rows else "")
             + (f" cache={self.cache}" if self.cache else "")
         )
 
@@ -201,6 +222,11 @@ def shipped_variants() -> list[DecodeVariant]:
             for (itemsize, head, rows) in TABLE_ROWWISE
             for dtype in DTYPES_BY_BYTES[itemsize]
         ]
+        + [
+            DecodeVariant(dtype, head, FP8_ROWS, cache="e4m3", keys_as_rows=True)
+            for head in FP8_KEYS_AS_ROWS
+            for dtype in E4M3_DTYPES
+        ]
     )
 
 
@@ -211,10 +237,13 @@ def variants_for(arch: str) -> list[DecodeVariant]:
 
 def variants_for_call(dtype: str, width: int, cache: str | None = None) -> list[DecodeVariant]:
     """Every variant ``tile_policy.decode`` may pick for calls of this dtype (and cache format) with max(D, Dv) =
-    ``width``: 16- and 64-row tiles, and the row-wise tile for small pages where the table has one."""
+    ``width``: 16- and 64-row tiles, the row-wise tile for small pages where the table has one, and for e4m3
+    caches the keys-as-rows kernel."""
     head = head_bucket(width, width)
     if cache:
-        return [DecodeVariant(dtype, head, rows, cache=cache) for rows in (16, 64)]
+        return [DecodeVariant(dtype, head, rows, cache=cache) for rows in (16, 64)] + [
+            DecodeVariant(dtype, head, FP8_ROWS, cache=cache, keys_as_rows=True)
+        ]
     itemsize = ITEMSIZES[dtype]
     return [DecodeVariant(dtype, head, rows) for rows in (16, 64) if (itemsize, head, rows) in TABLE] + [
         DecodeVariant(dtype, head, rows, rowwise=True) for rows in (16, 64) if (itemsize, head, rows) in TABLE_ROWWISE

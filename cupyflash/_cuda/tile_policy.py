@@ -210,13 +210,28 @@ def fp8(head_dim: int, causal: bool, out_dtype: str) -> Variant:
 
 
 def decode(
-    dtype: str, d: int, dv: int, packed_rows: int, page_size: int | None = None, cache: str | None = None
+    dtype: str,
+    d: int,
+    dv: int,
+    packed_rows: int,
+    page_size: int | None = None,
+    cache: str | None = None,
+    aligned: bool = True,
 ) -> DecodeVariant:
     """The decode variant for a call (``cache``: "e4m3" for FP8 caches): the narrowest HEAD that holds D and Dv;
-    64-row tiles when more than 16 rows are packed and the table has them (fewer CTAs re-read the cache), else
-    16-row tiles (several per key/value head if need be); for a paged cache whose pages do not hold whole tiles,
-    TABLE_ROWWISE's tile where it has one (a row's keys then never straddle a page within a tile)."""
+    for e4m3 caches of at most 8 packed rows, in whole aligned 16-byte rows (``aligned``), contiguous or in pages
+    of a multiple of 16 positions, the keys-as-rows kernel (attention_decode_fp8.cu); else 64-row tiles when more
+    than 16 rows are packed and the table has them (fewer CTAs re-read the cache), else 16-row tiles (several per
+    key/value head if need be); for a paged cache whose pages do not hold whole tiles, TABLE_ROWWISE's tile where
+    it has one (a row's keys then never straddle a page within a tile)."""
     head = decode_tiles.head_bucket(d, dv)
+    if (
+        cache == "e4m3"
+        and packed_rows <= decode_tiles.FP8_ROWS
+        and aligned
+        and (page_size is None or page_size % decode_tiles.FP8_PAGE_MULTIPLE == 0)
+    ):
+        return DecodeVariant(dtype, head, decode_tiles.FP8_ROWS, cache=cache, keys_as_rows=True)
     itemsize = decode_tiles.CACHE_ITEMSIZES[cache] if cache else ITEMSIZES[dtype]
     rows = 64 if packed_rows > 16 and (itemsize, head, 64) in decode_tiles.TABLE else 16
     variant = DecodeVariant(dtype, head, rows, cache=cache)

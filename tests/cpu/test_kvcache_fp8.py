@@ -242,3 +242,28 @@ def test_merge_shares_of_a_long_sequence(rng):
     )
     assert np.abs(out - expected).max() <= 2.0**-7 * np.abs(expected).max()
     assert np.abs(lse - expected_lse).max() <= 1e-5 * np.abs(expected_lse).max()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_steps_of_few_rows_take_the_keys_as_rows_kernel(dtype):
+    """An FP8 step of at most 8 packed query rows, in aligned rows, contiguous or in pages of a multiple of 16
+    positions, runs attention_decode_fp8.cu (the keys as the products' rows); any other FP8 call the tiled kernel.
+    Every variant so chosen ships, and fits an sm_80 CTA's shared memory."""
+    from cupyflash._cuda import decode_tiles, tile_policy
+    from cupyflash._cuda.tiles import SM80_SMEM_BYTES
+
+    shipped = set(decode_tiles.shipped_variants())
+    for d in (16, 40, 64, 96, 128, 200, 256):
+        for packed in (1, 2, 4, 7, 8, 9, 16, 64):
+            for page_size in (None, 5, 11, 16, 24, 64, 160):
+                for aligned in (True, False):
+                    variant = tile_policy.decode(dtype, d, d, packed, page_size, "e4m3", aligned)
+                    expect = packed <= 8 and aligned and (page_size is None or page_size % 16 == 0)
+                    assert variant.keys_as_rows == expect, (d, packed, page_size, aligned)
+                    assert variant in shipped and variant.cache == "e4m3"
+                    assert variant.head_dim >= d and variant.smem("decode") <= SM80_SMEM_BYTES
+                    if expect:
+                        assert variant.rows == 8 and variant.threads("decode") == 128
+                        assert variant.name_expression("decode").startswith("attention_decode_fp8<")
+    # 16-bit caches never take it
+    assert not tile_policy.decode(dtype, 128, 128, 4).keys_as_rows
