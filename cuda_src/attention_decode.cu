@@ -16,13 +16,14 @@
 // memory at the end) and WARPS_DV column slices of v (warps of one row block and key slice compute the same
 // scores; a wide Dv then needs fewer accumulator registers per thread).
 //
-// e4m3 caches (C = e4m3_t; T, q's and out's dtype, float16 or bfloat16): a stage holds the codes as copied, and
-// each key's k and v descales (copied beside them); once a tile has landed the CTA widens its codes to float16,
-// exactly, into one tile each for k and v (e4m3.cuh) that the products read, in float16 (q goes to float16 too,
-// scaled by a power of two where it would overflow). The descales stay out of the widened values (scaling them
-// there would round every element once more): k's multiplies each score column, and v's each probability column
-// of P before its rounding for P v, over the largest v descale the warp has seen (so P stays at most 1; out is
-// rescaled when that grows and multiplied by it at the end).
+// e4m3 caches (steps of at most 8 packed rows, contiguous or in pages of a multiple of 16, run
+// attention_decode_fp8.cu instead; C = e4m3_t; T, q's and out's dtype, float16 or bfloat16): a stage holds the codes
+// as copied, and each key's k and v descales (copied beside them); once a tile has landed the CTA widens its codes
+// to float16, exactly, into one tile each for k and v (e4m3.cuh) that the products read, in float16 (q goes to
+// float16 too, scaled by a power of two where it would overflow). The descales stay out of the widened values (scaling
+// them there would round every element once more): k's multiplies each score column, and v's each probability column of
+// P before its rounding for P v, over the largest v descale the warp has seen (so P stays at most 1; out is rescaled
+// when that grows and multiplied by it at the end).
 //
 // Saves: out and lse directly for a sequence that takes one split; otherwise each split's normalized out
 // and lse (accumulator dtype) in out_part / lse_part, and the CTA of the last split to finish merges them
