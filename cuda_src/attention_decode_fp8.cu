@@ -15,14 +15,15 @@
 //   and one byte permute per key pair and fragment pairs two keys' codes of one dim. P^T, the B operand, comes
 //   from S^T's accumulators by movmatrix.trans.
 // Products in float16, float32 accumulators; q goes to float16, divided by a power of two where it would
-// overflow, and each key's k descale multiplies its scores; its v descale multiplies its probabilities over the
-// largest v descale the warp has seen (as attention_decode.cu does).
+// overflow, and the keys' k descale multiplies their scores; their v descale multiplies their probabilities over
+// the largest v descale the warp has seen (as attention_decode.cu does).
 //
 // Layout: as attention_decode.cu (q (B, Hq, Nq, D) with a unit last stride; the cache contiguous, or paged with
 // pages of a multiple of 16 positions; rows in whole aligned 16-byte chunks). Grid: x = split, y = hk, z = b;
 // 4 warps, each with a pipeline of its own: a warp copies, waits for and reads only its own 16 keys of each 64-key
 // tile (STAGES deep, cp.async), so no warp waits for another inside the loop. A stage holds per warp 16 rows of k
-// codes and 16 of v codes; each row's padding carries the key's descale.
+// codes and 16 of v codes, and the 16 keys' k and v descales (one each: the keys share a scale block) in the first
+// row's padding.
 //
 // Saves: as attention_decode.cu (decode_splits.cuh): out and lse directly, or each split's partial state, merged
 // by the last split to finish; a sequence out of range or whose block table points outside the cache gets NaN rows.
@@ -40,13 +41,13 @@ struct Fp8DecodeTraits {
   using Elem = T;
   using Acc = float;
   static constexpr int WARPS = 4, THREADS = WARPS * WARP_SIZE;
-  static constexpr int ROWS = 8;                // packed query rows: the products' 8 columns
-  static constexpr int KEYS = 16;               // a warp's keys per tile: the products' 16 rows
-  static constexpr int BLOCK_N = WARPS * KEYS;  // keys per tile (the split plan's unit)
-  static constexpr int ROW_BYTES = HEAD + 16;   // a key's codes, its descale, padding that spreads rows on banks
-  static constexpr int K_WORDS = HEAD / 16;     // a thread's words of one k row (HEAD / 4 codes)
-  static constexpr int V_WORDS = HEAD / 32;     // a thread's words of one v row (HEAD / 8 codes)
-  static constexpr int CHUNKS = HEAD / 16;      // 16-byte chunks per row
+  static constexpr int ROWS = 8;                           // packed query rows: the products' 8 columns
+  static constexpr int KEYS = 16;                          // a warp's keys per tile: the products' 16 rows
+  static constexpr int BLOCK_N = WARPS * KEYS;             // keys per tile (the split plan's unit)
+  static constexpr int ROW_BYTES = HEAD + 16;              // a key's codes, then padding that spreads rows over banks
+  static constexpr int K_WORDS = HEAD / 16;                // a thread's words of one k row (HEAD / 4 codes)
+  static constexpr int V_WORDS = HEAD / 32;                // a thread's words of one v row (HEAD / 8 codes)
+  static constexpr int CHUNKS = HEAD / 16;                 // 16-byte chunks per row
   static constexpr int WARP_STAGE = 2 * KEYS * ROW_BYTES;  // a warp's k rows, then its v rows
   static constexpr int RING_BYTES = STAGES * WARPS * WARP_STAGE;
   static constexpr int OUT_STRIDE = HEAD + 1;
@@ -104,55 +105,65 @@ __global__ void __launch_bounds__(Fp8DecodeTraits<T, HEAD, STAGES>::THREADS, MIN
   // Where this warp's 16 keys of tile n live: one lookup (they never straddle a page: the plan's begin is a
   // multiple of 16, as the pages are). Looked up one tile before the copy that needs it, so the block table's
   // latency passes during a tile's work.
+  const int page_shift = shift_of(p.page_size);
   auto first_key = [&](int n) { return plan.begin + n * BLOCK_N + warp * KEYS; };
   auto lookup = [&](int n) {
     const int pos = first_key(n);
-    return n < tile_end && pos < length ? cache_row(p, b, pos) : CacheRow{0, -1};
+    return n < tile_end && pos < length ? cache_row(p, b, pos, page_shift) : CacheRow{0, -1};
   };
+  // The copies' lane constants: lane l copies chunk l % CHUNKS of the warp's rows l / CHUNKS + j * PASS_ROWS, k's
+  // into the warp's k rows and v's into its v rows; a copy that is not valid reads nothing (its address need not be
+  // in the cache) and writes zeros.
+  constexpr int PASS_ROWS = WARP_SIZE / Tr::CHUNKS, STAGE_BYTES = Tr::WARPS * Tr::WARP_STAGE;
+  const int r0 = lane / Tr::CHUNKS, col = (lane % Tr::CHUNKS) * 16;
+  const unsigned char* k_lane =
+      static_cast<const unsigned char*>(p.k_cache) + hk * p.k_stride[1] + r0 * p.k_stride[2] + col;
+  const unsigned char* v_lane =
+      static_cast<const unsigned char*>(p.v_cache) + hk * p.v_stride[1] + r0 * p.v_stride[2] + col;
+  // A pass's rows are PASS_ROWS positions apart within a page (or a sequence): a few KB, an int.
+  const int k_pass = PASS_ROWS * static_cast<int>(p.k_stride[2]), v_pass = PASS_ROWS * static_cast<int>(p.v_stride[2]);
+  const bool k_col = col < p.d, v_col = col < p.dv;
+  const u32 k_dst = smem_u32(ring + r0 * ROW_BYTES + col);
+  // A warp's 16 keys share one k descale and one v descale (a scale block is 128 positions, a page of a multiple of
+  // 16, or the whole cache): lane 0 copies k's into the padding of the warp's first k row, lane 1 v's into that of its
+  // first v row (the other lanes' copies write zeros into the padding of other rows, which nothing reads).
+  const u32 k_scale_dst = smem_u32(ring + (lane / 4) * ROW_BYTES + HEAD + 4 * (lane % 4));
+  const int swapped = lane ^ 1;  // lane 1 to the first v row's first padding word
+  const u32 v_scale_dst = smem_u32(ring + (KEYS + swapped / 4) * ROW_BYTES + HEAD + 4 * (swapped % 4));
+  const int k_block_shift = shift_of(p.k_scale_block), v_block_shift = shift_of(p.v_scale_block);
   bool in_cache = true;
-  auto stage_at = [&](int n) { return ring + ((n - tile_begin) % STAGES) * Tr::WARPS * Tr::WARP_STAGE; };
-  // Copy this warp's keys of tile n (rows at `at`): codes past the sequence's end and past D or Dv as zeros, and
-  // each key's descales into its rows' padding.
-  auto load = [&](int n, CacheRow at) {
-    unsigned char* k_rows = stage_at(n);
-    unsigned char* v_rows = k_rows + KEYS * ROW_BYTES;
+  // Copy this warp's keys at `pos` (rows at `at`) into stage `stage`: codes past the sequence's end and past D or Dv
+  // as zeros, and their descales (zeros for keys all past the end).
+  auto load = [&](int stage, int pos, CacheRow at) {
+    const u32 offset = stage * STAGE_BYTES;
     in_cache &= at.page >= 0;
     const bool ok = at.row >= 0 && at.page >= 0;
-    const int pos = first_key(n);
-    // Lane l copies chunk l % CHUNKS of rows l / CHUNKS + j * PASS_ROWS (a copy that is not valid reads nothing,
-    // so its address need not be in the cache).
-    constexpr int PASS_ROWS = WARP_SIZE / Tr::CHUNKS;
-    const int r0 = lane / Tr::CHUNKS, c = (lane % Tr::CHUNKS) * 16;
-    const i64 row0 = static_cast<i64>(at.row) + r0;
-    const unsigned char* k_src = static_cast<const unsigned char*>(p.k_cache) + hk * p.k_stride[1] +
-                                 at.page * p.k_stride[0] + row0 * p.k_stride[2] + c;
-    const unsigned char* v_src = static_cast<const unsigned char*>(p.v_cache) + hk * p.v_stride[1] +
-                                 at.page * p.v_stride[0] + row0 * p.v_stride[2] + c;
-    const i64 k_step = PASS_ROWS * p.k_stride[2], v_step = PASS_ROWS * p.v_stride[2];
-    const bool k_ok = ok && c < p.d, v_ok = ok && c < p.dv;
+    const unsigned char* k_src = k_lane + at.page * p.k_stride[0] + at.row * p.k_stride[2];
+    const unsigned char* v_src = v_lane + at.page * p.v_stride[0] + at.row * p.v_stride[2];
 #pragma unroll
     for (int j = 0; j < KEYS / PASS_ROWS; ++j) {
-      const int r = r0 + j * PASS_ROWS;
-      const bool row_ok = pos + r < length;
-      cp_async_stream(smem_u32(k_rows + r * ROW_BYTES + c), k_src + j * k_step, k_ok && row_ok);
-      cp_async_stream(smem_u32(v_rows + r * ROW_BYTES + c), v_src + j * v_step, v_ok && row_ok);
+      const bool row_ok = ok && pos + r0 + j * PASS_ROWS < length;
+      const u32 dst = k_dst + offset + j * PASS_ROWS * ROW_BYTES;
+      cp_async_stream(dst, k_src + j * k_pass, row_ok && k_col);
+      cp_async_stream(dst + KEYS * ROW_BYTES, v_src + j * v_pass, row_ok && v_col);
     }
-    // Lane r < 16: key r's k descale; lane 16 + r: its v descale.
-    const int r = lane % KEYS;
-    const bool is_v = lane >= KEYS, row_ok = ok && pos + r < length;
-    const CacheRow key = row_ok ? CacheRow{at.page, at.row + r} : CacheRow{0, 0};
-    const float* src = is_v ? scale_at(p.v_scale, p.v_scale_stride, p.v_scale_block, hk, key)
-                            : scale_at(p.k_scale, p.k_scale_stride, p.k_scale_block, hk, key);
-    cp_async_small<4>(smem_u32((is_v ? v_rows : k_rows) + r * ROW_BYTES + HEAD), src, row_ok);
+    const CacheRow first = ok ? at : CacheRow{0, 0};
+    cp_async_small<4>(k_scale_dst + offset,
+                      scale_at(p.k_scale, p.k_scale_stride, p.k_scale_block, hk, first, k_block_shift),
+                      ok && lane == 0);
+    cp_async_small<4>(v_scale_dst + offset,
+                      scale_at(p.v_scale, p.v_scale_stride, p.v_scale_block, hk, first, v_block_shift),
+                      ok && lane == 1);
   };
 
-  CacheRow ahead_at;
+  // The ring: tile n goes to stage (n - tile_begin) % STAGES, STAGES - 1 tiles ahead of the one computed.
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (tile_begin + s < tile_end) load(tile_begin + s, lookup(tile_begin + s));
+    if (tile_begin + s < tile_end) load(s, first_key(tile_begin + s), lookup(tile_begin + s));
     cp_async_commit();
   }
-  ahead_at = lookup(tile_begin + STAGES - 1);
+  CacheRow ahead_at = lookup(tile_begin + STAGES - 1);
+  int stage = 0, ahead_stage = STAGES - 1;  // the stages of tile n and of tile n + STAGES - 1
 
   // q^T's B fragments, float16, for the whole split: column g is packed row g (zeros past G * Nq and past D);
   // slab s holds dims (HEAD / 4) t + 4 s + 0, 1 (reduction indices 2t, 2t+1) and + 2, 3 (2t+8, 2t+9). A row
@@ -215,11 +226,15 @@ __global__ void __launch_bounds__(Fp8DecodeTraits<T, HEAD, STAGES>::THREADS, MIN
     cp_async_wait<STAGES - 2>();
     __syncwarp();  // tile n has landed for every lane; this warp is done with the stage the copy below refills
     const int ahead = n + STAGES - 1;
-    if (ahead < tile_end) load(ahead, ahead_at);
+    if (ahead < tile_end) load(ahead_stage, first_key(ahead), ahead_at);
     cp_async_commit();
     ahead_at = lookup(ahead + 1);
-    const unsigned char* k_rows = stage_at(n);
+    ahead_stage = ahead_stage == STAGES - 1 ? 0 : ahead_stage + 1;
+    const unsigned char* k_rows = ring + stage * STAGE_BYTES;
     const unsigned char* v_rows = k_rows + KEYS * ROW_BYTES;
+    const float k_scale = *reinterpret_cast<const float*>(k_rows + HEAD) * q_unscale;
+    const float v_scale = *reinterpret_cast<const float*>(v_rows + HEAD);
+    stage = stage == STAGES - 1 ? 0 : stage + 1;
 
     // S^T: keys g and g + 8 (c[0], c[1] and c[2], c[3]) against rows 2t and 2t + 1.
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -229,32 +244,27 @@ __global__ void __launch_bounds__(Fp8DecodeTraits<T, HEAD, STAGES>::THREADS, MIN
       load_words(hi, k_rows + (g + 8) * ROW_BYTES + (HEAD / 4) * t);
 #pragma unroll
       for (int s = 0; s < HEAD / 16; ++s) {
-        const u32 a[4] = {widen_e4m3x2(lo[s]), widen_e4m3x2(hi[s]), widen_e4m3x2(lo[s] >> 16),
-                          widen_e4m3x2(hi[s] >> 16)};
+        const u32 a[4] = {widen_e4m3x2(lo[s]), widen_e4m3x2(hi[s]), widen_e4m3x2_hi(lo[s]), widen_e4m3x2_hi(hi[s])};
         mma16_op<half_t>(c, a, qf[s]);
       }
     }
-    const float k_lo = *reinterpret_cast<const float*>(k_rows + g * ROW_BYTES + HEAD) * q_unscale;
-    const float k_hi = *reinterpret_cast<const float*>(k_rows + (g + 8) * ROW_BYTES + HEAD) * q_unscale;
-    c[0] *= k_lo;
-    c[1] *= k_lo;
-    c[2] *= k_hi;
-    c[3] *= k_hi;
 
-    // Scores in log2 units, hidden keys at -inf. A warp's 16 keys that every row sees whole, without softcap or
-    // ALiBi (most of a decode step's keys), skip the per-key tests.
+    // Scores (times the keys' k descale) in log2 units, hidden keys at -inf. A warp's 16 keys that every row sees
+    // whole, without softcap or ALiBi (most of a decode step's keys), skip the per-key tests.
     const int key0 = first_key(n);
     const bool plain = !(p.softcap_on | p.alibi_on) && key0 + KEYS <= length &&
                        (p.window_right < 0 || key0 + KEYS - 1 <= length - p.nq + p.window_right) &&
                        (p.window_left < 0 || key0 >= length - 1 - p.window_left);
     if (plain) {
+      const float factor = k_scale * scale_log2;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) c[e] *= scale_log2;
+      for (int e = 0; e < 4; ++e) c[e] *= factor;
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int h = e & 1, key = key0 + g + 8 * (e / 2), qp = query_pos[h];
-        float x = p.softcap_on ? softcap_log2 * softcap.tanh_of(c[e]) : c[e] * scale_log2;
+        const float raw = c[e] * k_scale;
+        float x = p.softcap_on ? softcap_log2 * softcap.tanh_of(raw) : raw * scale_log2;
         if (p.alibi_on) x -= slope_log2[h] * static_cast<float>(qp > key ? qp - key : key - qp);
         const bool hidden = key >= length || !in_window(key, qp, p.window_left, p.window_right);
         c[e] = hidden ? neg_inf() : x;
@@ -299,26 +309,21 @@ __global__ void __launch_bounds__(Fp8DecodeTraits<T, HEAD, STAGES>::THREADS, MIN
     row_sum[0] += prob[0] + prob[2];
     row_sum[1] += prob[1] + prob[3];
 
-    // P's keys times their v descales over v_ref (P stays at most 1, in float16's range); out is rescaled when
-    // v_ref grows and multiplied by it at the end.
-    const float v_lo = *reinterpret_cast<const float*>(v_rows + g * ROW_BYTES + HEAD);
-    const float v_hi = *reinterpret_cast<const float*>(v_rows + (g + 8) * ROW_BYTES + HEAD);
-    float top = fmaxf(v_lo, v_hi);
-#pragma unroll
-    for (int offset = 4; offset < WARP_SIZE; offset *= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
-    if (top > v_ref) {  // the same for every lane of the warp
-      const float rescale = v_ref / top;
+    // P times the keys' v descale over v_ref (P stays at most 1, in float16's range); out is rescaled when v_ref
+    // grows and multiplied by it at the end.
+    if (v_scale > v_ref) {  // the same for every lane of the warp
+      const float rescale = v_ref / v_scale;
 #pragma unroll
       for (int m = 0; m < HEAD / 16; ++m) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[m][e] *= rescale;
       }
-      v_ref = top;
-      v_ref_inv = 1.0f / top;
+      v_ref = v_scale;
+      v_ref_inv = 1.0f / v_scale;
     }
-    const float w_lo = v_lo * v_ref_inv, w_hi = v_hi * v_ref_inv;
-    const u32 pb[2] = {movmatrix_trans(Elem<half_t>::pack2(prob[0] * w_lo, prob[1] * w_lo)),
-                       movmatrix_trans(Elem<half_t>::pack2(prob[2] * w_hi, prob[3] * w_hi))};
+    const float weight = v_scale * v_ref_inv;
+    const u32 pb[2] = {movmatrix_trans(Elem<half_t>::pack2(prob[0] * weight, prob[1] * weight)),
+                       movmatrix_trans(Elem<half_t>::pack2(prob[2] * weight, prob[3] * weight))};
 
     // O^T += V^T P^T: keys 2t, 2t+1 (a[0], a[1]) and 2t+8, 2t+9 (a[2], a[3]) of dims (HEAD / 8) g + 2m, + 1.
     {
@@ -333,7 +338,7 @@ __global__ void __launch_bounds__(Fp8DecodeTraits<T, HEAD, STAGES>::THREADS, MIN
         // Bytes 2m % 4 and the next of the two keys' words, interleaved: (key, key + 1) of dim 2m, then of 2m + 1.
         const u32 select = m % 2 ? 0x7362u : 0x5140u;
         const u32 lo = __byte_perm(w0[m / 2], w1[m / 2], select), hi = __byte_perm(w8[m / 2], w9[m / 2], select);
-        const u32 a[4] = {widen_e4m3x2(lo), widen_e4m3x2(lo >> 16), widen_e4m3x2(hi), widen_e4m3x2(hi >> 16)};
+        const u32 a[4] = {widen_e4m3x2(lo), widen_e4m3x2_hi(lo), widen_e4m3x2(hi), widen_e4m3x2_hi(hi)};
         mma16_op<half_t>(o[m], a, pb);
       }
     }

@@ -23,16 +23,28 @@ __device__ __forceinline__ u32 widen_e4m3x2(u32 two_codes) {
   return r;
 }
 
+// The upper two codes of a word (bytes 2 and 3) as a float16 pair. On sm_89 and newer the conversion reads the
+// word's upper half in place (no shift first).
+__device__ __forceinline__ u32 widen_e4m3x2_hi(u32 four_codes) {
+#if __CUDA_ARCH__ >= 890
+  u32 r;
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(r) : "r"(four_codes));
+  return r;
+#else
+  return widen_e4m3x2(four_codes >> 16);
+#endif
+}
+
 // 16 codes (one 16-byte chunk) widened to 16 float16 values (two 16-byte chunks).
 __device__ __forceinline__ void widen_e4m3x16(const uint4& codes, uint4& lo, uint4& hi) {
   lo.x = widen_e4m3x2(codes.x);
-  lo.y = widen_e4m3x2(codes.x >> 16);
+  lo.y = widen_e4m3x2_hi(codes.x);
   lo.z = widen_e4m3x2(codes.y);
-  lo.w = widen_e4m3x2(codes.y >> 16);
+  lo.w = widen_e4m3x2_hi(codes.y);
   hi.x = widen_e4m3x2(codes.z);
-  hi.y = widen_e4m3x2(codes.z >> 16);
+  hi.y = widen_e4m3x2_hi(codes.z);
   hi.z = widen_e4m3x2(codes.w);
-  hi.w = widen_e4m3x2(codes.w >> 16);
+  hi.w = widen_e4m3x2_hi(codes.w);
 }
 
 // x rounded to the nearest e4m3fn code, ties to even, magnitudes beyond 448 saturated to 448 (as

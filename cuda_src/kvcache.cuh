@@ -152,17 +152,27 @@ struct PackedRow {
 struct CacheRow {
   int page, row;
 };
-__device__ __forceinline__ CacheRow cache_row(const KVCacheParams& p, int b, int pos) {
+// log2(n) where n is a power of two, else -1: lets a kernel divide by a page or scale block size with a shift.
+__device__ __forceinline__ int shift_of(int n) {
+  return n > 0 && (n & (n - 1)) == 0 ? __ffs(n) - 1 : -1;
+}
+// pos / n, by `shift` (shift_of(n)) where n is a power of two.
+__device__ __forceinline__ int divide(int pos, int n, int shift) {
+  return shift >= 0 ? pos >> shift : pos / n;
+}
+// (page_shift: shift_of(p.page_size), where a kernel has it.)
+__device__ __forceinline__ CacheRow cache_row(const KVCacheParams& p, int b, int pos, int page_shift = -1) {
   if (!p.paged) return {b, pos};
-  const int slot = pos / p.page_size;
+  const int slot = divide(pos, p.page_size, page_shift);
   const int page = p.block_table[b * p.block_table_stride + slot];
   return {(page >= 0 && page < p.num_pages) ? page : -1, pos - slot * p.page_size};
 }
 
 // The descale of cache row `at` of key/value head hk, for an e4m3 cache's scale array and its strides.
 template <typename F>
-__device__ __forceinline__ F* scale_at(F* scale, const i64 (&stride)[3], int block, int hk, CacheRow at) {
-  return scale + at.page * stride[0] + hk * stride[1] + (at.row / block) * stride[2];
+__device__ __forceinline__ F* scale_at(F* scale, const i64 (&stride)[3], int block, int hk, CacheRow at,
+                                       int block_shift = -1) {
+  return scale + at.page * stride[0] + hk * stride[1] + divide(at.row, block, block_shift) * stride[2];
 }
 
 // The keys a row tile of sequence b (length L) can see start at key_begin: with a left window, the
