@@ -62,6 +62,18 @@ def test_outlier_channels(rng, page_size, scaling):
     check_fp8(p)
 
 
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_data_with_a_mean_and_outliers(rng, page_size, scaling):
+    """Keys and values centred on 3 (a block's scale then follows the mean, and its codes hold the spread with
+    fewer bits), two key dims 10x larger, appended across a block boundary."""
+    p = make_fp8_problem(
+        rng, ml_dtypes.bfloat16, [40, 120, 250], scaling=scaling, nq=2, nnew=12, page_size=page_size, capacity=272,
+        outliers=10.0, mean=3.0, causal=True,
+    )  # fmt: skip
+    check_fp8(p)
+
+
 @pytest.mark.parametrize("nq", [1, 6])
 @pytest.mark.parametrize("page_size", [None, 4])
 def test_prefill_then_decode(rng, page_size, nq):

@@ -108,6 +108,17 @@ def test_long_caches_with_outlier_channels(rng, scaling, page_size):
 
 
 @pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_long_caches_with_a_mean(rng, scaling, page_size):
+    """Caches of up to 8k keys centred on 3 (a block's scale follows the mean), key dims 3 and 7 ten times larger."""
+    p = make_fp8_problem(
+        rng, ml_dtypes.bfloat16, [8191, 2000, 33], scaling=scaling, nq=1, nnew=1, page_size=page_size,
+        capacity=8192, hq=32, hk=8, d=128, dv=128, outliers=10.0, mean=3.0, causal=True,
+    )  # fmt: skip
+    check_fp8_on_gpu(p, _run)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
 def test_prefill_then_decode_with_rotary(rng, page_size):
     """A prompt of 300 positions appended into empty block-scaled caches (scales set by the call, across blocks and
     pages), then decoding steps, keys rotated before they are quantized."""

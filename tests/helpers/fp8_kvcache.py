@@ -29,20 +29,22 @@ SCALE_RTOL = 2.0**-21  # a fresh block's scale from float32- or float64-rotated 
 REFERENCE_IGNORES = ("num_splits",)
 
 
-def make_fp8_problem(rng, dtype, seqlens, *, scaling, outliers=1.0, **kwargs) -> Problem:
+def make_fp8_problem(rng, dtype, seqlens, *, scaling, outliers=1.0, mean=0.0, **kwargs) -> Problem:
     """helpers.kvcache.make_problem's random problem with its caches quantized to FP8KVCaches of ``scaling``
     (from float32 for float64 q); ``outliers`` multiplies key dims 3 and 7 of the caches and of the new keys
-    (trained models' outlier channels)."""
+    (trained models' outlier channels); ``mean`` is added to every cached and new key and value (data away from
+    zero, where a block's scale follows its mean, not its spread)."""
     p = make_problem(rng, dtype, seqlens, **kwargs)
     source = np.float32 if np.dtype(dtype) == np.float64 else dtype
     k_cache = p.k_cache.astype(np.float32)
     k_cache[..., [3, 7]] *= outliers
-    p.k_cache = cupyflash.quantize_kvcache(k_cache.astype(source), scaling)
-    p.v_cache = cupyflash.quantize_kvcache(p.v_cache.astype(source), scaling)
+    p.k_cache = cupyflash.quantize_kvcache((k_cache + mean).astype(source), scaling)
+    p.v_cache = cupyflash.quantize_kvcache((p.v_cache.astype(np.float32) + mean).astype(source), scaling)
     if p.k is not None:
         k = p.k.astype(np.float64)
         k[..., [3, 7]] *= outliers
-        p.k = k.astype(dtype)
+        p.k = (k + mean).astype(dtype)
+        p.v = (p.v.astype(np.float64) + mean).astype(dtype)
     return p
 
 
