@@ -57,6 +57,7 @@ struct Fp8DecodeTraits {
   static constexpr int STATE_BYTES = 3 * WARPS * ROWS * 4;  // each warp's row maxes and sums, then the rows' lse
   static constexpr int SMEM = (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES) + STATE_BYTES;
   static_assert(HEAD % 32 == 0 && HEAD >= 32, "every thread's share of a row is whole words");
+  static_assert(STAGES >= 2, "a tile is copied while the one before it is computed");
   static_assert(WARP_SIZE % CHUNKS == 0 && KEYS % (WARP_SIZE / CHUNKS) == 0, "a warp copies its rows in whole passes");
 };
 
