@@ -121,7 +121,8 @@ __global__ void __launch_bounds__(Fp8DecodeTraits<T, HEAD, STAGES>::THREADS, MIN
       static_cast<const unsigned char*>(p.k_cache) + hk * p.k_stride[1] + r0 * p.k_stride[2] + col;
   const unsigned char* v_lane =
       static_cast<const unsigned char*>(p.v_cache) + hk * p.v_stride[1] + r0 * p.v_stride[2] + col;
-  // A pass's rows are PASS_ROWS positions apart within a page (or a sequence): a few KB, an int.
+  // A pass's rows are PASS_ROWS positions apart within a page (or a sequence): an int (the host routes row strides
+  // of 2^27 bytes and more to the tiled kernel).
   const int k_pass = PASS_ROWS * static_cast<int>(p.k_stride[2]), v_pass = PASS_ROWS * static_cast<int>(p.v_stride[2]);
   const bool k_col = col < p.d, v_col = col < p.dv;
   const u32 k_dst = smem_u32(ring + r0 * ROW_BYTES + col);
@@ -133,8 +134,10 @@ __global__ void __launch_bounds__(Fp8DecodeTraits<T, HEAD, STAGES>::THREADS, MIN
   const u32 v_scale_dst = smem_u32(ring + (KEYS + swapped / 4) * ROW_BYTES + HEAD + 4 * (swapped % 4));
   const int k_block_shift = shift_of(p.k_scale_block), v_block_shift = shift_of(p.v_scale_block);
   bool in_cache = true;
-  // Copy this warp's keys at `pos` (rows at `at`) into stage `stage`: codes past the sequence's end and past D or Dv
-  // as zeros, and their descales (zeros for keys all past the end).
+  // Copy this warp's keys at `pos` (rows at `at`) into stage `stage`: codes past the sequence's end, before the
+  // first key any row sees (the plan's begin is rounded down to a multiple of 16; a NaN value there must not reach
+  // P v through a zero probability) and past D or Dv as zeros, and their descales (zeros for keys all past the end).
+  const int first_seen = length > 0 ? key_begin(p, length) : 0;
   auto load = [&](int stage, int pos, CacheRow at) {
     const u32 offset = stage * STAGE_BYTES;
     in_cache &= at.page >= 0;
@@ -143,7 +146,8 @@ __global__ void __launch_bounds__(Fp8DecodeTraits<T, HEAD, STAGES>::THREADS, MIN
     const unsigned char* v_src = v_lane + at.page * p.v_stride[0] + at.row * p.v_stride[2];
 #pragma unroll
     for (int j = 0; j < KEYS / PASS_ROWS; ++j) {
-      const bool row_ok = ok && pos + r0 + j * PASS_ROWS < length;
+      const int key = pos + r0 + j * PASS_ROWS;
+      const bool row_ok = ok && key < length && key >= first_seen;
       const u32 dst = k_dst + offset + j * PASS_ROWS * ROW_BYTES;
       cp_async_stream(dst, k_src + j * k_pass, row_ok && k_col);
       cp_async_stream(dst + KEYS * ROW_BYTES, v_src + j * v_pass, row_ok && v_col);

@@ -45,6 +45,7 @@ from cupyflash._cuda.source import MAX_GRID_Y
 from cupyflash._kvcache.fp8 import FP8KVCache
 
 MIN_TILES_PER_SPLIT = 1
+FP8_ROW_STRIDE_LIMIT = 2**27  # bytes: attention_decode_fp8.cu's pass of up to 16 rows stays within an int
 APPEND_E4M3_POSITIONS = 128  # kvcache_append.cu: positions per CTA of an e4m3 append that sets no scale
 _PER_THREAD_STREAM = 2  # cudaStreamPerThread: CuPy's Stream.ptds
 WAVES = 1.0  # waves of CTAs the split count aims for
@@ -118,7 +119,9 @@ class Plan:
         self.fp8 = call.fp8
         page_size = call.page_size if call.paged else None
         cache = "e4m3" if call.fp8 else None
-        self.variant = tile_policy.decode(call.dtype.name, call.d, call.dv, packed, page_size, cache, vec_ok)
+        # The keys-as-rows kernel steps between a pass's rows by an int: row strides below 2^27 bytes.
+        rows_ok = vec_ok and all(_codes(x).strides[2] < FP8_ROW_STRIDE_LIMIT for x in (call.k_cache, call.v_cache))
+        self.variant = tile_policy.decode(call.dtype.name, call.d, call.dv, packed, page_size, cache, rows_ok)
         self.functions = _compile.functions(self.variant)
         # The launch's pieces, looked up once: a decode call's host time is a few microseconds.
         self._decode, self._append = self.functions["decode"], self.functions["append"]

@@ -77,8 +77,8 @@ TABLE = {
 }
 # attention_decode_fp8.cu (e4m3 caches, at most FP8_ROWS packed query rows, the keys as the products' rows): HEAD ->
 # (STAGES, MIN_CTAS). 4 warps of 16 keys per 64-key tile, each warp with a ring of its own; a stage per warp is 16
-# rows of k and of v codes. At D = 128, two stages at four CTAs per SM (registers for 128 per thread: at five the
-# compiler recomputes the copies' addresses every tile to stay within 102) beat (2, 5) by 1-4% and (3, 4) by 3-5%
+# rows of k and of v codes. At D = 128, two stages at four CTAs per SM (registers for 128 per thread: at five ptxas
+# keeps to 96 and recomputes the copies' addresses every tile) beat (2, 5) by 1-4% and (3, 4) by 3-5%
 # (docs/design/fp8_kvcache.md). The other head dims keep about the same shared memory per SM.
 FP8_ROWS = 8
 FP8_KEYS_AS_ROWS = {32: (4, 6), 64: (4, 5), 128: (2, 4), 256: (3, 2)}

@@ -194,6 +194,27 @@ def test_non_finite_new_values_read_back_as_nan(rng):
     assert np.isfinite(out[0, 4:]).all() and np.isfinite(out[1, :4]).all(), "rows of other heads are not finite"
 
 
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_non_finite_values_before_a_window_stay_unseen(rng, page_size):
+    """Keys before a window's first seen key are hidden from every row: a NaN code there (as a non-finite append
+    leaves) changes nothing, on the keys-as-rows kernel too, whose 16-key groups may start before that key (the CPU
+    path ignores hidden keys alike)."""
+    p = make_fp8_problem(
+        rng, ml_dtypes.bfloat16, [200, 201], scaling="block", nq=1, nnew=0, page_size=page_size, capacity=256,
+        hq=8, hk=2, d=128, dv=128, causal=True, window=(50, 0),
+    )  # fmt: skip
+    d = device_problem(p)
+    clean = cupyflash.attention_with_kvcache(d.q, d.k_cache, d.v_cache, **d.options).get()
+    # the first seen keys are 149 and 150; positions 144-148 share their 16-key group
+    for b, pos in ((0, 146), (1, 148)):
+        page, row = (b, pos) if page_size is None else (int(p.options["block_table"][b, pos // 16]), pos % 16)
+        d.k_cache.data[page, :, row, :] = 0x7F
+        d.v_cache.data[page, :, row, :] = 0x7F
+    out = cupyflash.attention_with_kvcache(d.q, d.k_cache, d.v_cache, **d.options).get()
+    assert np.isfinite(out).all(), "a NaN code no row sees made out NaN"
+    np.testing.assert_array_equal(out, clean)
+
+
 def test_fast_path_of_a_repeated_layout(rng, monkeypatch):
     """A serving loop's second call with the same layout (new arrays, new data, new lengths) skips the checks (the
     plan cache's call key covers the holders' arrays, scaling and block) and gives what a checked call gives."""
