@@ -28,22 +28,37 @@
 #include "kvcache.cuh"
 #include "e4m3.cuh"
 
+// Rotary pair `unit` of row `src` at position `pos`: its two dims and their rotated values, in the accumulator
+// type (x' = x cos - y sin, y' = y cos + x sin), not yet rounded.
 template <typename T>
-__device__ __forceinline__ void rotate_row(T* dst, const T* src, const KVCacheParams& p, int pos, int unit) {
+struct RotatedPair {
+  int c0, c1;
+  acc_t<T> x, y;
+};
+
+template <typename T>
+__device__ __forceinline__ RotatedPair<T> rotate_pair(const T* src, const KVCacheParams& p, int pos, int unit) {
   using Acc = acc_t<T>;
   const int half = p.rotary_half;
-  if (unit >= half) {  // past the rotated dims: a copy
-    const int c = unit + half;
-    dst[c] = src[c];
-    return;
-  }
   const int c0 = p.rotary_interleaved ? 2 * unit : unit;
   const int c1 = p.rotary_interleaved ? 2 * unit + 1 : unit + half;
   const Acc cos = static_cast<const Acc*>(p.rotary_cos)[static_cast<i64>(pos) * half + unit];
   const Acc sin = static_cast<const Acc*>(p.rotary_sin)[static_cast<i64>(pos) * half + unit];
   const Acc x = Elem<T>::to_acc(src[c0]), y = Elem<T>::to_acc(src[c1]);
-  dst[c0] = from_acc<T>(x * cos - y * sin);
-  dst[c1] = from_acc<T>(y * cos + x * sin);
+  return {c0, c1, x * cos - y * sin, y * cos + x * sin};
+}
+
+// Unit `unit` of row `src` (one rotated pair, or one copied dim past them) written to `dst`, rounded once.
+template <typename T>
+__device__ __forceinline__ void rotate_row(T* dst, const T* src, const KVCacheParams& p, int pos, int unit) {
+  if (unit >= p.rotary_half) {  // past the rotated dims: a copy
+    const int c = unit + p.rotary_half;
+    dst[c] = src[c];
+    return;
+  }
+  const RotatedPair<T> r = rotate_pair(src, p, pos, unit);
+  dst[r.c0] = from_acc<T>(r.x);
+  dst[r.c1] = from_acc<T>(r.y);
 }
 
 // Query row `row` of (B, Hq, Nq) rotated into q_rot, its unit `unit` (one pair, or one copied dim).
@@ -94,17 +109,14 @@ __global__ void __launch_bounds__(256) kvcache_append(const KVCacheParams p) {
 
 constexpr int APPEND_E4M3_POSITIONS = 128;  // positions per CTA where an append sets no scale
 
-// Element c of new key or value row `src` (at position pos) as it is quantized: rotated for keys, in float.
+// Element c of new key or value row `src` (at position pos) as it is quantized: rotated for keys, unrounded.
 template <typename T>
 __device__ __forceinline__ float new_value(const KVCacheParams& p, const T* src, bool is_key, int pos, int c) {
   const int half = p.rotary_half;
   if (!is_key || c >= 2 * half) return Elem<T>::to_acc(src[c]);
   const int unit = p.rotary_interleaved ? c / 2 : (c < half ? c : c - half);
-  const int c0 = p.rotary_interleaved ? 2 * unit : unit, c1 = p.rotary_interleaved ? 2 * unit + 1 : unit + half;
-  const float cos = static_cast<const float*>(p.rotary_cos)[static_cast<i64>(pos) * half + unit];
-  const float sin = static_cast<const float*>(p.rotary_sin)[static_cast<i64>(pos) * half + unit];
-  const float x = Elem<T>::to_acc(src[c0]), y = Elem<T>::to_acc(src[c1]);
-  return c == c0 ? x * cos - y * sin : y * cos + x * sin;
+  const RotatedPair<T> r = rotate_pair(src, p, pos, unit);
+  return c == r.c0 ? r.x : r.y;
 }
 
 template <typename T>
