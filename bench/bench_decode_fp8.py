@@ -1,6 +1,6 @@
 """Decoding from FP8 (e4m3) key/value caches: cupyflash.attention_with_kvcache on FP8KVCache holders against our
-own bfloat16-cache decode and torch SDPA's cuDNN back end (bfloat16 caches) in the same run, and the FP8 kernel's
-accuracy for each scale layout.
+own bfloat16-cache decode and torch SDPA's cuDNN and flash (FlashAttention-2) back ends (bfloat16 caches) in the
+same run, and the FP8 kernel's accuracy for each scale layout.
 
 Speed rows (bf16 q, D = 128, 32/8 heads, Nq = 1, one sequence length for the batch): GPU time behind a spin
 kernel and a user's loop's time per call, as bench_decode.py times them (its functions); caches under 256 MB
@@ -89,7 +89,8 @@ def speed_row(rng, batch, nk, page_size=None, scaling="block"):
         k8, v8, table = fp8_sets[id(s)]
         return cupyflash.attention_with_kvcache(s["q"], k8, v8, cache_seqlens=seqlens, block_table=table, causal=True)
 
-    runs = {"fp8": fp8, "bf16": bench_decode.ours(problem), "cudnn": bench_decode.peer(problem, "cudnn")}
+    runs = {"fp8": fp8, "bf16": bench_decode.ours(problem)}
+    runs.update({peer: bench_decode.peer(problem, peer) for peer in ("cudnn", "flash")})
     s = problem.sets[0]
     got, want = fp8(s).astype(np.float32), runs["bf16"](s).astype(np.float32)
     result["fp8_vs_bf16"] = float(cupy.linalg.norm(got - want) / cupy.linalg.norm(want))
@@ -156,12 +157,15 @@ def main():
     for batch, nk, page_size, scaling in rows:
         r = speed_row(rng, batch, nk, page_size, scaling)
         results["speed"].append(r)
+        peers = ("bf16", "cudnn", "flash")
         print(
             f"B{batch:<3} Nk{nk // 1024:>4}k page {str(page_size):>4} {scaling:6} | gpu us fp8 {r['fp8_gpu_us']:8.1f} "
-            f"bf16 {r['bf16_gpu_us']:8.1f} cudnn {r['cudnn_gpu_us']:8.1f} | fp8/bf16 "
-            f"{r['fp8_gpu_us'] / r['bf16_gpu_us']:.3f} fp8/cudnn {r['fp8_gpu_us'] / r['cudnn_gpu_us']:.3f} | loop fp8 "
-            f"{r['fp8_loop_us']:8.1f} bf16 {r['bf16_loop_us']:8.1f} cudnn {r['cudnn_loop_us']:8.1f} | "
-            f"{r['fp8_tbps']:.2f} TB/s | vs bf16 decode {r['fp8_vs_bf16']:.2e}",
+            + " ".join(f"{p} {r[f'{p}_gpu_us']:8.1f}" for p in peers)
+            + " | "
+            + " ".join(f"fp8/{p} {r['fp8_gpu_us'] / r[f'{p}_gpu_us']:.3f}" for p in peers)
+            + f" | loop fp8 {r['fp8_loop_us']:8.1f} "
+            + " ".join(f"{p} {r[f'{p}_loop_us']:8.1f}" for p in peers)
+            + f" | {r['fp8_tbps']:.2f} TB/s | vs bf16 decode {r['fp8_vs_bf16']:.2e}",
             flush=True,
         )
     if "accuracy" in parts:
