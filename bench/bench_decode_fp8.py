@@ -91,6 +91,10 @@ def speed_row(rng, batch, nk, page_size=None, scaling="block"):
 
     runs = {"fp8": fp8, "bf16": bench_decode.ours(problem)}
     runs.update({peer: bench_decode.peer(problem, peer) for peer in ("cudnn", "flash")})
+    # our bf16 step against float64, the peers against it (bench_decode.check raises on a gap), FP8 against it
+    result["bf16_error"] = bench_decode.check(
+        problem, rng, {"ours": runs["bf16"], "cudnn": runs["cudnn"], "flash": runs["flash"]}
+    )
     s = problem.sets[0]
     got, want = fp8(s).astype(np.float32), runs["bf16"](s).astype(np.float32)
     result["fp8_vs_bf16"] = float(cupy.linalg.norm(got - want) / cupy.linalg.norm(want))

@@ -11,7 +11,9 @@ the same inputs (same seed) and takes its shard.
 
 1. NCCL: the ring exchange alone (send to rank + 1, receive from rank - 1), GB/s per direction per rank.
 2. Exactness, at N = 8k: out, lse, dq, dk, dv from the ring and from one GPU, each against float64
-   (cupyflash on float64 copies), and their ratio (the two-GPU tests hold it to at most 1.25).
+   (cupyflash on float64 copies): the max error and the relative Frobenius error, and the ring's over one GPU's
+   (the two-GPU tests hold the norm's ratio to at most 1.10 and the max's to 2: docs/design/distributed.md,
+   Exactness).
 3. Speed: forward, and forward + backward, wall time (CUDA events on every rank, the slowest rank counts),
    median of --repeats after a warm-up; single-GPU times on rank 0 while the others wait. Memory: the size
    of the CuPy pool after the ring calls (freed beforehand; with --parts, the parts' arrays count too), per GPU.
@@ -104,7 +106,11 @@ def nccl_bandwidth(comm, sizes_mib=(8, 256, 1024), repeats=5):
 
 
 def errors(result, ref):
-    return [float(cupy.abs(to_f64(a) - b).max()) for a, b in zip(result, ref)]
+    """(max error, relative Frobenius error) of each result against float64."""
+    return [
+        (float(cupy.abs(to_f64(a) - b).max()), float(cupy.linalg.norm(to_f64(a) - b) / cupy.linalg.norm(b)))
+        for a, b in zip(result, ref)
+    ]
 
 
 def exactness(comm, n, causal, layout, window=None):
@@ -126,7 +132,14 @@ def exactness(comm, n, causal, layout, window=None):
     ring_err = errors(ring, ref)
     names = ("out", "lse", "dq", "dk", "dv")
     return {
-        name: {"one_gpu": a, "ring": b, "ratio": b / a if a else float("inf")}
+        name: {
+            "one_gpu": a[0],
+            "ring": b[0],
+            "ratio": b[0] / a[0] if a[0] else float("inf"),
+            "norm_one_gpu": a[1],
+            "norm_ring": b[1],
+            "norm_ratio": b[1] / a[1] if a[1] else float("inf"),
+        }
         for name, a, b in zip(names, one, ring_err)
     }
 
@@ -251,7 +264,10 @@ def main(argv=None):
             result["exact"][f"causal={causal}"] = e
             say(
                 f"exactness N={n} causal={causal} {layout}: "
-                + "  ".join(f"{k} {x['ring']:.2e}/{x['one_gpu']:.2e}={x['ratio']:.2f}" for k, x in e.items())
+                + "  ".join(
+                    f"{k} max {x['ring']:.2e}/{x['one_gpu']:.2e}={x['ratio']:.2f} norm {x['norm_ratio']:.3f}"
+                    for k, x in e.items()
+                )
             )
     if "speed" not in skip:
         connect(comm)

@@ -6,7 +6,8 @@ rule must allow for a schedule that merely visits keys in another order, as the 
 N = 8192, 8 key/value heads x 4, D = 128 (the long-shard test's shape), fp16 and bf16, the long-shard test's own
 draw and fresh draws: per result, max and relative Frobenius error against float64 (our float64 kernels) for one
 GPU (natural, rolled N/2, rolled N/4) and the ring (2 ranks as threads on one GPU); ratios over the natural
-order. Causal rows: ring over one GPU only (a causal mask fixes the order)."""
+order. Causal rows: ring over one GPU only (a causal mask fixes the order). TEST is the long-shard test's id when
+this ran (the rng fixture seeds from the id; the test has since been renamed, so its draw is another now)."""
 
 import sys
 import zlib

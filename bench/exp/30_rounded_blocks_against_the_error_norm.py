@@ -3,7 +3,7 @@
 calls on one GPU: once with each block's out and gradients rounded to the input dtype (the old ring), once
 unrounded (out_dtype=float32, grad_dtype=float32; the ring as it is), against one GPU's call; per result, the
 max-error ratio and the relative-Frobenius-error ratio. N = 8192, 8 key/value heads x 4, D = 128; the
-long-shard test's draws (bench/exp/29) and fresh ones, causal and not."""
+long-shard test's draws under its name when this ran (bench/exp/29) and fresh ones, causal and not."""
 
 import sys
 import zlib
