@@ -264,6 +264,62 @@ def test_16_bit_errors_as_exact_as_the_single_call(rng, dtype, world_size, layou
     assert_as_exact_as_the_single_call(NAMES, ring, single, exact, dtype, chunks)
 
 
+def test_the_blocked_schedule_rule_at_its_edges(rng):
+    """Non-finite reference values (lse of rows that see no key) must be matched exactly and leave the norms
+    alone; a run of rows whose reference is all zeros holds the blocked result to ZERO_ATOL; shapes must agree;
+    the caller's arrays are left as they were."""
+    ref = rng.standard_normal((4, 64))
+    ref[:, :8] = -np.inf
+    single = ref + 1e-3 * rng.standard_normal(ref.shape)
+    blocked = ref + 5e-4 * rng.standard_normal(ref.shape)  # half the single call's error
+    kept = blocked.copy()
+    assert_as_exact_as_the_single_call(["lse"], [blocked], [single], [ref], np.float16, chunks=2)
+    np.testing.assert_array_equal(blocked, kept)
+    wrong = blocked.copy()
+    wrong[0, 0] = 0.0
+    with pytest.raises(AssertionError, match="non-finite"):
+        assert_as_exact_as_the_single_call(["lse"], [wrong], [single], [ref], np.float16)
+    ref = np.concatenate([rng.standard_normal((3, 20, 5)), np.zeros((3, 20, 5))], axis=-2)
+    single = ref + 1e-3 * rng.standard_normal(ref.shape)
+    blocked = ref + 5e-4 * rng.standard_normal(ref.shape)  # half the single call's error
+    with pytest.raises(AssertionError, match="rows 1 of 2: .* where all is 0"):
+        assert_as_exact_as_the_single_call(["out"], [blocked], [single], [ref], np.float16, chunks=2)
+    with pytest.raises(AssertionError, match="out"):
+        assert_as_exact_as_the_single_call(["out"], [blocked[:, :-1]], [single], [ref], np.float16)
+
+
+@pytest.mark.parametrize("rounded", ["out", "gradients"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_rounding_each_block_fails_the_blocked_schedule_rule(rng, monkeypatch, rounded, causal):
+    """The rule above is not one a double rounding passes: with each block's out (or its gradients) rounded to
+    bfloat16 before the float32 sums, as the ring once did, the case fails it on out (or dq), the first result
+    the rounding touches."""
+    if rounded == "out":
+        forward = ring_module.attention_forward
+
+        def rounding(*args, out_dtype=None, **kwargs):
+            out, lse = forward(*args, **kwargs)
+            return (out if out_dtype is None else out.astype(out_dtype)), lse
+
+        monkeypatch.setattr(ring_module, "attention_forward", rounding)
+    else:
+        backward = ring_module.attention_backward
+
+        def rounding(*args, grad_dtype=None, **kwargs):
+            return tuple(g if grad_dtype is None else g.astype(grad_dtype) for g in backward(*args, **kwargs))
+
+        monkeypatch.setattr(ring_module, "attention_backward", rounding)
+    world_size, layout = 2, "zigzag" if causal else "contiguous"
+    n = 2 * world_size * 24
+    q, k, v, dout = random_problem(rng, (B, H, n, 32), (B, H, n, 32), (B, H, n, 32), ml_dtypes.bfloat16)
+    ring = _ring(world_size, q, k, v, dout, causal=causal, layout=layout)
+    single = _single(q, k, v, dout, causal=causal)
+    exact = _single(*(x.astype(np.float64) for x in (q, k, v, dout)), causal=causal)
+    chunks = (2 if layout == "zigzag" else 1) * world_size
+    with pytest.raises(AssertionError, match=f"^{'out' if rounded == 'out' else 'dq'}[,:]"):
+        assert_as_exact_as_the_single_call(NAMES, ring, single, exact, ml_dtypes.bfloat16, chunks)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world_size", (2, 3))
