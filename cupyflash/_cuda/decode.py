@@ -119,8 +119,8 @@ class Plan:
         self.fp8 = call.fp8
         page_size = call.page_size if call.paged else None
         cache = "e4m3" if call.fp8 else None
-        # The keys-as-rows kernel steps between a pass's rows by an int: row strides below 2^27 bytes.
-        rows_ok = vec_ok and all(_codes(x).strides[2] < FP8_ROW_STRIDE_LIMIT for x in (call.k_cache, call.v_cache))
+        # The keys-as-rows kernel steps between a pass's rows by an int: row strides below 2^27 bytes either way.
+        rows_ok = vec_ok and all(abs(_codes(x).strides[2]) < FP8_ROW_STRIDE_LIMIT for x in (call.k_cache, call.v_cache))
         self.variant = tile_policy.decode(call.dtype.name, call.d, call.dv, packed, page_size, cache, rows_ok)
         self.functions = _compile.functions(self.variant)
         # The launch's pieces, looked up once: a decode call's host time is a few microseconds.

@@ -1,5 +1,6 @@
-"""attention_with_kvcache on FP8 caches on the GPU (cuda_src/attention_decode.cu's e4m3 tiles, kvcache_append.cu's
-kvcache_append_e4m3) against the float64 reference. Needs a GPU:
+"""attention_with_kvcache on FP8 caches on the GPU (cuda_src/attention_decode.cu's e4m3 tiles, the keys-as-rows
+kernel of attention_decode_fp8.cu, kvcache_append.cu's kvcache_append_e4m3) against the float64 reference. Needs a
+GPU:
 
     python -m pytest -m gpu tests/gpu/test_gpu_kvcache_fp8.py
 
@@ -10,7 +11,8 @@ the values the caches hold after the call, by the 16-bit accuracy rule. Allocati
 Covered: every scale layout on contiguous caches and pages that hold whole tiles, straddle them or hold one
 position; head dims of every HEAD bucket with 16-byte rows and without (row-by-row loads); grouped heads and
 64-row tiles; long caches over many splits, with outlier channels; a prompt then decoding steps with rotary
-embeddings; window, softcap, ALiBi; the split count; every e4m3 code widened exactly; non-finite appended values;
+embeddings; window, softcap, ALiBi on both decode kernels; a window with splits and Dv < D on the keys-as-rows
+kernel; the split count; every e4m3 code widened exactly; non-finite appended values;
 the fast path of a repeated layout; CUDA graph replay; quantize_kvcache and dequantize on CuPy.
 """
 
@@ -23,6 +25,7 @@ from helpers.kvcache import Problem, counting_resolve, run
 from helpers.modifiers import alibi_slopes
 
 import cupyflash
+from cupyflash._cuda import tile_policy
 
 cupy = pytest.importorskip("cupy")
 
@@ -142,15 +145,40 @@ MODIFIERS = {
 }
 
 
+# (query heads, key/value heads, page size): 12 rows per key/value head (G 4 x Nq 3) on the tiled kernel,
+# contiguous and in pages of 11; 6 rows (G 2 x Nq 3) on the keys-as-rows kernel, contiguous and in pages of 32.
+ROUTES = {
+    "tiled": (8, 2, None),
+    "tiled, pages of 11": (8, 2, 11),
+    "keys-as-rows": (4, 2, None),
+    "keys-as-rows, pages of 32": (4, 2, 32),
+}
+
+
 @pytest.mark.parametrize("modifiers", MODIFIERS)
-@pytest.mark.parametrize("page_size", [None, 11])
-def test_modifiers(rng, modifiers, page_size):
+@pytest.mark.parametrize("route", ROUTES)
+def test_modifiers(rng, modifiers, route):
+    hq, hk, page_size = ROUTES[route]
+    variant = tile_policy.decode("bfloat16", 64, 64, hq // hk * 3, page_size, "e4m3", True)
+    assert variant.keys_as_rows == route.startswith("keys-as-rows"), variant  # each kernel's masked path is held
     options = dict(MODIFIERS[modifiers])
     if options.pop("alibi", False):
-        options["alibi_slopes"] = alibi_slopes(8)
+        options["alibi_slopes"] = alibi_slopes(hq)
     p = make_fp8_problem(
-        rng, ml_dtypes.bfloat16, [5, 140, 290], scaling="block", nq=3, nnew=3, page_size=page_size, capacity=300,
-        d=64, dv=64, causal=True, **options,
+        rng, ml_dtypes.bfloat16, [5, 140, 290], scaling="block", nq=3, nnew=3, page_size=page_size, capacity=320,
+        hq=hq, hk=hk, d=64, dv=64, causal=True, **options,
+    )  # fmt: skip
+    check_fp8_on_gpu(p, _run)
+
+
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_keys_as_rows_with_a_window_splits_and_narrower_values(rng, num_splits):
+    """The keys-as-rows kernel with 4 rows per key/value head (G 2 x Nq 2), D 128 and Dv 64, a window, the split
+    count, pages of 16: sequences of 0 keys, of fewer keys than a 16-key group, and longer than the window."""
+    assert tile_policy.decode("float16", 128, 64, 4, 16, "e4m3", True).keys_as_rows
+    p = make_fp8_problem(
+        rng, np.float16, [3000, 13, 0, 700], scaling="block", nq=2, nnew=2, page_size=16, capacity=3072, hq=4, hk=2,
+        d=128, dv=64, causal=True, window=(500, 0), num_splits=num_splits,
     )  # fmt: skip
     check_fp8_on_gpu(p, _run)
 
