@@ -550,9 +550,12 @@ __global__ void __launch_bounds__(DecodeTraits<T, C, HEAD, WARPS_M, WARPS_N, WAR
     Acc total = Acc(0);
 #pragma unroll
     for (int w = 0; w < WARPS_N; ++w) total += sums[w * Tr::ROWS + r] * fast_exp2(maxes[w * Tr::ROWS + r] - base);
-    weight[half] = total > Acc(0) ? v_ref * fast_exp2(row_max[half] - base) / total : Acc(0);
-    if (wn == 0 && wd == 0 && t == 0) {  // the row's lse, natural log; -inf for a row that saw no key
-      states[2 * WARPS_N * Tr::ROWS + r] = total > Acc(0) ? (m + log2_of(total)) * ln2<Acc>() : neg_inf_of<Acc>();
+    // A row that saw no key sums to 0 (out 0, lse -inf); one that saw a NaN score sums to NaN, which must stay
+    // NaN in lse as in out (a merge weighs a part of lse -inf as 0 and would drop it): hence !(total <= 0).
+    const bool seen = !(total <= Acc(0));
+    weight[half] = seen ? v_ref * fast_exp2(row_max[half] - base) / total : Acc(0);
+    if (wn == 0 && wd == 0 && t == 0) {  // the row's lse, natural log
+      states[2 * WARPS_N * Tr::ROWS + r] = seen ? (m + log2_of(total)) * ln2<Acc>() : neg_inf_of<Acc>();
     }
   }
 // The slices add their weighted out into `merged` one after another (a fixed order: deterministic).

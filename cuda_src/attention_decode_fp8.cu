@@ -380,8 +380,10 @@ __global__ void __launch_bounds__(Fp8DecodeTraits<T, HEAD, STAGES>::THREADS, MIN
     float total = 0.0f;
 #pragma unroll
     for (int w = 0; w < Tr::WARPS; ++w) total += sums[w * Tr::ROWS + r] * fast_exp2(maxes[w * Tr::ROWS + r] - base);
-    weight[h] = total > 0.0f ? v_ref * fast_exp2(row_max[h] - base) / total : 0.0f;
-    if (warp == 0 && g == 0) lse_rows[r] = total > 0.0f ? (m + log2_of(total)) * ln2<float>() : neg_inf();
+    // No key seen: a sum of 0 (out 0, lse -inf); a NaN score seen: a NaN sum, kept NaN in lse as in out.
+    const bool seen = !(total <= 0.0f);
+    weight[h] = seen ? v_ref * fast_exp2(row_max[h] - base) / total : 0.0f;
+    if (warp == 0 && g == 0) lse_rows[r] = seen ? (m + log2_of(total)) * ln2<float>() : neg_inf();
   }
   // The warps add their weighted out into `merged` one after another (a fixed order: deterministic).
 #pragma unroll 1

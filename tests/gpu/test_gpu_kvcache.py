@@ -719,6 +719,31 @@ def test_int64_lengths_past_int32_are_out_of_range_not_wrapped(rng):
     assert not bool(cupy.isnan(out[1]).any())
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("nq", [1, 9])
+def test_a_nan_in_the_cache_makes_the_rows_that_see_it_nan(rng, nq, num_splits):
+    """A NaN key in a 16-bit cache: the rows that see it come back NaN in out and in lse, as on the CPU path (16- and
+    64-row tiles, one split or several); merged with another part of their keys they stay NaN (a part of lse -inf
+    would weigh 0 and leave them finite)."""
+    q, k_cache, v_cache, seqlens = _small(rng, nq=nq)
+    q, k_cache, v_cache = (x.astype(np.float16) for x in (q, k_cache, v_cache))
+    seqlens[:] = 30
+    k_cache[0, 1, 7, 3] = np.nan
+    out, lse = cupyflash.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, return_lse=True, num_splits=num_splits
+    )
+    cpu_out, cpu_lse = cupyflash.attention_with_kvcache(
+        *(cupy.asnumpy(x) for x in (q, k_cache, v_cache)), cache_seqlens=30, return_lse=True
+    )
+    seen = np.isnan(cpu_lse)
+    assert seen[0, 2:].all() and seen.sum() == 2 * nq, "the CPU path's NaN rows: key/value head 1 of sequence 0"
+    np.testing.assert_array_equal(np.isnan(cupy.asnumpy(lse)), seen)
+    np.testing.assert_array_equal(np.isnan(cupy.asnumpy(out)).all(-1), seen)
+    other = cupy.zeros_like(out), cupy.zeros_like(lse)
+    merged, merged_lse = cupyflash.merge_attention_states(out, lse, *other)
+    np.testing.assert_array_equal(np.isnan(cupy.asnumpy(merged_lse)), seen)
+
+
 def test_more_sequences_than_a_grid_holds_raise(rng):
     """B past CUDA's grid limit is a clear error, not a failed launch."""
     q, k_cache, v_cache, _ = _small(rng, batch=65536, capacity=1, d=8)

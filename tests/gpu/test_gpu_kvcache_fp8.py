@@ -209,17 +209,29 @@ def test_every_code_is_widened_exactly(dtype):
     np.testing.assert_array_equal(got[~nan], values.reshape(2, 1, 1, 128)[~nan].astype(dtype).astype(np.float64))
 
 
-def test_non_finite_new_values_read_back_as_nan(rng):
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("nq", [1, 3], ids=["keys-as-rows", "tiled"])
+def test_non_finite_new_values_read_back_as_nan(rng, nq, num_splits):
     """The GPU cannot check CuPy values before the call: a NaN or infinite new key is stored as NaN codes (an infinite
-    one also makes the scale of a block it starts infinite), and the rows that see it come back NaN, never finite."""
-    p = make_fp8_problem(rng, np.float16, [10, 10], scaling="block", nq=1, nnew=1, capacity=64, d=64, dv=64)
+    one also makes the scale of a block it starts infinite), and the rows that see it come back NaN in out and in
+    lse, never finite (the CPU path gives the same for a cache holding NaN codes), on both decode kernels, in one
+    split or several; merged with another part of their keys (merge_attention_states), they stay NaN."""
+    p = make_fp8_problem(
+        rng, np.float16, [10, 10], scaling="block", nq=nq, nnew=nq, capacity=64, d=64, dv=64, num_splits=num_splits
+    )
     d = device_problem(p)
     k = d.k.copy()
     k[0, 0, 0, 5] = cupy.asarray(np.float16(np.nan))
     k[1, 1, 0, 9] = cupy.asarray(np.float16(np.inf))
-    out = cupyflash.attention_with_kvcache(d.q, d.k_cache, d.v_cache, k, d.v, **d.options).get()
-    assert np.isnan(out[0, :4]).all() and np.isnan(out[1, 4:]).all(), "rows seeing a non-finite key are not NaN"
-    assert np.isfinite(out[0, 4:]).all() and np.isfinite(out[1, :4]).all(), "rows of other heads are not finite"
+    out, lse = cupyflash.attention_with_kvcache(d.q, d.k_cache, d.v_cache, k, d.v, return_lse=True, **d.options)
+    seen = np.zeros(out.shape[:3], bool)  # (B, Hq, Nq): the rows of key/value head 0 of sequence 0, 1 of 1
+    seen[0, :4], seen[1, 4:] = True, True
+    out_h, lse_h = out.get(), lse.get()
+    assert np.isnan(out_h[seen]).all() and np.isnan(lse_h[seen]).all(), "rows seeing a non-finite key are not NaN"
+    assert np.isfinite(out_h[~seen]).all() and np.isfinite(lse_h[~seen]).all(), "rows of other heads are not finite"
+    other = cupy.asarray(rng.standard_normal(out.shape).astype(np.float16)), cupy.zeros(lse.shape, np.float32)
+    merged, merged_lse = cupyflash.merge_attention_states(out, lse, *other)
+    assert np.isnan(merged.get()[seen]).all() and np.isnan(merged_lse.get()[seen]).all(), "a merge made them finite"
 
 
 @pytest.mark.parametrize("page_size", [None, 16])
