@@ -19,9 +19,15 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers.checks import assert_as_exact_as_the_single_call, assert_bitwise_equal, to_host
+from helpers.checks import (
+    assert_as_exact_as_the_single_call,
+    assert_bitwise_equal,
+    assert_close,
+    naive_attention,
+    to_host,
+)
 from helpers.gpu import gpu_available, nan_filled_allocations
-from helpers.problems import random_array
+from helpers.problems import random_array, random_problem, shifted_problem
 
 import cupyflash
 from cupyflash import distributed as dist
@@ -128,15 +134,15 @@ def test_ring_over_threads_on_one_gpu(rng, assert_matches_reference, dtype, worl
     [(True, np.float16), (True, ml_dtypes.bfloat16), (False, np.float16), (False, ml_dtypes.bfloat16)],
     ids=["causal-float16", "causal-bfloat16", "full-float16", "full-bfloat16"],
 )
-def test_ring_of_long_16_bit_shards_as_exact_as_one_gpu(rng, dtype, causal):
+@pytest.mark.parametrize("make", [random_problem, shifted_problem], ids=["normal", "shifted"])
+def test_ring_of_long_16_bit_shards_as_exact_as_one_gpu(rng, dtype, causal, make):
     """Two ranks as threads, N = 8192, 32 heads of 128 (where rounding each block's results first left dv's
     error 2.9x one GPU's, bf16 causal): blocks long enough for the warp-specialized forward and the fused
     backward, each result's error against float64 within the blocked-schedule rule of helpers/checks.py against
-    one GPU's, in each of the four zigzag shards of rows."""
+    one GPU's, in each of the four zigzag shards of rows; on standard-normal data and on data with a mean and
+    outlier channels (helpers/problems.py), where dk is held to the accuracy rule instead."""
     n, hk, g, d = 8192, 8, 4, 128
-    q = cupy.asarray(random_array(rng, (1, hk, g, n, d), dtype))
-    k, v = (cupy.asarray(random_array(rng, (1, hk, 1, n, d), dtype)) for _ in range(2))
-    dout = cupy.asarray(random_array(rng, (1, hk, g, n, d), dtype))
+    q, k, v, dout = make(rng, (1, hk, g, n, d), (1, hk, 1, n, d), (1, hk, 1, n, d), dtype, xp=cupy)
 
     def rank_work(comm):
         shards = [dist.shard(x, comm) for x in (q, k, v, dout)]
@@ -153,8 +159,24 @@ def test_ring_of_long_16_bit_shards_as_exact_as_one_gpu(rng, dtype, causal):
     ref_out, ref_lse = cupyflash.attention_forward(*wide[:3], causal=causal)
     refs = [ref_out, ref_lse, *cupyflash.attention_backward(wide[3], *wide[:3], ref_out, ref_lse, causal=causal)]
     refs = [to_host(x) for x in refs]
-    ratios = assert_as_exact_as_the_single_call(("out", "lse", "dq", "dk", "dv"), ring, one, refs, dtype, chunks=4)
-    print("ring / one GPU error (norm/max):", ", ".join(f"{a:.3f}/{b:.2f}" for a, b in ratios))
+    held = ["out", "lse", "dq", "dk", "dv"]
+    if make is shifted_problem:
+        # On data with a mean, dk's 16-bit error is set by roundings that add up over all the rows that see a key
+        # (out's, through D = rowsum(dout * out), and dS's before its product with q): one GPU's own dk error
+        # moves by 0.06-1.68x in a shard when only out's last bits change (docs/design/distributed.md,
+        # Exactness). dk is held to the accuracy rule every call is held to (the naive, one key/value head at a
+        # time for memory); the other results to one GPU's error, as on standard-normal data.
+        naive_dk = [
+            naive_attention(*(x[:, h : h + 1] for x in (q, k, v, dout)), causal=causal, round_scaled_scores=False)[2]
+            for h in range(hk)
+        ]
+        assert_close("dk", to_host(ring[3]), refs[3], to_host(cupy.concatenate(naive_dk, axis=1)), dtype)
+        held.remove("dk")
+    pick = [("out", "lse", "dq", "dk", "dv").index(name) for name in held]
+    ratios = assert_as_exact_as_the_single_call(
+        held, *([x[i] for i in pick] for x in (ring, one, refs)), dtype, chunks=4
+    )
+    print("ring / one GPU error (norm/max):", ", ".join(f"{n} {a:.3f}/{b:.2f}" for n, (a, b) in zip(held, ratios)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
