@@ -22,9 +22,9 @@ def check_bhnd(rng, check, dtype, batch, nq, nk, d, dv, causal, scale=None, *, r
 
 
 def shifted_problem(rng, q_shape, k_shape, v_shape, dtype, *, xp=np):
-    """As ``random_problem``, with data where attention's rounding is hardest: 0.5 added to q, k and dout and 3 to
+    """As ``random_problem``, with a harder case for attention's rounding: 0.5 added to q, k and dout and 3 to
     v (values away from zero), and q's and k's dims 3 and 7 multiplied by 8 (trained models' outlier channels:
-    scores spread over about 8, softmax rows dominated by a few keys). Needs D >= 8."""
+    scores spread over about 10, softmax rows dominated by a few keys). Needs D >= 8."""
     q, k, v, dout = (
         rng.standard_normal(shape, dtype=np.float32)
         for shape in (
