@@ -1,0 +1,54 @@
+"""The forward that divides O by the sum of the rounded P (branch wip/rounded-sum-forward, commit 1b3fd3e: the
+warp-specialized 16-bit forward only) against main, accuracy on one problem each, run once per tree:
+
+    PYTHONPATH=. python bench/exp/38_rounded_sum_forward_prototype.py proto        # on the branch
+    PYTHONPATH=. python bench/exp/38_rounded_sum_forward_prototype.py main         # on main
+
+Prediction (bench/exp/37's emulation): on data with a mean and outlier channels the per-row error e_i falls by an
+order of magnitude, D's error to the rounded-once level (0.06 from 0.16 in bf16), dq's error about 2.5x; on
+standard-normal data little changes; lse is unchanged bit for bit (it keeps the unrounded sum). Causal, 8192
+keys, 2 x 16 heads of 128 without broadcasting (the benchmark's shape, which takes the warp-specialized forward;
+a first run with 8 x 4 broadcast heads took another forward and measured no change). Speed: bench_attention.py
+--cases 'bf16-d128-(causal-)?n(8k|16k)$' --backends ours cudnn --timing gpu in each tree, same call."""
+
+import sys
+
+sys.path.insert(0, "tests")
+import cupy
+import ml_dtypes
+import numpy as np
+from helpers.problems import random_problem, shifted_problem
+
+import cupyflash
+
+tag = sys.argv[1]
+
+
+def rel(x, ref):
+    return float(cupy.linalg.norm(x.astype(np.float64) - ref) / cupy.linalg.norm(ref))
+
+
+for make in (shifted_problem, random_problem):
+    for dtype, name in ((ml_dtypes.bfloat16, "bf16"), (np.float16, "fp16")):
+        rng = np.random.default_rng(7000)
+        shape = (2, 16, 8192, 128)  # the benchmark's (no broadcast)
+        q, k, v, dout = make(rng, shape, shape, shape, dtype, xp=cupy)
+        wide = [x.astype(np.float64) for x in (q, k, v, dout)]
+        ro, rl = cupyflash.attention_forward(*wide[:3], causal=True)
+        rg = cupyflash.attention_backward(wide[3], *wide[:3], ro, rl, causal=True)
+        out, lse = cupyflash.attention_forward(q, k, v, causal=True)
+        out32 = cupyflash.attention_forward(q, k, v, causal=True, out_dtype=np.float32)[0].astype(np.float64)
+        g3 = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+        e = out32 - ro
+        e_row = (e * ro).sum(-1) / (ro * ro).sum(-1)
+        d_err = float(cupy.sqrt(cupy.mean(((wide[3] * out.astype(np.float64)).sum(-1) - (wide[3] * ro).sum(-1)) ** 2)))
+        out_max = float(cupy.abs(out.astype(np.float64) - ro).max())
+        e_rms = float(cupy.sqrt(cupy.mean(e_row**2)))
+        lse_max = float(cupy.abs(lse.astype(np.float64) - rl).max())
+        print(
+            f"{tag} {make.__name__[:7]} {name}: out rel {rel(out, ro):.4g} max {out_max:.3g} | unrounded e_i rms "
+            f"{e_rms:.3g} | lse max err {lse_max:.3g} | D err rms {d_err:.3g} | dq {rel(g3[0], rg[0]):.4g} "
+            f"dk {rel(g3[1], rg[1]):.4g} dv {rel(g3[2], rg[2]):.4g}",
+            flush=True,
+        )
+        np.save(f"/tmp/{tag}_{make.__name__[:7]}_{name}_lse.npy", lse.get())
