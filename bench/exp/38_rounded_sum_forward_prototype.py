@@ -1,4 +1,4 @@
-"""The forward that divides O by the sum of the rounded P (branch wip/rounded-sum-forward, commit 1b3fd3e: the
+"""The forward that divides O by the sum of the rounded P (branch wip/rounded-sum-forward, commit cb4759d: the
 warp-specialized 16-bit forward only) against main, accuracy on one problem each, run once per tree:
 
     PYTHONPATH=. python bench/exp/38_rounded_sum_forward_prototype.py proto        # on the branch
