@@ -9,23 +9,16 @@ import sys
 import zlib
 
 sys.path.insert(0, "tests")
+sys.path.insert(0, "bench/exp")
 import cupy
 import ml_dtypes
 import numpy as np
-from helpers.problems import random_array
+from ring_exactness import draw, errors, one_gpu, reference, without_lse
 
 import cupyflash
 
 NAMES = ("out", "dq", "dk", "dv")
 TEST = "tests/gpu/test_gpu_distributed.py::test_ring_of_long_16_bit_shards_within_a_quarter_of_one_gpu[{}]"
-
-
-def errors(xs, refs):
-    res = []
-    for x, ref in zip(xs, refs):
-        d = x.astype(cupy.float64) - ref
-        res.append((float(cupy.abs(d).max()), float(cupy.linalg.norm(d) / cupy.linalg.norm(ref))))
-    return res
 
 
 def emulated_ring(q, k, v, dout, causal, rounded):
@@ -71,33 +64,13 @@ def emulated_ring(q, k, v, dout, causal, rounded):
     return [cupy.concatenate(x, axis=-2).astype(dtype) for x in (outs, dq, dk, dv)]
 
 
-def one_gpu(q, k, v, dout, causal):
-    out, lse = cupyflash.attention_forward(q, k, v, causal=causal)
-    return [out, *cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)]
-
-
-def draw(seed, dtype):
-    n, hk, g, d = 8192, 8, 4, 128
-    rng = np.random.default_rng(seed)
-    q = cupy.asarray(random_array(rng, (1, hk, g, n, d), dtype))
-    k, v = (cupy.asarray(random_array(rng, (1, hk, 1, n, d), dtype)) for _ in range(2))
-    dout = cupy.asarray(random_array(rng, (1, hk, g, n, d), dtype))
-    return q, k, v, dout
-
-
-def reference(q, k, v, dout, causal):
-    wide = [x.astype(np.float64) for x in (q, k, v, dout)]
-    out, lse = cupyflash.attention_forward(*wide[:3], causal=causal)
-    return [out, *cupyflash.attention_backward(wide[3], *wide[:3], out, lse, causal=causal)]
-
-
 for dtype, dname in ((np.float16, "float16"), (ml_dtypes.bfloat16, "bfloat16")):
     for causal in (False, True):
         fixed = zlib.crc32(TEST.format(f"{'causal' if causal else 'full'}-{dname}").encode())
         for label, seed in [("test draw", fixed), ("seed 2000", 2000), ("seed 2001", 2001)]:
-            problem = draw(seed, dtype)
-            refs = reference(*problem, causal)
-            base = errors(one_gpu(*problem, causal), refs)
+            problem = draw(seed, dtype, cupy)
+            refs = without_lse(reference(*problem, causal=causal))
+            base = errors(without_lse(one_gpu(*problem, causal=causal)), refs)
             for what, rounded in (("blocks rounded", True), ("blocks unrounded", False)):
                 row = errors(emulated_ring(*problem, causal, rounded), refs)
                 ratios = " ".join(f"{nm} {e[0] / b[0]:.2f}/{e[1] / b[1]:.3f}" for nm, e, b in zip(NAMES, row, base))

@@ -17,13 +17,12 @@ import time
 import zlib
 
 sys.path.insert(0, "tests")
+sys.path.insert(0, "bench/exp")
 import cupy
 import ml_dtypes
 import numpy as np
 from helpers.problems import random_problem, shifted_problem
-
-import cupyflash
-from cupyflash import distributed as dist
+from ring_exactness import one_gpu, reference, ring
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
@@ -31,23 +30,6 @@ NAMES = ("out", "lse", "dq", "dk", "dv")
 def draw(rng, n, hk, g, d, dtype, data):
     make = shifted_problem if data == "shifted" else random_problem
     return make(rng, (1, hk, g, n, d), (1, hk, 1, n, d), (1, hk, 1, n, d), dtype, xp=cupy)
-
-
-def one_gpu(q, k, v, dout, causal):
-    out, lse = cupyflash.attention_forward(q, k, v, causal=causal)
-    return [out, lse, *cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)]
-
-
-def ring(q, k, v, dout, causal, layout, world):
-    def rank_work(comm):
-        shards = [dist.shard(x, comm, layout) for x in (q, k, v, dout)]
-        out, lse = dist.ring_attention_forward(*shards[:3], comm=comm, causal=causal, layout=layout)
-        grads = dist.ring_attention_backward(shards[3], *shards[:3], out, lse, comm=comm, causal=causal, layout=layout)
-        return [dist.unshard(out, comm, layout), dist.unshard(lse, comm, layout, axis=-1)] + [
-            dist.unshard(x, comm, layout) for x in grads
-        ]
-
-    return dist.InProcessGroup(world).run(rank_work)[0]
 
 
 def ratios(xs, ys, refs, chunks):
@@ -74,13 +56,11 @@ for n, hk, g, worlds in ((8192, 8, 4, (2,)), (65536, 2, 2, (2, 4))):
                 t0 = time.perf_counter()
                 rng = np.random.default_rng(zlib.crc32(f"{n} {data} {dname} {causal}".encode()))
                 problem = draw(rng, n, hk, g, 128, dtype, data)
-                wide = [x.astype(np.float64) for x in problem]
-                refs = one_gpu(*wide, causal)
-                del wide
-                one = one_gpu(*problem, causal)
+                refs = reference(*problem, causal=causal)
+                one = one_gpu(*problem, causal=causal)
                 for world in worlds:
                     chunks = (2 if layout == "zigzag" else 1) * world
-                    r = ratios(ring(*problem, causal, layout, world), one, refs, chunks)
+                    r = ratios(ring(*problem, causal=causal, layout=layout, world=world), one, refs, chunks)
                     line = " ".join(f"{nm} {a:.3f}/{b:.2f}" for nm, (a, b) in zip(NAMES, r))
                     worst = max(a for a, _ in r), max(b for _, b in r)
                     rows.append((n, data, dname, causal, world, worst))

@@ -21,45 +21,29 @@ import sys
 import zlib
 
 sys.path.insert(0, "tests")
+sys.path.insert(0, "bench/exp")
 import cupy
 import ml_dtypes
 import numpy as np
 from helpers.problems import shifted_problem
+from ring_exactness import ring_backward, ring_forward, shard_norms
 
 import cupyflash
-from cupyflash import distributed as dist
 
 N, HK, G, D, W = 65536, 2, 2, 128, 2
-
-
-def ring_forward(q, k, v):
-    def work(comm):
-        s = [dist.shard(x, comm) for x in (q, k, v)]
-        out, lse = dist.ring_attention_forward(*s, comm=comm, causal=True)
-        return dist.unshard(out, comm), dist.unshard(lse, comm, axis=-1)
-
-    return dist.InProcessGroup(W).run(work)[0]
-
-
-def ring_backward(dout, q, k, v, out, lse):
-    def work(comm):
-        s = [dist.shard(x, comm) for x in (dout, q, k, v, out)]
-        grads = dist.ring_attention_backward(*s, dist.shard(lse, comm, axis=-1), comm=comm, causal=True)
-        return dist.unshard(grads[1], comm)
-
-    return dist.InProcessGroup(W).run(work)[0]
 
 
 def one_backward(dout, q, k, v, out, lse):
     return cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)[1]
 
 
+def ring_backward_dk(dout, q, k, v, out, lse):
+    return ring_backward(dout, q, k, v, out, lse, causal=True, world=W)[1]
+
+
 def shard_errors(x, ref):
-    e = x.astype(cupy.float64) - ref
-    return [
-        float(cupy.linalg.norm(a) / cupy.linalg.norm(r))
-        for a, r in zip(cupy.array_split(e, 2 * W, -2), cupy.array_split(ref, 2 * W, -2))
-    ], float(cupy.abs(e).max())
+    """dk's relative Frobenius error in each zigzag shard of rows, and its max error."""
+    return shard_norms(x, ref, 2 * W), float(cupy.abs(x.astype(cupy.float64) - ref).max())
 
 
 for dtype, name in ((ml_dtypes.bfloat16, "bf16"), (np.float16, "fp16")):
@@ -70,7 +54,7 @@ for dtype, name in ((ml_dtypes.bfloat16, "bf16"), (np.float16, "fp16")):
     ref_dk = cupyflash.attention_backward(wide[3], *wide[:3], ref_out, ref_lse, causal=True)[1]
     del wide
     one_out, one_lse = cupyflash.attention_forward(q, k, v, causal=True)
-    ring_out, ring_lse = ring_forward(q, k, v)
+    ring_out, ring_lse = ring_forward(q, k, v, causal=True, world=W)
     for label, lse in (("one GPU", one_lse), ("ring", ring_lse)):
         e = lse.astype(cupy.float64) - ref_lse
         print(
@@ -84,9 +68,9 @@ for dtype, name in ((ml_dtypes.bfloat16, "bf16"), (np.float16, "fp16")):
     base_norms, base_max = shard_errors(one_backward(dout, q, k, v, one_out, one_lse), ref_dk)
     print(f"{name} A one GPU's dk: shard norms " + " ".join(f"{x:.2e}" for x in base_norms) + f", max {base_max:.3g}")
     rows = {
-        "B ring bwd, ring out/lse": ring_backward(dout, q, k, v, ring_out, ring_lse),
+        "B ring bwd, ring out/lse": ring_backward_dk(dout, q, k, v, ring_out, ring_lse),
         "C one bwd, ring out/lse": one_backward(dout, q, k, v, ring_out, ring_lse),
-        "D ring bwd, one out/lse": ring_backward(dout, q, k, v, one_out, one_lse),
+        "D ring bwd, one out/lse": ring_backward_dk(dout, q, k, v, one_out, one_lse),
         "E one bwd, one out, ring lse": one_backward(dout, q, k, v, one_out, ring_lse),
         "F one bwd, ring out, one lse": one_backward(dout, q, k, v, ring_out, one_lse),
     }

@@ -15,48 +15,20 @@ keys with 8 x 4 heads (the GPU test's shape) and 65536 with 2 x 2, D = 128, thre
 import sys
 
 sys.path.insert(0, "tests")
+sys.path.insert(0, "bench/exp")
 import cupy
 import ml_dtypes
 import numpy as np
 from helpers.problems import random_problem, shifted_problem
+from ring_exactness import ring_backward, ring_forward, shard_norms, span
 
 import cupyflash
-from cupyflash import distributed as dist
 
 W = 2
 
 
-def ring_forward(q, k, v):
-    def work(comm):
-        s = [dist.shard(x, comm) for x in (q, k, v)]
-        out, lse = dist.ring_attention_forward(*s, comm=comm, causal=True)
-        return dist.unshard(out, comm), dist.unshard(lse, comm, axis=-1)
-
-    return dist.InProcessGroup(W).run(work)[0]
-
-
-def ring_backward(dout, q, k, v, out, lse):
-    def work(comm):
-        s = [dist.shard(x, comm) for x in (dout, q, k, v, out)]
-        grads = dist.ring_attention_backward(*s, dist.shard(lse, comm, axis=-1), comm=comm, causal=True)
-        return [dist.unshard(g, comm) for g in grads[:2]]
-
-    return dist.InProcessGroup(W).run(work)[0]
-
-
 def one_backward(dout, q, k, v, out, lse):
     return list(cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)[:2])
-
-
-def shard_norms(x, ref):
-    e = x.astype(cupy.float64) - ref
-    pieces = zip(cupy.array_split(e, 2 * W, -2), cupy.array_split(ref, 2 * W, -2))
-    return np.array([float(cupy.linalg.norm(a) / cupy.linalg.norm(r)) for a, r in pieces])
-
-
-def span(a, b):
-    r = a / b
-    return f"{r.min():.2f}-{r.max():.2f}"
 
 
 print("N      data    dtype seed   dk: G/A       B/A       B'/G   |  dq: G/A       B/A       B'/G")
@@ -72,14 +44,14 @@ for n, hk, g in ((8192, 8, 4), (65536, 2, 2)):
                 del wide
                 best_out = cupy.asarray(ref_out.get().astype(dtype))  # rounded once, from float64
                 one_out, one_lse = cupyflash.attention_forward(q, k, v, causal=True)
-                ring_out, ring_lse = ring_forward(q, k, v)
+                ring_out, ring_lse = ring_forward(q, k, v, causal=True, world=W)
                 a = one_backward(dout, q, k, v, one_out, one_lse)
                 gg = one_backward(dout, q, k, v, best_out, one_lse)
-                b = ring_backward(dout, q, k, v, ring_out, ring_lse)
-                b2 = ring_backward(dout, q, k, v, best_out, one_lse)
+                b = ring_backward(dout, q, k, v, ring_out, ring_lse, causal=True, world=W)[:2]
+                b2 = ring_backward(dout, q, k, v, best_out, one_lse, causal=True, world=W)[:2]
                 cols = []
                 for i in (1, 0):  # dk, dq
-                    na, ng, nb, nb2 = (shard_norms(x[i], refs[i]) for x in (a, gg, b, b2))
+                    na, ng, nb, nb2 = (shard_norms(x[i], refs[i], 2 * W) for x in (a, gg, b, b2))
                     cols.append(f"{span(ng, na):9} {span(nb, na):9} {span(nb2, ng):9}")
                 print(f"{n:<6} {data:7} {name:5} {seed:4}   " + " | ".join(cols), flush=True)
                 del q, k, v, dout, ref_out, ref_lse, refs, a, gg, b, b2

@@ -15,32 +15,16 @@ dq, dk, dv, and the unconditional dk span (exp/31-33's measure) for comparison."
 import sys
 
 sys.path.insert(0, "tests")
+sys.path.insert(0, "bench/exp")
 import cupy
 import ml_dtypes
 import numpy as np
 from helpers.problems import random_problem, shifted_problem
+from ring_exactness import one_gpu, ring, shard_norms, span
 
 import cupyflash
-from cupyflash import distributed as dist
 
 W = 2
-
-
-def ring(q, k, v, dout, causal, layout):
-    def work(comm):
-        s = [dist.shard(x, comm, layout) for x in (q, k, v, dout)]
-        out, lse = dist.ring_attention_forward(*s[:3], comm=comm, causal=causal, layout=layout)
-        grads = dist.ring_attention_backward(s[3], *s[:3], out, lse, comm=comm, causal=causal, layout=layout)
-        return [dist.unshard(out, comm, layout), dist.unshard(lse, comm, layout, axis=-1)] + [
-            dist.unshard(g, comm, layout) for g in grads
-        ]
-
-    return dist.InProcessGroup(W).run(work)[0]
-
-
-def one(q, k, v, dout, causal):
-    out, lse = cupyflash.attention_forward(q, k, v, causal=causal)
-    return [out, lse, *cupyflash.attention_backward(dout, q, k, v, out, lse, causal=causal)]
 
 
 def exact_given(wide, out, lse, causal):
@@ -48,17 +32,6 @@ def exact_given(wide, out, lse, causal):
     return cupyflash.attention_backward(
         wide[3], *wide[:3], out.astype(np.float64), lse.astype(np.float64), causal=causal
     )
-
-
-def shard_norms(x, ref, chunks):
-    e = x.astype(cupy.float64) - ref
-    pieces = zip(cupy.array_split(e, chunks, -2), cupy.array_split(ref, chunks, -2))
-    return np.array([float(cupy.linalg.norm(a) / cupy.linalg.norm(r)) for a, r in pieces])
-
-
-def span(a, b):
-    r = a / b
-    return f"{r.min():.2f}-{r.max():.2f}"
 
 
 print("N      data    dtype causal seed   given out: dq        dk        dv     |  against exact: dk")
@@ -72,7 +45,7 @@ for n, hk, g in ((8192, 8, 4), (65536, 2, 2)):
                     shapes = (1, hk, g, n, 128), (1, hk, 1, n, 128), (1, hk, 1, n, 128)
                     problem = make(rng, *shapes, dtype, xp=cupy)
                     wide = [x.astype(np.float64) for x in problem]
-                    r, o = ring(*problem, causal, layout), one(*problem, causal)
+                    r, o = ring(*problem, causal=causal, layout=layout, world=W), one_gpu(*problem, causal=causal)
                     ref_r, ref_o = exact_given(wide, *r[:2], causal), exact_given(wide, *o[:2], causal)
                     cols = [
                         span(shard_norms(r[2 + i], ref_r[i], chunks), shard_norms(o[2 + i], ref_o[i], chunks))
