@@ -47,18 +47,23 @@
 #include "dropout.cuh"
 #include "row_block.cuh"
 
-// out = O_i / l_i (times 1 / (1 - p) with dropout; times out_factor, the split float32 inputs' scaling)
-// and lse_i = scale * m_i + log(l_i), columns [c0, c0 + 8*O_TILES) (lse by the c0 = 0 CTA); exp_scale is
-// the factor the softmax ran with. Staged through sQ for 16-byte stores: every warp must be done with
-// its products first. An out wider than T (float32 from 16-bit inputs: unrounded) goes from the registers.
+// out = O_i / l_i, or O_i over row_sums (the rounded P's sums, where given), (times 1 / (1 - p) with dropout; times
+// out_factor, the split float32 inputs' scaling) and lse_i = scale * m_i + log(l_i), columns [c0, c0 + 8*O_TILES) (lse
+// by the c0 = 0 CTA); exp_scale is the factor the softmax ran with. Staged through sQ for 16-byte stores: every warp
+// must be done with its products first. An out wider than T (float32 from 16-bit inputs: unrounded) goes from the
+// registers.
 template <class QTile, int THREADS, bool HAS_DROPOUT, bool SCALED = false, typename T, int O_TILES, typename A,
           class Rows>
 __device__ __forceinline__ void write_out(const Rows& rows, T* sQ, int c0, const A (&acc_o)[O_TILES][4],
                                           const OnlineSoftmax<A>& softmax, int warp, int lane, A exp_scale,
-                                          A out_factor = A(1)) {
+                                          A out_factor = A(1), const A (*row_sums)[4] = nullptr) {
   const AttnParams& p = rows.p;
   A inv_sum[2], row_lse[2];
   softmax.finalize(exp_scale, inv_sum, row_lse);
+  if (row_sums != nullptr) {  // out divides by the rounded P's row sums (an empty row keeps 0)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) inv_sum[r] = inv_sum[r] == A(0) ? A(0) : A(1) / row_sums[0][2 * r];
+  }
   if constexpr (HAS_DROPOUT) {
     inv_sum[0] *= Reals<A>::dropout_scale(p);
     inv_sum[1] *= Reals<A>::dropout_scale(p);
@@ -194,6 +199,10 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
   static_assert(!HAS_MODS || (BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0),
                 "tiles inside block-mask tiles");
   static_assert(!PIECES || SPLIT_BLOCK_ROWS % BLOCK_N == 0, "split float32: each key tile inside one row block");
+  // out = O / (the row sums of the rounded P, from the tensor cores: wg_issue_pb_sum), not O / l: 16-bit inputs
+  // without dropout (whose P V takes the dropped P, while out's divisor is the sum before dropping); not at HEAD_DIM
+  // 160 with bias and mask arrays, whose 64-key tiles leave no room for l's 4 registers (8 bytes spilled).
+  constexpr bool ROW_SUMS = !PIECES && !HAS_DROPOUT && !(MODS == Mods::all && HEAD_DIM == 160);
   static_assert(!BOUNDED || (MODS == Mods::scalars && IsBfloat16<T>::value && !HAS_DROPOUT),
                 "bounded scores: softcapped bfloat16 with the scalar modifiers");
   static_assert(sizeof(OutT) == sizeof(T) || (sizeof(T) == 2 && sizeof(OutT) == 4), "out: T, or float32 (16-bit T)");
@@ -202,14 +211,18 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
   __shared__ u32 bitmap_words[HAS_MODS ? TILE_BITMAP_WORDS : 1];
   __shared__ float warp_max[PIECES ? NUM_WARPS : 1];  // split_tile's reduction
   E* sQ = reinterpret_cast<E*>(smem_aligned(smem_raw));
-  E* sK = sQ + QTile::SIZE;       // [2] KVTile: K of the t-th visited block in sK[t % 2]
-  E* sV = sK + 2 * KVTile::SIZE;  // [2] KVTile: V likewise
+  E* sK = sQ + QTile::SIZE;                                   // [2] KVTile: K of the t-th visited block in sK[t % 2]
+  E* sV = sK + 2 * KVTile::SIZE;                              // [2] KVTile: V likewise
+  u32* ones = reinterpret_cast<u32*>(sV + 2 * KVTile::SIZE);  // ROW_SUMS: 512 bytes of ones (16-bit)
 
   const int b = batch_index();
   if (b >= p.batch) return;
   const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // longest causal rows first
   const SeqInfo<may_be_packed(MODS)> seq(p, b);
   if (m0 >= seq.nq()) return;  // past a shorter sequence's end (variable-length batches)
+  if constexpr (ROW_SUMS) {    // (published to the products, with the first tiles, by the first wait_step)
+    if (threadIdx.x < 128) ones[threadIdx.x] = Elem<E>::pack2(1.f, 1.f);
+  }
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int wg_row0 = (warp / 4) * 64;
   const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS, E, T, OutT> rows(p, b, seq, m0, bitmap_words);
@@ -268,9 +281,13 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
   // factor of its v row block (v_factor).
   float acc_o[O_TILES][4];
   float acc_pv[PIECES ? O_TILES : 1][4];
+  float acc_l[1][4];  // ROW_SUMS: the rounded P's row sums (each of a row's columns), rescaled with O
+  zero_acc(acc_l);
   auto issue_pv = [&](PFragments& f, const E* v_tile) {
     if constexpr (PIECES)
       wg_issue_pb_split<E, P_STEPS, O_TILES, KVTile>(acc_pv, f.hi, f.lo, v_tile, 0, HEAD_DIM);
+    else if constexpr (ROW_SUMS)
+      wg_issue_pb_sum<E, P_STEPS, O_TILES, KVTile>(acc_o, acc_l, f.hi, v_tile, ones);
     else
       wg_issue_pb<E, P_STEPS, O_TILES, KVTile>(acc_o, f.hi, v_tile, 0);
   };
@@ -283,6 +300,7 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
         for (int e = 0; e < 4; ++e) acc_o[j][e] += acc_pv[j][e] * v_factor;
     } else {
       fence_operands(acc_o);
+      if constexpr (ROW_SUMS) fence_operands(acc_l);
     }
   };
   auto fence_p = [&](PFragments& f) {
@@ -359,7 +377,10 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
       wgmma_wait<0>();
       finish_pv(f_cur.v);
       fence_p(p_cur);
-      rescale_rows(acc_o, rescale);  // O = (O + P_(t-1) V) * exp(m_old - m_new)
+      if (any_rescaled(rescale)) {  // O = (O + P_(t-1) V) * exp(m_old - m_new), and its row sums alike
+        scale_rows(acc_o, rescale);
+        if constexpr (ROW_SUMS) scale_rows(acc_l, rescale);
+      }
 #pragma unroll
       for (int kt = 0; kt < P_STEPS; ++kt)
 #pragma unroll
@@ -388,5 +409,6 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
   cp_async_wait<0>();
   // (16-bit inputs: the scale again from the parameters, as the registers are scarcest there)
   write_out<OutTile, THREADS, HAS_DROPOUT, PIECES>(rows, reinterpret_cast<T*>(sQ), 0, acc_o, softmax, warp, lane,
-                                                   PIECES ? exp_scale : rows.exp_scale(), out_factor);
+                                                   PIECES ? exp_scale : rows.exp_scale(), out_factor,
+                                                   ROW_SUMS ? acc_l : nullptr);
 }

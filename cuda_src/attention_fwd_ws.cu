@@ -460,7 +460,8 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
     if constexpr (K::FP8)
       wg_issue_pbt<T, P_STEPS, K::PV_TILES, typename K::VTile>(acc_pv[0], frags, v_tile, 0);
     else if constexpr (K::ROW_SUMS)
-      wg_issue_pb_sum<T, P_STEPS, O_TILES, KVTile, K::PACK_AFTER_WAIT>(acc_o, acc_l, frags, v_tile, cta.ones);
+      wg_issue_pb_sum<T, P_STEPS, O_TILES, KVTile, K::PACK_AFTER_WAIT, K::ONES_BYTES == K::BLOCK_N * 128>(
+          acc_o, acc_l, frags, v_tile, cta.ones);
     else
       wg_issue_pb<T, P_STEPS, O_TILES, KVTile, K::PACK_AFTER_WAIT>(acc_o, frags, v_tile, 0);
   };

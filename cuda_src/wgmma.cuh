@@ -450,9 +450,10 @@ __host__ __device__ constexpr int row_sum_ones_bytes() {
 }
 
 // As wg_issue_pb with accumulate, and in the same commit group l += P 1 (l's columns: every one its row's sum).
-// One atom of B: each k-step one N = 72 product, its second atom the ones (LBO from b_tile: the ones must follow
-// it in shared memory), so the sums take no instruction of their own; otherwise an N = 8 product per k-step.
-template <typename T, int K_STEPS, int N_TILES, class BTile, bool WIDE = false>
+// ONES_ATOM (B one atom, the ones row_sum_ones_bytes of a whole atom after b_tile in shared memory, LBO from it):
+// each k-step one N = 72 product whose second atom is the ones, so the sums take no instruction of their own;
+// otherwise an N = 8 product per k-step, from 512 bytes of ones.
+template <typename T, int K_STEPS, int N_TILES, class BTile, bool WIDE = false, bool ONES_ATOM = false>
 __device__ __forceinline__ void wg_issue_pb_sum(float (&c)[N_TILES][4], float (&l)[1][4], u32 (&a)[K_STEPS][4],
                                                 const T* b_tile, const void* ones) {
   static_assert((8 * N_TILES) % BTile::ATOM_COLS == 0, "whole atoms");
@@ -460,8 +461,9 @@ __device__ __forceinline__ void wg_issue_pb_sum(float (&c)[N_TILES][4], float (&
   fence_operands(c);
   fence_operands(l);
   fence_fragments(a);
-  if constexpr (8 * N_TILES == BTile::ATOM_COLS) {
-    static_assert(N_TILES == 8 && BTile::ATOM_BYTES == 128, "one 128-byte atom of 64 columns");
+  if constexpr (ONES_ATOM) {
+    static_assert(8 * N_TILES == BTile::ATOM_COLS && N_TILES == 8 && BTile::ATOM_BYTES == 128,
+                  "one 128-byte atom of 64 columns");
     const u64 b = smem_desc<BTile>(smem_u32(b_tile), smem_u32(ones) - smem_u32(b_tile), 8 * BTile::ATOM_BYTES);
 #pragma unroll
     for (int kt = 0; kt < K_STEPS; ++kt) WgmmaRowSum72<T>::rs(c, l, a[kt], b + mn_major_step<BTile>(16 * kt));
