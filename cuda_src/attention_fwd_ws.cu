@@ -151,7 +151,9 @@ struct WsTraits {
   // (4 to 12 spilled).
   static constexpr bool ROW_SUMS = !FP8 && !ALIBI && !BOUNDED;
   // The ones those products read (16-bit), after the V slots: the host's tiles.smem_bytes counts them.
-  static constexpr int ONES_BYTES = FP8 ? 0 : row_sum_ones_bytes<HEAD_DIM, BLOCK_N, KVTile::ATOM_COLS>();
+  static constexpr int ONES_BYTES = FP8 ? 0 : row_sum_ones_bytes<HEAD_DIM, BLOCK_N>();
+  // the N = 72 products' LBO, from a V slot to the ones after the last, in the descriptor's 18 bits of bytes
+  static_assert(ONES_BYTES != BLOCK_N * 128 || STAGES * VTile::SIZE * sizeof(T) < (1 << 18), "ones within reach");
 
   static_assert((sizeof(T) == 2 && (MODS == Mods::none || MODS == Mods::window || MODS == Mods::dense_scalars)) ||
                     (FP8 && MODS == Mods::none && !STORE_WARPS),

@@ -442,11 +442,12 @@ __device__ __forceinline__ void wg_issue_pb(float (&c)[N_TILES][4], u32 (&a)[K_S
 // instead leaves every row of out off by one factor, 1 + sum_j (P~_ij - P_ij) / l_i, which the backward's D =
 // rowsum(dout * out) takes whole where v has a mean (docs/design/forward.md, Row sums). The products read
 // row_sum_ones_bytes of 16-bit ones in shared memory.
-template <int HEAD_DIM, int BLOCK_N, int ATOM_COLS>
+template <int HEAD_DIM, int BLOCK_N>
 __host__ __device__ constexpr int row_sum_ones_bytes() {
-  // one atom of B (HEAD_DIM 64): l's columns are B's second atom, ones in every row of a k-steps' run; otherwise
-  // products of their own, whose 16 x 8 ones (no swizzle, core matrices 128 bytes apart) lie in 512 bytes
-  return HEAD_DIM == ATOM_COLS ? BLOCK_N * 128 : 512;
+  // 16-bit HEAD_DIM 64, V's tile one 128-byte atom: l's columns are B's second atom, ones in every row a run of
+  // k-steps reads (BLOCK_N rows of 128 bytes); otherwise products of their own, whose 16 x 8 ones (no swizzle, core
+  // matrices 128 bytes apart) lie in 512 bytes. The host's tiles.ws_row_sum_ones_bytes mirrors this.
+  return HEAD_DIM == 64 ? BLOCK_N * 128 : 512;
 }
 
 // As wg_issue_pb with accumulate, and in the same commit group l += P 1 (l's columns: every one its row's sum).
