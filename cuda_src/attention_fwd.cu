@@ -60,11 +60,7 @@ __device__ __forceinline__ void write_out(const Rows& rows, T* sQ, int c0, const
                                           A out_factor = A(1), const A (*row_sums)[4] = nullptr) {
   const AttnParams& p = rows.p;
   A inv_sum[2], row_lse[2];
-  softmax.finalize(exp_scale, inv_sum, row_lse);
-  if (row_sums != nullptr) {  // out divides by the rounded P's row sums (an empty row keeps 0)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) inv_sum[r] = inv_sum[r] == A(0) ? A(0) : A(1) / row_sums[0][2 * r];
-  }
+  softmax.finalize(exp_scale, inv_sum, row_lse, row_sums);
   if constexpr (HAS_DROPOUT) {
     inv_sum[0] *= Reals<A>::dropout_scale(p);
     inv_sum[1] *= Reals<A>::dropout_scale(p);
@@ -378,10 +374,7 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
       wgmma_wait<0>();
       finish_pv(f_cur.v);
       fence_p(p_cur);
-      if (any_rescaled(rescale)) {  // O = (O + P_(t-1) V) * exp(m_old - m_new), and its row sums alike
-        scale_rows(acc_o, rescale);
-        if constexpr (ROW_SUMS) scale_rows(acc_l, rescale);
-      }
+      rescale_rows<ROW_SUMS>(acc_o, acc_l, rescale);  // O = (O + P_(t-1) V) * exp(m_old - m_new), its sums too
 #pragma unroll
       for (int kt = 0; kt < P_STEPS; ++kt)
 #pragma unroll

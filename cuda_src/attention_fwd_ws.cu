@@ -353,11 +353,7 @@ __device__ __forceinline__ void finish_tile(const WsCta<K>& cta, const Rows& row
   const AttnParams& p = cta.p;
   typename K::T* sQ_wg = cta.sQ + (K::WGS * buffer + wg) * QTile::SIZE;
   float inv_sum[2], row_lse[2];
-  softmax.finalize(exp_scale, inv_sum, row_lse);
-  if (row_sums != nullptr) {  // K::ROW_SUMS: out divides by the rounded P's sums (an empty row keeps 0)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) inv_sum[r] = inv_sum[r] == 0.f ? 0.f : 1.f / row_sums[0][2 * r];
-  }
+  softmax.finalize(exp_scale, inv_sum, row_lse, row_sums);
   if constexpr (K::OUT_FROM_REGISTERS) {
     rows.write_lse(warp * 16, row_lse, lane);
     const int row = warp * 16 + lane / 4, col = 2 * (lane % 4);
@@ -599,12 +595,8 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
         pack(acc_s, p_next);
       finish_pv(p_cur, cta.sV + (t_cur % STAGES) * K::VTile::SIZE, rescale);
       if (lane == 0) mbar_arrive(cta.v_empty(t_cur % STAGES));  // the previous V is read out
-      if constexpr (!K::FP8) {  // O = (O + P_prev V) * exp(m_old - m_new), and its row sums alike
-        if (any_rescaled(rescale)) {
-          scale_rows(acc_o, rescale);
-          if constexpr (K::ROW_SUMS) scale_rows(acc_l, rescale);
-        }
-      }
+      if constexpr (!K::FP8)
+        rescale_rows<K::ROW_SUMS>(acc_o, acc_l, rescale);  // O = (O + P_prev V) * exp(m_old - m_new), its sums too
       if constexpr (K::PACK_AFTER_WAIT) {
         pack(acc_s, p_cur);
       } else {
