@@ -200,10 +200,6 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
   // without dropout (whose P V takes the dropped P, while out's divisor is the sum before dropping); not at HEAD_DIM
   // 160 with bias and mask arrays, whose 64-key tiles leave no room for l's 4 registers (8 bytes spilled).
   constexpr bool ROW_SUMS = !PIECES && !HAS_DROPOUT && !(MODS == Mods::all && HEAD_DIM == 160);
-  // V of 128-byte atoms (HEAD_DIM a multiple of 64): the sums ride on the product of V's last atom as N = 72
-  // products; otherwise N = 8 products of their own, which cost 5-10% of the forward at HEAD_DIM 64 and 128.
-  constexpr bool ONES_ATOM = KVTile::ATOM_BYTES == 128;
-  constexpr int ONES_BYTES = ROW_SUMS ? row_sum_ones_bytes<BLOCK_N, ONES_ATOM>() : 0;
   static_assert(!BOUNDED || (MODS == Mods::scalars && IsBfloat16<T>::value && !HAS_DROPOUT),
                 "bounded scores: softcapped bfloat16 with the scalar modifiers");
   static_assert(sizeof(OutT) == sizeof(T) || (sizeof(T) == 2 && sizeof(OutT) == 4), "out: T, or float32 (16-bit T)");
@@ -214,7 +210,7 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
   E* sQ = reinterpret_cast<E*>(smem_aligned(smem_raw));
   E* sK = sQ + QTile::SIZE;                                   // [2] KVTile: K of the t-th visited block in sK[t % 2]
   E* sV = sK + 2 * KVTile::SIZE;                              // [2] KVTile: V likewise
-  u32* ones = reinterpret_cast<u32*>(sV + 2 * KVTile::SIZE);  // ONES_BYTES of ones (16-bit)
+  u32* ones = reinterpret_cast<u32*>(sV + 2 * KVTile::SIZE);  // ROW_SUMS: 512 bytes of ones (16-bit)
 
   const int b = batch_index();
   if (b >= p.batch) return;
@@ -222,7 +218,7 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
   const SeqInfo<may_be_packed(MODS)> seq(p, b);
   if (m0 >= seq.nq()) return;  // past a shorter sequence's end (variable-length batches)
   if constexpr (ROW_SUMS) {    // (published to the products, with the first tiles, by the first wait_step)
-    for (int i = threadIdx.x; i < ONES_BYTES / 4; i += THREADS) ones[i] = Elem<E>::pack2(1.f, 1.f);
+    if (threadIdx.x < 128) ones[threadIdx.x] = Elem<E>::pack2(1.f, 1.f);
   }
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int wg_row0 = (warp / 4) * 64;
@@ -288,7 +284,7 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
     if constexpr (PIECES)
       wg_issue_pb_split<E, P_STEPS, O_TILES, KVTile>(acc_pv, f.hi, f.lo, v_tile, 0, HEAD_DIM);
     else if constexpr (ROW_SUMS)
-      wg_issue_pb_sum<E, P_STEPS, O_TILES, KVTile, false, ONES_ATOM>(acc_o, acc_l, f.hi, v_tile, ones);
+      wg_issue_pb_sum<E, P_STEPS, O_TILES, KVTile>(acc_o, acc_l, f.hi, v_tile, ones);
     else
       wg_issue_pb<E, P_STEPS, O_TILES, KVTile>(acc_o, f.hi, v_tile, 0);
   };

@@ -150,13 +150,10 @@ struct WsTraits {
   // and the bounded softcap's forms: their column offsets and polynomial tiles leave no room for l's 4 registers
   // (4 to 12 spilled).
   static constexpr bool ROW_SUMS = !FP8 && !ALIBI && !BOUNDED;
-  // HEAD_DIM 64, V's tile one 128-byte atom: the sums ride on P V as N = 72 products (wg_issue_pb_sum); wider, P V is
-  // one instruction across V's atoms, and the sums take N = 8 products of their own.
-  static constexpr bool ONES_ATOM = HEAD_DIM == 64;
   // The ones those products read (16-bit), after the V slots: the host's tiles.smem_bytes counts them.
-  static constexpr int ONES_BYTES = FP8 ? 0 : row_sum_ones_bytes<BLOCK_N, ONES_ATOM>();
+  static constexpr int ONES_BYTES = FP8 ? 0 : row_sum_ones_bytes<HEAD_DIM, BLOCK_N>();
   // the N = 72 products' LBO, from a V slot to the ones after the last, in the descriptor's 18 bits of bytes
-  static_assert(!ONES_ATOM || STAGES * VTile::SIZE * sizeof(T) < (1 << 18), "ones within reach");
+  static_assert(ONES_BYTES != BLOCK_N * 128 || STAGES * VTile::SIZE * sizeof(T) < (1 << 18), "ones within reach");
 
   static_assert((sizeof(T) == 2 && (MODS == Mods::none || MODS == Mods::window || MODS == Mods::dense_scalars)) ||
                     (FP8 && MODS == Mods::none && !STORE_WARPS),
@@ -461,8 +458,8 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
     if constexpr (K::FP8)
       wg_issue_pbt<T, P_STEPS, K::PV_TILES, typename K::VTile>(acc_pv[0], frags, v_tile, 0);
     else if constexpr (K::ROW_SUMS)
-      wg_issue_pb_sum<T, P_STEPS, O_TILES, KVTile, K::PACK_AFTER_WAIT, K::ONES_ATOM>(acc_o, acc_l, frags, v_tile,
-                                                                                     cta.ones);
+      wg_issue_pb_sum<T, P_STEPS, O_TILES, KVTile, K::PACK_AFTER_WAIT, K::ONES_BYTES == K::BLOCK_N * 128>(
+          acc_o, acc_l, frags, v_tile, cta.ones);
     else
       wg_issue_pb<T, P_STEPS, O_TILES, KVTile, K::PACK_AFTER_WAIT>(acc_o, frags, v_tile, 0);
   };

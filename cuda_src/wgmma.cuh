@@ -442,19 +442,18 @@ __device__ __forceinline__ void wg_issue_pb(float (&c)[N_TILES][4], u32 (&a)[K_S
 // instead leaves every row of out off by one factor, 1 + sum_j (P~_ij - P_ij) / l_i, which the backward's D =
 // rowsum(dout * out) takes whole where v has a mean (docs/design/forward.md, Row sums). The products read
 // row_sum_ones_bytes of 16-bit ones in shared memory.
-template <int BLOCK_N, bool ONES_ATOM>
+template <int HEAD_DIM, int BLOCK_N>
 __host__ __device__ constexpr int row_sum_ones_bytes() {
-  // ONES_ATOM: l's columns are a second atom beside V's last 128-byte atom, ones in every row a run of k-steps
-  // reads (BLOCK_N rows of 128 bytes); otherwise products of their own, whose 16 x 8 ones (no swizzle, core matrices
-  // 128 bytes apart) lie in 512 bytes. The host's tiles.row_sum_ones_bytes mirrors this.
-  return ONES_ATOM ? BLOCK_N * 128 : 512;
+  // 16-bit HEAD_DIM 64, V's tile one 128-byte atom: l's columns are B's second atom, ones in every row a run of
+  // k-steps reads (BLOCK_N rows of 128 bytes); otherwise products of their own, whose 16 x 8 ones (no swizzle, core
+  // matrices 128 bytes apart) lie in 512 bytes. The host's tiles.ws_row_sum_ones_bytes mirrors this.
+  return HEAD_DIM == 64 ? BLOCK_N * 128 : 512;
 }
 
 // As wg_issue_pb with accumulate, and in the same commit group l += P 1 (l's columns: every one its row's sum).
-// ONES_ATOM (B of 128-byte atoms, the ones row_sum_ones_bytes of a whole atom column anywhere after b_tile in shared
-// memory): each k-step's product of B's last atom is one N = 72 product whose second atom, an LBO away, is the ones,
-// so the sums take no instruction of their own (WIDE, one instruction across atoms: B must be one atom); otherwise
-// an N = 8 product per k-step, from 512 bytes of ones.
+// ONES_ATOM (B one atom, the ones row_sum_ones_bytes of a whole atom after b_tile in shared memory, LBO from it):
+// each k-step one N = 72 product whose second atom is the ones, so the sums take no instruction of their own;
+// otherwise an N = 8 product per k-step, from 512 bytes of ones.
 template <typename T, int K_STEPS, int N_TILES, class BTile, bool WIDE = false, bool ONES_ATOM = false>
 __device__ __forceinline__ void wg_issue_pb_sum(float (&c)[N_TILES][4], float (&l)[1][4], u32 (&a)[K_STEPS][4],
                                                 const T* b_tile, const void* ones) {
@@ -464,19 +463,11 @@ __device__ __forceinline__ void wg_issue_pb_sum(float (&c)[N_TILES][4], float (&
   fence_operands(l);
   fence_fragments(a);
   if constexpr (ONES_ATOM) {
-    static_assert(BTile::ATOM_BYTES == 128 && BTile::ATOM_COLS == 64 && (!WIDE || N_TILES == 8),
-                  "128-byte atoms of 64 columns; one atom where the products are wide");
-    constexpr int LAST = 8 * N_TILES - BTile::ATOM_COLS;  // the last atom's first column
-    const u64 b = desc_mn_major<BTile>(b_tile, 0);
-    const u32 last = smem_u32(b_tile + (LAST / BTile::ATOM_COLS) * BTile::ATOM_SIZE);
-    const u64 b_last = smem_desc<BTile>(last, smem_u32(ones) - last, 8 * BTile::ATOM_BYTES);
+    static_assert(8 * N_TILES == BTile::ATOM_COLS && N_TILES == 8 && BTile::ATOM_BYTES == 128,
+                  "one 128-byte atom of 64 columns");
+    const u64 b = smem_desc<BTile>(smem_u32(b_tile), smem_u32(ones) - smem_u32(b_tile), 8 * BTile::ATOM_BYTES);
 #pragma unroll
-    for (int kt = 0; kt < K_STEPS; ++kt) {
-#pragma unroll
-      for (int n0 = 0; n0 < LAST; n0 += BTile::ATOM_COLS)
-        WgmmaOp<T, 64>::rs(tiles_at<8>(c, n0 / 8), a[kt], b + mn_major_step<BTile>(16 * kt, n0), true);
-      WgmmaRowSum72<T>::rs(tiles_at<8>(c, LAST / 8), l, a[kt], b_last + mn_major_step<BTile>(16 * kt));
-    }
+    for (int kt = 0; kt < K_STEPS; ++kt) WgmmaRowSum72<T>::rs(c, l, a[kt], b + mn_major_step<BTile>(16 * kt));
   } else {
     wg_pb_steps<T, K_STEPS, N_TILES, BTile, WIDE>(c, a, desc_mn_major<BTile>(b_tile, 0), true);
     // no swizzle (mode 0), leading and stride byte offsets 128: all ones, wherever a core matrix is read

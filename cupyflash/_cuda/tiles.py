@@ -354,13 +354,11 @@ def ws_q_buffers(itemsize: int, head_dim: int) -> int:
     return 2 if itemsize * head_dim <= 256 else 1
 
 
-def row_sum_ones_bytes(path: str, head_dim: int, block: int) -> int:
-    """The 16-bit Hopper forwards' tile of ones, whose products give P's row sums (wgmma.cuh,
-    row_sum_ones_bytes): a 128-byte atom per key of a block where the sums ride on the product of V's last
-    128-byte atom (the warp-specialized forward at head dim 64, whose wider products span V's atoms; the wgmma
-    forward at every multiple of 64), 512 bytes otherwise."""
-    ones_atom = head_dim == 64 if path == "ws" else head_dim % 64 == 0
-    return 128 * block if ones_atom else 512
+def ws_row_sum_ones_bytes(head_dim: int, block: int) -> int:
+    """The 16-bit warp-specialized forward's tile of ones, whose products give P's row sums
+    (wgmma.cuh, row_sum_ones_bytes): a 128-byte atom per key of a block where V's tile is one atom (head dim
+    64), 512 bytes otherwise."""
+    return 128 * block if head_dim == 64 else 512
 
 
 def smem_bytes(path: str, itemsize: int, head_dim: int, kernel: str, t: Tiles) -> int:
@@ -377,14 +375,13 @@ def smem_bytes(path: str, itemsize: int, head_dim: int, kernel: str, t: Tiles) -
         return SMEM_ALIGN + itemsize * tiles + 4 * (staged + 2 * t.stages * t.block)
     if path == "ws":  # q buffers of a tile's rows, ``stages`` slots of a K and a V tile; 16-bit: the ones
         tiles = itemsize * head_dim * (ws_q_buffers(itemsize, head_dim) * t.rows + 2 * t.stages * t.block)
-        return SMEM_ALIGN + tiles + (row_sum_ones_bytes(path, head_dim, t.block) if itemsize == 2 else 0)
+        return SMEM_ALIGN + tiles + (ws_row_sum_ones_bytes(head_dim, t.block) if itemsize == 2 else 0)
     swizzled = path != "mma" and path != "large"
     row = head_dim * itemsize + (0 if swizzled else SMEM_PAD_BYTES[itemsize])
     acc_bytes = 8 if itemsize == 8 else 4
     pairs = t.num_warps // 2 if t.paired else 0
-    if kernel == "fwd":  # sQ[BLOCK_M] + sK, sV[BLOCK_N] (double-buffered when swizzled); wgmma 16-bit: the ones
-        ones = row_sum_ones_bytes(path, head_dim, t.block) if path == "wgmma" and itemsize == 2 else 0
-        tiles = (t.rows + (4 if swizzled else 2) * t.block) * row + ones
+    if kernel == "fwd":  # sQ[BLOCK_M] + sK, sV[BLOCK_N] (double-buffered when swizzled); wgmma 16-bit: 512 B of ones
+        tiles = (t.rows + (4 if swizzled else 2) * t.block) * row + (512 if path == "wgmma" and itemsize == 2 else 0)
     elif kernel == "probs":  # sQ[BLOCK_M] + sK[BLOCK_N]
         tiles = (t.rows + t.block) * row
     elif kernel == "dkdv":  # sK, sV + sQ, sdO[2][BLOCK_M] + lse, delta[2][BLOCK_M]; paired: P^T per pair
