@@ -24,19 +24,18 @@
 //    with the load of V_j overlapping S_j and the load of K_{j+1} overlapping P_j V_j. Where the output
 //    accumulator would not fit in registers (float32 at HEAD_DIM 256), the output columns are split
 //    into D_CHUNK-wide CTAs (grid x) that each recompute the same scores.
-//  - attention_fwd_wgmma_kernel (Hopper, fp16/bf16; float32 on float16 pieces): warpgroup products from
-//    swizzled tiles, K and V double-buffered one block ahead, and the products of one block overlapping the
-//    softmax of the next: while the tensor cores run S_{j+1} = Q K_{j+1}^T and O += P_j V_j, the warps wait
-//    only for S_{j+1}, run its softmax, and rescale O once P_j V_j is done (FlashAttention-3's
-//    intra-warpgroup pipelining). 16-bit inputs without dropout: out divides O by the row sums of the
-//    rounded P the products took, from the tensor cores (ROW_SUMS, wgmma.cuh's wg_issue_pb_sum); lse keeps
-//    l. float32 inputs (T = float, plain and causal): k and v arrive as float16 pieces hi + lo scaled by a
-//    power of two per row block (split_f32.cu, params.cuh's split_exponents), and each CTA splits its own q
-//    tile as it loads it (pieces.cuh, split_tile). S takes three float16 products (Q_hi K_lo^T + Q_lo K_hi^T
-//    + Q_hi K_hi^T), P is split likewise, and each block's P V is added to O in registers, so float32
-//    accuracy holds over any number of key blocks. CTAS_PER_SM is its launch bounds' minimum of resident
-//    CTAs (the tile table's ctas_per_sm): more than one where short CTAs (a window's few key blocks) hide
-//    each other's setup, first copies and epilogue.
+//  - attention_fwd_wgmma_kernel (Hopper, fp16/bf16; float32 on float16 pieces): warpgroup products from swizzled tiles,
+//  K and V
+//    double-buffered one block ahead, and the products of one block overlapping the softmax of the
+//    next: while the tensor cores run S_{j+1} = Q K_{j+1}^T and O += P_j V_j, the warps wait only for
+//    S_{j+1}, run its softmax, and rescale O once P_j V_j is done (FlashAttention-3's intra-warpgroup
+//    pipelining). float32 inputs (T = float, plain and causal): k and v arrive as float16 pieces hi + lo
+//    scaled by a power of two per row block (split_f32.cu, params.cuh's split_exponents), and each
+//    CTA splits its own q tile as it loads it (pieces.cuh, split_tile). S takes three float16 products
+//    (Q_hi K_lo^T + Q_lo K_hi^T + Q_hi K_hi^T), P is split likewise, and each block's P V is added to O
+//    in registers, so float32 accuracy holds over any number of key blocks. CTAS_PER_SM is its launch
+//    bounds' minimum of resident CTAs (the tile table's ctas_per_sm): more than one where short CTAs (a
+//    window's few key blocks) hide each other's setup, first copies and epilogue.
 #include "common.cuh"
 #include "params.cuh"
 #include "mods.cuh"
@@ -48,19 +47,18 @@
 #include "dropout.cuh"
 #include "row_block.cuh"
 
-// out = O_i / l_i, or O_i over row_sums (the rounded P's sums, where given), (times 1 / (1 - p) with dropout; times
-// out_factor, the split float32 inputs' scaling) and lse_i = scale * m_i + log(l_i), columns [c0, c0 + 8*O_TILES) (lse
-// by the c0 = 0 CTA); exp_scale is the factor the softmax ran with. Staged through sQ for 16-byte stores: every warp
-// must be done with its products first. An out wider than T (float32 from 16-bit inputs: unrounded) goes from the
-// registers.
+// out = O_i / l_i (times 1 / (1 - p) with dropout; times out_factor, the split float32 inputs' scaling)
+// and lse_i = scale * m_i + log(l_i), columns [c0, c0 + 8*O_TILES) (lse by the c0 = 0 CTA); exp_scale is
+// the factor the softmax ran with. Staged through sQ for 16-byte stores: every warp must be done with
+// its products first. An out wider than T (float32 from 16-bit inputs: unrounded) goes from the registers.
 template <class QTile, int THREADS, bool HAS_DROPOUT, bool SCALED = false, typename T, int O_TILES, typename A,
           class Rows>
 __device__ __forceinline__ void write_out(const Rows& rows, T* sQ, int c0, const A (&acc_o)[O_TILES][4],
                                           const OnlineSoftmax<A>& softmax, int warp, int lane, A exp_scale,
-                                          A out_factor = A(1), const A (*row_sums)[4] = nullptr) {
+                                          A out_factor = A(1)) {
   const AttnParams& p = rows.p;
   A inv_sum[2], row_lse[2];
-  softmax.finalize(exp_scale, inv_sum, row_lse, row_sums);
+  softmax.finalize(exp_scale, inv_sum, row_lse);
   if constexpr (HAS_DROPOUT) {
     inv_sum[0] *= Reals<A>::dropout_scale(p);
     inv_sum[1] *= Reals<A>::dropout_scale(p);
@@ -196,10 +194,6 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
   static_assert(!HAS_MODS || (BLOCK_MASK_TILE % BLOCK_M == 0 && BLOCK_MASK_TILE % BLOCK_N == 0),
                 "tiles inside block-mask tiles");
   static_assert(!PIECES || SPLIT_BLOCK_ROWS % BLOCK_N == 0, "split float32: each key tile inside one row block");
-  // out = O / (the row sums of the rounded P, from the tensor cores: wg_issue_pb_sum), not O / l: 16-bit inputs
-  // without dropout (whose P V takes the dropped P, while out's divisor is the sum before dropping); not at HEAD_DIM
-  // 160 with bias and mask arrays, whose 64-key tiles leave no room for l's 4 registers (8 bytes spilled).
-  constexpr bool ROW_SUMS = !PIECES && !HAS_DROPOUT && !(MODS == Mods::all && HEAD_DIM == 160);
   static_assert(!BOUNDED || (MODS == Mods::scalars && IsBfloat16<T>::value && !HAS_DROPOUT),
                 "bounded scores: softcapped bfloat16 with the scalar modifiers");
   static_assert(sizeof(OutT) == sizeof(T) || (sizeof(T) == 2 && sizeof(OutT) == 4), "out: T, or float32 (16-bit T)");
@@ -208,18 +202,14 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
   __shared__ u32 bitmap_words[HAS_MODS ? TILE_BITMAP_WORDS : 1];
   __shared__ float warp_max[PIECES ? NUM_WARPS : 1];  // split_tile's reduction
   E* sQ = reinterpret_cast<E*>(smem_aligned(smem_raw));
-  E* sK = sQ + QTile::SIZE;                                   // [2] KVTile: K of the t-th visited block in sK[t % 2]
-  E* sV = sK + 2 * KVTile::SIZE;                              // [2] KVTile: V likewise
-  u32* ones = reinterpret_cast<u32*>(sV + 2 * KVTile::SIZE);  // ROW_SUMS: 512 bytes of ones (16-bit)
+  E* sK = sQ + QTile::SIZE;       // [2] KVTile: K of the t-th visited block in sK[t % 2]
+  E* sV = sK + 2 * KVTile::SIZE;  // [2] KVTile: V likewise
 
   const int b = batch_index();
   if (b >= p.batch) return;
   const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // longest causal rows first
   const SeqInfo<may_be_packed(MODS)> seq(p, b);
   if (m0 >= seq.nq()) return;  // past a shorter sequence's end (variable-length batches)
-  if constexpr (ROW_SUMS) {    // (published to the products, with the first tiles, by the first wait_step)
-    if (threadIdx.x < 128) ones[threadIdx.x] = Elem<E>::pack2(1.f, 1.f);
-  }
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int wg_row0 = (warp / 4) * 64;
   const RowBlock<T, NUM_WARPS, BLOCK_M, BLOCK_N, IS_CAUSAL, MODS, E, T, OutT> rows(p, b, seq, m0, bitmap_words);
@@ -278,13 +268,9 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
   // factor of its v row block (v_factor).
   float acc_o[O_TILES][4];
   float acc_pv[PIECES ? O_TILES : 1][4];
-  float acc_l[1][4];  // ROW_SUMS: the rounded P's row sums (each of a row's columns), rescaled with O
-  zero_acc(acc_l);
   auto issue_pv = [&](PFragments& f, const E* v_tile) {
     if constexpr (PIECES)
       wg_issue_pb_split<E, P_STEPS, O_TILES, KVTile>(acc_pv, f.hi, f.lo, v_tile, 0, HEAD_DIM);
-    else if constexpr (ROW_SUMS)
-      wg_issue_pb_sum<E, P_STEPS, O_TILES, KVTile>(acc_o, acc_l, f.hi, v_tile, ones);
     else
       wg_issue_pb<E, P_STEPS, O_TILES, KVTile>(acc_o, f.hi, v_tile, 0);
   };
@@ -297,7 +283,6 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
         for (int e = 0; e < 4; ++e) acc_o[j][e] += acc_pv[j][e] * v_factor;
     } else {
       fence_operands(acc_o);
-      if constexpr (ROW_SUMS) fence_operands(acc_l);
     }
   };
   auto fence_p = [&](PFragments& f) {
@@ -374,7 +359,7 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
       wgmma_wait<0>();
       finish_pv(f_cur.v);
       fence_p(p_cur);
-      rescale_rows<ROW_SUMS>(acc_o, acc_l, rescale);  // O = (O + P_(t-1) V) * exp(m_old - m_new), its sums too
+      rescale_rows(acc_o, rescale);  // O = (O + P_(t-1) V) * exp(m_old - m_new)
 #pragma unroll
       for (int kt = 0; kt < P_STEPS; ++kt)
 #pragma unroll
@@ -403,6 +388,5 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE, CTAS_PER_SM) attention_
   cp_async_wait<0>();
   // (16-bit inputs: the scale again from the parameters, as the registers are scarcest there)
   write_out<OutTile, THREADS, HAS_DROPOUT, PIECES>(rows, reinterpret_cast<T*>(sQ), 0, acc_o, softmax, warp, lane,
-                                                   PIECES ? exp_scale : rows.exp_scale(), out_factor,
-                                                   ROW_SUMS ? acc_l : nullptr);
+                                                   PIECES ? exp_scale : rows.exp_scale(), out_factor);
 }

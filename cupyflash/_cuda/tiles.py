@@ -380,8 +380,8 @@ def smem_bytes(path: str, itemsize: int, head_dim: int, kernel: str, t: Tiles) -
     row = head_dim * itemsize + (0 if swizzled else SMEM_PAD_BYTES[itemsize])
     acc_bytes = 8 if itemsize == 8 else 4
     pairs = t.num_warps // 2 if t.paired else 0
-    if kernel == "fwd":  # sQ[BLOCK_M] + sK, sV[BLOCK_N] (double-buffered when swizzled); wgmma 16-bit: 512 B of ones
-        tiles = (t.rows + (4 if swizzled else 2) * t.block) * row + (512 if path == "wgmma" and itemsize == 2 else 0)
+    if kernel == "fwd":  # sQ[BLOCK_M] + sK, sV[BLOCK_N] (double-buffered when swizzled)
+        tiles = (t.rows + (4 if swizzled else 2) * t.block) * row
     elif kernel == "probs":  # sQ[BLOCK_M] + sK[BLOCK_N]
         tiles = (t.rows + t.block) * row
     elif kernel == "dkdv":  # sK, sV + sQ, sdO[2][BLOCK_M] + lse, delta[2][BLOCK_M]; paired: P^T per pair

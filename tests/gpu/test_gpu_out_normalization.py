@@ -3,14 +3,11 @@ by the row sums of the rounded P that O's products took (from the tensor cores),
 weighted mean of v and carries no common factor of its own. The backward's D = rowsum(dout * out), large on such
 data, would take such a factor whole, and dq with it: here D and dq from our out must be as exact as from the float64
 out rounded once to the inputs' dtype. The warp-specialized forward at head dim 64 takes the row sums inside P V's
-products, at 128 and 256 (and a window alone) in products of their own; the wgmma forward, which serves k and v
-broadcast over heads and the modifiers' arrays, in products of their own. Needs a GPU of compute capability 9.0
+products, at 128 and 256 (and a window alone) in products of their own. Needs a GPU of compute capability 9.0
 (docs/design/forward.md, Row sums, says which forms and forwards keep O / l):
 
     python -m pytest -m gpu tests/gpu/test_gpu_out_normalization.py
 """
-
-import dataclasses
 
 import ml_dtypes
 import numpy as np
@@ -40,16 +37,13 @@ def _relative(x, ref):
     return float(cupy.linalg.norm(x.astype(np.float64) - ref) / cupy.linalg.norm(ref))
 
 
-CASES = {  # (head dim, causal, heads of k and v, options), the path the forward takes
-    "ws-d64-causal": (64, True, 4, {}, "ws"),
-    "ws-d64": (64, False, 4, {}, "ws"),
-    "ws-d128-causal": (128, True, 4, {}, "ws"),
-    "ws-d128": (128, False, 4, {}, "ws"),
-    "ws-d256-causal": (256, True, 4, {}, "ws"),
-    "ws-d128-window": (128, False, 4, {"window": (700, 0)}, "ws"),
-    "wgmma-d128-causal-kv-broadcast": (128, True, 1, {}, "wgmma"),
-    "wgmma-d64-kv-broadcast": (64, False, 1, {}, "wgmma"),
-    "wgmma-d96-mask": (96, False, 4, {"mask": True}, "wgmma"),
+CASES = {  # (head dim, causal, options): each served by the warp-specialized forward
+    "d64-causal": (64, True, {}),
+    "d64": (64, False, {}),
+    "d128-causal": (128, True, {}),
+    "d128": (128, False, {}),
+    "d256-causal": (256, True, {}),
+    "d128-window": (128, False, {"window": (700, 0)}),
 }
 
 
@@ -58,17 +52,12 @@ CASES = {  # (head dim, causal, heads of k and v, options), the path the forward
 def test_d_and_dq_as_exact_as_from_out_rounded_once(rng, monkeypatch, dtype, case):
     if not current_device().wgmma:
         pytest.skip("Hopper's forwards run on compute capability 9.0 only")
-    head_dim, causal, kv_heads, options, path = CASES[case]
+    head_dim, causal, options = CASES[case]
     n = 3000
-    q, k, v, dout = shifted_problem(
-        rng, (1, 4, n, head_dim), (1, kv_heads, n, head_dim), (1, kv_heads, n, head_dim), dtype, xp=cupy
-    )
-    options = dict(options)
-    if options.pop("mask", False):
-        options["mask"] = cupy.asarray(rng.random((1, 1, n, n)) < 0.9)
+    q, k, v, dout = shifted_problem(rng, *[(1, 4, n, head_dim)] * 3, dtype, xp=cupy)
     mods = _modifiers.resolve(cupy, np.dtype(dtype), (1, 4), n, n, **options) if options else None
     features = Features.of("fwd", np.dtype(dtype), head_dim, head_dim, causal, mods)
-    # the variant, and for the warp-specialized one whether tensor maps can read q, k, v (not k and v broadcast)
+    # whether tensor maps could read q, k, v: without them the call falls back to the wgmma forward (dense.forward)
     mapped = []
     tma_reads = dense._tma_reads
     monkeypatch.setattr(dense, "_tma_reads", lambda *args: mapped.append(tma_reads(*args)) or mapped[-1])
@@ -82,9 +71,7 @@ def test_d_and_dq_as_exact_as_from_out_rounded_once(rng, monkeypatch, dtype, cas
     mapped.clear()
     out, lse = cupyflash.attention_forward(q, k, v, causal=causal, **options)
     chosen = tile_policy.dense(features, current_device())
-    if chosen.path == "ws" and not (mapped and all(mapped)):  # the call's own fallback (dense.forward)
-        chosen = tile_policy.dense(dataclasses.replace(features, tma=False), current_device())
-    assert chosen.path == path, (chosen, mapped)
+    assert chosen.path == "ws" and mapped and all(mapped), (chosen, mapped)
     once = out64.astype(dtype)
     d_error = _rms((wide[3] * out.astype(np.float64)).sum(-1) - d64)
     d_error_once = _rms((wide[3] * once.astype(np.float64)).sum(-1) - d64)
