@@ -5,7 +5,9 @@
 // Layout: q (b, nq, d), k (b, nk, d), v (b, nk, dv) of one dense batch, read through TMA tensor maps (tma.cuh;
 // FP8: v as V^T (b, dv, nk rounded up to 32), keys in the P fragments' order); out (b, nq, dv) of OutT (T; float32
 // unrounded; 16 bits for e4m3 inputs) and lse (b, nq) float32, contiguous. Saves for the backward: lse only (the FP8
-// forward has no backward).
+// forward has no backward). 16-bit inputs (but ALiBi's and the bounded softcap's forms): out divides O by the row
+// sums of the rounded P that O's products took, from the tensor cores (ROW_SUMS); lse keeps the float32 sum of the
+// unrounded P.
 //
 // A persistent CTA per SM: warpgroup 0 copies (copy_tiles: q per tile, then the K/V tiles of its key blocks into
 // a ring of STAGES slots; with STORE_WARPS, warps 1 .. WGS store out), warpgroups 1 .. WGS compute 64 rows each
@@ -144,6 +146,14 @@ struct WsTraits {
   // each beside 32 (152 beside the storing warps' 40).
   static constexpr int COPY_REGISTERS = STORE_WARPS ? 40 : 32;
   static constexpr int COMPUTE_REGISTERS = WGS == 2 ? (STORE_WARPS ? 224 : 232) : (STORE_WARPS ? 152 : 160);
+  // out = O / (the row sums of the rounded P, from the tensor cores: wg_issue_pb_sum), not O / l. Not in ALiBi's
+  // and the bounded softcap's forms: their column offsets and polynomial tiles leave no room for l's 4 registers
+  // (4 to 12 spilled).
+  static constexpr bool ROW_SUMS = !FP8 && !ALIBI && !BOUNDED;
+  // The ones those products read (16-bit), after the V slots: the host's tiles.smem_bytes counts them.
+  static constexpr int ONES_BYTES = FP8 ? 0 : row_sum_ones_bytes<HEAD_DIM, BLOCK_N>();
+  // the N = 72 products' LBO, from a V slot to the ones after the last, in the descriptor's 18 bits of bytes
+  static_assert(ONES_BYTES != BLOCK_N * 128 || STAGES * VTile::SIZE * sizeof(T) < (1 << 18), "ones within reach");
 
   static_assert((sizeof(T) == 2 && (MODS == Mods::none || MODS == Mods::window || MODS == Mods::dense_scalars)) ||
                     (FP8 && MODS == Mods::none && !STORE_WARPS),
@@ -180,6 +190,7 @@ struct WsCta {
   u64* bars;
   int* tile_ids;                  // the tile whose q is in each buffer (>= tiles: none left), published by q_full
   int* section_entries;           // HALF_FIRST: l2_section_entries, read per tile
+  const void* ones;               // K::ONES_BYTES of 16-bit ones (wg_issue_pb_sum)
   int row_blocks = 0, tiles = 0;  // set after the barriers' initialization
   int section_group = 0;          // l2_section_entries; HALF_FIRST reads section_entries instead (one register less
                                   // across the consumers' loop)
@@ -336,12 +347,13 @@ __device__ __forceinline__ void store_out_tiles(const WsCta<K>& cta, int group, 
 template <class K, class Rows, class Softmax>
 __device__ __forceinline__ void finish_tile(const WsCta<K>& cta, const Rows& rows, const Softmax& softmax,
                                             const float (&acc_o)[K::O_TILES][4], float exp_scale, int buffer, int wg,
-                                            int warp, int lane, int nq, float v_unit = 1.f) {
+                                            int warp, int lane, int nq, float v_unit = 1.f,
+                                            const float (*row_sums)[4] = nullptr) {
   using QTile = typename K::QTile;
   const AttnParams& p = cta.p;
   typename K::T* sQ_wg = cta.sQ + (K::WGS * buffer + wg) * QTile::SIZE;
   float inv_sum[2], row_lse[2];
-  softmax.finalize(exp_scale, inv_sum, row_lse);
+  softmax.finalize(exp_scale, inv_sum, row_lse, row_sums);
   if constexpr (K::OUT_FROM_REGISTERS) {
     rows.write_lse(warp * 16, row_lse, lane);
     const int row = warp * 16 + lane / 4, col = 2 * (lane % 4);
@@ -396,6 +408,8 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
   const int words = buffer * TILE_BITMAP_WORDS;  // this tile's ws_on_words (BLOCK_MASK)
   float acc_o[O_TILES][4];  // HALF_FIRST: zeroed once the first block's softmax, which can use its registers, is done
   if constexpr (!K::HALF_FIRST) zero_acc(acc_o);
+  float acc_l[1][4];  // ROW_SUMS: the rounded P's row sums (each of a row's columns), rescaled with O
+  zero_acc(acc_l);
   // e4m3: each key block's P V in accumulators of their own (WsTraits::PV_CHUNKS), which O then adds in float32.
   // 8-bit tensor cores keep about 13 significant bits of the accumulator they add to and cut the rest: fed O
   // itself, every k-step would cut O's low bits, an error that grows with the keys; fed a fresh one, only a
@@ -443,6 +457,9 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
   auto issue_pv = [&](u32(&frags)[P_STEPS][4], const T* v_tile) {
     if constexpr (K::FP8)
       wg_issue_pbt<T, P_STEPS, K::PV_TILES, typename K::VTile>(acc_pv[0], frags, v_tile, 0);
+    else if constexpr (K::ROW_SUMS)
+      wg_issue_pb_sum<T, P_STEPS, O_TILES, KVTile, K::PACK_AFTER_WAIT, K::ONES_BYTES == K::BLOCK_N * 128>(
+          acc_o, acc_l, frags, v_tile, cta.ones);
     else
       wg_issue_pb<T, P_STEPS, O_TILES, KVTile, K::PACK_AFTER_WAIT>(acc_o, frags, v_tile, 0);
   };
@@ -469,6 +486,7 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
     } else {
       wgmma_wait<0>();
       fence_operands(acc_o);
+      if constexpr (K::ROW_SUMS) fence_operands(acc_l);
     }
     fence_fragments(frags);
   };
@@ -577,7 +595,8 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
         pack(acc_s, p_next);
       finish_pv(p_cur, cta.sV + (t_cur % STAGES) * K::VTile::SIZE, rescale);
       if (lane == 0) mbar_arrive(cta.v_empty(t_cur % STAGES));  // the previous V is read out
-      if constexpr (!K::FP8) rescale_rows(acc_o, rescale);      // O = (O + P_prev V) * exp(m_old - m_new)
+      if constexpr (!K::FP8)
+        rescale_rows<K::ROW_SUMS>(acc_o, acc_l, rescale);  // O = (O + P_prev V) * exp(m_old - m_new), its sums too
       if constexpr (K::PACK_AFTER_WAIT) {
         pack(acc_s, p_cur);
       } else {
@@ -595,7 +614,8 @@ __device__ __forceinline__ void compute_tile(const WsCta<K>& cta, int w, int buf
     if (lane == 0) mbar_arrive(cta.v_empty(t_cur % STAGES));
     pass_over(cta.visited(words, tile.n_first, lo - 1));
   }
-  finish_tile(cta, rows, softmax, acc_o, exp_scale, buffer, wg, warp, lane, seq.nq(), v_unit);
+  finish_tile(cta, rows, softmax, acc_o, exp_scale, buffer, wg, warp, lane, seq.nq(), v_unit,
+              K::ROW_SUMS ? acc_l : nullptr);
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, Mods MODS, bool BOUNDED, bool ALIBI,
@@ -610,10 +630,15 @@ __global__ void __launch_bounds__((WGS + 1) * 128, 1) attention_fwd_ws_kernel(co
   __shared__ __align__(8) u64 bars[K::BARRIERS];
   __shared__ int tile_ids[2];
   __shared__ int section_entries;
-  T* sQ = reinterpret_cast<T*>(smem_aligned(smem_raw));  // [Q_BUFFERS][WGS] QTile
-  T* sK = sQ + WGS * K::Q_BUFFERS * K::QTile::SIZE;      // [STAGES] KVTile
-  T* sV = sK + STAGES * K::KVTile::SIZE;                 // [STAGES] VTile
-  WsCta<K> cta{p, sQ, sK, sV, bars, tile_ids, &section_entries};
+  T* sQ = reinterpret_cast<T*>(smem_aligned(smem_raw));              // [Q_BUFFERS][WGS] QTile
+  T* sK = sQ + WGS * K::Q_BUFFERS * K::QTile::SIZE;                  // [STAGES] KVTile
+  T* sV = sK + STAGES * K::KVTile::SIZE;                             // [STAGES] VTile
+  u32* ones = reinterpret_cast<u32*>(sV + STAGES * K::VTile::SIZE);  // ONES_BYTES
+  WsCta<K> cta{p, sQ, sK, sV, bars, tile_ids, &section_entries, ones};
+  if constexpr (K::ROW_SUMS) {
+    for (int i = threadIdx.x; i < K::ONES_BYTES / 4; i += blockDim.x) ones[i] = Elem<T>::pack2(1.f, 1.f);
+    fence_async_shared();  // before the barrier below: the products read them through the async proxy
+  }
   if (threadIdx.x == 0) {
     cta.init_barriers();
     if constexpr (HALF_FIRST) section_entries = l2_section_entries<T>(p);

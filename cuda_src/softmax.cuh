@@ -141,13 +141,17 @@ struct OnlineSoftmax {
     return row_tile_sum(s, r);
   }
 
-  // 1 / l_i (0 when the row saw no key) and lse_i = scale * m_i + log(l_i) in natural log.
-  __device__ __forceinline__ void finalize(A scale_log2, A (&inv_sum)[2], A (&lse)[2]) const {
+  // 1 / l_i (0 when the row saw no key) and lse_i = scale * m_i + log(l_i) in natural log. row_sums (where
+  // given): the rounded P's row sums from the tensor cores (wgmma.cuh, wg_issue_pb_sum), whose every column holds
+  // its row's sum, each thread's whole; out divides by them instead, so that it is v's mean weighted as O weighs
+  // it, and lse keeps l.
+  __device__ __forceinline__ void finalize(A scale_log2, A (&inv_sum)[2], A (&lse)[2],
+                                           const A (*row_sums)[4] = nullptr) const {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const A l = quad_sum(row_sum[r]);
       const bool empty = l == A(0);  // a NaN sum (NaN or +inf among the inputs) is not empty: it propagates
-      inv_sum[r] = empty ? A(0) : A(1) / l;
+      inv_sum[r] = empty ? A(0) : A(1) / (row_sums != nullptr ? row_sums[0][2 * r] : l);
       lse[r] = empty ? A(neg_inf()) : (row_max[r] * scale_log2 + log2_of(l) - A(P_OFFSET)) * ln2<A>();
     }
   }
@@ -176,6 +180,15 @@ __device__ __forceinline__ bool any_rescaled(const A (&f)[2]) {
 template <int N_TILES, typename A>
 __device__ __forceinline__ void rescale_rows(A (&acc)[N_TILES][4], const A (&f)[2]) {
   if (any_rescaled(f)) scale_rows(acc, f);
+}
+
+// The output accumulator and its row sums (finalize's row_sums), rescaled together (skipped as any_rescaled says).
+template <bool WITH_SUMS, int N_TILES, typename A>
+__device__ __forceinline__ void rescale_rows(A (&acc)[N_TILES][4], A (&sums)[1][4], const A (&f)[2]) {
+  if (any_rescaled(f)) {
+    scale_rows(acc, f);
+    if constexpr (WITH_SUMS) scale_rows(sums, f);
+  }
 }
 
 // O = (O + B) * f over O's n-tiles [first, first + N_TILES), rows g by f[0] and g + 8 by f[1]: a key block's

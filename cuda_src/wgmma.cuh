@@ -74,6 +74,11 @@ __device__ __forceinline__ void fence_operands(float (&acc)[N_TILES][4]) {
 
 // ---------------------------------------------------------------- the instructions
 // Operand strings: the N / 2 accumulator registers %0 .., then the sources and the scale-d flag.
+#define CF_WGMMA_D8 "{%0, %1, %2, %3}"
+#define CF_WGMMA_SS_SRC8 "%4, %5"
+#define CF_WGMMA_SS_PRED8 "%6"
+#define CF_WGMMA_RS_SRC8 "{%4, %5, %6, %7}, %8"
+#define CF_WGMMA_RS_PRED8 "%9"
 #define CF_WGMMA_D16 "{%0, %1, %2, %3, %4, %5, %6, %7}"
 #define CF_WGMMA_SS_SRC16 "%8, %9"
 #define CF_WGMMA_SS_PRED16 "%10"
@@ -105,6 +110,7 @@ __device__ __forceinline__ void fence_operands(float (&acc)[N_TILES][4]) {
 #define CF_ACC4(j) CF_ACC2(j), CF_ACC2((j) + 2)
 #define CF_ACC8(j) CF_ACC4(j), CF_ACC4((j) + 4)
 #define CF_ACC16(j) CF_ACC8(j), CF_ACC8((j) + 8)
+#define CF_ACC_N8 CF_ACC1(0)
 #define CF_ACC_N16 CF_ACC2(0)
 #define CF_ACC_N32 CF_ACC4(0)
 #define CF_ACC_N64 CF_ACC8(0)
@@ -114,6 +120,7 @@ __device__ __forceinline__ void fence_operands(float (&acc)[N_TILES][4]) {
 #define CF_OUT4(j) CF_OUT2(j), CF_OUT2((j) + 2)
 #define CF_OUT8(j) CF_OUT4(j), CF_OUT4((j) + 4)
 #define CF_OUT16(j) CF_OUT8(j), CF_OUT8((j) + 8)
+#define CF_OUT_N8 CF_OUT1(0)
 #define CF_OUT_N16 CF_OUT2(0)
 #define CF_OUT_N32 CF_OUT4(0)
 #define CF_OUT_N64 CF_OUT8(0)
@@ -163,10 +170,12 @@ struct WgmmaOp;
   };
 // 16-bit: B MN-major for RS (imm-trans-b = 1: V in O += P V).
 #define CF_DEFINE_WGMMA16(TYPE, PTX_TYPE, N) CF_DEFINE_WGMMA(TYPE, PTX_TYPE, 16, N, "p, 1, 1, 0, 0", "p, 1, 1, 1")
+CF_DEFINE_WGMMA16(half_t, "f16", 8)
 CF_DEFINE_WGMMA16(half_t, "f16", 16)
 CF_DEFINE_WGMMA16(half_t, "f16", 32)
 CF_DEFINE_WGMMA16(half_t, "f16", 64)
 CF_DEFINE_WGMMA16(half_t, "f16", 128)
+CF_DEFINE_WGMMA16(bfloat16_t, "bf16", 8)
 CF_DEFINE_WGMMA16(bfloat16_t, "bf16", 16)
 CF_DEFINE_WGMMA16(bfloat16_t, "bf16", 32)
 CF_DEFINE_WGMMA16(bfloat16_t, "bf16", 64)
@@ -197,6 +206,26 @@ CF_DEFINE_WGMMA_TRANS(half_t, "f16", 64)
 CF_DEFINE_WGMMA_TRANS(half_t, "f16", 128)
 CF_DEFINE_WGMMA_TRANS(bfloat16_t, "bf16", 64)
 CF_DEFINE_WGMMA_TRANS(bfloat16_t, "bf16", 128)
+// 16-bit, N = 72 as 64 + 8 columns into two accumulators, d (O's 64 columns) and l (8 more), B MN-major: with B's
+// second atom a tile of ones, l += P 1 rides on O += P V in one instruction (wg_issue_pb_sum).
+#define CF_WGMMA_D72                                                                                                \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+  "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}"
+template <typename T>
+struct WgmmaRowSum72;
+#define CF_DEFINE_WGMMA_ROW_SUM72(TYPE, PTX_TYPE)                                                                    \
+  template <>                                                                                                        \
+  struct WgmmaRowSum72<TYPE> {                                                                                       \
+    __device__ __forceinline__ static void rs(float (&d)[8][4], float (&l)[1][4], const u32 (&a)[4], u64 b) {        \
+      asm volatile(CF_WGMMA_BODY("m64n72k16.f32." PTX_TYPE "." PTX_TYPE, CF_WGMMA_D72 ", {%36, %37, %38, %39}, %40", \
+                                 "%41", "p, 1, 1, 1")                                                                \
+                   : CF_ACC8(0), "+f"(l[0][0]), "+f"(l[0][1]), "+f"(l[0][2]), "+f"(l[0][3])                          \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)                                      \
+                   : "memory");                                                                                      \
+    }                                                                                                                \
+  };
+CF_DEFINE_WGMMA_ROW_SUM72(half_t, "f16")
+CF_DEFINE_WGMMA_ROW_SUM72(bfloat16_t, "bf16")
 // float8 e4m3 (the FP8 forward): both shared operands K-major (V as V^T).
 #define CF_DEFINE_WGMMA8(TYPE, PTX_TYPE, N) CF_DEFINE_WGMMA(TYPE, PTX_TYPE, 32, N, "p, 1, 1", "p, 1, 1")
 CF_DEFINE_WGMMA8(e4m3_t, "e4m3", 16)
@@ -405,6 +434,48 @@ __device__ __forceinline__ void wg_issue_pb(float (&c)[N_TILES][4], u32 (&a)[K_S
   fence_operands(c);
   fence_fragments(a);
   wg_pb_steps<T, K_STEPS, N_TILES, BTile, WIDE>(c, a, b, accumulate);
+  wgmma_commit();
+}
+
+// P's row sums from the tensor cores. l's 8 columns each hold their row's sum of the 16-bit P the products take, so
+// that O / l is the mean of v weighted exactly as O weighs it: dividing by the float32 sum of the unrounded P
+// instead leaves every row of out off by one factor, 1 + sum_j (P~_ij - P_ij) / l_i, which the backward's D =
+// rowsum(dout * out) takes whole where v has a mean (docs/design/forward.md, Row sums). The products read
+// row_sum_ones_bytes of 16-bit ones in shared memory.
+template <int HEAD_DIM, int BLOCK_N>
+__host__ __device__ constexpr int row_sum_ones_bytes() {
+  // 16-bit HEAD_DIM 64, V's tile one 128-byte atom: l's columns are B's second atom, ones in every row a run of
+  // k-steps reads (BLOCK_N rows of 128 bytes); otherwise products of their own, whose 16 x 8 ones (no swizzle, core
+  // matrices 128 bytes apart) lie in 512 bytes. The host's tiles.ws_row_sum_ones_bytes mirrors this.
+  return HEAD_DIM == 64 ? BLOCK_N * 128 : 512;
+}
+
+// As wg_issue_pb with accumulate, and in the same commit group l += P 1 (l's columns: every one its row's sum).
+// ONES_ATOM (B one atom, the ones row_sum_ones_bytes of a whole atom after b_tile in shared memory, LBO from it):
+// each k-step one N = 72 product whose second atom is the ones, so the sums take no instruction of their own;
+// otherwise an N = 8 product per k-step, from 512 bytes of ones.
+template <typename T, int K_STEPS, int N_TILES, class BTile, bool WIDE = false, bool ONES_ATOM = false>
+__device__ __forceinline__ void wg_issue_pb_sum(float (&c)[N_TILES][4], float (&l)[1][4], u32 (&a)[K_STEPS][4],
+                                                const T* b_tile, const void* ones) {
+  static_assert((8 * N_TILES) % BTile::ATOM_COLS == 0, "whole atoms");
+  wgmma_fence();
+  fence_operands(c);
+  fence_operands(l);
+  fence_fragments(a);
+  if constexpr (ONES_ATOM) {
+    static_assert(8 * N_TILES == BTile::ATOM_COLS && N_TILES == 8 && BTile::ATOM_BYTES == 128,
+                  "one 128-byte atom of 64 columns");
+    const u64 b = smem_desc<BTile>(smem_u32(b_tile), smem_u32(ones) - smem_u32(b_tile), 8 * BTile::ATOM_BYTES);
+#pragma unroll
+    for (int kt = 0; kt < K_STEPS; ++kt) WgmmaRowSum72<T>::rs(c, l, a[kt], b + mn_major_step<BTile>(16 * kt));
+  } else {
+    wg_pb_steps<T, K_STEPS, N_TILES, BTile, WIDE>(c, a, desc_mn_major<BTile>(b_tile, 0), true);
+    // no swizzle (mode 0), leading and stride byte offsets 128: all ones, wherever a core matrix is read
+    const u64 b = static_cast<u64>((smem_u32(ones) & 0x3ffffu) >> 4) | static_cast<u64>(128 >> 4) << 16 |
+                  static_cast<u64>(128 >> 4) << 32;
+#pragma unroll
+    for (int kt = 0; kt < K_STEPS; ++kt) WgmmaOp<T, 8>::rs(l, a[kt], b);
+  }
   wgmma_commit();
 }
 

@@ -1,15 +1,15 @@
-"""The forward that divides O by the sum of the rounded P (branch wip/rounded-sum-forward, commit cb4759d: the
-warp-specialized 16-bit forward only) against main, accuracy on one problem each, run once per tree:
+"""Out divided by the sum of the rounded P against out divided by l, accuracy on one problem each, run once per tree
+(the tree's forward decides which):
 
-    PYTHONPATH=. python bench/exp/38_rounded_sum_forward_prototype.py proto        # on the branch
-    PYTHONPATH=. python bench/exp/38_rounded_sum_forward_prototype.py main         # on main
+    PYTHONPATH=. python bench/exp/38_rounded_sum_forward_prototype.py TAG [HEAD_DIM]    # HEAD_DIM: 128 unless given
 
 Prediction (bench/exp/37's emulation): on data with a mean and outlier channels the per-row error e_i falls by an
 order of magnitude, D's error to the rounded-once level (0.06 from 0.16 in bf16), dq's error about 2.5x; on
-standard-normal data little changes; lse is unchanged bit for bit (it keeps the unrounded sum). Causal, 8192
-keys, 2 x 16 heads of 128 without broadcasting (the benchmark's shape, which takes the warp-specialized forward;
-a first run with 8 x 4 broadcast heads took another forward and measured no change). Speed: bench_attention.py
---cases 'bf16-d128-(causal-)?n(8k|16k)$' --backends ours cudnn --timing gpu in each tree, same call."""
+standard-normal data little changes; lse is unchanged. Causal, 8192 keys, 2 x 16 heads without broadcasting (the
+warp-specialized forward's shape; k and v broadcast over heads take the wgmma forward). Run with the first version
+(P rounded a second time in the softmax), the operand-sum version, the tensor cores' sums, and the forward dividing
+by l; log 2026-11-29-h200-row-sums-of-the-rounded-p.txt. Speed: bench_attention.py --cases
+'bf16-d(64|128|256)-(causal|full)-n(8k|16k)$' --backends ours flash cudnn --timing gpu in each tree."""
 
 import sys
 
@@ -31,7 +31,7 @@ def rel(x, ref):
 for make in (shifted_problem, random_problem):
     for dtype, name in ((ml_dtypes.bfloat16, "bf16"), (np.float16, "fp16")):
         rng = np.random.default_rng(7000)
-        shape = (2, 16, 8192, 128)  # the benchmark's (no broadcast)
+        shape = (2, 16, 8192, int(sys.argv[2]) if len(sys.argv) > 2 else 128)  # the benchmark's (no broadcast)
         q, k, v, dout = make(rng, shape, shape, shape, dtype, xp=cupy)
         wide = [x.astype(np.float64) for x in (q, k, v, dout)]
         ro, rl = cupyflash.attention_forward(*wide[:3], causal=True)

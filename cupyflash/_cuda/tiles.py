@@ -354,6 +354,13 @@ def ws_q_buffers(itemsize: int, head_dim: int) -> int:
     return 2 if itemsize * head_dim <= 256 else 1
 
 
+def ws_row_sum_ones_bytes(head_dim: int, block: int) -> int:
+    """The 16-bit warp-specialized forward's tile of ones, whose products give P's row sums
+    (wgmma.cuh, row_sum_ones_bytes): a 128-byte atom per key of a block where V's tile is one atom (head dim
+    64), 512 bytes otherwise."""
+    return 128 * block if head_dim == 64 else 512
+
+
 def smem_bytes(path: str, itemsize: int, head_dim: int, kernel: str, t: Tiles) -> int:
     """Dynamic shared memory of one kernel with tiles t: the carve-up at the top of each kernel (swizzled
     tiles have unpadded rows and start on an SMEM_ALIGN boundary the kernel finds itself)."""
@@ -366,8 +373,9 @@ def smem_bytes(path: str, itemsize: int, head_dim: int, kernel: str, t: Tiles) -
             t.rows * t.block + t.stages * ws_bwd_dq_overflow(itemsize, head_dim, t) if t.paired else t.block * head_dim
         )
         return SMEM_ALIGN + itemsize * tiles + 4 * (staged + 2 * t.stages * t.block)
-    if path == "ws":  # q buffers of a tile's rows, ``stages`` slots of a K and a V tile
-        return SMEM_ALIGN + itemsize * head_dim * (ws_q_buffers(itemsize, head_dim) * t.rows + 2 * t.stages * t.block)
+    if path == "ws":  # q buffers of a tile's rows, ``stages`` slots of a K and a V tile; 16-bit: the ones
+        tiles = itemsize * head_dim * (ws_q_buffers(itemsize, head_dim) * t.rows + 2 * t.stages * t.block)
+        return SMEM_ALIGN + tiles + (ws_row_sum_ones_bytes(head_dim, t.block) if itemsize == 2 else 0)
     swizzled = path != "mma" and path != "large"
     row = head_dim * itemsize + (0 if swizzled else SMEM_PAD_BYTES[itemsize])
     acc_bytes = 8 if itemsize == 8 else 4
