@@ -300,8 +300,8 @@ def _fused_at_any_length(variant):
 
 def _selected(variant, causal, options, device, packed=False, tma=True):
     """The variant the API selects for a call of ``variant``'s direction, dtype and head dim with these
-    options on a device with these abilities; ``tma`` False: with k and v broadcast along a batch dim, which
-    the warp-specialized forward's tensor maps cannot describe."""
+    options on a device with these abilities; ``tma`` False: with q broadcast along a batch dim, which the
+    warp-specialized forward's tensor maps cannot describe (k and v broadcast they can)."""
     import dataclasses
 
     from cupyflash._cuda import tile_policy
@@ -363,8 +363,6 @@ def run_variant(variant, rng):
     import ml_dtypes
     import numpy as np
 
-    import cupyflash
-
     # The API picks the variant from the inputs and the device; the path (Hopper's or mma.sync) through the
     # CUPYFLASH_NO_WGMMA switch.
     os.environ["CUPYFLASH_NO_WGMMA"] = "0" if _hopper_path(variant) else "1"
@@ -380,27 +378,18 @@ def run_variant(variant, rng):
     dropout = dict(dropout_p=0.2, dropout_seed=7) if variant.dropout else {}
     wide = _wide_options(variant)
     ran = 0
-    # k and v of one entry of the last batch dim, broadcast over it: the calls of a forward that the
-    # warp-specialized kernel would otherwise take.
-    k_shared, v_shared = (x[..., :1, :, :] for x in (k, v))
-    for causal, options in _calls(variant, rng, dtype):
-        if _selected(variant, causal, options, device) == variant:
-            keys, values = k, v
-        elif _selected(variant, causal, options, device, tma=False) == variant:
-            keys, values = k_shared, v_shared
-        else:
-            continue
-        ran += 1
-        if variant.direction == "probs":
-            cupyflash.attention_probs(q, keys, values, causal=causal, **options)
-            continue
-        out, lse = cupyflash.attention_forward(q, keys, values, causal=causal, **options, **dropout, **wide["fwd"])
-        if variant.fused_backward:
-            _fused_calls(variant, dout, q, keys, values, out, lse, causal, wide["bwd"])
-        elif variant.direction == "bwd":
-            cupyflash.attention_backward(
-                dout, q, keys, values, out, lse, causal=causal, **options, **dropout, **wide["bwd"]
-            )
+    # q of one entry of the last batch dim, broadcast over it: the calls of a forward that the warp-specialized
+    # kernel would otherwise take. Which forward they launched is checked (dense.functions is asked for it).
+    q_shared = q[..., :1, :, :]
+    from cupyflash._cuda import dense
+
+    loaded = []
+    functions = dense.functions
+    dense.functions = lambda chosen: loaded.append(chosen) or functions(chosen)
+    try:
+        ran += _dense_calls(variant, rng, dtype, device, q, q_shared, k, v, dout, dropout, wide, loaded)
+    finally:
+        dense.functions = functions
     for causal, options in _packed_options(variant):
         if _selected(variant, causal, options, device, packed=True) == variant:
             ran += 1
@@ -408,6 +397,36 @@ def run_variant(variant, rng):
     if not ran:
         raise RuntimeError(f"no call selects {variant_label(variant)} on this GPU")
     cupy.cuda.Device().synchronize()
+
+
+def _dense_calls(variant, rng, dtype, device, q, q_shared, k, v, dout, dropout, wide, loaded) -> int:
+    """The dense calls that select ``variant`` (q shared along a batch dim where only that selects it); how many
+    ran. A forward variant must be among the kernels the calls loaded."""
+    import cupyflash
+
+    ran = 0
+    for causal, options in _calls(variant, rng, dtype):
+        if _selected(variant, causal, options, device) == variant:
+            queries = q
+        elif _selected(variant, causal, options, device, tma=False) == variant:
+            queries = q_shared
+        else:
+            continue
+        ran += 1
+        loaded.clear()
+        if variant.direction == "probs":
+            cupyflash.attention_probs(queries, k, v, causal=causal, **options)
+            continue
+        out, lse = cupyflash.attention_forward(queries, k, v, causal=causal, **options, **dropout, **wide["fwd"])
+        if variant.direction == "fwd" and variant not in loaded:
+            raise RuntimeError(f"{variant_label(variant)} selected, but the call launched {loaded}")
+        if variant.fused_backward:
+            _fused_calls(variant, dout, queries, k, v, out, lse, causal, wide["bwd"])
+        elif variant.direction == "bwd":
+            cupyflash.attention_backward(
+                dout, queries, k, v, out, lse, causal=causal, **options, **dropout, **wide["bwd"]
+            )
+    return ran
 
 
 def _wide_options(variant):

@@ -131,7 +131,9 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
         if variant.path == "ws":
             if _tma_reads(variant, arrays, sizes, strides, nk):
                 block = variant.tiles("fwd").block
-                maps = tma.TensorMaps(arrays, sizes, strides, {"q": WS_WARPGROUP_ROWS, "k": block, "v": block})
+                maps = tma.TensorMaps(
+                    arrays, sizes, strides, {"q": WS_WARPGROUP_ROWS, "k": block, "v": block}, broadcast=("k", "v")
+                )
             else:
                 variant = tile_policy.dense(dataclasses.replace(features, tma=False), current_device())
         plan = Plan(functions(variant), variant, params, [("fwd", nq, batch)], maps, arrays)

@@ -79,9 +79,18 @@ def describable(array, sizes, batch_strides, broadcast: bool = False) -> bool:
 class TensorMaps:
     """The maps of q, k and v for one layout; ``encode`` fills in the arrays' addresses. ``box_rows``:
     name -> the rows of that input's tiles; ``atom_bytes``: name -> the swizzle atom of its tiles' rows
-    (SwizzledTile::ATOM_BYTES; 128 unless given)."""
+    (SwizzledTile::ATOM_BYTES; 128 unless given). ``broadcast``: the names whose kernel reads a broadcast batch dim
+    (stride 0) at coordinate 0, which their maps hold as one entry; any other input must have no such dim."""
 
-    def __init__(self, arrays: dict, sizes, batch_strides: dict, box_rows: dict, atom_bytes: dict | None = None):
+    def __init__(
+        self,
+        arrays: dict,
+        sizes,
+        batch_strides: dict,
+        box_rows: dict,
+        atom_bytes: dict | None = None,
+        broadcast: tuple = (),
+    ):
         self._function = _encoder()
         if self._function is None:
             raise RuntimeError("cupyflash: the CUDA driver's cuTensorMapEncodeTiled is not available")
@@ -95,6 +104,11 @@ class TensorMaps:
             # (cols, rows, b2, b1, b0); a batch dim of one entry, or broadcast (stride 0; describable), is one
             # entry in the map, with any valid stride.
             own = [n if s else 1 for n, s in zip(sizes, batch_strides[name])]
+            if own != list(sizes) and name not in broadcast:
+                raise ValueError(
+                    f"cupyflash: {name} is broadcast over batch dims {sizes} (strides {batch_strides[name]}), which "
+                    "its kernel reads entry by entry: copy it first"
+                )
             dims = (ctypes.c_uint64 * 5)(cols, rows, own[2], own[1], own[0])
             strides = (ctypes.c_uint64 * 4)(
                 row_bytes,

@@ -587,19 +587,17 @@ def test_k_and_v_broadcast_over_query_heads_take_the_warp_specialized_forward(mo
     the same dims (the kernel reads both at k's coordinates); q broadcast stays with the wgmma forward."""
     monkeypatch.setattr(tma, "available", lambda: True)
 
-    def array(strides):
+    def array(shape, strides):
         return types.SimpleNamespace(
-            shape=(2, 4, 1, 100, 128),
-            strides=strides,
-            dtype=np.dtype(np.float16),
-            data=types.SimpleNamespace(ptr=1 << 20),
+            shape=shape, strides=strides, dtype=np.dtype(np.float16), data=types.SimpleNamespace(ptr=1 << 20)
         )
 
     plain = Variant("fwd", "float16", 128, "ws", "none")
     sizes = [2, 4, 3]
     own = [4 * 3 * 100 * 128, 3 * 100 * 128, 100 * 128]
     shared = [4 * 100 * 128, 100 * 128, 0]
-    q, kv = array(tuple(2 * s for s in own) + (256, 2)), array(tuple(2 * s for s in shared) + (256, 2))
+    q = array((2, 4, 3, 100, 128), tuple(2 * s for s in own) + (256, 2))
+    kv = array((2, 4, 1, 100, 128), tuple(2 * s for s in shared) + (256, 2))
     arrays = {"q": q, "k": kv, "v": kv}
     assert dense._tma_reads(plain, arrays, sizes, {"q": own, "k": shared, "v": shared}, 100)
     assert not dense._tma_reads(plain, arrays, sizes, {"q": own, "k": shared, "v": own}, 100)  # v not broadcast

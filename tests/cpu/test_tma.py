@@ -2,6 +2,7 @@
 layouts a map can describe, and that each set of addresses is encoded once (the driver's encoder stood in for)."""
 
 import numpy as np
+import pytest
 
 from cupyflash._cuda import tma
 
@@ -64,7 +65,8 @@ def test_tensor_maps_are_encoded_once_per_set_of_addresses(monkeypatch):
 
 def test_a_broadcast_batch_dim_is_one_entry_in_its_map(monkeypatch):
     """TensorMaps: k and v broadcast over query heads (stride 0) are mapped with that dim of one entry, which the
-    kernel reads at coordinate 0; q keeps every entry of it."""
+    kernel reads at coordinate 0; q keeps every entry of it. An input the kernel reads entry by entry (not named
+    in ``broadcast``) with such a dim is refused, never mapped short."""
     seen = {}
 
     def encode(at, code, rank, address, dims, strides, box, element_strides, *flags):
@@ -77,8 +79,10 @@ def test_a_broadcast_batch_dim_is_one_entry_in_its_map(monkeypatch):
     arrays = {"q": q, "k": kv, "v": kv}
     strides = {"q": [6 * 100 * 128, 3 * 100 * 128, 100 * 128], "k": [2 * 100 * 128, 100 * 128, 0]}
     strides["v"] = strides["k"]
-    maps = tma.TensorMaps(arrays, [2, 2, 3], strides, {"q": 64, "k": 32, "v": 32})
+    maps = tma.TensorMaps(arrays, [2, 2, 3], strides, {"q": 64, "k": 32, "v": 32}, broadcast=("k", "v"))
     maps.encode({"q": 1 << 20, "k": 2 << 20, "v": 3 << 20})
     assert seen[1 << 20] == ([128, 100, 3, 2, 2], [256, 100 * 256, 3 * 100 * 256, 6 * 100 * 256])
     # the group dim: one entry (any valid stride); heads and batch at their own strides
     assert seen[2 << 20] == ([128, 100, 1, 2, 2], [256, 16, 100 * 256, 2 * 100 * 256]) == seen[3 << 20]
+    with pytest.raises(ValueError, match="v is broadcast over batch dims"):
+        tma.TensorMaps(arrays, [2, 2, 3], strides, {"q": 64, "k": 32, "v": 32}, broadcast=("k",))

@@ -110,9 +110,11 @@ def test_grouped_query_attention(rng, assert_matches_reference, dtype, causal):
         ((2, 3, 260, 128), (1, 3, 260, 128), True),  # shared by the batch entries
         ((2, 2, 3, 200, 128), (2, 2, 1, 200, 128), True),  # GQA
         ((2, 3, 230, 64), (230, 64), True),  # shared by every batch entry and head
+        ((2, 3, 2, 210, 128), (1, 3, 1, 210, 128), True),  # GQA shared by the batch: the outer and inner dims
+        ((1, 2, 2, 190, 256), (1, 2, 1, 190, 256), True),  # GQA at the widest head dim
         ((2, 4, 250, 64), (2, 1, 250, 64), False),  # k shared, v not: other dims, the wgmma forward
     ],
-    ids=["mqa", "batch", "gqa", "all", "k-only"],
+    ids=["mqa", "batch", "gqa", "all", "batch-and-group", "gqa-d256", "k-only"],
 )
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
 def test_keys_broadcast_over_batch_dims_are_read_through_tensor_maps(
