@@ -15,8 +15,9 @@ out or gradients: ``out-fp32``): every module of
 cupyflash._cuda.tile_policy.shipped_variants() that the GPU at hand can run (Hopper's paths need compute
 capability 9.0, and so does FP8; the large float64 tiles 9.0 or more, where they replace the mma ones).
 ``--variants`` is a regular expression searched in those names. Each variant runs through the public API,
-with options chosen so that the API's own selection picks exactly that variant (checked before the run),
-and CUPYFLASH_NO_WGMMA set to pick its path.
+with options chosen so that the API's own selection picks exactly that variant (checked before the run; a forward
+also after it, against the kernels the call loaded), and CUPYFLASH_NO_WGMMA set to pick its path. The Hopper
+forwards that stand in where tensor maps cannot read the inputs run with q shared along a batch dim.
 
 How it works. This script first compiles the selected variants into CuPy's on-disk kernel cache, in
 parallel, so that no sanitized process compiles. Then, for each tool, one ``compute-sanitizer --tool TOOL``
