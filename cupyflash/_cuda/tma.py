@@ -65,7 +65,8 @@ def describable(array, sizes, batch_strides, broadcast: bool = False) -> bool:
     """Whether a tensor map can describe ``array`` (*batch, N, D) over the collapsed batch (``sizes``, its
     ``batch_strides`` in elements): 16-byte aligned start and strides. A broadcast (stride 0) batch dim of more
     than one entry, which TMA cannot step through, only where ``broadcast``: the map then has that dim of one
-    entry, and the kernel reads it at coordinate 0 (the warp-specialized forward's k and v)."""
+    entry, and the kernel reads it at coordinate 0 (the warp-specialized forward's and the fused backward's k and
+    v)."""
     itemsize = array.dtype.itemsize
     row = array.strides[-2] if array.shape[-2] > 1 else 16
     if array.data.ptr % 16 or row % 16 or not 0 < row < _MAX_STRIDE:

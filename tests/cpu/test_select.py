@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 
 from cupyflash import _dropout, _modifiers
-from cupyflash._cuda import dense, launch, tile_policy, tiles, tma
+from cupyflash._cuda import dense, fused_backward, launch, tile_policy, tiles, tma
 from cupyflash._cuda.source import source
 from cupyflash._cuda.variants import BOUNDED_SOFTCAP_MAX, DTYPES, FP8, MODS, PATHS, SCORES, Device, Features, Variant
 
@@ -602,6 +602,29 @@ def test_k_and_v_broadcast_over_query_heads_take_the_warp_specialized_forward(mo
     assert dense._tma_reads(plain, arrays, sizes, {"q": own, "k": shared, "v": shared}, 100)
     assert not dense._tma_reads(plain, arrays, sizes, {"q": own, "k": shared, "v": own}, 100)  # v not broadcast
     assert not dense._tma_reads(plain, arrays, sizes, {"q": shared, "k": shared, "v": shared}, 100)  # q broadcast
+
+
+def test_k_and_v_broadcast_over_query_heads_take_the_fused_backward(monkeypatch):
+    """fused_backward.describable: k and v broadcast over batch dims (GQA, MQA), over the same dims or not (the
+    kernel works each one's coordinates out from its own strides), are read through tensor maps; q or dout
+    broadcast are not (the two passes serve them)."""
+    monkeypatch.setattr(tma, "available", lambda: True)
+
+    def array(shape, strides):
+        return types.SimpleNamespace(
+            shape=shape, strides=strides, dtype=np.dtype(np.float16), data=types.SimpleNamespace(ptr=1 << 20)
+        )
+
+    sizes = [2, 4, 3]
+    own = [4 * 3 * 100 * 128, 3 * 100 * 128, 100 * 128]
+    shared = [4 * 100 * 128, 100 * 128, 0]
+    full = array((2, 4, 3, 100, 128), tuple(2 * s for s in own) + (256, 2))
+    kv = array((2, 4, 1, 100, 128), tuple(2 * s for s in shared) + (256, 2))
+    arrays = {"q": full, "k": kv, "v": kv, "dout": full}
+    assert fused_backward.describable(arrays, sizes, {"q": own, "k": shared, "v": shared, "dout": own})
+    assert fused_backward.describable(arrays, sizes, {"q": own, "k": shared, "v": own, "dout": own})
+    assert not fused_backward.describable(arrays, sizes, {"q": shared, "k": own, "v": own, "dout": own})
+    assert not fused_backward.describable(arrays, sizes, {"q": own, "k": own, "v": own, "dout": shared})
 
 
 def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward():
