@@ -1,11 +1,11 @@
-"""out on data with a mean and outlier channels, where its normalization matters: Hopper's 16-bit forwards divide O
-by the row sums of the rounded P that O's products took (from the tensor cores), so that each row of out is a
-weighted mean of v and carries no common factor of its own. The backward's D = rowsum(dout * out), large on such
-data, would take such a factor whole, and dq with it: here D and dq from our out must be as exact as from the float64
-out rounded once to the inputs' dtype. The warp-specialized forward at head dim 64 takes the row sums inside P V's
-products, at 128 and 256 (and a window alone) in products of their own; k and v broadcast over groups of query heads
-(GQA) take that forward too. Needs a GPU of compute capability 9.0
-(docs/design/forward.md, Row sums, says which forms and forwards keep O / l):
+"""out on data with a mean and outlier channels, where its normalization matters: Hopper's warp-specialized 16-bit
+forward divides O by the row sums of the rounded P that O's products took (from the tensor cores), so that each row
+of out is a weighted mean of v and carries no common factor of its own. The backward's D = rowsum(dout * out), large
+on such data, would take such a factor whole, and dq with it: here D and dq from our out must be as exact as from the
+float64 out rounded once to the inputs' dtype. The warp-specialized forward at head dim 64 takes the row sums inside
+P V's products, at 128 and 256 (and a window alone) in products of their own; k and v broadcast over groups of query
+heads (GQA) take that forward too. Needs a GPU of compute capability 9.0 (docs/design/forward.md, Row sums, says
+which forms and forwards keep O / l):
 
     python -m pytest -m gpu tests/gpu/test_gpu_out_normalization.py
 """
