@@ -15,8 +15,9 @@ out or gradients: ``out-fp32``): every module of
 cupyflash._cuda.tile_policy.shipped_variants() that the GPU at hand can run (Hopper's paths need compute
 capability 9.0, and so does FP8; the large float64 tiles 9.0 or more, where they replace the mma ones).
 ``--variants`` is a regular expression searched in those names. Each variant runs through the public API,
-with options chosen so that the API's own selection picks exactly that variant (checked before the run),
-and CUPYFLASH_NO_WGMMA set to pick its path.
+with options chosen so that the API's own selection picks exactly that variant (checked before the run; a forward
+also after it, against the kernels the call loaded), and CUPYFLASH_NO_WGMMA set to pick its path. The Hopper
+forwards that stand in where tensor maps cannot read the inputs run with q shared along a batch dim.
 
 How it works. This script first compiles the selected variants into CuPy's on-disk kernel cache, in
 parallel, so that no sanitized process compiles. Then, for each tool, one ``compute-sanitizer --tool TOOL``
@@ -300,8 +301,8 @@ def _fused_at_any_length(variant):
 
 def _selected(variant, causal, options, device, packed=False, tma=True):
     """The variant the API selects for a call of ``variant``'s direction, dtype and head dim with these
-    options on a device with these abilities; ``tma`` False: with k and v broadcast along a batch dim, which
-    the warp-specialized forward's tensor maps cannot describe."""
+    options on a device with these abilities; ``tma`` False: with q broadcast along a batch dim, which the
+    warp-specialized forward's tensor maps cannot describe (k and v broadcast they can)."""
     import dataclasses
 
     from cupyflash._cuda import tile_policy
@@ -363,8 +364,6 @@ def run_variant(variant, rng):
     import ml_dtypes
     import numpy as np
 
-    import cupyflash
-
     # The API picks the variant from the inputs and the device; the path (Hopper's or mma.sync) through the
     # CUPYFLASH_NO_WGMMA switch.
     os.environ["CUPYFLASH_NO_WGMMA"] = "0" if _hopper_path(variant) else "1"
@@ -380,27 +379,18 @@ def run_variant(variant, rng):
     dropout = dict(dropout_p=0.2, dropout_seed=7) if variant.dropout else {}
     wide = _wide_options(variant)
     ran = 0
-    # k and v of one entry of the last batch dim, broadcast over it: the calls of a forward that the
-    # warp-specialized kernel would otherwise take.
-    k_shared, v_shared = (x[..., :1, :, :] for x in (k, v))
-    for causal, options in _calls(variant, rng, dtype):
-        if _selected(variant, causal, options, device) == variant:
-            keys, values = k, v
-        elif _selected(variant, causal, options, device, tma=False) == variant:
-            keys, values = k_shared, v_shared
-        else:
-            continue
-        ran += 1
-        if variant.direction == "probs":
-            cupyflash.attention_probs(q, keys, values, causal=causal, **options)
-            continue
-        out, lse = cupyflash.attention_forward(q, keys, values, causal=causal, **options, **dropout, **wide["fwd"])
-        if variant.fused_backward:
-            _fused_calls(variant, dout, q, keys, values, out, lse, causal, wide["bwd"])
-        elif variant.direction == "bwd":
-            cupyflash.attention_backward(
-                dout, q, keys, values, out, lse, causal=causal, **options, **dropout, **wide["bwd"]
-            )
+    # q of one entry of the last batch dim, broadcast over it: the calls of a forward that the warp-specialized
+    # kernel would otherwise take. Which forward they launched is checked (dense.functions is asked for it).
+    q_shared = q[..., :1, :, :]
+    from cupyflash._cuda import dense
+
+    loaded = []
+    functions = dense.functions
+    dense.functions = lambda chosen: loaded.append(chosen) or functions(chosen)
+    try:
+        ran += _dense_calls(variant, rng, dtype, device, q, q_shared, k, v, dout, dropout, wide, loaded)
+    finally:
+        dense.functions = functions
     for causal, options in _packed_options(variant):
         if _selected(variant, causal, options, device, packed=True) == variant:
             ran += 1
@@ -408,6 +398,36 @@ def run_variant(variant, rng):
     if not ran:
         raise RuntimeError(f"no call selects {variant_label(variant)} on this GPU")
     cupy.cuda.Device().synchronize()
+
+
+def _dense_calls(variant, rng, dtype, device, q, q_shared, k, v, dout, dropout, wide, loaded) -> int:
+    """The dense calls that select ``variant`` (q shared along a batch dim where only that selects it); how many
+    ran. A forward variant must be among the kernels the calls loaded."""
+    import cupyflash
+
+    ran = 0
+    for causal, options in _calls(variant, rng, dtype):
+        if _selected(variant, causal, options, device) == variant:
+            queries = q
+        elif _selected(variant, causal, options, device, tma=False) == variant:
+            queries = q_shared
+        else:
+            continue
+        ran += 1
+        loaded.clear()
+        if variant.direction == "probs":
+            cupyflash.attention_probs(queries, k, v, causal=causal, **options)
+            continue
+        out, lse = cupyflash.attention_forward(queries, k, v, causal=causal, **options, **dropout, **wide["fwd"])
+        if variant.direction == "fwd" and variant not in loaded:
+            raise RuntimeError(f"{variant_label(variant)} selected, but the call launched {loaded}")
+        if variant.fused_backward:
+            _fused_calls(variant, dout, queries, k, v, out, lse, causal, wide["bwd"])
+        elif variant.direction == "bwd":
+            cupyflash.attention_backward(
+                dout, queries, k, v, out, lse, causal=causal, **options, **dropout, **wide["bwd"]
+            )
+    return ran
 
 
 def _wide_options(variant):

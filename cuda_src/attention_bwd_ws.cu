@@ -224,10 +224,18 @@ struct KeyBlockWalk {
 };
 
 // The producer warp: K and V, then each query block's q, dout (lane 0, TMA) and lse_log2, delta (every lane).
-// The batch entry's three indices are worked out per copy, not held (24 registers).
+// The batch entry's three indices are worked out per copy, not held (24 registers). k and v broadcast over a batch
+// dim (stride 0 in `strides`: a key/value head shared by a group of query heads) are mapped with that dim of one
+// entry (tma.py): coordinate 0 there. Their dk and dv are written per batch entry all the same, and summed over the
+// group after the call.
 template <class Tile, typename T>
-__device__ __forceinline__ void copy_rows(T* tile, const TensorMap& map, const AttnParams& p, int b, int row, u32 bar) {
-  tma_load_tile<Tile>(tile, map, row, b / p.batch2 / p.batch1, (b / p.batch2) % p.batch1, b % p.batch2, bar);
+__device__ __forceinline__ void copy_rows(T* tile, const TensorMap& map, const AttnParams& p, int b, int row, u32 bar,
+                                          const i64* strides = nullptr) {
+  const int b0 = b / p.batch2 / p.batch1, b1 = (b / p.batch2) % p.batch1, b2 = b % p.batch2;
+  if (strides == nullptr)
+    tma_load_tile<Tile>(tile, map, row, b0, b1, b2, bar);
+  else
+    tma_load_tile<Tile>(tile, map, row, strides[0] ? b0 : 0, strides[1] ? b1 : 0, strides[2] ? b2 : 0, bar);
 }
 template <class K>
 __device__ __forceinline__ void bwd_copy_tiles(const BwdWsCta<K>& cta, const AttnParams& p, const BwdTensorMaps& maps,
@@ -236,8 +244,8 @@ __device__ __forceinline__ void bwd_copy_tiles(const BwdWsCta<K>& cta, const Att
   const int b = walk.b, n0 = walk.n * K::BLOCK_N;
   if (lane == 0) {
     mbar_expect(cta.kv_full(), 2 * K::KVTile::SIZE * sizeof(T));
-    copy_rows<typename K::KVTile>(cta.sK(), maps.k, p, b, n0, cta.kv_full());
-    copy_rows<typename K::KVTile>(cta.sV(), maps.v, p, b, n0, cta.kv_full());
+    copy_rows<typename K::KVTile>(cta.sK(), maps.k, p, b, n0, cta.kv_full(), p.k_stride);
+    copy_rows<typename K::KVTile>(cta.sV(), maps.v, p, b, n0, cta.kv_full(), p.v_stride);
   }
   const float* lse_log2 = static_cast<const float*>(p.lse_log2) + static_cast<i64>(b) * p.nq;
   const float* delta = static_cast<const float*>(p.delta) + static_cast<i64>(b) * p.nq;

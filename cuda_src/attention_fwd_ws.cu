@@ -287,19 +287,22 @@ __device__ __forceinline__ void copy_tiles(const WsCta<K>& cta, const TensorMaps
     for (int group = 0; group < K::WGS; ++group)
       tma_load_tile<QTile>(cta.sQ + (K::WGS * buffer + group) * QTile::SIZE, maps.q, m0 + K::WG_ROWS * group, b0, b1,
                            b2, cta.q_full(buffer));
+    // k and v broadcast over a batch dim (stride 0: a key/value head shared by a group of query heads; the same
+    // dims for both, dense._tma_reads) are mapped with that dim of one entry (tma.py): coordinate 0 there.
+    const int kb0 = p.k_stride[0] ? b0 : 0, kb1 = p.k_stride[1] ? b1 : 0, kb2 = p.k_stride[2] ? b2 : 0;
     for (int n = cta.prev_visited(words, rows.n_blocks - 1, rows.n_first); n >= rows.n_first;
          n = cta.prev_visited(words, n - 1, rows.n_first), ++t) {
       const int slot = t % K::STAGES;
       if (t >= K::STAGES) mbar_wait(cta.k_empty(slot), cta.parity(t - K::STAGES));
       mbar_expect(cta.k_full(slot), KVTile::SIZE * sizeof(T));
-      tma_load_tile<KVTile>(cta.sK + slot * KVTile::SIZE, maps.k, n * K::BLOCK_N, b0, b1, b2, cta.k_full(slot));
+      tma_load_tile<KVTile>(cta.sK + slot * KVTile::SIZE, maps.k, n * K::BLOCK_N, kb0, kb1, kb2, cta.k_full(slot));
       if (t >= K::STAGES) mbar_wait(cta.v_empty(slot), cta.parity(t - K::STAGES));
       mbar_expect(cta.v_full(slot), K::VTile::SIZE * sizeof(T));
       if constexpr (K::FP8)  // V^T: the block's keys are columns
-        tma_load_tile<typename K::VTile>(cta.sV + slot * K::VTile::SIZE, maps.v, 0, b0, b1, b2, cta.v_full(slot),
+        tma_load_tile<typename K::VTile>(cta.sV + slot * K::VTile::SIZE, maps.v, 0, kb0, kb1, kb2, cta.v_full(slot),
                                          n * K::BLOCK_N);
       else
-        tma_load_tile<KVTile>(cta.sV + slot * KVTile::SIZE, maps.v, n * K::BLOCK_N, b0, b1, b2, cta.v_full(slot));
+        tma_load_tile<KVTile>(cta.sV + slot * KVTile::SIZE, maps.v, n * K::BLOCK_N, kb0, kb1, kb2, cta.v_full(slot));
     }
   }
 }

@@ -53,9 +53,15 @@ def _pieces_width(variant) -> int:
 
 
 def _tma_reads(variant, arrays, sizes, strides, nk: int) -> bool:
-    """Whether the warp-specialized forward can serve: tensor maps describe q, k, v and its block-mask walk
-    holds the key tiles."""
-    if not (tma.available() and all(tma.describable(arrays[name], sizes, strides[name]) for name in tma.MAPPED)):
+    """Whether the warp-specialized forward can serve: tensor maps describe q, k, v (k and v may be broadcast over
+    query heads, GQA's layout, over the same batch dims: the kernel reads both at k's coordinates) and its
+    block-mask walk holds the key tiles."""
+    if not tma.available() or not all(
+        tma.describable(arrays[name], sizes, strides[name], broadcast=name != "q") for name in tma.MAPPED
+    ):
+        return False
+    broadcast = [[n > 1 and s == 0 for n, s in zip(sizes, strides[name])] for name in ("k", "v")]
+    if broadcast[0] != broadcast[1]:
         return False
     return not variant.block_mask or -(-nk // BLOCK_MASK_TILE) <= WS_BLOCK_MASK_TILES
 
@@ -125,7 +131,9 @@ def attention_forward(q, k, v, *, scale: float, causal: bool, mods=None, dropout
         if variant.path == "ws":
             if _tma_reads(variant, arrays, sizes, strides, nk):
                 block = variant.tiles("fwd").block
-                maps = tma.TensorMaps(arrays, sizes, strides, {"q": WS_WARPGROUP_ROWS, "k": block, "v": block})
+                maps = tma.TensorMaps(
+                    arrays, sizes, strides, {"q": WS_WARPGROUP_ROWS, "k": block, "v": block}, broadcast=("k", "v")
+                )
             else:
                 variant = tile_policy.dense(dataclasses.replace(features, tma=False), current_device())
         plan = Plan(functions(variant), variant, params, [("fwd", nq, batch)], maps, arrays)

@@ -12,9 +12,9 @@ call on the same holders only launches:
   pack_e4m3_fragments), so that P's fragments are packed straight from the score accumulators, with no
   shuffles;
 - the descales as float32 (batch, blocks) per flat batch entry.
-Broadcast (GQA) q and k are copied whole (TMA cannot step through a stride-0 batch dim); V^T is written per
-entry anyway. A call's plan is kept in the plan cache (plans.py) under its call key (cupyflash/_fp8/api.py), as a dense
-call's is.
+Broadcast (GQA) q and k are copied whole: the kernel reads k's and V^T's tiles at the same batch coordinates, and
+V^T is written per entry (the 16-bit forward's maps hold a broadcast k and v as one entry instead). A call's plan is
+kept in the plan cache (plans.py) under its call key (cupyflash/_fp8/api.py), as a dense call's is.
 """
 
 from __future__ import annotations

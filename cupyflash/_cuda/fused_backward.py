@@ -17,9 +17,15 @@ from cupyflash._cuda.launch import Plan, ensure_context, launch_kernel
 MAPPED = ("q", "k", "v", "dout")  # the inputs it reads through tensor maps, in BwdTensorMaps' order
 
 
+BROADCAST = ("k", "v")  # the inputs it reads at coordinate 0 of a broadcast batch dim (GQA, MQA)
+
+
 def describable(arrays, sizes, strides) -> bool:
-    """Whether tensor maps describe its inputs (no broadcast batch dims, 16-byte aligned strides)."""
-    return tma.available() and all(tma.describable(arrays[name], sizes, strides[name]) for name in MAPPED)
+    """Whether tensor maps describe its inputs: 16-byte aligned strides, and broadcast batch dims (stride 0) only in
+    k and v (their gradients, per batch entry, are summed after the call)."""
+    return tma.available() and all(
+        tma.describable(arrays[name], sizes, strides[name], broadcast=name in BROADCAST) for name in MAPPED
+    )
 
 
 class FusedBackwardPlan(Plan):
@@ -44,7 +50,7 @@ class FusedBackwardPlan(Plan):
         zeroed_from = accum * 4 if variant.deterministic else 0
         self._zeroed = (zeroed_from, self._workspace * 4 - zeroed_from)  # (first byte, bytes)
         self._fused_maps = tma.TensorMaps(
-            arrays, sizes, strides, {"q": t.block, "k": t.rows, "v": t.rows, "dout": t.block}
+            arrays, sizes, strides, {"q": t.block, "k": t.rows, "v": t.rows, "dout": t.block}, broadcast=BROADCAST
         )
         self._address_words = self.slots(MAPPED)
         by_arrival = tile_policy.fused_backward_by_arrival(

@@ -61,25 +61,37 @@ def available() -> bool:
     return _encoder() is not None
 
 
-def describable(array, sizes, batch_strides) -> bool:
+def describable(array, sizes, batch_strides, broadcast: bool = False) -> bool:
     """Whether a tensor map can describe ``array`` (*batch, N, D) over the collapsed batch (``sizes``, its
-    ``batch_strides`` in elements): 16-byte aligned start and strides, and no broadcast (stride 0) batch
-    dim of more than one entry, which TMA cannot step through."""
+    ``batch_strides`` in elements): 16-byte aligned start and strides. A broadcast (stride 0) batch dim of more
+    than one entry, which TMA cannot step through, only where ``broadcast``: the map then has that dim of one
+    entry, and the kernel reads it at coordinate 0 (the warp-specialized forward's and the fused backward's k and
+    v)."""
     itemsize = array.dtype.itemsize
     row = array.strides[-2] if array.shape[-2] > 1 else 16
     if array.data.ptr % 16 or row % 16 or not 0 < row < _MAX_STRIDE:
         return False
     return all(
-        n == 1 or (s * itemsize % 16 == 0 and 0 < s * itemsize < _MAX_STRIDE) for n, s in zip(sizes, batch_strides)
+        n == 1 or (broadcast and s == 0) or (s * itemsize % 16 == 0 and 0 < s * itemsize < _MAX_STRIDE)
+        for n, s in zip(sizes, batch_strides)
     )
 
 
 class TensorMaps:
     """The maps of q, k and v for one layout; ``encode`` fills in the arrays' addresses. ``box_rows``:
     name -> the rows of that input's tiles; ``atom_bytes``: name -> the swizzle atom of its tiles' rows
-    (SwizzledTile::ATOM_BYTES; 128 unless given)."""
+    (SwizzledTile::ATOM_BYTES; 128 unless given). ``broadcast``: the names whose kernel reads a broadcast batch dim
+    (stride 0) at coordinate 0, which their maps hold as one entry; any other input must have no such dim."""
 
-    def __init__(self, arrays: dict, sizes, batch_strides: dict, box_rows: dict, atom_bytes: dict | None = None):
+    def __init__(
+        self,
+        arrays: dict,
+        sizes,
+        batch_strides: dict,
+        box_rows: dict,
+        atom_bytes: dict | None = None,
+        broadcast: tuple = (),
+    ):
         self._function = _encoder()
         if self._function is None:
             raise RuntimeError("cupyflash: the CUDA driver's cuTensorMapEncodeTiled is not available")
@@ -90,11 +102,18 @@ class TensorMaps:
             itemsize = array.dtype.itemsize
             cols, rows = array.shape[-1], array.shape[-2]
             row_bytes = array.strides[-2] if rows > 1 else cols * itemsize
-            # (cols, rows, b2, b1, b0); a batch dim of one entry gets any valid stride.
-            dims = (ctypes.c_uint64 * 5)(cols, rows, sizes[2], sizes[1], sizes[0])
+            # (cols, rows, b2, b1, b0); a batch dim of one entry, or broadcast (stride 0; describable), is one
+            # entry in the map, with any valid stride.
+            own = [n if s else 1 for n, s in zip(sizes, batch_strides[name])]
+            if own != list(sizes) and name not in broadcast:
+                raise ValueError(
+                    f"cupyflash: {name} is broadcast over batch dims {sizes} (strides {batch_strides[name]}), which "
+                    "its kernel reads entry by entry: copy it first"
+                )
+            dims = (ctypes.c_uint64 * 5)(cols, rows, own[2], own[1], own[0])
             strides = (ctypes.c_uint64 * 4)(
                 row_bytes,
-                *(s * itemsize if n > 1 else 16 for n, s in zip(reversed(sizes), reversed(batch_strides[name]))),
+                *(s * itemsize if n > 1 else 16 for n, s in zip(reversed(own), reversed(batch_strides[name]))),
             )
             atom = (atom_bytes or {}).get(name, 128)
             box = (ctypes.c_uint32 * 5)(atom // itemsize, box_rows[name], 1, 1, 1)

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 
 from cupyflash import _dropout, _modifiers
-from cupyflash._cuda import dense, launch, tile_policy, tiles, tma
+from cupyflash._cuda import dense, fused_backward, launch, tile_policy, tiles, tma
 from cupyflash._cuda.source import source
 from cupyflash._cuda.variants import BOUNDED_SOFTCAP_MAX, DTYPES, FP8, MODS, PATHS, SCORES, Device, Features, Variant
 
@@ -570,15 +570,61 @@ def test_the_warp_specialized_block_mask_walk_holds_2048_key_tiles(monkeypatch):
     words = int(re.search(r"constexpr int TILE_BITMAP_WORDS = (\d+);", source("block_mask.cuh")).group(1))
     assert tiles.WS_BLOCK_MASK_TILES == 32 * words == 2048
     monkeypatch.setattr(tma, "available", lambda: True)
-    monkeypatch.setattr(tma, "describable", lambda array, sizes, strides: True)
+    monkeypatch.setattr(tma, "describable", lambda array, sizes, strides, broadcast=False: True)
     walk = Variant("fwd", "float16", 128, "ws", "scalars", block_mask=True)
     arrays = {name: None for name in ("q", "k", "v")}
     strides = {name: [0, 0, 0] for name in arrays}
     assert dense._tma_reads(walk, arrays, [1, 1, 1], strides, 2048 * 128)
     assert not dense._tma_reads(walk, arrays, [1, 1, 1], strides, 2048 * 128 + 1)
     assert dense._tma_reads(dataclasses.replace(walk, block_mask=False), arrays, [1, 1, 1], strides, 10**7)
-    monkeypatch.setattr(tma, "describable", lambda array, sizes, strides: False)
+    monkeypatch.setattr(tma, "describable", lambda array, sizes, strides, broadcast=False: False)
     assert not dense._tma_reads(walk, arrays, [1, 1, 1], strides, 128)
+
+
+def test_k_and_v_broadcast_over_query_heads_take_the_warp_specialized_forward(monkeypatch):
+    """GQA's layout, k and v of shape (B, Hk, 1, N, D) against q's (B, Hk, G, N, D): tensor maps describe them (the
+    group dim one entry, read at coordinate 0), so dense._tma_reads says yes, as long as k and v are broadcast over
+    the same dims (the kernel reads both at k's coordinates); q broadcast stays with the wgmma forward."""
+    monkeypatch.setattr(tma, "available", lambda: True)
+
+    def array(shape, strides):
+        return types.SimpleNamespace(
+            shape=shape, strides=strides, dtype=np.dtype(np.float16), data=types.SimpleNamespace(ptr=1 << 20)
+        )
+
+    plain = Variant("fwd", "float16", 128, "ws", "none")
+    sizes = [2, 4, 3]
+    own = [4 * 3 * 100 * 128, 3 * 100 * 128, 100 * 128]
+    shared = [4 * 100 * 128, 100 * 128, 0]
+    q = array((2, 4, 3, 100, 128), tuple(2 * s for s in own) + (256, 2))
+    kv = array((2, 4, 1, 100, 128), tuple(2 * s for s in shared) + (256, 2))
+    arrays = {"q": q, "k": kv, "v": kv}
+    assert dense._tma_reads(plain, arrays, sizes, {"q": own, "k": shared, "v": shared}, 100)
+    assert not dense._tma_reads(plain, arrays, sizes, {"q": own, "k": shared, "v": own}, 100)  # v not broadcast
+    assert not dense._tma_reads(plain, arrays, sizes, {"q": shared, "k": shared, "v": shared}, 100)  # q broadcast
+
+
+def test_k_and_v_broadcast_over_query_heads_take_the_fused_backward(monkeypatch):
+    """fused_backward.describable: k and v broadcast over batch dims (GQA, MQA), over the same dims or not (the
+    kernel works each one's coordinates out from its own strides), are read through tensor maps; q or dout
+    broadcast are not (the two passes serve them)."""
+    monkeypatch.setattr(tma, "available", lambda: True)
+
+    def array(shape, strides):
+        return types.SimpleNamespace(
+            shape=shape, strides=strides, dtype=np.dtype(np.float16), data=types.SimpleNamespace(ptr=1 << 20)
+        )
+
+    sizes = [2, 4, 3]
+    own = [4 * 3 * 100 * 128, 3 * 100 * 128, 100 * 128]
+    shared = [4 * 100 * 128, 100 * 128, 0]
+    full = array((2, 4, 3, 100, 128), tuple(2 * s for s in own) + (256, 2))
+    kv = array((2, 4, 1, 100, 128), tuple(2 * s for s in shared) + (256, 2))
+    arrays = {"q": full, "k": kv, "v": kv, "dout": full}
+    assert fused_backward.describable(arrays, sizes, {"q": own, "k": shared, "v": shared, "dout": own})
+    assert fused_backward.describable(arrays, sizes, {"q": own, "k": shared, "v": own, "dout": own})
+    assert not fused_backward.describable(arrays, sizes, {"q": shared, "k": own, "v": own, "dout": own})
+    assert not fused_backward.describable(arrays, sizes, {"q": own, "k": own, "v": own, "dout": shared})
 
 
 def test_softcapped_bfloat16_without_alibi_takes_the_bounded_forward():

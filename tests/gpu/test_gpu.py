@@ -103,6 +103,41 @@ def test_grouped_query_attention(rng, assert_matches_reference, dtype, causal):
     assert_matches_reference(q, k, v, dout, results, causal=causal)
 
 
+@pytest.mark.parametrize(
+    "q_shape, kv_shape, v_like_k",
+    [
+        ((2, 4, 300, 64), (2, 1, 300, 64), True),  # MQA: one key/value head per batch entry
+        ((2, 3, 260, 128), (1, 3, 260, 128), True),  # shared by the batch entries
+        ((2, 2, 3, 200, 128), (2, 2, 1, 200, 128), True),  # GQA
+        ((2, 3, 230, 64), (230, 64), True),  # shared by every batch entry and head
+        ((2, 3, 2, 210, 128), (1, 3, 1, 210, 128), True),  # GQA shared by the batch: the outer and inner dims
+        ((1, 2, 2, 190, 256), (1, 2, 1, 190, 256), True),  # GQA at the widest head dim
+        ((2, 4, 250, 64), (2, 1, 250, 64), False),  # k shared, v not: other dims, the wgmma forward
+    ],
+    ids=["mqa", "batch", "gqa", "all", "batch-and-group", "gqa-d256", "k-only"],
+)
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+def test_keys_broadcast_over_batch_dims_are_read_through_tensor_maps(
+    rng, monkeypatch, assert_matches_reference, dtype, q_shape, kv_shape, v_like_k
+):
+    """On Hopper the warp-specialized forward reads k and v broadcast over any of the batch dims through tensor maps
+    whose broadcast dims have one entry (read at coordinate 0); k and v broadcast over different dims leave it to the
+    wgmma forward. Either way the results match the reference."""
+    from cupyflash._cuda import dense
+    from cupyflash._cuda.compile import current_device
+
+    mapped = []
+    tma_reads = dense._tma_reads
+    monkeypatch.setattr(dense, "_tma_reads", lambda *args: mapped.append(tma_reads(*args)) or mapped[-1])
+    plans.clear()
+    v_shape = kv_shape if v_like_k else q_shape[:-1] + (kv_shape[-1],)
+    q, k, v, dout = _random_problem(rng, q_shape, kv_shape, v_shape, dtype)
+    results = _run(q, k, v, dout, causal=True)
+    assert_matches_reference(q, k, v, dout, results, causal=True)
+    if current_device().wgmma:
+        assert mapped == [v_like_k], mapped
+
+
 def test_keys_shared_by_every_batch_and_head(rng, assert_matches_reference):
     """k and v with no leading dims at all broadcast over q's (B, H); their gradients sum over both."""
     q, k, v, dout = _random_problem(rng, (3, 4, 165, 32), (180, 32), (180, 32), np.float16)

@@ -16,7 +16,7 @@ import pytest
 from helpers.checks import assert_matches_reference
 from helpers.gpu import nan_filled_allocations
 from helpers.modifiers import run
-from helpers.problems import random_problem
+from helpers.problems import random_array, random_problem
 
 import cupyflash
 from cupyflash._cuda import fused_backward, tile_policy, tiles
@@ -177,11 +177,35 @@ def test_unordered_adds_serve_from_the_same_length(rng, monkeypatch):
         assert_matches_reference(q, k, v, dout, (out, lse, *grads), causal=False)
 
 
-def test_broadcast_keys_take_the_two_passes(rng, any_length):
-    """GQA as broadcast k and v (a batch stride of 0): tensor maps cannot step through them, so the call takes
-    the two passes, with the same result as on materialized copies."""
-    q, k, v, dout = _problem(rng, ml_dtypes.bfloat16, (2, 4), 300, 260, 64)
-    k_b, v_b = (cupy.broadcast_to(x[:, :1], x.shape) for x in (k, v))
+@pytest.mark.parametrize(
+    "q_batch, k_batch, v_batch",
+    [
+        ((2, 4), (2, 1), (2, 1)),  # MQA
+        ((2, 4), (1, 4), (1, 4)),  # shared by the batch
+        ((2, 3, 2), (1, 3, 1), (1, 3, 1)),  # GQA shared by the batch too: the outer and inner dims
+        ((2, 4), (2, 1), (2, 4)),  # k shared, v not: each by its own strides
+        ((2, 4), (1, 1), (1, 1)),  # shared by every entry
+    ],
+    ids=["mqa", "batch-shared", "batch-and-group", "v-not-shared", "all-shared"],
+)
+@pytest.mark.parametrize("d", [64, 256])
+def test_broadcast_keys_take_the_fused_backward(rng, monkeypatch, any_length, d, q_batch, k_batch, v_batch):
+    """GQA and MQA as k and v broadcast over batch dims (stride 0): their tensor maps hold each such dim as one
+    entry, read at coordinate 0, so the fused backward serves them (k and v each by its own strides); dk and dv,
+    written per query head, come back summed over the heads that share them, matching the float64 reference. A
+    second call of the same layout (the planned fast path, its per-head dk and dv in scratch memory) gives the
+    same bits."""
+    launched = _launches(monkeypatch)
+    bf16 = ml_dtypes.bfloat16
+    q, dout = (random_array(rng, q_batch + (300, d), bf16, xp=cupy) for _ in range(2))
+    k, v = (random_array(rng, batch + (260, d), bf16, xp=cupy) for batch in (k_batch, v_batch))
     with nan_filled_allocations():
-        results = run(q, k_b, v_b, dout, causal=True)
-    assert_matches_reference(q, k_b, v_b, dout, results, causal=True)
+        results = run(q, k, v, dout, causal=True)
+    assert results[3].shape == k.shape and results[4].shape == v.shape
+    assert len(launched) == 1 and launched[0].fused_backward, launched
+    assert_matches_reference(q, k, v, dout, results, causal=True)
+    out, lse = results[:2]
+    again = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    assert len(launched) == 2 and launched[1].fused_backward, launched
+    for a, b in zip(again, results[2:]):
+        assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())

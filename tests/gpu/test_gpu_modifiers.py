@@ -407,15 +407,15 @@ def test_warp_specialized_forward_narrower_heads(rng, monkeypatch, d, dv):
 
 @pytest.mark.parametrize("d", [80, 160])
 def test_padded_head_dims_fall_back_to_their_own_wgmma_forward(rng, monkeypatch, d):
-    """Head dims that the warp-specialized forward serves padded (65-96 at 128, 129-192 at 256), with k and v
-    shared across heads (no tensor map): the wgmma forward at the table's own HEAD_DIM (96, 160), plain causal
-    and with a window alone, matching float64."""
+    """Head dims that the warp-specialized forward serves padded (65-96 at 128, 129-192 at 256), with q shared
+    across heads (no tensor map): the wgmma forward at the table's own HEAD_DIM (96, 160), plain causal and with a
+    window alone, matching float64."""
     if not _hopper_paths():
         pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
     loaded = []  # the variants whose kernels the calls ask for
     functions = dense.functions
     monkeypatch.setattr(dense, "functions", lambda variant: loaded.append(variant) or functions(variant))
-    q, k, v, dout = _random_problem(rng, (2, 4, 300, d), (2, 1, 333, d), (2, 1, 333, d), ml_dtypes.bfloat16)
+    q, k, v, dout = _random_problem(rng, (2, 1, 300, d), (2, 4, 333, d), (2, 4, 333, d), ml_dtypes.bfloat16)
     plans.clear()
     for options in ({}, {"window": (50, 0)}):
         loaded.clear()
@@ -427,15 +427,15 @@ def test_padded_head_dims_fall_back_to_their_own_wgmma_forward(rng, monkeypatch,
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
 def test_warp_specialized_forward_falls_back_where_tma_cannot_read(rng, monkeypatch, dtype):
-    """Shared k and v heads (a broadcast batch dim, stride 0, that a tensor map cannot step through) take
-    the window-alone kernel, for causal the wgmma forward, and for a softcap the scalars' one (bounded in
-    bfloat16), instead, with the same results; a q sliced from wider rows (strided, its rows 16-byte aligned)
-    stays on the warp-specialized one."""
+    """q shared across heads (a broadcast batch dim, stride 0, that q's tensor map cannot step through; k's and
+    v's can) takes the window-alone kernel, for causal the wgmma forward, and for a softcap the scalars' one
+    (bounded in bfloat16), instead, with the same results; a q sliced from wider rows (strided, its rows 16-byte
+    aligned) stays on the warp-specialized one."""
     if not _hopper_paths():
         pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
     head_dim = _ws_head_dim()
     counter = _CountTensorMaps(monkeypatch)
-    q, k, v, dout = _random_problem(rng, (2, 4, 300, head_dim), (2, 1, 333, head_dim), (2, 1, 333, head_dim), dtype)
+    q, k, v, dout = _random_problem(rng, (2, 1, 300, head_dim), (2, 4, 333, head_dim), (2, 4, 333, head_dim), dtype)
     plans.clear()
     results = _run(q, k, v, dout, causal=True, window=(50, 0))
     assert counter.built == 0

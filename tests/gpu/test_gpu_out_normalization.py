@@ -3,8 +3,9 @@ forward divides O by the row sums of the rounded P that O's products took (from 
 of out is a weighted mean of v and carries no common factor of its own. The backward's D = rowsum(dout * out), large
 on such data, would take such a factor whole, and dq with it: here D and dq from our out must be as exact as from the
 float64 out rounded once to the inputs' dtype. The warp-specialized forward at head dim 64 takes the row sums inside
-P V's products, at 128 and 256 (and a window alone) in products of their own. Needs a GPU of compute capability 9.0
-(docs/design/forward.md, Row sums, says which forms and forwards keep O / l):
+P V's products, at 128 and 256 (and a window alone) in products of their own; k and v broadcast over groups of query
+heads (GQA) take that forward too. Needs a GPU of compute capability 9.0 (docs/design/forward.md, Row sums, says
+which forms and forwards keep O / l):
 
     python -m pytest -m gpu tests/gpu/test_gpu_out_normalization.py
 """
@@ -37,13 +38,15 @@ def _relative(x, ref):
     return float(cupy.linalg.norm(x.astype(np.float64) - ref) / cupy.linalg.norm(ref))
 
 
-CASES = {  # (head dim, causal, options): each served by the warp-specialized forward
-    "d64-causal": (64, True, {}),
-    "d64": (64, False, {}),
-    "d128-causal": (128, True, {}),
-    "d128": (128, False, {}),
-    "d256-causal": (256, True, {}),
-    "d128-window": (128, False, {"window": (700, 0)}),
+CASES = {  # (head dim, causal, heads of k and v, options): each served by the warp-specialized forward
+    "d64-causal": (64, True, 4, {}),
+    "d64": (64, False, 4, {}),
+    "d128-causal": (128, True, 4, {}),
+    "d128": (128, False, 4, {}),
+    "d256-causal": (256, True, 4, {}),
+    "d128-window": (128, False, 4, {"window": (700, 0)}),
+    "d64-kv-broadcast": (64, False, 1, {}),
+    "d128-causal-kv-broadcast": (128, True, 2, {}),
 }
 
 
@@ -52,10 +55,12 @@ CASES = {  # (head dim, causal, options): each served by the warp-specialized fo
 def test_d_and_dq_as_exact_as_from_out_rounded_once(rng, monkeypatch, dtype, case):
     if not current_device().wgmma:
         pytest.skip("Hopper's forwards run on compute capability 9.0 only")
-    head_dim, causal, options = CASES[case]
+    head_dim, causal, kv_heads, options = CASES[case]
     n = 3000
-    q, k, v, dout = shifted_problem(rng, *[(1, 4, n, head_dim)] * 3, dtype, xp=cupy)
-    mods = _modifiers.resolve(cupy, np.dtype(dtype), (1, 4), n, n, **options) if options else None
+    q_shape = (1, kv_heads, 4 // kv_heads, n, head_dim)  # 4 query heads in groups over k's and v's heads
+    kv_shape = (1, kv_heads, 1, n, head_dim)
+    q, k, v, dout = shifted_problem(rng, q_shape, kv_shape, kv_shape, dtype, xp=cupy)
+    mods = _modifiers.resolve(cupy, np.dtype(dtype), q_shape[:-2], n, n, **options) if options else None
     features = Features.of("fwd", np.dtype(dtype), head_dim, head_dim, causal, mods)
     # whether tensor maps could read q, k, v: without them the call falls back to the wgmma forward (dense.forward)
     mapped = []
