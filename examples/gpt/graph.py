@@ -37,8 +37,10 @@ class CapturedStep:
     ``shape`` is the (B, N) of every batch, ``dtype`` the tokens' integer type. Call it with each step's batch (host
     or device arrays): the first call runs ``step`` uncaptured and captures it, every later one replays the graph.
     It returns step's outputs, which a replay overwrites: read or copy them (on ``stream``) before the next call.
-    Work queued on other streams before the first call is waited for; after it, work elsewhere that touches what
-    the step reads or writes must be ordered with ``stream`` by the caller.
+    Work queued on other streams before the first call is waited for at that call, but not by anything the caller
+    queues on ``stream`` before it (a learning rate's update): synchronize the device before that (train.py does
+    when it enters the stream). After the first call, work elsewhere that touches what the step reads or writes
+    must be ordered with ``stream`` by the caller.
     """
 
     def __init__(self, step, shape, dtype=np.int32, stream=None):

@@ -158,6 +158,10 @@ def main(argv=None) -> dict:
             context.enter_context(fused.disabled())
         if captured is not None:  # one stream for the replays and everything else that touches the parameters
             context.enter_context(captured.stream)
+            # The parameters, the optimizer's state (its learning rate among it) and the losses were made on the
+            # default stream, which this non-blocking stream does not wait for: without this, the first set_lr
+            # could run before the learning rate's initial fill and be overwritten by it.
+            xp.cuda.Device().synchronize()
         for step in (bar := trange(start, args.steps)):
             x, y = text.batch(rng, "train", args.batch, config.context)
             optimizer.set_lr(cosine_lr(step, peak=args.lr, warmup=args.warmup, total=args.steps))

@@ -707,6 +707,32 @@ def test_graph_mode_matches_eager(dtype):
     assert eager[-1] < eager[0] - 0.3  # a run that learns (not one that stands still in both modes)
 
 
+# A kernel that spins for about a tenth of a second (clock64 ticks at ~1.7-2 GHz), to hold the default stream back.
+_SPIN = r"""
+extern "C" __global__ void spin(long long ticks) {
+    long long start = clock64();
+    while (clock64() - start < ticks) {
+    }
+}
+"""
+
+
+def test_graph_mode_waits_for_the_default_stream(monkeypatch):
+    """train.py --graph with the default stream held back while the model and optimizer are made on it: the
+    graph's non-blocking stream must still see the optimizer's initial state before its first learning-rate update
+    (had the update run first, the initial fill would overwrite it and the first step take the peak rate)."""
+    spin = cupy.RawKernel(_SPIN, "spin")
+    made = optim.AdamW.__init__
+
+    def held_back(self, *args, **kwargs):
+        spin((1,), (1,), (np.int64(200_000_000),))  # on the default stream, before the optimizer's fills
+        made(self, *args, **kwargs)
+
+    monkeypatch.setattr(optim.AdamW, "__init__", held_back)
+    eager, graph = _train("float32", 3), _train("float32", 3, extra=["--graph"])
+    assert np.abs(graph - eager).max() <= GRAPH_LOSS_GAP, (graph - eager, eager)
+
+
 def _captured_model(rng, lr=1e-3):
     params = model.init(SMALL, cupy, 0)
     optimizer = optim.AdamW(params, lr=lr)
