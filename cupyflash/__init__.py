@@ -18,7 +18,7 @@ from cupyflash._merge import merge_attention_states, merge_attention_states_stac
 from cupyflash._modifiers import BLOCK_MASK_TILE, block_mask_from_dense
 from cupyflash._warmup import warmup
 
-__version__ = "0.8.1"
+__version__ = "0.8.2"
 
 __all__ = [
     "attention",

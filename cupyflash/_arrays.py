@@ -90,21 +90,22 @@ def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def sum_to_shape(grad, shape, accumulate_dtype=None):
+def sum_to_shape(grad, shape, accumulate_dtype=None, dtype=None):
     """Sum ``grad`` over the dims that broadcasting added to an array of ``shape`` (NumPy or CuPy).
 
-    The sum runs in ``accumulate_dtype`` (None: ``lse_dtype(grad.dtype)``) and the result is cast back to
-    ``grad.dtype``; when nothing was broadcast, ``grad`` itself is returned.
+    The sum runs in ``accumulate_dtype`` (None: ``lse_dtype(grad.dtype)``) and the result is cast to ``dtype``
+    (None: ``grad.dtype``); when nothing was broadcast, ``grad`` itself, cast to ``dtype``.
     """
+    dtype = grad.dtype if dtype is None else dtype
     lead = grad.ndim - len(shape)
     stretched = tuple(lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1)
     axes = tuple(range(lead)) + stretched
     if not axes:
-        return grad
+        return grad.astype(dtype, copy=False)
     if accumulate_dtype is None:
         accumulate_dtype = lse_dtype(grad.dtype)
     total = grad.astype(accumulate_dtype, copy=False).sum(axis=axes, keepdims=True)
-    return total.reshape(shape).astype(grad.dtype, copy=False)
+    return total.reshape(shape).astype(dtype, copy=False)
 
 
 def matmul_seen(p, x, seen):

@@ -93,19 +93,37 @@ def test_unrounded_results_are_closer_to_float64(rng, dtype):
 
 def test_grouped_heads_sum_their_unrounded_gradients(rng):
     """GQA by broadcasting: dk and dv are summed over the query heads in float32 from unrounded terms, so the
-    float32 sums are the float64 ones to float32 rounding, where the rounded call rounds each head first."""
+    float32 sums are the float64 ones to float32 rounding; the rounded call rounds those sums once (bit for bit
+    the float32 call's results rounded), not each head's part first."""
     q = random_array(rng, (1, 2, 3, 60, 32), BF16)
     k, v = (random_array(rng, (1, 2, 1, 60, 32), BF16) for _ in range(2))
     dout = random_array(rng, q.shape, BF16)
     out, lse = cupyflash.attention_forward(q, k, v, causal=True)
     dq, dk, dv = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True, grad_dtype=np.float32)
     assert (dk.shape, dk.dtype, dv.shape, dv.dtype) == (k.shape, np.float32, v.shape, np.float32)
-    _, dk16, dv16 = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    dq16, dk16, dv16 = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    for x, rounded in ((dq, dq16), (dk, dk16), (dv, dv16)):
+        assert rounded.dtype == BF16 and np.array_equal(rounded, x.astype(BF16))
     wide = [x.astype(np.float64) for x in (q, k, v, dout, out)]
     _, dk64, dv64 = cupyflash.attention_backward(wide[3], *wide[:3], wide[4], lse.astype(np.float64), causal=True)
     for x, rounded, exact in ((dk, dk16, dk64), (dv, dv16, dv64)):
         assert max_abs(x - exact) <= 1e-5 * max_abs(exact)
         assert max_abs(rounded.astype(np.float64) - exact) > 10 * max_abs(x - exact)
+
+
+@pytest.mark.parametrize("dtype", HALVES.values(), ids=HALVES.keys())
+def test_packed_grouped_heads_round_their_sums_once(rng, dtype):
+    """A packed batch with 3 query heads per key/value head: the rounded call's dk and dv are the float32 call's
+    sums rounded once, bit for bit, and dq the float32 call's dq rounded."""
+    lengths = [37, 5, 64]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, dout = (random_array(rng, (int(cu[-1]), 6, 16), dtype) for _ in range(2))
+    k, v = (random_array(rng, (int(cu[-1]), 2, 16), dtype) for _ in range(2))
+    out, lse = cupyflash.attention_varlen_forward(q, k, v, cu, cu, causal=True)
+    wide = cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, causal=True, grad_dtype=np.float32)
+    rounded = cupyflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, causal=True)
+    for name, x, y in zip(("dq", "dk", "dv"), wide, rounded):
+        assert x.dtype == np.float32 and y.dtype == dtype and np.array_equal(y, x.astype(dtype)), name
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])

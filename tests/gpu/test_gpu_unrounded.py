@@ -222,6 +222,39 @@ def test_packed_batches_unrounded(rng, path, dtype):
         assert wide_error <= rounded_error + ULP[np.dtype(dtype)] / 2 * max_abs(ref), (name, wide_error, rounded_error)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["passes", "fused"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_grouped_heads_round_their_sums_once(request, rng, path, monkeypatch, dtype, fused):
+    """GQA (2 query heads per key/value head) and MQA: the rounded call's dk and dv are the float32 call's sums
+    rounded once, bit for bit (each head's part is not rounded first), twice, the second through the call's plan;
+    dq is the rounded call's with k and v copied per head (the kernels' own rounding: CuPy's cast rounds alike)."""
+    if fused:
+        if path != "hopper":
+            pytest.skip("the fused backward is Hopper's")
+        request.getfixturevalue("any_length")
+    launched, real = [], fused_backward.FusedBackwardPlan._launch_locked
+
+    def spy(plan, *args, **kwargs):
+        launched.append(plan.variant)
+        return real(plan, *args, **kwargs)
+
+    monkeypatch.setattr(fused_backward.FusedBackwardPlan, "_launch_locked", spy)
+    n = 333
+    for kv_batch in ((2, 2, 1), (1, 1, 1)):
+        q, k, v, dout = random_problem(rng, (2, 2, 2, n, 64), kv_batch + (n, 64), kv_batch + (n, 64), dtype, xp=cupy)
+        out, lse = cupyflash.attention_forward(q, k, v, causal=True)
+        wide = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True, grad_dtype=np.float32)
+        copied = [cupy.ascontiguousarray(cupy.broadcast_to(x, q.shape)) for x in (k, v)]
+        dq_copied = cupyflash.attention_backward(dout, q, *copied, out, lse, causal=True)[0]
+        for _ in range(2):
+            with nan_filled_allocations():
+                rounded = cupyflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+            for name, x, y in zip(("dq", "dk", "dv"), wide, rounded):
+                assert y.dtype == dtype and cupy.array_equal(y, x.astype(dtype)), (kv_batch, name)
+            assert cupy.array_equal(rounded[0], dq_copied), kv_batch
+    assert bool(launched) == fused
+
+
 def test_plans_keep_rounded_and_unrounded_calls_apart(rng, path):
     """One layout called rounded, unrounded, rounded again: each call's results in the dtype it asked for, the
     planned calls (the fast path's call entries, the plans behind them) the same values as the first ones."""
