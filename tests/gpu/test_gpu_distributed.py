@@ -48,9 +48,9 @@ def _two_gpus():
 def test_world_of_one_is_attention_bit_for_bit(rng, causal, monkeypatch):
     """init() without a launcher is a world of one; the ring is then one call of each kernel, and the float32
     accumulators hold the block's results exactly, so out, lse and dq are attention's, bit for bit. dk and dv of
-    the grouped key/value heads are sums over the G = 2 query heads of a group: attention rounds each head's term
-    to bfloat16 before it sums them, the ring sums them unrounded and rounds once, so the two differ by at most
-    a rounding of each term."""
+    the grouped key/value heads are sums over the G = 2 query heads of a group, which both sum unrounded and round
+    once, each in its own code (the ring's accumulator and conversion, attention's sum of float32 parts): held to
+    at most a rounding of each term apart."""
     for name in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"):
         monkeypatch.delenv(name, raising=False)
     comm = dist.init(device=cupy.cuda.Device().id)
