@@ -354,7 +354,8 @@ def attention_backward(
     dv : array, shape of ``v``
         In the inputs' dtype, or ``grad_dtype``. Where an input was broadcast (MQA/GQA), its gradient is
         summed over the broadcast dims (in float32; in float64 for float64 inputs), as autograd would, from
-        unrounded parts: a 16-bit gradient is rounded once, after the sum.
+        unrounded parts where the kernels allow: a 16-bit gradient is then rounded once, after the sum
+        (docs/api.md, Shapes and broadcasting, lists where each part is rounded first).
     dbias : array, shape and dtype of ``bias``
         Only when ``bias`` is given: the gradient of the scores, ``P * (dP - rowsum(P * dP))``,
         summed over the dims along which ``bias`` was broadcast (in float32; in float64 for float64
@@ -441,7 +442,8 @@ def attention_backward(
         mods=problem.mods,
         dropout=dropout,
         deterministic=deterministic,
-        grad_dtype=_summed_results_dtype(grad_dtype, problem.dtype, [x.shape[:-2] for x in (q, k, v)], batch),
+        grad_dtype=grad_dtype,
+        summed=any(math.prod(x.shape[:-2]) < math.prod(batch) for x in (q, k, v)),
         **_fast_key(fast),
     )
     grads = tuple(sum_to_shape(g, x.shape, acc, want) for g, x in zip(grads, (q, k, v)))
@@ -695,7 +697,8 @@ def attention_varlen_backward(
     Returns
     -------
     dq, dk, dv : arrays of the shapes of q, k, v, in their dtype or ``grad_dtype``
-        dk and dv are summed over the query heads that share each key/value head.
+        dk and dv are summed over the query heads that share each key/value head, from unrounded parts where
+        the kernels allow (as in :func:`attention_backward`): 16-bit sums are then rounded once.
 
     Examples
     --------
@@ -732,21 +735,10 @@ def attention_varlen_backward(
         causal=causal,
         mods=mods,
         dropout=dropout,
-        grad_dtype=_summed_results_dtype(grad_dtype, packed.dtype, [(packed.kv_heads,)], (packed.heads,)),
+        grad_dtype=grad_dtype,
+        summed=packed.groups > 1,
     )
     return tuple(g.astype(want, copy=False) for g in grads)
-
-
-def _summed_results_dtype(grad_dtype, dtype, batch_shapes, batch):
-    """The dtype a back end writes the gradients of ``dtype`` inputs in: ``grad_dtype`` (None: the inputs'), or
-    the accumulator's where one of them is summed over broadcast dims (GQA's and MQA's dk and dv, over the query
-    heads sharing a key/value head) and would otherwise be rounded twice: each head's part to 16 bits, then
-    their sum. Summed from the unrounded parts it is rounded once (bf16, two query heads per key/value head: dv's
-    error 0.71x the twice-rounded one, dk's 0.65-1.0x)."""
-    accumulator = lse_dtype(dtype)
-    if grad_dtype is not None or accumulator == dtype:
-        return grad_dtype
-    return accumulator if any(math.prod(shape) < math.prod(batch) for shape in batch_shapes) else None
 
 
 def _plain_window(window) -> bool:

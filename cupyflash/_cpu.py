@@ -87,10 +87,25 @@ def _forward_query_block(q, k, v, i0, i1, tiles):
 
 @quiet_float_errors
 def attention_backward(
-    dout, q, k, v, out, lse, *, scale, causal, mods=None, dropout=None, deterministic=True, grad_dtype=None
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    scale,
+    causal,
+    mods=None,
+    dropout=None,
+    deterministic=True,
+    grad_dtype=None,
+    summed=False,
 ):
     """Returns dq, dk, dv with the full batch shape, in ``grad_dtype`` (None: the inputs' dtype; ``lse_dtype``:
     unrounded), and dbias or None. Deterministic whatever ``deterministic`` says (NumPy's sums run in one order).
+    ``summed``: the caller sums some of them over broadcast dims, so 16-bit gradients come unrounded (the sum is
+    then rounded once, not each part first); the caller casts.
 
     dbias has the bias's own shape ``mods.bias_shape`` and dtype (summed over its broadcast dims in
     float32; in float64 for float64 inputs); None when there is no bias.
@@ -101,7 +116,7 @@ def attention_backward(
     delta = np.sum(dout.astype(tiles.dtype) * out.astype(tiles.dtype), axis=-1)
     # Rows that see no key have lse = -inf; +inf instead makes their P = exp(S - inf) = 0, never NaN.
     lse = np.where(np.isneginf(lse), np.inf, lse)
-    grad_dtype = q.dtype if grad_dtype is None else grad_dtype
+    grad_dtype = tiles.dtype if summed else q.dtype if grad_dtype is None else grad_dtype
     dq = np.zeros(q.shape, dtype=tiles.dtype)
     dk = np.empty(k.shape, dtype=grad_dtype)
     dv = np.empty(v.shape, dtype=grad_dtype)
@@ -307,11 +322,11 @@ def attention_varlen_forward(q, k, v, packed, *, scale, causal, mods=None, dropo
 
 @quiet_float_errors
 def attention_varlen_backward(
-    dout, q, k, v, out, lse, packed, *, scale, causal, mods=None, dropout=None, grad_dtype=None
+    dout, q, k, v, out, lse, packed, *, scale, causal, mods=None, dropout=None, grad_dtype=None, summed=False
 ):
     """dq, dk, dv in the shapes of q, k, v and ``grad_dtype`` (as in attention_backward; dk, dv summed over each
-    group's query heads)."""
-    grad_dtype = q.dtype if grad_dtype is None else grad_dtype
+    group's query heads, unrounded where ``summed``: the caller casts)."""
+    grad_dtype = lse_dtype(q.dtype) if summed else q.dtype if grad_dtype is None else grad_dtype
     dq, dk, dv = (np.zeros(x.shape, dtype=grad_dtype) for x in (q, k, v))
     hk, g = packed.kv_heads, packed.groups
     for s, q0, q1, k0, k1 in packed.sequences():

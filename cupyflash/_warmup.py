@@ -152,15 +152,17 @@ def select_variants(dtypes, head_dims, causal, modifiers, backward, dropout=Fals
                     for is_causal in causals:
                         for direction in directions:
                             features = Features(direction, dtype.name, width, is_causal, dropout=drop, **options)
-                            variants.append(tile_policy.dense(features, device))
+                            forms = [features]
                             if direction == "bwd":  # long sequences' backward (the fused one, where it serves)
                                 longest = (tiles.CHAIN_ROWS, tiles.CHAIN_ROWS)
-                                variants.append(
-                                    tile_policy.dense(dataclasses.replace(features, lengths=longest), device)
-                                )
+                                forms.append(dataclasses.replace(features, lengths=longest))
+                            for f in forms:
+                                variants.append(tile_policy.dense(f, device))
+                                # k, v broadcast over heads (GQA): gradients unrounded until summed, where alike
+                                variants.append(tile_policy.unrounded_alike(f, device))
     if check_bool("decode", decode):
         variants += [v for dtype in dtypes for d in dims for v in decode_tiles.variants_for_call(dtype.name, d)]
-    return list(dict.fromkeys(variants))  # distinct, in order: with modifiers, causal shares one variant
+    return list(dict.fromkeys(v for v in variants if v is not None))  # distinct, in order (causal may share one)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -162,14 +162,22 @@ def attention_backward(
     fast_key=None,
     deterministic: bool = True,
     grad_dtype=None,
+    summed: bool = False,
 ):
     """dq, dk, dv with the full (broadcast) batch shape, in ``grad_dtype`` (None: the inputs' dtype; or lse_dtype,
     unrounded), and dbias (the bias's shape and dtype) or None. ``fast_key`` as in attention_forward.
     ``deterministic=False`` lets the fused backward add dq in any order (bfloat16 / float16 on Hopper, long
-    sequences); every other path is deterministic."""
+    sequences); every other path is deterministic. ``summed``: the caller sums some of the gradients over
+    broadcast dims, so they may come unrounded instead (``unrounded_if_alike``); the caller casts."""
     grad_dtype = q.dtype if grad_dtype is None else numpy.dtype(grad_dtype)
     batch_shape, (nq, d), nk, d_v = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
     d_w, d_v_w = _widths(q.dtype, d, d_v)
+    if summed:
+        lengths = tile_policy.backward_lengths(math.prod(batch_shape), nq, nk, max(d_w, d_v_w))
+        features = Features.of(
+            "bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, lengths=lengths, deterministic=deterministic
+        )
+        grad_dtype = unrounded_if_alike(features, q.dtype, grad_dtype)
     given = dout, q, k, v, out, lse
     q, k = kernel_ready(q, d_w), kernel_ready(k, d_w)
     v, out, dout = (kernel_ready(x, d_v_w) for x in (v, out, dout))
@@ -363,14 +371,40 @@ def attention_varlen_forward(q, k, v, packed, *, scale: float, causal: bool, mod
     return unpad(out, packed.dv), lse
 
 
+def unrounded_if_alike(features: Features, dtype, grad_dtype):
+    """The dtype of a backward's gradients that its caller sums over broadcast dims: lse_dtype (unrounded) where
+    ``grad_dtype`` is the 16-bit inputs' own and tile_policy.unrounded_alike finds the unrounded variant to be the
+    rounded one's kernel form, else ``grad_dtype`` (each part then rounded before the sum)."""
+    if grad_dtype != dtype or tile_policy.unrounded_alike(features, current_device()) is None:
+        return grad_dtype
+    return lse_dtype(dtype)
+
+
 def attention_varlen_backward(
-    dout, q, k, v, out, lse, packed, *, scale: float, causal: bool, mods=None, dropout=None, grad_dtype=None
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    packed,
+    *,
+    scale: float,
+    causal: bool,
+    mods=None,
+    dropout=None,
+    grad_dtype=None,
+    summed: bool = False,
 ):
     """dq (total_q, H, D), dk (total_k, Hk, D), dv (total_k, Hk, Dv) of a packed batch in ``grad_dtype`` (as in
     attention_backward). The kernels write per-head arrays (H, total, .); dk and dv are then summed over each
-    group's G query heads (in lse_dtype)."""
+    group's G query heads (in lse_dtype). ``summed`` (G > 1): they may come unrounded instead, as in
+    attention_backward."""
     grad_dtype = q.dtype if grad_dtype is None else numpy.dtype(grad_dtype)
     d_w, d_v_w = _widths(q.dtype, packed.d, packed.dv)
+    if summed:
+        features = Features.of("bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, packed=True)
+        grad_dtype = unrounded_if_alike(features, q.dtype, grad_dtype)
     features = Features.of("bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, packed=True, results=grad_dtype)
     variant = tile_policy.dense(features, current_device())
     q, k = kernel_ready(q, d_w), kernel_ready(k, d_w)

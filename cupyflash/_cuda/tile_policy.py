@@ -101,6 +101,18 @@ def dense(f: Features, device: Device) -> Variant:
     )
 
 
+def unrounded_alike(f: Features, device: Device) -> Variant | None:
+    """The variant with unrounded results (WIDE) of a 16-bit backward where it is the rounded call's kernel form
+    but for the results' type (HEAD_DIM, path, modifiers' form, the order of dq's adds); None where they differ
+    (WIDE_HEAD_DIMS' padding, wide_form's forms, in-order dq adds). A backward whose gradients its caller sums
+    over broadcast dims (GQA's dk, dv) takes it, so that the sum is rounded once, not each part first."""
+    if f.direction != "bwd" or f.dtype not in WIDE_16BIT or f.out_dtype:
+        return None
+    rounded = dense(f, device)
+    unrounded = dense(dataclasses.replace(f, out_dtype=WIDE), device)
+    return unrounded if dataclasses.replace(unrounded, out_dtype=rounded.out_dtype) == rounded else None
+
+
 def wide_form(f: Features, mods: str, warp_specialized: bool) -> str:
     """The modifiers' form of a call with unrounded results: the one ``_mods_form`` chose where it ships WIDE, else
     the scalars (a window alone, off the warp-specialized forward; a softcap alone's backward) or all (dropout

@@ -955,3 +955,41 @@ def test_unrounded_variants_stay_a_fifth_of_the_catalogue():
     assert len(SHIPPED) - len(wide) == 907
     assert {v.path for v in wide} == {"mma", "wgmma", "ws"}
     assert all(v.deterministic and not v.block_mask and v.score == "plain" for v in wide)
+
+
+def test_summed_gradients_come_unrounded_only_on_the_rounded_calls_kernels(monkeypatch):
+    """dense.unrounded_if_alike: a backward whose gradients are summed after it (GQA's dk, dv) writes them in
+    float32 where the unrounded variant is the rounded one but for its results' type (plain and causal at head
+    dims 33-128 and 161-256, the scalars' form, in order, on the two passes or the fused backward), and keeps the
+    16-bit results where they would differ: padded head dims (1-32 at 64, 129-160 at 192), Hopper's forms of a
+    window or a softcap alone, dropout, and the fused backward's unordered dq adds. float32 inputs and an explicit
+    float32 keep their own dtype."""
+    f16, f32 = np.dtype(np.float16), np.dtype(np.float32)
+    for device in (HOPPER, AMPERE):
+        monkeypatch.setattr(dense, "current_device", lambda device=device: device)
+
+        def decided(head_dim=64, dtype=f16, grad_dtype=f16, lengths=(0, 0), deterministic=True, dropout=None, **opts):
+            mods = _modifiers.resolve(np, dtype, (2, 3), 100, 120, **opts) if opts else None
+            features = Features.of(
+                "bwd", dtype, head_dim, head_dim, True, mods, dropout, lengths=lengths, deterministic=deterministic
+            )
+            return dense.unrounded_if_alike(features, dtype, grad_dtype)
+
+        long = (16384, 16384)
+        for head_dim in (64, 100, 128):
+            assert decided(head_dim) == f32, (device, head_dim)
+            assert decided(head_dim, lengths=long) == f32, (device, head_dim)
+        assert decided(head_dim=192, lengths=long) == f32, device
+        assert decided(head_dim=32) == f16, device
+        assert decided(head_dim=150) == f16, device
+        alone = f16 if device.wgmma else f32  # Hopper's own forms for them; elsewhere the scalars serve both
+        assert decided(window=(20, 0)) == alone, device
+        assert decided(softcap=10.0) == alone, device
+        assert decided(window=(20, 0), softcap=10.0, alibi_slopes=np.ones(3, np.float32)) == f32, device
+        assert decided(dropout=_dropout.resolve(0.1, 3, caller="test")) == f16, device
+        assert decided(dtype=f32, grad_dtype=f32) == f32, device
+        assert decided(grad_dtype=f32) == f32, device
+    monkeypatch.setattr(dense, "current_device", lambda: HOPPER)
+    features = Features.of("bwd", f16, 128, 128, True, lengths=(16384, 16384), deterministic=False)
+    assert tile_policy.dense(features, HOPPER).deterministic is False  # the unordered fused backward
+    assert dense.unrounded_if_alike(features, f16, f16) == f16

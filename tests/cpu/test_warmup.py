@@ -55,16 +55,17 @@ def _select(direction, dtype, head_dim, causal, device=HOPPER, **options):
 
 def test_default_warms_every_plain_variant_of_the_api(recorder):
     warmed = cupyflash.warmup()
+    rounded = [v for v in warmed if not v.wide]  # (the others: grouped calls' backward, test_grouped_... below)
     expected = [v for v in SHIPPED if v.mods == "none" and not v.dropout and v.path == "mma" and not v.wide]
-    assert sorted(warmed, key=repr) == sorted(expected, key=repr)
+    assert sorted(rounded, key=repr) == sorted(expected, key=repr)
     assert recorder == warmed, "each variant is loaded once, in the order returned"
-    assert len(warmed) == len(DTYPES) * len(tiles.HEAD_DIMS) * 2 * 2  # causal x direction
+    assert len(rounded) == len(DTYPES) * len(tiles.HEAD_DIMS) * 2 * 2  # causal x direction
 
 
 def test_on_hopper_the_default_warms_hoppers_paths():
     """The same calls on Hopper: the warp-specialized, wgmma, pieces and large-shared-memory variants where
     those calls take them, one per call as before."""
-    warmed = _warmup.select_variants(DTYPES, None, (False, True), False, True, device=HOPPER)
+    warmed = [v for v in _warmup.select_variants(DTYPES, None, (False, True), False, True, device=HOPPER) if not v.wide]
     fused = [v for v in warmed if v.fused_backward]  # long sequences' 16-bit backward, causal and not
     assert len(fused) == 2 * len(tiles.WS_BWD_HEAD_DIMS) * 2
     # 16-bit forwards at HEAD_DIM 96 and 160 take the warp-specialized forward at 128 or 192 (padded),
@@ -90,7 +91,11 @@ def test_on_hopper_the_default_warms_hoppers_paths():
 
 
 def test_dropout_adds_the_dropout_variants(recorder):
-    warmed = cupyflash.warmup(dtypes="bf16", head_dims=128, causal=True, modifiers=True, dropout=True)
+    warmed = [
+        v
+        for v in cupyflash.warmup(dtypes="bf16", head_dims=128, causal=True, modifiers=True, dropout=True)
+        if not v.wide
+    ]
     # (mods, dropout): with dropout the modifiers always take the form with the arrays.
     assert [(v.mods, v.dropout) for v in warmed if v.direction == "fwd"] == [
         ("none", False),
@@ -111,7 +116,7 @@ def test_dtype_names_are_the_kernels_dtypes():
 @pytest.mark.parametrize("head_dim", sorted(EXPECTED_HEAD_DIM))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_head_dims_round_up_as_the_api_does(recorder, dtype, head_dim):
-    warmed = cupyflash.warmup(dtypes=dtype, head_dims=head_dim, causal=False)
+    warmed = [v for v in cupyflash.warmup(dtypes=dtype, head_dims=head_dim, causal=False) if not v.wide]
     assert {(v.direction, v.head_dim) for v in warmed} == {
         ("fwd", EXPECTED_HEAD_DIM[head_dim]),
         ("bwd", EXPECTED_HEAD_DIM[head_dim]),
@@ -131,7 +136,11 @@ def _dtype(name):
 def test_selection_follows_causal_backward_and_modifiers(recorder):
     only_fwd = cupyflash.warmup(dtypes="float16", head_dims=64, causal=True, backward=False)
     assert only_fwd == [Variant("fwd", "float16", 64, "mma", causal=True)]
-    with_mods = cupyflash.warmup(dtypes="float16", head_dims=(60, 64), causal=(False, True), modifiers=True)
+    with_mods = [
+        v
+        for v in cupyflash.warmup(dtypes="float16", head_dims=(60, 64), causal=(False, True), modifiers=True)
+        if not v.wide
+    ]
     # 60 and 64 share HEAD_DIM 64; with modifiers, causal travels in the window: per direction one variant
     # with the modifiers' arrays and one without (window, softcap, ALiBi; the backward's block mask).
     plain = {Variant(d, "float16", 64, "mma", causal=causal) for d in ("fwd", "bwd") for causal in (False, True)}
@@ -312,3 +321,23 @@ def test_decode_warms_every_decode_variant_a_call_can_pick(recorder):
         page_size = None if rng.random() < 0.3 else int(rng.integers(1, 300))
         assert tile_policy.decode(dtype, d, dv, packed, page_size) in decode, (dtype, d, dv, packed, page_size)
     assert not any(isinstance(v, decode_tiles.DecodeVariant) for v in cupyflash.warmup(dtypes="bf16", head_dims=64))
+
+
+def test_grouped_calls_backward_is_warmed_too():
+    """A 16-bit backward whose k and v are broadcast over query heads (GQA, MQA) writes its gradients unrounded
+    where that is the rounded call's kernel form (tile_policy.unrounded_alike): warmup loads those variants beside
+    the rounded ones, short and long (the fused backward), on Hopper and elsewhere, and no unrounded variant
+    where the forms differ (HEAD_DIM 32) or for float32."""
+    for device in (HOPPER, AMPERE):
+        for name, dtype in (("bf16", BF16), ("fp16", np.dtype(np.float16))):
+            warmed = _warmup.select_variants(name, (64, 128, 256), (False, True), False, True, device=device)
+            wide = {v for v in warmed if v.wide}
+            expected = set()
+            for head_dim in (64, 128, 256):
+                for causal in (False, True):
+                    for lengths in ((0, 0), (tiles.CHAIN_ROWS, tiles.CHAIN_ROWS)):
+                        f = Features.of("bwd", dtype, head_dim, head_dim, causal, lengths=lengths)
+                        expected.add(tile_policy.unrounded_alike(f, device))
+            assert None not in expected and wide == expected and wide <= SHIPPED, (device, name)
+        assert not any(v.wide for v in _warmup.select_variants("bf16", 32, (False, True), False, True, device=device))
+        assert not any(v.wide for v in _warmup.select_variants("fp32", 128, (False, True), False, True, device=device))

@@ -215,7 +215,7 @@ def test_packed_batches_unrounded(rng, path, dtype):
     refs = (ref_out, *cupyflash.attention_varlen_backward(wide[3], *wide[:3], ref_out, ref_lse, cu, cu, causal=True))
     for name, x, y, ref in zip(NAMES, (out32, *grads32), (out16, *grads16), refs):
         assert x.dtype == np.float32 and x.shape == y.shape, name
-        terms = 2 if name in ("dk", "dv") else 1  # each key/value head's gradient sums 2 query heads'
+        terms = 2 if name in ("dk", "dv") else 1  # 2 query heads' parts per key/value head (rounded once, or each)
         _assert_within_one_rounding(name, x, y, dtype, terms)
         wide_error = max_abs(to_host(x) - ref)
         rounded_error = max_abs(to_host(y) - ref)
@@ -225,9 +225,10 @@ def test_packed_batches_unrounded(rng, path, dtype):
 @pytest.mark.parametrize("fused", [False, True], ids=["passes", "fused"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_grouped_heads_round_their_sums_once(request, rng, path, monkeypatch, dtype, fused):
-    """GQA (2 query heads per key/value head) and MQA: the rounded call's dk and dv are the float32 call's sums
-    rounded once, bit for bit (each head's part is not rounded first), twice, the second through the call's plan;
-    dq is the rounded call's with k and v copied per head (the kernels' own rounding: CuPy's cast rounds alike)."""
+    """GQA (2 query heads per key/value head) and MQA at D 64: the rounded call's dk and dv are the float32 call's
+    sums rounded once, bit for bit (each head's part is not rounded first), in two calls (the second may take the
+    call's plan); dq is the rounded call's with k and v copied per head (the kernels' own rounding: CuPy's cast
+    rounds alike)."""
     if fused:
         if path != "hopper":
             pytest.skip("the fused backward is Hopper's")
