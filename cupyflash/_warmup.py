@@ -85,7 +85,9 @@ def warmup(
     backward : bool, optional
         Also warm the backward's kernels (default True): on Hopper, for 16-bit head dims 33-128 and
         161-256, both the two-pass backward and the fused one that long sequences take (in order: the
-        form ``attention_backward(deterministic=False)`` takes compiles at its first call).
+        form ``attention_backward(deterministic=False)`` takes compiles at its first call); and for 16-bit
+        head dims 33-64, 97-128 and 161-256 the same kernels writing float32 gradients, which calls with k
+        and v broadcast over query heads (GQA, MQA) take so that their sums are rounded once.
     dropout : bool, optional
         Also warm the kernels that apply dropout (calls with ``dropout_p > 0``), for every
         combination above.
@@ -118,9 +120,11 @@ def warmup(
 
     >>> import cupyflash
     >>> warmed = cupyflash.warmup(dtypes="bfloat16", head_dims=128, causal=True, verbose=True)  # doctest: +SKIP
-    warmup 1/3: fwd bfloat16 HEAD_DIM=128 causal (ws)  0.60 s (compiled)
-    warmup 2/3: bwd bfloat16 HEAD_DIM=128 causal (wgmma)  1.30 s (compiled)
-    warmup 3/3: bwd bfloat16 HEAD_DIM=128 causal (ws)  0.90 s (compiled)
+    warmup 1/5: fwd bfloat16 HEAD_DIM=128 causal (ws)  0.60 s (compiled)
+    warmup 2/5: bwd bfloat16 HEAD_DIM=128 causal (wgmma)  1.30 s (compiled)
+    warmup 3/5: bwd bfloat16 -> float32 HEAD_DIM=128 causal (wgmma)  ... s (compiled)
+    warmup 4/5: bwd bfloat16 HEAD_DIM=128 causal (ws)  0.90 s (compiled)
+    warmup 5/5: bwd bfloat16 -> float32 HEAD_DIM=128 causal (ws)  ... s (compiled)
 
     Run under ``with cupy.cuda.Device(i):`` to warm device ``i``.
     """

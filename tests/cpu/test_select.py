@@ -960,10 +960,11 @@ def test_unrounded_variants_stay_a_fifth_of_the_catalogue():
 def test_summed_gradients_come_unrounded_only_on_the_rounded_calls_kernels(monkeypatch):
     """dense.unrounded_if_alike: a backward whose gradients are summed after it (GQA's dk, dv) writes them in
     float32 where the unrounded variant is the rounded one but for its results' type (plain and causal at head
-    dims 33-128 and 161-256, the scalars' form, in order, on the two passes or the fused backward), and keeps the
-    16-bit results where they would differ: padded head dims (1-32 at 64, 129-160 at 192), Hopper's forms of a
-    window or a softcap alone, dropout, and the fused backward's unordered dq adds. float32 inputs and an explicit
-    float32 keep their own dtype."""
+    dims 33-64, 97-128 and 161-256, the scalars' form, in order, on the two passes or the fused backward), and keeps
+    the 16-bit results where they would differ: padded head dims (1-32 at 64, 65-96 at 128, 129-160 at 192: at
+    65-96 the fused backward is alike but the two passes it falls back to are not), Hopper's forms of a window or a
+    softcap alone, dropout without modifiers, and the fused backward's unordered dq adds. float32 inputs and an
+    explicit float32 keep their own dtype."""
     f16, f32 = np.dtype(np.float16), np.dtype(np.float32)
     for device in (HOPPER, AMPERE):
         monkeypatch.setattr(dense, "current_device", lambda device=device: device)
@@ -976,9 +977,10 @@ def test_summed_gradients_come_unrounded_only_on_the_rounded_calls_kernels(monke
             return dense.unrounded_if_alike(features, dtype, grad_dtype)
 
         long = (16384, 16384)
-        for head_dim in (64, 100, 128):
+        for head_dim in (40, 64, 100, 128, 170, 256):
             assert decided(head_dim) == f32, (device, head_dim)
             assert decided(head_dim, lengths=long) == f32, (device, head_dim)
+        assert decided(head_dim=96) == decided(head_dim=96, lengths=long) == f16, device
         assert decided(head_dim=192, lengths=long) == f32, device
         assert decided(head_dim=32) == f16, device
         assert decided(head_dim=150) == f16, device
@@ -987,6 +989,7 @@ def test_summed_gradients_come_unrounded_only_on_the_rounded_calls_kernels(monke
         assert decided(softcap=10.0) == alone, device
         assert decided(window=(20, 0), softcap=10.0, alibi_slopes=np.ones(3, np.float32)) == f32, device
         assert decided(dropout=_dropout.resolve(0.1, 3, caller="test")) == f16, device
+        assert decided(dropout=_dropout.resolve(0.1, 3, caller="test"), window=(20, 0)) == f32, device
         assert decided(dtype=f32, grad_dtype=f32) == f32, device
         assert decided(grad_dtype=f32) == f32, device
     monkeypatch.setattr(dense, "current_device", lambda: HOPPER)
