@@ -374,13 +374,9 @@ def attention_varlen_forward(q, k, v, packed, *, scale: float, causal: bool, mod
 def unrounded_if_alike(features: Features, dtype, grad_dtype):
     """The dtype of a backward's gradients that its caller sums over broadcast dims: lse_dtype (unrounded) where
     ``grad_dtype`` is the 16-bit inputs' own and tile_policy.unrounded_alike finds the unrounded variant to be the
-    rounded one's kernel form, else ``grad_dtype`` (each part then rounded before the sum). Decided before the
-    inputs' layout is known, so for both the fused backward (tensor maps) and the two passes it falls back to
-    where the maps cannot describe the inputs (q broadcast among them): only where both agree."""
-    device = current_device()
-    if grad_dtype != dtype or any(
-        tile_policy.unrounded_alike(dataclasses.replace(features, tma=tma), device) is None for tma in (True, False)
-    ):
+    rounded one's kernel form (with tensor maps and without: the layout is not read yet), else ``grad_dtype``
+    (each part then rounded before the sum)."""
+    if grad_dtype != dtype or tile_policy.unrounded_alike(features, current_device()) is None:
         return grad_dtype
     return lse_dtype(dtype)
 

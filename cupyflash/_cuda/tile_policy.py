@@ -105,12 +105,18 @@ def unrounded_alike(f: Features, device: Device) -> Variant | None:
     """The variant with unrounded results (WIDE) of a 16-bit backward where it is the rounded call's kernel form
     but for the results' type (HEAD_DIM, path, modifiers' form, the order of dq's adds); None where they differ
     (WIDE_HEAD_DIMS' padding, wide_form's forms, in-order dq adds). A backward whose gradients its caller sums
-    over broadcast dims (GQA's dk, dv) takes it, so that the sum is rounded once, not each part first."""
+    over broadcast dims (GQA's dk, dv) takes it, so that the sum is rounded once, not each part first. Asked
+    before the inputs' layout is read, so it must hold with tensor maps and without (the two passes the fused
+    backward falls back to where maps cannot describe the inputs): None unless both are alike."""
     if f.direction != "bwd" or f.dtype not in WIDE_16BIT or f.out_dtype:
         return None
-    rounded = dense(f, device)
-    unrounded = dense(dataclasses.replace(f, out_dtype=WIDE), device)
-    return unrounded if dataclasses.replace(unrounded, out_dtype=rounded.out_dtype) == rounded else None
+    for tma in (True, False):
+        form = dataclasses.replace(f, tma=tma)
+        rounded = dense(form, device)
+        unrounded = dense(dataclasses.replace(form, out_dtype=WIDE), device)
+        if dataclasses.replace(unrounded, out_dtype=rounded.out_dtype) != rounded:
+            return None
+    return dense(dataclasses.replace(f, out_dtype=WIDE), device)
 
 
 def wide_form(f: Features, mods: str, warp_specialized: bool) -> str:

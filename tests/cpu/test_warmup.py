@@ -339,5 +339,7 @@ def test_grouped_calls_backward_is_warmed_too():
                         f = Features.of("bwd", dtype, head_dim, head_dim, causal, lengths=lengths)
                         expected.add(tile_policy.unrounded_alike(f, device))
             assert None not in expected and wide == expected and wide <= SHIPPED, (device, name)
-        assert not any(v.wide for v in _warmup.select_variants("bf16", 32, (False, True), False, True, device=device))
+        for head_dim in (32, 80, 96):  # padded unrounded; at 65-96 the two passes' fallback differs
+            warmed = _warmup.select_variants("bf16", head_dim, (False, True), False, True, device=device)
+            assert not any(v.wide for v in warmed), (device, head_dim)
         assert not any(v.wide for v in _warmup.select_variants("fp32", 128, (False, True), False, True, device=device))
