@@ -24,18 +24,17 @@
 //    with the load of V_j overlapping S_j and the load of K_{j+1} overlapping P_j V_j. Where the output
 //    accumulator would not fit in registers (float32 at HEAD_DIM 256), the output columns are split
 //    into D_CHUNK-wide CTAs (grid x) that each recompute the same scores.
-//  - attention_fwd_wgmma_kernel (Hopper, fp16/bf16; float32 on float16 pieces): warpgroup products from swizzled tiles,
-//  K and V
-//    double-buffered one block ahead, and the products of one block overlapping the softmax of the
-//    next: while the tensor cores run S_{j+1} = Q K_{j+1}^T and O += P_j V_j, the warps wait only for
-//    S_{j+1}, run its softmax, and rescale O once P_j V_j is done (FlashAttention-3's intra-warpgroup
-//    pipelining). float32 inputs (T = float, plain and causal): k and v arrive as float16 pieces hi + lo
-//    scaled by a power of two per row block (split_f32.cu, params.cuh's split_exponents), and each
-//    CTA splits its own q tile as it loads it (pieces.cuh, split_tile). S takes three float16 products
-//    (Q_hi K_lo^T + Q_lo K_hi^T + Q_hi K_hi^T), P is split likewise, and each block's P V is added to O
-//    in registers, so float32 accuracy holds over any number of key blocks. CTAS_PER_SM is its launch
-//    bounds' minimum of resident CTAs (the tile table's ctas_per_sm): more than one where short CTAs (a
-//    window's few key blocks) hide each other's setup, first copies and epilogue.
+//  - attention_fwd_wgmma_kernel (Hopper, fp16/bf16; float32 on float16 pieces): warpgroup products from
+//    swizzled tiles, K and V double-buffered one block ahead, and the products of one block overlapping the
+//    softmax of the next: while the tensor cores run S_{j+1} = Q K_{j+1}^T and O += P_j V_j, the warps wait
+//    only for S_{j+1}, run its softmax, and rescale O once P_j V_j is done (FlashAttention-3's
+//    intra-warpgroup pipelining). float32 inputs (T = float, plain and causal): k and v arrive as float16 pieces hi +
+//    lo scaled by a power of two per row block (split_f32.cu, params.cuh's split_exponents), and each CTA splits its
+//    own q tile as it loads it (pieces.cuh, split_tile). S takes three float16 products (Q_hi K_lo^T + Q_lo K_hi^T +
+//    Q_hi K_hi^T), P is split likewise, and each block's P V is added to O in registers, so float32 accuracy holds over
+//    any number of key blocks. CTAS_PER_SM is its launch bounds' minimum of resident CTAs (the tile table's
+//    ctas_per_sm): more than one where short CTAs (a window's few key blocks) hide each other's setup, first copies and
+//    epilogue.
 #include "common.cuh"
 #include "params.cuh"
 #include "mods.cuh"

@@ -172,7 +172,7 @@ def attention_backward(
     grad_dtype = q.dtype if grad_dtype is None else numpy.dtype(grad_dtype)
     batch_shape, (nq, d), nk, d_v = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
     d_w, d_v_w = _widths(q.dtype, d, d_v)
-    if summed:
+    if summed:  # (only here: a planned call skips the features below, and its host time with them)
         lengths = tile_policy.backward_lengths(math.prod(batch_shape), nq, nk, max(d_w, d_v_w))
         features = Features.of(
             "bwd", q.dtype, d_w, d_v_w, causal, mods, dropout, lengths=lengths, deterministic=deterministic

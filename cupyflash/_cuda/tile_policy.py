@@ -17,6 +17,7 @@ a variant out; tests/cpu/test_select.py pins the choices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from cupyflash._cuda import decode_tiles, tiles
 from cupyflash._cuda.decode_tiles import DecodeVariant
@@ -101,13 +102,15 @@ def dense(f: Features, device: Device) -> Variant:
     )
 
 
+@functools.lru_cache(maxsize=4096)  # four dense() choices: ~75 us, paid by every checked GQA backward
 def unrounded_alike(f: Features, device: Device) -> Variant | None:
     """The variant with unrounded results (WIDE) of a 16-bit backward where it is the rounded call's kernel form
     but for the results' type (HEAD_DIM, path, modifiers' form, the order of dq's adds); None where they differ
     (WIDE_HEAD_DIMS' padding, wide_form's forms, in-order dq adds). A backward whose gradients its caller sums
     over broadcast dims (GQA's dk, dv) takes it, so that the sum is rounded once, not each part first. Asked
     before the inputs' layout is read, so it must hold with tensor maps and without (the two passes the fused
-    backward falls back to where maps cannot describe the inputs): None unless both are alike."""
+    backward falls back to where maps cannot describe the inputs): None unless both are alike. Kept per (f, device):
+    a test that patches this module's thresholds calls ``unrounded_alike.cache_clear()``."""
     if f.direction != "bwd" or f.dtype not in WIDE_16BIT or f.out_dtype:
         return None
     for tma in (True, False):

@@ -16,5 +16,7 @@ def any_length(monkeypatch):
     monkeypatch.setattr(tile_policy, "WS_BWD_MIN_LENGTH", {d: 1 for d in tile_policy.WS_BWD_MIN_LENGTH})
     monkeypatch.setattr(tile_policy, "WS_BWD_MIN_WORK", 0)
     plans.clear()
+    tile_policy.unrounded_alike.cache_clear()  # (its choices follow the thresholds)
     yield
     plans.clear()
+    tile_policy.unrounded_alike.cache_clear()
